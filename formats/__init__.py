@@ -1,0 +1,38 @@
+"""The dlop tensor-archive format (SPEC.md): fields, codecs, shard and archive I/O.
+
+Standard library, numpy and zstandard only.
+"""
+
+from .archive import ArchiveReader, ArchiveWriter, Index, read_index, shard_name, write_index
+from .codecs import Codec, Raw, Zstd, parse_codec
+from .constants import ALIGNMENT, ERRORS_NAME, FORMAT_VERSION, INDEX_NAME
+from .errors import ChecksumError, DlopError, FormatError, SchemaError
+from .reader import Problem, ShardReader
+from .schema import Field
+from .writer import ShardInfo, ShardWriter
+
+__all__ = [
+    "ALIGNMENT",
+    "ERRORS_NAME",
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "ArchiveReader",
+    "ArchiveWriter",
+    "ChecksumError",
+    "Codec",
+    "DlopError",
+    "Field",
+    "FormatError",
+    "Index",
+    "Problem",
+    "Raw",
+    "SchemaError",
+    "ShardInfo",
+    "ShardReader",
+    "ShardWriter",
+    "Zstd",
+    "parse_codec",
+    "read_index",
+    "shard_name",
+    "write_index",
+]

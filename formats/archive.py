@@ -1,0 +1,331 @@
+"""Archive = directory of shards + index.json (SPEC.md §1, §6)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .constants import ARCHIVE_FORMAT, ERRORS_NAME, FORMAT_VERSION, INDEX_NAME, MAX_INDEX_BYTES, SHARD_SUFFIX, SUPPORTED_VERSIONS
+from .errors import DlopError, FormatError, SchemaError
+from .reader import Problem, ShardReader, Value
+from .schema import Field, check_schema
+from .writer import ShardInfo, ShardWriter
+
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
+
+
+@dataclass(frozen=True)
+class Index:
+    """A parsed, validated index.json."""
+
+    fields: tuple[Field, ...]
+    shards: tuple[ShardInfo, ...]
+    num_samples: int
+    recipe: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    skipped_count: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": ARCHIVE_FORMAT,
+            "version": FORMAT_VERSION,
+            "num_samples": self.num_samples,
+            "schema": [f.to_json() for f in self.fields],
+            "shards": [s.to_json() for s in self.shards],
+            "recipe": self.recipe,
+            "provenance": self.provenance,
+            "skipped": {"count": self.skipped_count, "file": ERRORS_NAME},
+            "metadata": self.metadata,
+        }
+
+
+def shard_name(number: int) -> str:
+    return f"shard-{number:05d}{SHARD_SUFFIX}"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Writes to a temporary name, fsyncs, renames into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_index(directory: str | os.PathLike[str], index: Index) -> Path:
+    """Writes index.json last and atomically; the archive is complete once it exists."""
+    if index.num_samples != sum(s.num_samples for s in index.shards):
+        raise SchemaError(
+            f"index num_samples {index.num_samples} != sum over shards {sum(s.num_samples for s in index.shards)}"
+        )
+    path = Path(directory) / INDEX_NAME
+    atomic_write(path, json.dumps(index.to_json(), indent=1, sort_keys=False).encode() + b"\n")
+    return path
+
+
+def now_utc() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def read_index(directory: str | os.PathLike[str]) -> Index:
+    path = Path(directory) / INDEX_NAME
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise FormatError(path, "no index.json: not a dlop archive, or its compile did not finish") from None
+    except OSError as e:
+        raise FormatError(path, f"cannot read: {e.strerror or e}") from None
+    if size > MAX_INDEX_BYTES:
+        raise FormatError(path, f"{size} bytes exceeds the {MAX_INDEX_BYTES}-byte index cap")
+    try:
+        obj = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(path, f"not valid UTF-8 JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise FormatError(path, "index is not a JSON object")
+    if obj.get("format") != ARCHIVE_FORMAT:
+        raise FormatError(path, f"'format' is {obj.get('format')!r}, expected {ARCHIVE_FORMAT!r}")
+    version = obj.get("version")
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+        raise FormatError(path, f"archive version {version!r} is not supported (reads {SUPPORTED_VERSIONS})")
+    schema = obj.get("schema")
+    shards = obj.get("shards")
+    if not isinstance(schema, list) or not isinstance(shards, list):
+        raise FormatError(path, "'schema' and 'shards' must be lists")
+    try:
+        fields = tuple(Field.from_json(f, f"schema entry #{i}") for i, f in enumerate(schema))
+        check_schema(fields)
+    except SchemaError as e:
+        raise FormatError(path, str(e)) from None
+    infos = []
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict):
+            raise FormatError(path, f"shard entry #{i} is not an object")
+        name = s.get("file")
+        if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or name == INDEX_NAME:
+            raise FormatError(path, f"shard entry #{i}: file {name!r} is not a plain file name in the archive")
+        nums = [s.get(k) for k in ("num_samples", "bytes", "crc32")]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in nums):
+            raise FormatError(path, f"shard entry #{i} ({name}): num_samples, bytes and crc32 must be non-negative integers")
+        infos.append(ShardInfo(name, nums[0], nums[1], nums[2]))
+    if len({s.file for s in infos}) != len(infos):
+        raise FormatError(path, "a shard file is listed twice")
+    total = obj.get("num_samples")
+    if total != sum(s.num_samples for s in infos) or isinstance(total, bool):
+        raise FormatError(path, f"num_samples {total!r} != {sum(s.num_samples for s in infos)} summed over shards")
+    skipped = obj.get("skipped", {})
+    count = skipped.get("count", 0) if isinstance(skipped, dict) else 0
+    dicts = {k: obj.get(k, {}) for k in ("recipe", "provenance", "metadata")}
+    for k, v in dicts.items():
+        if not isinstance(v, dict):
+            raise FormatError(path, f"{k!r} should be an object")
+    return Index(fields, tuple(infos), total, dicts["recipe"], dicts["provenance"],
+                 count if isinstance(count, int) else 0, dicts["metadata"])
+
+
+class ArchiveWriter:
+    """Writes samples into shards of about ``shard_bytes`` each, then the index.
+
+    On ``abort()`` (or an exception inside ``with``) every file this writer made
+    is removed and no index is written.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        fields: Sequence[Field],
+        *,
+        shard_bytes: int = 256 << 20,
+        recipe: Mapping[str, Any] | None = None,
+        provenance: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        self.directory = Path(directory)
+        self.fields = tuple(check_schema(fields).values())
+        if shard_bytes < 1:
+            raise SchemaError(f"shard_bytes must be positive, got {shard_bytes}")
+        self.shard_bytes = shard_bytes
+        self.recipe = dict(recipe or {})
+        self.provenance = dict(provenance or {})
+        self.metadata = dict(metadata or {})
+        self.directory.mkdir(parents=True, exist_ok=True)
+        index = self.directory / INDEX_NAME
+        if index.exists():
+            if not overwrite:
+                raise DlopError(f"{self.directory} already holds an archive; choose another path or overwrite it")
+            index.unlink()
+        self.shards: list[ShardInfo] = []
+        self.skipped: list[dict[str, Any]] = []
+        self._current: ShardWriter | None = None
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        if self._current is None:
+            self._current = ShardWriter(self.directory / shard_name(len(self.shards)), self.fields)
+        self._current.write(sample)
+        if self._current.bytes_written >= self.shard_bytes:
+            self.shards.append(self._current.close())
+            self._current = None
+
+    def skip(self, path: str, reason: str, **extra: Any) -> None:
+        """Records an input that was not compiled (written to errors.jsonl)."""
+        self.skipped.append({"path": path, "reason": reason, **extra})
+
+    def close(self) -> Index:
+        if self._current is not None:
+            self.shards.append(self._current.close())
+            self._current = None
+        if self.skipped:
+            lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in self.skipped)
+            atomic_write(self.directory / ERRORS_NAME, lines.encode())
+        provenance = {"created": now_utc(), **self.provenance}
+        index = Index(self.fields, tuple(self.shards), sum(s.num_samples for s in self.shards),
+                      self.recipe, provenance, len(self.skipped), self.metadata)
+        write_index(self.directory, index)
+        return index
+
+    def abort(self) -> None:
+        if self._current is not None:
+            self._current.abort()
+            self._current = None
+        for s in self.shards:
+            (self.directory / s.file).unlink(missing_ok=True)
+        self.shards.clear()
+
+    def __enter__(self) -> ArchiveWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class ArchiveReader:
+    """Reads an archive directory; shards are opened (and validated) on first use."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.index = read_index(self.directory)
+        self.fields: dict[str, Field] = {f.name: f for f in self.index.fields}
+        self.num_samples = self.index.num_samples
+        # shard_starts[k] is the global index of shard k's first sample.
+        self.shard_starts = np.cumsum([0] + [s.num_samples for s in self.index.shards], dtype=np.int64)
+        self._readers: list[ShardReader | None] = [None] * len(self.index.shards)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.index.shards)
+
+    def shard(self, k: int) -> ShardReader:
+        reader = self._readers[k]
+        if reader is not None:
+            return reader
+        with self._lock:
+            if self._readers[k] is None:
+                self._readers[k] = self._open(k)
+        return self._readers[k]  # type: ignore[return-value]
+
+    def _open(self, k: int) -> ShardReader:
+        info = self.index.shards[k]
+        path = self.directory / info.file
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise FormatError(path, "shard listed in index.json is missing") from None
+        if size != info.bytes:
+            raise FormatError(path, f"index.json says {info.bytes} bytes, the file has {size}")
+        reader = ShardReader(path)
+        if reader.num_samples != info.num_samples:
+            reader.close()
+            raise FormatError(path, f"holds {reader.num_samples} samples, index.json says {info.num_samples}")
+        if tuple(reader.fields.values()) != self.index.fields:
+            reader.close()
+            raise FormatError(path, "shard schema differs from the index schema")
+        return reader
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Global sample index -> (shard number, index within the shard)."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"{self.directory}: sample {index} out of range 0..{self.num_samples - 1}")
+        k = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
+        return k, index - int(self.shard_starts[k])
+
+    def get(self, name: str, index: int) -> Value:
+        k, i = self.locate(index)
+        return self.shard(k).get(name, i)
+
+    def sample(self, index: int) -> dict[str, Value]:
+        k, i = self.locate(index)
+        return self.shard(k).sample(i)
+
+    def errors(self) -> list[dict[str, Any]]:
+        """The skipped inputs recorded in errors.jsonl."""
+        path = self.directory / ERRORS_NAME
+        if not path.exists():
+            return []
+        out = []
+        for n, line in enumerate(path.read_text("utf-8").splitlines(), 1):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise FormatError(path, f"line {n} is not JSON") from None
+        return out
+
+    def verify(self, progress: Callable[[int], None] | None = None, threads: int | None = None) -> list[Problem]:
+        """Checks every shard's whole-file CRC, structure, regions and blocks."""
+
+        def one(k: int) -> list[Problem]:
+            info = self.index.shards[k]
+            path = self.directory / info.file
+            try:
+                reader = self._open(k)
+            except FormatError as e:
+                return [Problem(str(path), None, None, e.problem)]
+            try:
+                problems = reader.verify()
+                crc = zlib.crc32(reader._u8)
+                if crc != info.crc32 and not problems:
+                    problems.append(Problem(str(path), None, None, "whole-file CRC-32 differs from index.json"))
+                return problems
+            finally:
+                reader.close()
+
+        problems: list[Problem] = []
+        workers = threads or min(len(self.index.shards), os.cpu_count() or 1) or 1
+        with ThreadPoolExecutor(workers) as pool:
+            for k, found in enumerate(pool.map(one, range(len(self.index.shards)))):
+                problems += found
+                if progress:
+                    progress(k + 1)
+        return problems
+
+    def close(self) -> None:
+        for r in self._readers:
+            if r is not None:
+                r.close()
+        self._readers = [None] * len(self._readers)
+
+    def __enter__(self) -> ArchiveReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,53 @@
+"""Every on-disk constant of format v1 (SPEC.md §2-§6), in one place."""
+
+import struct
+
+import numpy as np
+
+MAGIC = b"DLOPSHRD"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+# magic, version, header CRC-32, header length (SPEC.md §2)
+PREAMBLE = struct.Struct("<8sIIQ")
+ALIGNMENT = 4096
+MAX_HEADER_BYTES = 64 << 20
+MAX_INDEX_BYTES = 256 << 20
+
+SHARD_FORMAT = "dlop-shard"
+ARCHIVE_FORMAT = "dlop-archive"
+CHECKSUM_NAME = "crc32"
+
+INDEX_NAME = "index.json"
+ERRORS_NAME = "errors.jsonl"
+SHARD_SUFFIX = ".dlop"
+
+# Dtype codes (SPEC.md §3.1). bf16 is carried as its uint16 bit pattern.
+DTYPES: dict[str, np.dtype] = {
+    "u8": np.dtype("<u1"),
+    "u16": np.dtype("<u2"),
+    "u32": np.dtype("<u4"),
+    "u64": np.dtype("<u8"),
+    "i8": np.dtype("<i1"),
+    "i16": np.dtype("<i2"),
+    "i32": np.dtype("<i4"),
+    "i64": np.dtype("<i8"),
+    "f16": np.dtype("<f2"),
+    "bf16": np.dtype("<u2"),
+    "f32": np.dtype("<f4"),
+    "f64": np.dtype("<f8"),
+    "bool": np.dtype("?"),
+}
+
+KINDS = ("array", "bytes", "str")
+
+# Block table (SPEC.md §4): one u64 row of these columns per zstd block.
+BLOCK_COLUMNS = ("comp_offset", "comp_length", "first_sample", "raw_length", "crc32")
+BLOCK_ROW_BYTES = 8 * len(BLOCK_COLUMNS)
+OFFSET_DTYPE = np.dtype("<u8")
+SHAPE_DTYPE = np.dtype("<i8")
+BLOCK_DTYPE = np.dtype("<u8")
+
+DEFAULT_BLOCK_BYTES = 256 << 10
+DEFAULT_ZSTD_LEVEL = 3
+MAX_NAME_CHARS = 128

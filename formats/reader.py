@@ -1,0 +1,363 @@
+"""Memory-mapped shard reader (SPEC.md §2-§5).
+
+Opening a shard checks the preamble, the header CRC and JSON, every region's
+bounds, alignment and overlap, and the CRC and consistency of the small
+metadata regions (shapes, offsets, block tables) before any value is touched.
+Raw fields are then handed out as zero-copy views of the mapping; data-region
+checksums are checked by ``verify()``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from .codecs import Zstd, unshuffle_bytes
+from .constants import BLOCK_DTYPE, OFFSET_DTYPE, PREAMBLE, SHAPE_DTYPE
+from .errors import ChecksumError, FormatError, SchemaError
+from .header import FieldLayout, Region, parse_header, read_preamble
+from .schema import Field
+
+# A ragged dimension may not exceed this unless the field holds that many values:
+# it stops a hostile shape like [0, 2**62] from reaching allocation code.
+_MAX_DIM = (1 << 31) - 1
+_CRC_CHUNK = 64 << 20
+
+Value = np.ndarray | bytes | str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One verification failure: where, and what."""
+
+    path: str
+    field: str | None
+    block: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.path
+        if self.field is not None:
+            where += f" field {self.field!r}"
+        if self.block is not None:
+            where += f" block {self.block}"
+        return f"{where}: {self.message}"
+
+
+class _FieldState:
+    __slots__ = ("block_cache", "blocks", "field", "first_samples", "layout", "offsets", "shapes")
+
+    def __init__(self, layout: FieldLayout) -> None:
+        self.layout = layout
+        self.field = layout.field
+        self.offsets: np.ndarray | None = None
+        self.shapes: np.ndarray | None = None
+        self.blocks: np.ndarray | None = None
+        self.first_samples: np.ndarray | None = None
+        self.block_cache: tuple[int, np.ndarray] | None = None
+
+
+class ShardReader:
+    """Reads one shard file; ``verify=True`` also checks every data checksum on open."""
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size < PREAMBLE.size:
+                    raise FormatError(
+                        self.path, f"truncated: {size} bytes is shorter than the {PREAMBLE.size}-byte preamble"
+                    )
+                self._mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
+        self._u8 = np.frombuffer(self._mm, dtype=np.uint8)
+        self._dctx = zstandard.ZstdDecompressor()
+        try:
+            hlen, crc = read_preamble(self.path, bytes(self._u8[: PREAMBLE.size]), size)
+            body = bytes(self._u8[PREAMBLE.size : PREAMBLE.size + hlen])
+            self.layout = parse_header(self.path, body, crc, size)
+            self.num_samples = self.layout.num_samples
+            self._state = {fl.field.name: _FieldState(fl) for fl in self.layout.fields}
+            for st in self._state.values():
+                self._load_metadata(st)
+            if verify:
+                problems = self.verify()
+                if problems:
+                    raise ChecksumError(self.path, str(problems[0]).removeprefix(f"{self.path}: "))
+        except BaseException:
+            self.close()
+            raise
+        self.fields: dict[str, Field] = {name: st.field for name, st in self._state.items()}
+
+    # -- metadata -----------------------------------------------------------------
+
+    def _region(self, st: _FieldState, rname: str, dtype: np.dtype[Any]) -> np.ndarray:
+        r = st.layout.regions[rname]
+        return self._u8[r.offset : r.end].view(dtype)
+
+    def _load_metadata(self, st: _FieldState) -> None:
+        f, n = st.field, self.num_samples
+        for rname in ("shapes", "offsets", "blocks"):
+            if rname in st.layout.regions:
+                self._check_crc(st, rname, st.layout.regions[rname])
+        if f.ragged:
+            shapes = self._region(st, "shapes", SHAPE_DTYPE).reshape(n, f.ndim)
+            offsets = self._region(st, "offsets", OFFSET_DTYPE)
+            self._check_ragged(st, shapes, offsets)
+            st.shapes, st.offsets = shapes, offsets
+        if isinstance(f.codec, Zstd):
+            blocks = self._region(st, "blocks", BLOCK_DTYPE).reshape(-1, 5)
+            self._check_blocks(st, blocks)
+            st.blocks = blocks
+            st.first_samples = blocks[:, 2].astype(np.int64)
+
+    def _check_crc(self, st: _FieldState, rname: str, r: Region) -> None:
+        if _crc(self._u8[r.offset : r.end]) != r.crc32:
+            raise ChecksumError(
+                self.path, f"field {st.field.name!r} region {rname!r} (bytes {r.offset}..{r.end}): CRC-32 mismatch"
+            )
+
+    def _fail(self, st: _FieldState, problem: str) -> FormatError:
+        return FormatError(self.path, f"field {st.field.name!r}: {problem}")
+
+    def _check_ragged(self, st: _FieldState, shapes: np.ndarray, offsets: np.ndarray) -> None:
+        f, value_count = st.field, st.layout.value_count or 0
+        if offsets[0] != 0 or int(offsets[-1]) != value_count:
+            raise self._fail(st, f"offsets run {int(offsets[0])}..{int(offsets[-1])}, expected 0..{value_count}")
+        if len(offsets) > 1 and not np.all(offsets[1:] >= offsets[:-1]):
+            bad = int(np.argmax(offsets[1:] < offsets[:-1]))
+            raise self._fail(st, f"offsets decrease at sample {bad}")
+        if shapes.size and (shapes.min() < 0 or shapes.max() > max(_MAX_DIM, value_count)):
+            raise self._fail(st, "a stored shape has a negative or absurd dimension")
+        for axis, dim in enumerate(f.shape):
+            if dim is not None and shapes.size and not np.all(shapes[:, axis] == dim):
+                bad = int(np.argmax(shapes[:, axis] != dim))
+                raise self._fail(st, f"sample {bad} has dimension {axis} = {int(shapes[bad, axis])}, schema says {dim}")
+        counts = np.diff(offsets).astype(np.int64)
+        if np.any(np.prod(shapes.astype(np.float64), axis=1) >= 2.0**62) or not np.array_equal(
+            np.prod(shapes, axis=1), counts
+        ):
+            bad = int(np.argmax(np.prod(shapes, axis=1) != counts)) if len(counts) else 0
+            raise self._fail(st, f"sample {bad}: stored shape does not match its offsets")
+
+    def _check_blocks(self, st: _FieldState, blocks: np.ndarray) -> None:
+        n, data = self.num_samples, st.layout.regions["data"]
+        if not len(blocks):
+            if data.length:
+                raise self._fail(st, "no blocks, but the data region is not empty")
+            return
+        comp_off, comp_len, first, raw_len = (blocks[:, j] for j in range(4))
+        ends = comp_off + comp_len
+        if comp_off[0] != 0 or np.any(comp_off[1:] != ends[:-1]) or int(ends[-1]) != data.length:
+            raise self._fail(st, "block table does not cover the data region exactly and in order")
+        if first[0] != 0 or np.any(first[1:] <= first[:-1]) or int(first[-1]) >= n:
+            raise self._fail(st, "block first-sample column must start at 0 and strictly increase")
+        if np.any(blocks[:, 4] > 0xFFFFFFFF):
+            raise self._fail(st, "block CRC-32 column holds a value wider than 32 bits")
+        bounds = np.append(first, n).astype(np.int64)
+        if st.field.ragged:
+            assert st.offsets is not None  # loaded just before, for ragged fields
+            want = (st.offsets[bounds[1:]] - st.offsets[bounds[:-1]]) * st.field.itemsize
+        else:
+            want = (bounds[1:] - bounds[:-1]) * st.field.sample_bytes
+        if not np.array_equal(raw_len.astype(np.int64), want.astype(np.int64)):
+            bad = int(np.argmax(raw_len.astype(np.int64) != want.astype(np.int64)))
+            raise self._fail(st, f"block {bad}: uncompressed length {int(raw_len[bad])}, its samples hold {int(want[bad])}")
+
+    # -- access -------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _st(self, name: str) -> _FieldState:
+        try:
+            return self._state[name]
+        except KeyError:
+            raise SchemaError(f"{self.path}: no field {name!r} (fields: {sorted(self._state)})") from None
+
+    def layout_of(self, name: str) -> FieldLayout:
+        return self._st(name).layout
+
+    def array(self, name: str) -> np.ndarray:
+        """A fixed raw field as one zero-copy ``[num_samples, *shape]`` view."""
+        st = self._st(name)
+        f = st.field
+        if f.ragged or f.codec.name != "raw":
+            raise SchemaError(f"{self.path}: field {name!r} is not a fixed raw field")
+        shape = (self.num_samples, *(d for d in f.shape if d is not None))
+        return self._region(st, "data", f.np_dtype).reshape(shape)
+
+    def values(self, name: str) -> np.ndarray:
+        """A raw ragged field's concatenated values, as a zero-copy 1-D view."""
+        st = self._st(name)
+        if not st.field.ragged or st.field.codec.name != "raw":
+            raise SchemaError(f"{self.path}: field {name!r} is not a ragged raw field")
+        return self._region(st, "data", st.field.np_dtype)
+
+    def offsets(self, name: str) -> np.ndarray:
+        """u64 ``[num_samples + 1]`` element offsets of a ragged field."""
+        st = self._st(name)
+        if st.offsets is None:
+            raise SchemaError(f"{self.path}: field {name!r} is not ragged")
+        return st.offsets
+
+    def shapes(self, name: str) -> np.ndarray:
+        """i64 ``[num_samples, ndim]`` per-sample shapes of a ragged field."""
+        st = self._st(name)
+        if st.shapes is None:
+            raise SchemaError(f"{self.path}: field {name!r} is not ragged")
+        return st.shapes
+
+    def blocks(self, name: str) -> np.ndarray:
+        """u64 ``[num_blocks, 5]`` block table of a zstd field (SPEC.md §4)."""
+        st = self._st(name)
+        if st.blocks is None:
+            raise SchemaError(f"{self.path}: field {name!r} is not zstd-coded")
+        return st.blocks
+
+    def block_of(self, name: str, index: int) -> int:
+        st = self._st(name)
+        if st.first_samples is None:
+            raise SchemaError(f"{self.path}: field {name!r} is not zstd-coded")
+        return int(np.searchsorted(st.first_samples, index, side="right")) - 1
+
+    def compressed_block(self, name: str, block: int) -> memoryview:
+        """The stored frame bytes of one block, zero-copy."""
+        st = self._st(name)
+        row = self.blocks(name)[block]
+        start = st.layout.regions["data"].offset + int(row[0])
+        return memoryview(self._mm)[start : start + int(row[1])]
+
+    def decode_block(self, name: str, block: int) -> np.ndarray:
+        """One block's values, decompressed and unshuffled: 1-D array of the field's dtype."""
+        st = self._st(name)
+        cached = st.block_cache
+        if cached is not None and cached[0] == block:
+            return cached[1]
+        out = self._decode_block(st, block)
+        st.block_cache = (block, out)
+        return out
+
+    def _decode_block(self, st: _FieldState, block: int) -> np.ndarray:
+        assert st.blocks is not None and isinstance(st.field.codec, Zstd)
+        raw_len = int(st.blocks[block, 3])
+        frame = self.compressed_block(st.field.name, block)
+        try:
+            declared = zstandard.frame_content_size(frame)
+            if declared != raw_len:
+                raise FormatError(
+                    self.path,
+                    f"field {st.field.name!r} block {block}: frame declares {declared} bytes, table says {raw_len}",
+                )
+            data = self._dctx.decompress(frame, max_output_size=raw_len)
+        except zstandard.ZstdError as e:
+            raise FormatError(self.path, f"field {st.field.name!r} block {block}: {e}") from None
+        if len(data) != raw_len:
+            raise FormatError(self.path, f"field {st.field.name!r} block {block}: decoded {len(data)} bytes, expected {raw_len}")
+        u8 = np.frombuffer(data, np.uint8)
+        if st.field.codec.shuffle:
+            u8 = unshuffle_bytes(u8, st.field.itemsize)
+        return u8.view(st.field.np_dtype)
+
+    def get(self, name: str, index: int) -> Value:
+        """One sample's value: ndarray (a view for raw fields), bytes, or str."""
+        st = self._st(name)
+        f = st.field
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"{self.path}: sample {index} out of range 0..{self.num_samples - 1}")
+        if f.ragged:
+            assert st.offsets is not None and st.shapes is not None
+            lo, hi = int(st.offsets[index]), int(st.offsets[index + 1])
+            shape = tuple(int(s) for s in st.shapes[index])
+        else:
+            count = f.sample_bytes // f.itemsize
+            lo, hi = index * count, (index + 1) * count
+            shape = tuple(d for d in f.shape if d is not None)
+        if isinstance(f.codec, Zstd):
+            k = self.block_of(name, index)
+            assert st.first_samples is not None
+            first = int(st.first_samples[k])
+            base = int(st.offsets[first]) if st.offsets is not None else first * (f.sample_bytes // f.itemsize)
+            arr = self.decode_block(name, k)[lo - base : hi - base]
+        else:
+            arr = self._region(st, "data", f.np_dtype)[lo:hi]
+        if f.kind == "bytes":
+            return arr.tobytes()
+        if f.kind == "str":
+            try:
+                return arr.tobytes().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise FormatError(self.path, f"field {name!r} sample {index}: not UTF-8 ({e.reason})") from None
+        return arr.reshape(shape)
+
+    def sample(self, index: int) -> dict[str, Value]:
+        return {name: self.get(name, index) for name in self._state}
+
+    # -- verification ---------------------------------------------------------------
+
+    def verify(self) -> list[Problem]:
+        """Checks every data region and block checksum and decodes every block."""
+        problems: list[Problem] = []
+        p = str(self.path)
+        for name, st in self._state.items():
+            data = st.layout.regions["data"]
+            if st.blocks is not None:
+                for k, row in enumerate(st.blocks):
+                    frame = self.compressed_block(name, k)
+                    if _crc(frame) != int(row[4]):
+                        problems.append(Problem(p, name, k, "block CRC-32 mismatch"))
+                        continue
+                    try:
+                        self._decode_block(st, k)
+                    except FormatError as e:
+                        problems.append(Problem(p, name, k, e.problem))
+            if _crc(self._u8[data.offset : data.end]) != data.crc32:
+                if not any(pr.field == name for pr in problems):
+                    problems.append(Problem(p, name, None, f"data region (bytes {data.offset}..{data.end}) CRC-32 mismatch"))
+            elif self._bool_bad(st):
+                problems.append(Problem(p, name, None, "bool field holds bytes other than 0 and 1"))
+        return problems
+
+    def _bool_bad(self, st: _FieldState) -> bool:
+        if st.field.dtype != "bool" or st.field.codec.name != "raw":
+            return False
+        data = st.layout.regions["data"]
+        return bool(np.any(self._u8[data.offset : data.end] > 1))
+
+    def close(self) -> None:
+        """Unmaps the file unless views of it are still alive (they keep it mapped)."""
+        mm = getattr(self, "_mm", None)
+        if mm is None:
+            return
+        self._u8 = np.empty(0, np.uint8)
+        for st in getattr(self, "_state", {}).values():
+            st.offsets = st.shapes = st.blocks = None
+            st.block_cache = None
+        try:
+            mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when it does
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _crc(buf: np.ndarray | memoryview) -> int:
+    """CRC-32 of a buffer, in chunks (zlib releases the GIL on each)."""
+    mv = memoryview(buf).cast("B") if isinstance(buf, memoryview) else memoryview(np.ascontiguousarray(buf))
+    crc = 0
+    for start in range(0, len(mv), _CRC_CHUNK):
+        crc = zlib.crc32(mv[start : start + _CRC_CHUNK], crc)
+    return crc

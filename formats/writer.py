@@ -1,0 +1,284 @@
+"""Streaming shard writer (SPEC.md §2-§5).
+
+Each field's values are spooled to a temporary file beside the shard while
+samples arrive (a zstd field keeps only its current block in memory); closing
+lays out header and regions into a temporary file and renames it into place,
+so a shard file either is complete or does not exist.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from .codecs import Zstd, shuffle_bytes, zstd_compressor
+from .constants import BLOCK_DTYPE, OFFSET_DTYPE, SHAPE_DTYPE
+from .errors import SchemaError
+from .header import FieldLayout, Region, align, encode_header, header_end_for, required_regions
+from .schema import Field, check_schema
+
+_COPY_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the archive index records of a finished shard (SPEC.md §6)."""
+
+    file: str
+    num_samples: int
+    bytes: int
+    crc32: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "num_samples": self.num_samples, "bytes": self.bytes, "crc32": self.crc32}
+
+
+class _Spool:
+    """One region's bytes in a temporary file, with a running CRC-32."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file: IO[bytes] = open(path, "w+b")  # noqa: SIM115 - closed in close()
+        self.crc = 0
+        self.length = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.file.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.length += len(data)
+
+    def close(self) -> None:
+        self.file.close()
+        self.path.unlink(missing_ok=True)
+
+
+class _FieldSink:
+    def __init__(self, field: Field, spool: Path) -> None:
+        self.field = field
+        self.data = _Spool(spool)
+        self.offsets = array("q", [0]) if field.ragged else None
+        self.shapes = array("q") if field.ragged else None
+        self.zstd = field.codec if isinstance(field.codec, Zstd) else None
+        self.cctx = zstd_compressor(self.zstd) if self.zstd else None
+        self.block = bytearray()
+        self.block_first = 0
+        self.block_samples = 0
+        self.block_rows: list[tuple[int, int, int, int, int]] = []
+
+    def add(self, payload: bytes, shape: tuple[int, ...], index: int) -> None:
+        if self.offsets is not None and self.shapes is not None:
+            self.offsets.append(self.offsets[-1] + len(payload) // self.field.itemsize)
+            self.shapes.extend(shape)
+        if self.zstd is None:
+            self.data.write(payload)
+            return
+        if self.block_samples == 0:
+            self.block_first = index
+        self.block += payload
+        self.block_samples += 1
+        if len(self.block) >= self.zstd.block_bytes:
+            self.flush_block()
+
+    def flush_block(self) -> None:
+        if not self.block_samples or self.zstd is None or self.cctx is None:
+            return
+        raw = bytes(self.block)
+        if self.zstd.shuffle:
+            raw = shuffle_bytes(raw, self.field.itemsize).tobytes()
+        comp = self.cctx.compress(raw)
+        self.block_rows.append((self.data.length, len(comp), self.block_first, len(raw), zlib.crc32(comp)))
+        self.data.write(comp)
+        self.block.clear()
+        self.block_samples = 0
+
+    def small_regions(self) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        if self.offsets is not None and self.shapes is not None:
+            out["shapes"] = np.asarray(self.shapes, dtype=SHAPE_DTYPE).tobytes()
+            out["offsets"] = np.asarray(self.offsets, dtype=OFFSET_DTYPE).tobytes()
+        if self.zstd is not None:
+            out["blocks"] = np.asarray(self.block_rows, dtype=BLOCK_DTYPE).reshape(-1, 5).tobytes()
+        return out
+
+
+class ShardWriter:
+    """Writes one shard, one sample at a time.
+
+    ``write(sample)`` takes a mapping with exactly the schema's field names:
+    numpy arrays (or scalars) for ``array`` fields, ``bytes`` for ``bytes``
+    fields, ``str`` for ``str`` fields. ``bf16`` fields take ``uint16`` bit
+    patterns. Use as a context manager, or call ``close()`` (keeps the shard)
+    or ``abort()`` (leaves nothing behind).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], fields: Sequence[Field]) -> None:
+        self.path = Path(path)
+        self.fields = check_schema(fields)
+        self.num_samples = 0
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self._sinks = [
+            _FieldSink(f, self.path.with_name(f".{self.path.name}.f{i}.spool"))
+            for i, f in enumerate(self.fields.values())
+        ]
+        self._closed = False
+
+    @property
+    def bytes_written(self) -> int:
+        """Uncompressed-or-compressed bytes spooled so far (for shard rotation)."""
+        return sum(s.data.length + len(s.block) for s in self._sinks)
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        if self._closed:
+            raise SchemaError(f"{self.path}: write after close")
+        if len(sample) != len(self.fields) or any(k not in sample for k in self.fields):
+            missing = sorted(set(self.fields) - set(sample))
+            extra = sorted(set(sample) - set(self.fields))
+            raise SchemaError(
+                f"{self.path}: sample {self.num_samples} does not match the schema "
+                f"(missing {missing}, unexpected {extra})"
+            )
+        encoded = [encode_value(s.field, sample[s.field.name], self.num_samples) for s in self._sinks]
+        for sink, (payload, shape) in zip(self._sinks, encoded, strict=True):
+            sink.add(payload, shape, self.num_samples)
+        self.num_samples += 1
+
+    def write_many(self, samples: Iterable[Mapping[str, Any]]) -> None:
+        for s in samples:
+            self.write(s)
+
+    def close(self) -> ShardInfo:
+        """Lays out the shard and renames it into place."""
+        if self._closed:
+            raise SchemaError(f"{self.path}: closed twice")
+        try:
+            info = self._assemble()
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        return info
+
+    def abort(self) -> None:
+        """Removes every temporary file; the shard is not written."""
+        self._closed = True
+        for s in self._sinks:
+            s.data.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            if not self._closed:
+                self.close()
+        else:
+            self.abort()
+
+    def _assemble(self) -> ShardInfo:
+        for s in self._sinks:
+            s.flush_block()
+        smalls = [s.small_regions() for s in self._sinks]
+
+        def layout(header_end: int) -> tuple[list[FieldLayout], int]:
+            cursor = header_end
+            out = []
+            for sink, small in zip(self._sinks, smalls, strict=True):
+                regions = {}
+                for rname in required_regions(sink.field):
+                    if rname == "data":
+                        length, crc = sink.data.length, sink.data.crc
+                    else:
+                        length, crc = len(small[rname]), zlib.crc32(small[rname])
+                    cursor = align(cursor)
+                    regions[rname] = Region(cursor, length, crc)
+                    cursor += length
+                out.append(
+                    FieldLayout(
+                        sink.field,
+                        regions,
+                        sink.offsets[-1] if sink.offsets is not None else None,
+                        len(sink.block_rows) if sink.zstd is not None else None,
+                    )
+                )
+            return out, align(cursor)
+
+        # The header's length and the region offsets depend on each other: iterate
+        # until the aligned header end stops moving (two rounds in practice).
+        header_end = header_end_for(0)
+        while True:
+            layouts, file_bytes = layout(header_end)
+            head = encode_header(self.num_samples, file_bytes, layouts)
+            if header_end_for(len(head) - 24) == header_end:
+                break
+            header_end = header_end_for(len(head) - 24)
+
+        crc = 0
+        pos = 0
+        with open(self._tmp, "wb") as out:
+
+            def put(data: bytes | memoryview) -> None:
+                nonlocal crc, pos
+                out.write(data)
+                crc = zlib.crc32(data, crc)
+                pos += len(data)
+
+            def pad_to(target: int) -> None:
+                if target > pos:
+                    put(bytes(target - pos))
+
+            put(head)
+            for sink, small, fl in zip(self._sinks, smalls, layouts, strict=True):
+                for rname, region in fl.regions.items():
+                    pad_to(region.offset)
+                    if rname != "data":
+                        put(small[rname])
+                        continue
+                    sink.data.file.flush()
+                    sink.data.file.seek(0)
+                    while chunk := sink.data.file.read(_COPY_CHUNK):
+                        put(chunk)
+            pad_to(file_bytes)
+            out.flush()
+            os.fsync(out.fileno())
+        for s in self._sinks:
+            s.data.close()
+        os.replace(self._tmp, self.path)
+        return ShardInfo(self.path.name, self.num_samples, file_bytes, crc)
+
+
+def encode_value(f: Field, value: Any, index: int) -> tuple[bytes, tuple[int, ...]]:
+    """One sample's value as bytes plus its shape; raises SchemaError naming the field."""
+    where = f"sample {index} field {f.name!r}"
+    if f.kind == "str":
+        if not isinstance(value, str):
+            raise SchemaError(f"{where}: expected str, got {type(value).__name__}")
+        data = value.encode("utf-8")
+        return data, (len(data),)
+    if f.kind == "bytes":
+        if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
+            value = value.tobytes()
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise SchemaError(f"{where}: expected bytes, got {type(value).__name__}")
+        data = bytes(value)
+        return data, (len(data),)
+    arr = np.asarray(value)
+    want = f.np_dtype
+    if f.dtype == "bf16":
+        if arr.dtype not in (np.dtype(np.uint16), np.dtype(np.int16)):
+            raise SchemaError(f"{where}: bf16 fields take uint16 bit patterns, got {arr.dtype}")
+        arr = arr.view(np.uint16)
+    elif arr.dtype != want:
+        if not np.can_cast(arr.dtype, want, casting="same_kind"):
+            raise SchemaError(f"{where}: cannot store {arr.dtype} values as {f.dtype}")
+        arr = arr.astype(want)
+    if arr.ndim != f.ndim or any(d is not None and d != s for d, s in zip(f.shape, arr.shape, strict=True)):
+        raise SchemaError(f"{where}: shape {list(arr.shape)} does not fit {list(f.shape)}")
+    return np.ascontiguousarray(arr, dtype=want).tobytes(), tuple(int(s) for s in arr.shape)

@@ -1,0 +1,21 @@
+import os
+
+import pytest
+
+# Tests run on CPUs with few cores; keep torch from oversubscribing them.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,117 @@
+"""Round-trip property tests: whatever is written reads back bit-identical."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dlop.formats import ArchiveReader, ArchiveWriter, Field, Raw, ShardReader, ShardWriter, Zstd
+from dlop.formats.constants import DTYPES
+
+from .helpers import MIXED_FIELDS, assert_value_equal, write_mixed
+
+CODECS = st.one_of(
+    st.just(Raw()),
+    st.builds(Zstd, level=st.integers(1, 5), block_bytes=st.integers(1, 300), shuffle=st.booleans()),
+)
+
+
+@st.composite
+def schemas(draw: st.DrawFn) -> list[Field]:
+    n_fields = draw(st.integers(1, 5))
+    fields = []
+    for i in range(n_fields):
+        kind = draw(st.sampled_from(["array", "array", "bytes", "str"]))
+        codec = draw(CODECS)
+        if kind != "array":
+            fields.append(Field(f"f{i}", "u8", (None,), kind, codec))
+            continue
+        ndim = draw(st.integers(0, 3))
+        shape = tuple(draw(st.one_of(st.none(), st.integers(0, 4))) for _ in range(ndim))
+        fields.append(Field(f"f{i}", draw(st.sampled_from(sorted(DTYPES))), shape, "array", codec))
+    return fields
+
+
+def random_value(draw: st.DrawFn, f: Field) -> Any:
+    if f.kind == "str":
+        return draw(st.text(max_size=12))
+    if f.kind == "bytes":
+        return draw(st.binary(max_size=12))
+    shape = tuple(d if d is not None else draw(st.integers(0, 4)) for d in f.shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    raw = draw(st.binary(min_size=count * f.itemsize, max_size=count * f.itemsize))
+    arr = np.frombuffer(raw, dtype=f.np_dtype).reshape(shape)
+    if f.dtype == "bool":
+        arr = arr.view(np.uint8) & 1
+        arr = arr.astype(bool)
+    return arr.copy()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_schema_round_trips(tmp_path: Path, data: st.DataObject) -> None:
+    fields = data.draw(schemas())
+    n = data.draw(st.integers(0, 9))
+    samples = [{f.name: random_value(data.draw, f) for f in fields} for _ in range(n)]
+    path = tmp_path / f"s{data.draw(st.integers(0, 10**9))}.dlop"
+    with ShardWriter(path, fields) as w:
+        w.write_many(samples)
+    with ShardReader(path, verify=True) as r:
+        assert r.num_samples == n
+        for i, sample in enumerate(samples):
+            for f in fields:
+                assert_value_equal(r.get(f.name, i), sample[f.name], f)
+        assert r.verify() == []
+
+
+def test_mixed_shard_round_trips(tmp_path: Path) -> None:
+    samples = write_mixed(tmp_path / "m.dlop", 30)
+    with ShardReader(tmp_path / "m.dlop", verify=True) as r:
+        # read backwards too, so block caching is exercised out of order
+        for i in [*range(30), *reversed(range(30))]:
+            for f in MIXED_FIELDS:
+                assert_value_equal(r.get(f.name, i), samples[i][f.name], f)
+
+
+def test_empty_shard_and_zero_length_items(tmp_path: Path) -> None:
+    fields = [Field("r", "f32", (None, 3), codec=Zstd()), Field("x", "u8", (None,)), Field.str_("t")]
+    with ShardWriter(tmp_path / "empty.dlop", fields):
+        pass
+    with ShardReader(tmp_path / "empty.dlop", verify=True) as r:
+        assert r.num_samples == 0
+    with ShardWriter(tmp_path / "zero.dlop", fields) as w:
+        for _ in range(3):
+            w.write({"r": np.zeros((0, 3), np.float32), "x": np.zeros(0, np.uint8), "t": ""})
+    with ShardReader(tmp_path / "zero.dlop", verify=True) as r:
+        assert r.get("r", 2).shape == (0, 3)
+        assert r.get("x", 1).shape == (0,)
+        assert r.get("t", 0) == ""
+
+
+def test_archive_rotates_shards_and_reads_globally(tmp_path: Path) -> None:
+    fields = [Field("x", "i32", (8,)), Field.str_("key")]
+    with ArchiveWriter(tmp_path / "a", fields, shard_bytes=100) as w:
+        for i in range(50):
+            w.write({"x": np.full(8, i, np.int32), "key": f"k{i}"})
+    r = ArchiveReader(tmp_path / "a")
+    assert r.num_shards > 5 and len(r) == 50
+    for i in range(50):
+        assert r.get("key", i) == f"k{i}"
+        assert int(r.get("x", i)[0]) == i
+    assert r.verify() == []
+    with pytest.raises(IndexError):
+        r.get("x", 50)
+
+
+def test_bf16_is_carried_as_bits(tmp_path: Path) -> None:
+    bits = np.array([0x3F80, 0xC000, 0x7FC0], np.uint16)  # 1.0, -2.0, nan
+    with ShardWriter(tmp_path / "b.dlop", [Field("w", "bf16", (3,))]) as w:
+        w.write({"w": bits})
+    with ShardReader(tmp_path / "b.dlop") as r:
+        assert r.get("w", 0).dtype == np.uint16
+        assert r.get("w", 0).tolist() == bits.tolist()

@@ -1,0 +1,54 @@
+"""The package layering of STYLE.md, checked on the import statements."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FORBIDDEN = {
+    "formats": {"torch", "dlop.compiler", "dlop.runtime", "dlop.tools"},
+    "compiler": {"dlop.runtime", "dlop.tools"},
+    "runtime": {"dlop.compiler", "dlop.tools"},
+}
+RELATIVE_PARENT = {"compiler": "..runtime", "runtime": "..compiler"}
+
+
+def imports_of(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names.add(base)
+    return names
+
+
+def violations(package: str) -> list[str]:
+    bad = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name in imports_of(path):
+            for banned in FORBIDDEN[package]:
+                if name == banned or name.startswith(banned + "."):
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+            rel = RELATIVE_PARENT.get(package)
+            if rel and name.lstrip(".").split(".")[0] in {"runtime", "compiler"} - {package} and name.startswith(".."):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    return bad
+
+
+def test_formats_is_standalone() -> None:
+    assert violations("formats") == []
+
+
+def test_compiler_and_runtime_do_not_import_each_other() -> None:
+    assert violations("compiler") == []
+    assert violations("runtime") == []
+
+
+def test_the_check_catches_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "x.py"
+    bad.write_text("import torch\nfrom dlop.runtime import Loader\nfrom ..compiler import x\n")
+    assert {"torch", "dlop.runtime", "..compiler"} <= imports_of(bad)
