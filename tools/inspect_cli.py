@@ -1,0 +1,213 @@
+"""dlop-inspect: what an archive holds, whether it is intact, and one sample as a picture."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlop.formats import ArchiveReader, DlopError, Field
+from dlop.formats.codecs import Zstd
+
+from .render import as_float, render_sample
+
+
+def archive_summary(reader: ArchiveReader) -> dict[str, Any]:
+    """Everything ``info`` prints, as a JSON-ready dict."""
+    per_field: dict[str, dict[str, Any]] = {}
+    for name, f in reader.fields.items():
+        stored = raw = 0
+        lengths: list[np.ndarray] = []
+        for k in range(reader.num_shards):
+            shard = reader.shard(k)
+            layout = shard.layout_of(name)
+            stored += sum(r.length for r in layout.regions.values())
+            if isinstance(f.codec, Zstd):
+                raw += int(shard.blocks(name)[:, 3].sum())
+            else:
+                raw += layout.regions["data"].length
+            if f.ragged:
+                axes = [i for i, d in enumerate(f.shape) if d is None]
+                lengths.append(shard.shapes(name)[:, axes])
+        entry: dict[str, Any] = {
+            "kind": f.kind,
+            "dtype": f.dtype,
+            "shape": list(f.shape),
+            "codec": f.codec.to_json(),
+            "stored_bytes": stored,
+            "raw_bytes": raw,
+            "compression_ratio": round(raw / stored, 3) if stored else None,
+            "meaning": f.meaning,
+            "units": f.units,
+        }
+        if f.ragged:
+            all_lengths = np.concatenate(lengths) if lengths else np.zeros((0, 1), np.int64)
+            if len(all_lengths):
+                entry["ragged_lengths"] = {
+                    "min": all_lengths.min(axis=0).tolist(),
+                    "mean": np.round(all_lengths.mean(axis=0), 2).tolist(),
+                    "max": all_lengths.max(axis=0).tolist(),
+                }
+        per_field[name] = entry
+    total_bytes = sum(s.bytes for s in reader.index.shards)
+    errors = reader.errors()
+    return {
+        "path": str(reader.directory),
+        "format_version": 1,
+        "num_samples": reader.num_samples,
+        "num_shards": reader.num_shards,
+        "bytes": total_bytes,
+        "fields": per_field,
+        "shards": [s.to_json() for s in reader.index.shards],
+        "recipe": reader.index.recipe,
+        "provenance": reader.index.provenance,
+        "metadata": reader.index.metadata,
+        "skipped": {"count": reader.index.skipped_count, "inputs": errors},
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_info(s: dict[str, Any]) -> None:
+    print(f"archive   {s['path']}")
+    print(f"samples   {s['num_samples']} in {s['num_shards']} shard(s), {_fmt_bytes(s['bytes'])}")
+    print("fields")
+    rows = [["name", "kind", "dtype", "shape", "codec", "stored", "ratio", "ragged min/mean/max"]]
+    for name, f in s["fields"].items():
+        codec = f["codec"]["name"] + (f":{f['codec']['level']}" if f["codec"]["name"] == "zstd" else "")
+        if f["codec"].get("shuffle"):
+            codec += "+shuffle"
+        shape = "[" + ", ".join("*" if d is None else str(d) for d in f["shape"]) + "]"
+        rl = f.get("ragged_lengths")
+        ragged = "" if not rl else " ".join(f"{a}/{b}/{c}" for a, b, c in zip(rl["min"], rl["mean"], rl["max"], strict=True))
+        ratio = "" if f["compression_ratio"] is None else f"{f['compression_ratio']:.2f}x"
+        rows.append([name, f["kind"], f["dtype"], shape, codec, _fmt_bytes(f["stored_bytes"]), ratio, ragged])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    for section in ("recipe", "provenance", "metadata"):
+        if s[section]:
+            text = json.dumps(s[section], indent=2, sort_keys=True)
+            if len(text) > 4000:
+                text = text[:4000] + "\n  ... (truncated; use --json for all)"
+            print(f"{section}\n  " + text.replace("\n", "\n  "))
+    skipped = s["skipped"]
+    print(f"skipped   {skipped['count']} input(s)" + (" (errors.jsonl):" if skipped["count"] else ""))
+    for e in skipped["inputs"][:20]:
+        print(f"  {e.get('path')}: {e.get('reason')}")
+    if len(skipped["inputs"]) > 20:
+        print(f"  ... and {len(skipped['inputs']) - 20} more in errors.jsonl")
+
+
+def describe_value(name: str, value: Any, f: Field) -> str:
+    if isinstance(value, str):
+        shown = value if len(value) <= 300 else value[:300] + "..."
+        return f"{name}: str[{len(value)}] {shown!r}"
+    if isinstance(value, bytes):
+        return f"{name}: bytes[{len(value)}] {value[:32].hex()}{'...' if len(value) > 32 else ''}"
+    arr = as_float(value, f)
+    head = f"{name}: {f.dtype} {list(value.shape)}"
+    if arr.size == 0:
+        return head + " (empty)"
+    if arr.size == 1:
+        return head + f" = {arr.reshape(-1)[0].item()!r}"
+    a = arr.astype(np.float64)
+    finite = np.isfinite(a)
+    stats = f" min {a[finite].min():.6g} max {a[finite].max():.6g} mean {a[finite].mean():.6g}" if finite.any() else ""
+    if not finite.all():
+        stats += f" ({int((~finite).sum())} non-finite)"
+    return head + stats
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    reader = ArchiveReader(args.path)
+    summary = archive_summary(reader)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+    else:
+        print_info(summary)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    reader = ArchiveReader(args.path)
+    total = reader.num_shards
+
+    def progress(done: int) -> None:
+        if not args.quiet:
+            print(f"\rverified {done}/{total} shards", end="", file=sys.stderr, flush=True)
+
+    problems = reader.verify(progress=progress)
+    if not args.quiet and total:
+        print(file=sys.stderr)
+    for p in problems:
+        print(f"FAIL {p}")
+    if problems:
+        print(f"{len(problems)} problem(s) in {args.path}")
+        return 1
+    size = sum(s.bytes for s in reader.index.shards)
+    print(f"OK {args.path}: {total} shard(s), {reader.num_samples} samples, {_fmt_bytes(size)}: every checksum and offset verified")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    reader = ArchiveReader(args.path)
+    if not -len(reader) <= args.index < len(reader):
+        raise DlopError(f"{args.path}: sample {args.index} out of range (archive has {len(reader)})")
+    index = args.index % len(reader)
+    sample = reader.sample(index)
+    print(f"sample {index} of {len(reader)} in {args.path}")
+    for name, value in sample.items():
+        print("  " + describe_value(name, value, reader.fields[name]))
+    if args.png:
+        title = f"sample {index}"
+        for key in ("key", "category", "text"):
+            if isinstance(sample.get(key), str):
+                title += f" · {sample[key][:80]}"
+        drawn = render_sample(sample, reader.fields, args.png, title=title, recipe=reader.index.recipe)
+        print(f"wrote {args.png} ({', '.join(drawn)})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlop-inspect", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="shards, samples, fields, compression, recipe, provenance, skipped inputs")
+    info.add_argument("path", type=Path)
+    info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    info.set_defaults(run=cmd_info)
+    verify = sub.add_parser("verify", help="check every checksum and offset; exit 1 on any failure")
+    verify.add_argument("path", type=Path)
+    verify.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    verify.set_defaults(run=cmd_verify)
+    show = sub.add_parser("show", help="one sample's fields, optionally drawn to a PNG")
+    show.add_argument("path", type=Path)
+    show.add_argument("index", type=int)
+    show.add_argument("--png", type=Path, help="draw the sample (spectrogram, frame grid, image + masks)")
+    show.set_defaults(run=cmd_show)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (DlopError, ValueError, OSError) as e:
+        # An archive that cannot even be opened has failed verification too: exit 1.
+        print(f"dlop-inspect: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
