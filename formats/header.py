@@ -123,7 +123,8 @@ def read_preamble(path: object, head: bytes, file_size: int) -> tuple[int, int]:
         )
     if PREAMBLE.size + hlen > file_size:
         raise FormatError(
-            path, f"truncated: header of {hlen} bytes runs past the end of the {file_size}-byte file"
+            path,
+            f"truncated: header of {hlen} bytes runs past the end of the {file_size}-byte file",
         )
     return int(hlen), int(crc)
 
@@ -177,7 +178,9 @@ def parse_header(path: object, body: bytes, crc: int, file_size: int) -> ShardLa
     return ShardLayout(n, file_bytes, header_end, tuple(layouts))
 
 
-def _field_layout(path: object, f: Field, obj: dict[str, Any], n: int, file_size: int) -> FieldLayout:
+def _field_layout(
+    path: object, f: Field, obj: dict[str, Any], n: int, file_size: int
+) -> FieldLayout:
     where = f"field {f.name!r}"
     robj = obj.get("regions")
     if not isinstance(robj, dict):
@@ -188,9 +191,13 @@ def _field_layout(path: object, f: Field, obj: dict[str, Any], n: int, file_size
         if not isinstance(r, dict):
             raise FormatError(path, f"{where}: region {rname!r} is missing")
         rw = f"{where} region {rname!r}"
-        region = Region(_int(path, r, "offset", rw), _int(path, r, "length", rw), _int(path, r, "crc32", rw))
+        region = Region(
+            _int(path, r, "offset", rw), _int(path, r, "length", rw), _int(path, r, "crc32", rw)
+        )
         if region.offset % ALIGNMENT:
-            raise FormatError(path, f"{rw}: offset {region.offset} is not a multiple of {ALIGNMENT}")
+            raise FormatError(
+                path, f"{rw}: offset {region.offset} is not a multiple of {ALIGNMENT}"
+            )
         if region.end > file_size:
             raise FormatError(
                 path,
@@ -210,7 +217,9 @@ def _field_layout(path: object, f: Field, obj: dict[str, Any], n: int, file_size
             raise FormatError(path, f"{where}: {num_blocks} blocks for {n} samples")
         _expect_len(path, where, "blocks", regions["blocks"], num_blocks * BLOCK_ROW_BYTES)
     else:
-        total = (value_count if value_count is not None else n * f.sample_bytes // f.itemsize) * f.itemsize
+        total = (
+            value_count if value_count is not None else n * f.sample_bytes // f.itemsize
+        ) * f.itemsize
         _expect_len(path, where, "data", regions["data"], total)
     return FieldLayout(f, regions, value_count, num_blocks)
 
@@ -226,12 +235,16 @@ def _expect(path: object, obj: dict[str, Any], key: str, want: object) -> None:
     got = obj.get(key)
     if got != want or isinstance(got, bool):
         if key == "version":
-            raise FormatError(path, f"header version {got!r} is not supported (reads {SUPPORTED_VERSIONS})")
+            raise FormatError(
+                path, f"header version {got!r} is not supported (reads {SUPPORTED_VERSIONS})"
+            )
         raise FormatError(path, f"header {key!r} is {got!r}, expected {want!r}")
 
 
 def _int(path: object, obj: dict[str, Any], key: str, where: str) -> int:
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= 1 << 64:
-        raise FormatError(path, f"{where}: {key!r} should be a non-negative 64-bit integer, got {v!r}")
+        raise FormatError(
+            path, f"{where}: {key!r} should be a non-negative 64-bit integer, got {v!r}"
+        )
     return v

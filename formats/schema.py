@@ -136,7 +136,7 @@ def _get(obj: Mapping[str, Any], key: str, typ: type, where: str) -> Any:
     if key not in obj:
         raise SchemaError(f"{where}: missing key {key!r}")
     value = obj[key]
-    if isinstance(value, bool) and typ is not bool or not isinstance(value, typ):
+    if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
         raise SchemaError(
             f"{where}: key {key!r} should be {typ.__name__}, got {type(value).__name__}"
         )

@@ -37,7 +37,12 @@ class ShardInfo:
     crc32: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "num_samples": self.num_samples, "bytes": self.bytes, "crc32": self.crc32}
+        return {
+            "file": self.file,
+            "num_samples": self.num_samples,
+            "bytes": self.bytes,
+            "crc32": self.crc32,
+        }
 
 
 class _Spool:
@@ -93,7 +98,9 @@ class _FieldSink:
         if self.zstd.shuffle:
             raw = shuffle_bytes(raw, self.field.itemsize).tobytes()
         comp = self.cctx.compress(raw)
-        self.block_rows.append((self.data.length, len(comp), self.block_first, len(raw), zlib.crc32(comp)))
+        self.block_rows.append(
+            (self.data.length, len(comp), self.block_first, len(raw), zlib.crc32(comp))
+        )
         self.data.write(comp)
         self.block.clear()
         self.block_samples = 0
@@ -144,7 +151,9 @@ class ShardWriter:
                 f"{self.path}: sample {self.num_samples} does not match the schema "
                 f"(missing {missing}, unexpected {extra})"
             )
-        encoded = [encode_value(s.field, sample[s.field.name], self.num_samples) for s in self._sinks]
+        encoded = [
+            encode_value(s.field, sample[s.field.name], self.num_samples) for s in self._sinks
+        ]
         for sink, (payload, shape) in zip(self._sinks, encoded, strict=True):
             sink.add(payload, shape, self.num_samples)
         self.num_samples += 1
@@ -279,6 +288,8 @@ def encode_value(f: Field, value: Any, index: int) -> tuple[bytes, tuple[int, ..
         if not np.can_cast(arr.dtype, want, casting="same_kind"):
             raise SchemaError(f"{where}: cannot store {arr.dtype} values as {f.dtype}")
         arr = arr.astype(want)
-    if arr.ndim != f.ndim or any(d is not None and d != s for d, s in zip(f.shape, arr.shape, strict=True)):
+    if arr.ndim != f.ndim or any(
+        d is not None and d != s for d, s in zip(f.shape, arr.shape, strict=True)
+    ):
         raise SchemaError(f"{where}: shape {list(arr.shape)} does not fit {list(f.shape)}")
     return np.ascontiguousarray(arr, dtype=want).tobytes(), tuple(int(s) for s in arr.shape)

@@ -34,7 +34,11 @@ def violations(package: str) -> list[str]:
                 if name == banned or name.startswith(banned + "."):
                     bad.append(f"{path.relative_to(ROOT)} imports {name}")
             rel = RELATIVE_PARENT.get(package)
-            if rel and name.lstrip(".").split(".")[0] in {"runtime", "compiler"} - {package} and name.startswith(".."):
+            if (
+                rel
+                and name.lstrip(".").split(".")[0] in {"runtime", "compiler"} - {package}
+                and name.startswith("..")
+            ):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     return bad
 

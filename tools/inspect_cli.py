@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from dlop.formats import ArchiveReader, DlopError, Field
 from dlop.formats.codecs import Zstd
 
@@ -84,14 +83,33 @@ def print_info(s: dict[str, Any]) -> None:
     print("fields")
     rows = [["name", "kind", "dtype", "shape", "codec", "stored", "ratio", "ragged min/mean/max"]]
     for name, f in s["fields"].items():
-        codec = f["codec"]["name"] + (f":{f['codec']['level']}" if f["codec"]["name"] == "zstd" else "")
+        codec = f["codec"]["name"] + (
+            f":{f['codec']['level']}" if f["codec"]["name"] == "zstd" else ""
+        )
         if f["codec"].get("shuffle"):
             codec += "+shuffle"
         shape = "[" + ", ".join("*" if d is None else str(d) for d in f["shape"]) + "]"
         rl = f.get("ragged_lengths")
-        ragged = "" if not rl else " ".join(f"{a}/{b}/{c}" for a, b, c in zip(rl["min"], rl["mean"], rl["max"], strict=True))
+        ragged = (
+            ""
+            if not rl
+            else " ".join(
+                f"{a}/{b}/{c}" for a, b, c in zip(rl["min"], rl["mean"], rl["max"], strict=True)
+            )
+        )
         ratio = "" if f["compression_ratio"] is None else f"{f['compression_ratio']:.2f}x"
-        rows.append([name, f["kind"], f["dtype"], shape, codec, _fmt_bytes(f["stored_bytes"]), ratio, ragged])
+        rows.append(
+            [
+                name,
+                f["kind"],
+                f["dtype"],
+                shape,
+                codec,
+                _fmt_bytes(f["stored_bytes"]),
+                ratio,
+                ragged,
+            ]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -102,7 +120,9 @@ def print_info(s: dict[str, Any]) -> None:
                 text = text[:4000] + "\n  ... (truncated; use --json for all)"
             print(f"{section}\n  " + text.replace("\n", "\n  "))
     skipped = s["skipped"]
-    print(f"skipped   {skipped['count']} input(s)" + (" (errors.jsonl):" if skipped["count"] else ""))
+    print(
+        f"skipped   {skipped['count']} input(s)" + (" (errors.jsonl):" if skipped["count"] else "")
+    )
     for e in skipped["inputs"][:20]:
         print(f"  {e.get('path')}: {e.get('reason')}")
     if len(skipped["inputs"]) > 20:
@@ -123,7 +143,11 @@ def describe_value(name: str, value: Any, f: Field) -> str:
         return head + f" = {arr.reshape(-1)[0].item()!r}"
     a = arr.astype(np.float64)
     finite = np.isfinite(a)
-    stats = f" min {a[finite].min():.6g} max {a[finite].max():.6g} mean {a[finite].mean():.6g}" if finite.any() else ""
+    stats = (
+        f" min {a[finite].min():.6g} max {a[finite].max():.6g} mean {a[finite].mean():.6g}"
+        if finite.any()
+        else ""
+    )
     if not finite.all():
         stats += f" ({int((~finite).sum())} non-finite)"
     return head + stats
@@ -157,14 +181,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"{len(problems)} problem(s) in {args.path}")
         return 1
     size = sum(s.bytes for s in reader.index.shards)
-    print(f"OK {args.path}: {total} shard(s), {reader.num_samples} samples, {_fmt_bytes(size)}: every checksum and offset verified")
+    print(
+        f"OK {args.path}: {total} shard(s), {reader.num_samples} samples, {_fmt_bytes(size)}: every checksum and offset verified"
+    )
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     reader = ArchiveReader(args.path)
     if not -len(reader) <= args.index < len(reader):
-        raise DlopError(f"{args.path}: sample {args.index} out of range (archive has {len(reader)})")
+        raise DlopError(
+            f"{args.path}: sample {args.index} out of range (archive has {len(reader)})"
+        )
     index = args.index % len(reader)
     sample = reader.sample(index)
     print(f"sample {index} of {len(reader)} in {args.path}")
@@ -175,7 +203,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         for key in ("key", "category", "text"):
             if isinstance(sample.get(key), str):
                 title += f" · {sample[key][:80]}"
-        drawn = render_sample(sample, reader.fields, args.png, title=title, recipe=reader.index.recipe)
+        drawn = render_sample(
+            sample, reader.fields, args.png, title=title, recipe=reader.index.recipe
+        )
         print(f"wrote {args.png} ({', '.join(drawn)})")
     return 0
 
@@ -183,7 +213,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dlop-inspect", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="shards, samples, fields, compression, recipe, provenance, skipped inputs")
+    info = sub.add_parser(
+        "info", help="shards, samples, fields, compression, recipe, provenance, skipped inputs"
+    )
     info.add_argument("path", type=Path)
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(run=cmd_info)
@@ -194,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="one sample's fields, optionally drawn to a PNG")
     show.add_argument("path", type=Path)
     show.add_argument("index", type=int)
-    show.add_argument("--png", type=Path, help="draw the sample (spectrogram, frame grid, image + masks)")
+    show.add_argument(
+        "--png", type=Path, help="draw the sample (spectrogram, frame grid, image + masks)"
+    )
     show.set_defaults(run=cmd_show)
     return p
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from dlop.formats import Field
 
 
@@ -45,18 +44,30 @@ def render_sample(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arrays = {n: v for n, v in sample.items() if isinstance(v, np.ndarray) and fields[n].kind == "array"}
+    arrays = {
+        n: v for n, v in sample.items() if isinstance(v, np.ndarray) and fields[n].kind == "array"
+    }
     images = [n for n, v in arrays.items() if _is_image(v.shape, fields[n].dtype)]
     clips = [n for n, v in arrays.items() if _is_clip(v.shape, fields[n].dtype)]
     masks = [
-        n for n, v in arrays.items()
-        if _is_mask(v.shape, fields[n].dtype) and any(arrays[i].shape[:2] == v.shape for i in images)
+        n
+        for n, v in arrays.items()
+        if _is_mask(v.shape, fields[n].dtype)
+        and any(arrays[i].shape[:2] == v.shape for i in images)
     ]
     spectra = [
-        n for n, v in arrays.items()
-        if v.ndim == 2 and n not in masks and fields[n].dtype.startswith(("f", "bf")) and min(v.shape) > 1
+        n
+        for n, v in arrays.items()
+        if v.ndim == 2
+        and n not in masks
+        and fields[n].dtype.startswith(("f", "bf"))
+        and min(v.shape) > 1
     ]
-    waves = [n for n, v in arrays.items() if v.ndim == 1 and v.size > 16 and fields[n].dtype.startswith("f")]
+    waves = [
+        n
+        for n, v in arrays.items()
+        if v.ndim == 1 and v.size > 16 and fields[n].dtype.startswith("f")
+    ]
     panels: list[tuple[str, str]] = (
         [("clip", n) for n in clips]
         + [("image", n) for n in images]
@@ -78,14 +89,19 @@ def render_sample(
             ax.set_title(f"{name}: {value.shape[0]} frames of {value.shape[1]}x{value.shape[2]}")
             ax.axis("off")
         elif kind == "image":
-            ax.imshow(value[..., 0] if value.shape[-1] == 1 else value, cmap="gray" if value.shape[-1] == 1 else None)
+            ax.imshow(
+                value[..., 0] if value.shape[-1] == 1 else value,
+                cmap="gray" if value.shape[-1] == 1 else None,
+            )
             ax.set_title(f"{name}: {value.shape[0]}x{value.shape[1]}")
             ax.axis("off")
         elif kind == "mask":
             image = next(arrays[i] for i in images if arrays[i].shape[:2] == value.shape)
             ax.imshow(image[..., 0] if image.shape[-1] == 1 else image, cmap="gray")
             shown = np.ma.masked_equal(value.astype(np.int64), 0)
-            overlay = ax.imshow(shown, cmap="tab10", alpha=0.45, vmin=0, vmax=9, interpolation="nearest")
+            overlay = ax.imshow(
+                shown, cmap="tab10", alpha=0.45, vmin=0, vmax=9, interpolation="nearest"
+            )
             labels = sorted(int(v) for v in np.unique(value))
             ax.set_title(f"{name} over image: labels {labels}")
             fig.colorbar(overlay, ax=ax, fraction=0.03)
@@ -99,7 +115,13 @@ def render_sample(
             if isinstance(hop, int) and isinstance(sr, int) and sr > 0:
                 extent = (0.0, frames * hop / sr, 0.0, float(value.shape[1]))
                 xlabel = "time (s)"
-            im = ax.imshow(value.T.astype(np.float32), origin="lower", aspect="auto", cmap="magma", extent=extent)
+            im = ax.imshow(
+                value.T.astype(np.float32),
+                origin="lower",
+                aspect="auto",
+                cmap="magma",
+                extent=extent,
+            )
             ax.set_xlabel(xlabel)
             ax.set_ylabel("bin")
             ax.set_title(f"{name}{units}: {value.shape[0]} frames x {value.shape[1]} bins")

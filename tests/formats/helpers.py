@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from dlop.formats import Field, ShardWriter, Zstd
 from dlop.formats.constants import ALIGNMENT, PREAMBLE
 
@@ -52,7 +51,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
 def rewrite_header(path: Path, header: dict[str, Any], *, fix_crc: bool = True) -> None:
     """Replaces the JSON header in place (it must still fit before the first region)."""
     data = bytearray(path.read_bytes())
-    _, version, _, hlen = PREAMBLE.unpack_from(data)
+    _, _, _, hlen = PREAMBLE.unpack_from(data)
     body = json.dumps(header, separators=(",", ":")).encode()
     first_region = -(-(24 + hlen) // ALIGNMENT) * ALIGNMENT
     assert 24 + len(body) <= first_region, "edited header no longer fits"

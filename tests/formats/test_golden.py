@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from dlop.formats import ArchiveReader, ArchiveWriter, Field, ShardWriter, Zstd
 
 GOLDEN = Path(__file__).parent / "golden_v1"
@@ -45,8 +44,13 @@ N = 9
 
 
 def write_golden(path: Path) -> None:
-    with ArchiveWriter(path, GOLDEN_FIELDS, shard_bytes=600, recipe={"golden": True},
-                       provenance={"source": {"kind": "golden-v1"}}) as w:
+    with ArchiveWriter(
+        path,
+        GOLDEN_FIELDS,
+        shard_bytes=600,
+        recipe={"golden": True},
+        provenance={"source": {"kind": "golden-v1"}},
+    ) as w:
         for i in range(N):
             w.write(golden_sample(i))
 
@@ -60,7 +64,9 @@ def test_golden_archive_reads(tmp_path: Path) -> None:
         got = r.sample(i)
         for f in GOLDEN_FIELDS:
             if f.kind == "array":
-                assert got[f.name].tobytes() == np.asarray(want[f.name]).astype(f.np_dtype).tobytes()
+                assert (
+                    got[f.name].tobytes() == np.asarray(want[f.name]).astype(f.np_dtype).tobytes()
+                )
                 assert got[f.name].shape == np.asarray(want[f.name]).shape
             else:
                 assert got[f.name] == want[f.name]
@@ -80,7 +86,9 @@ if __name__ == "__main__":
     import shutil
 
     if GOLDEN.exists() and "--force" not in sys.argv:
-        sys.exit(f"{GOLDEN} exists; the golden archive changes only with a format version bump (--force)")
+        sys.exit(
+            f"{GOLDEN} exists; the golden archive changes only with a format version bump (--force)"
+        )
     shutil.rmtree(GOLDEN, ignore_errors=True)
     write_golden(GOLDEN)
     print(f"wrote {GOLDEN}")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from dlop.formats import ChecksumError, FormatError, ShardReader
 from dlop.formats.constants import OFFSET_DTYPE
 
@@ -76,8 +75,16 @@ def test_bad_magic_and_unknown_preamble_version(shard: Path) -> None:
         (lambda h: h["fields"][0]["regions"]["data"].update(offset=1 << 40), "past the end"),
         (lambda h: h["fields"][0]["regions"]["data"].update(offset=4097), "multiple of 4096"),
         (lambda h: h["fields"][0]["regions"]["data"].update(length=8), "length"),
-        (lambda h: h["fields"][1]["regions"]["data"].update(offset=h["fields"][0]["regions"]["data"]["offset"]), "overlaps"),
-        (lambda h: h["fields"][2].update(value_count=h["fields"][2]["value_count"] + 1), "length|offsets"),
+        (
+            lambda h: h["fields"][1]["regions"]["data"].update(
+                offset=h["fields"][0]["regions"]["data"]["offset"]
+            ),
+            "overlaps",
+        ),
+        (
+            lambda h: h["fields"][2].update(value_count=h["fields"][2]["value_count"] + 1),
+            "length|offsets",
+        ),
         (lambda h: h["fields"][3].update(num_blocks=h["fields"][3]["num_blocks"] + 1), "blocks"),
         (lambda h: h.update(num_samples=h["num_samples"] + 1), "length|blocks"),
         (lambda h: h.update(file_bytes=h["file_bytes"] - 4096), "file has"),
@@ -118,7 +125,9 @@ def test_corrupt_offsets_with_matching_crc_is_rejected(shard: Path) -> None:
     header, _ = read_header(shard)
     region = header["fields"][2]["regions"]["offsets"]
     data = bytearray(shard.read_bytes())
-    offsets = np.frombuffer(bytes(data[region["offset"] : region["offset"] + region["length"]]), OFFSET_DTYPE).copy()
+    offsets = np.frombuffer(
+        bytes(data[region["offset"] : region["offset"] + region["length"]]), OFFSET_DTYPE
+    ).copy()
     offsets[3], offsets[4] = offsets[4] + 1, offsets[3]
     data[region["offset"] : region["offset"] + region["length"]] = offsets.tobytes()
     shard.write_bytes(bytes(data))

@@ -7,17 +7,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from dlop.formats import ArchiveReader, ArchiveWriter, Field, Raw, ShardReader, ShardWriter, Zstd
 from dlop.formats.constants import DTYPES
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from .helpers import MIXED_FIELDS, assert_value_equal, write_mixed
 
 CODECS = st.one_of(
     st.just(Raw()),
-    st.builds(Zstd, level=st.integers(1, 5), block_bytes=st.integers(1, 300), shuffle=st.booleans()),
+    st.builds(
+        Zstd, level=st.integers(1, 5), block_bytes=st.integers(1, 300), shuffle=st.booleans()
+    ),
 )
 
 
@@ -52,7 +53,9 @@ def random_value(draw: st.DrawFn, f: Field) -> Any:
     return arr.copy()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_any_schema_round_trips(tmp_path: Path, data: st.DataObject) -> None:
     fields = data.draw(schemas())
@@ -79,7 +82,11 @@ def test_mixed_shard_round_trips(tmp_path: Path) -> None:
 
 
 def test_empty_shard_and_zero_length_items(tmp_path: Path) -> None:
-    fields = [Field("r", "f32", (None, 3), codec=Zstd()), Field("x", "u8", (None,)), Field.str_("t")]
+    fields = [
+        Field("r", "f32", (None, 3), codec=Zstd()),
+        Field("x", "u8", (None,)),
+        Field.str_("t"),
+    ]
     with ShardWriter(tmp_path / "empty.dlop", fields):
         pass
     with ShardReader(tmp_path / "empty.dlop", verify=True) as r:
@@ -115,3 +122,30 @@ def test_bf16_is_carried_as_bits(tmp_path: Path) -> None:
     with ShardReader(tmp_path / "b.dlop") as r:
         assert r.get("w", 0).dtype == np.uint16
         assert r.get("w", 0).tolist() == bits.tolist()
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 3, 4, 8])
+def test_byte_shuffle_inverts(itemsize: int) -> None:
+    from dlop.formats.codecs import shuffle_bytes, unshuffle_bytes
+
+    data = np.random.default_rng(itemsize).integers(0, 256, itemsize * 513, dtype=np.uint8)
+    shuffled = shuffle_bytes(data, itemsize)
+    if itemsize > 1:
+        assert not np.array_equal(shuffled, data)
+    assert np.array_equal(unshuffle_bytes(shuffled, itemsize), data)
+
+
+@pytest.mark.parametrize("codec", [Raw(), Zstd(block_bytes=1000, shuffle=True)])
+def test_read_range_matches_get(tmp_path: Path, codec: Any) -> None:
+    # big enough that the raw path splits the copy across threads
+    fields = [Field("x", "f32", (64, 1024), codec=codec)]
+    with ShardWriter(tmp_path / "r.dlop", fields) as w:
+        for i in range(40):
+            w.write({"x": np.full((64, 1024), i, np.float32) + np.arange(1024, dtype=np.float32)})
+    with ShardReader(tmp_path / "r.dlop") as r:
+        got = r.read_range("x", 3, 37)
+        assert got.shape == (34, 64, 1024)
+        for i in range(3, 37):
+            assert np.array_equal(got[i - 3], r.get("x", i))
+        with pytest.raises(IndexError):
+            r.read_range("x", 30, 41)

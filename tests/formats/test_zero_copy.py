@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-
 from dlop.formats import Field, ShardReader, ShardWriter
 
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.tools.inspect_cli import main
+from PIL import Image
 
 
 @pytest.fixture
@@ -22,10 +21,14 @@ def audio_archive(tmp_path: Path) -> Path:
         Field("logmel", "f16", (None, 64), codec=Zstd(block_bytes=4096, shuffle=True), units="dB"),
     ]
     rng = np.random.default_rng(0)
-    with ArchiveWriter(out, fields, shard_bytes=20000, recipe={"sample_rate": 16000, "hop_length": 160}) as w:
+    with ArchiveWriter(
+        out, fields, shard_bytes=20000, recipe={"sample_rate": 16000, "hop_length": 160}
+    ) as w:
         for i in range(12):
             frames = 20 + 10 * i
-            w.write({"key": f"clip{i}.wav", "label": i % 3, "logmel": rng.normal(-40, 10, (frames, 64))})
+            w.write(
+                {"key": f"clip{i}.wav", "label": i % 3, "logmel": rng.normal(-40, 10, (frames, 64))}
+            )
         w.skip("bad.wav", "zero-byte file")
     return out
 
@@ -33,8 +36,12 @@ def audio_archive(tmp_path: Path) -> Path:
 @pytest.fixture
 def image_archive(tmp_path: Path) -> Path:
     out = tmp_path / "img"
-    fields = [Field.str_("key"), Field("image", "u8", (None, None, 3)), Field("mask_a", "u8", (None, None)),
-              Field("clip", "u8", (5, 16, 16, 3))]
+    fields = [
+        Field.str_("key"),
+        Field("image", "u8", (None, None, 3)),
+        Field("mask_a", "u8", (None, None)),
+        Field("clip", "u8", (5, 16, 16, 3)),
+    ]
     with ArchiveWriter(out, fields) as w:
         for i in range(2):
             img = np.zeros((40, 60, 3), np.uint8)
@@ -61,7 +68,9 @@ def test_info_text_and_json(audio_archive: Path, capsys: pytest.CaptureFixture[s
     assert info["recipe"]["hop_length"] == 160
 
 
-def test_verify_ok_then_names_the_corrupt_block(audio_archive: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_ok_then_names_the_corrupt_block(
+    audio_archive: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["verify", "-q", str(audio_archive)]) == 0
     assert "OK" in capsys.readouterr().out
     index = json.loads((audio_archive / "index.json").read_text())
@@ -78,21 +87,31 @@ def test_verify_ok_then_names_the_corrupt_block(audio_archive: Path, capsys: pyt
     assert f"FAIL {shard} field 'logmel' block 1: block CRC-32 mismatch" in out
 
 
-def test_verify_unreadable_archive_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_unreadable_archive_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["verify", str(tmp_path)]) == 1
     assert "no index.json" in capsys.readouterr().err
 
 
-def test_show_prints_stats_and_draws_spectrogram(audio_archive: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_show_prints_stats_and_draws_spectrogram(
+    audio_archive: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     png = tmp_path / "s.png"
     assert main(["show", str(audio_archive), "3", "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "key: str[9] 'clip3.wav'" in out and "logmel: f16 [50, 64] min" in out and "label: i64 [] = 0" in out
+    assert (
+        "key: str[9] 'clip3.wav'" in out
+        and "logmel: f16 [50, 64] min" in out
+        and "label: i64 [] = 0" in out
+    )
     with Image.open(png) as im:
         assert im.format == "PNG" and im.size[0] > 500
 
 
-def test_show_draws_image_mask_overlay_and_frame_grid(image_archive: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_show_draws_image_mask_overlay_and_frame_grid(
+    image_archive: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     png = tmp_path / "i.png"
     assert main(["show", str(image_archive), "-1", "--png", str(png)]) == 0
     assert "(clip, image, mask_a)" in capsys.readouterr().out

@@ -1,0 +1,90 @@
+"""Timing and reporting helpers shared by the benchmark sections."""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Row:
+    """One measured pipeline in one workload."""
+
+    workload: str
+    pipeline: str
+    samples_per_s: float | None = None
+    gb_per_s: float | None = None
+    vs_baseline: float | None = None  # ratio to the row named in `baseline`
+    baseline: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """Median wall time of fn() over repeats (seconds), after garbage collection."""
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine() -> dict[str, Any]:
+    import os
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def fmt(v: float | None, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
+
+
+def print_table(rows: list[Row]) -> None:
+    header = ["workload", "pipeline", "samples/s", "GB/s", "ratio", "vs", "notes"]
+    lines = [header]
+    for r in rows:
+        notes = ", ".join(
+            f"{k}={fmt(v) if isinstance(v, float) else v}" for k, v in r.extra.items()
+        )
+        lines.append(
+            [
+                r.workload,
+                r.pipeline,
+                fmt(r.samples_per_s),
+                fmt(r.gb_per_s),
+                f"{r.vs_baseline:.2f}x" if r.vs_baseline is not None else "-",
+                r.baseline,
+                notes,
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for n, line in enumerate(lines):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(rows: list[Row], path: Path, meta: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))

@@ -1,0 +1,155 @@
+"""Format benchmarks: ShardReader against np.copyto, zstd decoding against bare zstandard."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import zstandard
+from dlop.formats import ArchiveReader, ArchiveWriter, Field, Zstd
+
+from .common import Row, best_of
+
+MELS, FRAMES = 128, 431  # ESC-50 5 s clip at 44.1 kHz, hop 512
+
+
+def synthetic_logmel(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Spectrogram-like float16 [n, FRAMES, MELS]: smooth bands plus noise, in dB."""
+    t = np.linspace(0, 1, FRAMES, dtype=np.float32)[None, :, None]
+    f = np.linspace(0, 1, MELS, dtype=np.float32)[None, None, :]
+    centre = rng.uniform(0.1, 0.9, (n, 1, 1)).astype(np.float32)
+    sweep = rng.uniform(-0.5, 0.5, (n, 1, 1)).astype(np.float32)
+    band = np.exp(-((f - centre - sweep * t) ** 2) / 0.01)
+    noise = rng.normal(0, 3, (n, FRAMES, MELS)).astype(np.float32)
+    return (-80 + 60 * band + noise).astype(np.float16)
+
+
+def build(path: Path, n: int, codec: object, seed: int = 0, chunk: int = 256) -> ArchiveReader:
+    shutil.rmtree(path, ignore_errors=True)
+    field = Field("logmel", "f16", (FRAMES, MELS), codec=codec, units="dB")  # type: ignore[arg-type]
+    rng = np.random.default_rng(seed)
+    with ArchiveWriter(path, [field], shard_bytes=1 << 40) as w:
+        for start in range(0, n, chunk):
+            for x in synthetic_logmel(rng, min(chunk, n - start)):
+                w.write({"logmel": x})
+    return ArchiveReader(path)
+
+
+def run(
+    workdir: Path, raw_gib: float = 1.0, zstd_samples: int = 2000, repeats: int = 3
+) -> list[Row]:
+    rows = raw_rows(workdir, raw_gib, repeats)
+    for shuffle in (False, True):
+        rows += zstd_rows(workdir, zstd_samples, shuffle, repeats)
+    return rows
+
+
+def raw_rows(workdir: Path, raw_gib: float, repeats: int) -> list[Row]:
+    sample_bytes = FRAMES * MELS * 2
+    n = max(1, int(raw_gib * (1 << 30) // sample_bytes))
+    reader = build(workdir / "raw", n, "raw")
+    shard = reader.shard(0)
+    src = shard.array("logmel")
+    nbytes = src.nbytes
+    dst = np.empty_like(src)
+    dst.fill(0)  # first touch outside the timing
+    np.copyto(dst, src)  # warm the page cache
+
+    def batched(batch: int = 256) -> None:
+        for start in range(0, n, batch):
+            stop = min(n, start + batch)
+            shard.read_range("logmel", start, stop, out=dst[start:stop])
+
+    def batched_1thread(batch: int = 256) -> None:
+        view = shard.array("logmel")
+        for start in range(0, n, batch):
+            np.copyto(dst[start : start + batch], view[start : start + batch])
+
+    def per_sample() -> None:
+        for i in range(n):
+            np.copyto(dst[i], shard.get("logmel", i))
+
+    t_copy = best_of(lambda: np.copyto(dst, src), repeats)
+    t_batched, t_batched1, t_sample = (
+        best_of(f, repeats) for f in (batched, batched_1thread, per_sample)
+    )
+    wl = f"format: raw f16 [{FRAMES},{MELS}] x {n} ({nbytes / 2**30:.2f} GiB)"
+    rows = [
+        Row(wl, "np.copyto of the mapped region", n / t_copy, nbytes / t_copy / 1e9),
+        Row(
+            wl,
+            "ShardReader.read_range, batches of 256",
+            n / t_batched,
+            nbytes / t_batched / 1e9,
+            t_copy / t_batched,
+            "np.copyto",
+        ),
+        Row(
+            wl,
+            "ShardReader.array views, 1-thread copyto of 256",
+            n / t_batched1,
+            nbytes / t_batched1 / 1e9,
+            t_copy / t_batched1,
+            "np.copyto",
+        ),
+        Row(
+            wl,
+            "ShardReader.get, every sample",
+            n / t_sample,
+            nbytes / t_sample / 1e9,
+            t_copy / t_sample,
+            "np.copyto",
+        ),
+    ]
+    reader.close()
+    shutil.rmtree(workdir / "raw", ignore_errors=True)
+    return rows
+
+
+def zstd_rows(workdir: Path, n: int, shuffle: bool, repeats: int) -> list[Row]:
+    path = workdir / f"zstd{int(shuffle)}"
+    reader = build(path, n, Zstd(level=3, shuffle=shuffle))
+    shard = reader.shard(0)
+    blocks = shard.blocks("logmel")
+    frames = [bytes(shard.compressed_block("logmel", k)) for k in range(len(blocks))]
+    raw_total, comp_total = int(blocks[:, 3].sum()), int(blocks[:, 1].sum())
+    dctx = zstandard.ZstdDecompressor()
+    state = shard._state["logmel"]
+
+    def bare() -> None:
+        for frame in frames:
+            dctx.decompress(frame)
+
+    def dlop_blocks() -> None:
+        for k in range(len(frames)):
+            shard._decode_block(state, k)  # uncached: every block decoded
+
+    def dlop_samples() -> None:
+        for i in range(n):
+            shard.get("logmel", i)
+
+    t_bare, t_blocks, t_samples = (best_of(f, repeats) for f in (bare, dlop_blocks, dlop_samples))
+    wl = f"format: zstd:3{'+shuffle' if shuffle else ''} f16 x {n} (ratio {raw_total / comp_total:.2f}x)"
+    rows = [
+        Row(wl, "bare zstandard.decompress of the blocks", n / t_bare, raw_total / t_bare / 1e9),
+        Row(
+            wl,
+            "ShardReader.decode_block, every block",
+            n / t_blocks,
+            raw_total / t_blocks / 1e9,
+            t_bare / t_blocks,
+            "bare zstandard",
+        ),
+        Row(
+            wl,
+            "ShardReader.get, every sample",
+            n / t_samples,
+            raw_total / t_samples / 1e9,
+            t_bare / t_samples,
+            "bare zstandard",
+        ),
+    ]
+    reader.close()
+    shutil.rmtree(path, ignore_errors=True)
+    return rows
