@@ -1,0 +1,1 @@
+"""Offline compilation: corpus sources -> decoders -> featurizers -> shard writer."""

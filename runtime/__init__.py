@@ -1,0 +1,1 @@
+"""Training-time loading: open archives, order, gather, transfer, augment."""

@@ -1,0 +1,193 @@
+"""Feature parity with librosa 0.11 and with float64 references of the documented algorithms."""
+
+from __future__ import annotations
+
+import librosa
+import numpy as np
+import pytest
+import torch
+
+from dlop.compiler.features import feature_config, featurize
+
+from .signals import make_signal as _make_signal
+
+
+def ours(x: np.ndarray, preset: str, **kw) -> np.ndarray:
+    cfg = feature_config(preset, **kw)
+    return featurize(torch.from_numpy(x.astype(np.float32)), cfg).numpy().astype(np.float64)
+
+
+def make_signal(*args, **kw) -> np.ndarray:
+    """Decoded audio is float32: references get the same rounded samples, in float64."""
+    return _make_signal(*args, **kw).astype(np.float32).astype(np.float64)
+
+
+def librosa_logmel(x: np.ndarray, sr: int, n_fft: int, hop: int, n_mels: int, pad_mode: str,
+                   fmin: float = 0.0, fmax: float | None = None, top_db: float | None = 80.0) -> np.ndarray:
+    mel = librosa.feature.melspectrogram(y=x, sr=sr, n_fft=n_fft, hop_length=hop, n_mels=n_mels,
+                                         pad_mode=pad_mode, fmin=fmin, fmax=fmax, power=2.0)
+    return librosa.power_to_db(mel, ref=1.0, amin=1e-10, top_db=top_db).T
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_librosa_preset(seed: int) -> None:
+    x = make_signal(22050, seed=seed)
+    want = librosa_logmel(x, 22050, 2048, 512, 128, "constant")
+    got = ours(x, "librosa")
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 1e-3
+
+
+def test_librosa_preset_at_other_settings() -> None:
+    x = make_signal(44100)
+    want = librosa_logmel(x, 44100, 1024, 512, 128, "constant")
+    got = ours(x, "librosa", sample_rate=44100, n_fft=1024, hop_length=512)
+    assert np.abs(got - want).max() < 1e-3
+
+
+def test_panns_preset() -> None:
+    x = make_signal(32000)
+    want = librosa_logmel(x, 32000, 1024, 320, 64, "reflect", fmin=50, fmax=14000, top_db=None)
+    got = ours(x, "panns")
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 1e-3
+
+
+@pytest.mark.filterwarnings("ignore:Empty filters detected")
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_whisper_preset(n_mels: int) -> None:
+    x = make_signal(16000, seconds=2.0)
+    stft = librosa.stft(x, n_fft=400, hop_length=160, window="hann", center=True, pad_mode="reflect")
+    power = np.abs(stft[:, :-1]) ** 2
+    mel = librosa.filters.mel(sr=16000, n_fft=400, n_mels=n_mels) @ power
+    log = np.log10(np.maximum(mel, 1e-10))
+    log = (np.maximum(log, log.max() - 8.0) + 4.0) / 4.0
+    got = ours(x, "whisper", n_mels=n_mels)
+    assert got.shape == log.T.shape
+    # Whisper values are log10 / 4: 1e-3 dB is 2.5e-5 in these units.
+    assert np.abs(got - log.T).max() * 40 < 1e-3
+
+
+def test_mfcc_matches_librosa() -> None:
+    x = make_signal(22050)
+    want = librosa.feature.mfcc(y=x, sr=22050, n_mfcc=20).T
+    got = ours(x, "librosa", features="mfcc")
+    assert np.abs(got - want).max() < 1e-3
+
+
+@pytest.mark.filterwarnings("ignore:Empty filters detected")  # 128 HTK mels on a 400-point FFT, as torchaudio does
+def test_torchaudio_preset_against_float64_reference() -> None:
+    x = make_signal(16000)
+    stft = librosa.stft(x, n_fft=400, hop_length=200, window="hann", center=True, pad_mode="reflect")
+    fb = librosa.filters.mel(sr=16000, n_fft=400, n_mels=128, htk=True, norm=None)
+    want = (10 * np.log10(np.maximum(fb @ np.abs(stft) ** 2, 1e-10))).T
+    got = ours(x, "torchaudio")
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 5e-4
+
+
+def kaldi_reference(x: np.ndarray, sr: int, n_bins: int, window: str, scale: float) -> np.ndarray:
+    """Kaldi fbank written out from its documentation, float64, one frame at a time."""
+    size, shift = int(sr * 0.025), int(sr * 0.010)
+    padded = 1
+    while padded < size:
+        padded *= 2
+    n = np.arange(size)
+    hann = 0.5 - 0.5 * np.cos(2 * np.pi * n / (size - 1))
+    win = hann**0.85 if window == "povey" else hann
+    mel = lambda f: 1127.0 * np.log(1.0 + f / 700.0)  # noqa: E731
+    lo, hi = mel(20.0), mel(sr / 2)
+    delta = (hi - lo) / (n_bins + 1)
+    bank = np.zeros((n_bins, padded // 2 + 1))
+    for b in range(n_bins):
+        left, centre, right = lo + b * delta, lo + (b + 1) * delta, lo + (b + 2) * delta
+        for k in range(padded // 2):
+            m = mel(k * sr / padded)
+            if left < m < right:
+                bank[b, k] = (m - left) / (centre - left) if m <= centre else (right - m) / (right - centre)
+    frames = []
+    for start in range(0, len(x) - size + 1, shift):
+        f = x[start : start + size] * scale
+        f = f - f.mean()
+        f = np.concatenate([[f[0] - 0.97 * f[0]], f[1:] - 0.97 * f[:-1]])
+        spec = np.abs(np.fft.rfft(f * win, padded)) ** 2
+        frames.append(np.log(np.maximum(bank @ spec, np.finfo(np.float32).eps)))
+    return np.array(frames).reshape(-1, n_bins)
+
+
+def test_kaldi_preset_against_float64_reference() -> None:
+    x = make_signal(16000, seconds=0.7)
+    want = kaldi_reference(x, 16000, 23, "povey", 32768.0)
+    got = ours(x, "kaldi")
+    assert got.shape == want.shape == (1 + (len(x) - 400) // 160, 23)
+    assert np.abs(got - want).max() < 5e-4
+
+
+def test_ast_preset_against_float64_reference() -> None:
+    x = make_signal(16000, seconds=0.7)
+    fbank = kaldi_reference(x, 16000, 128, "hanning", 1.0)
+    padded = np.zeros((512, 128))
+    padded[: len(fbank)] = fbank
+    want = (padded + 6.6268077) / (2 * 5.358466)
+    got = ours(x, "ast")
+    assert got.shape == (512, 128)
+    assert np.abs(got - want).max() < 5e-4
+
+
+def test_torchaudio_itself_where_it_imports() -> None:
+    try:
+        import torchaudio
+    except Exception as e:  # noqa: BLE001 - any import failure means "not here"
+        pytest.skip(f"torchaudio does not import here: {type(e).__name__}")
+    x = torch.from_numpy(make_signal(16000).astype(np.float32))
+    mel = torchaudio.transforms.MelSpectrogram(sample_rate=16000, n_fft=400, n_mels=128)(x)
+    want = torchaudio.transforms.AmplitudeToDB(stype="power")(mel).T.numpy()
+    assert np.abs(ours(x.numpy(), "torchaudio") - want).max() < 5e-4
+    fb = torchaudio.compliance.kaldi.fbank(x[None] * 32768, dither=0.0).numpy()
+    assert np.abs(ours(x.numpy(), "kaldi") - fb).max() < 5e-3
+
+
+@pytest.mark.parametrize("preset", ["librosa", "whisper", "panns", "torchaudio", "kaldi", "ast"])
+def test_batched_equals_per_clip(preset: str) -> None:
+    cfg = feature_config(preset)
+    clips = torch.stack([torch.from_numpy(make_signal(cfg.sample_rate, seconds=0.8, seed=s)).float() for s in range(3)])
+    batched = featurize(clips, cfg)
+    for i in range(3):
+        single = featurize(clips[i], cfg)
+        torch.testing.assert_close(batched[i], single, rtol=1e-6, atol=1e-5)
+
+
+def test_short_and_silent_clips() -> None:
+    for preset in ("librosa", "whisper", "panns", "torchaudio", "kaldi", "ast"):
+        cfg = feature_config(preset)
+        for n in (0, 1, 7):
+            out = featurize(torch.zeros(n), cfg)
+            assert out.shape[-1] == cfg.bins and out.shape[0] == cfg.num_output_frames(n)
+            assert torch.isfinite(out).all()
+        silent = featurize(torch.zeros(cfg.sample_rate), cfg)
+        assert torch.isfinite(silent).all()
+
+
+def test_num_output_frames_matches() -> None:
+    for preset in ("librosa", "whisper", "panns", "torchaudio", "kaldi"):
+        cfg = feature_config(preset)
+        for n in (399, 400, 401, 16000, 22050):
+            assert featurize(torch.zeros(n), cfg).shape[0] == cfg.num_output_frames(n)
+
+
+def test_bad_options_are_named() -> None:
+    with pytest.raises(ValueError, match="unknown preset"):
+        feature_config("htk")
+    with pytest.raises(ValueError, match="win_length"):
+        feature_config("librosa", win_length=4096)
+    with pytest.raises(ValueError, match="fbank needs"):
+        feature_config("librosa", features="fbank")
+    with pytest.raises(ValueError, match="f_max"):
+        feature_config("librosa", f_max=30000.0)
+
+
+def test_float32_fft_error_is_as_documented() -> None:
+    x = make_signal(22050)
+    want = librosa_logmel(x, 22050, 2048, 512, 128, "constant")
+    err = np.abs(ours(x, "librosa", fft_dtype="float32") - want).max()
+    assert 0 < err < 5e-3
