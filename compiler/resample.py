@@ -53,9 +53,11 @@ def resample(
     kernel, width = _kernel(orig, new, cfg, waveform.dtype)
     shape = waveform.shape
     length = shape[-1]
-    x = waveform.reshape(-1, 1, length)
+    out_len = math.ceil(new * length / orig)
+    if length == 0 or waveform.numel() == 0:
+        return waveform.new_zeros((*shape[:-1], out_len))
+    x = waveform.reshape(math.prod(shape[:-1]), 1, length)
     x = F.pad(x, (width, width + orig))
     y = F.conv1d(x, kernel, stride=orig)  # [batch, new, blocks]
     y = y.transpose(1, 2).reshape(x.shape[0], -1)
-    out_len = math.ceil(new * length / orig)
     return y[:, :out_len].reshape(*shape[:-1], out_len)
