@@ -1,14 +1,112 @@
-"""dlop-compile: decode and featurize a corpus once into a dlop archive."""
+"""dlop-compile: decode and featurize a corpus once into a dlop archive.
+
+  dlop-compile SOURCE -o OUT [options]
+  dlop-compile --recipe FILE.toml -o OUT [options]
+  dlop-compile --demo OUT
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dlop.compiler.errors import CompileError
+from dlop.compiler.features import PRESETS
+from dlop.compiler.pipeline import compile_corpus
+from dlop.compiler.recipe import build_recipe, load_recipe_file
+from dlop.compiler.sources import LAYOUTS
+from dlop.formats import DlopError
+
+
+def _none_or_float(text: str) -> float | None:
+    return None if text.lower() in ("none", "off") else float(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlop-compile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", nargs="?", help="corpus folder, manifest .jsonl, or .tar shard(s) / brace pattern")
+    p.add_argument("-o", "--out", type=Path, help="archive directory to create")
+    p.add_argument("--recipe", type=Path, help="TOML or JSON recipe, or an archive whose recipe to repeat")
+    p.add_argument("--demo", type=Path, metavar="OUT", help="generate the demo corpus under OUT and compile it")
+    g = p.add_argument_group("corpus")
+    g.add_argument("--layout", choices=LAYOUTS, help="default: detected from SOURCE")
+    g.add_argument("--duration", type=float, help="crop or zero-pad every clip to SECONDS (0: native lengths)")
+    g.add_argument("--downmix", choices=("mean", "first"), help="how channels become one (default mean)")
+    f = p.add_argument_group("features")
+    f.add_argument("--features", choices=("logmel", "fbank", "mfcc", "waveform"))
+    f.add_argument("--preset", choices=sorted(PRESETS), help="feature convention (default librosa)")
+    for flag, typ in (("--sample-rate", int), ("--n-fft", int), ("--hop-length", int), ("--win-length", int),
+                      ("--n-mels", int), ("--n-mfcc", int), ("--f-min", float), ("--f-max", float),
+                      ("--input-scale", float)):
+        f.add_argument(flag, type=typ)
+    f.add_argument("--top-db", type=_none_or_float, help="per-clip dynamic range in dB, or none")
+    f.add_argument("--mel-scale", choices=("htk", "slaney"))
+    f.add_argument("--norm", choices=("slaney", "none"))
+    f.add_argument("--center", action=argparse.BooleanOptionalAction, default=None)
+    f.add_argument("--pad-mode", choices=("constant", "reflect"))
+    f.add_argument("--fft-dtype", choices=("float64", "float32"),
+                   help="FFT precision: float64 (default) matches the references exactly, float32 is faster")
+    f.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="stored dtype (default float16)")
+    o = p.add_argument_group("output")
+    o.add_argument("--codec", help="raw (default), zstd, zstd:LEVEL")
+    o.add_argument("--shard-bytes", help="target shard size: bytes, or with KB/MB/GB or KiB/MiB/GiB (default 256MiB)")
+    o.add_argument("--workers", type=int, help="worker processes (default: all cores)")
+    o.add_argument("--on-error", choices=("skip", "fail"), help="bad inputs: record and go on (default), or stop")
+    o.add_argument("--resume", action="store_true", help="finish an interrupted compile in OUT")
+    o.add_argument("--overwrite", action="store_true", help="replace whatever OUT holds")
+    o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+_NOT_RECIPE = {"out", "recipe", "demo", "resume", "overwrite", "quiet"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dlop-compile", description=__doc__)
-    p.parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(parser, args)
+    except KeyboardInterrupt:
+        return 130
+    except (DlopError, OSError) as e:
+        print(f"dlop-compile: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    options: dict[str, Any] = {}
+    if args.recipe:
+        options.update(load_recipe_file(args.recipe))
+    out = args.out
+    if args.demo:
+        from dlop.compiler.demo import DEMO_RECIPE, make_demo_corpus
+
+        corpus = args.demo / "corpus"
+        if not (corpus / "meta" / "esc50.csv").exists():
+            print(f"generating demo corpus in {corpus}", file=sys.stderr)
+            make_demo_corpus(corpus)
+        options.update(DEMO_RECIPE, source=str(corpus))
+        out = out or args.demo / "archive"
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in _NOT_RECIPE}
+    options.update(given)
+    if "source" not in options:
+        parser.error("give SOURCE, --recipe or --demo")
+    if out is None:
+        parser.error("give -o OUT")
+    workers = options.pop("workers", None)
+    recipe = build_recipe(options)
+    started = time.perf_counter()
+    index = compile_corpus(recipe, out, workers=workers, resume=args.resume,
+                           overwrite=args.overwrite or bool(args.demo), progress=not args.quiet)
+    took = time.perf_counter() - started
+    size = sum(s.bytes for s in index.shards)
+    print(f"wrote {out}: {index.num_samples} samples in {len(index.shards)} shard(s), {size / 2**20:.1f} MiB, "
+          f"{index.skipped_count} skipped{' (see errors.jsonl)' if index.skipped_count else ''}; "
+          f"{took:.1f} s, {(index.num_samples + index.skipped_count) / max(took, 1e-9):.0f} inputs/s")
     return 0
 
 

@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
+    except BrokenPipeError:  # output piped into head and the like
+        return 0
     except (DlopError, ValueError, OSError) as e:
         # An archive that cannot even be opened has failed verification too: exit 1.
         print(f"dlop-inspect: error: {e}", file=sys.stderr)

@@ -107,8 +107,13 @@ def render_sample(
             fig.colorbar(overlay, ax=ax, fraction=0.03)
             ax.axis("off")
         elif kind == "spectrogram":
-            hop = (recipe or {}).get("hop_length")
-            sr = (recipe or {}).get("sample_rate")
+            params = dict(recipe or {})
+            if isinstance(params.get("features"), dict):  # a dlop-compile recipe
+                params.update(params["features"])
+            hop = params.get("hop_length")
+            sr = params.get("sample_rate")
+            if params.get("features") == "fbank" and isinstance(sr, int):
+                hop = int(sr * float(params.get("frame_shift_ms", 10.0)) / 1000)
             frames = value.shape[0]
             extent = None
             xlabel = "frame"

@@ -1,0 +1,375 @@
+"""The compile driver: items -> worker processes (decode, resample, featurize) -> shards.
+
+Determinism: every item is featurized on its own with one torch thread, and
+results are written in corpus order, so the shard bytes depend only on the
+corpus and the recipe, never on the worker count or on where a resumed compile
+picked up.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import dlop
+from dlop.formats import ERRORS_NAME, INDEX_NAME, Field, Index, ShardInfo, ShardWriter, shard_name, write_index
+from dlop.formats.archive import atomic_write
+
+from .decode import decode_audio, downmix
+from .errors import CompileError, InputError
+from .features import featurize
+from .recipe import DTYPES, Recipe
+from .resample import resample
+from .sources import Corpus, Item, open_corpus, stream_webdataset, webdataset_fields
+
+JOURNAL = ".dlop-progress.json"
+CHUNK_ITEMS = 8
+
+
+@dataclass
+class Outcome:
+    key: str
+    sample: dict[str, Any] | None = None
+    reason: str | None = None
+    path: str | None = None
+
+
+def schema_for(recipe: Recipe, corpus: Corpus) -> list[Field]:
+    cfg = recipe.feature
+    fixed = recipe.duration is not None or cfg.num_frames is not None
+    if cfg.features == "waveform":
+        frames = round(recipe.duration * cfg.sample_rate) if recipe.duration is not None else None
+        shape: tuple[int | None, ...] = (frames,)
+        units = "amplitude in [-1, 1]"
+    else:
+        frames = cfg.num_output_frames(round(recipe.duration * cfg.sample_rate)) if recipe.duration else None
+        frames = cfg.num_frames if cfg.num_frames is not None else frames
+        shape = (frames if fixed else None, cfg.bins)
+        units = {"db": "dB", "log10": "log10", "ln": "natural log", "none": "power"}[cfg.log]
+        if cfg.post == "whisper":
+            units = "(log10 + 4) / 4"
+        elif cfg.post == "ast":
+            units = "normalised ln fbank"
+    meaning = f"{cfg.preset} {cfg.features} at {cfg.sample_rate} Hz, time-major [frames, bins]"
+    fields = [Field.str_("key", meaning="input path relative to the corpus root, or manifest id"),
+              Field(cfg.features, DTYPES[recipe.dtype], shape, codec=recipe.feature_codec(), meaning=meaning,
+                    units=units)]
+    if corpus.has_label:
+        fields.append(Field("label", "i64", (), meaning="class index (see metadata.classes)"))
+    if corpus.has_text:
+        fields.append(Field.str_("text", meaning="transcript"))
+    for name, kind in corpus.extra_fields.items():
+        fields.append(Field.str_(name) if kind == "str" else Field(name, kind, ()))
+    return fields
+
+
+# -- worker side -------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(recipe_json: dict[str, Any], has_label: bool, has_text: bool, extra: dict[str, str]) -> None:
+    from .recipe import build_recipe
+
+    torch.set_num_threads(1)
+    _WORKER.update(recipe=build_recipe(recipe_json), has_label=has_label, has_text=has_text, extra=extra)
+
+
+def _run_chunk(items: list[Item]) -> list[Outcome]:
+    return [process_item(it, _WORKER["recipe"], _WORKER["has_label"], _WORKER["has_text"], _WORKER["extra"])
+            for it in items]
+
+
+def process_item(item: Item, recipe: Recipe, has_label: bool, has_text: bool, extra: dict[str, str]) -> Outcome:
+    """Decode, downmix, resample, crop/pad, featurize one input; never raises for bad input."""
+    name = item.key if item.path is None else item.path
+    try:
+        if item.data is not None:
+            webdataset_fields(item)
+        if item.error:
+            raise InputError(name, item.error)
+        if item.data is not None and item.member is not None:
+            name = f"{item.member[0]}:{item.key}.{item.member[1]}"
+            source: Any = item.data[item.member[1]]
+        else:
+            source = item.path
+        audio, rate = decode_audio(source, name, item.offset, item.duration)
+        cfg = recipe.feature
+        wave = torch.from_numpy(downmix(audio, recipe.downmix))
+        wave = resample(wave, rate, cfg.sample_rate, recipe.resampler)
+        if recipe.duration is not None:
+            n = round(recipe.duration * cfg.sample_rate)
+            wave = wave[:n] if wave.shape[0] >= n else torch.nn.functional.pad(wave, (0, n - wave.shape[0]))
+        feat = featurize(wave, cfg)
+        if not torch.isfinite(feat).all():
+            raise InputError(name, "features are not finite")
+        sample: dict[str, Any] = {"key": item.key, cfg.features: _store(feat, recipe.dtype)}
+        if not np.isfinite(sample[cfg.features].astype(np.float32) if recipe.dtype != "bfloat16" else 0).all():
+            raise InputError(name, f"features overflow {recipe.dtype}")
+        if has_label:
+            if item.label is None:
+                raise InputError(name, "no label")
+            sample["label"] = item.label
+        if has_text:
+            if item.text is None:
+                raise InputError(name, "no transcript")
+            sample["text"] = item.text
+        for field_name in extra:
+            sample[field_name] = item.extras[field_name]
+        return Outcome(item.key, sample=sample)
+    except InputError as e:
+        return Outcome(item.key, reason=e.reason, path=e.path)
+
+
+def _store(feat: torch.Tensor, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return feat.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return feat.to(getattr(torch, dtype)).numpy()
+
+
+# -- driver --------------------------------------------------------------------------
+
+
+def _created() -> str:
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch and epoch.isdigit():
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(epoch)))
+    from dlop.formats.archive import now_utc
+
+    return now_utc()
+
+
+class _Journal:
+    """Progress of an unfinished compile: completed shards, inputs consumed, inputs skipped."""
+
+    def __init__(self, out: Path, digest: str, fingerprint: str) -> None:
+        self.path = out / JOURNAL
+        self.digest, self.fingerprint = digest, fingerprint
+        self.shards: list[ShardInfo] = []
+        self.consumed = 0
+        self.skipped: list[dict[str, Any]] = []
+
+    def save(self) -> None:
+        atomic_write(self.path, json.dumps({
+            "recipe_digest": self.digest, "fingerprint": self.fingerprint, "consumed": self.consumed,
+            "shards": [s.to_json() for s in self.shards], "skipped": self.skipped}).encode())
+
+    def load(self) -> None:
+        try:
+            obj = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CompileError(f"{self.path}: cannot read the progress journal ({e}); compile afresh") from None
+        if obj.get("recipe_digest") != self.digest:
+            raise CompileError(f"{self.path.parent}: --resume with a different recipe than the interrupted compile")
+        if obj.get("fingerprint") != self.fingerprint:
+            raise CompileError(f"{self.path.parent}: the corpus changed since the interrupted compile; compile afresh")
+        self.shards = [ShardInfo(**s) for s in obj["shards"]]
+        self.consumed = int(obj["consumed"])
+        self.skipped = list(obj["skipped"])
+
+
+def _prepare_output(out: Path, resume: bool, overwrite: bool) -> bool:
+    """Returns whether this compile created the directory."""
+    if not out.exists():
+        if resume:
+            raise CompileError(f"{out}: nothing to resume (the directory does not exist)")
+        out.mkdir(parents=True)
+        return True
+    if not out.is_dir():
+        raise CompileError(f"{out}: exists and is not a directory")
+    if resume:
+        if (out / INDEX_NAME).exists():
+            raise CompileError(f"{out}: already a complete archive; nothing to resume")
+        if not (out / JOURNAL).exists():
+            raise CompileError(f"{out}: no interrupted compile to resume (no {JOURNAL})")
+        return False
+    if any(out.iterdir()):
+        if not overwrite:
+            what = "an archive" if (out / INDEX_NAME).exists() else "files"
+            raise CompileError(f"{out}: already holds {what}; choose a new path, --overwrite it, or --resume")
+        (out / INDEX_NAME).unlink(missing_ok=True)  # first, so a crash never leaves a stale-but-valid archive
+        for p in out.iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return False
+
+
+def _verify_completed(out: Path, journal: _Journal) -> None:
+    from dlop.formats import ShardReader
+
+    for info in journal.shards:
+        path = out / info.file
+        try:
+            with ShardReader(path) as r:
+                ok = r.file_crc32() == info.crc32 and r.num_samples == info.num_samples
+        except Exception:  # noqa: BLE001 - any failure means the shard must be redone
+            ok = False
+        if not ok:
+            raise CompileError(f"{path}: completed shard is missing or damaged; compile afresh")
+    keep = {s.file for s in journal.shards} | {JOURNAL}
+    for p in out.iterdir():
+        if p.name not in keep and p.is_file():
+            p.unlink()  # partial shards, spools and temp files of the interrupted run
+
+
+def _item_stream(corpus: Corpus, start: int) -> Iterator[Item]:
+    if corpus.layout == "webdataset":
+        return stream_webdataset(corpus, start)
+    return iter(corpus.items[start:])
+
+
+def _chunks(items: Iterator[Item], size: int) -> Iterator[list[Item]]:
+    chunk: list[Item] = []
+    for it in items:
+        chunk.append(it)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def compile_corpus(
+    recipe: Recipe,
+    out: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    on_progress: Callable[[int], None] | None = None,
+) -> Index:
+    """Compiles recipe.source into an archive at ``out``; returns its index."""
+    out = Path(out)
+    corpus = open_corpus(recipe.source, recipe.layout)
+    if not corpus.items:
+        raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
+    fields = schema_for(recipe, corpus)
+    created_dir = _prepare_output(out, resume, overwrite)
+    journal = _Journal(out, recipe.digest(), corpus.fingerprint)
+    if resume:
+        journal.load()
+        _verify_completed(out, journal)
+    workers = max(1, workers or os.cpu_count() or 1)
+    total = len(corpus.items)
+    bar = _progress_bar(total, journal.consumed, progress)
+    writer: ShardWriter | None = None
+    consumed = journal.consumed
+    failed = False
+    try:
+        results = _results(corpus, recipe, workers, journal.consumed)
+        for outcome in results:
+            consumed += 1
+            if outcome.sample is None:
+                if recipe.on_error == "fail":
+                    failed = True
+                    raise CompileError(f"{outcome.path}: {outcome.reason} (--on-error fail)")
+                journal.skipped.append({"path": outcome.path or outcome.key, "key": outcome.key,
+                                        "reason": outcome.reason})
+            else:
+                if writer is None:
+                    writer = ShardWriter(out / shard_name(len(journal.shards)), fields)
+                writer.write(outcome.sample)
+                if writer.bytes_written >= recipe.shard_bytes:
+                    journal.shards.append(writer.close())
+                    writer = None
+                    journal.consumed = consumed
+                    journal.save()
+            bar.update(1)
+            if on_progress:
+                on_progress(consumed)
+        if writer is not None:
+            journal.shards.append(writer.close())
+            writer = None
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        bar.close()
+        if failed:
+            _remove_partial(out, journal, created_dir)
+        elif not isinstance(sys.exc_info()[1], CompileError):
+            print(f"dlop-compile: stopped; run again with --resume to continue from {len(journal.shards)} "
+                  f"completed shard(s)", file=sys.stderr)
+        raise
+    bar.close()
+    if journal.skipped:
+        lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in journal.skipped)
+        atomic_write(out / ERRORS_NAME, lines.encode())
+    provenance = {
+        "dlop_version": dlop.__version__,
+        "created": _created(),
+        "source": {"layout": corpus.layout, "path": corpus.root, "num_inputs": total,
+                   "fingerprint": corpus.fingerprint},
+    }
+    metadata = {**corpus.metadata, "feature_field": recipe.feature_name}
+    index = Index(tuple(fields), tuple(journal.shards), sum(s.num_samples for s in journal.shards),
+                  recipe.to_json(), provenance, len(journal.skipped), metadata)
+    write_index(out, index)
+    (out / JOURNAL).unlink(missing_ok=True)
+    return index
+
+
+def _remove_partial(out: Path, journal: _Journal, created_dir: bool) -> None:
+    for s in journal.shards:
+        (out / s.file).unlink(missing_ok=True)
+    (out / JOURNAL).unlink(missing_ok=True)
+    if created_dir:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterator[Outcome]:
+    extra = corpus.extra_fields
+    chunks = _chunks(_item_stream(corpus, start), CHUNK_ITEMS)
+    if workers == 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for chunk in chunks:
+                for it in chunk:
+                    yield process_item(it, recipe, corpus.has_label, corpus.has_text, extra)
+        finally:
+            torch.set_num_threads(threads)
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(recipe.to_json(), corpus.has_label, corpus.has_text, extra)) as pool:
+        pending: deque[Future[list[Outcome]]] = deque()
+        try:
+            for chunk in chunks:
+                pending.append(pool.submit(_run_chunk, chunk))
+                if len(pending) >= 3 * workers:  # bounded: a few chunks per worker in flight
+                    yield from pending.popleft().result()
+            while pending:
+                yield from pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="input", desc="compiling", file=sys.stderr, dynamic_ncols=True,
+                smoothing=0.1)

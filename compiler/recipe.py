@@ -1,0 +1,158 @@
+"""The compile recipe: every option explicit, loadable from TOML/JSON, stored in the index."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dlop.formats import Codec, Raw, SchemaError, Zstd, parse_codec
+
+from .errors import CompileError
+from .features import FeatureConfig, feature_config
+from .resample import ResampleConfig
+from .sources import LAYOUTS, detect_layout
+
+DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+FEATURE_OPTIONS = {f.name for f in fields(FeatureConfig)} - {"preset", "features"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``1000``, ``256MiB``, ``1.5GB`` -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise CompileError(f"size {text!r} is not a number of bytes with an optional KB/MB/GB or KiB/MiB/GiB suffix")
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    if value <= 0:
+        raise CompileError(f"size {text!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class Recipe:
+    source: str
+    layout: str | None
+    feature: FeatureConfig
+    dtype: str = "float16"
+    duration: float | None = None  # seconds: crop or zero-pad; None keeps native lengths (ragged)
+    downmix: str = "mean"
+    codec: str = "raw"
+    shard_bytes: int = 256 << 20
+    on_error: str = "skip"
+    resampler: ResampleConfig = field(default_factory=ResampleConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise CompileError(f"dtype {self.dtype!r} must be one of {sorted(DTYPES)}")
+        if self.on_error not in ("skip", "fail"):
+            raise CompileError(f"on_error {self.on_error!r} must be skip or fail")
+        if self.downmix not in ("mean", "first"):
+            raise CompileError(f"downmix {self.downmix!r} must be mean or first")
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise CompileError(f"layout {self.layout!r} must be one of {LAYOUTS}")
+        if self.duration is not None and self.duration <= 0:
+            raise CompileError(f"duration {self.duration} must be positive seconds")
+        self.feature_codec()  # validates
+
+    @property
+    def feature_name(self) -> str:
+        return self.feature.features
+
+    def feature_codec(self) -> Codec:
+        """The feature field's codec; zstd byte-shuffles multi-byte values (smaller and faster to decode)."""
+        try:
+            codec = parse_codec(self.codec)
+        except SchemaError as e:
+            raise CompileError(str(e)) from None
+        if isinstance(codec, Zstd) and not self.codec.endswith(":noshuffle"):
+            return Zstd(level=codec.level, block_bytes=codec.block_bytes, shuffle=True)
+        return codec if isinstance(codec, Zstd) else Raw()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "layout": self.layout,
+            "features": self.feature.to_json(),
+            "dtype": self.dtype,
+            "duration": self.duration,
+            "downmix": self.downmix,
+            "codec": self.codec,
+            "feature_codec": self.feature_codec().to_json(),
+            "shard_bytes": self.shard_bytes,
+            "on_error": self.on_error,
+            "resampler": asdict(self.resampler),
+        }
+
+    def digest(self) -> str:
+        """Hash of everything that determines the archive's bytes."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+
+def load_recipe_file(path: str | Path) -> dict[str, Any]:
+    """Options from a .toml or .json recipe, or from an archive's index.json."""
+    p = Path(path)
+    if p.is_dir() and (p / "index.json").is_file():
+        p = p / "index.json"
+    try:
+        text = p.read_text("utf-8")
+    except OSError as e:
+        raise CompileError(f"{p}: cannot read recipe: {e.strerror or e}") from None
+    try:
+        obj = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise CompileError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+    if isinstance(obj, dict) and obj.get("format") == "dlop-archive":
+        obj = obj.get("recipe", {})
+    if not isinstance(obj, dict):
+        raise CompileError(f"{p}: a recipe must be a table/object of options")
+    return obj
+
+
+def build_recipe(options: dict[str, Any]) -> Recipe:
+    """Options (recipe file merged with command-line flags) -> Recipe; unknown keys are errors."""
+    # A key given as null (as a resolved recipe stores "duration": null) counts as given.
+    explicit_duration = "duration" in options
+    opts = {k.replace("-", "_"): v for k, v in options.items() if v is not None}
+    known = {"source", "layout", "features", "preset", "dtype", "duration", "downmix", "codec", "feature_codec",
+             "shard_bytes", "on_error", "resampler", "workers"} | FEATURE_OPTIONS
+    unknown = sorted(set(opts) - known)
+    if unknown:
+        raise CompileError(f"unknown recipe option(s): {', '.join(unknown)}")
+    if "source" not in opts:
+        raise CompileError("no SOURCE: give the corpus path (or 'source' in the recipe)")
+    features = opts.get("features")
+    try:
+        if isinstance(features, dict):  # a resolved recipe from an index
+            cfg = FeatureConfig(**features)
+        else:
+            overrides = {k: opts[k] for k in FEATURE_OPTIONS if k in opts}
+            cfg = feature_config(opts.get("preset", "librosa"), features, **overrides)
+    except (TypeError, ValueError) as e:
+        raise CompileError(str(e)) from None
+    resampler = opts.get("resampler")
+    layout = opts.get("layout") or detect_layout(Path(str(opts["source"])))
+    # ESC-50 defines 5 s clips, so its features are fixed-size unless told otherwise;
+    # duration 0 asks for native lengths (ragged) explicitly.
+    duration = opts.get("duration") if explicit_duration else (5.0 if layout == "esc50" else None)
+    return Recipe(
+        source=str(opts["source"]),
+        layout=layout,
+        feature=cfg,
+        dtype=opts.get("dtype", "float16"),
+        duration=None if duration in (None, 0, 0.0) else float(duration),
+        downmix=opts.get("downmix", "mean"),
+        codec=str(opts.get("codec", "raw")),
+        shard_bytes=parse_size(opts.get("shard_bytes", 256 << 20)),
+        on_error=opts.get("on_error", "skip"),
+        resampler=ResampleConfig(**resampler) if isinstance(resampler, dict) else ResampleConfig(),
+    )
