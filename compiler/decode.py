@@ -40,12 +40,15 @@ def decode_audio(
             audio, rate = _pyav(source, offset, duration)
         except InputError:
             raise
-        except Exception as e:  # noqa: BLE001 - any decoder failure is this input's fault
+        except Exception as e:
             raise InputError(name, f"cannot decode ({sf_error}; PyAV: {_short(e)})") from None
     if audio.shape[1] == 0:
         raise InputError(name, "no audio samples" + (f" at offset {offset} s" if offset else ""))
     if not np.isfinite(audio).all():
-        raise InputError(name, f"non-finite samples (NaN or Inf): {int((~np.isfinite(audio)).sum())} of {audio.size}")
+        raise InputError(
+            name,
+            f"non-finite samples (NaN or Inf): {int((~np.isfinite(audio)).sum())} of {audio.size}",
+        )
     return audio, rate
 
 
@@ -65,17 +68,24 @@ def _soundfile(source: Source, offset: float, duration: float | None) -> tuple[n
     try:
         with sf.SoundFile(handle) as f:
             rate = f.samplerate
-            start = int(round(offset * rate))
+            start = round(offset * rate)
             if start:
                 f.seek(min(start, f.frames))
-            frames = -1 if duration is None else int(round(duration * rate))
+            frames = -1 if duration is None else round(duration * rate)
             data = f.read(frames, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
         raise _NotForSoundfile(f"soundfile: {_short(e)}") from None
     return np.ascontiguousarray(data.T), rate
 
 
-_SCALE = {"s16": 1 / 32768, "s16p": 1 / 32768, "s32": 1 / 2**31, "s32p": 1 / 2**31, "u8": 1 / 128, "u8p": 1 / 128}
+_SCALE = {
+    "s16": 1 / 32768,
+    "s16p": 1 / 32768,
+    "s32": 1 / 2**31,
+    "s32p": 1 / 2**31,
+    "u8": 1 / 128,
+    "u8p": 1 / 128,
+}
 
 
 def _pyav(source: Source, offset: float, duration: float | None) -> tuple[np.ndarray, int]:
@@ -105,8 +115,8 @@ def _pyav(source: Source, offset: float, duration: float | None) -> tuple[np.nda
     if not chunks:
         raise ValueError("no audio frames decoded")
     audio = np.concatenate(chunks, axis=1)
-    start = int(round(offset * rate))
-    stop = None if duration is None else start + int(round(duration * rate))
+    start = round(offset * rate)
+    stop = None if duration is None else start + round(duration * rate)
     return np.ascontiguousarray(audio[:, start:stop]), rate
 
 

@@ -43,7 +43,9 @@ def synth(kind: str, rate: int, seconds: float, rng: np.random.Generator) -> np.
     return (0.7 * x / (np.abs(x).max() + 1e-9)).astype(np.float32)
 
 
-def make_demo_corpus(root: str | Path, clips_per_class: int = 40, seconds: float = 5.0, seed: int = 0) -> Path:
+def make_demo_corpus(
+    root: str | Path, clips_per_class: int = 40, seconds: float = 5.0, seed: int = 0
+) -> Path:
     """Writes ``root/audio/*`` and ``root/meta/esc50.csv``; returns root."""
     import soundfile as sf
 
@@ -61,8 +63,17 @@ def make_demo_corpus(root: str | Path, clips_per_class: int = 40, seconds: float
         if channels == 2:
             x = np.stack([x, 0.8 * x], axis=1)
         sf.write(root / "audio" / name, x, rate, format=fmt, subtype=subtype)
-        rows.append({"filename": name, "fold": fold, "target": target, "category": CLASSES[target],
-                     "esc10": "False", "src_file": 100000 + n, "take": "A"})
+        rows.append(
+            {
+                "filename": name,
+                "fold": fold,
+                "target": target,
+                "category": CLASSES[target],
+                "esc10": "False",
+                "src_file": 100000 + n,
+                "take": "A",
+            }
+        )
     with open(root / "meta" / "esc50.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
@@ -71,5 +82,12 @@ def make_demo_corpus(root: str | Path, clips_per_class: int = 40, seconds: float
 
 
 # The ESC-50 benchmark shape: 5 s at 44.1 kHz, 128-mel log-mel, n_fft 1024, hop 512 -> [431, 128].
-DEMO_RECIPE = {"preset": "librosa", "sample_rate": 44100, "n_fft": 1024, "hop_length": 512, "n_mels": 128,
-               "duration": 5.0, "dtype": "float16"}
+DEMO_RECIPE = {
+    "preset": "librosa",
+    "sample_rate": 44100,
+    "n_fft": 1024,
+    "hop_length": 512,
+    "n_mels": 128,
+    "duration": 5.0,
+    "dtype": "float16",
+}

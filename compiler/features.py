@@ -90,7 +90,9 @@ class FeatureConfig:
                 raise bad(f"norm {self.norm!r} must be slaney or none")
             f_max = self.sample_rate / 2 if self.f_max is None else self.f_max
             if not 0 <= self.f_min < f_max <= self.sample_rate / 2:
-                raise bad(f"need 0 <= f_min ({self.f_min}) < f_max ({f_max}) <= Nyquist ({self.sample_rate / 2})")
+                raise bad(
+                    f"need 0 <= f_min ({self.f_min}) < f_max ({f_max}) <= Nyquist ({self.sample_rate / 2})"
+                )
         if self.features == "fbank" and (self.frame_length_ms <= 0 or self.frame_shift_ms <= 0):
             raise bad("frame_length_ms and frame_shift_ms must be positive")
         if self.features != "waveform" and self.n_mels <= 0:
@@ -100,7 +102,9 @@ class FeatureConfig:
         if self.log not in ("db", "log10", "ln", "none"):
             raise bad(f"log {self.log!r} must be db, log10, ln or none")
         if self.window not in ("hann", "hanning", "hamming", "povey", "rectangular"):
-            raise bad(f"window {self.window!r} is not one of hann, hanning, hamming, povey, rectangular")
+            raise bad(
+                f"window {self.window!r} is not one of hann, hanning, hamming, povey, rectangular"
+            )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -129,32 +133,109 @@ class FeatureConfig:
 
 PRESETS: dict[str, dict[str, Any]] = {
     # librosa.feature.melspectrogram + power_to_db(ref=1, amin=1e-10, top_db=80)
-    "librosa": dict(features="logmel", sample_rate=22050, n_fft=2048, hop_length=512, window="hann",
-                    center=True, pad_mode="constant", n_mels=128, mel_scale="slaney", norm="slaney",
-                    log="db", amin=1e-10, top_db=80.0),
+    "librosa": dict(
+        features="logmel",
+        sample_rate=22050,
+        n_fft=2048,
+        hop_length=512,
+        window="hann",
+        center=True,
+        pad_mode="constant",
+        n_mels=128,
+        mel_scale="slaney",
+        norm="slaney",
+        log="db",
+        amin=1e-10,
+        top_db=80.0,
+    ),
     # torchaudio MelSpectrogram + AmplitudeToDB(stype="power")
-    "torchaudio": dict(features="logmel", sample_rate=16000, n_fft=400, hop_length=200, window="hann",
-                       center=True, pad_mode="reflect", n_mels=128, mel_scale="htk", norm="none",
-                       log="db", amin=1e-10, top_db=None),
+    "torchaudio": dict(
+        features="logmel",
+        sample_rate=16000,
+        n_fft=400,
+        hop_length=200,
+        window="hann",
+        center=True,
+        pad_mode="reflect",
+        n_mels=128,
+        mel_scale="htk",
+        norm="none",
+        log="db",
+        amin=1e-10,
+        top_db=None,
+    ),
     # Whisper's log_mel_spectrogram on librosa (Slaney) filters
-    "whisper": dict(features="logmel", sample_rate=16000, n_fft=400, hop_length=160, window="hann",
-                    center=True, pad_mode="reflect", n_mels=80, mel_scale="slaney", norm="slaney",
-                    log="log10", amin=1e-10, top_db=None, post="whisper", drop_last_frame=True),
+    "whisper": dict(
+        features="logmel",
+        sample_rate=16000,
+        n_fft=400,
+        hop_length=160,
+        window="hann",
+        center=True,
+        pad_mode="reflect",
+        n_mels=80,
+        mel_scale="slaney",
+        norm="slaney",
+        log="log10",
+        amin=1e-10,
+        top_db=None,
+        post="whisper",
+        drop_last_frame=True,
+    ),
     # PANNs (torchlibrosa front end)
-    "panns": dict(features="logmel", sample_rate=32000, n_fft=1024, hop_length=320, window="hann",
-                  center=True, pad_mode="reflect", n_mels=64, f_min=50.0, f_max=14000.0,
-                  mel_scale="slaney", norm="slaney", log="db", amin=1e-10, top_db=None),
+    "panns": dict(
+        features="logmel",
+        sample_rate=32000,
+        n_fft=1024,
+        hop_length=320,
+        window="hann",
+        center=True,
+        pad_mode="reflect",
+        n_mels=64,
+        f_min=50.0,
+        f_max=14000.0,
+        mel_scale="slaney",
+        norm="slaney",
+        log="db",
+        amin=1e-10,
+        top_db=None,
+    ),
     # Kaldi compute-fbank-feats defaults, on int16-scaled samples as Kaldi reads them
-    "kaldi": dict(features="fbank", sample_rate=16000, n_mels=23, window="povey", f_min=20.0, f_max=0.0,
-                  log="ln", amin=KALDI_EPSILON, top_db=None, input_scale=32768.0),
+    "kaldi": dict(
+        features="fbank",
+        sample_rate=16000,
+        n_mels=23,
+        window="povey",
+        f_min=20.0,
+        f_max=0.0,
+        log="ln",
+        amin=KALDI_EPSILON,
+        top_db=None,
+        input_scale=32768.0,
+    ),
     # AST: Kaldi fbank (hanning window, 128 bins) on [-1, 1] samples, 512 frames, dataset norm
-    "ast": dict(features="fbank", sample_rate=16000, n_mels=128, window="hanning", f_min=20.0, f_max=0.0,
-                log="ln", amin=KALDI_EPSILON, top_db=None, input_scale=1.0, post="ast", num_frames=512,
-                norm_mean=-6.6268077, norm_std=5.358466),
+    "ast": dict(
+        features="fbank",
+        sample_rate=16000,
+        n_mels=128,
+        window="hanning",
+        f_min=20.0,
+        f_max=0.0,
+        log="ln",
+        amin=KALDI_EPSILON,
+        top_db=None,
+        input_scale=1.0,
+        post="ast",
+        num_frames=512,
+        norm_mean=-6.6268077,
+        norm_std=5.358466,
+    ),
 }
 
 
-def feature_config(preset: str = "librosa", features: str | None = None, **overrides: Any) -> FeatureConfig:
+def feature_config(
+    preset: str = "librosa", features: str | None = None, **overrides: Any
+) -> FeatureConfig:
     """A preset with overrides applied (None values are ignored)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -169,7 +250,9 @@ def feature_config(preset: str = "librosa", features: str | None = None, **overr
     if features is not None:
         kind = PRESETS[preset]["features"]
         if features in ("logmel", "mfcc") and kind == "fbank":
-            raise ValueError(f"preset {preset!r} is a Kaldi fbank convention; use --features fbank or waveform")
+            raise ValueError(
+                f"preset {preset!r} is a Kaldi fbank convention; use --features fbank or waveform"
+            )
         if features == "fbank" and kind != "fbank":
             raise ValueError(f"--features fbank needs --preset kaldi or ast, not {preset!r}")
         values["features"] = features
@@ -197,7 +280,9 @@ def _pad_edges(x: torch.Tensor, pad: int, mode: str) -> torch.Tensor:
     if mode == "constant" or pad == 0:
         return F.pad(x, (pad, pad))
     if x.shape[-1] > pad:
-        return F.pad(x.reshape(-1, 1, x.shape[-1]), (pad, pad), mode="reflect").reshape(*x.shape[:-1], -1)
+        return F.pad(x.reshape(-1, 1, x.shape[-1]), (pad, pad), mode="reflect").reshape(
+            *x.shape[:-1], -1
+        )
     # Shorter than the padding: numpy reflects repeatedly, as librosa does.
     arr = x.detach().cpu().numpy()
     if arr.shape[-1] == 0:
@@ -206,7 +291,9 @@ def _pad_edges(x: torch.Tensor, pad: int, mode: str) -> torch.Tensor:
     return torch.from_numpy(np.pad(arr, widths, mode="reflect")).to(x.dtype)
 
 
-def frame_signal(x: torch.Tensor, frame: int, hop: int, center: bool, pad_mode: str) -> torch.Tensor:
+def frame_signal(
+    x: torch.Tensor, frame: int, hop: int, center: bool, pad_mode: str
+) -> torch.Tensor:
     """``(..., time) -> (..., frames, frame)``, a strided view where possible."""
     if center:
         x = _pad_edges(x, frame // 2, pad_mode)
@@ -298,7 +385,9 @@ def _filterbank_tensor(cfg: FeatureConfig) -> torch.Tensor:
         fb = kaldi_filterbank(cfg.sample_rate, padded, cfg.n_mels, cfg.f_min, f_max)
     else:
         f_max = cfg.sample_rate / 2 if cfg.f_max is None else cfg.f_max
-        fb = mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.n_mels, cfg.f_min, f_max, cfg.mel_scale, cfg.norm)
+        fb = mel_filterbank(
+            cfg.sample_rate, cfg.n_fft, cfg.n_mels, cfg.f_min, f_max, cfg.mel_scale, cfg.norm
+        )
     return torch.tensor(fb, dtype=torch.float32)
 
 

@@ -18,7 +18,11 @@ def hz_to_mel(f: np.ndarray | float, scale: str) -> np.ndarray:
         f_sp, min_log_hz = 200.0 / 3, 1000.0
         min_log_mel, logstep = min_log_hz / f_sp, math.log(6.4) / 27.0
         linear = f / f_sp
-        return np.where(f >= min_log_hz, min_log_mel + np.log(np.maximum(f, 1e-300) / min_log_hz) / logstep, linear)
+        return np.where(
+            f >= min_log_hz,
+            min_log_mel + np.log(np.maximum(f, 1e-300) / min_log_hz) / logstep,
+            linear,
+        )
     raise ValueError(f"unknown mel scale {scale!r} (htk, slaney, kaldi)")
 
 
@@ -31,7 +35,9 @@ def mel_to_hz(m: np.ndarray | float, scale: str) -> np.ndarray:
     if scale == "slaney":
         f_sp, min_log_hz = 200.0 / 3, 1000.0
         min_log_mel, logstep = min_log_hz / f_sp, math.log(6.4) / 27.0
-        return np.where(m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), f_sp * m)
+        return np.where(
+            m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), f_sp * m
+        )
     raise ValueError(f"unknown mel scale {scale!r} (htk, slaney, kaldi)")
 
 
@@ -41,7 +47,9 @@ def mel_filterbank(
 ) -> np.ndarray:
     """Triangles in Hz at bins ``k * sr / n_fft`` (librosa/torchaudio): ``[n_fft//2+1, n_mels]``."""
     freqs = np.linspace(0.0, sample_rate / 2.0, 1 + n_fft // 2)
-    edges = mel_to_hz(np.linspace(hz_to_mel(f_min, scale), hz_to_mel(f_max, scale), n_mels + 2), scale)
+    edges = mel_to_hz(
+        np.linspace(hz_to_mel(f_min, scale), hz_to_mel(f_max, scale), n_mels + 2), scale
+    )
     fdiff = np.diff(edges)
     ramps = edges[:, None] - freqs[None, :]
     lower = -ramps[:-2] / fdiff[:-1, None]
@@ -57,19 +65,25 @@ def mel_filterbank(
 
 
 @functools.lru_cache(maxsize=32)
-def kaldi_filterbank(sample_rate: int, padded_window: int, n_mels: int, low_freq: float, high_freq: float) -> np.ndarray:
+def kaldi_filterbank(
+    sample_rate: int, padded_window: int, n_mels: int, low_freq: float, high_freq: float
+) -> np.ndarray:
     """Kaldi's triangles in the mel domain, no norm, Nyquist column zero: ``[padded/2+1, n_mels]``."""
     nyquist = 0.5 * sample_rate
     if high_freq <= 0.0:
         high_freq += nyquist
     if not 0.0 <= low_freq < high_freq <= nyquist:
-        raise ValueError(f"fbank needs 0 <= low_freq < high_freq <= Nyquist, got {low_freq}, {high_freq}")
+        raise ValueError(
+            f"fbank needs 0 <= low_freq < high_freq <= Nyquist, got {low_freq}, {high_freq}"
+        )
     n_bins = padded_window // 2
     mel_low, mel_high = hz_to_mel(low_freq, "kaldi"), hz_to_mel(high_freq, "kaldi")
     delta = (mel_high - mel_low) / (n_mels + 1)
     b = np.arange(n_mels, dtype=np.float64)[:, None]
     left, centre, right = mel_low + b * delta, mel_low + (b + 1) * delta, mel_low + (b + 2) * delta
-    mel = hz_to_mel(sample_rate / padded_window * np.arange(n_bins, dtype=np.float64), "kaldi")[None, :]
+    mel = hz_to_mel(sample_rate / padded_window * np.arange(n_bins, dtype=np.float64), "kaldi")[
+        None, :
+    ]
     up = (mel - left) / (centre - left)
     down = (right - mel) / (right - centre)
     banks = np.maximum(0.0, np.minimum(up, down))

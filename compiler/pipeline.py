@@ -8,6 +8,7 @@ picked up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -17,16 +18,26 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from dlop.formats import (
+    ERRORS_NAME,
+    INDEX_NAME,
+    Field,
+    Index,
+    ShardInfo,
+    ShardWriter,
+    shard_name,
+    write_index,
+)
+from dlop.formats.archive import atomic_write
 
 import dlop
-from dlop.formats import ERRORS_NAME, INDEX_NAME, Field, Index, ShardInfo, ShardWriter, shard_name, write_index
-from dlop.formats.archive import atomic_write
 
 from .decode import decode_audio, downmix
 from .errors import CompileError, InputError
@@ -55,7 +66,11 @@ def schema_for(recipe: Recipe, corpus: Corpus) -> list[Field]:
         shape: tuple[int | None, ...] = (frames,)
         units = "amplitude in [-1, 1]"
     else:
-        frames = cfg.num_output_frames(round(recipe.duration * cfg.sample_rate)) if recipe.duration else None
+        frames = (
+            cfg.num_output_frames(round(recipe.duration * cfg.sample_rate))
+            if recipe.duration
+            else None
+        )
         frames = cfg.num_frames if cfg.num_frames is not None else frames
         shape = (frames if fixed else None, cfg.bins)
         units = {"db": "dB", "log10": "log10", "ln": "natural log", "none": "power"}[cfg.log]
@@ -64,9 +79,17 @@ def schema_for(recipe: Recipe, corpus: Corpus) -> list[Field]:
         elif cfg.post == "ast":
             units = "normalised ln fbank"
     meaning = f"{cfg.preset} {cfg.features} at {cfg.sample_rate} Hz, time-major [frames, bins]"
-    fields = [Field.str_("key", meaning="input path relative to the corpus root, or manifest id"),
-              Field(cfg.features, DTYPES[recipe.dtype], shape, codec=recipe.feature_codec(), meaning=meaning,
-                    units=units)]
+    fields = [
+        Field.str_("key", meaning="input path relative to the corpus root, or manifest id"),
+        Field(
+            cfg.features,
+            DTYPES[recipe.dtype],
+            shape,
+            codec=recipe.feature_codec(),
+            meaning=meaning,
+            units=units,
+        ),
+    ]
     if corpus.has_label:
         fields.append(Field("label", "i64", (), meaning="class index (see metadata.classes)"))
     if corpus.has_text:
@@ -81,19 +104,29 @@ def schema_for(recipe: Recipe, corpus: Corpus) -> list[Field]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(recipe_json: dict[str, Any], has_label: bool, has_text: bool, extra: dict[str, str]) -> None:
+def _init_worker(
+    recipe_json: dict[str, Any], has_label: bool, has_text: bool, extra: dict[str, str]
+) -> None:
     from .recipe import build_recipe
 
     torch.set_num_threads(1)
-    _WORKER.update(recipe=build_recipe(recipe_json), has_label=has_label, has_text=has_text, extra=extra)
+    _WORKER.update(
+        recipe=build_recipe(recipe_json), has_label=has_label, has_text=has_text, extra=extra
+    )
 
 
 def _run_chunk(items: list[Item]) -> list[Outcome]:
-    return [process_item(it, _WORKER["recipe"], _WORKER["has_label"], _WORKER["has_text"], _WORKER["extra"])
-            for it in items]
+    return [
+        process_item(
+            it, _WORKER["recipe"], _WORKER["has_label"], _WORKER["has_text"], _WORKER["extra"]
+        )
+        for it in items
+    ]
 
 
-def process_item(item: Item, recipe: Recipe, has_label: bool, has_text: bool, extra: dict[str, str]) -> Outcome:
+def process_item(
+    item: Item, recipe: Recipe, has_label: bool, has_text: bool, extra: dict[str, str]
+) -> Outcome:
     """Decode, downmix, resample, crop/pad, featurize one input; never raises for bad input."""
     name = item.key if item.path is None else item.path
     try:
@@ -112,12 +145,18 @@ def process_item(item: Item, recipe: Recipe, has_label: bool, has_text: bool, ex
         wave = resample(wave, rate, cfg.sample_rate, recipe.resampler)
         if recipe.duration is not None:
             n = round(recipe.duration * cfg.sample_rate)
-            wave = wave[:n] if wave.shape[0] >= n else torch.nn.functional.pad(wave, (0, n - wave.shape[0]))
+            wave = (
+                wave[:n]
+                if wave.shape[0] >= n
+                else torch.nn.functional.pad(wave, (0, n - wave.shape[0]))
+            )
         feat = featurize(wave, cfg)
         if not torch.isfinite(feat).all():
             raise InputError(name, "features are not finite")
         sample: dict[str, Any] = {"key": item.key, cfg.features: _store(feat, recipe.dtype)}
-        if not np.isfinite(sample[cfg.features].astype(np.float32) if recipe.dtype != "bfloat16" else 0).all():
+        if not np.isfinite(
+            sample[cfg.features].astype(np.float32) if recipe.dtype != "bfloat16" else 0
+        ).all():
             raise InputError(name, f"features overflow {recipe.dtype}")
         if has_label:
             if item.label is None:
@@ -163,19 +202,34 @@ class _Journal:
         self.skipped: list[dict[str, Any]] = []
 
     def save(self) -> None:
-        atomic_write(self.path, json.dumps({
-            "recipe_digest": self.digest, "fingerprint": self.fingerprint, "consumed": self.consumed,
-            "shards": [s.to_json() for s in self.shards], "skipped": self.skipped}).encode())
+        atomic_write(
+            self.path,
+            json.dumps(
+                {
+                    "recipe_digest": self.digest,
+                    "fingerprint": self.fingerprint,
+                    "consumed": self.consumed,
+                    "shards": [s.to_json() for s in self.shards],
+                    "skipped": self.skipped,
+                }
+            ).encode(),
+        )
 
     def load(self) -> None:
         try:
             obj = json.loads(self.path.read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise CompileError(f"{self.path}: cannot read the progress journal ({e}); compile afresh") from None
+            raise CompileError(
+                f"{self.path}: cannot read the progress journal ({e}); compile afresh"
+            ) from None
         if obj.get("recipe_digest") != self.digest:
-            raise CompileError(f"{self.path.parent}: --resume with a different recipe than the interrupted compile")
+            raise CompileError(
+                f"{self.path.parent}: --resume with a different recipe than the interrupted compile"
+            )
         if obj.get("fingerprint") != self.fingerprint:
-            raise CompileError(f"{self.path.parent}: the corpus changed since the interrupted compile; compile afresh")
+            raise CompileError(
+                f"{self.path.parent}: the corpus changed since the interrupted compile; compile afresh"
+            )
         self.shards = [ShardInfo(**s) for s in obj["shards"]]
         self.consumed = int(obj["consumed"])
         self.skipped = list(obj["skipped"])
@@ -199,8 +253,12 @@ def _prepare_output(out: Path, resume: bool, overwrite: bool) -> bool:
     if any(out.iterdir()):
         if not overwrite:
             what = "an archive" if (out / INDEX_NAME).exists() else "files"
-            raise CompileError(f"{out}: already holds {what}; choose a new path, --overwrite it, or --resume")
-        (out / INDEX_NAME).unlink(missing_ok=True)  # first, so a crash never leaves a stale-but-valid archive
+            raise CompileError(
+                f"{out}: already holds {what}; choose a new path, --overwrite it, or --resume"
+            )
+        (out / INDEX_NAME).unlink(
+            missing_ok=True
+        )  # first, so a crash never leaves a stale-but-valid archive
         for p in out.iterdir():
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     return False
@@ -214,7 +272,7 @@ def _verify_completed(out: Path, journal: _Journal) -> None:
         try:
             with ShardReader(path) as r:
                 ok = r.file_crc32() == info.crc32 and r.num_samples == info.num_samples
-        except Exception:  # noqa: BLE001 - any failure means the shard must be redone
+        except Exception:
             ok = False
         if not ok:
             raise CompileError(f"{path}: completed shard is missing or damaged; compile afresh")
@@ -276,8 +334,13 @@ def compile_corpus(
                 if recipe.on_error == "fail":
                     failed = True
                     raise CompileError(f"{outcome.path}: {outcome.reason} (--on-error fail)")
-                journal.skipped.append({"path": outcome.path or outcome.key, "key": outcome.key,
-                                        "reason": outcome.reason})
+                journal.skipped.append(
+                    {
+                        "path": outcome.path or outcome.key,
+                        "key": outcome.key,
+                        "reason": outcome.reason,
+                    }
+                )
             else:
                 if writer is None:
                     writer = ShardWriter(out / shard_name(len(journal.shards)), fields)
@@ -300,8 +363,11 @@ def compile_corpus(
         if failed:
             _remove_partial(out, journal, created_dir)
         elif not isinstance(sys.exc_info()[1], CompileError):
-            print(f"dlop-compile: stopped; run again with --resume to continue from {len(journal.shards)} "
-                  f"completed shard(s)", file=sys.stderr)
+            print(
+                f"dlop-compile: stopped; run again with --resume to continue from {len(journal.shards)} "
+                f"completed shard(s)",
+                file=sys.stderr,
+            )
         raise
     bar.close()
     if journal.skipped:
@@ -310,12 +376,23 @@ def compile_corpus(
     provenance = {
         "dlop_version": dlop.__version__,
         "created": _created(),
-        "source": {"layout": corpus.layout, "path": corpus.root, "num_inputs": total,
-                   "fingerprint": corpus.fingerprint},
+        "source": {
+            "layout": corpus.layout,
+            "path": corpus.root,
+            "num_inputs": total,
+            "fingerprint": corpus.fingerprint,
+        },
     }
     metadata = {**corpus.metadata, "feature_field": recipe.feature_name}
-    index = Index(tuple(fields), tuple(journal.shards), sum(s.num_samples for s in journal.shards),
-                  recipe.to_json(), provenance, len(journal.skipped), metadata)
+    index = Index(
+        tuple(fields),
+        tuple(journal.shards),
+        sum(s.num_samples for s in journal.shards),
+        recipe.to_json(),
+        provenance,
+        len(journal.skipped),
+        metadata,
+    )
     write_index(out, index)
     (out / JOURNAL).unlink(missing_ok=True)
     return index
@@ -343,8 +420,15 @@ def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterat
             torch.set_num_threads(threads)
         return
     ctx = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(recipe.to_json(), corpus.has_label, corpus.has_text, extra)) as pool:
+    with (
+        _main_module_hidden(),
+        ProcessPoolExecutor(
+            workers,
+            mp_context=ctx,
+            initializer=_init_worker,
+            initargs=(recipe.to_json(), corpus.has_label, corpus.has_text, extra),
+        ) as pool,
+    ):
         pending: deque[Future[list[Outcome]]] = deque()
         try:
             for chunk in chunks:
@@ -353,9 +437,40 @@ def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterat
                     yield from pending.popleft().result()
             while pending:
                 yield from pending.popleft().result()
+        except BrokenProcessPool:
+            raise CompileError(
+                "a worker process died (killed, or out of memory); run again with --resume"
+            ) from None
         finally:
             for f in pending:
                 f.cancel()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Workers run only dlop code: keep them from re-importing the caller's __main__.
+
+    A forkserver or spawn child re-runs the parent's main script unless it is
+    guarded by ``if __name__ == "__main__"``, and fails outright for ``<stdin>``
+    or notebooks. Hiding the main module's file and spec while the pool starts
+    its children avoids both.
+    """
+    main = sys.modules.get("__main__")
+    saved = {
+        a: main.__dict__[a]
+        for a in ("__file__", "__spec__")
+        if main is not None and a in main.__dict__
+    }
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
 
 
 class _NoBar:
@@ -371,5 +486,12 @@ def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="input", desc="compiling", file=sys.stderr, dynamic_ncols=True,
-                smoothing=0.1)
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="input",
+        desc="compiling",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        smoothing=0.1,
+    )

@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from dlop.formats import Codec, Raw, SchemaError, Zstd, parse_codec
 
 from .errors import CompileError
@@ -20,8 +20,17 @@ from .sources import LAYOUTS, detect_layout
 DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 FEATURE_OPTIONS = {f.name for f in fields(FeatureConfig)} - {"preset", "features"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -31,7 +40,9 @@ def parse_size(text: str | int) -> int:
     else:
         m = _SIZE.match(str(text))
         if not m:
-            raise CompileError(f"size {text!r} is not a number of bytes with an optional KB/MB/GB or KiB/MiB/GiB suffix")
+            raise CompileError(
+                f"size {text!r} is not a number of bytes with an optional KB/MB/GB or KiB/MiB/GiB suffix"
+            )
         value = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
     if value <= 0:
         raise CompileError(f"size {text!r} must be positive")
@@ -110,7 +121,9 @@ def load_recipe_file(path: str | Path) -> dict[str, Any]:
     try:
         obj = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise CompileError(f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}") from None
+        raise CompileError(
+            f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}"
+        ) from None
     if isinstance(obj, dict) and obj.get("format") == "dlop-archive":
         obj = obj.get("recipe", {})
     if not isinstance(obj, dict):
@@ -123,8 +136,21 @@ def build_recipe(options: dict[str, Any]) -> Recipe:
     # A key given as null (as a resolved recipe stores "duration": null) counts as given.
     explicit_duration = "duration" in options
     opts = {k.replace("-", "_"): v for k, v in options.items() if v is not None}
-    known = {"source", "layout", "features", "preset", "dtype", "duration", "downmix", "codec", "feature_codec",
-             "shard_bytes", "on_error", "resampler", "workers"} | FEATURE_OPTIONS
+    known = {
+        "source",
+        "layout",
+        "features",
+        "preset",
+        "dtype",
+        "duration",
+        "downmix",
+        "codec",
+        "feature_codec",
+        "shard_bytes",
+        "on_error",
+        "resampler",
+        "workers",
+    } | FEATURE_OPTIONS
     unknown = sorted(set(opts) - known)
     if unknown:
         raise CompileError(f"unknown recipe option(s): {', '.join(unknown)}")

@@ -24,18 +24,22 @@ class ResampleConfig:
 
 
 @functools.lru_cache(maxsize=16)
-def _kernel(orig: int, new: int, cfg: ResampleConfig, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+def _kernel(
+    orig: int, new: int, cfg: ResampleConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, int]:
     """Polyphase kernels ``[new, 1, taps]`` for rates already divided by their gcd."""
     base = min(orig, new) * cfg.rolloff
     width = math.ceil(cfg.zero_crossings * orig / base)
     taps = torch.arange(-width, width + orig, dtype=torch.float64) / orig
     phases = -torch.arange(new, dtype=torch.float64)[:, None] / new
     t = ((taps[None, :] + phases) * base).clamp(-cfg.zero_crossings, cfg.zero_crossings)
-    window = torch.special.i0(cfg.beta * torch.sqrt(1 - (t / cfg.zero_crossings) ** 2)) / torch.special.i0(
-        torch.tensor(cfg.beta, dtype=torch.float64)
-    )
+    window = torch.special.i0(
+        cfg.beta * torch.sqrt(1 - (t / cfg.zero_crossings) ** 2)
+    ) / torch.special.i0(torch.tensor(cfg.beta, dtype=torch.float64))
     t = t * math.pi
-    sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, torch.ones_like(t), t))
+    sinc = torch.where(
+        t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, torch.ones_like(t), t)
+    )
     kernel = (sinc * window * (base / orig)).to(dtype)
     return kernel[:, None, :], width
 

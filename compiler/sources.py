@@ -18,7 +18,21 @@ from typing import Any
 
 from .errors import CompileError
 
-AUDIO_EXTS = (".wav", ".flac", ".ogg", ".oga", ".mp3", ".m4a", ".aac", ".opus", ".webm", ".mp4", ".mkv", ".aif", ".aiff")
+AUDIO_EXTS = (
+    ".wav",
+    ".flac",
+    ".ogg",
+    ".oga",
+    ".mp3",
+    ".m4a",
+    ".aac",
+    ".opus",
+    ".webm",
+    ".mp4",
+    ".mkv",
+    ".aif",
+    ".aiff",
+)
 LAYOUTS = ("esc50", "folder", "librispeech", "manifest", "webdataset")
 
 
@@ -67,7 +81,9 @@ def detect_layout(source: Path) -> str:
     if next(source.glob("*.tar"), None) is not None:
         found.append("webdataset")
     if len(found) > 1:
-        raise CompileError(f"{source}: layout is ambiguous ({' and '.join(found)} both match); pass --layout")
+        raise CompileError(
+            f"{source}: layout is ambiguous ({' and '.join(found)} both match); pass --layout"
+        )
     if found:
         return found[0]
     if any(p.is_dir() for p in source.iterdir()):
@@ -82,8 +98,13 @@ def open_corpus(source: str, layout: str | None) -> Corpus:
     layout = layout or detect_layout(path)
     if layout not in LAYOUTS:
         raise CompileError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-    build = {"esc50": _esc50, "folder": _folder, "librispeech": _librispeech, "manifest": _manifest,
-             "webdataset": _webdataset}[layout]
+    build = {
+        "esc50": _esc50,
+        "folder": _folder,
+        "librispeech": _librispeech,
+        "manifest": _manifest,
+        "webdataset": _webdataset,
+    }[layout]
     return build(path)
 
 
@@ -109,20 +130,41 @@ def _esc50(root: Path) -> Corpus:
     rows = list(csv.DictReader(io.StringIO(raw.decode("utf-8-sig"))))
     need = {"filename", "fold", "target", "category"}
     if not rows or not need <= set(rows[0]):
-        raise CompileError(f"{meta}: needs columns {sorted(need)}, has {sorted(rows[0]) if rows else 'no rows'}")
+        raise CompileError(
+            f"{meta}: needs columns {sorted(need)}, has {sorted(rows[0]) if rows else 'no rows'}"
+        )
     items, classes = [], {}
     for n, row in enumerate(rows, 2):
         try:
             target, fold = int(row["target"]), int(row["fold"])
         except ValueError:
-            items.append(Item(key=f"audio/{row['filename']}", error=f"{meta.name} line {n}: fold/target not integers"))
+            items.append(
+                Item(
+                    key=f"audio/{row['filename']}",
+                    error=f"{meta.name} line {n}: fold/target not integers",
+                )
+            )
             continue
         classes[target] = row["category"]
-        items.append(Item(key=f"audio/{row['filename']}", path=str(root / "audio" / row["filename"]), label=target,
-                          extras={"fold": fold, "category": row["category"]}))
+        items.append(
+            Item(
+                key=f"audio/{row['filename']}",
+                path=str(root / "audio" / row["filename"]),
+                label=target,
+                extras={"fold": fold, "category": row["category"]},
+            )
+        )
     names = [classes.get(i, "") for i in range(max(classes) + 1)] if classes else []
-    return Corpus("esc50", str(root), items, True, False, {"fold": "i64", "category": "str"},
-                  {"classes": names}, _fingerprint(root, items, raw))
+    return Corpus(
+        "esc50",
+        str(root),
+        items,
+        True,
+        False,
+        {"fold": "i64", "category": "str"},
+        {"classes": names},
+        _fingerprint(root, items, raw),
+    )
 
 
 def _folder(root: Path) -> Corpus:
@@ -134,7 +176,9 @@ def _folder(root: Path) -> Corpus:
         for f in sorted((root / name).rglob("*")):
             if f.is_file() and f.suffix.lower() in AUDIO_EXTS:
                 items.append(Item(key=str(f.relative_to(root)), path=str(f), label=label))
-    return Corpus("folder", str(root), items, True, False, {}, {"classes": classes}, _fingerprint(root, items))
+    return Corpus(
+        "folder", str(root), items, True, False, {}, {"classes": classes}, _fingerprint(root, items)
+    )
 
 
 def _librispeech(root: Path) -> Corpus:
@@ -150,13 +194,32 @@ def _librispeech(root: Path) -> Corpus:
             key = str(audio.relative_to(root))
             parts = utt.split("-")
             if len(parts) != 3 or not all(p.isdigit() for p in parts):
-                items.append(Item(key=key, error=f"{trans.name} line {n}: utterance id {utt!r} is not SPK-CHAP-UTT"))
+                items.append(
+                    Item(
+                        key=key,
+                        error=f"{trans.name} line {n}: utterance id {utt!r} is not SPK-CHAP-UTT",
+                    )
+                )
                 continue
-            items.append(Item(key=key, path=str(audio), text=text,
-                              extras={"speaker": int(parts[0]), "chapter": int(parts[1])}))
+            items.append(
+                Item(
+                    key=key,
+                    path=str(audio),
+                    text=text,
+                    extras={"speaker": int(parts[0]), "chapter": int(parts[1])},
+                )
+            )
     items.sort(key=lambda it: it.key)
-    return Corpus("librispeech", str(root), items, False, True, {"speaker": "i64", "chapter": "i64"}, {},
-                  _fingerprint(root, items, meta.digest()))
+    return Corpus(
+        "librispeech",
+        str(root),
+        items,
+        False,
+        True,
+        {"speaker": "i64", "chapter": "i64"},
+        {},
+        _fingerprint(root, items, meta.digest()),
+    )
 
 
 def _manifest(path: Path) -> Corpus:
@@ -193,7 +256,9 @@ def _manifest(path: Path) -> Corpus:
         items.append(item)
     classes: list[str] = []
     if has_label:
-        ints = all(isinstance(it.extras.get("_label"), int) for it in items if "_label" in it.extras)
+        ints = all(
+            isinstance(it.extras.get("_label"), int) for it in items if "_label" in it.extras
+        )
         classes = [] if ints else sorted(labels)
         for it in items:
             if "_label" in it.extras:
@@ -201,8 +266,16 @@ def _manifest(path: Path) -> Corpus:
                 it.label = value if ints else classes.index(str(value))
             elif it.error is None:
                 it.error = f"{it.key}: no label, while other manifest lines have one"
-    return Corpus("manifest", str(path), items, has_label, has_text, {}, {"classes": classes} if classes else {},
-                  _fingerprint(base, items, raw))
+    return Corpus(
+        "manifest",
+        str(path),
+        items,
+        has_label,
+        has_text,
+        {},
+        {"classes": classes} if classes else {},
+        _fingerprint(base, items, raw),
+    )
 
 
 def _tar_paths(source: Path) -> list[Path]:
@@ -275,10 +348,14 @@ def stream_webdataset(corpus: Corpus, start: int = 0) -> Iterator[Item]:
         sample = next(stream, None)
         if sample is None or sample.get("__key__") != item.key:
             got = None if sample is None else sample.get("__key__")
-            raise CompileError(f"{corpus.root}: tar stream gave sample {got!r} where {item.key!r} was listed")
+            raise CompileError(
+                f"{corpus.root}: tar stream gave sample {got!r} where {item.key!r} was listed"
+            )
         if n < start:
             continue
-        item.data = {k: v for k, v in sample.items() if not k.startswith("__") and isinstance(v, bytes)}
+        item.data = {
+            k: v for k, v in sample.items() if not k.startswith("__") and isinstance(v, bytes)
+        }
         yield item
 
 

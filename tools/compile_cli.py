@@ -1,8 +1,8 @@
 """dlop-compile: decode and featurize a corpus once into a dlop archive.
 
-  dlop-compile SOURCE -o OUT [options]
-  dlop-compile --recipe FILE.toml -o OUT [options]
-  dlop-compile --demo OUT
+dlop-compile SOURCE -o OUT [options]
+dlop-compile --recipe FILE.toml -o OUT [options]
+dlop-compile --demo OUT
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlop.compiler.errors import CompileError
 from dlop.compiler.features import PRESETS
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe, load_recipe_file
@@ -26,36 +25,69 @@ def _none_or_float(text: str) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dlop-compile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", nargs="?", help="corpus folder, manifest .jsonl, or .tar shard(s) / brace pattern")
+    p = argparse.ArgumentParser(
+        prog="dlop-compile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "source", nargs="?", help="corpus folder, manifest .jsonl, or .tar shard(s) / brace pattern"
+    )
     p.add_argument("-o", "--out", type=Path, help="archive directory to create")
-    p.add_argument("--recipe", type=Path, help="TOML or JSON recipe, or an archive whose recipe to repeat")
-    p.add_argument("--demo", type=Path, metavar="OUT", help="generate the demo corpus under OUT and compile it")
+    p.add_argument(
+        "--recipe", type=Path, help="TOML or JSON recipe, or an archive whose recipe to repeat"
+    )
+    p.add_argument(
+        "--demo", type=Path, metavar="OUT", help="generate the demo corpus under OUT and compile it"
+    )
     g = p.add_argument_group("corpus")
     g.add_argument("--layout", choices=LAYOUTS, help="default: detected from SOURCE")
-    g.add_argument("--duration", type=float, help="crop or zero-pad every clip to SECONDS (0: native lengths)")
-    g.add_argument("--downmix", choices=("mean", "first"), help="how channels become one (default mean)")
+    g.add_argument(
+        "--duration", type=float, help="crop or zero-pad every clip to SECONDS (0: native lengths)"
+    )
+    g.add_argument(
+        "--downmix", choices=("mean", "first"), help="how channels become one (default mean)"
+    )
     f = p.add_argument_group("features")
     f.add_argument("--features", choices=("logmel", "fbank", "mfcc", "waveform"))
     f.add_argument("--preset", choices=sorted(PRESETS), help="feature convention (default librosa)")
-    for flag, typ in (("--sample-rate", int), ("--n-fft", int), ("--hop-length", int), ("--win-length", int),
-                      ("--n-mels", int), ("--n-mfcc", int), ("--f-min", float), ("--f-max", float),
-                      ("--input-scale", float)):
+    for flag, typ in (
+        ("--sample-rate", int),
+        ("--n-fft", int),
+        ("--hop-length", int),
+        ("--win-length", int),
+        ("--n-mels", int),
+        ("--n-mfcc", int),
+        ("--f-min", float),
+        ("--f-max", float),
+        ("--input-scale", float),
+    ):
         f.add_argument(flag, type=typ)
     f.add_argument("--top-db", type=_none_or_float, help="per-clip dynamic range in dB, or none")
     f.add_argument("--mel-scale", choices=("htk", "slaney"))
     f.add_argument("--norm", choices=("slaney", "none"))
     f.add_argument("--center", action=argparse.BooleanOptionalAction, default=None)
     f.add_argument("--pad-mode", choices=("constant", "reflect"))
-    f.add_argument("--fft-dtype", choices=("float64", "float32"),
-                   help="FFT precision: float64 (default) matches the references exactly, float32 is faster")
-    f.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="stored dtype (default float16)")
+    f.add_argument(
+        "--fft-dtype",
+        choices=("float64", "float32"),
+        help="FFT precision: float64 (default) matches the references exactly, float32 is faster",
+    )
+    f.add_argument(
+        "--dtype", choices=("float16", "bfloat16", "float32"), help="stored dtype (default float16)"
+    )
     o = p.add_argument_group("output")
     o.add_argument("--codec", help="raw (default), zstd, zstd:LEVEL")
-    o.add_argument("--shard-bytes", help="target shard size: bytes, or with KB/MB/GB or KiB/MiB/GiB (default 256MiB)")
+    o.add_argument(
+        "--shard-bytes",
+        help="target shard size: bytes, or with KB/MB/GB or KiB/MiB/GiB (default 256MiB)",
+    )
     o.add_argument("--workers", type=int, help="worker processes (default: all cores)")
-    o.add_argument("--on-error", choices=("skip", "fail"), help="bad inputs: record and go on (default), or stop")
+    o.add_argument(
+        "--on-error",
+        choices=("skip", "fail"),
+        help="bad inputs: record and go on (default), or stop",
+    )
     o.add_argument("--resume", action="store_true", help="finish an interrupted compile in OUT")
     o.add_argument("--overwrite", action="store_true", help="replace whatever OUT holds")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -100,13 +132,21 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     workers = options.pop("workers", None)
     recipe = build_recipe(options)
     started = time.perf_counter()
-    index = compile_corpus(recipe, out, workers=workers, resume=args.resume,
-                           overwrite=args.overwrite or bool(args.demo), progress=not args.quiet)
+    index = compile_corpus(
+        recipe,
+        out,
+        workers=workers,
+        resume=args.resume,
+        overwrite=args.overwrite or bool(args.demo),
+        progress=not args.quiet,
+    )
     took = time.perf_counter() - started
     size = sum(s.bytes for s in index.shards)
-    print(f"wrote {out}: {index.num_samples} samples in {len(index.shards)} shard(s), {size / 2**20:.1f} MiB, "
-          f"{index.skipped_count} skipped{' (see errors.jsonl)' if index.skipped_count else ''}; "
-          f"{took:.1f} s, {(index.num_samples + index.skipped_count) / max(took, 1e-9):.0f} inputs/s")
+    print(
+        f"wrote {out}: {index.num_samples} samples in {len(index.shards)} shard(s), {size / 2**20:.1f} MiB, "
+        f"{index.skipped_count} skipped{' (see errors.jsonl)' if index.skipped_count else ''}; "
+        f"{took:.1f} s, {(index.num_samples + index.skipped_count) / max(took, 1e-9):.0f} inputs/s"
+    )
     return 0
 
 

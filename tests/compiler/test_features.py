@@ -6,7 +6,6 @@ import librosa
 import numpy as np
 import pytest
 import torch
-
 from dlop.compiler.features import feature_config, featurize
 
 from .signals import make_signal as _make_signal
@@ -22,10 +21,28 @@ def make_signal(*args, **kw) -> np.ndarray:
     return _make_signal(*args, **kw).astype(np.float32).astype(np.float64)
 
 
-def librosa_logmel(x: np.ndarray, sr: int, n_fft: int, hop: int, n_mels: int, pad_mode: str,
-                   fmin: float = 0.0, fmax: float | None = None, top_db: float | None = 80.0) -> np.ndarray:
-    mel = librosa.feature.melspectrogram(y=x, sr=sr, n_fft=n_fft, hop_length=hop, n_mels=n_mels,
-                                         pad_mode=pad_mode, fmin=fmin, fmax=fmax, power=2.0)
+def librosa_logmel(
+    x: np.ndarray,
+    sr: int,
+    n_fft: int,
+    hop: int,
+    n_mels: int,
+    pad_mode: str,
+    fmin: float = 0.0,
+    fmax: float | None = None,
+    top_db: float | None = 80.0,
+) -> np.ndarray:
+    mel = librosa.feature.melspectrogram(
+        y=x,
+        sr=sr,
+        n_fft=n_fft,
+        hop_length=hop,
+        n_mels=n_mels,
+        pad_mode=pad_mode,
+        fmin=fmin,
+        fmax=fmax,
+        power=2.0,
+    )
     return librosa.power_to_db(mel, ref=1.0, amin=1e-10, top_db=top_db).T
 
 
@@ -57,7 +74,9 @@ def test_panns_preset() -> None:
 @pytest.mark.parametrize("n_mels", [80, 128])
 def test_whisper_preset(n_mels: int) -> None:
     x = make_signal(16000, seconds=2.0)
-    stft = librosa.stft(x, n_fft=400, hop_length=160, window="hann", center=True, pad_mode="reflect")
+    stft = librosa.stft(
+        x, n_fft=400, hop_length=160, window="hann", center=True, pad_mode="reflect"
+    )
     power = np.abs(stft[:, :-1]) ** 2
     mel = librosa.filters.mel(sr=16000, n_fft=400, n_mels=n_mels) @ power
     log = np.log10(np.maximum(mel, 1e-10))
@@ -75,10 +94,14 @@ def test_mfcc_matches_librosa() -> None:
     assert np.abs(got - want).max() < 1e-3
 
 
-@pytest.mark.filterwarnings("ignore:Empty filters detected")  # 128 HTK mels on a 400-point FFT, as torchaudio does
+@pytest.mark.filterwarnings(
+    "ignore:Empty filters detected"
+)  # 128 HTK mels on a 400-point FFT, as torchaudio does
 def test_torchaudio_preset_against_float64_reference() -> None:
     x = make_signal(16000)
-    stft = librosa.stft(x, n_fft=400, hop_length=200, window="hann", center=True, pad_mode="reflect")
+    stft = librosa.stft(
+        x, n_fft=400, hop_length=200, window="hann", center=True, pad_mode="reflect"
+    )
     fb = librosa.filters.mel(sr=16000, n_fft=400, n_mels=128, htk=True, norm=None)
     want = (10 * np.log10(np.maximum(fb @ np.abs(stft) ** 2, 1e-10))).T
     got = ours(x, "torchaudio")
@@ -104,7 +127,9 @@ def kaldi_reference(x: np.ndarray, sr: int, n_bins: int, window: str, scale: flo
         for k in range(padded // 2):
             m = mel(k * sr / padded)
             if left < m < right:
-                bank[b, k] = (m - left) / (centre - left) if m <= centre else (right - m) / (right - centre)
+                bank[b, k] = (
+                    (m - left) / (centre - left) if m <= centre else (right - m) / (right - centre)
+                )
     frames = []
     for start in range(0, len(x) - size + 1, shift):
         f = x[start : start + size] * scale
@@ -137,7 +162,7 @@ def test_ast_preset_against_float64_reference() -> None:
 def test_torchaudio_itself_where_it_imports() -> None:
     try:
         import torchaudio
-    except Exception as e:  # noqa: BLE001 - any import failure means "not here"
+    except Exception as e:
         pytest.skip(f"torchaudio does not import here: {type(e).__name__}")
     x = torch.from_numpy(make_signal(16000).astype(np.float32))
     mel = torchaudio.transforms.MelSpectrogram(sample_rate=16000, n_fft=400, n_mels=128)(x)
@@ -150,7 +175,12 @@ def test_torchaudio_itself_where_it_imports() -> None:
 @pytest.mark.parametrize("preset", ["librosa", "whisper", "panns", "torchaudio", "kaldi", "ast"])
 def test_batched_equals_per_clip(preset: str) -> None:
     cfg = feature_config(preset)
-    clips = torch.stack([torch.from_numpy(make_signal(cfg.sample_rate, seconds=0.8, seed=s)).float() for s in range(3)])
+    clips = torch.stack(
+        [
+            torch.from_numpy(make_signal(cfg.sample_rate, seconds=0.8, seed=s)).float()
+            for s in range(3)
+        ]
+    )
     batched = featurize(clips, cfg)
     for i in range(3):
         single = featurize(clips[i], cfg)

@@ -6,7 +6,6 @@ import librosa
 import numpy as np
 import pytest
 import torch
-
 from dlop.compiler.features import feature_config, featurize
 from dlop.compiler.resample import resample
 
@@ -25,7 +24,9 @@ def tone_snr_db(orig: int, new: int, freq: float, dtype: torch.dtype) -> float:
     return float(10 * np.log10(np.sum(ideal[edge:-edge] ** 2) / np.sum(err**2)))
 
 
-@pytest.mark.parametrize(("orig", "new"), [(44100, 16000), (48000, 16000), (8000, 16000), (22050, 32000)])
+@pytest.mark.parametrize(
+    ("orig", "new"), [(44100, 16000), (48000, 16000), (8000, 16000), (22050, 32000)]
+)
 def test_tone_snr_above_100_db_to_0_8_nyquist(orig: int, new: int) -> None:
     nyquist = min(orig, new) / 2
     for frac in (0.05, 0.3, 0.6, 0.8):
