@@ -1,1 +1,28 @@
-"""Training-time loading: open archives, order, gather, transfer, augment."""
+"""Training-time loading: open archives, order, gather, transfer, augment.
+
+``open_archive`` gives a map-style Dataset (fast with a plain DataLoader
+through ``__getitems__``); ``Loader`` is the faster, resumable, DDP-aware
+iterator; ``IterableArchive`` serves DataLoader worker processes.
+"""
+
+from .augment import Mixup, RandomTimeCrop, SpecAugment
+from .batch import Batch
+from .dataset import Archive, open_archive
+from .iterable import IterableArchive
+from .loader import Loader, LoaderError
+from .order import OrderSpec, epoch_order, rank_batches
+
+__all__ = [
+    "Archive",
+    "Batch",
+    "IterableArchive",
+    "Loader",
+    "LoaderError",
+    "Mixup",
+    "OrderSpec",
+    "RandomTimeCrop",
+    "SpecAugment",
+    "epoch_order",
+    "open_archive",
+    "rank_batches",
+]

@@ -1,0 +1,33 @@
+"""The batch type, and its bridge to torch's default_collate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data._utils.collate import default_collate_fn_map
+
+
+class Batch(dict[str, Any]):
+    """A collated batch: field name -> tensor ``[B, ...]`` (or a list for text/bytes fields).
+
+    ``DataLoader`` hands whatever ``__getitems__`` returns to its collate
+    function, and ``default_collate`` starts by reading ``batch[0]``. A Batch
+    answers ``batch[0]`` with itself and is registered in torch's documented
+    ``default_collate_fn_map`` as already collated, so the default DataLoader
+    passes it through untouched instead of re-stacking every row.
+    """
+
+    def __getitem__(self, key: Any) -> Any:
+        if key == 0 and not isinstance(key, str) and not dict.__contains__(self, key):
+            return self
+        return super().__getitem__(key)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Batch, (dict(self),))
+
+
+def _already_collated(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    return batch[0]
+
+
+default_collate_fn_map[Batch] = _already_collated

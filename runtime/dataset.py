@@ -1,0 +1,141 @@
+"""``open_archive``: a map-style torch Dataset over a dlop archive."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from dlop.formats import ArchiveReader, Field, SchemaError
+from torch.utils.data import Dataset
+
+from .batch import Batch
+from .gather import BlockCache, FieldGather, RaggedRowsGather, as_tensor, make_gather
+
+
+class Archive(Dataset[dict[str, Any]]):
+    """A dlop archive as a ``torch.utils.data.Dataset``.
+
+    ``ds[i]`` is a dict of tensors (zero-copy, read-only views of the mapped
+    shards for raw fields), ``str`` for text and ``bytes`` for bytes fields.
+    ``ds.__getitems__(indices)`` gathers a whole batch with one vectorized call
+    per field: fixed fields become ``[B, ...]`` tensors; ragged fields are
+    padded with ``pad_value`` to the batch's longest sample and come with
+    ``<field>_lengths`` (``[B]``, or ``[B, k]`` for k varying dimensions);
+    text fields are lists.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        fields: Sequence[str] | None = None,
+        pad_value: float = 0.0,
+        cache_bytes: int = 256 << 20,
+    ) -> None:
+        self.path = Path(path)
+        self._options = {
+            "fields": None if fields is None else list(fields),
+            "pad_value": pad_value,
+            "cache_bytes": cache_bytes,
+        }
+        self.reader = ArchiveReader(self.path)
+        names = list(self.reader.fields) if fields is None else list(fields)
+        missing = [n for n in names if n not in self.reader.fields]
+        if missing:
+            raise SchemaError(
+                f"{self.path}: no field(s) {missing}; fields are {list(self.reader.fields)}"
+            )
+        self.fields: dict[str, Field] = {n: self.reader.fields[n] for n in names}
+        self.pad_value = pad_value
+        self.shards = [self.reader.shard(k) for k in range(self.reader.num_shards)]
+        self.starts = torch.from_numpy(self.reader.shard_starts.copy())
+        self.cache = BlockCache(cache_bytes)
+        self.gathers: dict[str, FieldGather] = {
+            n: make_gather(f, self.shards, self.starts, pad_value, self.cache)
+            for n, f in self.fields.items()
+        }
+
+    @property
+    def index(self) -> Any:
+        return self.reader.index
+
+    def __len__(self) -> int:
+        return int(self.reader.num_samples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index < 0:
+            index += len(self)
+        k, local = self.reader.locate(index)
+        out: dict[str, Any] = {}
+        for name, f in self.fields.items():
+            value = self.shards[k].get(name, local)
+            out[name] = value if isinstance(value, str | bytes) else as_tensor(value, f.dtype)
+        return out
+
+    def __getitems__(self, indices: Sequence[int] | torch.Tensor) -> Batch:
+        """A collated batch, rows in the order of ``indices``."""
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
+            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+            raise IndexError(f"{self.path}: sample {bad} out of range 0..{len(self) - 1}")
+        if len(idx) < 2 or bool((idx[1:] >= idx[:-1]).all()):
+            return self.gather(idx)
+        order = torch.argsort(idx, stable=True)
+        sorted_batch = self.gather(idx[order])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        out = Batch()
+        for name, value in sorted_batch.items():
+            out[name] = (
+                [value[i] for i in inverse.tolist()]
+                if isinstance(value, list)
+                else value.index_select(0, inverse)
+            )
+        return out
+
+    def gather(self, indices: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> Batch:
+        """Batch for ascending global ``indices``, optionally into preallocated flat buffers."""
+        batch = Batch()
+        for name, g in self.gathers.items():
+            batch.update(g.gather(indices, None if out is None else out.get(name)))
+        return batch
+
+    def buffer_numel(self, name: str, batch_size: int) -> int | None:
+        """Elements a reusable output buffer for ``name`` needs at this batch size (None: no buffer)."""
+        f = self.fields[name]
+        g = self.gathers[name]
+        if f.kind != "array":
+            return None
+        if not f.ragged:
+            return batch_size * int(np.prod(g.trail, dtype=np.int64))
+        if isinstance(g, RaggedRowsGather):
+            longest = max((int(x.max()) for x in g.lengths if len(x)), default=0)
+            return batch_size * longest * int(np.prod(g.trail, dtype=np.int64))
+        return None
+
+    def lengths(self, name: str) -> np.ndarray:
+        """Per-sample length along the first varying dimension of a ragged field (no data read)."""
+        f = self.fields.get(name) or self.reader.fields.get(name)
+        if f is None or not f.ragged:
+            raise SchemaError(f"{self.path}: {name!r} is not a ragged field")
+        axis = next(i for i, d in enumerate(f.shape) if d is None)
+        parts = [s.shapes(name)[:, axis] for s in self.shards]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    # DataLoader workers started with spawn/forkserver get the archive by pickle:
+    # send the path and reopen, never the mappings.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": str(self.path), **self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("path"), **state)  # type: ignore[misc]
+
+
+def open_archive(
+    path: str | os.PathLike[str], fields: Sequence[str] | None = None, pad_value: float = 0.0
+) -> Archive:
+    """Opens an archive as a map-style Dataset (see Archive)."""
+    return Archive(path, fields=fields, pad_value=pad_value)

@@ -1,0 +1,281 @@
+"""Vectorized batch gathers, one per field kind, over every shard of an archive.
+
+Fixed raw fields: one ``torch.index_select`` per shard touched (one per batch
+for a single-shard archive), straight from the memory map into the output.
+Ragged raw fields whose first dimension varies: one ``index_select`` of rows
+plus a masked fill of the padding. Everything else (zstd blocks, several
+ragged dimensions, text) goes sample by sample or block by block.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+from dlop.formats import Field, ShardReader
+
+TORCH_DTYPES = {
+    "u8": torch.uint8,
+    "u16": torch.uint16,
+    "u32": torch.uint32,
+    "u64": torch.uint64,
+    "i8": torch.int8,
+    "i16": torch.int16,
+    "i32": torch.int32,
+    "i64": torch.int64,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "f32": torch.float32,
+    "f64": torch.float64,
+    "bool": torch.bool,
+}
+
+
+# torch's unsigned 16/32/64-bit types lack kernels such as index_select: gather
+# through the signed type of the same width, a free view.
+_GATHER_AS = {"u16": torch.int16, "u32": torch.int32, "u64": torch.int64, "bf16": torch.int16}
+
+
+def as_tensor(arr: np.ndarray, dtype: str, *, for_gather: bool = False) -> torch.Tensor:
+    """Zero-copy tensor over a (possibly read-only) mapped array, in the field's torch dtype."""
+    with warnings.catch_warnings():
+        # Mapped shards are read-only; torch warns that it cannot enforce that.
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    if for_gather and dtype in _GATHER_AS:
+        return t.view(_GATHER_AS[dtype])
+    return t.view(TORCH_DTYPES[dtype]) if t.dtype != TORCH_DTYPES[dtype] else t
+
+
+def shard_groups(indices: torch.Tensor, starts: torch.Tensor) -> list[tuple[int, int, int]]:
+    """For sorted global indices: (shard, begin, end) runs of positions in ``indices``."""
+    shard_of_first = int(torch.searchsorted(starts, indices[0], right=True)) - 1
+    shard_of_last = int(torch.searchsorted(starts, indices[-1], right=True)) - 1
+    if shard_of_first == shard_of_last:
+        return [(shard_of_first, 0, len(indices))]
+    cuts = torch.searchsorted(indices, starts[shard_of_first + 1 : shard_of_last + 1]).tolist()
+    bounds = [0, *cuts, len(indices)]
+    return [
+        (shard_of_first + j, bounds[j], bounds[j + 1])
+        for j in range(len(bounds) - 1)
+        if bounds[j + 1] > bounds[j]
+    ]
+
+
+class FieldGather:
+    """Gathers one field for a batch of sorted global indices."""
+
+    def __init__(
+        self, field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
+    ) -> None:
+        self.field = field
+        self.shards = shards
+        self.starts = starts
+        self.pad_value = pad_value
+        self.out_dtype = TORCH_DTYPES[field.dtype]
+        self.dtype = _GATHER_AS.get(field.dtype, self.out_dtype)
+        self.trail = tuple(d for d in field.shape if d is not None)
+
+    def out_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class FixedRawGather(FieldGather):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.sources = [
+            as_tensor(s.array(self.field.name), self.field.dtype, for_gather=True)
+            for s in self.shards
+        ]
+
+    def out_shape(self, batch: int, max_len: int = 0) -> tuple[int, ...]:
+        return (batch, *self.trail)
+
+    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+        shape = self.out_shape(len(indices))
+        out = (
+            torch.empty(shape, dtype=self.dtype)
+            if out is None
+            else out.view(-1)[: math.prod(shape)].view(shape)
+        )
+        if len(indices):
+            for k, a, b in shard_groups(indices, self.starts):
+                local = indices[a:b] - self.starts[k] if k else indices[a:b]
+                torch.index_select(self.sources[k], 0, local, out=out[a:b])
+        return {self.field.name: out.view(self.out_dtype)}
+
+
+class BlockCache:
+    """Decoded zstd blocks, least recently used first out; shared by the gathers of one archive."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.blocks: OrderedDict[tuple[int, str, int], np.ndarray] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, shard: ShardReader, shard_no: int, name: str, block: int) -> np.ndarray:
+        key = (shard_no, name, block)
+        with self.lock:
+            hit = self.blocks.get(key)
+            if hit is not None:
+                self.blocks.move_to_end(key)
+                return hit
+        arr: np.ndarray = shard._decode_block(shard._state[name], block)
+        with self.lock:
+            self.blocks[key] = arr
+            self.bytes += arr.nbytes
+            while self.bytes > self.max_bytes and len(self.blocks) > 1:
+                _, old = self.blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+        return arr
+
+
+class PerSampleGather(FieldGather):
+    """zstd fields and ragged fields with several varying dimensions: one copy per sample."""
+
+    def __init__(self, *args: Any, cache: BlockCache) -> None:
+        super().__init__(*args)
+        self.cache = cache
+        f = self.field
+        self.ragged_axes = [i for i, d in enumerate(f.shape) if d is None]
+        self.zstd = f.codec.name == "zstd"
+
+    def _value(self, k: int, local: int) -> np.ndarray:
+        shard, name = self.shards[k], self.field.name
+        if not self.zstd:
+            value = shard.get(name, local)
+            assert isinstance(value, np.ndarray)  # array fields only reach this gather
+            return value
+        block = shard.block_of(name, local)
+        values = self.cache.get(shard, k, name, block)
+        f = self.field
+        first = int(shard.blocks(name)[block, 2])
+        if f.ragged:
+            offsets = shard.offsets(name)
+            base = int(offsets[first])
+            lo, hi = int(offsets[local]) - base, int(offsets[local + 1]) - base
+            return values[lo:hi].reshape(tuple(shard.shapes(name)[local]))
+        count = math.prod(self.trail)
+        lo = (local - first) * count
+        return values[lo : lo + count].reshape(self.trail)
+
+    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+        f = self.field
+        values = []
+        for k, a, b in shard_groups(indices, self.starts) if len(indices) else []:
+            start = int(self.starts[k])
+            values += [self._value(k, int(i) - start) for i in indices[a:b].tolist()]
+        if not f.ragged:
+            shape = (len(values), *self.trail)
+            out = (
+                torch.empty(shape, dtype=self.dtype)
+                if out is None
+                else out.view(-1)[: math.prod(shape)].view(shape)
+            )
+            for j, v in enumerate(values):
+                out[j].copy_(as_tensor(v, f.dtype, for_gather=True))
+            return {f.name: out.view(self.out_dtype)}
+        shapes = np.array([v.shape for v in values], dtype=np.int64).reshape(len(values), f.ndim)
+        maxes = shapes.max(axis=0) if len(values) else np.zeros(f.ndim, np.int64)
+        shape = (len(values), *(int(m) for m in maxes))
+        out = (
+            torch.empty(shape, dtype=self.dtype)
+            if out is None
+            else out.view(-1)[: math.prod(shape)].view(shape)
+        )
+        out.fill_(self.pad_value)
+        for j, v in enumerate(values):
+            region: tuple[Any, ...] = (j, *(slice(0, s) for s in v.shape))
+            out[region].copy_(as_tensor(np.ascontiguousarray(v), f.dtype, for_gather=True))
+        lengths = torch.from_numpy(shapes[:, self.ragged_axes].copy())
+        return {
+            f.name: out.view(self.out_dtype),
+            f"{f.name}_lengths": lengths[:, 0] if len(self.ragged_axes) == 1 else lengths,
+        }
+
+
+class RaggedRowsGather(FieldGather):
+    """Raw ragged fields whose only varying dimension is the first: vectorized row gather."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        f = self.field
+        self.row = math.prod(self.trail)
+        self.rows = []
+        self.row_starts = []
+        self.lengths = []
+        for s in self.shards:
+            values = as_tensor(s.values(f.name), f.dtype, for_gather=True)
+            self.rows.append(values.view(-1, *self.trail) if self.trail else values.view(-1))
+            offsets = torch.from_numpy(s.offsets(f.name).astype(np.int64))
+            self.row_starts.append(offsets[:-1] // max(self.row, 1))
+            self.lengths.append(torch.from_numpy(s.shapes(f.name)[:, 0].copy()))
+
+    def batch_lengths(self, indices: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for k, a, b in shard_groups(indices, self.starts) if len(indices) else []:
+            parts.append(self.lengths[k][indices[a:b] - self.starts[k]])
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+        f = self.field
+        lengths = self.batch_lengths(indices)
+        max_len = int(lengths.max()) if len(lengths) else 0
+        shape = (len(indices), max_len, *self.trail)
+        out = (
+            torch.empty(shape, dtype=self.dtype)
+            if out is None
+            else out.view(-1)[: math.prod(shape)].view(shape)
+        )
+        if len(indices) and max_len:
+            steps = torch.arange(max_len)
+            for k, a, b in shard_groups(indices, self.starts):
+                local = indices[a:b] - self.starts[k]
+                lens = self.lengths[k][local]
+                valid = steps[None, :] < lens[:, None]
+                rows = torch.where(valid, self.row_starts[k][local][:, None] + steps[None, :], 0)
+                target = out[a:b].view(-1, *self.trail) if self.trail else out[a:b].view(-1)
+                torch.index_select(self.rows[k], 0, rows.view(-1), out=target)
+                if not bool(valid.all()):
+                    pad = ~valid
+                    out[a:b].masked_fill_(
+                        pad.view(*pad.shape, *([1] * len(self.trail))), self.pad_value
+                    )
+        return {f.name: out.view(self.out_dtype), f"{f.name}_lengths": lengths}
+
+
+class TextGather(FieldGather):
+    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+        values: list[Any] = []
+        for k, a, b in shard_groups(indices, self.starts) if len(indices) else []:
+            start = int(self.starts[k])
+            values += [
+                self.shards[k].get(self.field.name, int(i) - start) for i in indices[a:b].tolist()
+            ]
+        return {self.field.name: values}
+
+
+def make_gather(
+    field: Field,
+    shards: list[ShardReader],
+    starts: torch.Tensor,
+    pad_value: float,
+    cache: BlockCache,
+) -> FieldGather:
+    if field.kind in ("str", "bytes"):
+        return TextGather(field, shards, starts, pad_value)
+    raw = field.codec.name == "raw"
+    if not field.ragged and raw:
+        return FixedRawGather(field, shards, starts, pad_value)
+    if raw and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
+        return RaggedRowsGather(field, shards, starts, pad_value)
+    return PerSampleGather(field, shards, starts, pad_value, cache=cache)

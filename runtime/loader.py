@@ -1,0 +1,322 @@
+"""The Loader: shuffled batches gathered into reusable buffers by a background thread.
+
+Data flow per batch: order (runtime.order) -> vectorized gather into a ring
+buffer slot (pinned when CUDA is available) -> optional non-blocking copy to
+the device on a side CUDA stream, recorded by an event -> transforms.
+
+Buffer contract: on the CPU, a batch's tensors are views of a ring slot and
+stay valid until the next batch is requested (copy what you keep). On a CUDA
+device every batch is freshly allocated, and a slot is refilled only after the
+event of its copy has completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from dlop.formats import DlopError
+
+from .batch import Batch
+from .dataset import Archive
+from .distributed import rank_and_world
+from .order import OrderSpec, rank_batches
+
+Transform = Callable[[Batch, torch.Generator], Batch]
+STATE_FORMAT = "dlop-loader-state"
+
+
+class LoaderError(DlopError):
+    """A failure in the background gather thread, re-raised in the training loop."""
+
+
+@dataclass
+class _Slot:
+    buffers: dict[str, torch.Tensor]
+    event: Any = None  # torch.cuda.Event of the last copy out of this slot
+
+
+@dataclass
+class _Ready:
+    number: int
+    batch: Batch | None = None
+    slot: _Slot | None = None
+    event: Any = None
+    error: BaseException | None = None
+    trace: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_DONE = object()
+
+
+class Loader:
+    """Iterates dict batches of an archive; see the module docstring for the buffer contract.
+
+    ``rank``/``world_size`` default to torch.distributed's when it is
+    initialized; ``order`` is ``global`` (full permutation) or ``window``
+    (out-of-core, see runtime.order); ``bucket_by`` names a ragged field whose
+    lengths group batches; ``transforms`` are callables ``(batch, generator)
+    -> batch`` run on the batch's device with a generator seeded from (seed,
+    epoch, batch number), so resumed epochs repeat their augmentations too.
+    """
+
+    def __init__(
+        self,
+        archive: Archive | str | os.PathLike[str],
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        device: str | torch.device | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        transforms: Sequence[Transform] = (),
+        bucket_by: str | None = None,
+        prefetch: int = 2,
+        order: str = "global",
+        window_shards: int = 8,
+        bucket_window: int = 64,
+        fields: Sequence[str] | None = None,
+        pad_value: float = 0.0,
+    ) -> None:
+        self.archive = (
+            archive
+            if isinstance(archive, Archive)
+            else Archive(archive, fields=fields, pad_value=pad_value)
+        )
+        rank, world_size = rank_and_world(rank, world_size)
+        self.spec = OrderSpec(
+            num_samples=len(self.archive),
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+            mode=order,
+            shard_sizes=tuple(s.num_samples for s in self.archive.index.shards),
+            window_shards=window_shards,
+            bucket_window=bucket_window,
+        )
+        self.bucket_by = bucket_by
+        self._lengths = self.archive.lengths(bucket_by) if bucket_by else None
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise LoaderError(f"device {self.device} requested, but CUDA is not available")
+        self.transforms = tuple(transforms)
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        self.prefetch = prefetch
+        self.epoch = 0
+        self._resume_from: int | None = None
+        self._batches_done = 0
+        self._slots: list[_Slot] | None = None
+        self._active: _Iter | None = None
+
+    # -- order and state ----------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        self._batches_done = 0
+
+    def batches(self, epoch: int | None = None) -> list[np.ndarray]:
+        """This rank's sample indices, batch by batch, for an epoch."""
+        return rank_batches(self.spec, self.epoch if epoch is None else epoch, self._lengths)
+
+    def __len__(self) -> int:
+        return len(self.batches())
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.spec
+        return {
+            "format": STATE_FORMAT,
+            "version": 1,
+            "epoch": self.epoch,
+            "batches_done": self._batches_done,
+            "seed": s.seed,
+            "num_samples": s.num_samples,
+            "batch_size": s.batch_size,
+            "shuffle": s.shuffle,
+            "drop_last": s.drop_last,
+            "rank": s.rank,
+            "world_size": s.world_size,
+            "order": s.mode,
+            "window_shards": s.window_shards,
+            "bucket_by": self.bucket_by,
+            "bucket_window": s.bucket_window,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from a saved position: the next iteration yields the remaining batches of its epoch."""
+        if state.get("format") != STATE_FORMAT or state.get("version") != 1:
+            raise ValueError("not a dlop Loader state (format/version mismatch)")
+        mine = self.state_dict()
+        for key in (
+            "seed",
+            "num_samples",
+            "batch_size",
+            "shuffle",
+            "drop_last",
+            "world_size",
+            "order",
+            "window_shards",
+            "bucket_by",
+            "bucket_window",
+        ):
+            if state.get(key) != mine[key]:
+                raise ValueError(
+                    f"loader state was saved with {key}={state.get(key)!r}, this loader has {mine[key]!r}"
+                )
+        if state.get("rank") != self.spec.rank:
+            raise ValueError(
+                f"loader state is rank {state.get('rank')}'s, this loader is rank {self.spec.rank}"
+            )
+        self.epoch = int(state["epoch"])
+        self._batches_done = self._resume_from = int(state["batches_done"])
+
+    # -- iteration ------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._active is not None:
+            self._active.close()
+        start = self._resume_from or 0
+        self._resume_from = None
+        self._batches_done = start
+        self._active = _Iter(self, self.batches(), start)
+        return self._active
+
+    def _ring(self) -> list[_Slot]:
+        if self._slots is None:
+            pin = torch.cuda.is_available()
+            b = self.spec.batch_size
+            slots = []
+            for _ in range(self.prefetch + 1):
+                buffers = {}
+                for name, g in self.archive.gathers.items():
+                    numel = self.archive.buffer_numel(name, b)
+                    if numel is not None:
+                        t = torch.empty(numel, dtype=g.dtype, pin_memory=pin)
+                        t.zero_()  # first touch here, not in the first timed batches
+                        buffers[name] = t
+                slots.append(_Slot(buffers))
+            self._slots = slots
+        return self._slots
+
+    def close(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _Iter:
+    def __init__(self, loader: Loader, batches: list[np.ndarray], start: int) -> None:
+        self.loader = loader
+        self.batches = batches
+        self.epoch = loader.epoch
+        self.cuda = loader.device.type == "cuda"
+        slots = loader._ring()
+        self.free: queue.Queue[_Slot] = queue.Queue()
+        for s in slots:
+            self.free.put(s)
+        self.ready: queue.Queue[Any] = queue.Queue()
+        self.held: _Slot | None = None
+        self.stop = threading.Event()
+        self.stream = torch.cuda.Stream(loader.device) if self.cuda else None
+        self.thread = threading.Thread(
+            target=self._produce, args=(start,), name="dlop-loader", daemon=True
+        )
+        self.thread.start()
+
+    def _produce(self, start: int) -> None:
+        archive = self.loader.archive
+        for j in range(start, len(self.batches)):
+            slot = None
+            while slot is None:
+                if self.stop.is_set():
+                    return
+                try:
+                    slot = self.free.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            try:
+                if slot.event is not None:
+                    slot.event.synchronize()  # the slot's previous copy to the device is done
+                batch = archive.gather(torch.from_numpy(self.batches[j]), out=slot.buffers)
+                event = None
+                if self.cuda:
+                    assert self.stream is not None
+                    with torch.cuda.stream(self.stream):
+                        batch = Batch(
+                            {
+                                k: v.to(self.loader.device, non_blocking=True)
+                                if isinstance(v, torch.Tensor)
+                                else v
+                                for k, v in batch.items()
+                            }
+                        )
+                        event = torch.cuda.Event()
+                        event.record(self.stream)
+                    slot.event = event
+                    self.free.put(slot)  # refilled only after event completes
+                    slot = None
+                self.ready.put(_Ready(j, batch, slot, event))
+            except BaseException as e:
+                self.ready.put(_Ready(j, error=e, trace=traceback.format_exc()))
+                return
+        self.ready.put(_DONE)
+
+    def __iter__(self) -> _Iter:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.held is not None:
+            self.free.put(self.held)
+            self.held = None
+        item = self.ready.get()
+        if item is _DONE:
+            self.thread.join()
+            raise StopIteration
+        if item.error is not None:
+            self.close()
+            raise LoaderError(
+                f"{self.loader.archive.path}: gathering batch {item.number} of epoch {self.epoch} failed: "
+                f"{type(item.error).__name__}: {item.error}\n--- in the loader thread:\n{item.trace}"
+            ) from item.error
+        batch: Batch = item.batch
+        if self.cuda:
+            current = torch.cuda.current_stream(self.loader.device)
+            current.wait_event(item.event)
+            for v in batch.values():
+                if isinstance(v, torch.Tensor):
+                    v.record_stream(current)
+        self.held = item.slot
+        if self.loader.transforms:
+            gen = torch.Generator(device=self.loader.device)
+            seed = np.random.SeedSequence(
+                [self.loader.spec.seed, self.epoch, item.number, 0x5EED]
+            ).generate_state(1)
+            for i, transform in enumerate(self.loader.transforms):
+                gen.manual_seed(int(seed[0]) + i)
+                batch = transform(batch, gen)
+        self.loader._batches_done = item.number + 1
+        return batch
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            while self.thread.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    self.ready.get(timeout=0.05)
+            self.thread.join()

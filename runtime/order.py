@@ -1,0 +1,126 @@
+"""Which samples each rank sees, batch by batch, in each epoch: a pure function of (seed, epoch).
+
+Because the order is recomputed from a handful of integers, resuming needs
+no index lists: the state is (seed, epoch, batches done).
+
+Orders
+  global  A full permutation of the epoch (the archive should fit the page
+          cache, or random reads go to disk).
+  window  Out-of-core: the shard order is permuted, then samples are shuffled
+          within consecutive windows of ``window_shards`` shards. Reads stay
+          inside a window's shards; a sample only ever shares a batch with
+          samples of the same window, so correlations within a shard (same
+          source, same speaker) survive at the scale of a window, and shards
+          should be written from a shuffled corpus when that matters.
+
+Distribution (``torch.utils.data.DistributedSampler`` semantics)
+  drop_last=False: the epoch is padded by repeating its first samples until
+  it divides evenly, so each rank gets ceil(N / world) samples (at most
+  world - 1 samples are seen twice). drop_last=True: its tail is dropped, so
+  each rank gets floor(N / world) and the last incomplete batch is dropped
+  too. Rank r takes every world-th sample starting at r. Every rank has the
+  same number of batches.
+
+Bucketing (``bucket_lengths``)
+  The shuffled epoch is cut into windows of ``bucket_window`` batches per
+  rank; each window is sorted by length and cut into batches; the batches of
+  the whole epoch are then shuffled and dealt out to ranks in turn (padded by
+  repeating batches, or trimmed with drop_last, so counts stay equal).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class OrderSpec:
+    num_samples: int
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    rank: int = 0
+    world_size: int = 1
+    mode: str = "global"  # global | window
+    shard_sizes: tuple[int, ...] = ()
+    window_shards: int = 8
+    bucket_window: int = 64
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in 0..world_size-1 ({self.world_size})")
+        if self.mode not in ("global", "window"):
+            raise ValueError(f"order {self.mode!r} must be global or window")
+
+
+def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, epoch, stream])
+
+
+def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
+    """The whole epoch's sample order (before distribution)."""
+    n = spec.num_samples
+    if not spec.shuffle:
+        return np.arange(n, dtype=np.int64)
+    rng = _rng(spec.seed, epoch, 0)
+    if spec.mode == "global" or not spec.shard_sizes:
+        return rng.permutation(n).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(spec.shard_sizes)]).astype(np.int64)
+    shards = rng.permutation(len(spec.shard_sizes))
+    parts = []
+    for w in range(0, len(shards), spec.window_shards):
+        window = np.concatenate(
+            [np.arange(starts[k], starts[k + 1]) for k in shards[w : w + spec.window_shards]]
+        )
+        parts.append(rng.permutation(window))
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def _even(seq: np.ndarray, world: int, drop_last: bool) -> np.ndarray:
+    """Pads (repeating from the start) or trims seq so that world divides its length."""
+    n = len(seq)
+    if drop_last:
+        return seq[: n - n % world]
+    total = math.ceil(n / world) * world
+    if total == n or n == 0:
+        return seq
+    reps = math.ceil(total / n)
+    return (
+        np.concatenate([seq] + [seq] * (reps - 1))[:total]
+        if reps > 1
+        else np.concatenate([seq, seq[: total - n]])
+    )
+
+
+def rank_batches(
+    spec: OrderSpec, epoch: int, bucket_lengths: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """This rank's batches for the epoch, each sorted ascending (for locality of reads)."""
+    order = epoch_order(spec, epoch)
+    world, b = spec.world_size, spec.batch_size
+    if bucket_lengths is None:
+        mine = _even(order, world, spec.drop_last)[spec.rank :: world]
+        cuts = range(0, len(mine), b)
+        batches = [mine[i : i + b] for i in cuts]
+        if spec.drop_last and batches and len(batches[-1]) < b:
+            batches.pop()
+        return [np.sort(x) for x in batches]
+    window = b * spec.bucket_window * world
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = order[start : start + window]
+        chunk = chunk[np.argsort(bucket_lengths[chunk], kind="stable")]
+        batches += [chunk[i : i + b] for i in range(0, len(chunk), b)]
+    if spec.drop_last:
+        batches = [x for x in batches if len(x) == b]
+    if spec.shuffle:
+        perm = _rng(spec.seed, epoch, 1).permutation(len(batches))
+        batches = [batches[i] for i in perm]
+    picked = _even(np.arange(len(batches)), world, spec.drop_last)[spec.rank :: world]
+    return [np.sort(batches[i]) for i in picked]

@@ -1,0 +1,41 @@
+"""Small archives with every field kind, for runtime tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from dlop.formats import ArchiveWriter, Field, Zstd
+
+
+def feature(i: int) -> np.ndarray:
+    return (np.arange(20, dtype=np.float32).reshape(5, 4) + 100 * i).astype(np.float16)
+
+
+def speech(i: int) -> np.ndarray:
+    return np.full((3 + (i * 7) % 11, 3), i, np.float32) + np.arange(3, dtype=np.float32)
+
+
+def make_archive(path: Path, n: int = 37, shard_bytes: int = 1000, zstd: bool = False) -> Path:
+    codec = Zstd(block_bytes=200, shuffle=True) if zstd else "raw"
+    fields = [
+        Field.str_("key"),
+        Field("label", "i64", ()),
+        Field("logmel", "f16", (5, 4), codec=codec),
+        Field("speech", "f32", (None, 3), codec=codec),
+        Field("image", "u8", (None, None, 2)),
+        Field.str_("text"),
+    ]
+    with ArchiveWriter(path, fields, shard_bytes=shard_bytes // 3 if zstd else shard_bytes) as w:
+        for i in range(n):
+            w.write(
+                {
+                    "key": f"k{i:03d}",
+                    "label": i,
+                    "logmel": feature(i),
+                    "speech": speech(i),
+                    "image": np.full((1 + i % 3, 2 + i % 2, 2), i % 256, np.uint8),
+                    "text": "t" * (i % 4),
+                }
+            )
+    return path
