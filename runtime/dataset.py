@@ -13,6 +13,7 @@ from dlop.formats import ArchiveReader, Field, SchemaError
 from torch.utils.data import Dataset
 
 from .batch import Batch
+from .copier import Copier
 from .gather import BlockCache, FieldGather, RaggedRowsGather, as_tensor, make_gather
 
 
@@ -96,11 +97,20 @@ class Archive(Dataset[dict[str, Any]]):
             )
         return out
 
-    def gather(self, indices: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> Batch:
-        """Batch for ascending global ``indices``, optionally into preallocated flat buffers."""
+    def gather(
+        self,
+        indices: torch.Tensor,
+        out: dict[str, torch.Tensor] | None = None,
+        copier: Copier | None = None,
+    ) -> Batch:
+        """Batch for ascending global ``indices``, optionally into preallocated flat buffers.
+
+        Off the main thread pass a ``copier`` (runtime.copier): it replaces
+        torch's parallel kernels, which are slow there.
+        """
         batch = Batch()
         for name, g in self.gathers.items():
-            batch.update(g.gather(indices, None if out is None else out.get(name)))
+            batch.update(g.gather(indices, None if out is None else out.get(name), copier))
         return batch
 
     def buffer_numel(self, name: str, batch_size: int) -> int | None:

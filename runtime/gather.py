@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from dlop.formats import Field, ShardReader
 
+from .copier import Copier
+
 TORCH_DTYPES = {
     "u8": torch.uint8,
     "u16": torch.uint16,
@@ -84,7 +86,10 @@ class FieldGather:
     def out_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+    def gather(
+        self, indices: torch.Tensor, out: torch.Tensor | None, copier: Copier | None = None
+    ) -> dict[str, Any]:
+        """Gathers sorted global ``indices``; ``copier`` is given off the main thread (see runtime.copier)."""
         raise NotImplementedError
 
 
@@ -99,7 +104,9 @@ class FixedRawGather(FieldGather):
     def out_shape(self, batch: int, max_len: int = 0) -> tuple[int, ...]:
         return (batch, *self.trail)
 
-    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+    def gather(
+        self, indices: torch.Tensor, out: torch.Tensor | None, copier: Copier | None = None
+    ) -> dict[str, Any]:
         shape = self.out_shape(len(indices))
         out = (
             torch.empty(shape, dtype=self.dtype)
@@ -107,9 +114,21 @@ class FixedRawGather(FieldGather):
             else out.view(-1)[: math.prod(shape)].view(shape)
         )
         if len(indices):
+            row_bytes = math.prod(self.trail) * out.element_size()
             for k, a, b in shard_groups(indices, self.starts):
                 local = indices[a:b] - self.starts[k] if k else indices[a:b]
-                torch.index_select(self.sources[k], 0, local, out=out[a:b])
+                if copier is None:
+                    torch.index_select(self.sources[k], 0, local, out=out[a:b])
+                elif row_bytes < 4096:  # tiny rows (labels): one numpy gather beats a call per row
+                    np.take(self.sources[k].numpy(), local.numpy(), axis=0, out=out[a:b].numpy())
+                else:
+                    copier.copy_rows(
+                        out.data_ptr(),
+                        np.arange(a, b),
+                        self.sources[k].data_ptr(),
+                        local.numpy(),
+                        row_bytes,
+                    )
         return {self.field.name: out.view(self.out_dtype)}
 
 
@@ -168,7 +187,10 @@ class PerSampleGather(FieldGather):
         lo = (local - first) * count
         return values[lo : lo + count].reshape(self.trail)
 
-    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+    def gather(
+        self, indices: torch.Tensor, out: torch.Tensor | None, copier: Copier | None = None
+    ) -> dict[str, Any]:
+        # numpy copies: torch's parallel copy kernels crawl off the main thread (runtime.copier)
         f = self.field
         values = []
         for k, a, b in shard_groups(indices, self.starts) if len(indices) else []:
@@ -181,8 +203,9 @@ class PerSampleGather(FieldGather):
                 if out is None
                 else out.view(-1)[: math.prod(shape)].view(shape)
             )
+            target = out.numpy()
             for j, v in enumerate(values):
-                out[j].copy_(as_tensor(v, f.dtype, for_gather=True))
+                np.copyto(target[j], v.view(target.dtype), casting="no")
             return {f.name: out.view(self.out_dtype)}
         shapes = np.array([v.shape for v in values], dtype=np.int64).reshape(len(values), f.ndim)
         maxes = shapes.max(axis=0) if len(values) else np.zeros(f.ndim, np.int64)
@@ -192,10 +215,11 @@ class PerSampleGather(FieldGather):
             if out is None
             else out.view(-1)[: math.prod(shape)].view(shape)
         )
-        out.fill_(self.pad_value)
+        target = out.numpy()
+        target.fill(self.pad_value)
         for j, v in enumerate(values):
             region: tuple[Any, ...] = (j, *(slice(0, s) for s in v.shape))
-            out[region].copy_(as_tensor(np.ascontiguousarray(v), f.dtype, for_gather=True))
+            np.copyto(target[region], v.view(target.dtype), casting="no")
         lengths = torch.from_numpy(shapes[:, self.ragged_axes].copy())
         return {
             f.name: out.view(self.out_dtype),
@@ -226,7 +250,14 @@ class RaggedRowsGather(FieldGather):
             parts.append(self.lengths[k][indices[a:b] - self.starts[k]])
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
-    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+    # At or above this many bytes per sample, one contiguous copy per sample beats
+    # the row gather: on the build machine 80-mel f16 rows (160 bytes) gathered
+    # at 3.8 GB/s by index_select and at 7.0 GB/s as per-sample span copies.
+    SPAN_COPY_BYTES = 32 << 10
+
+    def gather(
+        self, indices: torch.Tensor, out: torch.Tensor | None, copier: Copier | None = None
+    ) -> dict[str, Any]:
         f = self.field
         lengths = self.batch_lengths(indices)
         max_len = int(lengths.max()) if len(lengths) else 0
@@ -237,24 +268,68 @@ class RaggedRowsGather(FieldGather):
             else out.view(-1)[: math.prod(shape)].view(shape)
         )
         if len(indices) and max_len:
-            steps = torch.arange(max_len)
+            row_bytes = self.row * self.rows[0].element_size()
+            spans = float(lengths.double().mean()) * row_bytes >= self.SPAN_COPY_BYTES
             for k, a, b in shard_groups(indices, self.starts):
                 local = indices[a:b] - self.starts[k]
-                lens = self.lengths[k][local]
-                valid = steps[None, :] < lens[:, None]
-                rows = torch.where(valid, self.row_starts[k][local][:, None] + steps[None, :], 0)
-                target = out[a:b].view(-1, *self.trail) if self.trail else out[a:b].view(-1)
-                torch.index_select(self.rows[k], 0, rows.view(-1), out=target)
-                if not bool(valid.all()):
-                    pad = ~valid
-                    out[a:b].masked_fill_(
-                        pad.view(*pad.shape, *([1] * len(self.trail))), self.pad_value
-                    )
+                if copier is not None:
+                    self._copier_spans(copier, k, local, out, a, max_len, row_bytes)
+                elif spans:
+                    self._copy_spans(k, local, out[a:b])
+                else:
+                    self._gather_rows(k, local, out[a:b], max_len)
         return {f.name: out.view(self.out_dtype), f"{f.name}_lengths": lengths}
+
+    def _copier_spans(
+        self,
+        copier: Copier,
+        k: int,
+        local: torch.Tensor,
+        out: torch.Tensor,
+        first: int,
+        max_len: int,
+        row_bytes: int,
+    ) -> None:
+        lens = self.lengths[k][local].numpy()
+        sample_bytes = max_len * row_bytes
+        dst = out.data_ptr() + (first + np.arange(len(lens))) * sample_bytes
+        src = self.rows[k].data_ptr() + self.row_starts[k][local].numpy() * row_bytes
+        copier.copy(dst, src, lens * row_bytes)
+        tails = (max_len - lens) * row_bytes
+        if self.pad_value == 0:
+            copier.zero(dst + lens * row_bytes, tails)
+        else:
+            target = out.numpy()
+            for j, n in enumerate(lens.tolist()):
+                target[first + j, n:] = self.pad_value
+
+    def _copy_spans(self, k: int, local: torch.Tensor, out: torch.Tensor) -> None:
+        rows, starts, lengths = (
+            self.rows[k],
+            self.row_starts[k][local].tolist(),
+            self.lengths[k][local].tolist(),
+        )
+        for j, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+            out[j, :n].copy_(rows[start : start + n])
+            if n < out.shape[1]:
+                out[j, n:].fill_(self.pad_value)
+
+    def _gather_rows(self, k: int, local: torch.Tensor, out: torch.Tensor, max_len: int) -> None:
+        steps = torch.arange(max_len)
+        lens = self.lengths[k][local]
+        valid = steps[None, :] < lens[:, None]
+        rows = torch.where(valid, self.row_starts[k][local][:, None] + steps[None, :], 0)
+        target = out.view(-1, *self.trail) if self.trail else out.view(-1)
+        torch.index_select(self.rows[k], 0, rows.view(-1), out=target)
+        if not bool(valid.all()):
+            pad = ~valid
+            out.masked_fill_(pad.view(*pad.shape, *([1] * len(self.trail))), self.pad_value)
 
 
 class TextGather(FieldGather):
-    def gather(self, indices: torch.Tensor, out: torch.Tensor | None) -> dict[str, Any]:
+    def gather(
+        self, indices: torch.Tensor, out: torch.Tensor | None, copier: Copier | None = None
+    ) -> dict[str, Any]:
         values: list[Any] = []
         for k, a, b in shard_groups(indices, self.starts) if len(indices) else []:
             start = int(self.starts[k])

@@ -26,6 +26,7 @@ import torch
 from dlop.formats import DlopError
 
 from .batch import Batch
+from .copier import Copier
 from .dataset import Archive
 from .distributed import rank_and_world
 from .order import OrderSpec, rank_batches
@@ -121,6 +122,7 @@ class Loader:
         self._batches_done = 0
         self._slots: list[_Slot] | None = None
         self._active: _Iter | None = None
+        self.copier = Copier()
 
     # -- order and state ----------------------------------------------------------
 
@@ -215,6 +217,8 @@ class Loader:
         if self._active is not None:
             self._active.close()
             self._active = None
+        if getattr(self, "copier", None) is not None:
+            self.copier.close()
 
     def __del__(self) -> None:
         self.close()
@@ -253,7 +257,9 @@ class _Iter:
             try:
                 if slot.event is not None:
                     slot.event.synchronize()  # the slot's previous copy to the device is done
-                batch = archive.gather(torch.from_numpy(self.batches[j]), out=slot.buffers)
+                batch = archive.gather(
+                    torch.from_numpy(self.batches[j]), out=slot.buffers, copier=self.loader.copier
+                )
                 event = None
                 if self.cuda:
                     assert self.stream is not None

@@ -87,3 +87,24 @@ def test_dataloader_workers_map_style_and_iterable(archive: Path) -> None:
     # 37 samples over 2 consumers: padded to 38, 19 each, so one sample twice
     assert len(seen) == 38 and set(seen) == set(range(37))
     del per_worker
+
+
+def test_both_ragged_gather_strategies_agree(tmp_path: Path) -> None:
+    from dlop.formats import ArchiveWriter, Field
+    from dlop.runtime.gather import RaggedRowsGather
+
+    with ArchiveWriter(tmp_path / "s", [Field("f", "f16", (None, 80))], shard_bytes=300_000) as w:
+        for i in range(40):
+            w.write({"f": np.full((100 + 37 * i, 80), i % 50, np.float16)})
+    ds = open_archive(tmp_path / "s")
+    assert ds.reader.num_shards > 1
+    idx = torch.tensor([1, 5, 17, 18, 33, 39])
+    gather = ds.gathers["f"]
+    assert isinstance(gather, RaggedRowsGather)
+    spans = gather.gather(idx, None)
+    gather.SPAN_COPY_BYTES = 1 << 40  # force the row gather
+    rows = gather.gather(idx, None)
+    assert torch.equal(spans["f"], rows["f"]) and torch.equal(spans["f_lengths"], rows["f_lengths"])
+    for j, i in enumerate(idx.tolist()):
+        n = 100 + 37 * i
+        assert bool((spans["f"][j, :n] == i % 50).all()) and bool((spans["f"][j, n:] == 0).all())

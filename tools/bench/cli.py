@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from .common import Row, machine, peak_rss_mib, print_table, write_json
 
-SECTIONS = ("format",)
+SECTIONS = ("format", "compile", "runtime")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw-gib", type=float, default=1.0, help="size of the raw format archive")
     p.add_argument("--zstd-samples", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--clips", type=int, default=2000, help="ESC-50-shaped clips to compile and load"
+    )
+    p.add_argument(
+        "--scale", type=int, default=10, help="compile-memory corpus, as a multiple of --clips"
+    )
+    p.add_argument("--speech-utts", type=int, default=4000, help="ragged speech utterances")
+    p.add_argument("--memory-gib", default="1,10", help="archive sizes for the Loader memory check")
+    p.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: cores)"
+    )
     args = p.parse_args(argv)
     sections = args.only or list(SECTIONS)
     rows: list[Row] = []
@@ -34,6 +46,29 @@ def main(argv: list[str] | None = None) -> int:
 
             print("== format", file=sys.stderr, flush=True)
             rows += format_bench.run(work / "format", args.raw_gib, args.zstd_samples, args.repeats)
+        if "compile" in sections or "runtime" in sections:
+            from . import compile_bench
+
+            print("== compile", file=sys.stderr, flush=True)
+            compile_rows, made = compile_bench.run(
+                work / "compile", args.clips, args.scale, args.workers
+            )
+            if "compile" in sections:
+                rows += compile_rows
+            if "runtime" in sections:
+                from . import runtime_bench
+
+                print("== runtime", file=sys.stderr, flush=True)
+                rows += runtime_bench.run(
+                    work / "runtime",
+                    made["archive"],
+                    made["corpus"],
+                    made["naive_rate"],
+                    args.workers,
+                    args.repeats,
+                    args.speech_utts,
+                    [float(x) for x in args.memory_gib.split(",") if x],
+                )
     print_table(rows)
     meta = {
         **machine(),
