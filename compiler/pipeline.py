@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -150,14 +151,10 @@ def process_item(
                 if wave.shape[0] >= n
                 else torch.nn.functional.pad(wave, (0, n - wave.shape[0]))
             )
-        feat = featurize(wave, cfg)
-        if not torch.isfinite(feat).all():
-            raise InputError(name, "features are not finite")
-        sample: dict[str, Any] = {"key": item.key, cfg.features: _store(feat, recipe.dtype)}
-        if not np.isfinite(
-            sample[cfg.features].astype(np.float32) if recipe.dtype != "bfloat16" else 0
-        ).all():
-            raise InputError(name, f"features overflow {recipe.dtype}")
+        stored = featurize(wave, cfg).to(getattr(torch, recipe.dtype))
+        if not bool(torch.isfinite(stored).all()):
+            raise InputError(name, f"features are not finite in {recipe.dtype}")
+        sample: dict[str, Any] = {"key": item.key, cfg.features: _store(stored)}
         if has_label:
             if item.label is None:
                 raise InputError(name, "no label")
@@ -173,10 +170,11 @@ def process_item(
         return Outcome(item.key, reason=e.reason, path=e.path)
 
 
-def _store(feat: torch.Tensor, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return feat.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    return feat.to(getattr(torch, dtype)).numpy()
+def _store(feat: torch.Tensor) -> np.ndarray:
+    """numpy for the shard writer; bfloat16 travels as its uint16 bit pattern."""
+    if feat.dtype == torch.bfloat16:
+        return feat.view(torch.int16).numpy().view(np.uint16)
+    return feat.numpy()
 
 
 # -- driver --------------------------------------------------------------------------
@@ -419,7 +417,7 @@ def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterat
         finally:
             torch.set_num_threads(threads)
         return
-    ctx = multiprocessing.get_context("forkserver")
+    ctx = _worker_context()
     with (
         _main_module_hidden(),
         ProcessPoolExecutor(
@@ -444,6 +442,17 @@ def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterat
         finally:
             for f in pending:
                 f.cancel()
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """fork when this process runs a single thread (workers start at once, torch
+    already imported); otherwise forkserver, since forking a threaded process can
+    copy a lock that another thread holds. Workers use no CUDA either way."""
+    if sys.platform == "linux" and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 @contextlib.contextmanager
@@ -485,6 +494,8 @@ def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
     if not enabled:
         return _NoBar()
     from tqdm import tqdm
+
+    tqdm.monitor_interval = 0  # no monitor thread, so workers can be forked
 
     return tqdm(
         total=total,

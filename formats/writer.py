@@ -20,6 +20,7 @@ import numpy as np
 
 from .codecs import Zstd, shuffle_bytes, zstd_compressor
 from .constants import BLOCK_DTYPE, OFFSET_DTYPE, SHAPE_DTYPE
+from .crc import crc32_combine
 from .errors import SchemaError
 from .header import FieldLayout, Region, align, encode_header, header_end_for, required_regions
 from .schema import Field, check_schema
@@ -229,11 +230,13 @@ class ShardWriter:
                 break
             header_end = header_end_for(len(head) - 24)
 
+        # Small pieces are written and checksummed directly; data spools are
+        # copied by the kernel, and the file's CRC is composed from theirs.
         crc = 0
         pos = 0
         with open(self._tmp, "wb") as out:
 
-            def put(data: bytes | memoryview) -> None:
+            def put(data: bytes) -> None:
                 nonlocal crc, pos
                 out.write(data)
                 crc = zlib.crc32(data, crc)
@@ -250,10 +253,12 @@ class ShardWriter:
                     if rname != "data":
                         put(small[rname])
                         continue
+                    out.flush()
                     sink.data.file.flush()
-                    sink.data.file.seek(0)
-                    while chunk := sink.data.file.read(_COPY_CHUNK):
-                        put(chunk)
+                    _copy_file(sink.data.file.fileno(), out.fileno(), sink.data.length, pos)
+                    out.seek(pos + sink.data.length)
+                    crc = crc32_combine(crc, sink.data.crc, sink.data.length)
+                    pos += sink.data.length
             pad_to(file_bytes)
             out.flush()
             os.fsync(out.fileno())
@@ -261,6 +266,25 @@ class ShardWriter:
             s.data.close()
         os.replace(self._tmp, self.path)
         return ShardInfo(self.path.name, self.num_samples, file_bytes, crc)
+
+
+def _copy_file(src: int, dst: int, length: int, dst_offset: int) -> None:
+    """Copies ``length`` bytes from the start of fd ``src`` to ``dst_offset`` of fd ``dst``."""
+    done = 0
+    try:
+        while done < length:
+            n = os.copy_file_range(src, dst, length - done, done, dst_offset + done)
+            if n == 0:
+                raise OSError("copy_file_range made no progress")
+            done += n
+        return
+    except (AttributeError, OSError):
+        pass  # not Linux, or a file system that cannot: copy through user space
+    while done < length:
+        chunk = os.pread(src, min(_COPY_CHUNK, length - done), done)
+        if not chunk:
+            raise OSError(f"spool ended {length - done} bytes early")
+        done += os.pwrite(dst, chunk, dst_offset + done)
 
 
 def encode_value(f: Field, value: Any, index: int) -> tuple[bytes, tuple[int, ...]]:

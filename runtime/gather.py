@@ -327,16 +327,44 @@ class RaggedRowsGather(FieldGather):
 
 
 class TextGather(FieldGather):
+    """str/bytes fields. Raw ones slice a per-shard copy of the (small) values
+    region: about 0.3 us a sample against 5 us through ShardReader.get."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._text: dict[int, tuple[bytes, list[int]]] = {}
+
+    def _shard_text(self, k: int) -> tuple[bytes, list[int]]:
+        cached = self._text.get(k)
+        if cached is None:
+            shard = self.shards[k]
+            cached = (
+                shard.values(self.field.name).tobytes(),
+                shard.offsets(self.field.name).tolist(),
+            )
+            self._text[k] = cached
+        return cached
+
     def gather(
         self, indices: torch.Tensor, out: torch.Tensor | None, copier: Copier | None = None
     ) -> dict[str, Any]:
+        name, is_str = self.field.name, self.field.kind == "str"
         values: list[Any] = []
         for k, a, b in shard_groups(indices, self.starts) if len(indices) else []:
             start = int(self.starts[k])
-            values += [
-                self.shards[k].get(self.field.name, int(i) - start) for i in indices[a:b].tolist()
-            ]
-        return {self.field.name: values}
+            local = [int(i) - start for i in indices[a:b].tolist()]
+            if self.field.codec.name != "raw":
+                values += [self.shards[k].get(name, i) for i in local]
+                continue
+            data, offsets = self._shard_text(k)
+            if is_str:
+                try:
+                    values += [data[offsets[i] : offsets[i + 1]].decode("utf-8") for i in local]
+                except UnicodeDecodeError:
+                    values += [self.shards[k].get(name, i) for i in local]  # names the bad sample
+            else:
+                values += [data[offsets[i] : offsets[i + 1]] for i in local]
+        return {name: values}
 
 
 def make_gather(

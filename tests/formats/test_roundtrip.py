@@ -149,3 +149,16 @@ def test_read_range_matches_get(tmp_path: Path, codec: Any) -> None:
             assert np.array_equal(got[i - 3], r.get("x", i))
         with pytest.raises(IndexError):
             r.read_range("x", 30, 41)
+
+
+def test_crc32_combine_matches_zlib() -> None:
+    import zlib
+
+    from dlop.formats.crc import crc32_combine, crc32_zeros
+
+    rng = np.random.default_rng(7)
+    for la, lb in [(0, 0), (1, 0), (0, 5), (13, 7), (4096, 100_000), (3, 1 << 20)]:
+        a, b = rng.bytes(la), rng.bytes(lb)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
+    for n in (0, 1, 4095, 70_000):
+        assert crc32_zeros(n) == zlib.crc32(bytes(n))

@@ -1,0 +1,59 @@
+"""CRC-32 (zlib's) composition: the CRC of A+B from crc(A), crc(B) and len(B).
+
+Lets a writer checksum a whole shard from the checksums of its parts without
+reading the parts again. The method is the GF(2) operator squaring of
+zlib's crc32_combine: appending n zero bits to a message multiplies its CRC
+register by a fixed 32x32 bit matrix, raised to the n-th power by squaring.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+_POLY = 0xEDB88320  # reflected CRC-32 polynomial (SPEC.md section 5)
+
+
+def _times(matrix: list[int], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _square(matrix: list[int]) -> list[int]:
+    return [_times(matrix, matrix[n]) for n in range(32)]
+
+
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """zlib.crc32(a + b) given zlib.crc32(a), zlib.crc32(b) and len(b)."""
+    if len_b <= 0:
+        return crc_a
+    odd = [_POLY] + [1 << (n - 1) for n in range(1, 32)]  # one zero bit
+    even = _square(odd)  # two zero bits
+    odd = _square(even)  # four zero bits
+    while True:
+        even = _square(odd)  # apply len_b's bits, one byte-power at a time
+        if len_b & 1:
+            crc_a = _times(even, crc_a)
+        len_b >>= 1
+        if not len_b:
+            break
+        odd = _square(even)
+        if len_b & 1:
+            crc_a = _times(odd, crc_a)
+        len_b >>= 1
+        if not len_b:
+            break
+    return crc_a ^ crc_b
+
+
+def crc32_zeros(n: int) -> int:
+    """zlib.crc32(bytes(n)) for padding, without allocating large buffers."""
+    return (
+        zlib.crc32(bytes(min(n, 1 << 16)))
+        if n <= 1 << 16
+        else crc32_combine(crc32_zeros(n - (1 << 16)), zlib.crc32(bytes(1 << 16)), 1 << 16)
+    )
