@@ -82,8 +82,8 @@ class Archive(Dataset[dict[str, Any]]):
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
             raise IndexError(f"{self.path}: sample {bad} out of range 0..{len(self) - 1}")
-        if len(idx) < 2 or bool((idx[1:] >= idx[:-1]).all()):
-            return self.gather(idx)
+        if len(idx) < 2 or bool((idx[1:] >= idx[:-1]).all()) or self._one_shard(idx):
+            return self.gather(idx)  # gathers take any order within a shard
         order = torch.argsort(idx, stable=True)
         sorted_batch = self.gather(idx[order])
         inverse = torch.empty_like(order)
@@ -96,6 +96,12 @@ class Archive(Dataset[dict[str, Any]]):
                 else value.index_select(0, inverse)
             )
         return out
+
+    def _one_shard(self, idx: torch.Tensor) -> bool:
+        lo, hi = torch.searchsorted(
+            self.starts, torch.stack([idx.min(), idx.max()]), right=True
+        ).tolist()
+        return bool(lo == hi)
 
     def gather(
         self,

@@ -55,9 +55,13 @@ def as_tensor(arr: np.ndarray, dtype: str, *, for_gather: bool = False) -> torch
 
 
 def shard_groups(indices: torch.Tensor, starts: torch.Tensor) -> list[tuple[int, int, int]]:
-    """For sorted global indices: (shard, begin, end) runs of positions in ``indices``."""
-    shard_of_first = int(torch.searchsorted(starts, indices[0], right=True)) - 1
-    shard_of_last = int(torch.searchsorted(starts, indices[-1], right=True)) - 1
+    """(shard, begin, end) runs of positions in ``indices``.
+
+    Indices within one shard may come in any order; spanning shards, they must
+    be ascending.
+    """
+    shard_of_first = int(torch.searchsorted(starts, indices.min(), right=True)) - 1
+    shard_of_last = int(torch.searchsorted(starts, indices.max(), right=True)) - 1
     if shard_of_first == shard_of_last:
         return [(shard_of_first, 0, len(indices))]
     cuts = torch.searchsorted(indices, starts[shard_of_first + 1 : shard_of_last + 1]).tolist()

@@ -31,13 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=Path, default=Path("demo-out"), help="where the corpus and archive go"
     )
+    p.add_argument("--clips-per-class", type=int, default=40, help="demo corpus size (5 classes)")
     args = p.parse_args(argv)
     workers = os.cpu_count() or 1
+    archive, corpus = args.out / "archive", args.out / "corpus"
 
     print("== 1. generate the demo corpus and compile it (dlop-compile --demo)")
+    if not (corpus / "meta" / "esc50.csv").exists():
+        from dlop.compiler.demo import make_demo_corpus
+
+        make_demo_corpus(corpus, clips_per_class=args.clips_per_class)
     if compile_main(["--demo", str(args.out)]) != 0:
         return 1
-    archive, corpus = args.out / "archive", args.out / "corpus"
 
     print("\n== 2. read it back")
     reader = ArchiveReader(archive)
