@@ -218,7 +218,7 @@ class ArchiveWriter:
         if self.skipped:
             lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in self.skipped)
             atomic_write(self.directory / ERRORS_NAME, lines.encode())
-        provenance = {"created": now_utc(), **self.provenance}
+        provenance = {"dlop_version": _dlop_version(), "created": now_utc(), **self.provenance}
         index = Index(
             self.fields,
             tuple(self.shards),
@@ -373,3 +373,9 @@ class ArchiveReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _dlop_version() -> str:
+    from dlop import __version__  # the top-level package only: no torch, compiler or runtime
+
+    return __version__

@@ -57,6 +57,7 @@ def test_index_records_everything(tmp_path: Path) -> None:
     idx = r.index
     assert idx.recipe == {"r": 1} and idx.metadata == {"classes": ["a"]}
     assert idx.provenance["source"] == {"kind": "test"} and idx.provenance["created"].endswith("Z")
+    assert idx.provenance["dlop_version"]
     assert sum(s.num_samples for s in idx.shards) == 20 == idx.num_samples
     assert all(s.bytes == (tmp_path / "a" / s.file).stat().st_size for s in idx.shards)
 

@@ -80,7 +80,7 @@ def run(
     rows.append(
         Row(
             wl,
-            "dlop Loader",
+            "dlop Loader (logmel, label)",
             rate,
             rate * sample_bytes / 1e9,
             rate / rate_bare,
@@ -108,7 +108,7 @@ def run(
     rows.append(
         Row(
             wl,
-            "torch DataLoader(ds, batch_size=256, shuffle=True)",
+            "torch DataLoader(open_archive(...), batch_size=256, shuffle=True)",
             n / t_dl,
             n / t_dl * sample_bytes / 1e9,
             (n / t_dl) / rate,
