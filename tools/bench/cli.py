@@ -7,9 +7,10 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-from .common import Row, machine, peak_rss_mib, print_table, write_json
+from .common import Row, machine, markdown_table, peak_rss_mib, print_table, write_json
 
 SECTIONS = ("format", "compile", "runtime")
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "dlop-bench " + " ".join(argv or sys.argv[1:]),
     }
     write_json(rows, args.out / "results.json", meta)
+    (args.out / "results.md").write_text(markdown_table([asdict(r) for r in rows]))
     print(
         f"\nmachine: {meta['platform']}, {meta['cpus']} CPUs; {meta['seconds']} s; results in {args.out / 'results.json'}"
     )

@@ -88,3 +88,27 @@ def print_table(rows: list[Row]) -> None:
 def write_json(rows: list[Row], path: Path, meta: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The printed table as Markdown, grouped by workload (rows as stored in results.json)."""
+    lines = []
+    current = None
+    for r in rows:
+        if r["workload"] != current:
+            current = r["workload"]
+            lines += [
+                "",
+                f"**{current}**",
+                "",
+                "| pipeline | samples/s | GB/s | ratio | notes |",
+                "|---|---:|---:|---:|---|",
+            ]
+        ratio = (
+            f"{r['vs_baseline']:.2f}x vs {r['baseline']}" if r["vs_baseline"] is not None else ""
+        )
+        notes = ", ".join(f"{k} {v}" for k, v in r["extra"].items())
+        lines.append(
+            f"| {r['pipeline']} | {fmt(r['samples_per_s'])} | {fmt(r['gb_per_s'])} | {ratio} | {notes} |"
+        )
+    return "\n".join(lines).strip() + "\n"
