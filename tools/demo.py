@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     problems = reader.verify()
     print(
         f"verify: {problems or 'OK'}; {len(reader)} samples, fields "
-        + ", ".join(f"{n} {f.dtype}{list(f.shape)}" for n, f in reader.fields.items())
+        + ", ".join(
+            f"{n} {f.kind if f.kind != 'array' else f.dtype + str(list(f.shape))}"
+            for n, f in reader.fields.items()
+        )
     )
     if problems:
         return 1
