@@ -431,7 +431,7 @@ def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterat
         try:
             for chunk in chunks:
                 pending.append(pool.submit(_run_chunk, chunk))
-                if len(pending) >= 3 * workers:  # bounded: a few chunks per worker in flight
+                if len(pending) >= 8 * workers:  # bounded: a few chunks per worker in flight
                     yield from pending.popleft().result()
             while pending:
                 yield from pending.popleft().result()
