@@ -65,6 +65,27 @@ def run(
             rate_bare * sample_bytes / 1e9,
         )
     ]
+    # A prefetching loader needs several output buffers; a single reused one stays
+    # in cache. The same bare gather over three rotating buffers shows that cost.
+    ring = [torch.empty((BATCH, FRAMES, MELS), dtype=src.dtype) for _ in range(3)]
+    for r in ring:
+        r.zero_()
+
+    def bare_ring() -> None:
+        for j, b in enumerate(batches):
+            torch.index_select(src, 0, b, out=ring[j % 3][: len(b)])
+
+    t_ring = best_of(bare_ring, repeats)
+    rows.append(
+        Row(
+            wl,
+            "bare torch.index_select(out=), 3 rotating output buffers",
+            n / t_ring,
+            n / t_ring * sample_bytes / 1e9,
+            t_bare / t_ring,
+            "bare index_select",
+        )
+    )
 
     # What a training loop reads (features and labels); the bare gather covers the features.
     train = open_archive(archive, fields=["logmel", "label"])
