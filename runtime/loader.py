@@ -114,8 +114,8 @@ class Loader:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LoaderError(f"device {self.device} requested, but CUDA is not available")
         self.transforms = tuple(transforms)
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be 0 or more, got {prefetch}")
         self.prefetch = prefetch
         self.epoch = 0
         self._resume_from: int | None = None
@@ -193,6 +193,8 @@ class Loader:
         start = self._resume_from or 0
         self._resume_from = None
         self._batches_done = start
+        if self.prefetch == 0:
+            return self._synchronous(self.batches(), start)
         self._active = _Iter(self, self.batches(), start)
         return self._active
 
@@ -201,7 +203,7 @@ class Loader:
             pin = torch.cuda.is_available()
             b = self.spec.batch_size
             slots = []
-            for _ in range(self.prefetch + 1):
+            for _ in range(max(self.prefetch + 1, 2)):
                 buffers = {}
                 for name, g in self.archive.gathers.items():
                     numel = self.archive.buffer_numel(name, b)
@@ -213,6 +215,42 @@ class Loader:
             self._slots = slots
         return self._slots
 
+    def _synchronous(self, batches: list[np.ndarray], start: int) -> Iterator[Batch]:
+        """prefetch=0: each batch is gathered on the calling thread when asked for.
+
+        torch's parallel gather kernels run at full speed only on the main thread
+        on some machines (see runtime.copier), so this can outrun the background
+        thread, at the cost of the gather's time in the training loop. Two ring
+        slots alternate, so the previous batch stays valid, as with prefetching.
+        """
+        slots = self._ring()
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        for j in range(start, len(batches)):
+            slot = slots[j % len(slots)]
+            if slot.event is not None:
+                slot.event.synchronize()
+            batch = self.archive.gather(torch.from_numpy(batches[j]), out=slot.buffers)
+            if stream is not None:
+                current = torch.cuda.current_stream(self.device)
+                with torch.cuda.stream(stream):
+                    batch = Batch(
+                        {
+                            k: v.to(self.device, non_blocking=True)
+                            if isinstance(v, torch.Tensor)
+                            else v
+                            for k, v in batch.items()
+                        }
+                    )
+                    slot.event = torch.cuda.Event()
+                    slot.event.record(stream)
+                current.wait_event(slot.event)
+                for v in batch.values():
+                    if isinstance(v, torch.Tensor):
+                        v.record_stream(current)
+            batch = _apply_transforms(self, batch, self.epoch, j)
+            self._batches_done = j + 1
+            yield batch
+
     def close(self) -> None:
         if self._active is not None:
             self._active.close()
@@ -222,6 +260,18 @@ class Loader:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _apply_transforms(loader: Loader, batch: Batch, epoch: int, number: int) -> Batch:
+    """Runs the transforms with generators seeded from (seed, epoch, batch number)."""
+    if not loader.transforms:
+        return batch
+    gen = torch.Generator(device=loader.device)
+    seed = np.random.SeedSequence([loader.spec.seed, epoch, number, 0x5EED]).generate_state(1)
+    for i, transform in enumerate(loader.transforms):
+        gen.manual_seed(int(seed[0]) + i)
+        batch = transform(batch, gen)
+    return batch
 
 
 class _Iter:
@@ -308,14 +358,7 @@ class _Iter:
                 if isinstance(v, torch.Tensor):
                     v.record_stream(current)
         self.held = item.slot
-        if self.loader.transforms:
-            gen = torch.Generator(device=self.loader.device)
-            seed = np.random.SeedSequence(
-                [self.loader.spec.seed, self.epoch, item.number, 0x5EED]
-            ).generate_state(1)
-            for i, transform in enumerate(self.loader.transforms):
-                gen.manual_seed(int(seed[0]) + i)
-                batch = transform(batch, gen)
+        batch = _apply_transforms(self.loader, batch, self.epoch, item.number)
         self.loader._batches_done = item.number + 1
         return batch
 

@@ -222,3 +222,31 @@ def test_augmentations_are_seeded_and_stay_in_bounds() -> None:
     expect = lam[:, None] * torch.eye(4) + (1 - lam[:, None]) * torch.eye(4)[perm]
     assert torch.allclose(mixed["f"][..., 0], expect)
     assert torch.allclose(mixed["label_soft"].sum(1), torch.ones(4))
+
+
+def test_synchronous_loader_matches_the_threaded_one_and_resumes(archive: Path) -> None:
+    def make(prefetch: int) -> Loader:
+        return Loader(
+            archive, 6, seed=3, prefetch=prefetch, transforms=TRANSFORMS, bucket_by="speech"
+        )
+
+    threaded, sync = make(2), make(0)
+    threaded.set_epoch(1)
+    sync.set_epoch(1)
+    reference = run_epoch(threaded)
+    got = run_epoch(sync)
+    assert len(got) == len(reference) and all(
+        same(a, b) for a, b in zip(got, reference, strict=True)
+    )
+    first = make(0)
+    first.set_epoch(1)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    resumed = make(0)
+    resumed.load_state_dict(first.state_dict())
+    rest = run_epoch(resumed)
+    assert (
+        all(same(a, b) for a, b in zip(rest, reference[3:], strict=True))
+        and len(rest) == len(reference) - 3
+    )

@@ -112,6 +112,19 @@ def run(
             },
         )
     )
+    sync = Loader(train, BATCH, seed=0, prefetch=0)
+    t_sync = best_of(lambda: loader_epoch(sync), repeats)
+    rows.append(
+        Row(
+            wl,
+            "dlop Loader, prefetch=0 (gathers on the training thread)",
+            n / t_sync,
+            n / t_sync * sample_bytes / 1e9,
+            (n / t_sync) / rate_bare,
+            "bare index_select",
+            extra={"vs_naive": round(n / t_sync / naive_rate, 1)},
+        )
+    )
     every = Loader(ds, BATCH, seed=0)
     t_every = best_of(lambda: loader_epoch(every), repeats)
     rows.append(
