@@ -15,6 +15,46 @@ from .common import Row, machine, markdown_table, peak_rss_mib, print_table, wri
 SECTIONS = ("format", "compile", "runtime")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _train(work: Path, args: argparse.Namespace) -> list[Row]:
+    from dlop.compiler.demo import DEMO_RECIPE
+    from dlop.compiler.pipeline import compile_corpus
+    from dlop.compiler.recipe import build_recipe
+    from dlop.runtime import Loader
+
+    from .corpus import esc50_wavs
+    from .naive import naive_loader
+    from .train import train_rows
+
+    print("== train", file=sys.stderr, flush=True)
+    clips = max(args.train_batch * (args.train_steps + 1), 200)
+    corpus = esc50_wavs(work / "esc", clips)
+    recipe = build_recipe({**DEMO_RECIPE, "source": str(corpus)})
+    compile_corpus(recipe, work / "archive", workers=args.workers, progress=False)
+    sources = {
+        f"naive DataLoader ({args.workers} workers)": lambda: naive_loader(
+            corpus, args.train_batch, args.workers
+        ),
+        "dlop Loader": lambda: Loader(
+            work / "archive",
+            args.train_batch,
+            seed=0,
+            fields=["logmel", "label"],
+            device=args.device if args.device.startswith("cuda") else None,
+        ),
+    }
+    workload = (
+        f"train: ResNet18-style CNN on [431, 128] log-mels, batch {args.train_batch}, {args.device}"
+        f"{' (channels-last, bf16 autocast)' if args.device.startswith('cuda') else ''}"
+    )
+    return train_rows(workload, sources, args.train_steps, args.device, num_classes=5)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dlop-bench", description=__doc__)
     p.add_argument("--only", nargs="*", choices=SECTIONS, help="run only these sections")
@@ -36,12 +76,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: cores)"
     )
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="instead: train a ResNet18-style CNN fed naively and by dlop; report samples/s and data wait",
+    )
+    p.add_argument("--train-steps", type=int, default=8)
+    p.add_argument("--train-batch", type=int, default=32)
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = p.parse_args(argv)
     sections = args.only or list(SECTIONS)
     rows: list[Row] = []
     started = time.time()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
+        if args.train:
+            rows += _train(work, args)
+            sections = []
         if "format" in sections:
             from . import format_bench
 
@@ -80,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_json(rows, args.out / "results.json", meta)
     (args.out / "results.md").write_text(markdown_table([asdict(r) for r in rows]))
+    from .chart import draw
+
+    draw(
+        [asdict(r) for r in rows],
+        args.out / "results.png",
+        f"dlop-bench, {meta['date']}, {meta['cpus']} CPUs ({meta['platform']})",
+    )
     print(
         f"\nmachine: {meta['platform']}, {meta['cpus']} CPUs; {meta['seconds']} s; results in {args.out / 'results.json'}"
     )

@@ -161,6 +161,9 @@ def run(
         )
     )
 
+    from .peers import webdataset_rows
+
+    rows += webdataset_rows(wl, archive, work, BATCH, rate, sample_bytes)
     recipe = build_recipe(
         {**DEMO_RECIPE, "source": str(corpus), "codec": "zstd", "shard_bytes": "4GiB"}
     )
