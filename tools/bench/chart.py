@@ -53,6 +53,6 @@ def draw(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         ax.set_xlim(min(values) / 2, max(values) * 8)
     axes[-1, 0].set_xlabel("samples/s (log scale); orange: dlop")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))  # room for the title
     fig.savefig(out, dpi=100)
     plt.close(fig)
