@@ -272,6 +272,6 @@ def memory_rows(work: Path, sizes_gib: list[float]) -> list[Row]:
             )
         )
         loader.close()
-        del loader
+        del loader  # unmap the shards before deleting them
         shutil.rmtree(path, ignore_errors=True)
     return rows
