@@ -231,22 +231,8 @@ class Loader:
                 slot.event.synchronize()
             batch = self.archive.gather(torch.from_numpy(batches[j]), out=slot.buffers)
             if stream is not None:
-                current = torch.cuda.current_stream(self.device)
-                with torch.cuda.stream(stream):
-                    batch = Batch(
-                        {
-                            k: v.to(self.device, non_blocking=True)
-                            if isinstance(v, torch.Tensor)
-                            else v
-                            for k, v in batch.items()
-                        }
-                    )
-                    slot.event = torch.cuda.Event()
-                    slot.event.record(stream)
-                current.wait_event(slot.event)
-                for v in batch.values():
-                    if isinstance(v, torch.Tensor):
-                        v.record_stream(current)
+                batch, slot.event = _copy_to_device(batch, self.device, stream)
+                _use_on_current_stream(batch, slot.event, self.device)
             batch = _apply_transforms(self, batch, self.epoch, j)
             self._batches_done = j + 1
             yield batch
@@ -260,6 +246,29 @@ class Loader:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _copy_to_device(batch: Batch, device: torch.device, stream: Any) -> tuple[Batch, Any]:
+    """Non-blocking copies of the batch's tensors on ``stream``; returns the batch and an event after them."""
+    with torch.cuda.stream(stream):
+        moved = Batch(
+            {
+                k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()
+            }
+        )
+        event = torch.cuda.Event()
+        event.record(stream)
+    return moved, event
+
+
+def _use_on_current_stream(batch: Batch, event: Any, device: torch.device) -> None:
+    """Makes the current stream wait for the copy, and tells the allocator these tensors are used there."""
+    current = torch.cuda.current_stream(device)
+    current.wait_event(event)
+    for v in batch.values():
+        if isinstance(v, torch.Tensor):
+            v.record_stream(current)
 
 
 def _apply_transforms(loader: Loader, batch: Batch, epoch: int, number: int) -> Batch:
@@ -311,19 +320,8 @@ class _Iter:
                     torch.from_numpy(self.batches[j]), out=slot.buffers, copier=self.loader.copier
                 )
                 event = None
-                if self.cuda:
-                    assert self.stream is not None
-                    with torch.cuda.stream(self.stream):
-                        batch = Batch(
-                            {
-                                k: v.to(self.loader.device, non_blocking=True)
-                                if isinstance(v, torch.Tensor)
-                                else v
-                                for k, v in batch.items()
-                            }
-                        )
-                        event = torch.cuda.Event()
-                        event.record(self.stream)
+                if self.stream is not None:
+                    batch, event = _copy_to_device(batch, self.loader.device, self.stream)
                     slot.event = event
                     self.free.put(slot)  # refilled only after event completes
                     slot = None
@@ -352,11 +350,7 @@ class _Iter:
             ) from item.error
         batch: Batch = item.batch
         if self.cuda:
-            current = torch.cuda.current_stream(self.loader.device)
-            current.wait_event(item.event)
-            for v in batch.values():
-                if isinstance(v, torch.Tensor):
-                    v.record_stream(current)
+            _use_on_current_stream(batch, item.event, self.loader.device)
         self.held = item.slot
         batch = _apply_transforms(self.loader, batch, self.epoch, item.number)
         self.loader._batches_done = item.number + 1
