@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -458,7 +458,3 @@ def featurize(waveform: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
     if cfg.post == "ast":
         out = (out - cfg.norm_mean) / (2.0 * cfg.norm_std)
     return out
-
-
-def with_overrides(cfg: FeatureConfig, **changes: Any) -> FeatureConfig:
-    return replace(cfg, **{k: v for k, v in changes.items() if v is not None})

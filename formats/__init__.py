@@ -7,7 +7,7 @@ from .archive import ArchiveReader, ArchiveWriter, Index, read_index, shard_name
 from .codecs import Codec, Raw, Zstd, parse_codec
 from .constants import ALIGNMENT, ERRORS_NAME, FORMAT_VERSION, INDEX_NAME
 from .errors import ChecksumError, DlopError, FormatError, SchemaError
-from .reader import Problem, ShardReader
+from .reader import BlockCache, Problem, ShardReader
 from .schema import Field
 from .writer import ShardInfo, ShardWriter
 
@@ -18,6 +18,7 @@ __all__ = [
     "INDEX_NAME",
     "ArchiveReader",
     "ArchiveWriter",
+    "BlockCache",
     "ChecksumError",
     "Codec",
     "DlopError",

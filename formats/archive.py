@@ -25,7 +25,7 @@ from .constants import (
     SUPPORTED_VERSIONS,
 )
 from .errors import DlopError, FormatError, SchemaError
-from .reader import Problem, ShardReader, Value
+from .reader import BlockCache, Problem, ShardReader, Value
 from .schema import Field, check_schema
 from .writer import ShardInfo, ShardWriter
 
@@ -252,8 +252,13 @@ class ArchiveWriter:
 class ArchiveReader:
     """Reads an archive directory; shards are opened (and validated) on first use."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], block_cache_bytes: int = 256 << 20
+    ) -> None:
         self.directory = Path(directory)
+        self.block_cache = BlockCache(
+            block_cache_bytes
+        )  # decoded zstd blocks, shared by all shards
         self.index = read_index(self.directory)
         self.fields: dict[str, Field] = {f.name: f for f in self.index.fields}
         self.num_samples = self.index.num_samples
@@ -289,7 +294,7 @@ class ArchiveReader:
             raise FormatError(path, "shard listed in index.json is missing") from None
         if size != info.bytes:
             raise FormatError(path, f"index.json says {info.bytes} bytes, the file has {size}")
-        reader = ShardReader(path)
+        reader = ShardReader(path, block_cache=self.block_cache)
         if reader.num_samples != info.num_samples:
             reader.close()
             raise FormatError(

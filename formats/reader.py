@@ -13,7 +13,9 @@ import contextlib
 import itertools
 import mmap
 import os
+import threading
 import zlib
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +57,7 @@ class Problem:
 
 
 class _FieldState:
-    __slots__ = ("block_cache", "blocks", "field", "first_samples", "layout", "offsets", "shapes")
+    __slots__ = ("blocks", "field", "first_samples", "layout", "offsets", "shapes")
 
     def __init__(self, layout: FieldLayout) -> None:
         self.layout = layout
@@ -64,14 +66,67 @@ class _FieldState:
         self.shapes: np.ndarray | None = None
         self.blocks: np.ndarray | None = None
         self.first_samples: np.ndarray | None = None
-        self.block_cache: tuple[int, np.ndarray] | None = None
+
+
+class BlockCache:
+    """Decoded zstd blocks, least recently used out first, bounded in bytes; thread-safe.
+
+    An ArchiveReader shares one among its shards, so random access over a
+    whole archive decodes each block once while it stays in the budget.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._blocks: OrderedDict[tuple[int, str, int], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[int, str, int]) -> np.ndarray | None:
+        with self._lock:
+            hit = self._blocks.get(key)
+            if hit is not None:
+                self._blocks.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple[int, str, int], values: np.ndarray) -> None:
+        with self._lock:
+            if key in self._blocks:
+                return
+            self._blocks[key] = values
+            self.bytes += values.nbytes
+            while self.bytes > self.max_bytes and len(self._blocks) > 1:
+                _, old = self._blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+
+
+_READER_TOKENS = itertools.count()
+
+# Decompression contexts are not safe to share between threads: one per thread.
+_ZSTD = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx = getattr(_ZSTD, "dctx", None)
+    if dctx is None:
+        dctx = _ZSTD.dctx = zstandard.ZstdDecompressor()
+    return dctx
 
 
 class ShardReader:
-    """Reads one shard file; ``verify=True`` also checks every data checksum on open."""
+    """Reads one shard file; ``verify=True`` also checks every data checksum on open.
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+    Decoded zstd blocks go to ``block_cache`` (a private 64 MiB one if None).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = False,
+        block_cache: BlockCache | None = None,
+    ) -> None:
         self.path = Path(path)
+        self._token = next(_READER_TOKENS)  # cache key: unlike id(), never reused
         try:
             with open(self.path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
@@ -84,7 +139,7 @@ class ShardReader:
         except OSError as e:
             raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
         self._u8 = np.frombuffer(self._mm, dtype=np.uint8)
-        self._dctx = zstandard.ZstdDecompressor()
+        self._cache = block_cache if block_cache is not None else BlockCache()
         try:
             hlen, crc = read_preamble(self.path, bytes(self._u8[: PREAMBLE.size]), size)
             body = bytes(self._u8[PREAMBLE.size : PREAMBLE.size + hlen])
@@ -280,15 +335,21 @@ class ShardReader:
         start = st.layout.regions["data"].offset + int(row[0])
         return memoryview(self._mm)[start : start + int(row[1])]
 
-    def decode_block(self, name: str, block: int) -> np.ndarray:
-        """One block's values, decompressed and unshuffled: 1-D array of the field's dtype."""
+    def decode_block(self, name: str, block: int, *, cached: bool = True) -> np.ndarray:
+        """One block's values, decompressed and unshuffled: 1-D array of the field's dtype.
+
+        With ``cached`` the result comes from (and goes to) the reader's block
+        cache; treat it as read-only.
+        """
         st = self._st(name)
-        cached = st.block_cache
-        if cached is not None and cached[0] == block:
-            return cached[1]
-        out = self._decode_block(st, block)
-        st.block_cache = (block, out)
-        return out
+        if not cached:
+            return self._decode_block(st, block)
+        key = (self._token, name, block)
+        values = self._cache.get(key)
+        if values is None:
+            values = self._decode_block(st, block)
+            self._cache.put(key, values)
+        return values
 
     def _decode_block(self, st: _FieldState, block: int) -> np.ndarray:
         assert st.blocks is not None and isinstance(st.field.codec, Zstd)
@@ -301,7 +362,7 @@ class ShardReader:
                     self.path,
                     f"field {st.field.name!r} block {block}: frame declares {declared} bytes, table says {raw_len}",
                 )
-            data = self._dctx.decompress(frame, max_output_size=raw_len)
+            data = _decompressor().decompress(frame, max_output_size=raw_len)
         except zstandard.ZstdError as e:
             raise FormatError(self.path, f"field {st.field.name!r} block {block}: {e}") from None
         if len(data) != raw_len:
@@ -404,7 +465,6 @@ class ShardReader:
         self._u8 = np.empty(0, np.uint8)
         for st in getattr(self, "_state", {}).values():
             st.offsets = st.shapes = st.blocks = None
-            st.block_cache = None
         # A caller may still hold a view; the mapping then goes when it does.
         with contextlib.suppress(BufferError):
             mm.close()

@@ -19,7 +19,7 @@ from typing import IO, Any
 import numpy as np
 
 from .codecs import Zstd, shuffle_bytes, zstd_compressor
-from .constants import BLOCK_DTYPE, OFFSET_DTYPE, SHAPE_DTYPE
+from .constants import BLOCK_DTYPE, OFFSET_DTYPE, PREAMBLE, SHAPE_DTYPE
 from .crc import crc32_combine
 from .errors import SchemaError
 from .header import FieldLayout, Region, align, encode_header, header_end_for, required_regions
@@ -226,9 +226,9 @@ class ShardWriter:
         while True:
             layouts, file_bytes = layout(header_end)
             head = encode_header(self.num_samples, file_bytes, layouts)
-            if header_end_for(len(head) - 24) == header_end:
+            if header_end_for(len(head) - PREAMBLE.size) == header_end:
                 break
-            header_end = header_end_for(len(head) - 24)
+            header_end = header_end_for(len(head) - PREAMBLE.size)
 
         # Small pieces are written and checksummed directly; data spools are
         # copied by the kernel, and the file's CRC is composed from theirs.

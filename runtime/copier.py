@@ -47,10 +47,6 @@ _memmove, _memset = _libc_functions()
 _PARALLEL_MIN_BYTES = 1 << 20  # below this, one thread: handing work over costs more
 
 
-def address(arr: np.ndarray) -> int:
-    return int(arr.__array_interface__["data"][0])
-
-
 def _copy_runs(dst: list[int], src: list[int], nbytes: list[int]) -> None:
     for d, s, n in zip(dst, src, nbytes, strict=True):
         _memmove(d, s, n)

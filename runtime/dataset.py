@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from .batch import Batch
 from .copier import Copier
-from .gather import BlockCache, FieldGather, RaggedRowsGather, as_tensor, make_gather
+from .gather import FieldGather, RaggedRowsGather, as_tensor, make_gather
 
 
 class Archive(Dataset[dict[str, Any]]):
@@ -42,7 +42,7 @@ class Archive(Dataset[dict[str, Any]]):
             "pad_value": pad_value,
             "cache_bytes": cache_bytes,
         }
-        self.reader = ArchiveReader(self.path)
+        self.reader = ArchiveReader(self.path, block_cache_bytes=cache_bytes)
         names = list(self.reader.fields) if fields is None else list(fields)
         missing = [n for n in names if n not in self.reader.fields]
         if missing:
@@ -53,10 +53,8 @@ class Archive(Dataset[dict[str, Any]]):
         self.pad_value = pad_value
         self.shards = [self.reader.shard(k) for k in range(self.reader.num_shards)]
         self.starts = torch.from_numpy(self.reader.shard_starts.copy())
-        self.cache = BlockCache(cache_bytes)
         self.gathers: dict[str, FieldGather] = {
-            n: make_gather(f, self.shards, self.starts, pad_value, self.cache)
-            for n, f in self.fields.items()
+            n: make_gather(f, self.shards, self.starts, pad_value) for n, f in self.fields.items()
         }
 
     @property

@@ -10,9 +10,7 @@ ragged dimensions, text) goes sample by sample or block by block.
 from __future__ import annotations
 
 import math
-import threading
 import warnings
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -74,7 +72,8 @@ def shard_groups(indices: torch.Tensor, starts: torch.Tensor) -> list[tuple[int,
 
 
 class FieldGather:
-    """Gathers one field for a batch of sorted global indices."""
+    """Gathers one field for a batch of global indices (any order within a shard,
+    ascending across shards; see shard_groups)."""
 
     def __init__(
         self, field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
@@ -87,8 +86,14 @@ class FieldGather:
         self.dtype = _GATHER_AS.get(field.dtype, self.out_dtype)
         self.trail = tuple(d for d in field.shape if d is not None)
 
-    def out_shape(self, batch: int, max_len: int) -> tuple[int, ...]:
-        raise NotImplementedError
+    def _output(self, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
+        """A fresh tensor of ``shape``, or the front of a reusable flat buffer viewed as one."""
+        if out is None:
+            return torch.empty(shape, dtype=self.dtype)
+        return out.view(-1)[: math.prod(shape)].view(shape)
+
+    def _groups(self, indices: torch.Tensor) -> list[tuple[int, int, int]]:
+        return shard_groups(indices, self.starts) if len(indices) else []
 
     def gather(
         self, indices: torch.Tensor, out: torch.Tensor | None, copier: Copier | None = None
@@ -105,18 +110,11 @@ class FixedRawGather(FieldGather):
             for s in self.shards
         ]
 
-    def out_shape(self, batch: int, max_len: int = 0) -> tuple[int, ...]:
-        return (batch, *self.trail)
-
     def gather(
         self, indices: torch.Tensor, out: torch.Tensor | None, copier: Copier | None = None
     ) -> dict[str, Any]:
-        shape = self.out_shape(len(indices))
-        out = (
-            torch.empty(shape, dtype=self.dtype)
-            if out is None
-            else out.view(-1)[: math.prod(shape)].view(shape)
-        )
+        shape = (len(indices), *self.trail)
+        out = self._output(shape, out)
         if len(indices):
             row_bytes = math.prod(self.trail) * out.element_size()
             for k, a, b in shard_groups(indices, self.starts):
@@ -136,60 +134,17 @@ class FixedRawGather(FieldGather):
         return {self.field.name: out.view(self.out_dtype)}
 
 
-class BlockCache:
-    """Decoded zstd blocks, least recently used first out; shared by the gathers of one archive."""
-
-    def __init__(self, max_bytes: int = 256 << 20) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.blocks: OrderedDict[tuple[int, str, int], np.ndarray] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, shard: ShardReader, shard_no: int, name: str, block: int) -> np.ndarray:
-        key = (shard_no, name, block)
-        with self.lock:
-            hit = self.blocks.get(key)
-            if hit is not None:
-                self.blocks.move_to_end(key)
-                return hit
-        arr: np.ndarray = shard._decode_block(shard._state[name], block)
-        with self.lock:
-            self.blocks[key] = arr
-            self.bytes += arr.nbytes
-            while self.bytes > self.max_bytes and len(self.blocks) > 1:
-                _, old = self.blocks.popitem(last=False)
-                self.bytes -= old.nbytes
-        return arr
-
-
 class PerSampleGather(FieldGather):
     """zstd fields and ragged fields with several varying dimensions: one copy per sample."""
 
-    def __init__(self, *args: Any, cache: BlockCache) -> None:
+    def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.cache = cache
-        f = self.field
-        self.ragged_axes = [i for i, d in enumerate(f.shape) if d is None]
-        self.zstd = f.codec.name == "zstd"
+        self.ragged_axes = [i for i, d in enumerate(self.field.shape) if d is None]
 
     def _value(self, k: int, local: int) -> np.ndarray:
-        shard, name = self.shards[k], self.field.name
-        if not self.zstd:
-            value = shard.get(name, local)
-            assert isinstance(value, np.ndarray)  # array fields only reach this gather
-            return value
-        block = shard.block_of(name, local)
-        values = self.cache.get(shard, k, name, block)
-        f = self.field
-        first = int(shard.blocks(name)[block, 2])
-        if f.ragged:
-            offsets = shard.offsets(name)
-            base = int(offsets[first])
-            lo, hi = int(offsets[local]) - base, int(offsets[local + 1]) - base
-            return values[lo:hi].reshape(tuple(shard.shapes(name)[local]))
-        count = math.prod(self.trail)
-        lo = (local - first) * count
-        return values[lo : lo + count].reshape(self.trail)
+        value = self.shards[k].get(self.field.name, local)  # zstd blocks: the archive's block cache
+        assert isinstance(value, np.ndarray)  # array fields only reach this gather
+        return value
 
     def gather(
         self, indices: torch.Tensor, out: torch.Tensor | None, copier: Copier | None = None
@@ -197,16 +152,12 @@ class PerSampleGather(FieldGather):
         # numpy copies: torch's parallel copy kernels crawl off the main thread (runtime.copier)
         f = self.field
         values = []
-        for k, a, b in shard_groups(indices, self.starts) if len(indices) else []:
+        for k, a, b in self._groups(indices):
             start = int(self.starts[k])
             values += [self._value(k, int(i) - start) for i in indices[a:b].tolist()]
         if not f.ragged:
             shape = (len(values), *self.trail)
-            out = (
-                torch.empty(shape, dtype=self.dtype)
-                if out is None
-                else out.view(-1)[: math.prod(shape)].view(shape)
-            )
+            out = self._output(shape, out)
             target = out.numpy()
             for j, v in enumerate(values):
                 np.copyto(target[j], v.view(target.dtype), casting="no")
@@ -214,11 +165,7 @@ class PerSampleGather(FieldGather):
         shapes = np.array([v.shape for v in values], dtype=np.int64).reshape(len(values), f.ndim)
         maxes = shapes.max(axis=0) if len(values) else np.zeros(f.ndim, np.int64)
         shape = (len(values), *(int(m) for m in maxes))
-        out = (
-            torch.empty(shape, dtype=self.dtype)
-            if out is None
-            else out.view(-1)[: math.prod(shape)].view(shape)
-        )
+        out = self._output(shape, out)
         target = out.numpy()
         target.fill(self.pad_value)
         for j, v in enumerate(values):
@@ -250,7 +197,7 @@ class RaggedRowsGather(FieldGather):
 
     def batch_lengths(self, indices: torch.Tensor) -> torch.Tensor:
         parts = []
-        for k, a, b in shard_groups(indices, self.starts) if len(indices) else []:
+        for k, a, b in self._groups(indices):
             parts.append(self.lengths[k][indices[a:b] - self.starts[k]])
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
@@ -266,11 +213,7 @@ class RaggedRowsGather(FieldGather):
         lengths = self.batch_lengths(indices)
         max_len = int(lengths.max()) if len(lengths) else 0
         shape = (len(indices), max_len, *self.trail)
-        out = (
-            torch.empty(shape, dtype=self.dtype)
-            if out is None
-            else out.view(-1)[: math.prod(shape)].view(shape)
-        )
+        out = self._output(shape, out)
         if len(indices) and max_len:
             row_bytes = self.row * self.rows[0].element_size()
             spans = float(lengths.double().mean()) * row_bytes >= self.SPAN_COPY_BYTES
@@ -354,7 +297,7 @@ class TextGather(FieldGather):
     ) -> dict[str, Any]:
         name, is_str = self.field.name, self.field.kind == "str"
         values: list[Any] = []
-        for k, a, b in shard_groups(indices, self.starts) if len(indices) else []:
+        for k, a, b in self._groups(indices):
             start = int(self.starts[k])
             local = [int(i) - start for i in indices[a:b].tolist()]
             if self.field.codec.name != "raw":
@@ -376,7 +319,6 @@ def make_gather(
     shards: list[ShardReader],
     starts: torch.Tensor,
     pad_value: float,
-    cache: BlockCache,
 ) -> FieldGather:
     if field.kind in ("str", "bytes"):
         return TextGather(field, shards, starts, pad_value)
@@ -385,4 +327,4 @@ def make_gather(
         return FixedRawGather(field, shards, starts, pad_value)
     if raw and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
         return RaggedRowsGather(field, shards, starts, pad_value)
-    return PerSampleGather(field, shards, starts, pad_value, cache=cache)
+    return PerSampleGather(field, shards, starts, pad_value)

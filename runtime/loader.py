@@ -18,7 +18,7 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,6 @@ class _Ready:
     event: Any = None
     error: BaseException | None = None
     trace: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 _DONE = object()

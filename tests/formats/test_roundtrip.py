@@ -162,3 +162,28 @@ def test_crc32_combine_matches_zlib() -> None:
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
     for n in (0, 1, 4095, 70_000):
         assert crc32_zeros(n) == zlib.crc32(bytes(n))
+
+
+def test_block_cache_is_bounded_shared_and_thread_safe(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    fields = [Field("x", "f32", (256,), codec=Zstd(block_bytes=4096, shuffle=True))]
+    with ArchiveWriter(tmp_path / "a", fields, shard_bytes=40_000) as w:
+        for i in range(120):
+            w.write({"x": np.full(256, i, np.float32)})
+    reader = ArchiveReader(tmp_path / "a", block_cache_bytes=3 * 4096)
+    assert reader.num_shards > 1
+
+    def check(i: int) -> bool:
+        return bool(np.all(reader.get("x", i) == i))
+
+    with ThreadPoolExecutor(4) as pool:  # one decompression context per thread
+        assert all(pool.map(check, [*range(120), *reversed(range(120))] * 3))
+    assert reader.block_cache.bytes <= 3 * 4096
+    # two readers sharing a cache never see each other's blocks
+    other = ShardReader(
+        tmp_path / "a" / reader.index.shards[1].file, block_cache=reader.block_cache
+    )
+    first = reader.shard(0)
+    assert first.decode_block("x", 0)[0] == 0 and other.decode_block("x", 0)[0] != 0
+    assert np.array_equal(first.decode_block("x", 1, cached=False), first.decode_block("x", 1))
