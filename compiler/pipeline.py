@@ -15,7 +15,6 @@ import os
 import shutil
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -26,19 +25,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from dlop.formats import (
-    ERRORS_NAME,
-    INDEX_NAME,
-    Field,
-    Index,
-    ShardInfo,
-    ShardWriter,
-    shard_name,
-    write_index,
-)
+from dlop.formats import INDEX_NAME, ArchiveWriter, Field, Index, ShardInfo
 from dlop.formats.archive import atomic_write
-
-import dlop
 
 from .decode import decode_audio, downmix
 from .errors import CompileError, InputError
@@ -180,15 +168,6 @@ def _store(feat: torch.Tensor) -> np.ndarray:
 # -- driver --------------------------------------------------------------------------
 
 
-def _created() -> str:
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    if epoch and epoch.isdigit():
-        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(epoch)))
-    from dlop.formats.archive import now_utc
-
-    return now_utc()
-
-
 class _Journal:
     """Progress of an unfinished compile: completed shards, inputs consumed, inputs skipped."""
 
@@ -320,88 +299,65 @@ def compile_corpus(
         _verify_completed(out, journal)
     workers = max(1, workers or os.cpu_count() or 1)
     total = len(corpus.items)
-    bar = _progress_bar(total, journal.consumed, progress)
-    writer: ShardWriter | None = None
     consumed = journal.consumed
-    failed = False
+
+    def checkpoint(_: ShardInfo) -> None:
+        journal.consumed = consumed  # inputs behind every completed shard
+        journal.save()
+
+    writer = ArchiveWriter(
+        out,
+        fields,
+        shard_bytes=recipe.shard_bytes,
+        recipe=recipe.to_json(),
+        provenance={
+            "source": {
+                "layout": corpus.layout,
+                "path": corpus.root,
+                "num_inputs": total,
+                "fingerprint": corpus.fingerprint,
+            }
+        },
+        metadata={**corpus.metadata, "feature_field": recipe.feature_name},
+        shards=journal.shards,
+        skipped=journal.skipped,
+        on_shard=checkpoint,
+    )
+    journal.shards, journal.skipped = (
+        writer.shards,
+        writer.skipped,
+    )  # one record, kept by the writer
+    bar = _progress_bar(total, journal.consumed, progress)
     try:
-        results = _results(corpus, recipe, workers, journal.consumed)
-        for outcome in results:
+        for outcome in _results(corpus, recipe, workers, journal.consumed):
             consumed += 1
-            if outcome.sample is None:
-                if recipe.on_error == "fail":
-                    failed = True
-                    raise CompileError(f"{outcome.path}: {outcome.reason} (--on-error fail)")
-                journal.skipped.append(
-                    {
-                        "path": outcome.path or outcome.key,
-                        "key": outcome.key,
-                        "reason": outcome.reason,
-                    }
-                )
-            else:
-                if writer is None:
-                    writer = ShardWriter(out / shard_name(len(journal.shards)), fields)
+            if outcome.sample is not None:
                 writer.write(outcome.sample)
-                if writer.bytes_written >= recipe.shard_bytes:
-                    journal.shards.append(writer.close())
-                    writer = None
-                    journal.consumed = consumed
-                    journal.save()
+            elif recipe.on_error == "fail":
+                writer.abort()
+                (out / JOURNAL).unlink(missing_ok=True)
+                if created_dir:
+                    shutil.rmtree(out, ignore_errors=True)
+                raise CompileError(f"{outcome.path}: {outcome.reason} (--on-error fail)")
+            else:
+                writer.skip(outcome.path or outcome.key, outcome.reason or "", key=outcome.key)
             bar.update(1)
             if on_progress:
                 on_progress(consumed)
-        if writer is not None:
-            journal.shards.append(writer.close())
-            writer = None
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        bar.close()
-        if failed:
-            _remove_partial(out, journal, created_dir)
-        elif not isinstance(sys.exc_info()[1], CompileError):
+        index = writer.close()
+    except BaseException as e:
+        writer.abort(keep_completed=True)  # after --on-error fail nothing is left to keep
+        if not isinstance(e, CompileError):
             print(
-                f"dlop-compile: stopped; run again with --resume to continue from {len(journal.shards)} "
-                f"completed shard(s)",
+                f"dlop-compile: stopped; run again with --resume to continue from {len(writer.shards)} "
+                "completed shard(s)",
                 file=sys.stderr,
             )
         raise
-    bar.close()
-    if journal.skipped:
-        lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in journal.skipped)
-        atomic_write(out / ERRORS_NAME, lines.encode())
-    provenance = {
-        "dlop_version": dlop.__version__,
-        "created": _created(),
-        "source": {
-            "layout": corpus.layout,
-            "path": corpus.root,
-            "num_inputs": total,
-            "fingerprint": corpus.fingerprint,
-        },
-    }
-    metadata = {**corpus.metadata, "feature_field": recipe.feature_name}
-    index = Index(
-        tuple(fields),
-        tuple(journal.shards),
-        sum(s.num_samples for s in journal.shards),
-        recipe.to_json(),
-        provenance,
-        len(journal.skipped),
-        metadata,
-    )
-    write_index(out, index)
+    finally:
+        bar.close()
     (out / JOURNAL).unlink(missing_ok=True)
     return index
-
-
-def _remove_partial(out: Path, journal: _Journal, created_dir: bool) -> None:
-    for s in journal.shards:
-        (out / s.file).unlink(missing_ok=True)
-    (out / JOURNAL).unlink(missing_ok=True)
-    if created_dir:
-        shutil.rmtree(out, ignore_errors=True)
 
 
 def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterator[Outcome]:

@@ -84,7 +84,15 @@ def write_index(directory: str | os.PathLike[str], index: Index) -> Path:
 
 
 def now_utc() -> str:
-    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    """The creation time written into indexes: now, or SOURCE_DATE_EPOCH (seconds) when set,
+    so that rebuilding an archive can reproduce its index byte for byte."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
+    when = (
+        datetime.fromtimestamp(int(epoch), timezone.utc)
+        if epoch.isdigit()
+        else datetime.now(timezone.utc)
+    )
+    return when.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def read_index(directory: str | os.PathLike[str]) -> Index:
@@ -165,7 +173,9 @@ class ArchiveWriter:
     """Writes samples into shards of about ``shard_bytes`` each, then the index.
 
     On ``abort()`` (or an exception inside ``with``) every file this writer made
-    is removed and no index is written.
+    is removed and no index is written. To continue an interrupted write, pass
+    the shards already completed (and inputs already skipped); ``on_shard`` is
+    called after each shard is closed, for progress records.
     """
 
     def __init__(
@@ -178,6 +188,9 @@ class ArchiveWriter:
         provenance: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
+        shards: Sequence[ShardInfo] = (),
+        skipped: Sequence[Mapping[str, Any]] = (),
+        on_shard: Callable[[ShardInfo], None] | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.fields = tuple(check_schema(fields).values())
@@ -195,8 +208,9 @@ class ArchiveWriter:
                     f"{self.directory} already holds an archive; choose another path or overwrite it"
                 )
             index.unlink()
-        self.shards: list[ShardInfo] = []
-        self.skipped: list[dict[str, Any]] = []
+        self.shards: list[ShardInfo] = list(shards)
+        self.skipped: list[dict[str, Any]] = [dict(s) for s in skipped]
+        self.on_shard = on_shard
         self._current: ShardWriter | None = None
 
     def write(self, sample: Mapping[str, Any]) -> None:
@@ -204,8 +218,13 @@ class ArchiveWriter:
             self._current = ShardWriter(self.directory / shard_name(len(self.shards)), self.fields)
         self._current.write(sample)
         if self._current.bytes_written >= self.shard_bytes:
-            self.shards.append(self._current.close())
-            self._current = None
+            self._finish_shard(self._current)
+
+    def _finish_shard(self, writer: ShardWriter) -> None:
+        self._current = None
+        self.shards.append(writer.close())
+        if self.on_shard is not None:
+            self.on_shard(self.shards[-1])
 
     def skip(self, path: str, reason: str, **extra: Any) -> None:
         """Records an input that was not compiled (written to errors.jsonl)."""
@@ -213,8 +232,7 @@ class ArchiveWriter:
 
     def close(self) -> Index:
         if self._current is not None:
-            self.shards.append(self._current.close())
-            self._current = None
+            self._finish_shard(self._current)
         if self.skipped:
             lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in self.skipped)
             atomic_write(self.directory / ERRORS_NAME, lines.encode())
@@ -231,10 +249,13 @@ class ArchiveWriter:
         write_index(self.directory, index)
         return index
 
-    def abort(self) -> None:
+    def abort(self, keep_completed: bool = False) -> None:
+        """Drops the shard in progress and, unless ``keep_completed``, every completed one."""
         if self._current is not None:
             self._current.abort()
             self._current = None
+        if keep_completed:
+            return
         for s in self.shards:
             (self.directory / s.file).unlink(missing_ok=True)
         self.shards.clear()

@@ -109,3 +109,34 @@ def test_verify_reports_missing_resized_and_corrupt_shards(tmp_path: Path) -> No
     assert "whole-file CRC-32" in problems[str(files[2])]
     with pytest.raises(FormatError, match="missing"):
         ArchiveReader(tmp_path / "a").get("x", 0)
+
+
+def test_writer_continues_from_completed_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    fields = [Field("x", "i64", (4,))]
+    seen = []
+    first = ArchiveWriter(tmp_path / "a", fields, shard_bytes=64, on_shard=seen.append)
+    for i in range(5):
+        first.write({"x": np.arange(4) + i})
+    first.skip("bad.wav", "empty file")
+    first.abort(keep_completed=True)  # interrupted: the shard in progress goes, completed ones stay
+    assert [s.file for s in seen] == ["shard-00000.dlop", "shard-00001.dlop"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "shard-00000.dlop",
+        "shard-00001.dlop",
+    ]
+    second = ArchiveWriter(
+        tmp_path / "a", fields, shard_bytes=64, shards=first.shards, skipped=first.skipped
+    )
+    second.write({"x": np.arange(4) + 4})
+    index = second.close()
+    assert [s.file for s in index.shards] == [
+        "shard-00000.dlop",
+        "shard-00001.dlop",
+        "shard-00002.dlop",
+    ]
+    assert index.skipped_count == 1 and index.provenance["created"] == "2023-11-14T22:13:20Z"
+    r = ArchiveReader(tmp_path / "a")
+    assert [int(r.get("x", i)[0]) for i in range(5)] == [0, 1, 2, 3, 4]
