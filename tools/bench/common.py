@@ -27,6 +27,30 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def rate_row(
+    workload: str,
+    pipeline: str,
+    samples: int,
+    took_s: float,
+    sample_bytes: float | None = None,
+    base: Row | None = None,
+    base_name: str = "",
+    **extra: Any,
+) -> Row:
+    """A row from one timing: samples/s, GB/s when the bytes per sample are known,
+    and the ratio to a baseline row measured in the same run."""
+    rate = samples / took_s
+    return Row(
+        workload,
+        pipeline,
+        rate,
+        rate * sample_bytes / 1e9 if sample_bytes else None,
+        rate / base.samples_per_s if base is not None and base.samples_per_s else None,
+        (base_name or base.pipeline) if base is not None else "",
+        extra,
+    )
+
+
 def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
     """Median wall time of fn() over repeats (seconds), after garbage collection."""
     times = []

@@ -13,7 +13,7 @@ from dlop.compiler.demo import DEMO_RECIPE
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
 
-from .common import Row
+from .common import Row, rate_row
 from .corpus import esc50_wavs, replicate
 from .naive import epoch, naive_loader
 from .procmem import PeakSampler, tree_rss_kib
@@ -30,15 +30,11 @@ def run(work: Path, clips: int, scale: int, workers: int) -> tuple[list[Row], di
     t0 = time.perf_counter()
     n = epoch(naive_loader(corpus, batch_size=64, workers=workers))
     t_naive = time.perf_counter() - t0
-    naive_rate = n / t_naive
-    rows = [
-        Row(
-            wl,
-            f"naive DataLoader epoch ({workers} workers)",
-            naive_rate,
-            extra={"seconds": round(t_naive, 2)},
-        )
-    ]
+    naive = rate_row(
+        wl, f"naive DataLoader epoch ({workers} workers)", n, t_naive, seconds=round(t_naive, 2)
+    )
+    naive_rate = naive.samples_per_s or 0.0
+    rows = [naive]
     archives = {}
     for fft in ("float64", "float32"):
         recipe = build_recipe(
@@ -50,17 +46,16 @@ def run(work: Path, clips: int, scale: int, workers: int) -> tuple[list[Row], di
         took = time.perf_counter() - t0
         size = sum(s.bytes for s in index.shards)
         rows.append(
-            Row(
+            rate_row(
                 wl,
                 f"dlop-compile, fft {fft} ({workers} workers)",
-                index.num_samples / took,
-                vs_baseline=(index.num_samples / took) / naive_rate,
-                baseline="naive epoch",
-                extra={
-                    "seconds": round(took, 2),
-                    "archive_MiB": round(size / 2**20),
-                    "vs_raw_bytes": round(size / raw, 2),
-                },
+                index.num_samples,
+                took,
+                base=naive,
+                base_name="naive epoch",
+                seconds=round(took, 2),
+                archive_MiB=round(size / 2**20),
+                vs_raw_bytes=round(size / raw, 2),
             )
         )
         archives[fft] = out

@@ -9,7 +9,7 @@ import numpy as np
 import zstandard
 from dlop.formats import ArchiveReader, ArchiveWriter, Field, Zstd
 
-from .common import Row, best_of
+from .common import Row, best_of, rate_row
 
 MELS, FRAMES = 128, 431  # ESC-50 5 s clip at 44.1 kHz, hop 512
 
@@ -70,37 +70,18 @@ def raw_rows(workdir: Path, raw_gib: float, repeats: int) -> list[Row]:
         for i in range(n):
             np.copyto(dst[i], shard.get("logmel", i))
 
-    t_copy = best_of(lambda: np.copyto(dst, src), repeats)
-    t_batched, t_batched1, t_sample = (
-        best_of(f, repeats) for f in (batched, batched_1thread, per_sample)
-    )
     wl = f"format: raw f16 [{FRAMES},{MELS}] x {n} ({nbytes / 2**30:.2f} GiB)"
-    rows = [
-        Row(wl, "np.copyto of the mapped region", n / t_copy, nbytes / t_copy / 1e9),
-        Row(
-            wl,
-            "ShardReader.read_range, batches of 256",
-            n / t_batched,
-            nbytes / t_batched / 1e9,
-            t_copy / t_batched,
-            "np.copyto",
-        ),
-        Row(
-            wl,
-            "ShardReader.array views, 1-thread copyto of 256",
-            n / t_batched1,
-            nbytes / t_batched1 / 1e9,
-            t_copy / t_batched1,
-            "np.copyto",
-        ),
-        Row(
-            wl,
-            "ShardReader.get, every sample",
-            n / t_sample,
-            nbytes / t_sample / 1e9,
-            t_copy / t_sample,
-            "np.copyto",
-        ),
+    size = nbytes / n
+    base = rate_row(
+        wl, "np.copyto of the mapped region", n, best_of(lambda: np.copyto(dst, src), repeats), size
+    )
+    rows = [base] + [
+        rate_row(wl, name, n, best_of(fn, repeats), size, base, "np.copyto")
+        for name, fn in (
+            ("ShardReader.read_range, batches of 256", batched),
+            ("ShardReader.array views, 1-thread copyto of 256", batched_1thread),
+            ("ShardReader.get, every sample", per_sample),
+        )
     ]
     reader.close()
     shutil.rmtree(workdir / "raw", ignore_errors=True)
@@ -128,26 +109,15 @@ def zstd_rows(workdir: Path, n: int, shuffle: bool, repeats: int) -> list[Row]:
         for i in range(n):
             shard.get("logmel", i)
 
-    t_bare, t_blocks, t_samples = (best_of(f, repeats) for f in (bare, dlop_blocks, dlop_samples))
     wl = f"format: zstd:3{'+shuffle' if shuffle else ''} f16 x {n} (ratio {raw_total / comp_total:.2f}x)"
-    rows = [
-        Row(wl, "bare zstandard.decompress of the blocks", n / t_bare, raw_total / t_bare / 1e9),
-        Row(
-            wl,
-            "ShardReader.decode_block, every block",
-            n / t_blocks,
-            raw_total / t_blocks / 1e9,
-            t_bare / t_blocks,
-            "bare zstandard",
-        ),
-        Row(
-            wl,
-            "ShardReader.get, every sample",
-            n / t_samples,
-            raw_total / t_samples / 1e9,
-            t_bare / t_samples,
-            "bare zstandard",
-        ),
+    size = raw_total / n
+    base = rate_row(wl, "bare zstandard.decompress of the blocks", n, best_of(bare, repeats), size)
+    rows = [base] + [
+        rate_row(wl, name, n, best_of(fn, repeats), size, base, "bare zstandard")
+        for name, fn in (
+            ("ShardReader.decode_block, every block", dlop_blocks),
+            ("ShardReader.get, every sample", dlop_samples),
+        )
     ]
     reader.close()
     shutil.rmtree(path, ignore_errors=True)

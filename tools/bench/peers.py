@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from dlop.formats import ArchiveReader
 
-from .common import Row
+from .common import Row, rate_row
 
 
 def write_webdataset(archive: Path, out: Path, samples_per_tar: int = 500) -> list[str]:
@@ -36,12 +36,12 @@ def write_webdataset(archive: Path, out: Path, samples_per_tar: int = 500) -> li
     return urls
 
 
-def webdataset_rows(
-    workload: str, archive: Path, work: Path, batch: int, dlop_rate: float, sample_bytes: int
-) -> list[Row]:
+def webdataset_rows(workload: str, archive: Path, work: Path, batch: int, dlop: Row) -> list[Row]:
+    """One epoch each, in process and through WebLoader, against the dlop Loader row."""
     import webdataset as wds
 
     urls = write_webdataset(archive, work / "wds")
+    sample_bytes = (dlop.gb_per_s or 0) * 1e9 / (dlop.samples_per_s or 1)
 
     def pipeline() -> Any:
         return (
@@ -66,16 +66,15 @@ def webdataset_rows(
         epoch(make())  # page cache warm
         t0 = time.perf_counter()
         count = epoch(make())
-        rate = count / (time.perf_counter() - t0)
         rows.append(
-            Row(
+            rate_row(
                 workload,
                 f"{name} (same log-mels as .npy in tars, shuffle 1000, batched {batch})",
-                rate,
-                rate * sample_bytes / 1e9,
-                rate / dlop_rate,
+                count,
+                time.perf_counter() - t0,
+                sample_bytes,
+                dlop,
                 "dlop Loader",
             )
         )
-
     return rows
