@@ -233,9 +233,8 @@ def _prepare_output(out: Path, resume: bool, overwrite: bool) -> bool:
             raise CompileError(
                 f"{out}: already holds {what}; choose a new path, --overwrite it, or --resume"
             )
-        (out / INDEX_NAME).unlink(
-            missing_ok=True
-        )  # first, so a crash never leaves a stale-but-valid archive
+        # The index goes first, so a crash never leaves a stale but valid-looking archive.
+        (out / INDEX_NAME).unlink(missing_ok=True)
         for p in out.iterdir():
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     return False
