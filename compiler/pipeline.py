@@ -19,73 +19,20 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from dlop.formats import INDEX_NAME, ArchiveWriter, Field, Index, ShardInfo
+from dlop.formats import INDEX_NAME, ArchiveWriter, Index, ShardInfo
 from dlop.formats.archive import atomic_write
 
-from .decode import decode_audio, downmix
-from .errors import CompileError, InputError
-from .features import featurize
-from .recipe import DTYPES, Recipe
-from .resample import resample
-from .sources import Corpus, Item, open_corpus, stream_webdataset, webdataset_fields
+from .errors import CompileError
+from .items import CorpusShape, Outcome, process_item, schema_for
+from .recipe import Recipe
+from .sources import Corpus, Item, open_corpus, stream_webdataset
 
 JOURNAL = ".dlop-progress.json"
 CHUNK_ITEMS = 8
-
-
-@dataclass
-class Outcome:
-    key: str
-    sample: dict[str, Any] | None = None
-    reason: str | None = None
-    path: str | None = None
-
-
-def schema_for(recipe: Recipe, corpus: Corpus) -> list[Field]:
-    cfg = recipe.feature
-    fixed = recipe.duration is not None or cfg.num_frames is not None
-    if cfg.features == "waveform":
-        frames = round(recipe.duration * cfg.sample_rate) if recipe.duration is not None else None
-        shape: tuple[int | None, ...] = (frames,)
-        units = "amplitude in [-1, 1]"
-    else:
-        frames = (
-            cfg.num_output_frames(round(recipe.duration * cfg.sample_rate))
-            if recipe.duration
-            else None
-        )
-        frames = cfg.num_frames if cfg.num_frames is not None else frames
-        shape = (frames if fixed else None, cfg.bins)
-        units = {"db": "dB", "log10": "log10", "ln": "natural log", "none": "power"}[cfg.log]
-        if cfg.post == "whisper":
-            units = "(log10 + 4) / 4"
-        elif cfg.post == "ast":
-            units = "normalised ln fbank"
-    meaning = f"{cfg.preset} {cfg.features} at {cfg.sample_rate} Hz, time-major [frames, bins]"
-    fields = [
-        Field.str_("key", meaning="input path relative to the corpus root, or manifest id"),
-        Field(
-            cfg.features,
-            DTYPES[recipe.dtype],
-            shape,
-            codec=recipe.feature_codec(),
-            meaning=meaning,
-            units=units,
-        ),
-    ]
-    if corpus.has_label:
-        fields.append(Field("label", "i64", (), meaning="class index (see metadata.classes)"))
-    if corpus.has_text:
-        fields.append(Field.str_("text", meaning="transcript"))
-    for name, kind in corpus.extra_fields.items():
-        fields.append(Field.str_(name) if kind == "str" else Field(name, kind, ()))
-    return fields
 
 
 # -- worker side -------------------------------------------------------------------
@@ -93,76 +40,15 @@ def schema_for(recipe: Recipe, corpus: Corpus) -> list[Field]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(
-    recipe_json: dict[str, Any], has_label: bool, has_text: bool, extra: dict[str, str]
-) -> None:
+def _init_worker(recipe_json: dict[str, Any], shape: CorpusShape) -> None:
     from .recipe import build_recipe
 
     torch.set_num_threads(1)
-    _WORKER.update(
-        recipe=build_recipe(recipe_json), has_label=has_label, has_text=has_text, extra=extra
-    )
+    _WORKER.update(recipe=build_recipe(recipe_json), shape=shape)
 
 
 def _run_chunk(items: list[Item]) -> list[Outcome]:
-    return [
-        process_item(
-            it, _WORKER["recipe"], _WORKER["has_label"], _WORKER["has_text"], _WORKER["extra"]
-        )
-        for it in items
-    ]
-
-
-def process_item(
-    item: Item, recipe: Recipe, has_label: bool, has_text: bool, extra: dict[str, str]
-) -> Outcome:
-    """Decode, downmix, resample, crop/pad, featurize one input; never raises for bad input."""
-    name = item.key if item.path is None else item.path
-    try:
-        if item.data is not None:
-            webdataset_fields(item)
-        if item.error:
-            raise InputError(name, item.error)
-        if item.data is not None and item.member is not None:
-            name = f"{item.member[0]}:{item.key}.{item.member[1]}"
-            source: Any = item.data[item.member[1]]
-        else:
-            source = item.path
-        audio, rate = decode_audio(source, name, item.offset, item.duration)
-        cfg = recipe.feature
-        wave = torch.from_numpy(downmix(audio, recipe.downmix))
-        wave = resample(wave, rate, cfg.sample_rate, recipe.resampler)
-        if recipe.duration is not None:
-            n = round(recipe.duration * cfg.sample_rate)
-            wave = (
-                wave[:n]
-                if wave.shape[0] >= n
-                else torch.nn.functional.pad(wave, (0, n - wave.shape[0]))
-            )
-        stored = featurize(wave, cfg).to(getattr(torch, recipe.dtype))
-        if not bool(torch.isfinite(stored).all()):
-            raise InputError(name, f"features are not finite in {recipe.dtype}")
-        sample: dict[str, Any] = {"key": item.key, cfg.features: _store(stored)}
-        if has_label:
-            if item.label is None:
-                raise InputError(name, "no label")
-            sample["label"] = item.label
-        if has_text:
-            if item.text is None:
-                raise InputError(name, "no transcript")
-            sample["text"] = item.text
-        for field_name in extra:
-            sample[field_name] = item.extras[field_name]
-        return Outcome(item.key, sample=sample)
-    except InputError as e:
-        return Outcome(item.key, reason=e.reason, path=e.path)
-
-
-def _store(feat: torch.Tensor) -> np.ndarray:
-    """numpy for the shard writer; bfloat16 travels as its uint16 bit pattern."""
-    if feat.dtype == torch.bfloat16:
-        return feat.view(torch.int16).numpy().view(np.uint16)
-    return feat.numpy()
+    return [process_item(it, _WORKER["recipe"], _WORKER["shape"]) for it in items]
 
 
 # -- driver --------------------------------------------------------------------------
@@ -287,10 +173,10 @@ def compile_corpus(
 ) -> Index:
     """Compiles recipe.source into an archive at ``out``; returns its index."""
     out = Path(out)
-    corpus = open_corpus(recipe.source, recipe.layout)
+    corpus = open_corpus(recipe.source, recipe.layout, recipe.media, recipe.images, recipe.masks)
     if not corpus.items:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
-    fields = schema_for(recipe, corpus)
+    fields = schema_for(recipe, CorpusShape.of(corpus))
     created_dir = _prepare_output(out, resume, overwrite)
     journal = _Journal(out, recipe.digest(), corpus.fingerprint)
     if resume:
@@ -330,8 +216,9 @@ def compile_corpus(
     try:
         for outcome in _results(corpus, recipe, workers, journal.consumed):
             consumed += 1
-            if outcome.sample is not None:
-                writer.write(outcome.sample)
+            if outcome.reason is None:
+                for sample in outcome.samples:
+                    writer.write(sample)
             elif recipe.on_error == "fail":
                 writer.abort()
                 (out / JOURNAL).unlink(missing_ok=True)
@@ -360,7 +247,7 @@ def compile_corpus(
 
 
 def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterator[Outcome]:
-    extra = corpus.extra_fields
+    shape = CorpusShape.of(corpus)
     chunks = _chunks(_item_stream(corpus, start), CHUNK_ITEMS)
     if workers == 1:
         threads = torch.get_num_threads()
@@ -368,7 +255,7 @@ def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterat
         try:
             for chunk in chunks:
                 for it in chunk:
-                    yield process_item(it, recipe, corpus.has_label, corpus.has_text, extra)
+                    yield process_item(it, recipe, shape)
         finally:
             torch.set_num_threads(threads)
         return
@@ -379,7 +266,7 @@ def _results(corpus: Corpus, recipe: Recipe, workers: int, start: int) -> Iterat
             workers,
             mp_context=ctx,
             initializer=_init_worker,
-            initargs=(recipe.to_json(), corpus.has_label, corpus.has_text, extra),
+            initargs=(recipe.to_json(), shape),
         ) as pool,
     ):
         pending: deque[Future[list[Outcome]]] = deque()

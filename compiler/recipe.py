@@ -15,10 +15,12 @@ from dlop.formats import Codec, Raw, SchemaError, Zstd, parse_codec
 from .errors import CompileError
 from .features import FeatureConfig, feature_config
 from .resample import ResampleConfig
-from .sources import LAYOUTS, detect_layout
+from .sources import LAYOUTS, MEDIA, detect_layout, layout_media
+from .vision import VisionConfig
 
 DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 FEATURE_OPTIONS = {f.name for f in fields(FeatureConfig)} - {"preset", "features"}
+VISION_OPTIONS = {f.name for f in fields(VisionConfig)}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "b": 1,
@@ -61,8 +63,14 @@ class Recipe:
     shard_bytes: int = 256 << 20
     on_error: str = "skip"
     resampler: ResampleConfig = field(default_factory=ResampleConfig)
+    media: str = "audio"
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    images: str | None = None  # segmentation: the images folder (default: detected)
+    masks: tuple[str, ...] | None = None  # segmentation: mask folders (default: detected)
 
     def __post_init__(self) -> None:
+        if self.media not in MEDIA:
+            raise CompileError(f"media {self.media!r} must be one of {MEDIA}")
         if self.dtype not in DTYPES:
             raise CompileError(f"dtype {self.dtype!r} must be one of {sorted(DTYPES)}")
         if self.on_error not in ("skip", "fail"):
@@ -93,6 +101,10 @@ class Recipe:
         return {
             "source": self.source,
             "layout": self.layout,
+            "media": self.media,
+            "vision": self.vision.to_json(),
+            "images": self.images,
+            "masks": list(self.masks) if self.masks is not None else None,
             "features": self.feature.to_json(),
             "dtype": self.dtype,
             "duration": self.duration,
@@ -136,21 +148,29 @@ def build_recipe(options: dict[str, Any]) -> Recipe:
     # A key given as null (as a resolved recipe stores "duration": null) counts as given.
     explicit_duration = "duration" in options
     opts = {k.replace("-", "_"): v for k, v in options.items() if v is not None}
-    known = {
-        "source",
-        "layout",
-        "features",
-        "preset",
-        "dtype",
-        "duration",
-        "downmix",
-        "codec",
-        "feature_codec",
-        "shard_bytes",
-        "on_error",
-        "resampler",
-        "workers",
-    } | FEATURE_OPTIONS
+    known = (
+        {
+            "source",
+            "layout",
+            "features",
+            "preset",
+            "dtype",
+            "duration",
+            "downmix",
+            "codec",
+            "feature_codec",
+            "shard_bytes",
+            "on_error",
+            "resampler",
+            "workers",
+            "media",
+            "vision",
+            "images",
+            "masks",
+        }
+        | FEATURE_OPTIONS
+        | VISION_OPTIONS
+    )
     unknown = sorted(set(opts) - known)
     if unknown:
         raise CompileError(f"unknown recipe option(s): {', '.join(unknown)}")
@@ -167,6 +187,16 @@ def build_recipe(options: dict[str, Any]) -> Recipe:
         raise CompileError(str(e)) from None
     resampler = opts.get("resampler")
     layout = opts.get("layout") or detect_layout(Path(str(opts["source"])))
+    media = opts.get("media") or layout_media(layout, Path(str(opts["source"])))
+    vision_opts = dict(opts["vision"]) if isinstance(opts.get("vision"), dict) else {}
+    vision_opts.update({k: opts[k] for k in VISION_OPTIONS if k in opts})
+    try:
+        vision = VisionConfig.from_options(vision_opts)
+    except (TypeError, ValueError) as e:
+        raise CompileError(str(e)) from None
+    masks = opts.get("masks")
+    if isinstance(masks, str):
+        masks = [masks]
     # ESC-50 defines 5 s clips, so its features are fixed-size unless told otherwise;
     # duration 0 asks for native lengths (ragged) explicitly.
     duration = opts.get("duration") if explicit_duration else (5.0 if layout == "esc50" else None)
@@ -181,4 +211,8 @@ def build_recipe(options: dict[str, Any]) -> Recipe:
         shard_bytes=parse_size(opts.get("shard_bytes", 256 << 20)),
         on_error=opts.get("on_error", "skip"),
         resampler=ResampleConfig(**resampler) if isinstance(resampler, dict) else ResampleConfig(),
+        media=media,
+        vision=vision,
+        images=None if opts.get("images") is None else str(opts["images"]),
+        masks=None if masks is None else tuple(str(m) for m in masks),
     )

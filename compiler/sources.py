@@ -33,7 +33,11 @@ AUDIO_EXTS = (
     ".aif",
     ".aiff",
 )
-LAYOUTS = ("esc50", "folder", "librispeech", "manifest", "webdataset")
+VIDEO_EXTS = (".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v", ".mpg", ".mpeg", ".ts", ".flv")
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".tif", ".tiff", ".bmp")
+LAYOUTS = ("esc50", "folder", "librispeech", "manifest", "webdataset", "charades", "segmentation")
+MEDIA = ("audio", "video", "image")
+MEDIA_EXTS = {"audio": AUDIO_EXTS, "video": VIDEO_EXTS, "image": IMAGE_EXTS}
 
 
 @dataclass
@@ -50,6 +54,8 @@ class Item:
     duration: float | None = None
     error: str | None = None  # known bad before decoding (e.g. a malformed manifest line)
     data: dict[str, bytes] | None = None  # webdataset: the sample's members by extension
+    labels: list[int] | None = None  # multi-label classes (Charades actions, manifest "labels")
+    masks: dict[str, str | None] | None = None  # segmentation: mask field -> file (None: missing)
 
 
 @dataclass
@@ -62,6 +68,9 @@ class Corpus:
     extra_fields: dict[str, str]  # name -> "i64" | "str"
     metadata: dict[str, Any]
     fingerprint: str
+    media: str = "audio"
+    num_labels: int = 0  # multi-hot width when items carry ``labels``
+    mask_names: tuple[str, ...] = ()
 
 
 def detect_layout(source: Path) -> str:
@@ -73,9 +82,15 @@ def detect_layout(source: Path) -> str:
         raise CompileError(f"{source}: a file SOURCE must be a .jsonl manifest or a .tar shard")
     if not source.is_dir():
         raise CompileError(f"{source}: no such file or directory")
+    from .sources_vision import is_charades, is_segmentation
+
     found = []
     if (source / "meta" / "esc50.csv").is_file():
         found.append("esc50")
+    if is_charades(source):
+        found.append("charades")
+    if is_segmentation(source):
+        found.append("segmentation")
     if next(source.rglob("*.trans.txt"), None) is not None:
         found.append("librispeech")
     if next(source.glob("*.tar"), None) is not None:
@@ -89,21 +104,70 @@ def detect_layout(source: Path) -> str:
     if any(p.is_dir() for p in source.iterdir()):
         return "folder"
     raise CompileError(
-        f"{source}: cannot tell the layout (no meta/esc50.csv, *.trans.txt, *.tar or class subfolders); pass --layout"
+        f"{source}: cannot tell the layout (no meta/esc50.csv, Charades_v1_*.csv, images + mask "
+        "folders, *.trans.txt, *.tar or class subfolders); pass --layout"
     )
 
 
-def open_corpus(source: str, layout: str | None) -> Corpus:
+def media_of(paths: list[str]) -> str:
+    """audio, video or image, by the files' extensions (.mp4 and friends count as video)."""
+    exts = [Path(p).suffix.lower() for p in paths]
+    images = sum(e in IMAGE_EXTS for e in exts)
+    videos = sum(e in VIDEO_EXTS for e in exts)
+    audio_only = sum(e in AUDIO_EXTS and e not in VIDEO_EXTS for e in exts)
+    if images and images >= max(videos, audio_only):
+        return "image"
+    return "video" if videos > audio_only else "audio"
+
+
+def layout_media(layout: str, source: Path) -> str:
+    """The media a layout holds; folder and manifest corpora are told by their files."""
+    if layout in ("charades",):
+        return "video"
+    if layout == "segmentation":
+        return "image"
+    if layout == "folder" and source.is_dir():
+        return media_of([str(f) for f in source.rglob("*") if f.is_file()])
+    if layout == "manifest" and source.is_file():
+        for line in source.read_text("utf-8", "replace").splitlines():
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(obj, dict) and "video_filepath" in obj:
+                    return "video"
+                break
+    return "audio"
+
+
+def open_corpus(
+    source: str,
+    layout: str | None,
+    media: str | None = None,
+    images: str | None = None,
+    masks: tuple[str, ...] | None = None,
+) -> Corpus:
+    from .sources_vision import charades, segmentation
+
     path = Path(source)
     layout = layout or detect_layout(path)
     if layout not in LAYOUTS:
         raise CompileError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    media = media or layout_media(layout, path)
+    if layout == "folder":
+        return _folder(path, media)
+    if layout == "manifest":
+        return _manifest(path, media)
+    if layout == "segmentation":
+        return segmentation(path, images, masks)
+    if media != "audio" and layout != "charades":
+        raise CompileError(f"layout {layout} holds audio, not {media}")
     build = {
         "esc50": _esc50,
-        "folder": _folder,
         "librispeech": _librispeech,
-        "manifest": _manifest,
         "webdataset": _webdataset,
+        "charades": charades,
     }[layout]
     return build(path)
 
@@ -167,17 +231,25 @@ def _esc50(root: Path) -> Corpus:
     )
 
 
-def _folder(root: Path) -> Corpus:
+def _folder(root: Path, media: str = "audio") -> Corpus:
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise CompileError(f"{root}: folder layout needs one subfolder per class")
     items = []
     for label, name in enumerate(classes):
         for f in sorted((root / name).rglob("*")):
-            if f.is_file() and f.suffix.lower() in AUDIO_EXTS:
+            if f.is_file() and f.suffix.lower() in MEDIA_EXTS[media]:
                 items.append(Item(key=str(f.relative_to(root)), path=str(f), label=label))
     return Corpus(
-        "folder", str(root), items, True, False, {}, {"classes": classes}, _fingerprint(root, items)
+        "folder",
+        str(root),
+        items,
+        True,
+        False,
+        {},
+        {"classes": classes},
+        _fingerprint(root, items),
+        media=media,
     )
 
 
@@ -222,23 +294,27 @@ def _librispeech(root: Path) -> Corpus:
     )
 
 
-def _manifest(path: Path) -> Corpus:
+def _manifest(path: Path, media: str = "audio") -> Corpus:
     if not path.is_file():
         raise CompileError(f"{path}: manifest file not found")
     raw = path.read_bytes()
     base = path.parent
     items: list[Item] = []
     labels: set[str] = set()
-    has_text = has_label = False
+    multi: set[str] = set()
+    has_text = has_label = has_labels = False
+    path_key = "video_filepath" if media == "video" else "audio_filepath"
     for n, line in enumerate(raw.decode("utf-8").splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path.name} line {n}"
         try:
             obj = json.loads(line)
-            audio = obj["audio_filepath"]
+            audio = obj[path_key]
             if not isinstance(audio, str):
-                raise TypeError("audio_filepath is not a string")
+                raise TypeError(f"{path_key} is not a string")
+            if "labels" in obj and not isinstance(obj["labels"], list):
+                raise TypeError("labels is not a list")
             offset = float(obj.get("offset", 0.0) or 0.0)
             duration = obj.get("duration")
             duration = None if duration is None else float(duration)
@@ -253,6 +329,10 @@ def _manifest(path: Path) -> Corpus:
             has_label = True
             item.extras["_label"] = obj["label"]
             labels.add(str(obj["label"]))
+        if "labels" in obj:
+            has_labels = True
+            item.extras["_labels"] = obj["labels"]
+            multi.update(str(v) for v in obj["labels"])
         items.append(item)
     classes: list[str] = []
     if has_label:
@@ -266,6 +346,21 @@ def _manifest(path: Path) -> Corpus:
                 it.label = value if ints else classes.index(str(value))
             elif it.error is None:
                 it.error = f"{it.key}: no label, while other manifest lines have one"
+    metadata: dict[str, Any] = {"classes": classes} if classes else {}
+    num_labels = 0
+    if has_labels:
+        values = [v for it in items for v in it.extras.get("_labels", [])]
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+        names = [] if ints else sorted(multi)
+        num_labels = (max(values, default=-1) + 1) if ints else len(names)
+        if names:
+            metadata["label_classes"] = names
+        for it in items:
+            if "_labels" in it.extras:
+                got = it.extras.pop("_labels")
+                it.labels = list(got) if ints else [names.index(str(v)) for v in got]
+            elif it.error is None:
+                it.error = f"{it.key}: no labels, while other manifest lines have them"
     return Corpus(
         "manifest",
         str(path),
@@ -273,8 +368,10 @@ def _manifest(path: Path) -> Corpus:
         has_label,
         has_text,
         {},
-        {"classes": classes} if classes else {},
+        metadata,
         _fingerprint(base, items, raw),
+        media=media,
+        num_labels=num_labels,
     )
 
 

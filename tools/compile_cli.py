@@ -48,6 +48,51 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--downmix", choices=("mean", "first"), help="how channels become one (default mean)"
     )
+    g.add_argument(
+        "--media", choices=("audio", "video", "image"), help="default: told by layout and files"
+    )
+    v = p.add_argument_group("video and images")
+    v.add_argument("--size", type=int, help="resize so the short side is N pixels (antialiased)")
+    v.add_argument("--crop", help="centre crop N or HxW after --size (default: keep all)")
+    v.add_argument(
+        "--clip",
+        choices=("uniform", "dense"),
+        help="uniform: one clip of segment centres over the video (default); dense: consecutive frames",
+    )
+    v.add_argument("--clip-frames", type=int, help="frames per clip (default 16)")
+    v.add_argument(
+        "--clip-fps", type=float, help="dense: the rate the stride counts in (default: the video's)"
+    )
+    v.add_argument(
+        "--clip-stride", type=int, help="dense: every Nth frame at --clip-fps (default 1)"
+    )
+    v.add_argument("--clips", type=int, help="dense: clips per video, spread evenly (default 1)")
+    v.add_argument(
+        "--audio",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="video: store the audio track's features beside the frames",
+    )
+    v.add_argument("--images", help="segmentation: the images folder (default: detected)")
+    v.add_argument("--masks", nargs="+", help="segmentation: mask folders (default: detected)")
+    v.add_argument(
+        "--tile", help="cut images into N or HxW patches (edges that do not fill one are dropped)"
+    )
+    v.add_argument(
+        "--mask-fill", type=int, help="value of an annotator's missing mask (default 255)"
+    )
+    v.add_argument(
+        "--missing-mask",
+        choices=("fill", "skip"),
+        help="an image lacking some annotator's mask: store it filled (default) or skip the image",
+    )
+    v.add_argument("--mask-remap", help="mask label table, e.g. 0:0,1:1,3:2,4:3,5:4,6:5")
+    v.add_argument(
+        "--consensus",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add a per-pixel majority-vote mask",
+    )
     f = p.add_argument_group("features")
     f.add_argument("--features", choices=("logmel", "fbank", "mfcc", "waveform"))
     f.add_argument("--preset", choices=sorted(PRESETS), help="feature convention (default librosa)")

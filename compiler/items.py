@@ -1,0 +1,328 @@
+"""One input -> its archive samples: the schema per media, and the per-item work workers run.
+
+Audio: decode, downmix, resample, crop/pad, featurize. Video: sample clips by
+frame time, rotate, resize, crop (and the audio track's features). Images:
+decode with EXIF orientation, resize and crop the image and its masks alike,
+tile. Bad input never raises here: it comes back as an Outcome with a reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from dlop.formats import Field
+
+from .decode import decode_audio, downmix
+from .errors import InputError
+from .features import featurize
+from .recipe import DTYPES, Recipe
+from .resample import resample
+from .sources import Corpus, Item, webdataset_fields
+
+
+@dataclass(frozen=True)
+class CorpusShape:
+    """What every item of a corpus carries besides its media (sent to the workers)."""
+
+    has_label: bool
+    has_text: bool
+    extra: dict[str, str]
+    media: str = "audio"
+    num_labels: int = 0
+    mask_names: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, corpus: Corpus) -> CorpusShape:
+        return cls(
+            corpus.has_label,
+            corpus.has_text,
+            dict(corpus.extra_fields),
+            corpus.media,
+            corpus.num_labels,
+            corpus.mask_names,
+        )
+
+
+@dataclass
+class Outcome:
+    key: str
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    reason: str | None = None
+    path: str | None = None
+
+
+def _audio_fields(recipe: Recipe, fixed: bool) -> Field:
+    cfg = recipe.feature
+    if cfg.features == "waveform":
+        frames = round(recipe.duration * cfg.sample_rate) if recipe.duration is not None else None
+        shape: tuple[int | None, ...] = (frames if fixed else None,)
+        units = "amplitude in [-1, 1]"
+    else:
+        frames = (
+            cfg.num_output_frames(round(recipe.duration * cfg.sample_rate))
+            if recipe.duration
+            else None
+        )
+        frames = cfg.num_frames if cfg.num_frames is not None else frames
+        shape = (frames if fixed else None, cfg.bins)
+        units = {"db": "dB", "log10": "log10", "ln": "natural log", "none": "power"}[cfg.log]
+        if cfg.post == "whisper":
+            units = "(log10 + 4) / 4"
+        elif cfg.post == "ast":
+            units = "normalised ln fbank"
+    meaning = f"{cfg.preset} {cfg.features} at {cfg.sample_rate} Hz, time-major [frames, bins]"
+    return Field(
+        cfg.features,
+        DTYPES[recipe.dtype],
+        shape,
+        codec=recipe.feature_codec(),
+        meaning=meaning,
+        units=units,
+    )
+
+
+def schema_for(recipe: Recipe, corpus: CorpusShape) -> list[Field]:
+    cfg = recipe.feature
+    vision = recipe.vision
+    hw: tuple[int | None, int | None] = vision.output_hw() or (None, None)
+    codec = recipe.feature_codec()
+    fields = [Field.str_("key", meaning="input path relative to the corpus root, or manifest id")]
+    if corpus.media == "audio":
+        fields.append(
+            _audio_fields(recipe, recipe.duration is not None or cfg.num_frames is not None)
+        )
+    elif corpus.media == "video":
+        fields += [
+            Field(
+                "frames",
+                "u8",
+                (vision.clip_frames, *hw, 3),
+                codec=codec,
+                meaning=f"{vision.clip} clip of {vision.clip_frames} RGB frames, [T, H, W, C]",
+                units="0-255",
+            ),
+            Field("clip_start", "f64", (), meaning="time of the clip's first frame", units="s"),
+            Field("clip_end", "f64", (), meaning="end of the clip's last frame", units="s"),
+        ]
+        if vision.audio:
+            audio = _audio_fields(recipe, fixed=False)
+            fields.append(
+                Field(
+                    audio.name,
+                    audio.dtype,
+                    audio.shape,
+                    codec=audio.codec,
+                    meaning=f"audio track over the clip's span: {audio.meaning}; 0 frames when the video has none",
+                    units=audio.units,
+                )
+            )
+    else:
+        fields.append(
+            Field(
+                "image", "u8", (*hw, 3), codec=codec, meaning="RGB image, [H, W, C]", units="0-255"
+            )
+        )
+        for name in corpus.mask_names:
+            fields.append(
+                Field(
+                    name,
+                    "u8",
+                    hw,
+                    codec=codec,
+                    meaning=f"annotator mask [H, W]; {vision.mask_fill} where this annotator gave none",
+                )
+            )
+        if corpus.mask_names:
+            fields.append(
+                Field(
+                    "masks_present",
+                    "bool",
+                    (len(corpus.mask_names),),
+                    meaning=f"which of {list(corpus.mask_names)} exist for this image",
+                )
+            )
+        if vision.consensus:
+            fields.append(
+                Field(
+                    "consensus",
+                    "u8",
+                    hw,
+                    codec=codec,
+                    meaning="per-pixel majority vote of the present masks (ties: smaller label)",
+                )
+            )
+        if vision.tile is not None:
+            fields.append(
+                Field("origin", "i64", (2,), meaning="tile's top-left (y, x) in the resized image")
+            )
+    if corpus.has_label:
+        fields.append(Field("label", "i64", (), meaning="class index (see metadata.classes)"))
+    if corpus.num_labels:
+        fields.append(
+            Field(
+                "labels",
+                "u8",
+                (corpus.num_labels,),
+                meaning="multi-hot classes (see metadata.label_classes)",
+            )
+        )
+    if corpus.has_text:
+        fields.append(Field.str_("text", meaning="transcript"))
+    for name, kind in corpus.extra.items():
+        fields.append(Field.str_(name) if kind == "str" else Field(name, kind, ()))
+    return fields
+
+
+def process_item(item: Item, recipe: Recipe, shape: CorpusShape) -> Outcome:
+    """Every archive sample of one input; never raises for bad input."""
+    name = item.key if item.path is None else item.path
+    try:
+        if item.data is not None:
+            webdataset_fields(item)
+        if item.error:
+            raise InputError(name, item.error)
+        common = _labels(item, shape, name)
+        if shape.media == "video":
+            samples = _video(item, recipe, name)
+        elif shape.media == "image":
+            samples = _image(item, recipe, shape, name)
+        else:
+            samples = [_audio(item, recipe, name)]
+        for s in samples:
+            s["key"] = item.key
+            s.update(common)
+        return Outcome(item.key, samples=samples)
+    except InputError as e:
+        return Outcome(item.key, reason=e.reason, path=e.path)
+
+
+def _labels(item: Item, shape: CorpusShape, name: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if shape.has_label:
+        if item.label is None:
+            raise InputError(name, "no label")
+        out["label"] = item.label
+    if shape.num_labels:
+        hot = np.zeros(shape.num_labels, np.uint8)
+        hot[item.labels or []] = 1
+        out["labels"] = hot
+    if shape.has_text:
+        if item.text is None:
+            raise InputError(name, "no transcript")
+        out["text"] = item.text
+    for field_name in shape.extra:
+        out[field_name] = item.extras[field_name]
+    return out
+
+
+def _features(wave: torch.Tensor, recipe: Recipe, name: str) -> np.ndarray:
+    stored = featurize(wave, recipe.feature).to(getattr(torch, recipe.dtype))
+    if not bool(torch.isfinite(stored).all()):
+        raise InputError(name, f"features are not finite in {recipe.dtype}")
+    return _store(stored)
+
+
+def _audio(item: Item, recipe: Recipe, name: str) -> dict[str, Any]:
+    if item.data is not None and item.member is not None:
+        name = f"{item.member[0]}:{item.key}.{item.member[1]}"
+        source: Any = item.data[item.member[1]]
+    else:
+        source = item.path
+    audio, rate = decode_audio(source, name, item.offset, item.duration)
+    cfg = recipe.feature
+    wave = torch.from_numpy(downmix(audio, recipe.downmix))
+    wave = resample(wave, rate, cfg.sample_rate, recipe.resampler)
+    if recipe.duration is not None:
+        n = round(recipe.duration * cfg.sample_rate)
+        wave = (
+            wave[:n]
+            if wave.shape[0] >= n
+            else torch.nn.functional.pad(wave, (0, n - wave.shape[0]))
+        )
+    return {cfg.features: _features(wave, recipe, name)}
+
+
+def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
+    from .video import decode_clips, has_audio
+
+    assert item.path is not None  # video layouts list files on disk
+    clips, info = decode_clips(item.path, name, recipe.vision)
+    samples: list[dict[str, Any]] = [
+        {"frames": c.frames, "clip_start": c.start, "clip_end": c.end} for c in clips
+    ]
+    if recipe.vision.audio:
+        cfg = recipe.feature
+        if has_audio(item.path):
+            audio, rate = decode_audio(item.path, name)
+            wave = resample(
+                torch.from_numpy(downmix(audio, recipe.downmix)),
+                rate,
+                cfg.sample_rate,
+                recipe.resampler,
+            )
+            for s, c in zip(samples, clips, strict=True):
+                a = max(0, round((c.start - info.start) * cfg.sample_rate))
+                b = max(a, round((c.end - info.start) * cfg.sample_rate))
+                s[cfg.features] = _features(wave[a:b], recipe, name)
+        else:
+            empty = np.zeros((0, cfg.bins), dtype=_STORED[recipe.dtype])
+            for s in samples:
+                s[cfg.features] = empty
+    return samples
+
+
+def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[dict[str, Any]]:
+    from .image import consensus, decode_image, decode_mask, remap, shape_sample
+
+    assert item.path is not None
+    vision = recipe.vision
+    image = decode_image(item.path, name)
+    masks: dict[str, np.ndarray] = {}
+    present = []
+    for mask_name in shape.mask_names:
+        path = (item.masks or {}).get(mask_name)
+        if path is None:
+            if vision.missing_mask == "skip":
+                raise InputError(name, f"no {mask_name} mask (--missing-mask skip)")
+            masks[mask_name] = np.full(image.shape[:2], vision.mask_fill, np.uint8)
+            present.append(False)
+            continue
+        masks[mask_name] = remap(decode_mask(path, path), vision.mask_remap, path)
+        present.append(True)
+    try:
+        patches = shape_sample(image, masks, vision)
+    except ValueError as e:
+        raise InputError(name, str(e)) from None
+    if not patches:
+        raise InputError(
+            name, f"{image.shape[1]}x{image.shape[0]} image holds no whole {vision.tile} tile"
+        )
+    samples = []
+    for p in patches:
+        sample: dict[str, Any] = {"image": p.image, **p.masks}
+        if shape.mask_names:
+            sample["masks_present"] = np.array(present, dtype=bool)
+        if vision.consensus:
+            voters = [p.masks[n] for n, ok in zip(shape.mask_names, present, strict=True) if ok]
+            sample["consensus"] = (
+                consensus(voters, vision.mask_fill)
+                if voters
+                else np.full(p.image.shape[:2], vision.mask_fill, np.uint8)
+            )
+        if vision.tile is not None:
+            sample["origin"] = np.array(p.origin, dtype=np.int64)
+        samples.append(sample)
+    return samples
+
+
+_STORED = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
+
+
+def _store(feat: torch.Tensor) -> np.ndarray:
+    """numpy for the shard writer; bfloat16 travels as its uint16 bit pattern."""
+    if feat.dtype == torch.bfloat16:
+        return feat.view(torch.int16).numpy().view(np.uint16)
+    return feat.numpy()

@@ -1,0 +1,157 @@
+"""Image + mask compile: EXIF orientation, every mask value kept, annotator rules, tiles, bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dlop.compiler.image import consensus
+from dlop.formats import ArchiveReader
+from dlop.tools.compile_cli import main as compile_main
+from PIL import Image
+
+from .media import write_image
+
+LABELS = np.array([0, 1, 3, 4, 5, 6], np.uint8)
+
+
+def _mask(seed: int, h: int, w: int) -> np.ndarray:
+    """Blocks of Gleason labels, so nearest-neighbour resizing keeps regions."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.choice(LABELS, size=(h // 8 + 1, w // 8 + 1))
+    return np.ascontiguousarray(np.kron(blocks, np.ones((8, 8), np.uint8))[:h, :w])
+
+
+def _image(seed: int, h: int, w: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), np.uint8)
+
+
+@pytest.fixture(scope="module")
+def gleason(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gleason-style: Train Imgs/ plus Maps1_T/ and Maps2_T/ with <stem>_classimg_nonconvex.png."""
+    root = tmp_path_factory.mktemp("gleason")
+    sizes = {"slide01_core001": (40, 56), "slide01_core002": (48, 48), "slide02_core001": (64, 40)}
+    for n, (stem, (h, w)) in enumerate(sizes.items()):
+        write_image(root / "Train Imgs" / f"{stem}.png", _image(n, h, w))
+        write_image(root / "Maps1_T" / f"{stem}_classimg_nonconvex.png", _mask(n, h, w))
+        if stem != "slide01_core002":  # annotator 2 skipped one image
+            write_image(root / "Maps2_T" / f"{stem}_classimg_nonconvex.png", _mask(n + 10, h, w))
+    # a JPEG whose EXIF says "rotate 90 clockwise to display" (orientation 6)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    write_image(
+        root / "Train Imgs" / "slide03_core001.jpg", _image(7, 24, 32), exif=exif, quality=95
+    )
+    write_image(root / "Maps1_T" / "slide03_core001_classimg_nonconvex.png", _mask(7, 32, 24))
+    (root / "Train Imgs" / "slide04_core001.jpg").write_bytes(b"")
+    (root / "Train Imgs" / "slide05_core001.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    return root
+
+
+def _samples(out: Path) -> dict[str, dict]:
+    with ArchiveReader(out) as r:
+        return {r.get("key", i): r.sample(i) for i in range(r.num_samples)}
+
+
+def test_native_size_round_trip_keeps_every_mask_value(gleason: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a"
+    assert compile_main([str(gleason), "-o", str(out), "-q"]) == 0
+    with ArchiveReader(out) as r:
+        fields = dict(r.fields)
+        assert r.index.provenance["source"]["layout"] == "segmentation"
+    assert fields["image"].shape == (None, None, 3)
+    assert fields["Maps1_T"].shape == (None, None) and fields["Maps2_T"].dtype == "u8"
+    samples = _samples(out)
+    assert len(samples) == 4
+    for key, s in samples.items():
+        stem = Path(key).stem
+        if key.endswith(".png"):
+            np.testing.assert_array_equal(s["image"], np.asarray(Image.open(gleason / key)))
+        m1 = np.asarray(Image.open(gleason / "Maps1_T" / f"{stem}_classimg_nonconvex.png"))
+        np.testing.assert_array_equal(s["Maps1_T"], m1)
+        m2_path = gleason / "Maps2_T" / f"{stem}_classimg_nonconvex.png"
+        if m2_path.exists():
+            np.testing.assert_array_equal(s["Maps2_T"], np.asarray(Image.open(m2_path)))
+            assert s["masks_present"].tolist() == [True, True]
+        else:
+            assert (s["Maps2_T"] == 255).all() and s["Maps2_T"].shape == s["image"].shape[:2]
+            assert s["masks_present"].tolist() == [True, False]
+    # EXIF orientation applied: the 32x24 (WxH) JPEG is stored upright, 24 wide and 32 high
+    rotated = samples["Train Imgs/slide03_core001.jpg"]["image"]
+    assert rotated.shape == (32, 24, 3)
+    upright = np.asarray(
+        Image.open(gleason / "Train Imgs/slide03_core001.jpg").transpose(Image.Transpose.ROTATE_270)
+    )
+    np.testing.assert_array_equal(rotated, upright)
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    assert {Path(e["key"]).name: e["reason"].split(":")[0] for e in errors} == {
+        "slide04_core001.jpg": "empty file (0 bytes)",
+        "slide05_core001.jpg": "cannot decode image",
+    }
+
+
+def test_resize_crop_remap_consensus_and_tiles(gleason: Path, tmp_path: Path) -> None:
+    out = tmp_path / "b"
+    args = [str(gleason), "-o", str(out), "-q", "--size", "32", "--crop", "24x32"]
+    args += ["--mask-remap", "0:0,1:1,3:2,4:3,5:4,6:5", "--consensus"]
+    assert compile_main(args) == 0
+    samples = _samples(out)
+    for key, s in samples.items():
+        assert s["image"].shape == (24, 32, 3)
+        stem = Path(key).stem
+        m1 = np.asarray(Image.open(gleason / "Maps1_T" / f"{stem}_classimg_nonconvex.png"))
+        h, w = s["image"].shape[:2]
+        # nearest neighbour only: every stored value is a remapped label the annotator drew
+        assert set(np.unique(s["Maps1_T"]).tolist()) <= set(
+            np.searchsorted(LABELS, np.unique(m1)).tolist()
+        )
+        if s["masks_present"].all():
+            expect = consensus([s["Maps1_T"], s["Maps2_T"]], 255)
+            np.testing.assert_array_equal(s["consensus"], expect)
+        else:
+            np.testing.assert_array_equal(s["consensus"], s["Maps1_T"])
+        assert (h, w) == (24, 32)
+    tiles = tmp_path / "t"
+    assert (
+        compile_main([str(gleason), "-o", str(tiles), "-q", "--tile", "16", "--masks", "Maps1_T"])
+        == 0
+    )
+    with ArchiveReader(tiles) as r:
+        assert [n for n in r.fields if n.startswith("Maps")] == ["Maps1_T"]
+        first = [
+            r.sample(i)
+            for i in range(r.num_samples)
+            if r.get("key", i).endswith("slide01_core001.png")
+        ]
+    source = np.asarray(
+        Image.open(gleason / "Train Imgs/slide01_core001.png")
+    )  # 40x56 -> 2x3 tiles
+    assert [tuple(t["origin"]) for t in first] == [(y, x) for y in (0, 16) for x in (0, 16, 32)]
+    for t in first:
+        y, x = t["origin"]
+        np.testing.assert_array_equal(t["image"], source[y : y + 16, x : x + 16])
+
+
+def test_missing_mask_skip_rule_and_consensus_ties(gleason: Path, tmp_path: Path) -> None:
+    out = tmp_path / "s"
+    assert compile_main([str(gleason), "-o", str(out), "-q", "--missing-mask", "skip"]) == 0
+    errors = (out / "errors.jsonl").read_text()
+    assert "slide01_core002" in errors and "no Maps2_T mask" in errors
+    a = np.array([[1, 2, 3]], np.uint8)
+    b = np.array([[1, 3, 255]], np.uint8)
+    c = np.array([[2, 2, 255]], np.uint8)
+    assert consensus([a, b, c], 255).tolist() == [[1, 2, 3]]
+    assert consensus([b, c], 255).tolist() == [[1, 2, 255]]  # tie 1 vs 2: the smaller
+
+
+def test_image_folder_layout(tmp_path: Path) -> None:
+    root = tmp_path / "imgs"
+    write_image(root / "cat" / "a.png", _image(1, 20, 30))
+    write_image(root / "dog" / "b.webp", _image(2, 30, 20), lossless=True)
+    out = tmp_path / "o"
+    assert compile_main([str(root), "-o", str(out), "-q", "--size", "10"]) == 0
+    s = _samples(out)
+    assert s["cat/a.png"]["image"].shape == (10, 15, 3) and s["cat/a.png"]["label"] == 0
+    assert s["dog/b.webp"]["image"].shape == (15, 10, 3) and s["dog/b.webp"]["label"] == 1

@@ -1,0 +1,137 @@
+"""Video compile: frames sampled by time equal an independent PyAV decode; bad inputs recorded."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dlop.compiler.vision import VisionConfig, shape_image
+from dlop.formats import ArchiveReader
+from dlop.tools.compile_cli import main as compile_main
+
+from .media import charades_corpus, decode_all, frame_at, write_video
+
+
+@pytest.fixture(scope="module")
+def charades(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("charades")
+    charades_corpus(root)
+    return root
+
+
+def _samples(out: Path) -> list[dict]:
+    with ArchiveReader(out) as r:
+        return [r.sample(i) for i in range(r.num_samples)]
+
+
+def _times(sample: dict) -> list[float]:
+    t = len(sample["frames"])
+    start, end = float(sample["clip_start"]), float(sample["clip_end"])
+    return [start + i * (end - start) / t for i in range(t)]
+
+
+def test_uniform_frames_equal_an_independent_decode(charades: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a"
+    assert compile_main([str(charades), "-o", str(out), "--clip-frames", "8", "-q"]) == 0
+    samples = _samples(out)
+    assert [s["key"] for s in samples] == [
+        "Charades_v1_480/AAAA1.mp4",
+        "Charades_v1_480/BBBB2.avi",
+        "Charades_v1_480/CCCC3.mp4",
+        "Charades_v1_480/DDDD4.mp4",
+        "Charades_v1_480/EEEE5.mp4",
+    ]
+    for s in samples:
+        frames = decode_all(charades / s["key"])
+        assert s["frames"].shape[0] == 8
+        for got, t in zip(s["frames"], _times(s), strict=True):
+            np.testing.assert_array_equal(got, frame_at(frames, t), err_msg=f"{s['key']} at {t}")
+    by_id = {s["video_id"]: s for s in samples}
+    # TSN segment centres of a 30-frame 30 fps clip: 1/16 s, then every 1/8 s
+    assert by_id["AAAA1"]["clip_start"] == pytest.approx(1 / 16, abs=2e-3)
+    # variable frame rate: frames alternate 60 ms and 20 ms, so sampling by index would differ
+    vfr = decode_all(charades / by_id["CCCC3"]["key"])
+    assert len({round(b[0] - a[0], 3) for a, b in itertools.pairwise(vfr)}) == 2
+    # rotation applied: a 64x48 (WxH) frame turned 90 degrees is 48 wide and 64 high,
+    # and the red top-left marker lands bottom-left (counterclockwise)
+    rotated = by_id["DDDD4"]["frames"]
+    assert rotated.shape[1:] == (64, 48, 3)
+    assert rotated[0, -3, 2, 0] > 200 and rotated[0, -3, 2, 1] < 60
+    assert rotated[0, 2, 2, 1] > 0 or rotated[0, 2, 2, 0] < 200  # not at top-left any more
+    # the one-frame clip repeats its only frame
+    one = by_id["EEEE5"]["frames"]
+    assert all((f == one[0]).all() for f in one)
+    # multi-hot labels from the action spans
+    assert by_id["BBBB2"]["labels"].nonzero()[0].tolist() == [1, 156]
+    assert by_id["AAAA1"]["labels"].sum() == 0
+    assert by_id["BBBB2"]["actions"] == "c001 0.00 0.50;c156 0.10 0.90"
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    reasons = {e["key"].split("/")[-1]: e["reason"] for e in errors}
+    assert set(reasons) == {"FFFF6.mp4", "GGGG7.mp4", "HHHH8"}
+    assert "cannot decode video" in reasons["FFFF6.mp4"]
+    assert "empty file" in reasons["GGGG7.mp4"]
+    assert "no video named HHHH8" in reasons["HHHH8"]
+
+
+def test_dense_clips_resized_equal_the_same_resize_of_an_independent_decode(
+    charades: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "d"
+    args = [str(charades), "-o", str(out), "-q", "--clip", "dense", "--clip-frames", "4"]
+    args += ["--clip-stride", "2", "--clips", "3", "--size", "24", "--crop", "24", "--audio"]
+    assert compile_main(args) == 0
+    samples = _samples(out)
+    assert len(samples) == 5 * 3
+    cfg = VisionConfig(size=24, crop=(24, 24))
+    for s in samples:
+        assert s["frames"].shape == (4, 24, 24, 3)
+        frames = decode_all(charades / s["key"])
+        for got, t in zip(s["frames"], _times(s), strict=True):
+            np.testing.assert_array_equal(got, shape_image(frame_at(frames, t), cfg))
+    starts = [float(s["clip_start"]) for s in samples if s["video_id"] == "AAAA1"]
+    assert starts == sorted(starts) and len(set(starts)) == 3  # spread over the video
+    # the audio track's log-mel beside the frames; a clip without audio has 0 frames of it
+    with_audio = [s for s in samples if s["video_id"] == "AAAA1"]
+    assert all(s["logmel"].shape[0] > 0 for s in with_audio)
+    assert all(s["logmel"].shape[0] == 0 for s in samples if s["video_id"] == "BBBB2")
+
+
+def test_video_workers_and_fail_mode(
+    charades: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    base = [str(charades), "-q", "--clip-frames", "4", "--size", "32"]
+    assert compile_main([*base, "-o", str(one), "--workers", "1"]) == 0
+    assert compile_main([*base, "-o", str(two), "--workers", "2"]) == 0
+    for p in sorted(one.glob("*.dlop")):
+        assert p.read_bytes() == (two / p.name).read_bytes()
+    fail = tmp_path / "fail"
+    assert compile_main([*base, "-o", str(fail), "--on-error", "fail"]) == 1
+    assert "FFFF6.mp4" in capsys.readouterr().err
+    assert not fail.exists()
+
+
+def test_folder_and_manifest_video_layouts(tmp_path: Path) -> None:
+    root = tmp_path / "videos"
+    write_video(root / "jump" / "a.mp4", frames=10)
+    write_video(root / "run" / "b.mp4", frames=15)
+    out = tmp_path / "f"
+    assert compile_main([str(root), "-o", str(out), "-q", "--clip-frames", "2"]) == 0
+    with ArchiveReader(out) as r:
+        assert r.index.metadata["classes"] == ["jump", "run"]
+        assert [r.sample(i)["label"] for i in range(2)] == [0, 1]
+    manifest = tmp_path / "m.jsonl"
+    lines = [
+        {"video_filepath": "videos/jump/a.mp4", "labels": ["jump", "fast"]},
+        {"video_filepath": "videos/run/b.mp4", "labels": ["run"]},
+    ]
+    manifest.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "m"
+    assert compile_main([str(manifest), "-o", str(out), "-q", "--clip-frames", "2"]) == 0
+    with ArchiveReader(out) as r:
+        assert r.index.metadata["label_classes"] == ["fast", "jump", "run"]
+        assert r.sample(0)["labels"].tolist() == [1, 1, 0]
+        assert r.sample(1)["labels"].tolist() == [0, 0, 1]
