@@ -11,6 +11,7 @@ from .dataset import Archive, open_archive
 from .iterable import IterableArchive
 from .loader import Loader, LoaderError
 from .order import OrderSpec, epoch_order, rank_batches
+from .vision import Normalize, RandomHorizontalFlip, RandomResizedCrop, RandomTemporalCrop
 
 __all__ = [
     "Archive",
@@ -19,7 +20,11 @@ __all__ = [
     "Loader",
     "LoaderError",
     "Mixup",
+    "Normalize",
     "OrderSpec",
+    "RandomHorizontalFlip",
+    "RandomResizedCrop",
+    "RandomTemporalCrop",
     "RandomTimeCrop",
     "SpecAugment",
     "epoch_order",

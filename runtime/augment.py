@@ -62,11 +62,15 @@ class SpecAugment:
 
 @dataclass(frozen=True)
 class RandomTimeCrop:
-    """A random window of ``frames`` frames from each sample's valid frames (shorter ones are padded)."""
+    """A random window of ``frames`` frames from each sample's valid frames (shorter ones are padded).
+
+    With ``reverse`` > 0, that share of samples gets its window in reverse order.
+    """
 
     field: str = "logmel"
     frames: int = 400
     pad_value: float = 0.0
+    reverse: float = 0.0
 
     def __call__(self, batch: Batch, gen: torch.Generator) -> Batch:
         x = batch[self.field]
@@ -77,6 +81,11 @@ class RandomTimeCrop:
         steps = torch.arange(self.frames, device=x.device)
         pos = start[:, None] + steps[None, :]
         valid = pos < lengths[:, None]
+        if self.reverse > 0:
+            count = torch.minimum(lengths, torch.full_like(lengths, self.frames))
+            backwards = start[:, None] + count[:, None] - 1 - steps[None, :]
+            flip = torch.rand(b, generator=gen, device=x.device) < self.reverse
+            pos = torch.where(flip[:, None] & valid, backwards, pos)
         pos = pos.clamp_max(max(x.shape[1] - 1, 0))
         index = pos.view(b, self.frames, *([1] * len(rest))).expand(b, self.frames, *rest)
         out = torch.gather(x, 1, index) if x.shape[1] else x.new_zeros((b, self.frames, *rest))
