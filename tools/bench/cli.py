@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .common import Row, machine, markdown_table, peak_rss_mib, print_table, write_json
 
-SECTIONS = ("format", "compile", "runtime")
+SECTIONS = ("format", "compile", "runtime", "vision")
 
 
 def _cuda() -> bool:
@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--speech-utts", type=int, default=4000, help="ragged speech utterances")
     p.add_argument("--memory-gib", default="1,10", help="archive sizes for the Loader memory check")
+    p.add_argument("--videos", type=int, default=96, help="H.264 clips in the video workload")
+    p.add_argument("--images", type=int, default=128, help="JPEG + 2 masks in the image workload")
+    p.add_argument(
+        "--vision-mib", type=int, default=512, help="archive size the video/image Loader rows read"
+    )
     p.add_argument(
         "--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: cores)"
     )
@@ -121,6 +126,18 @@ def main(argv: list[str] | None = None) -> int:
                     args.speech_utts,
                     [float(x) for x in args.memory_gib.split(",") if x],
                 )
+        if "vision" in sections:
+            from . import vision_bench
+
+            print("== vision", file=sys.stderr, flush=True)
+            rows += vision_bench.run(
+                work / "vision",
+                args.videos,
+                args.images,
+                args.workers,
+                args.repeats,
+                args.vision_mib,
+            )
     print_table(rows)
     meta = {
         **machine(),

@@ -1,0 +1,316 @@
+"""Video clips and images with masks: compile speed, and the Loader against naive decoding and memcpy.
+
+Video: H.264 clips (320x240, 30 fps, 4 s) in class folders, compiled to one
+uniform 16-frame clip each at short side 128, centre crop 112 (the torchvision
+video reference's shape). Images: 1024x768 JPEG cores with two annotators' PNG
+masks, compiled at short side 256, centre crop 256. The naive pipelines decode
+and resize every sample in a DataLoader with a worker per core. The Loader is
+timed over an archive of the compiled samples repeated to ``loader_mib`` (its
+speed does not depend on the pixels), against np.copyto of the same fields'
+bytes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from dlop.compiler.pipeline import compile_corpus
+from dlop.compiler.recipe import build_recipe
+from dlop.formats import ArchiveReader, ArchiveWriter
+from dlop.runtime import Loader, open_archive
+from torch.utils.data import DataLoader, Dataset
+
+from .common import Row, best_of, rate_row
+from .runtime_bench import epoch_time
+
+VIDEO_SIZE = (320, 240)
+VIDEO_FPS = 30
+VIDEO_SECONDS = 4
+CLIP_FRAMES, CLIP_SHORT, CLIP_CROP = 16, 128, 112
+IMAGE_SIZE = (1024, 768)
+IMAGE_SHORT, IMAGE_CROP = 256, 256
+CLASSES = 4
+
+
+def _scene(i: int, t: int, width: int, height: int) -> np.ndarray:
+    """A moving, textured scene, cheap to make and not trivially compressible."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    phase = 0.07 * t + i
+    r = 128 + 100 * np.sin(x / (17 + i % 5) + phase)
+    g = 128 + 100 * np.sin(y / (13 + i % 7) - phase)
+    b = 128 + 100 * np.sin((x + y) / (23 + i % 3) + 0.5 * phase)
+    img = np.stack([r, g, b], axis=-1)
+    cx, cy = int((0.5 + 0.4 * np.sin(phase)) * width), int((0.5 + 0.4 * np.cos(phase)) * height)
+    img[max(0, cy - 20) : cy + 20, max(0, cx - 30) : cx + 30] = (240, 240, 40)
+    return img.clip(0, 255).astype(np.uint8)
+
+
+def make_videos(root: Path, count: int) -> Path:
+    import av
+
+    for i in range(count):
+        path = root / f"class{i % CLASSES}" / f"clip{i:05d}.mp4"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with av.open(str(path), "w") as c:
+            s = c.add_stream("libx264", rate=VIDEO_FPS, options={"preset": "veryfast"})
+            s.width, s.height = VIDEO_SIZE
+            s.pix_fmt = "yuv420p"
+            s.time_base = Fraction(1, VIDEO_FPS)
+            for t in range(VIDEO_FPS * VIDEO_SECONDS):
+                frame = av.VideoFrame.from_ndarray(_scene(i, t, *VIDEO_SIZE), format="rgb24")
+                frame.pts = t
+                for p in s.encode(frame):
+                    c.mux(p)
+            for p in s.encode():
+                c.mux(p)
+    return root
+
+
+def make_images(root: Path, count: int) -> Path:
+    from PIL import Image
+
+    w, h = IMAGE_SIZE
+    for d in ("images", "Maps1_T", "Maps2_T"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        Image.fromarray(_scene(i, 0, w, h)).save(root / "images" / f"core{i:05d}.jpg", quality=90)
+        for a, d in enumerate(("Maps1_T", "Maps2_T")):
+            blocks = rng.choice(np.array([0, 1, 3, 4, 5, 6], np.uint8), (h // 64, w // 64))
+            mask = np.kron(blocks, np.ones((64, 64), np.uint8))
+            Image.fromarray(mask).save(root / d / f"core{i:05d}_classimg_nonconvex{a}.png")
+    return root
+
+
+class NaiveClips(Dataset[tuple[torch.Tensor, int]]):
+    """Per clip: PyAV decode every frame, take 16 evenly spaced, resize short side 128, crop 112."""
+
+    def __init__(self, root: Path) -> None:
+        self.files = sorted(root.rglob("*.mp4"))
+        classes = sorted({f.parent.name for f in self.files})
+        self.labels = [classes.index(f.parent.name) for f in self.files]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        import av
+        from PIL import Image
+
+        with av.open(str(self.files[i])) as c:
+            stream = c.streams.video[0]
+            stream.thread_type = "AUTO"
+            frames = list(c.decode(stream))
+        pick = np.linspace(0, len(frames) - 1, CLIP_FRAMES).round().astype(int)
+        out = []
+        for k in pick:
+            img = frames[k].to_image()
+            scale = CLIP_SHORT / min(img.size)
+            img = img.resize(
+                (round(img.size[0] * scale), round(img.size[1] * scale)), Image.Resampling.BILINEAR
+            )
+            left, top = (img.size[0] - CLIP_CROP) // 2, (img.size[1] - CLIP_CROP) // 2
+            out.append(np.asarray(img.crop((left, top, left + CLIP_CROP, top + CLIP_CROP))))
+        return torch.from_numpy(np.stack(out)), self.labels[i]
+
+
+class NaiveSegmentation(Dataset[dict[str, torch.Tensor]]):
+    """Per image: Pillow decode JPEG + two PNG masks, resize short side 256 (masks nearest), crop 256."""
+
+    def __init__(self, root: Path) -> None:
+        self.images = sorted((root / "images").glob("*.jpg"))
+        self.root = root
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @staticmethod
+    def _fit(img: Any, nearest: bool) -> np.ndarray:
+        from PIL import Image
+
+        scale = IMAGE_SHORT / min(img.size)
+        size = (round(img.size[0] * scale), round(img.size[1] * scale))
+        img = img.resize(size, Image.Resampling.NEAREST if nearest else Image.Resampling.BILINEAR)
+        left, top = (size[0] - IMAGE_CROP) // 2, (size[1] - IMAGE_CROP) // 2
+        return np.asarray(img.crop((left, top, left + IMAGE_CROP, top + IMAGE_CROP)))
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        from PIL import Image, ImageOps
+
+        stem = self.images[i].stem
+        out = {
+            "image": torch.from_numpy(
+                self._fit(ImageOps.exif_transpose(Image.open(self.images[i])).convert("RGB"), False)
+            )
+        }
+        for a, d in enumerate(("Maps1_T", "Maps2_T")):
+            out[d] = torch.from_numpy(
+                self._fit(Image.open(self.root / d / f"{stem}_classimg_nonconvex{a}.png"), True)
+            )
+        return out
+
+
+def _naive_rate(dataset: Dataset[Any], batch: int, workers: int) -> tuple[float, int]:
+    loader = DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers)
+    t0 = time.perf_counter()
+    n = sum(len(b[1] if isinstance(b, list | tuple) else b["image"]) for b in loader)
+    return n / (time.perf_counter() - t0), n
+
+
+def _replica(archive: Path, out: Path, fields: list[str], target_bytes: int) -> tuple[Path, int]:
+    """The archive's samples (only ``fields``) repeated until the archive holds ``target_bytes``."""
+    with ArchiveReader(archive) as r:
+        schema = [r.fields[n] for n in fields]
+        samples = [{n: r.get(n, i) for n in fields} for i in range(r.num_samples)]
+    per = sum(int(np.asarray(v).nbytes) for v in samples[0].values())
+    count = max(len(samples), target_bytes // per)
+    with ArchiveWriter(out, schema, shard_bytes=1 << 40, overwrite=True) as w:
+        for i in range(count):
+            w.write(samples[i % len(samples)])
+    return out, per
+
+
+def _loader_rows(
+    workload: str, path: Path, fields: list[str], batch: int, repeats: int, naive: Row
+) -> list[Row]:
+    ds = open_archive(path, fields=fields)
+    n = len(ds)
+    shard = ds.shards[0]
+    per = sum(int(shard.array(f).nbytes) for f in fields) / n
+    regions = [shard.array(f) for f in fields]
+    targets = [np.empty_like(a) for a in regions]
+    for t in targets:
+        t.fill(0)  # first touch outside the timing
+
+    def copy_all() -> None:
+        for src, dst in zip(regions, targets, strict=True):
+            np.copyto(dst, src)
+
+    copy_all()
+    memcpy = rate_row(
+        workload, "np.copyto of the same fields' bytes (memcpy)", n, best_of(copy_all, repeats), per
+    )
+    loader = Loader(ds, batch, seed=0)
+    t0 = time.perf_counter()
+    next(iter(loader))
+    first_ms = round((time.perf_counter() - t0) * 1000, 1)
+    took = epoch_time(loader, repeats)
+    row = rate_row(
+        workload,
+        f"dlop Loader ({', '.join(fields)})",
+        n,
+        took,
+        per,
+        memcpy,
+        "memcpy",
+        first_batch_ms=first_ms,
+    )
+    row.extra["vs_naive"] = round(row.samples_per_s / (naive.samples_per_s or 1), 1)
+    loader.close()
+    return [memcpy, row, naive]
+
+
+def run(
+    work: Path, videos: int, images: int, workers: int, repeats: int, loader_mib: int
+) -> list[Row]:
+    rows: list[Row] = []
+    if videos:
+        print(f"   video corpus: {videos} clips", file=sys.stderr, flush=True)
+        corpus = make_videos(work / "videos", videos)
+        raw_bytes = sum(f.stat().st_size for f in corpus.rglob("*.mp4"))
+        recipe = build_recipe(
+            {
+                "source": str(corpus),
+                "clip_frames": CLIP_FRAMES,
+                "size": CLIP_SHORT,
+                "crop": CLIP_CROP,
+            }
+        )
+        t0 = time.perf_counter()
+        index = compile_corpus(
+            recipe, work / "video-archive", workers=workers, progress=False, overwrite=True
+        )
+        took = time.perf_counter() - t0
+        wl = (
+            f"video: {videos} H.264 clips {VIDEO_SIZE[0]}x{VIDEO_SIZE[1]} {VIDEO_FPS} fps {VIDEO_SECONDS} s -> "
+            f"uint8 [{CLIP_FRAMES},{CLIP_CROP},{CLIP_CROP},3]"
+        )
+        clip_bytes = CLIP_FRAMES * CLIP_CROP * CLIP_CROP * 3
+        rows.append(
+            rate_row(
+                wl,
+                f"dlop-compile ({workers} workers)",
+                index.num_samples,
+                took,
+                clip_bytes,
+                stored_frames_per_s=round(index.num_samples * CLIP_FRAMES / took),
+                source_frames_per_s=round(index.num_samples * VIDEO_FPS * VIDEO_SECONDS / took),
+                corpus_MiB=round(raw_bytes / 2**20, 1),
+                archive_MiB=round(sum(s.bytes for s in index.shards) / 2**20, 1),
+            )
+        )
+        naive_rate, _ = _naive_rate(NaiveClips(corpus), 8, workers)
+        naive = Row(
+            wl,
+            f"naive per-clip PyAV decode + resize DataLoader ({workers} workers)",
+            naive_rate,
+            naive_rate * clip_bytes / 1e9,
+        )
+        rows.append(naive)
+        replica, _ = _replica(
+            work / "video-archive", work / "video-replica", ["frames", "label"], loader_mib << 20
+        )
+        wl2 = f"{wl}, compiled clips repeated to {loader_mib} MiB, shuffled batches of 32"
+        naive2 = Row(wl2, naive.pipeline, naive.samples_per_s, naive.gb_per_s)
+        rows += _loader_rows(wl2, replica, ["frames", "label"], 32, repeats, naive2)
+        shutil.rmtree(work / "video-replica", ignore_errors=True)
+    if images:
+        print(f"   image corpus: {images} images with 2 masks each", file=sys.stderr, flush=True)
+        corpus = make_images(work / "images", images)
+        raw_bytes = sum(f.stat().st_size for f in corpus.rglob("*.*"))
+        recipe = build_recipe({"source": str(corpus), "size": IMAGE_SHORT, "crop": IMAGE_CROP})
+        t0 = time.perf_counter()
+        index = compile_corpus(
+            recipe, work / "image-archive", workers=workers, progress=False, overwrite=True
+        )
+        took = time.perf_counter() - t0
+        sample_bytes = IMAGE_CROP * IMAGE_CROP * 5
+        wl = (
+            f"images: {images} JPEG {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} + 2 PNG masks -> "
+            f"uint8 [{IMAGE_CROP},{IMAGE_CROP},3] + 2 x [{IMAGE_CROP},{IMAGE_CROP}]"
+        )
+        rows.append(
+            rate_row(
+                wl,
+                f"dlop-compile ({workers} workers)",
+                index.num_samples,
+                took,
+                sample_bytes,
+                corpus_MiB=round(raw_bytes / 2**20, 1),
+                archive_MiB=round(sum(s.bytes for s in index.shards) / 2**20, 1),
+            )
+        )
+        naive_rate, _ = _naive_rate(NaiveSegmentation(corpus), 32, workers)
+        naive = Row(
+            wl,
+            f"naive per-image Pillow decode + resize DataLoader ({workers} workers)",
+            naive_rate,
+            naive_rate * sample_bytes / 1e9,
+        )
+        rows.append(naive)
+        fields = ["image", "Maps1_T", "Maps2_T"]
+        replica, _ = _replica(
+            work / "image-archive", work / "image-replica", fields, loader_mib << 20
+        )
+        wl2 = f"{wl}, compiled samples repeated to {loader_mib} MiB, shuffled batches of 64"
+        naive2 = Row(wl2, naive.pipeline, naive.samples_per_s, naive.gb_per_s)
+        rows += _loader_rows(wl2, replica, fields, 64, repeats, naive2)
+        shutil.rmtree(work / "image-replica", ignore_errors=True)
+    return rows
