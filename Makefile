@@ -27,6 +27,22 @@ test: env
 bench: env
 	$(VENV)/bin/dlop-bench
 
+# LitData and MosaicML Streaming, in their own environment (never dlop dependencies).
+# Both require torchvision, which does not load beside the CPU torch: they are
+# installed without it, and Streaming gets the stand-in in tools/bench/peers-env.
+PEERS := .venv-peers
+bench-peers:
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/pip install -q --upgrade pip
+	$(PEERS)/bin/pip install -q torch==2.13.0
+	$(PEERS)/bin/pip install -q -e .
+	$(PEERS)/bin/pip install -q --no-deps litdata==0.2.76 mosaicml-streaming==0.13.0
+	$(PEERS)/bin/pip install -q filelock lightning-utilities requests urllib3 tifffile boto3 \
+		obstore 'numpy<2.2' 'xxhash<4' zstd Brotli python-snappy catalogue tqdm 'transformers<5' pillow
+	$(PEERS)/bin/python -c "import torchvision" 2>/dev/null || \
+		echo "$(CURDIR)/tools/bench/peers-env" > "$$($(PEERS)/bin/python -c 'import site; print(site.getsitepackages()[0])')/dlop-bench-stubs.pth"
+	$(PEERS)/bin/dlop-bench --only peers --out bench-out/peers
+
 lint: env
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

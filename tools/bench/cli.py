@@ -12,7 +12,9 @@ from pathlib import Path
 
 from .common import Row, machine, markdown_table, peak_rss_mib, print_table, write_json
 
-SECTIONS = ("format", "compile", "runtime", "vision")
+SECTIONS = ("format", "compile", "runtime", "vision", "peers")
+# peers needs LitData and MosaicML Streaming, which only `make bench-peers` installs
+DEFAULT_SECTIONS = ("format", "compile", "runtime", "vision")
 
 
 def _cuda() -> bool:
@@ -57,7 +59,12 @@ def _train(work: Path, args: argparse.Namespace) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dlop-bench", description=__doc__)
-    p.add_argument("--only", nargs="*", choices=SECTIONS, help="run only these sections")
+    p.add_argument(
+        "--only",
+        nargs="*",
+        choices=SECTIONS,
+        help=f"run only these sections (default: {' '.join(DEFAULT_SECTIONS)})",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="where results.json goes")
     p.add_argument(
         "--workdir", type=Path, help="scratch space for generated archives (default: a temp dir)"
@@ -73,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--speech-utts", type=int, default=4000, help="ragged speech utterances")
     p.add_argument("--memory-gib", default="1,10", help="archive sizes for the Loader memory check")
+    p.add_argument(
+        "--peer-samples", type=int, default=2000, help="ESC-50-shaped samples in the peers section"
+    )
     p.add_argument("--videos", type=int, default=96, help="H.264 clips in the video workload")
     p.add_argument("--images", type=int, default=128, help="JPEG + 2 masks in the image workload")
     p.add_argument(
@@ -90,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-batch", type=int, default=32)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     args = p.parse_args(argv)
-    sections = args.only or list(SECTIONS)
+    sections = args.only or list(DEFAULT_SECTIONS)
     rows: list[Row] = []
     started = time.time()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
@@ -138,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.repeats,
                 args.vision_mib,
             )
+        if "peers" in sections:
+            from . import peer_rows
+
+            print("== peers", file=sys.stderr, flush=True)
+            rows += peer_rows.run(work / "peers", args.peer_samples, args.workers, args.repeats)
     print_table(rows)
     meta = {
         **machine(),

@@ -1,0 +1,170 @@
+"""LitData and MosaicML Streaming over the same precomputed log-mels, beside the dlop Loader.
+
+These peers are not dependencies of dlop: ``make bench-peers`` installs them
+into their own environment (.venv-peers) and runs ``dlop-bench --only peers``.
+A peer that does not import is reported as a row with the reason, not
+skipped silently. FFCV is not attempted here: it builds only with system
+libraries (libturbojpeg, OpenCV) and stores float32, not float16.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from dlop.formats import ArchiveReader, ArchiveWriter, Field
+from dlop.runtime import Loader, open_archive
+
+from .common import Row, best_of, rate_row
+from .format_bench import FRAMES, MELS, synthetic_logmel
+from .runtime_bench import epoch_time
+
+BATCH = 256
+
+
+def _sample(path: str, i: int) -> dict[str, Any]:
+    """One sample as a peer's writer takes it (module level, so worker processes can pickle it)."""
+    with ArchiveReader(path) as r:
+        return {"logmel": np.array(r.get("logmel", i)), "label": int(r.get("label", i))}  # type: ignore[call-overload]
+
+
+def _epoch(loader: Any) -> int:
+    n = 0
+    for batch in loader:
+        n += len(batch["label"])
+    return n
+
+
+def _timed(make: Callable[[], Any], repeats: int) -> float:
+    """Epochs of one loader object, as a training loop runs them, after a warm-up epoch."""
+    loader = make()
+    _epoch(loader)
+    return best_of(lambda: _epoch(loader), repeats)
+
+
+def _litdata(
+    archive: Path, work: Path, n: int, workers: int, repeats: int
+) -> tuple[float, float, int]:
+    import litdata as ld
+
+    out = work / "litdata"
+    t0 = time.perf_counter()
+    ld.optimize(
+        fn=functools.partial(_sample, str(archive)),
+        inputs=list(range(n)),
+        output_dir=str(out),
+        chunk_bytes="64MB",
+        num_workers=workers,
+        verbose=False,
+    )
+    convert = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+
+    def make() -> Any:
+        ds = ld.StreamingDataset(str(out), shuffle=True, seed=0)
+        return ld.StreamingDataLoader(
+            ds, batch_size=BATCH, num_workers=workers, persistent_workers=True
+        )
+
+    return _timed(make, repeats), convert, size
+
+
+def _streaming(
+    archive: Path, work: Path, n: int, workers: int, repeats: int
+) -> tuple[float, float, int]:
+    from streaming import MDSWriter, StreamingDataset
+    from torch.utils.data import DataLoader
+
+    out = work / "mds"
+    t0 = time.perf_counter()
+    columns = {"logmel": f"ndarray:float16:{FRAMES},{MELS}", "label": "int"}
+    with (
+        ArchiveReader(archive) as r,
+        MDSWriter(out=str(out), columns=columns, size_limit="64mb") as w,
+    ):
+        for i in range(n):
+            w.write({"logmel": np.array(r.get("logmel", i)), "label": int(r.get("label", i))})  # type: ignore[call-overload]
+    convert = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+
+    def make() -> Any:
+        ds = StreamingDataset(local=str(out), shuffle=True, batch_size=BATCH)
+        return DataLoader(ds, batch_size=BATCH, num_workers=workers, persistent_workers=True)
+
+    return _timed(make, repeats), convert, size
+
+
+def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
+    # Peers hand torch read-only numpy arrays; the warning repeats in every worker.
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "esc-f16"
+    block = synthetic_logmel(np.random.default_rng(3), 64)
+    with ArchiveWriter(
+        path, [Field("logmel", "f16", (FRAMES, MELS)), Field("label", "i64", ())], overwrite=True
+    ) as w:
+        for i in range(samples):
+            w.write({"logmel": block[i % 64], "label": i % 50})
+    size = FRAMES * MELS * 2
+    wl = (
+        f"peers: ESC-50-shaped f16 [{FRAMES},{MELS}] x {samples} with labels, page cache warm, "
+        f"shuffled batches of {BATCH}, {workers} DataLoader workers for the peers"
+    )
+    ds = open_archive(path)
+    src = ds.gathers["logmel"].sources[0]  # type: ignore[attr-defined]
+    order = [torch.from_numpy(b) for b in Loader(ds, BATCH, seed=0).batches(0)]
+    out = torch.empty((BATCH, FRAMES, MELS), dtype=src.dtype)
+
+    def bare() -> None:
+        for b in order:
+            torch.index_select(src, 0, b, out=out[: len(b)])
+
+    bare()
+    base = rate_row(
+        wl,
+        "bare torch.index_select(out=) over the mapped shard",
+        samples,
+        best_of(bare, repeats),
+        size,
+    )
+    dlop = rate_row(
+        wl,
+        "dlop Loader",
+        samples,
+        epoch_time(Loader(ds, BATCH, seed=0), repeats),
+        size,
+        base,
+        "bare index_select",
+    )
+    rows = [base, dlop]
+    for name, fn in (
+        ("LitData 0.2 optimize + StreamingDataset/StreamingDataLoader", _litdata),
+        ("MosaicML Streaming MDSWriter + StreamingDataset + DataLoader", _streaming),
+    ):
+        try:
+            took, convert, stored = fn(path, work, samples, workers, repeats)
+        except ImportError as e:
+            rows.append(Row(wl, f"{name}: not run ({e}; install with make bench-peers)"))
+            continue
+        rows.append(
+            rate_row(
+                wl,
+                name,
+                samples,
+                took,
+                size,
+                dlop,
+                "dlop Loader",
+                convert_s=round(convert, 1),
+                stored_MiB=round(stored / 2**20),
+            )
+        )
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
