@@ -10,6 +10,7 @@ libraries (libturbojpeg, OpenCV) and stores float32, not float16.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import time
 import warnings
@@ -104,6 +105,7 @@ def _streaming(
 def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
     # Peers hand torch read-only numpy arrays; the warning repeats in every worker.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    os.environ["PYTHONWARNINGS"] = "ignore:The given NumPy array is not writable:UserWarning"
     work.mkdir(parents=True, exist_ok=True)
     path = work / "esc-f16"
     block = synthetic_logmel(np.random.default_rng(3), 64)
