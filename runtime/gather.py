@@ -9,8 +9,11 @@ ragged dimensions, text) goes sample by sample or block by block.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -123,15 +126,21 @@ class FixedRawGather(FieldGather):
                     torch.index_select(self.sources[k], 0, local, out=out[a:b])
                 elif row_bytes < 4096:  # tiny rows (labels): one numpy gather beats a call per row
                     np.take(self.sources[k].numpy(), local.numpy(), axis=0, out=out[a:b].numpy())
-                else:
-                    copier.copy_rows(
-                        out.data_ptr(),
-                        np.arange(a, b),
-                        self.sources[k].data_ptr(),
-                        local.numpy(),
-                        row_bytes,
-                    )
+                else:  # shares of the rows, one serial index_select per copier thread
+                    copier.parallel(_select_jobs(self.sources[k], local, out[a:b], copier.threads))
         return {self.field.name: out.view(self.out_dtype)}
+
+
+def _select_jobs(
+    src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, parts: int
+) -> list[Callable[[], object]]:
+    """index_select of ``rows`` into ``out`` as up to ``parts`` jobs over consecutive shares."""
+    bounds = np.linspace(0, len(rows), min(parts, len(rows)) + 1).round().astype(int).tolist()
+    return [
+        functools.partial(torch.index_select, src, 0, rows[lo:hi], out=out[lo:hi])
+        for lo, hi in itertools.pairwise(bounds)
+        if hi > lo
+    ]
 
 
 class PerSampleGather(FieldGather):

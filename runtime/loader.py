@@ -202,7 +202,7 @@ class Loader:
             pin = torch.cuda.is_available()
             b = self.spec.batch_size
             slots = []
-            for _ in range(max(self.prefetch + 1, 2)):
+            for _ in range(self._slot_count()):
                 buffers = {}
                 for name, g in self.archive.gathers.items():
                     numel = self.archive.buffer_numel(name, b)
@@ -214,13 +214,25 @@ class Loader:
             self._slots = slots
         return self._slots
 
+    def _slot_count(self) -> int:
+        """prefetch batches waiting plus the one in use; synchronous CPU loading needs only one.
+
+        On the CPU a batch is valid until the next is requested (the buffer
+        contract), so without prefetching one slot serves, and it stays warm in
+        cache: rotating several batch-sized buffers costs about a quarter of the
+        gather's speed on the build machine. A CUDA copy needs a second slot to
+        gather into while the first is still being copied.
+        """
+        if self.prefetch == 0:
+            return 2 if self.device.type == "cuda" else 1
+        return self.prefetch + 1
+
     def _synchronous(self, batches: list[np.ndarray], start: int) -> Iterator[Batch]:
         """prefetch=0: each batch is gathered on the calling thread when asked for.
 
         torch's parallel gather kernels run at full speed only on the main thread
         on some machines (see runtime.copier), so this can outrun the background
-        thread, at the cost of the gather's time in the training loop. Two ring
-        slots alternate, so the previous batch stays valid, as with prefetching.
+        thread, at the cost of the gather's time in the training loop.
         """
         slots = self._ring()
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -302,6 +314,7 @@ class _Iter:
         self.thread.start()
 
     def _produce(self, start: int) -> None:
+        torch.set_num_threads(1)  # this thread only; the copier spreads the work (runtime.copier)
         archive = self.loader.archive
         for j in range(start, len(self.batches)):
             slot = None
