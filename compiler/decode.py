@@ -72,7 +72,13 @@ def _soundfile(source: Source, offset: float, duration: float | None) -> tuple[n
             if start:
                 f.seek(min(start, f.frames))
             frames = -1 if duration is None else round(duration * rate)
-            data = f.read(frames, dtype="float32", always_2d=True)
+            if f.subtype == "PCM_16":
+                # int16 then scale: the same float32 values as libsndfile's own
+                # conversion (x / 32768 is exact), in a third of the time.
+                ints = f.read(frames, dtype="int16", always_2d=True)
+                data = np.multiply(ints, np.float32(1 / 32768), dtype=np.float32)
+            else:
+                data = f.read(frames, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
         raise _NotForSoundfile(f"soundfile: {_short(e)}") from None
     return np.ascontiguousarray(data.T), rate

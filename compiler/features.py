@@ -259,7 +259,9 @@ def feature_config(
     return FeatureConfig(**values)
 
 
+@functools.lru_cache(maxsize=32)
 def make_window(kind: str, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The analysis window (cached: callers only read it)."""
     n = np.arange(length, dtype=np.float64)
     if kind == "hann":
         w = 0.5 - 0.5 * np.cos(2 * math.pi * n / length)

@@ -244,6 +244,11 @@ def test_fail_mode_names_the_file_and_leaves_nothing(
     assert main([str(root), "-o", str(out), "--on-error", "fail", "-q", "--workers", "1"]) == 1
     assert "zero.wav: empty file" in capsys.readouterr().err
     assert not out.exists()
+    # an existing (empty) folder stays, and holds nothing afterwards, with workers too
+    out.mkdir()
+    assert main([str(root), "-o", str(out), "--on-error", "fail", "-q", "--workers", "2"]) == 1
+    assert "empty file" in capsys.readouterr().err
+    assert list(out.iterdir()) == []
 
 
 def test_bad_options_and_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

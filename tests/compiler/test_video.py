@@ -108,6 +108,7 @@ def test_video_workers_and_fail_mode(
     assert compile_main([*base, "-o", str(two), "--workers", "2"]) == 0
     for p in sorted(one.glob("*.dlop")):
         assert p.read_bytes() == (two / p.name).read_bytes()
+    assert not list(two.glob(".dlop-*"))  # no worker chunk files or journal left behind
     fail = tmp_path / "fail"
     assert compile_main([*base, "-o", str(fail), "--on-error", "fail"]) == 1
     assert "FFFF6.mp4" in capsys.readouterr().err
