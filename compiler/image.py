@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError
-from .vision import VisionConfig, resize, shape_image, tile_origins
+from .vision import VisionConfig, shape_pil, tile_origins
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".tif", ".tiff", ".bmp")
 
@@ -45,49 +45,60 @@ def _open(source: Source, name: str) -> Any:
             warnings.simplefilter("ignore")  # e.g. "Truncated File Read": decoding below decides
             image = Image.open(handle)
             image.load()
-            return ImageOps.exif_transpose(image)
+            ImageOps.exif_transpose(image, in_place=True)
+            return image
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise InputError(name, f"cannot decode image: {e}") from None
 
 
-def decode_image(source: Source, name: str) -> np.ndarray:
-    """``[H, W, 3]`` uint8 RGB, upright."""
+def load_image(source: Source, name: str) -> Any:
+    """A Pillow RGB image, upright (kept as Pillow until it is resized: no full-size array copies)."""
     image = _open(source, name)
-    if image.mode != "RGB":
-        image = image.convert("RGB")
-    return np.asarray(image)
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def decode_mask(source: Source, name: str) -> np.ndarray:
-    """``[H, W]`` uint8 labels, upright."""
+def load_mask(source: Source, name: str) -> Any:
+    """A Pillow ``L`` image of labels, upright."""
+    from PIL import Image
+
     image = _open(source, name)
-    if image.mode in ("L", "P"):
-        return np.asarray(image)
+    if image.mode == "L":
+        return image
+    if image.mode == "P":  # the palette indices are the labels, not the colours
+        return Image.fromarray(np.asarray(image), "L")
     if image.mode in ("1", "I;16", "I", "F"):
         arr = np.asarray(image)
         if arr.size and (arr.min() < 0 or arr.max() > 255):
             raise InputError(
                 name, f"mask values span {arr.min()}-{arr.max()}; labels must fit in 0-255"
             )
-        return arr.astype(np.uint8)
+        return Image.fromarray(arr.astype(np.uint8), "L")
     rgb = np.asarray(image.convert("RGB"))
     if not ((rgb[..., 0] == rgb[..., 1]).all() and (rgb[..., 1] == rgb[..., 2]).all()):
         raise InputError(name, "colour mask: store labels as a grey or palette image")
-    return np.ascontiguousarray(rgb[..., 0])
+    return Image.fromarray(np.ascontiguousarray(rgb[..., 0]), "L")
 
 
-def remap(mask: np.ndarray, table: tuple[tuple[int, int], ...] | None, name: str) -> np.ndarray:
-    """Applies the label remap table; a value the table does not name is an error."""
+def decode_image(source: Source, name: str) -> np.ndarray:
+    """``[H, W, 3]`` uint8 RGB, upright."""
+    return np.asarray(load_image(source, name))
+
+
+def decode_mask(source: Source, name: str) -> np.ndarray:
+    """``[H, W]`` uint8 labels, upright."""
+    return np.asarray(load_mask(source, name))
+
+
+def remap(mask: Any, table: tuple[tuple[int, int], ...] | None, name: str) -> Any:
+    """Applies the label remap table to an ``L`` mask image; a value the table does not name is an error."""
     if table is None:
         return mask
-    lut = np.full(256, -1, dtype=np.int16)
-    for a, b in table:
-        lut[a] = b
-    out = lut[mask]
-    if (out < 0).any():
-        missing = sorted(set(np.unique(mask[out < 0]).tolist()))
+    mapping = dict(table)
+    counts = mask.histogram()
+    missing = [v for v in range(256) if counts[v] and v not in mapping]
+    if missing:
         raise InputError(name, f"mask values {missing} are not in the remap table")
-    return out.astype(np.uint8)
+    return mask.point([mapping.get(v, 0) for v in range(256)])
 
 
 def consensus(masks: list[np.ndarray], fill: int) -> np.ndarray:
@@ -115,12 +126,24 @@ class Patch:
     origin: tuple[int, int]  # top-left (y, x) in the resized image; (0, 0) untiled
 
 
-def shape_sample(image: np.ndarray, masks: dict[str, np.ndarray], cfg: VisionConfig) -> list[Patch]:
-    """Resizes and crops an image and its masks identically, then tiles them when asked."""
-    h, w = image.shape[:2]
-    aligned = {n: resize(m, (h, w), nearest=True) for n, m in masks.items()}
-    img = shape_image(image, cfg)  # ValueError when smaller than the crop
-    shaped = {n: shape_image(m, cfg, nearest=True) for n, m in aligned.items()}
+def shape_sample(image: Any, masks: dict[str, Any], cfg: VisionConfig) -> list[Patch]:
+    """Resizes and crops a Pillow image and its ``L`` masks identically, then tiles them when asked.
+
+    ``masks`` values may also be a fill value (int): a missing annotator's mask,
+    made at the output size directly.
+    """
+    from PIL import Image
+
+    size = (image.width, image.height)
+    img = shape_pil(image, cfg)  # ValueError when smaller than the crop
+    shaped = {}
+    for n, m in masks.items():
+        if isinstance(m, int):
+            shaped[n] = np.full(img.shape[:2], m, np.uint8)
+            continue
+        if m.size != size:  # an annotator's mask at another size: align it first
+            m = m.resize(size, Image.Resampling.NEAREST)
+        shaped[n] = shape_pil(m, cfg, nearest=True)
     if cfg.tile is None:
         return [Patch(img, shaped, (0, 0))]
     th, tw = cfg.tile

@@ -281,22 +281,22 @@ def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
 
 
 def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[dict[str, Any]]:
-    from .image import consensus, decode_image, decode_mask, remap, shape_sample
+    from .image import consensus, load_image, load_mask, remap, shape_sample
 
     assert item.path is not None
     vision = recipe.vision
-    image = decode_image(item.path, name)
-    masks: dict[str, np.ndarray] = {}
+    image = load_image(item.path, name)
+    masks: dict[str, Any] = {}
     present = []
     for mask_name in shape.mask_names:
         path = (item.masks or {}).get(mask_name)
         if path is None:
             if vision.missing_mask == "skip":
                 raise InputError(name, f"no {mask_name} mask (--missing-mask skip)")
-            masks[mask_name] = np.full(image.shape[:2], vision.mask_fill, np.uint8)
+            masks[mask_name] = vision.mask_fill
             present.append(False)
             continue
-        masks[mask_name] = remap(decode_mask(path, path), vision.mask_remap, path)
+        masks[mask_name] = remap(load_mask(path, path), vision.mask_remap, path)
         present.append(True)
     try:
         patches = shape_sample(image, masks, vision)
@@ -304,7 +304,7 @@ def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[di
         raise InputError(name, str(e)) from None
     if not patches:
         raise InputError(
-            name, f"{image.shape[1]}x{image.shape[0]} image holds no whole {vision.tile} tile"
+            name, f"{image.width}x{image.height} image holds no whole {vision.tile} tile"
         )
     samples = []
     for p in patches:

@@ -149,34 +149,33 @@ def resized_hw(height: int, width: int, size: int | None) -> tuple[int, int]:
     return max(1, round(height * size / width)), size
 
 
-def resize(array: np.ndarray, hw: tuple[int, int], *, nearest: bool) -> np.ndarray:
-    """``[H, W, C]`` or ``[H, W]`` uint8 -> the same at ``hw``; bilinear with antialiasing, or nearest."""
+def shape_pil(image: Any, cfg: VisionConfig, *, nearest: bool = False) -> np.ndarray:
+    """Resize (short side) then centre-crop a Pillow image; the result as an array.
+
+    Raises ValueError when the resized image is smaller than the crop.
+    """
     from PIL import Image
 
-    if array.shape[:2] == hw:
-        return array
-    image = Image.fromarray(array)
-    method = Image.Resampling.NEAREST if nearest else Image.Resampling.BILINEAR
-    return np.asarray(image.resize((hw[1], hw[0]), method))
-
-
-def center_crop(array: np.ndarray, hw: tuple[int, int] | None) -> np.ndarray:
-    """The centre ``hw`` of an ``[H, W, ...]`` array; raises ValueError when it is smaller."""
-    if hw is None:
-        return array
-    h, w = array.shape[:2]
-    if h < hw[0] or w < hw[1]:
-        raise ValueError(
-            f"{w}x{h} (width x height) is smaller than the {hw[1]}x{hw[0]} crop; resize with --size first"
-        )
-    top, left = (h - hw[0]) // 2, (w - hw[1]) // 2
-    return array[top : top + hw[0], left : left + hw[1]]
+    h, w = resized_hw(image.height, image.width, cfg.size)
+    if (h, w) != (image.height, image.width):
+        method = Image.Resampling.NEAREST if nearest else Image.Resampling.BILINEAR
+        image = image.resize((w, h), method)
+    if cfg.crop is not None:
+        ch, cw = cfg.crop
+        if h < ch or w < cw:
+            raise ValueError(
+                f"{w}x{h} (width x height) is smaller than the {cw}x{ch} crop; resize with --size first"
+            )
+        top, left = (h - ch) // 2, (w - cw) // 2
+        image = image.crop((left, top, left + cw, top + ch))
+    return np.asarray(image)
 
 
 def shape_image(array: np.ndarray, cfg: VisionConfig, *, nearest: bool = False) -> np.ndarray:
-    """Resize (short side) then centre-crop one image, frame or mask as the config says."""
-    out = resize(array, resized_hw(*array.shape[:2], cfg.size), nearest=nearest)
-    return np.ascontiguousarray(center_crop(out, cfg.crop))
+    """Resize (short side) then centre-crop one image, frame or mask array as the config says."""
+    from PIL import Image
+
+    return shape_pil(Image.fromarray(array), cfg, nearest=nearest)
 
 
 def tile_origins(height: int, width: int, tile: tuple[int, int]) -> list[tuple[int, int]]:

@@ -139,6 +139,13 @@ def test_missing_mask_skip_rule_and_consensus_ties(gleason: Path, tmp_path: Path
     assert compile_main([str(gleason), "-o", str(out), "-q", "--missing-mask", "skip"]) == 0
     errors = (out / "errors.jsonl").read_text()
     assert "slide01_core002" in errors and "no Maps2_T mask" in errors
+    bad = tmp_path / "r"
+    assert (
+        compile_main([str(gleason), "-o", str(bad), "-q", "--mask-remap", "0:0,1:1,3:2,4:3,5:4"])
+        == 0
+    )
+    reasons = (bad / "errors.jsonl").read_text()
+    assert "mask values [6] are not in the remap table" in reasons
     a = np.array([[1, 2, 3]], np.uint8)
     b = np.array([[1, 3, 255]], np.uint8)
     c = np.array([[2, 2, 255]], np.uint8)
