@@ -214,7 +214,18 @@ def _loader_rows(
     )
     row.extra["vs_naive"] = round(row.samples_per_s / (naive.samples_per_s or 1), 1)
     loader.close()
-    return [memcpy, row, naive]
+    sync = Loader(ds, batch, seed=0, prefetch=0)
+    row0 = rate_row(
+        workload,
+        "dlop Loader, prefetch=0 (gathers on the training thread)",
+        n,
+        epoch_time(sync, repeats),
+        per,
+        memcpy,
+        "memcpy",
+    )
+    row0.extra["vs_naive"] = round(row0.samples_per_s / (naive.samples_per_s or 1), 1)
+    return [memcpy, row, row0, naive]
 
 
 def run(
