@@ -36,7 +36,10 @@ from .sources import Corpus, Item, open_corpus, stream_webdataset
 
 JOURNAL = ".dlop-progress.json"
 SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the output folder, removed as read
-CHUNK_ITEMS = 8
+# Inputs per task sent to a worker: enough to amortize the hand-over for small
+# audio clips, and one for images, whose decoded size (a 5k x 5k slide core
+# with its masks is about 100 MB) bounds the compile's memory.
+CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 1}
 
 
 # -- worker side -------------------------------------------------------------------
@@ -303,7 +306,7 @@ def _results(
     corpus: Corpus, recipe: Recipe, workers: int, start: int, spill_dir: Path
 ) -> Iterator[Outcome]:
     shape = CorpusShape.of(corpus)
-    chunks = _chunks(_item_stream(corpus, start), CHUNK_ITEMS)
+    chunks = _chunks(_item_stream(corpus, start), CHUNK_ITEMS[corpus.media])
     if workers == 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
