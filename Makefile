@@ -27,7 +27,7 @@ test: env
 bench: env
 	$(VENV)/bin/dlop-bench
 
-# LitData and MosaicML Streaming, in their own environment (never dlop dependencies).
+# LitData, MosaicML Streaming and FFCV, in their own environment (never dlop dependencies).
 # Both require torchvision, which does not load beside the CPU torch: they are
 # installed without it, and Streaming gets the stand-in in tools/bench/peers-env.
 PEERS := .venv-peers
@@ -39,6 +39,9 @@ bench-peers:
 	$(PEERS)/bin/pip install -q --no-deps litdata==0.2.76 mosaicml-streaming==0.13.0
 	$(PEERS)/bin/pip install -q filelock lightning-utilities requests urllib3 tifffile boto3 \
 		obstore 'numpy<2.2' 'xxhash<4' zstd Brotli python-snappy catalogue tqdm 'transformers<5' pillow
+	# FFCV compiles against libturbojpeg and OpenCV; without them its row says it did not run.
+	-(command -v apt-get >/dev/null && apt-get install -y -q libturbojpeg0-dev libopencv-dev pkg-config >/dev/null)
+	-$(PEERS)/bin/pip install -q ffcv==1.0.2
 	$(PEERS)/bin/python -c "import torchvision" 2>/dev/null || \
 		echo "$(CURDIR)/tools/bench/peers-env" > "$$($(PEERS)/bin/python -c 'import site; print(site.getsitepackages()[0])')/dlop-bench-stubs.pth"
 	$(PEERS)/bin/dlop-bench --only peers --out bench-out/peers

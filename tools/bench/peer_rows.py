@@ -3,8 +3,10 @@
 These peers are not dependencies of dlop: ``make bench-peers`` installs them
 into their own environment (.venv-peers) and runs ``dlop-bench --only peers``.
 A peer that does not import is reported as a row with the reason, not
-skipped silently. FFCV is not attempted here: it builds only with system
-libraries (libturbojpeg, OpenCV) and stores float32, not float16.
+skipped silently. FFCV builds only against system libraries (libturbojpeg,
+OpenCV; ``make bench-peers`` installs them with apt-get where it can) and
+stores float32, not float16, so its row reads float32 copies of the same
+log-mels: twice the bytes per sample.
 """
 
 from __future__ import annotations
@@ -102,6 +104,60 @@ def _streaming(
     return _timed(make, repeats), convert, size
 
 
+class _Float32Samples:
+    """(float32 log-mel, label) tuples for FFCV's writer, which takes an indexed dataset."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.reader: ArchiveReader | None = None
+        with ArchiveReader(path) as r:
+            self.n = r.num_samples
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if self.reader is None:
+            self.reader = ArchiveReader(self.path)
+        logmel = np.asarray(self.reader.get("logmel", i), dtype=np.float32)
+        return logmel, int(self.reader.get("label", i))  # type: ignore[call-overload]
+
+
+def _ffcv(
+    archive: Path, work: Path, n: int, workers: int, repeats: int
+) -> tuple[float, float, int]:
+    from ffcv.fields import IntField, NDArrayField
+    from ffcv.fields.decoders import IntDecoder, NDArrayDecoder
+    from ffcv.loader import Loader as FFCVLoader
+    from ffcv.loader import OrderOption
+    from ffcv.writer import DatasetWriter
+
+    out = work / "ffcv.beton"
+    t0 = time.perf_counter()
+    fields = {
+        "logmel": NDArrayField(shape=(FRAMES, MELS), dtype=np.dtype("float32")),
+        "label": IntField(),
+    }
+    DatasetWriter(str(out), fields, num_workers=workers).from_indexed_dataset(
+        _Float32Samples(str(archive))
+    )
+    convert = time.perf_counter() - t0
+    loader = FFCVLoader(
+        str(out),
+        batch_size=BATCH,
+        num_workers=workers,
+        order=OrderOption.RANDOM,
+        os_cache=True,
+        pipelines={"logmel": [NDArrayDecoder()], "label": [IntDecoder()]},
+    )
+
+    def epoch() -> int:
+        return sum(len(label) for _, label in loader)
+
+    epoch()  # JIT compilation and page cache
+    return best_of(epoch, repeats), convert, out.stat().st_size
+
+
 def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
     # Peers hand torch read-only numpy arrays; the warning repeats in every worker.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -149,6 +205,7 @@ def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
     for name, fn in (
         ("LitData 0.2 optimize + StreamingDataset/StreamingDataLoader", _litdata),
         ("MosaicML Streaming MDSWriter + StreamingDataset + DataLoader", _streaming),
+        ("FFCV 1.0 DatasetWriter + Loader (float32 copies: 2x the bytes)", _ffcv),
     ):
         try:
             took, convert, stored = fn(path, work, samples, workers, repeats)
@@ -161,7 +218,7 @@ def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
                 name,
                 samples,
                 took,
-                size,
+                size * (2 if fn is _ffcv else 1),
                 dlop,
                 "dlop Loader",
                 convert_s=round(convert, 1),
