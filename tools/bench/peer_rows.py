@@ -45,16 +45,28 @@ def _epoch(loader: Any) -> int:
     return n
 
 
-def _timed(make: Callable[[], Any], repeats: int) -> float:
-    """Epochs of one loader object, as a training loop runs them, after a warm-up epoch."""
+def _first_batch_ms(loader: Any) -> float:
+    """Time from a fresh loader to its first batch (worker start-up included), then the epoch's rest."""
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    took = (time.perf_counter() - t0) * 1000
+    for _ in it:
+        pass
+    return round(took, 1)
+
+
+def _timed(make: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Epochs of one loader object, as a training loop runs them, after a warm-up epoch;
+    and the first batch's wait of that first epoch."""
     loader = make()
-    _epoch(loader)
-    return best_of(lambda: _epoch(loader), repeats)
+    first = _first_batch_ms(loader)
+    return best_of(lambda: _epoch(loader), repeats), first
 
 
 def _litdata(
     archive: Path, work: Path, n: int, workers: int, repeats: int
-) -> tuple[float, float, int]:
+) -> tuple[float, float, float, int]:
     import litdata as ld
 
     out = work / "litdata"
@@ -76,12 +88,12 @@ def _litdata(
             ds, batch_size=BATCH, num_workers=workers, persistent_workers=True
         )
 
-    return _timed(make, repeats), convert, size
+    return (*_timed(make, repeats), convert, size)
 
 
 def _streaming(
     archive: Path, work: Path, n: int, workers: int, repeats: int
-) -> tuple[float, float, int]:
+) -> tuple[float, float, float, int]:
     from streaming import MDSWriter, StreamingDataset
     from torch.utils.data import DataLoader
 
@@ -101,7 +113,7 @@ def _streaming(
         ds = StreamingDataset(local=str(out), shuffle=True, batch_size=BATCH)
         return DataLoader(ds, batch_size=BATCH, num_workers=workers, persistent_workers=True)
 
-    return _timed(make, repeats), convert, size
+    return (*_timed(make, repeats), convert, size)
 
 
 class _Float32Samples:
@@ -125,7 +137,7 @@ class _Float32Samples:
 
 def _ffcv(
     archive: Path, work: Path, n: int, workers: int, repeats: int
-) -> tuple[float, float, int]:
+) -> tuple[float, float, float, int]:
     from ffcv.fields import IntField, NDArrayField
     from ffcv.fields.decoders import IntDecoder, NDArrayDecoder
     from ffcv.loader import Loader as FFCVLoader
@@ -154,8 +166,8 @@ def _ffcv(
     def epoch() -> int:
         return sum(len(label) for _, label in loader)
 
-    epoch()  # JIT compilation and page cache
-    return best_of(epoch, repeats), convert, out.stat().st_size
+    first = _first_batch_ms(loader)  # also compiles FFCV's pipeline and warms the page cache
+    return best_of(epoch, repeats), first, convert, out.stat().st_size
 
 
 def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
@@ -192,14 +204,17 @@ def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
         best_of(bare, repeats),
         size,
     )
+    loader = Loader(ds, BATCH, seed=0)
+    first = _first_batch_ms(loader)
     dlop = rate_row(
         wl,
         "dlop Loader",
         samples,
-        epoch_time(Loader(ds, BATCH, seed=0), repeats),
+        epoch_time(loader, repeats),
         size,
         base,
         "bare index_select",
+        first_batch_ms=first,
     )
     rows = [base, dlop]
     for name, fn in (
@@ -208,7 +223,7 @@ def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
         ("FFCV 1.0 DatasetWriter + Loader (float32 copies: 2x the bytes)", _ffcv),
     ):
         try:
-            took, convert, stored = fn(path, work, samples, workers, repeats)
+            took, first_ms, convert, stored = fn(path, work, samples, workers, repeats)
         except ImportError as e:
             rows.append(Row(wl, f"{name}: not run ({e}; install with make bench-peers)"))
             continue
@@ -221,6 +236,7 @@ def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
                 size * (2 if fn is _ffcv else 1),
                 dlop,
                 "dlop Loader",
+                first_batch_ms=first_ms,
                 convert_s=round(convert, 1),
                 stored_MiB=round(stored / 2**20),
             )

@@ -40,7 +40,9 @@ def webdataset_rows(workload: str, archive: Path, work: Path, batch: int, dlop: 
     """One epoch each, in process and through WebLoader, against the dlop Loader row."""
     import webdataset as wds
 
+    t0 = time.perf_counter()
     urls = write_webdataset(archive, work / "wds")
+    convert_s = round(time.perf_counter() - t0, 1)
     sample_bytes = (dlop.gb_per_s or 0) * 1e9 / (dlop.samples_per_s or 1)
 
     def pipeline() -> Any:
@@ -75,6 +77,7 @@ def webdataset_rows(workload: str, archive: Path, work: Path, batch: int, dlop: 
                 sample_bytes,
                 dlop,
                 "dlop Loader",
+                convert_s=convert_s,
             )
         )
     return rows
