@@ -254,7 +254,8 @@ def _audio(item: Item, recipe: Recipe, name: str) -> dict[str, Any]:
 def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
     from .video import decode_clips, has_audio
 
-    assert item.path is not None  # video layouts list files on disk
+    if item.path is None:  # video layouts list files on disk; tars hold audio only
+        raise InputError(name, "video inputs must be files")
     clips, info = decode_clips(item.path, name, recipe.vision)
     samples: list[dict[str, Any]] = [
         {"frames": c.frames, "clip_start": c.start, "clip_end": c.end} for c in clips
@@ -283,7 +284,8 @@ def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
 def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[dict[str, Any]]:
     from .image import consensus, load_image, load_mask, remap, shape_sample
 
-    assert item.path is not None
+    if item.path is None:
+        raise InputError(name, "image inputs must be files")
     vision = recipe.vision
     image = load_image(item.path, name)
     masks: dict[str, Any] = {}

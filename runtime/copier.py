@@ -17,12 +17,14 @@ validated when the shard was opened, and from buffers this process allocated.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import functools
 import itertools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -60,6 +62,11 @@ def _copy_runs(dst: list[int], src: list[int], nbytes: list[int]) -> None:
 
 def _call(job: Callable[[], object]) -> None:
     job()
+
+
+def _call_all(jobs: list[Callable[[], object]]) -> None:
+    for job in jobs:
+        job()
 
 
 def _zero_runs(dst: list[int], nbytes: list[int]) -> None:
@@ -113,6 +120,7 @@ class Copier:
         self.threads = max(1, threads or min(2, os.cpu_count() or 1))
         self.helpers: list[_Helper] = []
         self.lock = threading.Lock()  # one batch at a time uses the helpers
+        self._collected: list[list[Callable[[], object]]] | None = None
 
     def copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
         """memcpy(dst[i], src[i], nbytes[i]) for all i; int64 arrays of addresses and sizes."""
@@ -122,25 +130,21 @@ class Copier:
         keep = nbytes > 0
         self._spread(_zero_runs, dst[keep], nbytes[keep])
 
-    def copy_rows(
-        self,
-        dst_base: int,
-        dst_rows: np.ndarray,
-        src_base: int,
-        src_rows: np.ndarray,
-        row_bytes: int,
-    ) -> None:
-        """Copies row src_rows[i] to row dst_rows[i]; consecutive rows are merged into one run."""
-        if not len(src_rows):
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Within the block, ``parallel`` only collects jobs; they run at its end, the
+        i-th job of every call on thread i, so a batch of several fields meets one
+        barrier rather than one per field."""
+        if self._collected is not None:  # already collecting: the outer block runs them
+            yield
             return
-        breaks = np.flatnonzero((np.diff(src_rows) != 1) | (np.diff(dst_rows) != 1)) + 1
-        starts = np.concatenate([[0], breaks])
-        counts = np.diff(np.concatenate([starts, [len(src_rows)]]))
-        self.copy(
-            dst_base + dst_rows[starts] * row_bytes,
-            src_base + src_rows[starts] * row_bytes,
-            counts * row_bytes,
-        )
+        self._collected = [[] for _ in range(self.threads)]
+        try:
+            yield
+            parts = [p for p in self._collected if p]
+        finally:
+            self._collected = None
+        self.parallel([functools.partial(_call_all, p) for p in parts])
 
     def parallel(self, jobs: list[Callable[[], object]]) -> None:
         """Runs up to ``threads`` jobs at once: the first on the calling thread, the rest on helpers.
@@ -150,6 +154,10 @@ class Copier:
         """
         if len(jobs) > self.threads:
             raise ValueError(f"{len(jobs)} jobs for {self.threads} threads")
+        if self._collected is not None:
+            for part, job in zip(self._collected, jobs, strict=False):
+                part.append(job)
+            return
         if len(jobs) <= 1:
             for job in jobs:
                 job()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,8 +114,9 @@ class Archive(Dataset[dict[str, Any]]):
         torch's parallel kernels, which are slow there.
         """
         batch = Batch()
-        for name, g in self.gathers.items():
-            batch.update(g.gather(indices, None if out is None else out.get(name), copier))
+        with copier.batched() if copier is not None else contextlib.nullcontext():
+            for name, g in self.gathers.items():
+                batch.update(g.gather(indices, None if out is None else out.get(name), copier))
         return batch
 
     def buffer_numel(self, name: str, batch_size: int) -> int | None:
