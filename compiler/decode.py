@@ -16,23 +16,27 @@ from .errors import InputError
 Source = str | os.PathLike[str] | bytes
 
 
+def check_file(source: Source, name: str) -> None:
+    """InputError for a missing, unreadable or empty input (bytes from a tar, or a path)."""
+    if isinstance(source, bytes):
+        if not source:
+            raise InputError(name, "empty file (0 bytes)")
+        return
+    try:
+        size = Path(source).stat().st_size
+    except FileNotFoundError:
+        raise InputError(name, "file not found") from None
+    except OSError as e:
+        raise InputError(name, f"cannot read: {e.strerror or e}") from None
+    if size == 0:
+        raise InputError(name, "empty file (0 bytes)")
+
+
 def decode_audio(
     source: Source, name: str, offset: float = 0.0, duration: float | None = None
 ) -> tuple[np.ndarray, int]:
     """Decodes ``[offset, offset + duration)`` seconds; raises InputError naming ``name``."""
-    if isinstance(source, bytes):
-        if not source:
-            raise InputError(name, "empty file (0 bytes)")
-    else:
-        path = Path(source)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise InputError(name, "file not found") from None
-        except OSError as e:
-            raise InputError(name, f"cannot read: {e.strerror or e}") from None
-        if size == 0:
-            raise InputError(name, "empty file (0 bytes)")
+    check_file(source, name)
     try:
         audio, rate = _soundfile(source, offset, duration)
     except _NotForSoundfile as sf_error:

@@ -12,11 +12,11 @@ import io
 import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .decode import check_file
 from .errors import InputError
 from .vision import VisionConfig, shape_pil, tile_origins
 
@@ -28,17 +28,8 @@ Source = str | os.PathLike[str] | bytes
 def _open(source: Source, name: str) -> Any:
     from PIL import Image, ImageOps, UnidentifiedImageError
 
-    if isinstance(source, bytes):
-        if not source:
-            raise InputError(name, "empty file (0 bytes)")
-        handle: Any = io.BytesIO(source)
-    else:
-        try:
-            if Path(source).stat().st_size == 0:
-                raise InputError(name, "empty file (0 bytes)")
-        except FileNotFoundError:
-            raise InputError(name, "file not found") from None
-        handle = str(source)
+    check_file(source, name)
+    handle: Any = io.BytesIO(source) if isinstance(source, bytes) else str(source)
     Image.MAX_IMAGE_PIXELS = None  # whole-slide cores are large by design
     try:
         with warnings.catch_warnings():

@@ -14,11 +14,11 @@ import io
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .decode import check_file
 from .errors import InputError
 from .vision import VisionConfig, rotate, shape_image
 
@@ -45,21 +45,6 @@ def _open(source: str | os.PathLike[str] | bytes) -> Any:
 
     handle = io.BytesIO(source) if isinstance(source, bytes) else str(source)
     return av.open(handle, metadata_errors="ignore")
-
-
-def _check_file(source: str | os.PathLike[str] | bytes, name: str) -> None:
-    if isinstance(source, bytes):
-        if not source:
-            raise InputError(name, "empty file (0 bytes)")
-        return
-    try:
-        size = Path(source).stat().st_size
-    except FileNotFoundError:
-        raise InputError(name, "file not found") from None
-    except OSError as e:
-        raise InputError(name, f"cannot read: {e.strerror or e}") from None
-    if size == 0:
-        raise InputError(name, "empty file (0 bytes)")
 
 
 def _video_stream(container: Any, name: str) -> Any:
@@ -167,7 +152,7 @@ def decode_clips(
     """Samples, rotates, resizes and crops every clip the config asks of one video."""
     import av
 
-    _check_file(source, name)
+    check_file(source, name)
     try:
         with _open(source) as container:
             stream = _video_stream(container, name)

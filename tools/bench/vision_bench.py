@@ -228,100 +228,96 @@ def _loader_rows(
     return [memcpy, row, row0, naive]
 
 
+def _workload(
+    work: Path,
+    name: str,
+    wl: str,
+    corpus: Path,
+    options: dict[str, Any],
+    sample_bytes: int,
+    naive: tuple[str, Dataset[Any], int],
+    fields: list[str],
+    batch: int,
+    args: tuple[int, int, int],
+    **compile_extra: Any,
+) -> list[Row]:
+    """Compile, the naive pipeline's epoch, and the Loader rows of one media workload."""
+    workers, repeats, loader_mib = args
+    raw_bytes = sum(f.stat().st_size for f in corpus.rglob("*") if f.is_file())
+    t0 = time.perf_counter()
+    index = compile_corpus(
+        build_recipe({"source": str(corpus), **options}),
+        work / f"{name}-archive",
+        workers=workers,
+        progress=False,
+        overwrite=True,
+    )
+    took = time.perf_counter() - t0
+    extra = {k: round(v * index.num_samples / took) for k, v in compile_extra.items()}
+    rows = [
+        rate_row(
+            wl,
+            f"dlop-compile ({workers} workers)",
+            index.num_samples,
+            took,
+            sample_bytes,
+            **extra,
+            corpus_MiB=round(raw_bytes / 2**20, 1),
+            archive_MiB=round(sum(s.bytes for s in index.shards) / 2**20, 1),
+        )
+    ]
+    label, dataset, naive_batch = naive
+    naive_rate, _ = _naive_rate(dataset, naive_batch, workers)
+    rows.append(
+        Row(wl, f"{label} ({workers} workers)", naive_rate, naive_rate * sample_bytes / 1e9)
+    )
+    replica, _ = _replica(
+        work / f"{name}-archive", work / f"{name}-replica", fields, loader_mib << 20
+    )
+    wl2 = f"{wl}, compiled samples repeated to {loader_mib} MiB, shuffled batches of {batch}"
+    naive2 = Row(wl2, rows[-1].pipeline, rows[-1].samples_per_s, rows[-1].gb_per_s)
+    rows += _loader_rows(wl2, replica, fields, batch, repeats, naive2)
+    shutil.rmtree(work / f"{name}-replica", ignore_errors=True)
+    return rows
+
+
 def run(
     work: Path, videos: int, images: int, workers: int, repeats: int, loader_mib: int
 ) -> list[Row]:
     rows: list[Row] = []
+    args = (workers, repeats, loader_mib)
     if videos:
         print(f"   video corpus: {videos} clips", file=sys.stderr, flush=True)
         corpus = make_videos(work / "videos", videos)
-        raw_bytes = sum(f.stat().st_size for f in corpus.rglob("*.mp4"))
-        recipe = build_recipe(
-            {
-                "source": str(corpus),
-                "clip_frames": CLIP_FRAMES,
-                "size": CLIP_SHORT,
-                "crop": CLIP_CROP,
-            }
+        rows += _workload(
+            work,
+            "video",
+            f"video: {videos} H.264 clips {VIDEO_SIZE[0]}x{VIDEO_SIZE[1]} {VIDEO_FPS} fps "
+            f"{VIDEO_SECONDS} s -> uint8 [{CLIP_FRAMES},{CLIP_CROP},{CLIP_CROP},3]",
+            corpus,
+            {"clip_frames": CLIP_FRAMES, "size": CLIP_SHORT, "crop": CLIP_CROP},
+            CLIP_FRAMES * CLIP_CROP * CLIP_CROP * 3,
+            ("naive per-clip PyAV decode + resize DataLoader", NaiveClips(corpus), 8),
+            ["frames", "label"],
+            32,
+            args,
+            stored_frames_per_s=CLIP_FRAMES,
+            source_frames_per_s=VIDEO_FPS * VIDEO_SECONDS,
         )
-        t0 = time.perf_counter()
-        index = compile_corpus(
-            recipe, work / "video-archive", workers=workers, progress=False, overwrite=True
-        )
-        took = time.perf_counter() - t0
-        wl = (
-            f"video: {videos} H.264 clips {VIDEO_SIZE[0]}x{VIDEO_SIZE[1]} {VIDEO_FPS} fps {VIDEO_SECONDS} s -> "
-            f"uint8 [{CLIP_FRAMES},{CLIP_CROP},{CLIP_CROP},3]"
-        )
-        clip_bytes = CLIP_FRAMES * CLIP_CROP * CLIP_CROP * 3
-        rows.append(
-            rate_row(
-                wl,
-                f"dlop-compile ({workers} workers)",
-                index.num_samples,
-                took,
-                clip_bytes,
-                stored_frames_per_s=round(index.num_samples * CLIP_FRAMES / took),
-                source_frames_per_s=round(index.num_samples * VIDEO_FPS * VIDEO_SECONDS / took),
-                corpus_MiB=round(raw_bytes / 2**20, 1),
-                archive_MiB=round(sum(s.bytes for s in index.shards) / 2**20, 1),
-            )
-        )
-        naive_rate, _ = _naive_rate(NaiveClips(corpus), 8, workers)
-        naive = Row(
-            wl,
-            f"naive per-clip PyAV decode + resize DataLoader ({workers} workers)",
-            naive_rate,
-            naive_rate * clip_bytes / 1e9,
-        )
-        rows.append(naive)
-        replica, _ = _replica(
-            work / "video-archive", work / "video-replica", ["frames", "label"], loader_mib << 20
-        )
-        wl2 = f"{wl}, compiled clips repeated to {loader_mib} MiB, shuffled batches of 32"
-        naive2 = Row(wl2, naive.pipeline, naive.samples_per_s, naive.gb_per_s)
-        rows += _loader_rows(wl2, replica, ["frames", "label"], 32, repeats, naive2)
-        shutil.rmtree(work / "video-replica", ignore_errors=True)
     if images:
         print(f"   image corpus: {images} images with 2 masks each", file=sys.stderr, flush=True)
         corpus = make_images(work / "images", images)
-        raw_bytes = sum(f.stat().st_size for f in corpus.rglob("*.*"))
-        recipe = build_recipe({"source": str(corpus), "size": IMAGE_SHORT, "crop": IMAGE_CROP})
-        t0 = time.perf_counter()
-        index = compile_corpus(
-            recipe, work / "image-archive", workers=workers, progress=False, overwrite=True
-        )
-        took = time.perf_counter() - t0
-        sample_bytes = IMAGE_CROP * IMAGE_CROP * 5
-        wl = (
+        rows += _workload(
+            work,
+            "image",
             f"images: {images} JPEG {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} + 2 PNG masks -> "
-            f"uint8 [{IMAGE_CROP},{IMAGE_CROP},3] + 2 x [{IMAGE_CROP},{IMAGE_CROP}]"
+            f"uint8 [{IMAGE_CROP},{IMAGE_CROP},3] + 2 x [{IMAGE_CROP},{IMAGE_CROP}]",
+            corpus,
+            {"size": IMAGE_SHORT, "crop": IMAGE_CROP},
+            IMAGE_CROP * IMAGE_CROP * 5,
+            ("naive per-image Pillow decode + resize DataLoader", NaiveSegmentation(corpus), 32),
+            ["image", "Maps1_T", "Maps2_T"],
+            64,
+            args,
         )
-        rows.append(
-            rate_row(
-                wl,
-                f"dlop-compile ({workers} workers)",
-                index.num_samples,
-                took,
-                sample_bytes,
-                corpus_MiB=round(raw_bytes / 2**20, 1),
-                archive_MiB=round(sum(s.bytes for s in index.shards) / 2**20, 1),
-            )
-        )
-        naive_rate, _ = _naive_rate(NaiveSegmentation(corpus), 32, workers)
-        naive = Row(
-            wl,
-            f"naive per-image Pillow decode + resize DataLoader ({workers} workers)",
-            naive_rate,
-            naive_rate * sample_bytes / 1e9,
-        )
-        rows.append(naive)
-        fields = ["image", "Maps1_T", "Maps2_T"]
-        replica, _ = _replica(
-            work / "image-archive", work / "image-replica", fields, loader_mib << 20
-        )
-        wl2 = f"{wl}, compiled samples repeated to {loader_mib} MiB, shuffled batches of 64"
-        naive2 = Row(wl2, naive.pipeline, naive.samples_per_s, naive.gb_per_s)
-        rows += _loader_rows(wl2, replica, fields, 64, repeats, naive2)
-        shutil.rmtree(work / "image-replica", ignore_errors=True)
     return rows
