@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from .batch import Batch
 from .copier import Copier
 from .gather import FieldGather, RaggedRowsGather, as_tensor, make_gather
+from .memory import keep_batch_memory
 
 
 class Archive(Dataset[dict[str, Any]]):
@@ -77,6 +78,7 @@ class Archive(Dataset[dict[str, Any]]):
 
     def __getitems__(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         """A collated batch, rows in the order of ``indices``."""
+        keep_batch_memory()  # fresh batches reuse freed ones instead of faulting in new pages
         idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
             bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())

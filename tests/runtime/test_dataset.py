@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -108,3 +111,13 @@ def test_both_ragged_gather_strategies_agree(tmp_path: Path) -> None:
     for j, i in enumerate(idx.tolist()):
         n = 100 + 37 * i
         assert bool((spans["f"][j, :n] == i % 50).all()) and bool((spans["f"][j, n:] == 0).all())
+
+
+def test_batch_memory_settings_apply_once_and_can_be_declined() -> None:
+    code = "from dlop.runtime.memory import keep_batch_memory as k; print(k(), k())"
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["True", "True"], out.stderr
+    env["DLOP_MALLOC_TUNING"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["False", "False"], out.stderr
