@@ -203,7 +203,12 @@ class Copier:
                     helper.wait()
 
     def close(self) -> None:
+        """Stops the helpers and waits for them: a helper still exiting (and running
+        torch's per-thread teardown) while the interpreter shuts down can abort it."""
         with self.lock:
             for helper in self.helpers:
                 helper.stop()
+            for helper in self.helpers:
+                if helper is not threading.current_thread():
+                    helper.join(timeout=10)
             self.helpers.clear()
