@@ -162,3 +162,17 @@ def test_image_folder_layout(tmp_path: Path) -> None:
     s = _samples(out)
     assert s["cat/a.png"]["image"].shape == (10, 15, 3) and s["cat/a.png"]["label"] == 0
     assert s["dog/b.webp"]["image"].shape == (15, 10, 3) and s["dog/b.webp"]["label"] == 1
+
+
+def test_resolved_recipe_reproduces_an_image_archive(
+    gleason: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = ["--size", "32", "--crop", "24x32", "--mask-remap", "0:0,1:1,3:2,4:3,5:4,6:5"]
+    assert (
+        compile_main([str(gleason), "-o", str(a), "-q", *args, "--consensus", "--tile", "16"]) == 0
+    )
+    assert compile_main(["--recipe", str(a), "-o", str(b), "-q"]) == 0
+    for p in sorted(a.iterdir()):
+        assert p.read_bytes() == (b / p.name).read_bytes(), p.name
