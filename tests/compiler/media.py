@@ -29,6 +29,7 @@ def write_video(
     rotate: int | None = None,
     vfr: bool = False,
     audio: bool = False,
+    gop: int | None = None,
 ) -> Path:
     """An H.264 or MPEG-4 clip; ``vfr`` alternates 20 ms and 60 ms frames; ``audio`` adds AAC."""
     import av
@@ -39,6 +40,8 @@ def write_video(
     with av.open(str(path), "w") as c:
         s = c.add_stream(codec, rate=rate)
         s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+        if gop is not None:
+            s.codec_context.gop_size = gop
         s.time_base = tb
         s.codec_context.time_base = tb
         if rotate:

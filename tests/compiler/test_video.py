@@ -136,3 +136,39 @@ def test_folder_and_manifest_video_layouts(tmp_path: Path) -> None:
         assert r.index.metadata["label_classes"] == ["fast", "jump", "run"]
         assert r.sample(0)["labels"].tolist() == [1, 1, 0]
         assert r.sample(1)["labels"].tolist() == [0, 0, 1]
+
+
+def test_long_video_seeks_to_keyframes_and_still_matches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlop.compiler import video
+
+    root = tmp_path / "long"
+    write_video(root / "a" / "long.mp4", frames=200, rate=10, size=(32, 24), gop=10)
+    seeks = []
+    real = video.frames_at
+
+    class Counting:
+        def __init__(self, container):  # type: ignore[no-untyped-def]
+            self.container = container
+
+        def seek(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            seeks.append(args)
+            return self.container.seek(*args, **kwargs)
+
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            return getattr(self.container, name)
+
+    def counting(container, stream, times, name):  # type: ignore[no-untyped-def]
+        return real(Counting(container), stream, times, name)
+
+    monkeypatch.setattr(video, "frames_at", counting)
+    cfg = VisionConfig(clip="dense", clip_frames=3, clip_stride=2, clips=4)
+    clips, info = video.decode_clips(root / "a" / "long.mp4", "long.mp4", cfg)
+    assert info.duration == pytest.approx(20.0, abs=0.2) and len(clips) == 4
+    assert len(seeks) >= 3  # 20 s of video, clips about 5 s apart: it seeks rather than decodes
+    frames = decode_all(root / "a" / "long.mp4")
+    for c in clips:
+        step = (c.end - c.start) / 3
+        for i, got in enumerate(c.frames):
+            np.testing.assert_array_equal(got, frame_at(frames, c.start + i * step))
