@@ -70,16 +70,6 @@ def load_mask(source: Source, name: str) -> Any:
     return Image.fromarray(np.ascontiguousarray(rgb[..., 0]), "L")
 
 
-def decode_image(source: Source, name: str) -> np.ndarray:
-    """``[H, W, 3]`` uint8 RGB, upright."""
-    return np.asarray(load_image(source, name))
-
-
-def decode_mask(source: Source, name: str) -> np.ndarray:
-    """``[H, W]`` uint8 labels, upright."""
-    return np.asarray(load_mask(source, name))
-
-
 def remap(mask: Any, table: tuple[tuple[int, int], ...] | None, name: str) -> Any:
     """Applies the label remap table to an ``L`` mask image; a value the table does not name is an error."""
     if table is None:

@@ -252,7 +252,7 @@ def _audio(item: Item, recipe: Recipe, name: str) -> dict[str, Any]:
 
 
 def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
-    from .video import decode_clips, has_audio
+    from .video import decode_clips
 
     if item.path is None:  # video layouts list files on disk; tars hold audio only
         raise InputError(name, "video inputs must be files")
@@ -262,7 +262,7 @@ def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
     ]
     if recipe.vision.audio:
         cfg = recipe.feature
-        if has_audio(item.path):
+        if info.has_audio:
             audio, rate = decode_audio(item.path, name)
             wave = resample(
                 torch.from_numpy(downmix(audio, recipe.downmix)),

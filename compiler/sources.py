@@ -129,8 +129,8 @@ def layout_media(layout: str, source: Path) -> str:
     if layout == "folder" and source.is_dir():
         return media_of([str(f) for f in source.rglob("*") if f.is_file()])
     if layout == "manifest" and source.is_file():
-        for line in source.read_text("utf-8", "replace").splitlines():
-            if line.strip():
+        with open(source, encoding="utf-8", errors="replace") as f:
+            for line in f:  # the first line that parses (the manifest reader reports bad ones)
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError:

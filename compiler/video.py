@@ -38,6 +38,7 @@ class VideoInfo:
     start: float  # timestamp of the first frame, seconds
     duration: float  # seconds
     rate: float  # average frames per second (for dense sampling's default fps)
+    has_audio: bool  # the container also holds an audio stream
 
 
 def _open(source: str | os.PathLike[str] | bytes) -> Any:
@@ -73,7 +74,7 @@ def probe(container: Any, stream: Any, name: str) -> VideoInfo:
     duration = max(end - first, _EPS)
     rate = float(stream.average_rate or stream.guessed_rate or 0) or count / duration
     container.seek(0)
-    return VideoInfo(first, duration, rate)
+    return VideoInfo(first, duration, rate, bool(container.streams.audio))
 
 
 def clip_times(info: VideoInfo, cfg: VisionConfig) -> list[list[float]]:
@@ -133,11 +134,6 @@ def frames_at(container: Any, stream: Any, times: list[float], name: str) -> lis
             raise InputError(name, "no video frames decoded")
         out.append(shown[1])
     return out
-
-
-def has_audio(source: str | os.PathLike[str] | bytes) -> bool:
-    with _open(source) as container:
-        return bool(container.streams.audio)
 
 
 def to_rgb(frame: Any) -> np.ndarray:

@@ -289,9 +289,20 @@ class ShardReader:
             )
         if f.codec.name == "raw":
             parallel_copy(out, self.array(name)[start:stop])
-        else:
-            for i in range(start, stop):
-                out[i - start] = self.get(name, i)
+            return out
+        # zstd: whole blocks, each decoded once, sliced to the overlap with start:stop
+        st = self._st(name)
+        assert st.first_samples is not None  # zstd fields always have a block table
+        k = self.block_of(name, start) if stop > start else len(st.first_samples)
+        while k < len(st.first_samples) and int(st.first_samples[k]) < stop:
+            first = int(st.first_samples[k])
+            last = (
+                int(st.first_samples[k + 1]) if k + 1 < len(st.first_samples) else self.num_samples
+            )
+            a, b = max(start, first), min(stop, last)
+            block = self.decode_block(name, k).reshape(-1, *shape[1:])
+            out[a - start : b - start] = block[a - first : b - first]
+            k += 1
         return out
 
     def values(self, name: str) -> np.ndarray:

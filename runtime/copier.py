@@ -60,10 +60,6 @@ def _copy_runs(dst: list[int], src: list[int], nbytes: list[int]) -> None:
         _memmove(d, s, n)
 
 
-def _call(job: Callable[[], object]) -> None:
-    job()
-
-
 def _call_all(jobs: list[Callable[[], object]]) -> None:
     for job in jobs:
         job()
@@ -79,7 +75,7 @@ class _Helper(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(name="dlop-copy", daemon=True)
-        self.job: tuple[object, tuple[list[int], ...]] | None = None
+        self.job: Callable[[], object] | None = None
         self.error: BaseException | None = None
         self.go = threading.Semaphore(0)
         self.done = threading.Semaphore(0)
@@ -91,15 +87,14 @@ class _Helper(threading.Thread):
             self.go.acquire()
             if self.job is None:
                 return
-            fn, args = self.job
             try:
-                fn(*args)  # type: ignore[operator]
+                self.job()
             except BaseException as e:
                 self.error = e
             self.done.release()
 
-    def submit(self, fn: object, args: tuple[list[int], ...]) -> None:
-        self.job = (fn, args)
+    def submit(self, job: Callable[[], object]) -> None:
+        self.job = job
         self.go.release()
 
     def wait(self) -> None:
@@ -167,7 +162,7 @@ class Copier:
                 self.helpers.append(_Helper())
             used = []
             for helper, job in zip(self.helpers, jobs[1:], strict=False):
-                helper.submit(_call, (job,))  # type: ignore[arg-type]
+                helper.submit(job)
                 used.append(helper)
             try:
                 jobs[0]()
@@ -175,32 +170,26 @@ class Copier:
                 for helper in used:
                     helper.wait()
 
-    def _spread(self, fn: object, *columns: np.ndarray) -> None:
+    def _spread(self, fn: Callable[..., object], *columns: np.ndarray) -> None:
+        """fn over the rows of ``columns``, split into up to ``threads`` shares balanced by
+        bytes (the last column); small totals stay in one share, as handing over costs more."""
         n = len(columns[0])
         if n == 0:
             return
         lists = [c.tolist() for c in columns]
         total = int(columns[-1].sum())
-        if self.threads == 1 or n == 1 or total < _PARALLEL_MIN_BYTES:
-            fn(*lists)  # type: ignore[operator]
-            return
-        # Balance by bytes (the last column), not by count.
-        weights = np.cumsum(columns[-1])
-        cuts = np.searchsorted(weights, total * np.arange(1, self.threads) / self.threads).tolist()
-        bounds = [0, *cuts, n]
-        with self.lock:
-            while len(self.helpers) < self.threads - 1:
-                self.helpers.append(_Helper())
-            used = []
-            for helper, (a, b) in zip(self.helpers, itertools.pairwise(bounds[1:]), strict=False):
-                if b > a:
-                    helper.submit(fn, tuple(col[a:b] for col in lists))
-                    used.append(helper)
-            try:
-                fn(*(col[bounds[0] : bounds[1]] for col in lists))  # type: ignore[operator]
-            finally:
-                for helper in used:
-                    helper.wait()
+        bounds = [0, n]
+        if self.threads > 1 and n > 1 and total >= _PARALLEL_MIN_BYTES:
+            weights = np.cumsum(columns[-1])
+            cuts = np.searchsorted(weights, total * np.arange(1, self.threads) / self.threads)
+            bounds = [0, *cuts.tolist(), n]
+        self.parallel(
+            [
+                functools.partial(fn, *(col[a:b] for col in lists))
+                for a, b in itertools.pairwise(bounds)
+                if b > a
+            ]
+        )
 
     def close(self) -> None:
         """Stops the helpers and waits for them: a helper still exiting (and running

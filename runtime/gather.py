@@ -176,10 +176,14 @@ class PerSampleGather(FieldGather):
         shape = (len(values), *(int(m) for m in maxes))
         out = self._output(shape, out)
         target = out.numpy()
-        target.fill(self.pad_value)
         for j, v in enumerate(values):
-            region: tuple[Any, ...] = (j, *(slice(0, s) for s in v.shape))
-            np.copyto(target[region], v.view(target.dtype), casting="no")
+            valid: list[Any] = [slice(0, s) for s in v.shape]
+            np.copyto(target[tuple([j, *valid])], v.view(target.dtype), casting="no")
+            # The padding, written once: for each axis, what lies past this sample's
+            # extent there, within its extent on the axes before it.
+            for axis, size in enumerate(v.shape):
+                if size < shape[axis + 1]:
+                    target[tuple([j, *valid[:axis], slice(size, None)])] = self.pad_value
         lengths = torch.from_numpy(shapes[:, self.ragged_axes].copy())
         return {
             f.name: out.view(self.out_dtype),

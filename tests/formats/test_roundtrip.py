@@ -151,6 +151,18 @@ def test_read_range_matches_get(tmp_path: Path, codec: Any) -> None:
             r.read_range("x", 30, 41)
 
 
+def test_zstd_read_range_spanning_blocks_of_several_samples(tmp_path: Path) -> None:
+    fields = [Field("y", "i16", (7,), codec=Zstd(block_bytes=100, shuffle=True))]
+    rows = np.arange(60 * 7, dtype=np.int16).reshape(60, 7)
+    with ShardWriter(tmp_path / "z.dlop", fields) as w:
+        for row in rows:
+            w.write({"y": row})
+    with ShardReader(tmp_path / "z.dlop") as r:
+        assert len(r.blocks("y")) > 5  # several samples per block, several blocks
+        for a, b in [(0, 0), (0, 60), (5, 23), (13, 14), (59, 60), (7, 7)]:
+            np.testing.assert_array_equal(r.read_range("y", a, b), rows[a:b])
+
+
 def test_crc32_combine_matches_zlib() -> None:
     import zlib
 

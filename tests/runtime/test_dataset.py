@@ -121,3 +121,25 @@ def test_batch_memory_settings_apply_once_and_can_be_declined() -> None:
     env["DLOP_MALLOC_TUNING"] = "0"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_padding_of_several_varying_dimensions(tmp_path: Path) -> None:
+    from dlop.formats import ArchiveWriter, Field
+
+    rng = np.random.default_rng(5)
+    shapes = [(3, 5), (6, 2), (1, 1), (6, 5), (0, 4), (2, 0)]
+    values = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    with ArchiveWriter(tmp_path / "a", [Field("grid", "f32", (None, None))]) as w:
+        for v in values:
+            w.write({"grid": v})
+    for pad in (0.0, -7.5):
+        ds = open_archive(tmp_path / "a", pad_value=pad)
+        for _ in range(2):  # fresh outputs hold whatever memory held: every cell is written
+            batch = ds.__getitems__([3, 0, 1, 2, 4, 5])
+            grid, lengths = batch["grid"], batch["grid_lengths"]
+            assert grid.shape == (6, 6, 5)
+            for row, i in enumerate([3, 0, 1, 2, 4, 5]):
+                expect = np.full((6, 5), pad, np.float32)
+                expect[: shapes[i][0], : shapes[i][1]] = values[i]
+                np.testing.assert_array_equal(grid[row].numpy(), expect)
+                assert lengths[row].tolist() == list(shapes[i])
