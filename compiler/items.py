@@ -8,6 +8,7 @@ tile. Bad input never raises here: it comes back as an Outcome with a reason.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,16 +110,8 @@ def schema_for(recipe: Recipe, corpus: CorpusShape) -> list[Field]:
         ]
         if vision.audio:
             audio = _audio_fields(recipe, fixed=False)
-            fields.append(
-                Field(
-                    audio.name,
-                    audio.dtype,
-                    audio.shape,
-                    codec=audio.codec,
-                    meaning=f"audio track over the clip's span: {audio.meaning}; 0 frames when the video has none",
-                    units=audio.units,
-                )
-            )
+            meaning = f"audio track over the clip's span: {audio.meaning}; 0 frames when the video has none"
+            fields.append(dataclasses.replace(audio, meaning=meaning))
     else:
         fields.append(
             Field(
