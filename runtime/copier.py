@@ -1,30 +1,44 @@
-"""Copies on a few threads, for gathers running off the main thread.
+"""Copies on a few threads, for batch gathers.
 
-torch's OpenMP-parallel kernels (index_select, copy_) are an order of
-magnitude slower when called from a background thread (measured on the 2-core
-build machine: 13k vs 168k ESC-50 rows/s): the calling thread starts its own
-OpenMP team, which fights the main thread's spinning one for the cores. A
-thread that sets ``torch.set_num_threads(1)`` (a per-thread setting under
-OpenMP) runs the kernels serially at full speed, and they release the GIL. So
-the copier's threads run single-threaded torch kernels on shares of a batch
-(``parallel``: 134k rows/s on two threads against 105k for the main thread's
-OpenMP index_select), and byte runs with libc ``memcpy`` through ctypes
-(``copy``), which also releases the GIL.
+Two ways of copying, chosen per process:
+
+- The compiled copier (``runtime/_copy.c``, built at install when a C compiler
+  is present): one call copies a list of byte runs without the GIL, and can
+  write with non-temporal stores (``streaming``). A batch buffer that has
+  left the cache costs a read of every line before it is overwritten; stores
+  that go around the cache skip that read. On the build machine a gather into
+  rotating batch-sized buffers runs at 0.75-0.8x of one into a single reused,
+  cache-warm buffer with ordinary stores, and at 1.0-1.05x with streaming
+  stores. ``DLOP_NATIVE_COPY=0`` turns the compiled copier off.
+- Without it, torch kernels and libc ``memcpy`` through ctypes. torch's
+  OpenMP-parallel kernels (index_select, copy_) are an order of magnitude
+  slower when called from a background thread (13k vs 168k ESC-50 rows/s on
+  the build machine): the calling thread starts its own OpenMP team, which
+  fights the main thread's spinning one for the cores. A thread that sets
+  ``torch.set_num_threads(1)`` (a per-thread setting under OpenMP) runs them
+  serially at full speed, and they release the GIL, so the copier's threads
+  run single-threaded kernels on shares of a batch (``parallel``).
 
 Addresses are computed only from offsets and shapes that ``dlop.formats``
-validated when the shard was opened, and from buffers this process allocated.
+validated when the shard was opened, from indices checked against the shard,
+and from buffers this process allocated.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import ctypes.util
 import functools
+import importlib
 import itertools
 import os
+import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -51,13 +65,42 @@ def _libc_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 _memmove, _memset = _libc_functions()
 
+_compiled: ModuleType | None
+try:
+    _compiled = importlib.import_module("._copy", __package__)
+except ImportError:  # built without a C compiler: the torch/ctypes paths serve
+    _compiled = None
+
+
+def native() -> ModuleType | None:
+    """The compiled copier, or None when it was not built or ``DLOP_NATIVE_COPY=0``."""
+    if _compiled is None or os.environ.get("DLOP_NATIVE_COPY") == "0":
+        return None
+    return _compiled
+
 
 _PARALLEL_MIN_BYTES = 1 << 20  # below this, one thread: handing work over costs more
+# Smaller copies stay in cache until they are read: streaming them only costs.
+_STREAMING_MIN_BYTES = 4 << 20
+# A few threads reach a machine's copy bandwidth; more only compete with training.
+_MAX_THREADS = 4
 
 
-def _copy_runs(dst: list[int], src: list[int], nbytes: list[int]) -> None:
-    for d, s, n in zip(dst, src, nbytes, strict=True):
+def default_threads() -> int:
+    """Copy threads for this process: torch's intra-op thread count (1 inside
+    DataLoader workers), at most ``_MAX_THREADS``."""
+    return max(1, min(_MAX_THREADS, torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def _copy_runs(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
+    for d, s, n in zip(dst.tolist(), src.tolist(), nbytes.tolist(), strict=True):
         _memmove(d, s, n)
+
+
+def _native_runs(
+    lib: ModuleType, streaming: bool, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray
+) -> None:
+    lib.copy_runs(dst.ctypes.data, src.ctypes.data, nbytes.ctypes.data, len(dst), streaming)
 
 
 def _call_all(jobs: list[Callable[[], object]]) -> None:
@@ -65,81 +108,145 @@ def _call_all(jobs: list[Callable[[], object]]) -> None:
         job()
 
 
-def _zero_runs(dst: list[int], nbytes: list[int]) -> None:
-    for d, n in zip(dst, nbytes, strict=True):
+def _zero_runs(dst: np.ndarray, nbytes: np.ndarray) -> None:
+    for d, n in zip(dst.tolist(), nbytes.tolist(), strict=True):
         _memset(d, 0, n)
 
 
 class _Helper(threading.Thread):
-    """A persistent copy thread: one job at a time, handed over with two semaphores."""
+    """A persistent copy thread running submitted jobs in order; ``wait`` returns
+    (or raises) the outcome of the oldest job not yet waited for."""
 
     def __init__(self) -> None:
         super().__init__(name="dlop-copy", daemon=True)
-        self.job: Callable[[], object] | None = None
-        self.error: BaseException | None = None
-        self.go = threading.Semaphore(0)
-        self.done = threading.Semaphore(0)
+        self.jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self.outcomes: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
         self.start()
 
     def run(self) -> None:
         torch.set_num_threads(1)  # this thread only: serial kernels, no OpenMP team
         while True:
-            self.go.acquire()
-            if self.job is None:
+            job = self.jobs.get()
+            if job is None:
                 return
             try:
-                self.job()
+                job()
+                self.outcomes.put(None)
             except BaseException as e:
-                self.error = e
-            self.done.release()
+                self.outcomes.put(e)
+            del job
 
     def submit(self, job: Callable[[], object]) -> None:
-        self.job = job
-        self.go.release()
+        self.jobs.put(job)
 
     def wait(self) -> None:
-        self.done.acquire()
-        if self.error is not None:
-            error, self.error = self.error, None
+        error = self.outcomes.get()
+        if error is not None:
             raise error
 
     def stop(self) -> None:
-        self.job = None
-        self.go.release()
+        self.jobs.put(None)
+
+
+def _wait_all(helpers: list[_Helper]) -> None:
+    """Waits for every helper, then raises the first one's error, if any."""
+    errors = []
+    for helper in helpers:
+        try:
+            helper.wait()
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+class Pending:
+    """Copies running on helper threads (``Copier.start``); ``wait`` joins them once.
+    Pendings of one copier are waited for in the order they were started."""
+
+    def __init__(self, copier: Copier) -> None:
+        self.copier = copier
+        self.helpers: list[_Helper] = []
+        self._hold: contextlib.ExitStack | None = None
+
+    def enter(self, helpers: contextlib.AbstractContextManager[list[_Helper]]) -> None:
+        self._hold = contextlib.ExitStack()
+        self.helpers = self._hold.enter_context(helpers)
+
+    def wait(self) -> None:
+        hold, self._hold = self._hold, None
+        if hold is None:
+            return
+        with hold:  # releases the helpers even when a copy failed
+            _wait_all(self.helpers)
+
+
+_live: weakref.WeakSet[Copier] = weakref.WeakSet()
 
 
 class Copier:
-    """Copies lists of (dst, src, nbytes) runs using ``threads`` threads, the caller's included."""
+    """Copies lists of (dst, src, nbytes) runs using ``threads`` threads, the caller's included.
 
-    def __init__(self, threads: int | None = None) -> None:
-        self.threads = max(1, threads or min(2, os.cpu_count() or 1))
+    ``streaming``: write large copies around the cache (see the module
+    docstring); right for buffers that are refilled after they have left the
+    cache, wrong for one buffer refilled while still warm. It applies only to
+    the compiled copier.
+    """
+
+    def __init__(self, threads: int | None = None, streaming: bool = False) -> None:
+        self.threads = max(1, threads or default_threads())
+        self.streaming = streaming
+        self._reset()
+        _live.add(self)
+
+    def _reset(self) -> None:
         self.helpers: list[_Helper] = []
-        self.lock = threading.Lock()  # one batch at a time uses the helpers
-        self._collected: list[list[Callable[[], object]]] | None = None
+        # One thread at a time uses the helpers; it may start several batches (start()).
+        self.lock = threading.RLock()
+        self.local = threading.local()  # per calling thread: jobs collected by batched()
+        self.pid = os.getpid()
 
     def copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
-        """memcpy(dst[i], src[i], nbytes[i]) for all i; int64 arrays of addresses and sizes."""
-        self._spread(_copy_runs, dst, src, nbytes)
+        """memcpy(dst[i], src[i], nbytes[i]) for all i; arrays of addresses and sizes that
+        the caller has checked (the runs must lie inside memory it owns or maps)."""
+        dst, src, nbytes = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, nbytes))
+        lib = native()
+        if lib is None:
+            self._spread(_copy_runs, dst, src, nbytes)
+            return
+        streaming = self.streaming and int(nbytes.sum()) >= _STREAMING_MIN_BYTES
+        self._spread(functools.partial(_native_runs, lib, streaming), dst, src, nbytes)
 
     def zero(self, dst: np.ndarray, nbytes: np.ndarray) -> None:
         keep = nbytes > 0
         self._spread(_zero_runs, dst[keep], nbytes[keep])
 
     @contextlib.contextmanager
+    def collecting(self) -> Iterator[list[list[Callable[[], object]]]]:
+        """Within the block ``parallel`` only collects jobs, the i-th job of every call
+        into part i; the caller runs the parts (``batched``, ``start``). Nested
+        blocks add to the outermost one's parts."""
+        outer = getattr(self.local, "collected", None)
+        if outer is not None:
+            yield outer
+            return
+        collected: list[list[Callable[[], object]]] = [[] for _ in range(self.threads)]
+        self.local.collected = collected
+        try:
+            yield collected
+        finally:
+            self.local.collected = None
+
+    @contextlib.contextmanager
     def batched(self) -> Iterator[None]:
-        """Within the block, ``parallel`` only collects jobs; they run at its end, the
-        i-th job of every call on thread i, so a batch of several fields meets one
-        barrier rather than one per field."""
-        if self._collected is not None:  # already collecting: the outer block runs them
+        """Collects the block's jobs and runs them at its end, so a batch of several
+        fields meets one barrier rather than one per field."""
+        if getattr(self.local, "collected", None) is not None:  # the outer block runs them
             yield
             return
-        self._collected = [[] for _ in range(self.threads)]
-        try:
+        with self.collecting() as parts:
             yield
-            parts = [p for p in self._collected if p]
-        finally:
-            self._collected = None
-        self.parallel([functools.partial(_call_all, p) for p in parts])
+        self.parallel([functools.partial(_call_all, p) for p in parts if p])
 
     def parallel(self, jobs: list[Callable[[], object]]) -> None:
         """Runs up to ``threads`` jobs at once: the first on the calling thread, the rest on helpers.
@@ -149,26 +256,45 @@ class Copier:
         """
         if len(jobs) > self.threads:
             raise ValueError(f"{len(jobs)} jobs for {self.threads} threads")
-        if self._collected is not None:
-            for part, job in zip(self._collected, jobs, strict=False):
+        collected = getattr(self.local, "collected", None)
+        if collected is not None:
+            for part, job in zip(collected, jobs, strict=False):
                 part.append(job)
             return
         if len(jobs) <= 1:
             for job in jobs:
                 job()
             return
-        with self.lock:
-            while len(self.helpers) < self.threads - 1:
-                self.helpers.append(_Helper())
-            used = []
-            for helper, job in zip(self.helpers, jobs[1:], strict=False):
+        with self._helpers(len(jobs) - 1) as helpers:
+            for helper, job in zip(helpers, jobs[1:], strict=False):
                 helper.submit(job)
-                used.append(helper)
             try:
                 jobs[0]()
             finally:
-                for helper in used:
-                    helper.wait()
+                _wait_all(helpers)
+
+    def start(self, parts: list[list[Callable[[], object]]]) -> Pending:
+        """Starts collected parts on helper threads and returns at once, so the caller
+        can prepare the next batch meanwhile; ``Pending.wait`` joins them. A helper
+        runs what it is given in order: a batch started while the previous one is
+        still copying follows it without a gap."""
+        parts = [p for p in parts if p]
+        pending = Pending(self)
+        if parts:
+            pending.enter(self._helpers(len(parts)))
+            for helper, part in zip(pending.helpers, parts, strict=True):
+                helper.submit(functools.partial(_call_all, part))
+        return pending
+
+    @contextlib.contextmanager
+    def _helpers(self, count: int) -> Iterator[list[_Helper]]:
+        """``count`` helper threads, held by the caller for the block."""
+        if self.pid != os.getpid():  # a forked child: the parent's helpers did not come along
+            self._reset()
+        with self.lock:
+            while len(self.helpers) < count:
+                self.helpers.append(_Helper())
+            yield self.helpers[:count]
 
     def _spread(self, fn: Callable[..., object], *columns: np.ndarray) -> None:
         """fn over the rows of ``columns``, split into up to ``threads`` shares balanced by
@@ -176,7 +302,6 @@ class Copier:
         n = len(columns[0])
         if n == 0:
             return
-        lists = [c.tolist() for c in columns]
         total = int(columns[-1].sum())
         bounds = [0, n]
         if self.threads > 1 and n > 1 and total >= _PARALLEL_MIN_BYTES:
@@ -185,7 +310,7 @@ class Copier:
             bounds = [0, *cuts.tolist(), n]
         self.parallel(
             [
-                functools.partial(fn, *(col[a:b] for col in lists))
+                functools.partial(fn, *(col[a:b] for col in columns))
                 for a, b in itertools.pairwise(bounds)
                 if b > a
             ]
@@ -194,6 +319,9 @@ class Copier:
     def close(self) -> None:
         """Stops the helpers and waits for them: a helper still exiting (and running
         torch's per-thread teardown) while the interpreter shuts down can abort it."""
+        if self.pid != os.getpid():
+            self._reset()
+            return
         with self.lock:
             for helper in self.helpers:
                 helper.stop()
@@ -201,3 +329,10 @@ class Copier:
                 if helper is not threading.current_thread():
                     helper.join(timeout=10)
             self.helpers.clear()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Copiers still open at exit (an Archive's own) stop their helpers before shutdown."""
+    for copier in list(_live):
+        copier.close()

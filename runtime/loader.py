@@ -4,6 +4,10 @@ Data flow per batch: order (runtime.order) -> vectorized gather into a ring
 buffer slot (pinned when CUDA is available) -> optional non-blocking copy to
 the device on a side CUDA stream, recorded by an event -> transforms.
 
+One gather thread per Loader, kept across epochs, prepares each batch and
+queues its copies on the copier's helper threads (runtime.copier) behind the
+batch they are copying, so the copies run back to back (see _Iter._produce).
+
 Buffer contract: on the CPU, a batch's tensors are views of a ring slot and
 stay valid until the next batch is requested (copy what you keep). On a CUDA
 device every batch is freshly allocated, and a slot is refilled only after the
@@ -12,11 +16,15 @@ event of its copy has completed.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
+import functools
 import os
 import queue
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +34,7 @@ import torch
 from dlop.formats import DlopError
 
 from .batch import Batch
-from .copier import Copier
+from .copier import Copier, Pending, native
 from .dataset import Archive
 from .distributed import rank_and_world
 from .order import OrderSpec, rank_batches
@@ -56,6 +64,15 @@ class _Ready:
 
 
 _DONE = object()
+_live: weakref.WeakSet[Loader] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Loaders still open at exit stop their threads before the interpreter shuts
+    down (runs before runtime.copier's own exit hook, registered earlier)."""
+    for loader in list(_live):
+        loader.close()
 
 
 class Loader:
@@ -121,7 +138,10 @@ class Loader:
         self._batches_done = 0
         self._slots: list[_Slot] | None = None
         self._active: _Iter | None = None
-        self.copier = Copier()
+        self._thread: _Worker | None = None
+        _live.add(self)
+        # Slots that take turns have left the cache when refilled: stream into them.
+        self.copier = Copier(streaming=self._slot_count() > 1)
 
     # -- order and state ----------------------------------------------------------
 
@@ -240,7 +260,11 @@ class Loader:
             slot = slots[j % len(slots)]
             if slot.event is not None:
                 slot.event.synchronize()
-            batch = self.archive.gather(torch.from_numpy(batches[j]), out=slot.buffers)
+            batch = self.archive.gather(
+                torch.from_numpy(batches[j]),
+                out=slot.buffers,
+                copier=self.copier if native() is not None else None,
+            )
             if stream is not None:
                 batch, slot.event = _copy_to_device(batch, self.device, stream)
                 _use_on_current_stream(batch, slot.event, self.device)
@@ -248,10 +272,18 @@ class Loader:
             self._batches_done = j + 1
             yield batch
 
+    def _worker(self) -> _Worker:
+        if self._thread is None or self._thread.pid != os.getpid() or not self._thread.is_alive():
+            self._thread = _Worker()
+        return self._thread
+
     def close(self) -> None:
-        if self._active is not None:
-            self._active.close()
+        if getattr(self, "_active", None) is not None:
+            self._active.close()  # type: ignore[union-attr]
             self._active = None
+        if getattr(self, "_thread", None) is not None:
+            self._thread.stop()  # type: ignore[union-attr]
+            self._thread = None
         if getattr(self, "copier", None) is not None:
             self.copier.close()
 
@@ -294,6 +326,31 @@ def _apply_transforms(loader: Loader, batch: Batch, epoch: int, number: int) -> 
     return batch
 
 
+class _Worker(threading.Thread):
+    """The Loader's gather thread, kept across epochs: it runs one epoch's production
+    at a time, so starting an epoch costs a queue put rather than a thread start."""
+
+    def __init__(self) -> None:
+        super().__init__(name="dlop-loader", daemon=True)
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.pid = os.getpid()
+        self.start()
+
+    def run(self) -> None:
+        torch.set_num_threads(1)  # this thread only; the copier spreads the work (runtime.copier)
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            job()
+            del job  # holds the epoch's iterator (and its batches) until the next one
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        if threading.current_thread() is not self:
+            self.join(timeout=10)
+
+
 class _Iter:
     def __init__(self, loader: Loader, batches: list[np.ndarray], start: int) -> None:
         self.loader = loader
@@ -302,52 +359,88 @@ class _Iter:
         self.cuda = loader.device.type == "cuda"
         slots = loader._ring()
         # On the CPU the most recently released slot is refilled first (LIFO): it is
-        # the one still in cache, so while the consumer keeps up only two slots
-        # circulate and the others stay idle; rotating through every slot makes the
-        # gather write to cold memory (about 15% slower on the build machine). A
-        # CUDA slot has just been handed to an asynchronous copy, so there the
-        # oldest goes first (FIFO).
+        # the one most likely still in cache, which matters where copies go through
+        # the cache (no compiled copier). A CUDA slot has just been handed to an
+        # asynchronous copy, so there the oldest goes first (FIFO).
         self.free: queue.Queue[_Slot] = queue.Queue() if self.cuda else queue.LifoQueue()
         for s in slots:
             self.free.put(s)
         self.ready: queue.Queue[Any] = queue.Queue()
         self.held: _Slot | None = None
         self.stop = threading.Event()
+        self.finished = threading.Event()
         self.stream = torch.cuda.Stream(loader.device) if self.cuda else None
-        self.thread = threading.Thread(
-            target=self._produce, args=(start,), name="dlop-loader", daemon=True
-        )
-        self.thread.start()
+        loader._worker().jobs.put(functools.partial(self._produce, start))
 
     def _produce(self, start: int) -> None:
-        torch.set_num_threads(1)  # this thread only; the copier spreads the work (runtime.copier)
-        archive = self.loader.archive
-        for j in range(start, len(self.batches)):
-            slot = None
-            while slot is None:
-                if self.stop.is_set():
-                    return
-                try:
-                    slot = self.free.get(timeout=0.1)
-                except queue.Empty:
-                    continue
+        """Gathers the epoch's batches in order, pipelined: this thread prepares a
+        batch (address lists, small fields) and queues its copies on the copier's
+        helpers behind the batch they are copying, then publishes that one when
+        its copies are done. So the helpers copy back to back while the Python
+        work of the next batch and the hand-over to the consumer overlap them."""
+        archive, copier = self.loader.archive, self.loader.copier
+        in_flight: collections.deque[tuple[int, Batch, _Slot, Pending]] = collections.deque()
+
+        def publish() -> bool:
+            """Finishes the oldest batch in flight and hands it over; False after an error."""
+            j, batch, slot, pending = in_flight.popleft()
             try:
-                if slot.event is not None:
-                    slot.event.synchronize()  # the slot's previous copy to the device is done
-                batch = archive.gather(
-                    torch.from_numpy(self.batches[j]), out=slot.buffers, copier=self.loader.copier
-                )
+                pending.wait()
                 event = None
                 if self.stream is not None:
                     batch, event = _copy_to_device(batch, self.loader.device, self.stream)
                     slot.event = event
                     self.free.put(slot)  # refilled only after event completes
-                    slot = None
-                self.ready.put(_Ready(j, batch, slot, event))
+                self.ready.put(_Ready(j, batch, None if self.stream else slot, event))
+                return True
             except BaseException as e:
                 self.ready.put(_Ready(j, error=e, trace=traceback.format_exc()))
-                return
-        self.ready.put(_DONE)
+                return False
+
+        def take_slot() -> _Slot | None:
+            """A free slot; while none is, the batches in flight are published first
+            (the consumer may be waiting for them). None once stopped or failed."""
+            while not self.stop.is_set():
+                with contextlib.suppress(queue.Empty):
+                    return self.free.get_nowait()
+                if in_flight:
+                    if not publish():
+                        return None
+                    continue
+                with contextlib.suppress(queue.Empty):
+                    return self.free.get(timeout=0.1)
+            return None
+
+        try:
+            for j in range(start, len(self.batches)):
+                slot = take_slot()
+                if slot is None:
+                    return
+                try:
+                    if slot.event is not None:
+                        slot.event.synchronize()  # the slot's previous copy to the device is done
+                    with copier.collecting() as parts:
+                        batch = archive.gather(
+                            torch.from_numpy(self.batches[j]), out=slot.buffers, copier=copier
+                        )
+                    in_flight.append((j, batch, slot, copier.start(parts)))
+                except BaseException as e:
+                    while in_flight:
+                        if not publish():
+                            return
+                    self.ready.put(_Ready(j, error=e, trace=traceback.format_exc()))
+                    return
+                if len(in_flight) > 1 and not publish():
+                    return
+            while in_flight:
+                if not publish():
+                    return
+            self.ready.put(_DONE)
+        finally:
+            for *_, pending in in_flight:  # stopped early: let the copies finish
+                with contextlib.suppress(BaseException):
+                    pending.wait()
+            self.finished.set()
 
     def __iter__(self) -> _Iter:
         return self
@@ -358,7 +451,7 @@ class _Iter:
             self.held = None
         item = self.ready.get()
         if item is _DONE:
-            self.thread.join()
+            self.finished.wait()
             raise StopIteration
         if item.error is not None:
             self.close()
@@ -375,9 +468,13 @@ class _Iter:
         return batch
 
     def close(self) -> None:
+        """Stops production and waits until the gather thread has left this epoch."""
         self.stop.set()
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            while self.thread.is_alive():
-                with contextlib.suppress(queue.Empty):
-                    self.ready.get(timeout=0.05)
-            self.thread.join()
+        worker = self.loader._thread
+        if worker is None or threading.current_thread() is worker:
+            return
+        while not self.finished.wait(0.05):
+            with contextlib.suppress(
+                queue.Empty
+            ):  # a producer blocked on ready? (unbounded: never)
+                self.ready.get_nowait()
