@@ -7,6 +7,11 @@
  * builds them from offsets that dlop.formats validated and from buffers the
  * process allocated, and guarantees the runs do not overlap.
  *
+ * copy_rows(dst, src, rows, count, row_bytes, num_rows, streaming) gathers rows
+ * of a fixed-size field: row rows[i] of the array at src (num_rows rows of
+ * row_bytes) to dst + i * row_bytes. Every row number is checked against
+ * num_rows before anything is copied.
+ *
  * With streaming true, runs are written with non-temporal stores on x86-64:
  * they go around the cache, so writing a batch buffer that has left the cache
  * does not first read every line of it back (read-for-ownership). A batch of
@@ -73,6 +78,19 @@ static void copy_streaming(char *dst, const char *src, size_t nbytes)
 }
 #endif
 
+static void copy_one(char *dst, const char *src, size_t nbytes, int streaming)
+{
+#if DLOP_STREAMING
+    if (streaming && nbytes >= STREAM_MIN_BYTES) {
+        copy_streaming(dst, src, nbytes);
+        return;
+    }
+#else
+    (void)streaming;
+#endif
+    memcpy(dst, src, nbytes);
+}
+
 static PyObject *copy_runs(PyObject *self, PyObject *args)
 {
     unsigned long long dst_addr, src_addr, nbytes_addr;
@@ -90,22 +108,48 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
     const int64_t *src = (const int64_t *)(uintptr_t)src_addr;
     const int64_t *nbytes = (const int64_t *)(uintptr_t)nbytes_addr;
     Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        copy_one((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], (size_t)nbytes[i],
+                 streaming);
 #if DLOP_STREAMING
-    if (streaming) {
-        for (Py_ssize_t i = 0; i < count; i++) {
-            size_t n = (size_t)nbytes[i];
-            if (n >= STREAM_MIN_BYTES)
-                copy_streaming((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], n);
-            else
-                memcpy((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], n);
-        }
+    if (streaming)
         _mm_sfence(); /* the streamed stores are visible before the batch is handed on */
-    } else
 #endif
-    {
-        for (Py_ssize_t i = 0; i < count; i++)
-            memcpy((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], (size_t)nbytes[i]);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *copy_rows(PyObject *self, PyObject *args)
+{
+    unsigned long long dst_addr, src_addr, rows_addr;
+    Py_ssize_t count, row_bytes, num_rows;
+    int streaming;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKKnnnp:copy_rows", &dst_addr, &src_addr, &rows_addr, &count,
+                          &row_bytes, &num_rows, &streaming))
+        return NULL;
+    if (count < 0 || row_bytes < 0 || num_rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: count, row_bytes and num_rows must be 0 or more");
+        return NULL;
     }
+    const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (rows[i] < 0 || rows[i] >= num_rows) {
+            PyErr_Format(PyExc_IndexError, "row %lld out of range 0..%zd (position %zd)",
+                         (long long)rows[i], num_rows - 1, i);
+            return NULL;
+        }
+    }
+    char *dst = (char *)(uintptr_t)dst_addr;
+    const char *src = (const char *)(uintptr_t)src_addr;
+    size_t row = (size_t)row_bytes;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        copy_one(dst + (size_t)i * row, src + (size_t)rows[i] * row, row, streaming);
+#if DLOP_STREAMING
+    if (streaming)
+        _mm_sfence();
+#endif
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -114,6 +158,10 @@ static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS,
      "copy_runs(dst, src, nbytes, count, streaming): memcpy(dst[i], src[i], nbytes[i]) for "
      "i < count, from the addresses of three int64 arrays; the GIL is released."},
+    {"copy_rows", copy_rows, METH_VARARGS,
+     "copy_rows(dst, src, rows, count, row_bytes, num_rows, streaming): row rows[i] of src to "
+     "dst + i * row_bytes for i < count, rows an int64 array's address, each checked against "
+     "num_rows first; the GIL is released while copying."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -63,6 +63,8 @@ def shard_groups(indices: torch.Tensor, starts: torch.Tensor) -> list[tuple[int,
     Indices within one shard may come in any order; spanning shards, they must
     be ascending.
     """
+    if len(starts) == 1:
+        return [(0, 0, len(indices))]
     shard_of_first = int(torch.searchsorted(starts, indices.min(), right=True)) - 1
     shard_of_last = int(torch.searchsorted(starts, indices.max(), right=True)) - 1
     if shard_of_first == shard_of_last:
@@ -128,24 +130,14 @@ class FixedRawGather(FieldGather):
                     torch.index_select(self.sources[k], 0, local, out=out[a:b])
                 elif row_bytes < 4096:  # tiny rows (labels): one numpy gather beats a call per row
                     np.take(self.sources[k].numpy(), local.numpy(), axis=0, out=out[a:b].numpy())
-                elif native() is not None:  # one byte run per row, shared among the copier threads
-                    self._copy_rows(copier, self.sources[k], local.numpy(), out[a:b], row_bytes)
+                elif native() is not None:  # shares of the rows, one compiled call per thread
+                    src = self.sources[k]
+                    copier.rows(
+                        out[a:b].data_ptr(), src.data_ptr(), local.numpy(), row_bytes, len(src)
+                    )
                 else:  # shares of the rows, one serial index_select per copier thread
                     copier.parallel(_select_jobs(self.sources[k], local, out[a:b], copier.threads))
         return {self.field.name: out.view(self.out_dtype)}
-
-    def _copy_rows(
-        self, copier: Copier, src: torch.Tensor, rows: np.ndarray, out: torch.Tensor, row_bytes: int
-    ) -> None:
-        if int(rows.min()) < 0 or int(rows.max()) >= len(src):  # raw addresses: check first
-            bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
-            raise IndexError(f"{self.field.name}: row {bad} out of range 0..{len(src) - 1}")
-        n = len(rows)
-        copier.copy(
-            out.data_ptr() + np.arange(n, dtype=np.int64) * row_bytes,
-            src.data_ptr() + rows.astype(np.int64) * row_bytes,
-            np.full(n, row_bytes, dtype=np.int64),
-        )
 
 
 def _select_jobs(

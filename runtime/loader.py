@@ -362,9 +362,10 @@ class _Iter:
         # the one most likely still in cache, which matters where copies go through
         # the cache (no compiled copier). A CUDA slot has just been handed to an
         # asynchronous copy, so there the oldest goes first (FIFO).
-        self.free: queue.Queue[_Slot] = queue.Queue() if self.cuda else queue.LifoQueue()
-        for s in slots:
-            self.free.put(s)
+        self.free: collections.deque[_Slot] = collections.deque(slots)
+        # Guards ``free`` and ``consumer_waiting``; the producer waits on it for a slot.
+        self.cond = threading.Condition()
+        self.consumer_waiting = False
         self.ready: queue.Queue[Any] = queue.Queue()
         self.held: _Slot | None = None
         self.stop = threading.Event()
@@ -390,7 +391,7 @@ class _Iter:
                 if self.stream is not None:
                     batch, event = _copy_to_device(batch, self.loader.device, self.stream)
                     slot.event = event
-                    self.free.put(slot)  # refilled only after event completes
+                    self._release(slot)  # refilled only after event completes
                 self.ready.put(_Ready(j, batch, None if self.stream else slot, event))
                 return True
             except BaseException as e:
@@ -398,18 +399,22 @@ class _Iter:
                 return False
 
         def take_slot() -> _Slot | None:
-            """A free slot; while none is, the batches in flight are published first
-            (the consumer may be waiting for them). None once stopped or failed."""
-            while not self.stop.is_set():
-                with contextlib.suppress(queue.Empty):
-                    return self.free.get_nowait()
-                if in_flight:
-                    if not publish():
+            """A free slot, or None once stopped or failed. While none is free, the
+            oldest batch in flight is finished and handed over only if the consumer
+            is waiting for it; otherwise the copies queued on the helpers keep them
+            busy while this thread waits for the consumer to release a slot."""
+            while True:
+                with self.cond:
+                    while not self.stop.is_set():
+                        if self.free:
+                            return self.free.pop() if not self.cuda else self.free.popleft()
+                        if in_flight and self.consumer_waiting:
+                            break
+                        self.cond.wait(0.1)
+                    else:
                         return None
-                    continue
-                with contextlib.suppress(queue.Empty):
-                    return self.free.get(timeout=0.1)
-            return None
+                if not publish():
+                    return None
 
         try:
             for j in range(start, len(self.batches)):
@@ -445,11 +450,24 @@ class _Iter:
     def __iter__(self) -> _Iter:
         return self
 
+    def _release(self, slot: _Slot) -> None:
+        with self.cond:
+            self.free.append(slot)
+            self.cond.notify()
+
     def __next__(self) -> Batch:
-        if self.held is not None:
-            self.free.put(self.held)
-            self.held = None
-        item = self.ready.get()
+        with self.cond:
+            if self.held is not None:
+                self.free.append(self.held)
+                self.held = None
+            # Racy but safe: if the producer publishes meanwhile, it has at worst
+            # finished a batch in flight a little early.
+            self.consumer_waiting = self.ready.empty()
+            self.cond.notify()
+        try:
+            item = self.ready.get()
+        finally:
+            self.consumer_waiting = False
         if item is _DONE:
             self.finished.wait()
             raise StopIteration
@@ -470,6 +488,8 @@ class _Iter:
     def close(self) -> None:
         """Stops production and waits until the gather thread has left this epoch."""
         self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
         worker = self.loader._thread
         if worker is None or threading.current_thread() is worker:
             return

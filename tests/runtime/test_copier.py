@@ -5,6 +5,7 @@ Dataset giving identical batches either way."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,45 @@ def test_copy_runs_copies_exactly_the_runs(streaming: bool) -> None:
     np.testing.assert_array_equal(dst, expected)
     with pytest.raises(ValueError, match="count must be 0 or more"):
         lib.copy_runs(0, 0, 0, -1, streaming)
+
+
+@needs_native
+@pytest.mark.parametrize("streaming", [False, True])
+def test_copy_rows_gathers_checked_rows(streaming: bool) -> None:
+    rng = np.random.default_rng(3)
+    table = rng.integers(0, 256, (40, 5000), dtype=np.uint8)  # rows of 5000 bytes
+    rows = np.array([39, 0, 7, 7, 21, 38, 1, 0, 12, 30], np.int64)
+    c = Copier(threads=2, streaming=streaming)
+    try:
+        for take in (rows, rows[:1], rows[:0], np.tile(rows, 30)):  # one share and two
+            out = np.zeros((len(take) + 1, 5000), np.uint8)
+            c.rows(out.ctypes.data, table.ctypes.data, take, 5000, len(table))
+            np.testing.assert_array_equal(out[: len(take)], table[take])
+            assert not out[len(take)].any()  # nothing past the last row
+        out = np.zeros((3, 5000), np.uint8)
+        for bad in ([0, 40, 1], [-1, 2, 3]):
+            with pytest.raises(IndexError, match=r"out of range 0\.\.39"):
+                c.rows(out.ctypes.data, table.ctypes.data, np.array(bad), 5000, len(table))
+            assert not out.any()  # checked before anything is copied
+    finally:
+        c.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread priority here")
+@pytest.mark.parametrize("nice", [None, "0"])
+def test_helpers_yield_the_cpu(monkeypatch: pytest.MonkeyPatch, nice: str | None) -> None:
+    if nice is not None:
+        monkeypatch.setenv("DLOP_COPY_NICE", nice)
+    c = Copier(threads=2)
+    seen: list[int] = []
+    try:
+        c.parallel([lambda: None, lambda: seen.append(threading.get_native_id())])
+        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        got = os.getpriority(os.PRIO_PROCESS, seen[0])
+    finally:
+        c.close()
+    expected = base if nice == "0" else min(19, base + copier_module.HELPER_NICE)
+    assert got == expected
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import platform
 import resource
 import statistics
@@ -60,6 +61,36 @@ def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], Any]], rounds: int, min_run_s: float = 0.25
+) -> dict[str, float]:
+    """Median seconds per call of each fn, timed in rounds that take each fn in turn.
+
+    Each fn is called once untimed (caches, buffers, threads warm) and given
+    enough calls per timed run to last ``min_run_s``: single epochs of a small
+    archive last milliseconds, less than this machine's moment-to-moment
+    jitter. Running every fn once per round, ``rounds`` times, makes a slow
+    drift of the machine (a busy neighbour) fall on all of them alike, so
+    ratios between them hold even when absolute rates move.
+    """
+    calls = {}
+    for name, fn in fns.items():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        once = max(time.perf_counter() - t0, 1e-6)
+        calls[name] = max(1, math.ceil(min_run_s / once))
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(1, rounds)):
+        for name, fn in fns.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            per_call[name].append((time.perf_counter() - t0) / calls[name])
+    return {name: statistics.median(times) for name, times in per_call.items()}
 
 
 def peak_rss_mib() -> float:

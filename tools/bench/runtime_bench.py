@@ -15,14 +15,21 @@ from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Archive, Loader, open_archive
+from dlop.runtime.copier import native
 from dlop.runtime.gather import FixedRawGather
 from torch.utils.data import DataLoader
 
-from .common import Row, best_of, rate_row
+from .common import Row, best_of, interleaved, rate_row
 from .format_bench import FRAMES, MELS, synthetic_logmel
 from .procmem import status_kib
 
 BATCH = 256
+
+
+def copier_kind() -> str:
+    """Which copies the runtime makes here (runtime.copier): compiled, and with which stores."""
+    lib = native()
+    return f"compiled ({lib.STREAMING} streaming stores)" if lib is not None else "torch/ctypes"
 
 
 def loader_epoch(loader: Iterable[Any]) -> int:
@@ -61,13 +68,28 @@ def run(
         for j, b in enumerate(batches):
             torch.index_select(src, 0, b, out=ring[j % buffers][: len(b)])
 
-    bare(1)  # page cache and buffers warm
+    # What a training loop reads (features and labels); the bare gather covers the features.
+    train = open_archive(archive, fields=["logmel", "label"])
+    loader = Loader(train, BATCH, seed=0)
+    t0 = time.perf_counter()
+    next(iter(loader))
+    first_ms = round((time.perf_counter() - t0) * 1000, 1)
+    sync = Loader(train, BATCH, seed=0, prefetch=0)
+    every = Loader(ds, BATCH, seed=0)
+    dl = DataLoader(train, batch_size=BATCH, shuffle=True)
+    took = interleaved(
+        {
+            "bare": lambda: bare(1),
+            "bare3": lambda: bare(3),
+            "loader": lambda: loader_epoch(loader),
+            "sync": lambda: loader_epoch(sync),
+            "every": lambda: loader_epoch(every),
+            "dl": lambda: loader_epoch(dl),
+        },
+        repeats,
+    )
     base = rate_row(
-        wl,
-        "bare torch.index_select(out=) over the mapped shard",
-        n,
-        best_of(lambda: bare(1), repeats),
-        size,
+        wl, "bare torch.index_select(out=) over the mapped shard", n, took["bare"], size
     )
     naive = Row(
         wl,
@@ -75,72 +97,61 @@ def run(
         naive_rate,
         naive_rate * size / 1e9,
     )
-    rows = [
-        base,
-        rate_row(
-            wl,
-            "bare torch.index_select(out=), 3 rotating output buffers",
-            n,
-            best_of(lambda: bare(3), repeats),
-            size,
-            base,
-            "bare index_select",
-        ),
-    ]
-
-    # What a training loop reads (features and labels); the bare gather covers the features.
-    train = open_archive(archive, fields=["logmel", "label"])
-    loader = Loader(train, BATCH, seed=0)
-    t0 = time.perf_counter()
-    next(iter(loader))
-    first_ms = round((time.perf_counter() - t0) * 1000, 1)
     threaded = rate_row(
         wl,
         "dlop Loader (logmel, label)",
         n,
-        epoch_time(loader, repeats),
+        took["loader"],
         size,
         base,
         "bare index_select",
         first_batch_ms=first_ms,
+        copier=copier_kind(),
     )
-    rows.append(threaded)
-    sync = Loader(train, BATCH, seed=0, prefetch=0)
-    rows.append(
+    rows = [
+        base,
+        # A prefetching loader needs several output buffers, while one reused
+        # buffer stays in cache: the bare gather runs over one buffer and over three.
+        rate_row(
+            wl,
+            "bare torch.index_select(out=), 3 rotating output buffers",
+            n,
+            took["bare3"],
+            size,
+            base,
+            "bare index_select",
+        ),
+        threaded,
         rate_row(
             wl,
             "dlop Loader, prefetch=0 (gathers on the training thread)",
             n,
-            epoch_time(sync, repeats),
+            took["sync"],
             size,
             base,
             "bare index_select",
-        )
-    )
-    every = Loader(ds, BATCH, seed=0)
-    rows.append(
+        ),
         rate_row(
             wl,
             "dlop Loader, every field (key, category text too)",
             n,
-            epoch_time(every, repeats),
+            took["every"],
             size,
             threaded,
             "dlop Loader",
-        )
-    )
-    dl = DataLoader(train, batch_size=BATCH, shuffle=True)
-    rows.append(
+        ),
         rate_row(
             wl,
             "torch DataLoader(open_archive(...), batch_size=256, shuffle=True)",
             n,
-            epoch_time(dl, repeats),
+            took["dl"],
             size,
             threaded,
             "dlop Loader",
-        )
-    )
+        ),
+    ]
+    for lo in (loader, sync, every):
+        lo.close()
     rows.append(naive)
     from .peers import webdataset_rows
 
@@ -194,27 +205,26 @@ def ragged_rows(work: Path, utts: int, repeats: int) -> list[Row]:
     valid = int(lengths.sum()) * 80 * 2
     size = valid / utts  # valid bytes per utterance, on average
     wl = f"runtime: ragged speech f16 [100..1600, 80] x {utts} ({valid / 2**20:.0f} MiB valid)"
-    memcpy = rate_row(
-        wl,
-        "np.copyto of the values region (memcpy)",
-        utts,
-        best_of(lambda: np.copyto(dst, values), repeats),
-        size,
-    )
     bucketed = Loader(ds, BATCH, seed=0, bucket_by="fbank")
     plain = Loader(ds, BATCH, seed=0)
+    took = interleaved(
+        {
+            "memcpy": lambda: np.copyto(dst, values),
+            "bucketed": lambda: loader_epoch(bucketed),
+            "plain": lambda: loader_epoch(plain),
+        },
+        repeats,
+    )
+    memcpy = rate_row(wl, "np.copyto of the values region (memcpy)", utts, took["memcpy"], size)
     rows = [memcpy] + [
-        rate_row(
-            wl,
-            name,
-            utts,
-            epoch_time(lo, repeats),
-            size,
-            memcpy,
-            "memcpy",
+        rate_row(wl, name, utts, took[key], size, memcpy, "memcpy")
+        for name, key in (
+            ("dlop Loader, bucket_by", "bucketed"),
+            ("dlop Loader, no bucketing", "plain"),
         )
-        for name, lo in (("dlop Loader, bucket_by", bucketed), ("dlop Loader, no bucketing", plain))
     ]
+    for lo in (bucketed, plain):
+        lo.close()
     shutil.rmtree(path, ignore_errors=True)
     return rows
 

@@ -27,8 +27,8 @@ from dlop.formats import ArchiveReader, ArchiveWriter
 from dlop.runtime import Loader, open_archive
 from torch.utils.data import DataLoader, Dataset
 
-from .common import Row, best_of, rate_row
-from .runtime_bench import epoch_time
+from .common import Row, interleaved, rate_row
+from .runtime_bench import loader_epoch
 
 VIDEO_SIZE = (320, 240)
 VIDEO_FPS = 30
@@ -193,33 +193,40 @@ def _loader_rows(
         for src, dst in zip(regions, targets, strict=True):
             np.copyto(dst, src)
 
-    copy_all()
-    memcpy = rate_row(
-        workload, "np.copyto of the same fields' bytes (memcpy)", n, best_of(copy_all, repeats), per
-    )
     loader = Loader(ds, batch, seed=0)
     t0 = time.perf_counter()
     next(iter(loader))
     first_ms = round((time.perf_counter() - t0) * 1000, 1)
-    took = epoch_time(loader, repeats)
+    sync = Loader(ds, batch, seed=0, prefetch=0)
+    took = interleaved(
+        {
+            "memcpy": copy_all,
+            "loader": lambda: loader_epoch(loader),
+            "sync": lambda: loader_epoch(sync),
+        },
+        repeats,
+    )
+    loader.close()
+    sync.close()
+    memcpy = rate_row(
+        workload, "np.copyto of the same fields' bytes (memcpy)", n, took["memcpy"], per
+    )
     row = rate_row(
         workload,
         f"dlop Loader ({', '.join(fields)})",
         n,
-        took,
+        took["loader"],
         per,
         memcpy,
         "memcpy",
         first_batch_ms=first_ms,
     )
     row.extra["vs_naive"] = round(row.samples_per_s / (naive.samples_per_s or 1), 1)
-    loader.close()
-    sync = Loader(ds, batch, seed=0, prefetch=0)
     row0 = rate_row(
         workload,
         "dlop Loader, prefetch=0 (gathers on the training thread)",
         n,
-        epoch_time(sync, repeats),
+        took["sync"],
         per,
         memcpy,
         "memcpy",
