@@ -14,13 +14,13 @@
  *
  * With streaming true, runs are written with non-temporal stores on x86-64:
  * they go around the cache, so writing a batch buffer that has left the cache
- * does not first read every line of it back (read-for-ownership). A batch of
- * tens of MB has always left the per-core cache by the time it is refilled, so
- * this is a third less memory traffic for a gather; on the build machine it
- * lifts a gather into rotating buffers from 0.75x to 1.0x of one into a single
- * reused buffer. A buffer that is refilled while still cached (one reused
- * slot) is better written through the cache: streaming is the caller's choice.
- * Elsewhere streaming falls back to memcpy.
+ * does not first read every line of it back (read-for-ownership), a third less
+ * memory traffic for a gather. On the build machine a gather into three
+ * rotating batch buffers runs at 0.75-0.8x of one into a single reused buffer
+ * with ordinary stores, and at 1.0-1.05x with streaming stores. A buffer that
+ * is refilled while still cached (one reused slot) is better written through
+ * the cache: streaming is the caller's choice. Elsewhere it falls back to
+ * memcpy.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -36,14 +36,32 @@
 
 /* Below this a run is copied through the cache: aligning and fencing cost more. */
 #define STREAM_MIN_BYTES 256
+/*
+ * Streaming copies ask for the source this far ahead, running on into the next
+ * run's first bytes near the end of a run. The hardware prefetcher stops at
+ * each 4 KiB page and cannot guess where the next (randomly drawn) row
+ * starts; on the build machine this made streaming row gathers 14-17% faster.
+ */
+#define PREFETCH_BYTES 4096
 
 #if DLOP_STREAMING
-typedef void (*body_fn)(char *dst, const char *src, size_t nbytes);
+typedef void (*body_fn)(char *dst, const char *src, size_t nbytes, const char *next);
 
-/* nbytes is a multiple of 64 and dst is 64-byte aligned. */
-static void body_sse2(char *dst, const char *src, size_t nbytes)
+static inline void prefetch_ahead(const char *src, size_t i, size_t nbytes, const char *next)
+{
+    size_t at = i + PREFETCH_BYTES;
+    if (at < nbytes)
+        _mm_prefetch(src + at, _MM_HINT_T0);
+    else if (next != NULL)
+        _mm_prefetch(next + (at - nbytes), _MM_HINT_T0);
+}
+
+/* nbytes is a multiple of 64 and dst is 64-byte aligned; next is the source of
+ * the run copied after this one, or NULL. */
+static void body_sse2(char *dst, const char *src, size_t nbytes, const char *next)
 {
     for (size_t i = 0; i < nbytes; i += 64) {
+        prefetch_ahead(src, i, nbytes, next);
         __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
         __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
@@ -55,15 +73,18 @@ static void body_sse2(char *dst, const char *src, size_t nbytes)
     }
 }
 
-__attribute__((target("avx512f"))) static void body_avx512(char *dst, const char *src, size_t nbytes)
+__attribute__((target("avx512f"))) static void body_avx512(char *dst, const char *src,
+                                                             size_t nbytes, const char *next)
 {
-    for (size_t i = 0; i < nbytes; i += 64)
+    for (size_t i = 0; i < nbytes; i += 64) {
+        prefetch_ahead(src, i, nbytes, next);
         _mm512_stream_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
+    }
 }
 
 static body_fn stream_body = body_sse2;
 
-static void copy_streaming(char *dst, const char *src, size_t nbytes)
+static void copy_streaming(char *dst, const char *src, size_t nbytes, const char *next)
 {
     size_t head = (size_t)(-(uintptr_t)dst) & 63;
     if (head > nbytes)
@@ -73,20 +94,21 @@ static void copy_streaming(char *dst, const char *src, size_t nbytes)
     src += head;
     nbytes -= head;
     size_t body = nbytes & ~(size_t)63;
-    stream_body(dst, src, body);
+    stream_body(dst, src, body, next);
     memcpy(dst + body, src + body, nbytes - body);
 }
 #endif
 
-static void copy_one(char *dst, const char *src, size_t nbytes, int streaming)
+static void copy_one(char *dst, const char *src, size_t nbytes, const char *next, int streaming)
 {
 #if DLOP_STREAMING
     if (streaming && nbytes >= STREAM_MIN_BYTES) {
-        copy_streaming(dst, src, nbytes);
+        copy_streaming(dst, src, nbytes, next);
         return;
     }
 #else
     (void)streaming;
+    (void)next;
 #endif
     memcpy(dst, src, nbytes);
 }
@@ -110,7 +132,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++)
         copy_one((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], (size_t)nbytes[i],
-                 streaming);
+                 i + 1 < count ? (const char *)(uintptr_t)src[i + 1] : NULL, streaming);
 #if DLOP_STREAMING
     if (streaming)
         _mm_sfence(); /* the streamed stores are visible before the batch is handed on */
@@ -145,7 +167,8 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     size_t row = (size_t)row_bytes;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++)
-        copy_one(dst + (size_t)i * row, src + (size_t)rows[i] * row, row, streaming);
+        copy_one(dst + (size_t)i * row, src + (size_t)rows[i] * row, row,
+                 i + 1 < count ? src + (size_t)rows[i + 1] * row : NULL, streaming);
 #if DLOP_STREAMING
     if (streaming)
         _mm_sfence();
@@ -168,6 +191,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "dlop.runtime._copy",
     "Byte-run copies for the batch gathers (see runtime/_copy.c).", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__copy(void)

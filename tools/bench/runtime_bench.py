@@ -26,10 +26,12 @@ from .procmem import status_kib
 BATCH = 256
 
 
-def copier_kind() -> str:
-    """Which copies the runtime makes here (runtime.copier): compiled, and with which stores."""
+def copier_kind(loader: Loader) -> str:
+    """Which copies a Loader makes here (runtime.copier): compiled and with which
+    stores, or the fallback, and on how many threads."""
     lib = native()
-    return f"compiled ({lib.STREAMING} streaming stores)" if lib is not None else "torch/ctypes"
+    kind = f"compiled, {lib.STREAMING} streaming stores" if lib is not None else "torch/ctypes"
+    return f"{kind}, {loader.copier.threads} threads"
 
 
 def loader_epoch(loader: Iterable[Any]) -> int:
@@ -106,7 +108,7 @@ def run(
         base,
         "bare index_select",
         first_batch_ms=first_ms,
-        copier=copier_kind(),
+        copier=copier_kind(loader),
     )
     rows = [
         base,
