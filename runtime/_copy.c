@@ -16,8 +16,8 @@
  * they go around the cache, so writing a batch buffer that has left the cache
  * does not first read every line of it back (read-for-ownership), a third less
  * memory traffic for a gather. On the build machine a gather into three
- * rotating batch buffers runs at 0.75-0.8x of one into a single reused buffer
- * with ordinary stores, and at 1.0-1.05x with streaming stores. A buffer that
+ * rotating batch buffers runs at 0.7-0.8x of one into a single reused buffer
+ * with ordinary stores, and at 1.0-1.07x with streaming stores. A buffer that
  * is refilled while still cached (one reused slot) is better written through
  * the cache: streaming is the caller's choice. Elsewhere it falls back to
  * memcpy.

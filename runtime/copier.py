@@ -7,8 +7,8 @@ Two ways of copying, chosen per process:
   write with non-temporal stores (``streaming``). A batch buffer that has
   left the cache costs a read of every line before it is overwritten; stores
   that go around the cache skip that read. On the build machine a gather into
-  rotating batch-sized buffers runs at 0.75-0.8x of one into a single reused,
-  cache-warm buffer with ordinary stores, and at 1.0-1.05x with streaming
+  rotating batch-sized buffers runs at 0.7-0.8x of one into a single reused,
+  cache-warm buffer with ordinary stores, and at 1.0-1.07x with streaming
   stores. ``DLOP_NATIVE_COPY=0`` turns the compiled copier off.
 - Without it, torch kernels and libc ``memcpy`` through ctypes. torch's
   OpenMP-parallel kernels (index_select, copy_) are an order of magnitude
@@ -149,8 +149,8 @@ class _Helper(threading.Thread):
     0 keeps the process's): when the copies fill every core, the thread that
     prepares the next batch, or the training loop, still gets a core the
     moment it needs one, instead of waiting out a copy's time slice. On the
-    build machine (2 cores) that lifted the Loader from 0.84-0.91x to
-    0.92-0.96x of a bare gather.
+    build machine (2 cores) that took the Loader from 0.84-0.91x to
+    0.92-0.93x of a bare gather.
     """
 
     def __init__(self) -> None:

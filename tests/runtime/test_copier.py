@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import Loader, open_archive
+from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime import copier as copier_module
 from dlop.runtime.copier import Copier, native
 
@@ -260,7 +260,7 @@ def test_the_gather_thread_is_kept_across_epochs_and_stopped_by_close(big_rows: 
 def test_exit_in_the_middle_of_an_epoch_is_clean(big_rows: Path) -> None:
     script = textwrap.dedent(
         f"""
-        from dlop.runtime import Loader, open_archive
+        from dlop.runtime import Loader, LoaderError, open_archive
         ds = open_archive({str(big_rows)!r})
         loaders = [Loader(ds, 8, seed=s) for s in range(3)]
         for loader in loaders:
@@ -275,3 +275,26 @@ def test_exit_in_the_middle_of_an_epoch_is_clean(big_rows: Path) -> None:
             [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+@needs_native
+def test_a_copy_failing_on_a_helper_reaches_the_loop(
+    monkeypatch: pytest.MonkeyPatch, big_rows: Path
+) -> None:
+    calls = {"n": 0}
+    real = copier_module._native_rows
+
+    def flaky(*args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("simulated copy failure")
+        real(*args)
+
+    loader = Loader(big_rows, 8, seed=0)
+    monkeypatch.setattr(copier_module, "_native_rows", flaky)
+    with pytest.raises(LoaderError, match=r"gathering batch \d+ of epoch 0 failed: OSError"):
+        for _ in loader:
+            pass
+    monkeypatch.setattr(copier_module, "_native_rows", real)
+    assert sum(len(b["label"]) for b in loader) == 57  # the next epoch runs cleanly
+    loader.close()
