@@ -6,7 +6,7 @@ the device on a side CUDA stream, recorded by an event -> transforms.
 
 One gather thread per Loader, kept across epochs, prepares each batch and
 queues its copies on the copier's helper threads (runtime.copier) behind the
-batch they are copying, so the copies run back to back (see _Iter._produce).
+batch they are copying, so the copies run back to back (see _Epoch._produce).
 
 Buffer contract: on the CPU, a batch's tensors are views of a ring slot and
 stay valid until the next batch is requested (copy what you keep). On a CUDA
@@ -137,7 +137,7 @@ class Loader:
         self._resume_from: int | None = None
         self._batches_done = 0
         self._slots: list[_Slot] | None = None
-        self._active: _Iter | None = None
+        self._active: weakref.ref[_Iter] | None = None
         self._thread: _Worker | None = None
         _live.add(self)
         # Slots that take turns have left the cache when refilled: stream into them.
@@ -207,15 +207,23 @@ class Loader:
     # -- iteration ------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
-        if self._active is not None:
-            self._active.close()
+        self._close_active()
         start = self._resume_from or 0
         self._resume_from = None
         self._batches_done = start
         if self.prefetch == 0:
             return self._synchronous(self.batches(), start)
-        self._active = _Iter(self, self.batches(), start)
-        return self._active
+        it = _Iter(self, self.batches(), start)
+        # Weak: an iterator the training loop drops is collected and stops its epoch.
+        self._active = weakref.ref(it)
+        return it
+
+    def _close_active(self) -> None:
+        ref = getattr(self, "_active", None)
+        active = ref() if ref is not None else None
+        if active is not None:
+            active.close()
+        self._active = None
 
     def _ring(self) -> list[_Slot]:
         if self._slots is None:
@@ -278,9 +286,7 @@ class Loader:
         return self._thread
 
     def close(self) -> None:
-        if getattr(self, "_active", None) is not None:
-            self._active.close()  # type: ignore[union-attr]
-            self._active = None
+        self._close_active()
         if getattr(self, "_thread", None) is not None:
             self._thread.stop()  # type: ignore[union-attr]
             self._thread = None
@@ -351,8 +357,12 @@ class _Worker(threading.Thread):
             self.join(timeout=10)
 
 
-class _Iter:
-    def __init__(self, loader: Loader, batches: list[np.ndarray], start: int) -> None:
+class _Epoch:
+    """One epoch's production, shared by the gather thread and the consumer's _Iter.
+    It holds no reference to the _Iter, so an iterator the training loop drops
+    is collected and stops its epoch (see _Iter.__del__)."""
+
+    def __init__(self, loader: Loader, batches: list[np.ndarray]) -> None:
         self.loader = loader
         self.batches = batches
         self.epoch = loader.epoch
@@ -371,7 +381,6 @@ class _Iter:
         self.stop = threading.Event()
         self.finished = threading.Event()
         self.stream = torch.cuda.Stream(loader.device) if self.cuda else None
-        loader._worker().jobs.put(functools.partial(self._produce, start))
 
     def _produce(self, start: int) -> None:
         """Gathers the epoch's batches in order, pipelined: this thread prepares a
@@ -447,54 +456,70 @@ class _Iter:
                     pending.wait()
             self.finished.set()
 
-    def __iter__(self) -> _Iter:
-        return self
-
     def _release(self, slot: _Slot) -> None:
         with self.cond:
             self.free.append(slot)
             self.cond.notify()
 
+
+class _Iter:
+    """The training loop's side of an epoch: hands out batches, releases slots."""
+
+    def __init__(self, loader: Loader, batches: list[np.ndarray], start: int) -> None:
+        self.loader = loader
+        self.e = _Epoch(loader, batches)
+        loader._worker().jobs.put(functools.partial(self.e._produce, start))
+
+    def __iter__(self) -> _Iter:
+        return self
+
     def __next__(self) -> Batch:
-        with self.cond:
-            if self.held is not None:
-                self.free.append(self.held)
-                self.held = None
+        e = self.e
+        with e.cond:
+            if e.held is not None:
+                e.free.append(e.held)
+                e.held = None
             # Racy but safe: if the producer publishes meanwhile, it has at worst
             # finished a batch in flight a little early.
-            self.consumer_waiting = self.ready.empty()
-            self.cond.notify()
+            e.consumer_waiting = e.ready.empty()
+            e.cond.notify()
         try:
-            item = self.ready.get()
+            item = e.ready.get()
         finally:
-            self.consumer_waiting = False
+            e.consumer_waiting = False
         if item is _DONE:
-            self.finished.wait()
+            e.finished.wait()
             raise StopIteration
         if item.error is not None:
             self.close()
             raise LoaderError(
-                f"{self.loader.archive.path}: gathering batch {item.number} of epoch {self.epoch} failed: "
+                f"{self.loader.archive.path}: gathering batch {item.number} of epoch {e.epoch} failed: "
                 f"{type(item.error).__name__}: {item.error}\n--- in the loader thread:\n{item.trace}"
             ) from item.error
         batch: Batch = item.batch
-        if self.cuda:
+        if e.cuda:
             _use_on_current_stream(batch, item.event, self.loader.device)
-        self.held = item.slot
-        batch = _apply_transforms(self.loader, batch, self.epoch, item.number)
+        e.held = item.slot
+        batch = _apply_transforms(self.loader, batch, e.epoch, item.number)
         self.loader._batches_done = item.number + 1
         return batch
 
     def close(self) -> None:
         """Stops production and waits until the gather thread has left this epoch."""
-        self.stop.set()
-        with self.cond:
-            self.cond.notify_all()
+        e = self.e
+        e.stop.set()
+        with e.cond:
+            e.cond.notify_all()
         worker = self.loader._thread
         if worker is None or threading.current_thread() is worker:
             return
-        while not self.finished.wait(0.05):
-            with contextlib.suppress(
-                queue.Empty
-            ):  # a producer blocked on ready? (unbounded: never)
-                self.ready.get_nowait()
+        while not e.finished.wait(0.1) and worker.is_alive():
+            pass
+
+    def __del__(self) -> None:
+        """An iterator dropped mid-epoch stops its production (without waiting for it)."""
+        e = getattr(self, "e", None)
+        if e is not None:
+            e.stop.set()
+            with e.cond:
+                e.cond.notify_all()

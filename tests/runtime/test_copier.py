@@ -4,6 +4,7 @@ Dataset giving identical batches either way."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import shutil
@@ -298,3 +299,18 @@ def test_a_copy_failing_on_a_helper_reaches_the_loop(
     monkeypatch.setattr(copier_module, "_native_rows", real)
     assert sum(len(b["label"]) for b in loader) == 57  # the next epoch runs cleanly
     loader.close()
+
+
+def test_a_loader_dropped_mid_epoch_stops_its_threads(big_rows: Path) -> None:
+    loader = Loader(big_rows, 8, seed=0)
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break  # the iterator is dropped here, mid-epoch
+    threads = [loader._thread, *loader.copier.helpers]
+    assert all(t is not None and t.is_alive() for t in threads)
+    del loader
+    gc.collect()
+    for t in threads:
+        assert t is not None
+        t.join(timeout=10)
+        assert not t.is_alive()
