@@ -55,7 +55,7 @@ class Outcome:
     path: str | None = None
 
 
-def _audio_fields(recipe: Recipe, fixed: bool) -> Field:
+def _audio_field(recipe: Recipe, fixed: bool) -> Field:
     cfg = recipe.feature
     if cfg.features == "waveform":
         frames = round(recipe.duration * cfg.sample_rate) if recipe.duration is not None else None
@@ -93,7 +93,7 @@ def schema_for(recipe: Recipe, corpus: CorpusShape) -> list[Field]:
     fields = [Field.str_("key", meaning="input path relative to the corpus root, or manifest id")]
     if corpus.media == "audio":
         fields.append(
-            _audio_fields(recipe, recipe.duration is not None or cfg.num_frames is not None)
+            _audio_field(recipe, recipe.duration is not None or cfg.num_frames is not None)
         )
     elif corpus.media == "video":
         fields += [
@@ -109,7 +109,7 @@ def schema_for(recipe: Recipe, corpus: CorpusShape) -> list[Field]:
             Field("clip_end", "f64", (), meaning="end of the clip's last frame", units="s"),
         ]
         if vision.audio:
-            audio = _audio_fields(recipe, fixed=False)
+            audio = _audio_field(recipe, fixed=False)
             meaning = f"audio track over the clip's span: {audio.meaning}; 0 frames when the video has none"
             fields.append(dataclasses.replace(audio, meaning=meaning))
     else:
@@ -224,16 +224,23 @@ def _features(wave: torch.Tensor, recipe: Recipe, name: str) -> np.ndarray:
     return _store(feat.to(dtype))
 
 
+def _waveform(
+    source: Any, name: str, recipe: Recipe, offset: float = 0.0, duration: float | None = None
+) -> torch.Tensor:
+    """Decoded, downmixed and resampled to the recipe's rate: [time] float32."""
+    audio, rate = decode_audio(source, name, offset, duration)
+    wave = torch.from_numpy(downmix(audio, recipe.downmix))
+    return resample(wave, rate, recipe.feature.sample_rate, recipe.resampler)
+
+
 def _audio(item: Item, recipe: Recipe, name: str) -> dict[str, Any]:
     if item.data is not None and item.member is not None:
         name = f"{item.member[0]}:{item.key}.{item.member[1]}"
         source: Any = item.data[item.member[1]]
     else:
         source = item.path
-    audio, rate = decode_audio(source, name, item.offset, item.duration)
     cfg = recipe.feature
-    wave = torch.from_numpy(downmix(audio, recipe.downmix))
-    wave = resample(wave, rate, cfg.sample_rate, recipe.resampler)
+    wave = _waveform(source, name, recipe, item.offset, item.duration)
     if recipe.duration is not None:
         n = round(recipe.duration * cfg.sample_rate)
         wave = (
@@ -256,13 +263,7 @@ def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
     if recipe.vision.audio:
         cfg = recipe.feature
         if info.has_audio:
-            audio, rate = decode_audio(item.path, name)
-            wave = resample(
-                torch.from_numpy(downmix(audio, recipe.downmix)),
-                rate,
-                cfg.sample_rate,
-                recipe.resampler,
-            )
+            wave = _waveform(item.path, name, recipe)
             for s, c in zip(samples, clips, strict=True):
                 a = max(0, round((c.start - info.start) * cfg.sample_rate))
                 b = max(a, round((c.end - info.start) * cfg.sample_rate))

@@ -232,7 +232,8 @@ def compile_corpus(
     corpus = open_corpus(recipe.source, recipe.layout, recipe.media, recipe.images, recipe.masks)
     if not corpus.items:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
-    fields = schema_for(recipe, CorpusShape.of(corpus))
+    shape = CorpusShape.of(corpus)
+    fields = schema_for(recipe, shape)
     created_dir = _prepare_output(out, resume, overwrite)
     journal = _Journal(out, recipe.digest(), corpus.fingerprint)
     if resume:
@@ -264,13 +265,11 @@ def compile_corpus(
         skipped=journal.skipped,
         on_shard=checkpoint,
     )
-    journal.shards, journal.skipped = (
-        writer.shards,
-        writer.skipped,
-    )  # one record, kept by the writer
+    # One record of completed shards and skipped inputs, kept by the writer.
+    journal.shards, journal.skipped = writer.shards, writer.skipped
     bar = _progress_bar(total, journal.consumed, progress)
     try:
-        for outcome in _results(corpus, recipe, workers, journal.consumed, out):
+        for outcome in _results(corpus, shape, recipe, workers, journal.consumed, out):
             consumed += 1
             if outcome.reason is None:
                 for sample in outcome.samples:
@@ -303,9 +302,8 @@ def compile_corpus(
 
 
 def _results(
-    corpus: Corpus, recipe: Recipe, workers: int, start: int, spill_dir: Path
+    corpus: Corpus, shape: CorpusShape, recipe: Recipe, workers: int, start: int, spill_dir: Path
 ) -> Iterator[Outcome]:
-    shape = CorpusShape.of(corpus)
     chunks = _chunks(_item_stream(corpus, start), CHUNK_ITEMS[corpus.media])
     if workers == 1:
         threads = torch.get_num_threads()

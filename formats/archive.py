@@ -277,9 +277,7 @@ class ArchiveReader:
         self, directory: str | os.PathLike[str], block_cache_bytes: int = 256 << 20
     ) -> None:
         self.directory = Path(directory)
-        self.block_cache = BlockCache(
-            block_cache_bytes
-        )  # decoded zstd blocks, shared by all shards
+        self.block_cache = BlockCache(block_cache_bytes)  # decoded zstd blocks, for all shards
         self.index = read_index(self.directory)
         self.fields: dict[str, Field] = {f.name: f for f in self.index.fields}
         self.num_samples = self.index.num_samples

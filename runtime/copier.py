@@ -29,7 +29,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import importlib
 import itertools
@@ -37,12 +36,14 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
+
+from .memory import libc
 
 
 def _libc_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -52,14 +53,14 @@ def _libc_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
     process's own buffers, which never overlap. On the build machine libc memcpy
     copies 110 KB rows at 13.4 GB/s per thread against 10.9 for ctypes.memmove.
     """
+    lib = libc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        memcpy, memset = libc.memcpy, libc.memset
+        memcpy, memset = lib.memcpy, lib.memset  # type: ignore[union-attr]
         memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
         memcpy.restype = memset.restype = ctypes.c_void_p
         return memcpy, memset
-    except (OSError, AttributeError):
+    except AttributeError:  # no C library loaded
         return ctypes.memmove, ctypes.memset
 
 
@@ -141,9 +142,49 @@ def _lower_priority() -> None:
             )
 
 
-class _Helper(threading.Thread):
-    """A persistent copy thread running submitted jobs in order; ``wait`` returns
-    (or raises) the outcome of the oldest job not yet waited for.
+class JobThread(threading.Thread):
+    """A persistent daemon thread running submitted jobs in order until ``stop``.
+
+    torch kernels it runs are serial: ``torch.set_num_threads(1)`` holds for
+    this thread only (see the module docstring). ``lower_priority`` makes it
+    yield the CPU to the process's other threads (see _Helper).
+    """
+
+    def __init__(self, name: str, lower_priority: bool = False) -> None:
+        super().__init__(name=name, daemon=True)
+        self.jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self.lower_priority = lower_priority
+        self.pid = os.getpid()
+        self.start()
+
+    def run(self) -> None:
+        torch.set_num_threads(1)
+        if self.lower_priority:
+            _lower_priority()
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            self.execute(job)
+            del job  # not held (with what it refers to) while waiting for the next
+
+    def execute(self, job: Callable[[], object]) -> None:
+        job()
+
+    def submit(self, job: Callable[[], object]) -> None:
+        self.jobs.put(job)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ends the thread after the jobs already submitted; with ``timeout``, waits
+        that long for it (never when called from the thread itself)."""
+        self.jobs.put(None)
+        if timeout is not None and threading.current_thread() is not self:
+            self.join(timeout)
+
+
+class _Helper(JobThread):
+    """A copy thread; ``wait`` returns (or raises) the outcome of the oldest job not
+    yet waited for.
 
     Helpers run at a lower priority (``HELPER_NICE``, or ``DLOP_COPY_NICE``;
     0 keeps the process's): when the copies fill every core, the thread that
@@ -154,35 +195,20 @@ class _Helper(threading.Thread):
     """
 
     def __init__(self) -> None:
-        super().__init__(name="dlop-copy", daemon=True)
-        self.jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self.outcomes: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        self.start()
+        super().__init__("dlop-copy", lower_priority=True)
 
-    def run(self) -> None:
-        torch.set_num_threads(1)  # this thread only: serial kernels, no OpenMP team
-        _lower_priority()
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-                self.outcomes.put(None)
-            except BaseException as e:
-                self.outcomes.put(e)
-            del job
-
-    def submit(self, job: Callable[[], object]) -> None:
-        self.jobs.put(job)
+    def execute(self, job: Callable[[], object]) -> None:
+        try:
+            job()
+            self.outcomes.put(None)
+        except BaseException as e:
+            self.outcomes.put(e)
 
     def wait(self) -> None:
         error = self.outcomes.get()
         if error is not None:
             raise error
-
-    def stop(self) -> None:
-        self.jobs.put(None)
 
 
 def _wait_all(helpers: list[_Helper]) -> None:
@@ -201,21 +227,18 @@ class Pending:
     """Copies running on helper threads (``Copier.start``); ``wait`` joins them once.
     Pendings of one copier are waited for in the order they were started."""
 
-    def __init__(self, copier: Copier) -> None:
-        self.copier = copier
-        self.helpers: list[_Helper] = []
-        self._hold: contextlib.ExitStack | None = None
-
-    def enter(self, helpers: contextlib.AbstractContextManager[list[_Helper]]) -> None:
-        self._hold = contextlib.ExitStack()
-        self.helpers = self._hold.enter_context(helpers)
+    def __init__(self, lock: Any = None, helpers: Sequence[_Helper] = ()) -> None:
+        self._lock = lock  # the copier's lock, held until wait() (None: nothing started)
+        self.helpers = list(helpers)
 
     def wait(self) -> None:
-        hold, self._hold = self._hold, None
-        if hold is None:
+        lock, self._lock = self._lock, None
+        if lock is None:
             return
-        with hold:  # releases the helpers even when a copy failed
+        try:
             _wait_all(self.helpers)
+        finally:
+            lock.release()  # even when a copy failed
 
 
 _live: weakref.WeakSet[Copier] = weakref.WeakSet()
@@ -250,9 +273,10 @@ class Copier:
         lib = native()
         if lib is None:
             self._spread(_copy_runs, dst, src, nbytes)
-            return
-        streaming = self.streaming and int(nbytes.sum()) >= _STREAMING_MIN_BYTES
-        self._spread(functools.partial(_native_runs, lib, streaming), dst, src, nbytes)
+        else:
+            total = int(nbytes.sum())
+            job = functools.partial(_native_runs, lib, self._streams(total))
+            self._spread(job, dst, src, nbytes, total=total)
 
     def rows(self, dst: int, src: int, rows: np.ndarray, row_bytes: int, num_rows: int) -> None:
         """Rows ``rows`` of the array at ``src`` (``num_rows`` rows of ``row_bytes``) to
@@ -262,11 +286,9 @@ class Copier:
         if lib is None:
             raise RuntimeError("Copier.rows needs the compiled copier (runtime/_copy.c)")
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        n = len(rows)
-        total = n * row_bytes
-        streaming = self.streaming and total >= _STREAMING_MIN_BYTES
-        parts = self.threads if total >= _PARALLEL_MIN_BYTES else 1
-        bounds = [n * i // parts for i in range(parts + 1)]
+        total = len(rows) * row_bytes
+        streaming = self._streams(total)
+        bounds = self._bounds(len(rows), total)
         self.parallel(
             [
                 functools.partial(
@@ -332,49 +354,63 @@ class Copier:
             for job in jobs:
                 job()
             return
-        with self._helpers(len(jobs) - 1) as helpers:
-            for helper, job in zip(helpers, jobs[1:], strict=False):
-                helper.submit(job)
-            try:
-                jobs[0]()
-            finally:
-                _wait_all(helpers)
+        pending = self._start(jobs[1:])
+        try:
+            jobs[0]()
+        finally:
+            pending.wait()
 
     def start(self, parts: list[list[Callable[[], object]]]) -> Pending:
         """Starts collected parts on helper threads and returns at once, so the caller
         can prepare the next batch meanwhile; ``Pending.wait`` joins them. A helper
         runs what it is given in order: a batch started while the previous one is
         still copying follows it without a gap."""
-        parts = [p for p in parts if p]
-        pending = Pending(self)
-        if parts:
-            pending.enter(self._helpers(len(parts)))
-            for helper, part in zip(pending.helpers, parts, strict=True):
-                helper.submit(functools.partial(_call_all, part))
-        return pending
+        return self._start([functools.partial(_call_all, p) for p in parts if p])
 
-    @contextlib.contextmanager
-    def _helpers(self, count: int) -> Iterator[list[_Helper]]:
-        """``count`` helper threads, held by the caller for the block."""
+    def _start(self, jobs: list[Callable[[], object]]) -> Pending:
+        """Each job on a helper thread of its own. The copier's lock is held (one
+        thread at a time uses the helpers) until the returned Pending is waited for."""
+        if not jobs:
+            return Pending()
         if self.pid != os.getpid():  # a forked child: the parent's helpers did not come along
             self._reset()
-        with self.lock:
-            while len(self.helpers) < count:
+        self.lock.acquire()
+        try:
+            while len(self.helpers) < len(jobs):
                 self.helpers.append(_Helper())
-            yield self.helpers[:count]
+        except BaseException:
+            self.lock.release()
+            raise
+        helpers = self.helpers[: len(jobs)]
+        for helper, job in zip(helpers, jobs, strict=True):
+            helper.submit(job)
+        return Pending(self.lock, helpers)
 
-    def _spread(self, fn: Callable[..., object], *columns: np.ndarray) -> None:
-        """fn over the rows of ``columns``, split into up to ``threads`` shares balanced by
-        bytes (the last column); small totals stay in one share, as handing over costs more."""
+    def _streams(self, total_bytes: int) -> bool:
+        return self.streaming and total_bytes >= _STREAMING_MIN_BYTES
+
+    def _bounds(self, n: int, total: int, nbytes: np.ndarray | None = None) -> list[int]:
+        """Cuts of ``n`` items into up to ``threads`` consecutive shares, equal in count or,
+        given each item's ``nbytes``, in bytes; one share when ``total`` bytes are too
+        few to be worth handing over."""
+        parts = self.threads if n > 1 and total >= _PARALLEL_MIN_BYTES else 1
+        if parts == 1:
+            return [0, n]
+        if nbytes is None:
+            return [n * i // parts for i in range(parts + 1)]
+        cuts = np.searchsorted(np.cumsum(nbytes), total * np.arange(1, parts) / parts)
+        return [0, *cuts.tolist(), n]
+
+    def _spread(
+        self, fn: Callable[..., object], *columns: np.ndarray, total: int | None = None
+    ) -> None:
+        """fn over the rows of ``columns`` in shares over the threads, balanced by bytes
+        (the last column, whose sum ``total`` is when known)."""
         n = len(columns[0])
         if n == 0:
             return
-        total = int(columns[-1].sum())
-        bounds = [0, n]
-        if self.threads > 1 and n > 1 and total >= _PARALLEL_MIN_BYTES:
-            weights = np.cumsum(columns[-1])
-            cuts = np.searchsorted(weights, total * np.arange(1, self.threads) / self.threads)
-            bounds = [0, *cuts.tolist(), n]
+        total = int(columns[-1].sum()) if total is None else total
+        bounds = self._bounds(n, total, columns[-1])
         self.parallel(
             [
                 functools.partial(fn, *(col[a:b] for col in columns))

@@ -34,7 +34,7 @@ import torch
 from dlop.formats import DlopError
 
 from .batch import Batch
-from .copier import Copier, Pending, native
+from .copier import Copier, JobThread, Pending, native
 from .dataset import Archive
 from .distributed import rank_and_world
 from .order import OrderSpec, rank_batches
@@ -138,7 +138,9 @@ class Loader:
         self._batches_done = 0
         self._slots: list[_Slot] | None = None
         self._active: weakref.ref[_Iter] | None = None
-        self._thread: _Worker | None = None
+        # The gather thread, kept across epochs: starting an epoch costs a queue
+        # put rather than a thread start.
+        self._thread: JobThread | None = None
         _live.add(self)
         # Slots that take turns have left the cache when refilled: stream into them.
         self.copier = Copier(streaming=self._slot_count() > 1)
@@ -256,11 +258,10 @@ class Loader:
         return self.prefetch + 1
 
     def _synchronous(self, batches: list[np.ndarray], start: int) -> Iterator[Batch]:
-        """prefetch=0: each batch is gathered on the calling thread when asked for.
-
-        torch's parallel gather kernels run at full speed only on the main thread
-        on some machines (see runtime.copier), so this can outrun the background
-        thread, at the cost of the gather's time in the training loop.
+        """prefetch=0: each batch is gathered on the calling thread when asked for, into
+        a buffer still warm in cache, at the cost of the gather's time in the
+        training loop. The Loader's copier serves when it is the compiled one;
+        otherwise torch's parallel kernels, which run well on the calling thread.
         """
         slots = self._ring()
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -280,15 +281,15 @@ class Loader:
             self._batches_done = j + 1
             yield batch
 
-    def _worker(self) -> _Worker:
+    def _worker(self) -> JobThread:
         if self._thread is None or self._thread.pid != os.getpid() or not self._thread.is_alive():
-            self._thread = _Worker()
+            self._thread = JobThread("dlop-loader")
         return self._thread
 
     def close(self) -> None:
         self._close_active()
         if getattr(self, "_thread", None) is not None:
-            self._thread.stop()  # type: ignore[union-attr]
+            self._thread.stop(timeout=10)  # type: ignore[union-attr]
             self._thread = None
         if getattr(self, "copier", None) is not None:
             self.copier.close()
@@ -330,31 +331,6 @@ def _apply_transforms(loader: Loader, batch: Batch, epoch: int, number: int) -> 
         gen.manual_seed(int(seed[0]) + i)
         batch = transform(batch, gen)
     return batch
-
-
-class _Worker(threading.Thread):
-    """The Loader's gather thread, kept across epochs: it runs one epoch's production
-    at a time, so starting an epoch costs a queue put rather than a thread start."""
-
-    def __init__(self) -> None:
-        super().__init__(name="dlop-loader", daemon=True)
-        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.pid = os.getpid()
-        self.start()
-
-    def run(self) -> None:
-        torch.set_num_threads(1)  # this thread only; the copier spreads the work (runtime.copier)
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            job()
-            del job  # holds the epoch's iterator (and its batches) until the next one
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-        if threading.current_thread() is not self:
-            self.join(timeout=10)
 
 
 class _Epoch:
@@ -468,7 +444,7 @@ class _Iter:
     def __init__(self, loader: Loader, batches: list[np.ndarray], start: int) -> None:
         self.loader = loader
         self.e = _Epoch(loader, batches)
-        loader._worker().jobs.put(functools.partial(self.e._produce, start))
+        loader._worker().submit(functools.partial(self.e._produce, start))
 
     def __iter__(self) -> _Iter:
         return self

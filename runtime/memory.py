@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -22,6 +23,15 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest accepted value on 64-bit
 TRIM_THRESHOLD_BYTES = 512 << 20
 
 _applied: bool | None = None
+
+
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The process's C library, or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def keep_batch_memory() -> bool:
@@ -35,10 +45,8 @@ def keep_batch_memory() -> bool:
 def _apply() -> bool:
     if not sys.platform.startswith("linux") or os.environ.get("DLOP_MALLOC_TUNING") == "0":
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    mallopt = getattr(libc(), "mallopt", None)
+    if mallopt is None:  # no C library to load, or not glibc (musl has no mallopt)
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int

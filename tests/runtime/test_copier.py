@@ -23,7 +23,7 @@ from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime import copier as copier_module
 from dlop.runtime.copier import Copier, native
 
-from .test_loader import snapshot
+from .test_loader import run_epoch
 
 needs_native = pytest.mark.skipif(native() is None, reason="compiled copier not built")
 
@@ -210,10 +210,6 @@ def big_rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _epoch(loader: Loader) -> list[dict[str, Any]]:
-    return [snapshot(b) for b in loader]
-
-
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_loader_and_getitems_agree_with_and_without_the_compiled_copier(
     monkeypatch: pytest.MonkeyPatch, big_rows: Path, prefetch: int
@@ -222,9 +218,9 @@ def test_loader_and_getitems_agree_with_and_without_the_compiled_copier(
     assert len(ds.shards) > 3
     expected = [ds[i] for i in range(len(ds))]
     results = []
-    for off in ("1", "0"):
-        monkeypatch.setenv("DLOP_NATIVE_COPY", "0" if off == "0" else "1")
-        batches = _epoch(Loader(ds, 8, seed=5, prefetch=prefetch))
+    for setting in ("1", "0"):
+        monkeypatch.setenv("DLOP_NATIVE_COPY", setting)
+        batches = run_epoch(Loader(ds, 8, seed=5, prefetch=prefetch))
         for b in batches:
             for j, label in enumerate(b["label"].tolist()):
                 assert torch.equal(b["x"][j], expected[label]["x"])

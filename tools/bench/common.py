@@ -9,7 +9,7 @@ import platform
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,23 @@ def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def loader_epoch(loader: Iterable[Any]) -> int:
+    """Runs one epoch of dict batches; returns the samples it held."""
+    return sum(len(b["label"] if "label" in b else next(iter(b.values()))) for b in loader)
+
+
+def first_batch_ms(loader: Iterable[Any]) -> float:
+    """Time from a fresh iteration of ``loader`` to its first batch (buffers, threads
+    or worker processes starting included); the rest of that epoch is then drained."""
+    t0 = time.perf_counter()
+    it = iter(loader)
+    next(it)
+    took = (time.perf_counter() - t0) * 1000
+    for _ in it:
+        pass
+    return round(took, 1)
 
 
 def interleaved(

@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from dlop.formats import ArchiveReader, ArchiveWriter, Field
 from dlop.runtime import Loader, open_archive
 
-from .common import Row, best_of, rate_row
+from .common import Row, best_of, first_batch_ms, interleaved, loader_epoch, rate_row
 from .format_bench import FRAMES, MELS, synthetic_logmel
-from .runtime_bench import epoch_time
+from .runtime_bench import bare_gather
 
 BATCH = 256
 
@@ -38,30 +37,12 @@ def _sample(path: str, i: int) -> dict[str, Any]:
         return {"logmel": np.array(r.get("logmel", i)), "label": int(r.get("label", i))}  # type: ignore[call-overload]
 
 
-def _epoch(loader: Any) -> int:
-    n = 0
-    for batch in loader:
-        n += len(batch["label"])
-    return n
-
-
-def _first_batch_ms(loader: Any) -> float:
-    """Time from a fresh loader to its first batch (worker start-up included), then the epoch's rest."""
-    t0 = time.perf_counter()
-    it = iter(loader)
-    next(it)
-    took = (time.perf_counter() - t0) * 1000
-    for _ in it:
-        pass
-    return round(took, 1)
-
-
 def _timed(make: Callable[[], Any], repeats: int) -> tuple[float, float]:
     """Epochs of one loader object, as a training loop runs them, after a warm-up epoch;
     and the first batch's wait of that first epoch."""
     loader = make()
-    first = _first_batch_ms(loader)
-    return best_of(lambda: _epoch(loader), repeats), first
+    first = first_batch_ms(loader)
+    return best_of(lambda: loader_epoch(loader), repeats), first
 
 
 def _litdata(
@@ -166,7 +147,7 @@ def _ffcv(
     def epoch() -> int:
         return sum(len(label) for _, label in loader)
 
-    first = _first_batch_ms(loader)  # also compiles FFCV's pipeline and warms the page cache
+    first = first_batch_ms(loader)  # also compiles FFCV's pipeline and warms the page cache
     return best_of(epoch, repeats), first, convert, out.stat().st_size
 
 
@@ -188,29 +169,18 @@ def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
         f"shuffled batches of {BATCH}, {workers} DataLoader workers for the peers"
     )
     ds = open_archive(path)
-    src = ds.gathers["logmel"].sources[0]  # type: ignore[attr-defined]
-    order = [torch.from_numpy(b) for b in Loader(ds, BATCH, seed=0).batches(0)]
-    out = torch.empty((BATCH, FRAMES, MELS), dtype=src.dtype)
-
-    def bare() -> None:
-        for b in order:
-            torch.index_select(src, 0, b, out=out[: len(b)])
-
-    bare()
-    base = rate_row(
-        wl,
-        "bare torch.index_select(out=) over the mapped shard",
-        samples,
-        best_of(bare, repeats),
-        size,
-    )
     loader = Loader(ds, BATCH, seed=0)
-    first = _first_batch_ms(loader)
+    first = first_batch_ms(loader)
+    took = interleaved({"bare": bare_gather(ds), "loader": lambda: loader_epoch(loader)}, repeats)
+    loader.close()
+    base = rate_row(
+        wl, "bare torch.index_select(out=) over the mapped shard", samples, took["bare"], size
+    )
     dlop = rate_row(
         wl,
         "dlop Loader",
         samples,
-        epoch_time(loader, repeats),
+        took["loader"],
         size,
         base,
         "bare index_select",

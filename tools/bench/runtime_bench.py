@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from dlop.runtime.copier import native
 from dlop.runtime.gather import FixedRawGather
 from torch.utils.data import DataLoader
 
-from .common import Row, best_of, interleaved, rate_row
+from .common import Row, best_of, first_batch_ms, interleaved, loader_epoch, rate_row
 from .format_bench import FRAMES, MELS, synthetic_logmel
 from .procmem import status_kib
 
@@ -34,8 +34,21 @@ def copier_kind(loader: Loader) -> str:
     return f"{kind}, {loader.copier.threads} threads"
 
 
-def loader_epoch(loader: Iterable[Any]) -> int:
-    return sum(len(b["label"] if "label" in b else next(iter(b.values()))) for b in loader)
+def bare_gather(ds: Archive, buffers: int = 1) -> Callable[[], None]:
+    """One epoch of the Loader's order as bare ``torch.index_select(out=)`` calls over the
+    mapped logmel shard on the calling thread, into ``buffers`` rotating outputs: the
+    limit the Loader is measured against."""
+    gather = ds.gathers["logmel"]
+    assert isinstance(gather, FixedRawGather) and len(gather.sources) == 1
+    src = gather.sources[0]
+    batches = [torch.from_numpy(b) for b in Loader(ds, BATCH, seed=0).batches(0)]
+    ring = [torch.zeros((BATCH, *src.shape[1:]), dtype=src.dtype) for _ in range(buffers)]
+
+    def epoch() -> None:
+        for j, b in enumerate(batches):
+            torch.index_select(src, 0, b, out=ring[j % buffers][: len(b)])
+
+    return epoch
 
 
 def epoch_time(loader: Iterable[Any], repeats: int) -> float:
@@ -58,31 +71,20 @@ def run(
     n = len(ds)
     size = FRAMES * MELS * 2
     wl = f"runtime: ESC-50-shaped f16 [{FRAMES},{MELS}] x {n}, raw, page cache warm, shuffled batches of {BATCH}"
-    gather = ds.gathers["logmel"]
-    assert isinstance(gather, FixedRawGather) and len(gather.sources) == 1
-    src = gather.sources[0]
-    batches = [torch.from_numpy(b) for b in Loader(ds, BATCH, seed=0).batches(0)]
     # A prefetching loader needs several output buffers, while one reused buffer
     # stays in cache: the bare gather runs over one buffer and over three.
-    ring = [torch.zeros((BATCH, FRAMES, MELS), dtype=src.dtype) for _ in range(3)]
-
-    def bare(buffers: int) -> None:
-        for j, b in enumerate(batches):
-            torch.index_select(src, 0, b, out=ring[j % buffers][: len(b)])
-
+    bare, bare3 = bare_gather(ds), bare_gather(ds, 3)
     # What a training loop reads (features and labels); the bare gather covers the features.
     train = open_archive(archive, fields=["logmel", "label"])
     loader = Loader(train, BATCH, seed=0)
-    t0 = time.perf_counter()
-    next(iter(loader))
-    first_ms = round((time.perf_counter() - t0) * 1000, 1)
+    first_ms = first_batch_ms(loader)
     sync = Loader(train, BATCH, seed=0, prefetch=0)
     every = Loader(ds, BATCH, seed=0)
     dl = DataLoader(train, batch_size=BATCH, shuffle=True)
     took = interleaved(
         {
-            "bare": lambda: bare(1),
-            "bare3": lambda: bare(3),
+            "bare": bare,
+            "bare3": bare3,
             "loader": lambda: loader_epoch(loader),
             "sync": lambda: loader_epoch(sync),
             "every": lambda: loader_epoch(every),

@@ -27,8 +27,7 @@ from dlop.formats import ArchiveReader, ArchiveWriter
 from dlop.runtime import Loader, open_archive
 from torch.utils.data import DataLoader, Dataset
 
-from .common import Row, interleaved, rate_row
-from .runtime_bench import loader_epoch
+from .common import Row, first_batch_ms, interleaved, loader_epoch, rate_row
 
 VIDEO_SIZE = (320, 240)
 VIDEO_FPS = 30
@@ -194,9 +193,7 @@ def _loader_rows(
             np.copyto(dst, src)
 
     loader = Loader(ds, batch, seed=0)
-    t0 = time.perf_counter()
-    next(iter(loader))
-    first_ms = round((time.perf_counter() - t0) * 1000, 1)
+    first_ms = first_batch_ms(loader)
     sync = Loader(ds, batch, seed=0, prefetch=0)
     took = interleaved(
         {
