@@ -25,34 +25,86 @@ IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".tif", ".tiff", ".bmp")
 Source = str | os.PathLike[str] | bytes
 
 
-def _open(source: Source, name: str) -> Any:
+def _open(source: Source, name: str, cfg: VisionConfig, shrink_to: int | None = None) -> Any:
+    """Opens, checks the pixel cap from the header, decodes and turns upright.
+
+    ``shrink_to``: the short side a resize will bring the image to; a JPEG then
+    decodes at 1/2, 1/4 or 1/8 scale (never below that side) and only the
+    pixels decoded count against the cap.
+    """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     check_file(source, name)
     handle: Any = io.BytesIO(source) if isinstance(source, bytes) else str(source)
-    Image.MAX_IMAGE_PIXELS = None  # whole-slide cores are large by design
+    cap = cfg.max_image_pixels
+    before = Image.MAX_IMAGE_PIXELS
+    # Pillow checks the header's size in Image.open, before decoding; its warning
+    # band (cap to 2x cap) is made an error so that the cap is the cap. A JPEG
+    # that a draft can shrink may pass the header check with up to 64x the cap
+    # (a 1/8 draft) and is held to the cap at its drafted size below.
+    Image.MAX_IMAGE_PIXELS = cap * 64 if shrink_to else cap
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "Truncated File Read": decoding below decides
-            image = Image.open(handle)
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            try:
+                image = Image.open(handle)
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+                raise InputError(name, _over_cap(_header_size(handle), cap)) from None
+            if shrink_to and image.format == "JPEG":
+                image.draft(None, (shrink_to, shrink_to))
+            if image.width * image.height > cap:
+                raise InputError(name, _over_cap(image.size, cap))
             image.load()
             ImageOps.exif_transpose(image, in_place=True)
             return image
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise InputError(name, f"cannot decode image: {e}") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = before
 
 
-def load_image(source: Source, name: str) -> Any:
-    """A Pillow RGB image, upright (kept as Pillow until it is resized: no full-size array copies)."""
-    image = _open(source, name)
+def _header_size(handle: Any) -> tuple[int, int]:
+    """The size a header states, read without decoding and without Pillow's cap."""
+    from PIL import Image
+
+    if isinstance(handle, io.BytesIO):
+        handle.seek(0)
+    Image.MAX_IMAGE_PIXELS = None  # restored by the caller; nothing is decoded here
+    with Image.open(handle) as image:
+        return image.size
+
+
+def _over_cap(size: tuple[int, int], cap: int) -> str:
+    w, h = size
+    return (
+        f"{w}x{h} image (width x height) is {w * h} pixels, over the {cap} pixel cap; "
+        "if it is meant to be this large, raise the cap with --max-image-pixels "
+        "(recipe max_image_pixels), which decoding needs about 3 bytes per pixel of memory"
+    )
+
+
+def load_image(
+    source: Source, name: str, cfg: VisionConfig | None = None, *, draft: bool = True
+) -> Any:
+    """A Pillow RGB image, upright (kept as Pillow until it is resized: no full-size array copies).
+
+    With ``cfg.size`` and ``draft``, a JPEG decodes at the largest reduction
+    (1/2, 1/4 or 1/8, done in the DCT) that keeps its short side at least
+    ``cfg.size``: the resize then starts from far fewer pixels. Images with
+    masks are decoded at full size (``draft=False``) so that image and masks
+    are resized from the same grid.
+    """
+    cfg = cfg or VisionConfig()
+    image = _open(source, name, cfg, cfg.size if draft else None)
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def load_mask(source: Source, name: str) -> Any:
-    """A Pillow ``L`` image of labels, upright."""
+def load_mask(source: Source, name: str, cfg: VisionConfig | None = None) -> Any:
+    """A Pillow ``L`` image of labels, upright (always decoded at full size: labels are exact)."""
     from PIL import Image
 
-    image = _open(source, name)
+    image = _open(source, name, cfg or VisionConfig())
     if image.mode == "L":
         return image
     if image.mode == "P":  # the palette indices are the labels, not the colours

@@ -16,6 +16,11 @@ import numpy as np
 
 CLIP_MODES = ("uniform", "dense")
 MISSING_MASK_RULES = ("fill", "skip")
+# 150 megapixels: a Sentinel-2 tile (10980 x 10980, 121 MP) and Gleason
+# tissue-microarray cores (about 5k x 5k, 26 MP) fit; one decoded RGB image at
+# the cap takes about 450 MB per worker. Whole-slide regions of 20k x 20k
+# (400 MP, 1.2 GB) are a conscious opt-in with --max-image-pixels.
+DEFAULT_MAX_IMAGE_PIXELS = 150_000_000
 _HW = re.compile(r"^\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*$")
 
 
@@ -81,6 +86,7 @@ class VisionConfig:
     missing_mask: str = "fill"  # fill | skip the image
     mask_remap: tuple[tuple[int, int], ...] | None = None
     consensus: bool = False  # add a per-pixel majority-vote mask
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (or masks) are bad inputs
 
     def __post_init__(self) -> None:
         if self.size is not None and self.size <= 0:
@@ -97,6 +103,10 @@ class VisionConfig:
             )
         if not 0 <= self.mask_fill <= 255:
             raise ValueError(f"mask_fill {self.mask_fill} must lie in 0-255")
+        if self.max_image_pixels <= 0:
+            raise ValueError(
+                f"max_image_pixels {self.max_image_pixels} must be a positive number of pixels"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -113,6 +123,7 @@ class VisionConfig:
             "missing_mask": self.missing_mask,
             "mask_remap": [list(p) for p in self.mask_remap] if self.mask_remap else None,
             "consensus": self.consensus,
+            "max_image_pixels": self.max_image_pixels,
         }
 
     @classmethod
@@ -131,6 +142,7 @@ class VisionConfig:
             missing_mask=str(opts.get("missing_mask", "fill")),
             mask_remap=parse_remap(opts.get("mask_remap")),
             consensus=bool(opts.get("consensus", False)),
+            max_image_pixels=_whole(opts.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)),
         )
 
     def output_hw(self) -> tuple[int, int] | None:
@@ -138,6 +150,14 @@ class VisionConfig:
         if self.tile is not None:
             return self.tile
         return self.crop
+
+
+def _whole(value: Any) -> int:
+    """A pixel count from a recipe: ``150000000``, ``1.5e8`` or ``"4e8"``."""
+    number = float(value)
+    if not number.is_integer():
+        raise ValueError(f"max_image_pixels {value!r} must be a whole number of pixels")
+    return int(number)
 
 
 def resized_hw(height: int, width: int, size: int | None) -> tuple[int, int]:

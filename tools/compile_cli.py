@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="add a per-pixel majority-vote mask",
     )
+    v.add_argument(
+        "--max-image-pixels",
+        type=int,
+        help="images or masks with more pixels are bad inputs (default 150000000)",
+    )
     f = p.add_argument_group("features")
     f.add_argument("--features", choices=("logmel", "fbank", "mfcc", "waveform"))
     f.add_argument("--preset", choices=sorted(PRESETS), help="feature convention (default librosa)")

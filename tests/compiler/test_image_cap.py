@@ -1,0 +1,110 @@
+"""The pixel cap: checked from the header before decoding, configurable, and JPEG drafts under --size."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dlop.compiler.errors import InputError
+from dlop.compiler.image import load_image, load_mask
+from dlop.compiler.vision import DEFAULT_MAX_IMAGE_PIXELS, VisionConfig
+from dlop.formats import ArchiveReader
+from dlop.tools.compile_cli import main as compile_main
+
+from .media import write_image
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A tiny PNG whose header states ``width x height`` (its pixel data stops after one row)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    row = zlib.compress(b"\x00" + bytes(3 * width))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", row) + chunk(b"IEND", b"")
+
+
+def _pattern(h: int, w: int, seed: int = 0) -> np.ndarray:
+    y, x = np.mgrid[0:h, 0:w]
+    smooth = np.stack([x * 255 // w, y * 255 // h, (x + y) * 255 // (w + h)], axis=-1)
+    noise = np.random.default_rng(seed).integers(0, 8, (h, w, 3))
+    return (smooth + noise).clip(0, 255).astype(np.uint8)
+
+
+def test_a_huge_header_is_refused_before_decoding(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.png"
+    path.write_bytes(png_claiming(20000, 20000))  # 1.2 GB of RGB if decoded
+    assert path.stat().st_size < 100_000
+    for source in (path, path.read_bytes()):
+        with pytest.raises(InputError) as e:
+            load_image(source, "bomb.png")
+        assert "20000x20000" in e.value.reason and "400000000 pixels" in e.value.reason
+        assert f"over the {DEFAULT_MAX_IMAGE_PIXELS} pixel cap" in e.value.reason
+        assert "--max-image-pixels" in e.value.reason
+    # just over the cap, inside Pillow's own warning band (cap to 2x cap): refused too
+    with pytest.raises(InputError, match="over the 100 pixel cap"):
+        load_image(png_claiming(11, 10), "a.png", VisionConfig(max_image_pixels=100))
+    with pytest.raises(InputError, match="over the 100 pixel cap"):
+        load_mask(png_claiming(11, 10), "m.png", VisionConfig(max_image_pixels=100))
+    assert load_image(png_claiming(10, 10), "a.png", VisionConfig(max_image_pixels=100)).size == (
+        10,
+        10,
+    )
+    assert Image.MAX_IMAGE_PIXELS is not None  # Pillow's own check is left on
+
+
+def test_the_cap_is_a_recipe_option_and_a_flag(tmp_path: Path) -> None:
+    root = tmp_path / "imgs"
+    write_image(root / "cat" / "a.png", _pattern(20, 30))
+    write_image(root / "cat" / "big.png", _pattern(100, 120))
+    write_image(root / "dog" / "b.png", _pattern(30, 20, seed=1))
+    out = tmp_path / "o"
+    assert compile_main([str(root), "-o", str(out), "-q", "--max-image-pixels", "5000"]) == 0
+    r = ArchiveReader(out)
+    assert [r.get("key", i) for i in range(len(r))] == ["cat/a.png", "dog/b.png"]
+    np.testing.assert_array_equal(r.sample(0)["image"], _pattern(20, 30))
+    [error] = r.errors()
+    assert error["path"].endswith("big.png") and "120x100 image" in error["reason"]
+    assert r.index.recipe["vision"]["max_image_pixels"] == 5000
+    # raised, it admits the image; the recipe in the index repeats the choice
+    out2 = tmp_path / "o2"
+    assert compile_main([str(root), "-o", str(out2), "-q", "--max-image-pixels", "12000"]) == 0
+    assert len(ArchiveReader(out2)) == 3
+    fail = tmp_path / "f"
+    args = [str(root), "-o", str(fail), "-q", "--max-image-pixels", "5000", "--on-error", "fail"]
+    assert compile_main(args) == 1
+
+
+def test_vision_config_checks_the_cap() -> None:
+    assert VisionConfig.from_options({"max_image_pixels": "4e8"}).max_image_pixels == 400_000_000
+    assert VisionConfig().to_json()["max_image_pixels"] == DEFAULT_MAX_IMAGE_PIXELS
+    for bad in (0, -5, "1.5"):
+        with pytest.raises(ValueError, match="max_image_pixels"):
+            VisionConfig.from_options({"max_image_pixels": bad})
+
+
+def test_a_jpeg_with_size_decodes_reduced_and_counts_its_reduced_pixels(tmp_path: Path) -> None:
+    path = write_image(tmp_path / "a.jpg", _pattern(600, 800), quality=95)
+    small = VisionConfig(size=100, max_image_pixels=100_000)
+    image = load_image(path, "a.jpg", small)
+    assert image.size == (200, 150)  # 1/4: the largest reduction keeping the short side >= 100
+    with pytest.raises(InputError, match="800x600 image"):
+        load_image(path, "a.jpg", VisionConfig(max_image_pixels=100_000))
+    with pytest.raises(InputError, match="800x600 image"):
+        load_image(path, "a.jpg", small, draft=False)
+    # the reduced decode resizes to nearly what a full decode does
+    full = load_image(path, "a.jpg", VisionConfig(size=100), draft=False)
+    a = np.asarray(image.resize((133, 100), Image.Resampling.BILINEAR), np.float32)
+    b = np.asarray(full.resize((133, 100), Image.Resampling.BILINEAR), np.float32)
+    assert np.abs(a - b).mean() < 2.0
+    # a PNG has no reduced decode: the cap counts all of it
+    png = write_image(tmp_path / "a.png", _pattern(600, 800))
+    with pytest.raises(InputError, match="800x600 image"):
+        load_image(png, "a.png", small)
