@@ -281,7 +281,7 @@ def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[di
     if item.path is None:
         raise InputError(name, "image inputs must be files")
     vision = recipe.vision
-    image = load_image(item.path, name)
+    image = load_image(item.path, name, vision, draft=not shape.mask_names)
     masks: dict[str, Any] = {}
     present = []
     for mask_name in shape.mask_names:
@@ -292,7 +292,7 @@ def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[di
             masks[mask_name] = vision.mask_fill
             present.append(False)
             continue
-        masks[mask_name] = remap(load_mask(path, path), vision.mask_remap, path)
+        masks[mask_name] = remap(load_mask(path, path, vision), vision.mask_remap, path)
         present.append(True)
     try:
         patches = shape_sample(image, masks, vision)
