@@ -20,11 +20,15 @@ from .constants import (
     ERRORS_NAME,
     FORMAT_VERSION,
     INDEX_NAME,
+    MAX_ARCHIVE_SAMPLES,
+    MAX_ERRORS_BYTES,
     MAX_INDEX_BYTES,
+    MAX_SHARD_SAMPLES,
     SHARD_SUFFIX,
     SUPPORTED_VERSIONS,
 )
 from .errors import DlopError, FormatError, SchemaError
+from .files import loads_bounded, read_capped
 from .reader import BlockCache, Problem, ShardReader, Value
 from .schema import Field, check_schema
 from .writer import ShardInfo, ShardWriter
@@ -96,21 +100,15 @@ def now_utc() -> str:
 
 
 def read_index(directory: str | os.PathLike[str]) -> Index:
+    """Reads and validates ``index.json`` against SPEC.md §6 and the bounds of §8."""
     path = Path(directory) / INDEX_NAME
     try:
-        size = path.stat().st_size
+        data = read_capped(path, MAX_INDEX_BYTES, root=Path(directory), what="index")
     except FileNotFoundError:
         raise FormatError(
             path, "no index.json: not a dlop archive, or its compile did not finish"
         ) from None
-    except OSError as e:
-        raise FormatError(path, f"cannot read: {e.strerror or e}") from None
-    if size > MAX_INDEX_BYTES:
-        raise FormatError(path, f"{size} bytes exceeds the {MAX_INDEX_BYTES}-byte index cap")
-    try:
-        obj = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(path, f"not valid UTF-8 JSON: {e}") from None
+    obj = loads_bounded(path, data, "index")
     if not isinstance(obj, dict):
         raise FormatError(path, "index is not a JSON object")
     if obj.get("format") != ARCHIVE_FORMAT:
@@ -139,15 +137,24 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
                 path, f"shard entry #{i}: file {name!r} is not a plain file name in the archive"
             )
         nums = [s.get(k) for k in ("num_samples", "bytes", "crc32")]
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in nums):
+        limits = (MAX_SHARD_SAMPLES, (1 << 64) - 1, 0xFFFFFFFF)
+        if any(
+            isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= most
+            for v, most in zip(nums, limits, strict=True)
+        ):
             raise FormatError(
                 path,
-                f"shard entry #{i} ({name}): num_samples, bytes and crc32 must be non-negative integers",
+                f"shard entry #{i} ({name}): num_samples, bytes and crc32 must be non-negative "
+                f"integers of at most {MAX_SHARD_SAMPLES}, 2^64-1 and 2^32-1; got {nums}",
             )
         infos.append(ShardInfo(name, int(nums[0]), int(nums[1]), int(nums[2])))  # type: ignore[arg-type]
     if len({s.file for s in infos}) != len(infos):
         raise FormatError(path, "a shard file is listed twice")
     total = obj.get("num_samples")
+    if isinstance(total, int) and total > MAX_ARCHIVE_SAMPLES:
+        raise FormatError(
+            path, f"num_samples {total} exceeds the {MAX_ARCHIVE_SAMPLES}-sample archive limit"
+        )
     if total != sum(s.num_samples for s in infos) or isinstance(total, bool):
         raise FormatError(
             path, f"num_samples {total!r} != {sum(s.num_samples for s in infos)} summed over shards"
@@ -307,13 +314,12 @@ class ArchiveReader:
     def _open(self, k: int) -> ShardReader:
         info = self.index.shards[k]
         path = self.directory / info.file
-        try:
-            size = path.stat().st_size
-        except OSError:
-            raise FormatError(path, "shard listed in index.json is missing") from None
-        if size != info.bytes:
-            raise FormatError(path, f"index.json says {info.bytes} bytes, the file has {size}")
-        reader = ShardReader(path, block_cache=self.block_cache)
+        reader = ShardReader(
+            path,
+            block_cache=self.block_cache,
+            archive_dir=self.directory,
+            expected_bytes=info.bytes,
+        )
         if reader.num_samples != info.num_samples:
             reader.close()
             raise FormatError(
@@ -344,14 +350,14 @@ class ArchiveReader:
     def errors(self) -> list[dict[str, Any]]:
         """The skipped inputs recorded in errors.jsonl."""
         path = self.directory / ERRORS_NAME
-        if not path.exists():
+        try:
+            data = read_capped(path, MAX_ERRORS_BYTES, root=self.directory, what=ERRORS_NAME)
+        except FileNotFoundError:
             return []
         out = []
-        for n, line in enumerate(path.read_text("utf-8").splitlines(), 1):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise FormatError(path, f"line {n} is not JSON") from None
+        for n, line in enumerate(data.splitlines(), 1):
+            if line.strip():
+                out.append(loads_bounded(path, line, f"line {n}"))
         return out
 
     def verify(

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from .constants import DEFAULT_BLOCK_BYTES, DEFAULT_ZSTD_LEVEL
+from .constants import DEFAULT_BLOCK_BYTES, DEFAULT_ZSTD_LEVEL, MAX_BLOCK_RAW_BYTES
 from .errors import SchemaError
 
 
@@ -42,9 +42,11 @@ class Zstd:
         if (
             isinstance(self.block_bytes, bool)
             or not isinstance(self.block_bytes, int)
-            or self.block_bytes < 1
+            or not 1 <= self.block_bytes <= MAX_BLOCK_RAW_BYTES
         ):
-            raise SchemaError(f"zstd block_bytes {self.block_bytes!r} must be a positive integer")
+            raise SchemaError(
+                f"zstd block_bytes {self.block_bytes!r} must be an integer in 1..{MAX_BLOCK_RAW_BYTES}"
+            )
         if not isinstance(self.shuffle, bool):
             raise SchemaError(f"zstd shuffle {self.shuffle!r} must be true or false")
 

@@ -11,8 +11,24 @@ SUPPORTED_VERSIONS = (1,)
 # magic, version, header CRC-32, header length (SPEC.md §2)
 PREAMBLE = struct.Struct("<8sIIQ")
 ALIGNMENT = 4096
+
+# Bounds every reader enforces and every writer respects (SPEC.md §8).
 MAX_HEADER_BYTES = 64 << 20
 MAX_INDEX_BYTES = 256 << 20
+MAX_ERRORS_BYTES = 256 << 20
+MAX_JSON_DEPTH = 64
+MAX_SHARD_SAMPLES = 1 << 40
+MAX_ARCHIVE_SAMPLES = 1 << 48
+MAX_NDIM = 32
+MAX_DIM = (1 << 31) - 1
+MAX_SAMPLE_BYTES = 1 << 40
+# num_samples x a fixed field's footprint (zero dimensions counted as 1) x itemsize:
+# what numpy must be able to describe as one array.
+MAX_FIELD_BYTES = 1 << 62
+MAX_BLOCK_RAW_BYTES = 1 << 31
+# A Zstandard block regenerates at most 128 KiB and takes at least 4 bytes (an RLE
+# block: 3-byte header, 1 byte), so no frame decodes to more than this many times its size.
+ZSTD_MAX_RATIO = 32768
 
 SHARD_FORMAT = "dlop-shard"
 ARCHIVE_FORMAT = "dlop-archive"

@@ -19,12 +19,15 @@ from .constants import (
     CHECKSUM_NAME,
     FORMAT_VERSION,
     MAGIC,
+    MAX_FIELD_BYTES,
     MAX_HEADER_BYTES,
+    MAX_SHARD_SAMPLES,
     PREAMBLE,
     SHARD_FORMAT,
     SUPPORTED_VERSIONS,
 )
 from .errors import ChecksumError, FormatError, SchemaError
+from .files import loads_bounded
 from .schema import Field
 
 
@@ -133,16 +136,17 @@ def parse_header(path: object, body: bytes, crc: int, file_size: int) -> ShardLa
     """Validates the JSON header against SPEC.md §3-§4 and the real file size."""
     if zlib.crc32(body) != crc:
         raise ChecksumError(path, "header CRC-32 mismatch (bytes 24..): the header is corrupt")
-    try:
-        obj = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(path, f"header is not valid UTF-8 JSON: {e}") from None
+    obj = loads_bounded(path, body, "header")
     if not isinstance(obj, dict):
         raise FormatError(path, "header JSON is not an object")
     _expect(path, obj, "format", SHARD_FORMAT)
     _expect(path, obj, "version", FORMAT_VERSION)
     _expect(path, obj, "checksum", CHECKSUM_NAME)
     n = _int(path, obj, "num_samples", "header")
+    if n > MAX_SHARD_SAMPLES:
+        raise FormatError(
+            path, f"header num_samples {n} exceeds the {MAX_SHARD_SAMPLES}-sample shard limit"
+        )
     file_bytes = _int(path, obj, "file_bytes", "header")
     if file_bytes != file_size:
         raise FormatError(
@@ -161,6 +165,12 @@ def parse_header(path: object, body: bytes, crc: int, file_size: int) -> ShardLa
             fdef = Field.from_json(fobj, f"field #{i}")
         except SchemaError as e:
             raise FormatError(path, str(e)) from None
+        if not fdef.ragged and n * fdef.footprint_bytes > MAX_FIELD_BYTES:
+            raise FormatError(
+                path,
+                f"field {fdef.name!r}: {n} samples of shape {list(fdef.shape)} exceed the "
+                f"{MAX_FIELD_BYTES}-byte field limit (zero dimensions count as 1)",
+            )
         if fdef.name in names:
             raise FormatError(path, f"field name {fdef.name!r} appears twice")
         names.add(fdef.name)

@@ -25,14 +25,21 @@ import numpy as np
 import zstandard
 
 from .codecs import Zstd, unshuffle_bytes
-from .constants import BLOCK_DTYPE, OFFSET_DTYPE, PREAMBLE, SHAPE_DTYPE
+from .constants import (
+    BLOCK_DTYPE,
+    MAX_BLOCK_RAW_BYTES,
+    MAX_DIM,
+    MAX_SAMPLE_BYTES,
+    OFFSET_DTYPE,
+    PREAMBLE,
+    SHAPE_DTYPE,
+    ZSTD_MAX_RATIO,
+)
 from .errors import ChecksumError, FormatError, SchemaError
+from .files import open_regular
 from .header import FieldLayout, Region, parse_header, read_preamble
 from .schema import Field
 
-# A ragged dimension may not exceed this unless the field holds that many values:
-# it stops a hostile shape like [0, 2**62] from reaching allocation code.
-_MAX_DIM = (1 << 31) - 1
 _CRC_CHUNK = 64 << 20
 
 Value = np.ndarray | bytes | str
@@ -124,20 +131,33 @@ class ShardReader:
         *,
         verify: bool = False,
         block_cache: BlockCache | None = None,
+        archive_dir: str | os.PathLike[str] | None = None,
+        expected_bytes: int | None = None,
     ) -> None:
         self.path = Path(path)
         self._token = next(_READER_TOKENS)  # cache key: unlike id(), never reused
+        # Only a regular file is mapped; inside an archive, links must stay in it (SPEC.md §8).
         try:
-            with open(self.path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                if size < PREAMBLE.size:
-                    raise FormatError(
-                        self.path,
-                        f"truncated: {size} bytes is shorter than the {PREAMBLE.size}-byte preamble",
-                    )
-                self._mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+            fd = open_regular(self.path, root=None if archive_dir is None else Path(archive_dir))
+        except FileNotFoundError:
+            missing = "listed in index.json is missing" if archive_dir is not None else "is missing"
+            raise FormatError(self.path, f"shard {missing}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if expected_bytes is not None and size != expected_bytes:
+                raise FormatError(
+                    self.path, f"index.json says {expected_bytes} bytes, the file has {size}"
+                )
+            if size < PREAMBLE.size:
+                raise FormatError(
+                    self.path,
+                    f"truncated: {size} bytes is shorter than the {PREAMBLE.size}-byte preamble",
+                )
+            self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise FormatError(self.path, f"cannot open: {e.strerror or e}") from None
+            raise FormatError(self.path, f"cannot map: {e.strerror or e}") from None
+        finally:
+            os.close(fd)
         self._u8 = np.frombuffer(self._mm, dtype=np.uint8)
         self._cache = block_cache if block_cache is not None else BlockCache()
         try:
@@ -198,8 +218,20 @@ class ShardReader:
         if len(offsets) > 1 and not np.all(offsets[1:] >= offsets[:-1]):
             bad = int(np.argmax(offsets[1:] < offsets[:-1]))
             raise self._fail(st, f"offsets decrease at sample {bad}")
-        if shapes.size and (shapes.min() < 0 or shapes.max() > max(_MAX_DIM, value_count)):
-            raise self._fail(st, "a stored shape has a negative or absurd dimension")
+        if shapes.size and (shapes.min() < 0 or shapes.max() > MAX_DIM):
+            bad = int(np.argmax(np.any((shapes < 0) | (shapes > MAX_DIM), axis=1)))
+            raise self._fail(
+                st,
+                f"sample {bad}: stored shape {shapes[bad].tolist()} has a dimension outside 0..{MAX_DIM}",
+            )
+        footprint = np.prod(np.maximum(shapes, 1).astype(np.float64), axis=1) * f.itemsize
+        if footprint.size and footprint.max() > MAX_SAMPLE_BYTES:
+            bad = int(np.argmax(footprint > MAX_SAMPLE_BYTES))
+            raise self._fail(
+                st,
+                f"sample {bad}: stored shape {shapes[bad].tolist()} holds more than "
+                f"{MAX_SAMPLE_BYTES} bytes (zero dimensions count as 1)",
+            )
         for axis, dim in enumerate(f.shape):
             if dim is not None and shapes.size and not np.all(shapes[:, axis] == dim):
                 bad = int(np.argmax(shapes[:, axis] != dim))
@@ -228,6 +260,17 @@ class ShardReader:
             raise self._fail(st, "block first-sample column must start at 0 and strictly increase")
         if np.any(blocks[:, 4] > 0xFFFFFFFF):
             raise self._fail(st, "block CRC-32 column holds a value wider than 32 bits")
+        # Bound what a block may decode to before anything trusts it (SPEC.md §8): the
+        # spec's cap, and what a Zstandard frame of that size can possibly hold.
+        cap = np.minimum(comp_len * np.uint64(ZSTD_MAX_RATIO), np.uint64(MAX_BLOCK_RAW_BYTES))
+        if np.any(raw_len > cap):
+            bad = int(np.argmax(raw_len > cap))
+            raise self._fail(
+                st,
+                f"block {bad}: uncompressed length {int(raw_len[bad])} exceeds "
+                f"{int(cap[bad])} (at most {MAX_BLOCK_RAW_BYTES} bytes, and {ZSTD_MAX_RATIO} "
+                f"times its {int(comp_len[bad])} compressed bytes)",
+            )
         bounds = np.append(first, n).astype(np.int64)
         if st.field.ragged:
             assert st.offsets is not None  # loaded just before, for ragged fields

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .codecs import Codec, Raw, codec_from_json, parse_codec
-from .constants import DTYPES, KINDS, MAX_NAME_CHARS
+from .constants import DTYPES, KINDS, MAX_DIM, MAX_NAME_CHARS, MAX_NDIM, MAX_SAMPLE_BYTES
 from .errors import SchemaError
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -55,6 +55,15 @@ class Field:
                 raise SchemaError(
                     f"field {self.name!r}: shape {list(shape)} must hold non-negative ints or None"
                 )
+        if len(shape) > MAX_NDIM:
+            raise SchemaError(
+                f"field {self.name!r}: {len(shape)} dimensions, at most {MAX_NDIM} are allowed"
+            )
+        for dim in shape:
+            if dim is not None and dim > MAX_DIM:
+                raise SchemaError(
+                    f"field {self.name!r}: dimension {dim} of shape {list(shape)} exceeds {MAX_DIM}"
+                )
         object.__setattr__(self, "shape", shape)
         if self.kind != "array" and (self.dtype != "u8" or shape != (None,)):
             raise SchemaError(
@@ -63,6 +72,11 @@ class Field:
             )
         if isinstance(self.codec, str):
             object.__setattr__(self, "codec", parse_codec(self.codec))
+        if self.footprint_bytes > MAX_SAMPLE_BYTES:
+            raise SchemaError(
+                f"field {self.name!r}: a sample of shape {list(shape)} {self.dtype} holds more "
+                f"than {MAX_SAMPLE_BYTES} bytes (zero dimensions count as 1)"
+            )
 
     @classmethod
     def bytes_(cls, name: str, codec: Codec | str = "raw", **kw: str) -> Field:
@@ -95,6 +109,12 @@ class Field:
             raise SchemaError(f"field {self.name!r} is ragged: samples have no fixed size")
         return math.prod(d for d in self.shape if d is not None) * self.itemsize
 
+    @property
+    def footprint_bytes(self) -> int:
+        """Bytes per sample with every zero dimension counted as 1 (SPEC.md §8), over the
+        fixed dimensions: what bounds the arrays numpy is asked to describe."""
+        return footprint_bytes(self.shape, self.itemsize)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -114,6 +134,8 @@ class Field:
         name = _get(obj, "name", str, where)
         where = f"{where} {name!r}"
         shape = _get(obj, "shape", list, where)
+        if len(shape) > MAX_NDIM:
+            raise SchemaError(f"{where}: {len(shape)} dimensions, at most {MAX_NDIM} are allowed")
         for dim in shape:
             if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
                 raise SchemaError(f"{where}: shape entry {dim!r} is not an integer or null")
@@ -126,6 +148,11 @@ class Field:
             meaning=obj.get("meaning", "") if isinstance(obj.get("meaning", ""), str) else "",
             units=obj.get("units", "") if isinstance(obj.get("units", ""), str) else "",
         )
+
+
+def footprint_bytes(shape: Sequence[int | None], itemsize: int) -> int:
+    """Product of the known dimensions (zeros and unknowns counted as 1) times itemsize."""
+    return math.prod(max(d, 1) for d in shape if d is not None) * itemsize
 
 
 def _codec(codec: Codec | str) -> Codec:

@@ -19,11 +19,21 @@ from typing import IO, Any
 import numpy as np
 
 from .codecs import Zstd, shuffle_bytes, zstd_compressor
-from .constants import BLOCK_DTYPE, OFFSET_DTYPE, PREAMBLE, SHAPE_DTYPE
+from .constants import (
+    BLOCK_DTYPE,
+    MAX_BLOCK_RAW_BYTES,
+    MAX_DIM,
+    MAX_FIELD_BYTES,
+    MAX_SAMPLE_BYTES,
+    MAX_SHARD_SAMPLES,
+    OFFSET_DTYPE,
+    PREAMBLE,
+    SHAPE_DTYPE,
+)
 from .crc import crc32_combine
 from .errors import SchemaError
 from .header import FieldLayout, Region, align, encode_header, header_end_for, required_regions
-from .schema import Field, check_schema
+from .schema import Field, check_schema, footprint_bytes
 
 _COPY_CHUNK = 8 << 20
 
@@ -85,6 +95,13 @@ class _FieldSink:
         if self.zstd is None:
             self.data.write(payload)
             return
+        if len(payload) > MAX_BLOCK_RAW_BYTES:
+            raise SchemaError(
+                f"sample {index} field {self.field.name!r}: {len(payload)} bytes exceed the "
+                f"{MAX_BLOCK_RAW_BYTES}-byte zstd block limit; store such samples with codec raw"
+            )
+        if len(self.block) + len(payload) > MAX_BLOCK_RAW_BYTES:
+            self.flush_block()  # a block never decodes to more than the limit
         if self.block_samples == 0:
             self.block_first = index
         self.block += payload
@@ -152,6 +169,15 @@ class ShardWriter:
                 f"{self.path}: sample {self.num_samples} does not match the schema "
                 f"(missing {missing}, unexpected {extra})"
             )
+        n = self.num_samples + 1
+        if n > MAX_SHARD_SAMPLES:
+            raise SchemaError(f"{self.path}: a shard holds at most {MAX_SHARD_SAMPLES} samples")
+        for f in self.fields.values():
+            if not f.ragged and n * f.footprint_bytes > MAX_FIELD_BYTES:
+                raise SchemaError(
+                    f"{self.path}: field {f.name!r} of shape {list(f.shape)} would exceed the "
+                    f"{MAX_FIELD_BYTES}-byte field limit at sample {n - 1}; start a new shard"
+                )
         encoded = [
             encode_value(s.field, sample[s.field.name], self.num_samples) for s in self._sinks
         ]
@@ -294,6 +320,7 @@ def encode_value(f: Field, value: Any, index: int) -> tuple[bytes, tuple[int, ..
         if not isinstance(value, str):
             raise SchemaError(f"{where}: expected str, got {type(value).__name__}")
         data = value.encode("utf-8")
+        _check_sample_shape(where, (len(data),), 1)
         return data, (len(data),)
     if f.kind == "bytes":
         if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
@@ -301,6 +328,7 @@ def encode_value(f: Field, value: Any, index: int) -> tuple[bytes, tuple[int, ..
         if not isinstance(value, bytes | bytearray | memoryview):
             raise SchemaError(f"{where}: expected bytes, got {type(value).__name__}")
         data = bytes(value)
+        _check_sample_shape(where, (len(data),), 1)
         return data, (len(data),)
     arr = np.asarray(value)
     want = f.np_dtype
@@ -316,4 +344,17 @@ def encode_value(f: Field, value: Any, index: int) -> tuple[bytes, tuple[int, ..
         d is not None and d != s for d, s in zip(f.shape, arr.shape, strict=True)
     ):
         raise SchemaError(f"{where}: shape {list(arr.shape)} does not fit {list(f.shape)}")
-    return np.ascontiguousarray(arr, dtype=want).tobytes(), tuple(int(s) for s in arr.shape)
+    shape = tuple(int(s) for s in arr.shape)
+    _check_sample_shape(where, shape, f.itemsize)
+    return np.ascontiguousarray(arr, dtype=want).tobytes(), shape
+
+
+def _check_sample_shape(where: str, shape: tuple[int, ...], itemsize: int) -> None:
+    """The per-sample bounds of SPEC.md §8, checked before any copy of the value."""
+    if any(d > MAX_DIM for d in shape):
+        raise SchemaError(f"{where}: shape {list(shape)} has a dimension above {MAX_DIM}")
+    if footprint_bytes(shape, itemsize) > MAX_SAMPLE_BYTES:
+        raise SchemaError(
+            f"{where}: shape {list(shape)} holds more than {MAX_SAMPLE_BYTES} bytes "
+            "(zero dimensions count as 1)"
+        )
