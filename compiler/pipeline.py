@@ -4,16 +4,27 @@ Determinism: every item is featurized on its own with one torch thread, and
 results are written in corpus order, so the shard bytes depend only on the
 corpus and the recipe, never on the worker count or on where a resumed compile
 picked up.
+
+Output safety: OUT is refused when it is, holds, or lies inside a folder the
+corpus is read from; an exclusive lock (``OUT/.dlop-lock``) is held for the
+whole compile; the progress journal exists from the moment OUT is taken, and
+shards close only between inputs, so the journal's count of consumed inputs is
+exact and a resumed compile writes the same bytes as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import itertools
 import json
 import multiprocessing
 import os
+import re
 import shutil
+import signal
+import socket
 import sys
 import threading
 from collections import deque
@@ -26,7 +37,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from dlop.formats import INDEX_NAME, ArchiveWriter, Index, ShardInfo
+
+from dlop.formats import (
+    ERRORS_NAME,
+    INDEX_NAME,
+    ArchiveWriter,
+    DlopError,
+    Field,
+    Index,
+    ShardInfo,
+)
 from dlop.formats.archive import atomic_write
 
 from .errors import CompileError
@@ -35,11 +55,22 @@ from .recipe import Recipe
 from .sources import Corpus, Item, open_corpus, stream_webdataset
 
 JOURNAL = ".dlop-progress.json"
+LOCK = ".dlop-lock"  # flock'ed for the whole compile; holds "pid N on HOST"
 SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the output folder, removed as read
 # Inputs per task sent to a worker: enough to amortize the hand-over for small
 # audio clips, and one for images, whose decoded size (a 5k x 5k slide core
 # with its masks is about 100 MB) bounds the compile's memory.
 CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 1}
+# For the test suite only: DLOP_TEST_KILL_AT=start|input:N|shard:N|index makes the
+# compile send itself DLOP_TEST_SIGNAL (KILL, or e.g. STOP) at that moment, so
+# tests interrupt it at exact points (see docs/compile.md).
+TEST_KILL_AT = "DLOP_TEST_KILL_AT"
+TEST_SIGNAL = "DLOP_TEST_SIGNAL"
+# Every file a compile can leave in OUT; --overwrite deletes nothing else.
+_ARCHIVE_FILE = re.compile(
+    rf"{re.escape(INDEX_NAME)}|{re.escape(ERRORS_NAME)}|shard-\d+\.dlop|"
+    rf"{re.escape(JOURNAL)}|{re.escape(LOCK)}|{re.escape(SPILL_PREFIX)}.*|\..+\.(tmp|spool)"
+)
 
 
 # -- worker side -------------------------------------------------------------------
@@ -51,6 +82,9 @@ def _init_worker(recipe_json: dict[str, Any], shape: CorpusShape, spill_dir: str
     from .recipe import build_recipe
 
     torch.set_num_threads(1)
+    for fd in _LOCK_FDS:  # a forked worker must not keep the output lock alive after the driver
+        os.close(fd)
+    _LOCK_FDS.clear()
     _WORKER.update(
         recipe=build_recipe(recipe_json), shape=shape, spill_dir=spill_dir, chunks=itertools.count()
     )
@@ -154,32 +188,139 @@ class _Journal:
         self.skipped = list(obj["skipped"])
 
 
-def _prepare_output(out: Path, resume: bool, overwrite: bool) -> bool:
-    """Returns whether this compile created the directory."""
+def _test_point(moment: str) -> None:
+    """Signals this process when the test variable names this moment (see TEST_KILL_AT)."""
+    if os.environ.get(TEST_KILL_AT) == moment:
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(TEST_SIGNAL, "KILL")))
+
+
+def _source_folders(recipe: Recipe) -> list[Path]:
+    """Every folder the layout reads from, resolved: the corpus folder (a manifest's,
+    CSV's or tar's own folder for a file source) and --images / --masks folders."""
+    source = recipe.source
+    if "{" in source:  # a brace pattern: the folder it expands in
+        base = Path(source[: source.index("{")] + "x").parent
+    else:
+        base = Path(source)
+        if not base.is_dir():
+            base = base.parent
+    folders = [base]
+    for extra in (recipe.images, *(recipe.masks or ())):
+        if extra:
+            folders.append(Path(extra) if Path(extra).is_absolute() else base / extra)
+    return [f.resolve() for f in folders]
+
+
+def _check_apart(out: Path, recipe: Recipe) -> None:
+    """Refuses an OUT that is, holds, or lies inside a folder the corpus is read from."""
+    target = out.resolve()
+    for folder in _source_folders(recipe):
+        if target == folder:
+            how = "is the corpus folder"
+        elif folder in target.parents:
+            how = f"lies inside the corpus folder {folder}"
+        elif target in folder.parents:
+            how = f"contains the corpus folder {folder}"
+        else:
+            continue
+        raise CompileError(
+            f"{out}: the output folder {how}; a compile writes (and --overwrite deletes) only "
+            "outside what it reads. Choose an output folder outside the corpus"
+        )
+
+
+_LOCK_FDS: set[int] = set()  # lock descriptors this process holds, closed in forked workers
+
+
+class _OutputLock:
+    """An exclusive advisory lock (flock) on OUT/.dlop-lock, held for the whole compile.
+
+    The lock dies with the process, so a lock file left by a killed compile blocks
+    nothing; the file names the holder so that a refused compile can say who.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / LOCK
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "pid unknown"
+            os.close(fd)
+            raise CompileError(
+                f"{out}: another dlop-compile ({holder}) is writing this archive; wait for it "
+                "to finish, or stop it and run again with --resume"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+        _LOCK_FDS.add(fd)
+
+    def release(self) -> None:
+        """Removes the lock file (while still holding it) and unlocks."""
+        self.path.unlink(missing_ok=True)
+        _LOCK_FDS.discard(self.fd)
+        os.close(self.fd)
+
+
+@contextlib.contextmanager
+def _locked_output(out: Path, resume: bool, overwrite: bool) -> Iterator[bool]:
+    """Creates or checks OUT and holds its lock throughout; yields whether this compile created it."""
+    created = False
     if not out.exists():
         if resume:
             raise CompileError(f"{out}: nothing to resume (the directory does not exist)")
-        out.mkdir(parents=True)
-        return True
+        with contextlib.suppress(FileExistsError):  # another compile may create it meanwhile
+            out.mkdir(parents=True)
+            created = True
     if not out.is_dir():
         raise CompileError(f"{out}: exists and is not a directory")
+    lock = _OutputLock(out)
+    try:
+        _clear_output(out, resume, overwrite)
+        yield created
+    finally:
+        lock.release()
+
+
+def _clear_output(out: Path, resume: bool, overwrite: bool) -> None:
+    """Checks what OUT holds (under the lock); for --overwrite, deletes a previous archive."""
+    names = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+    has_index, has_journal = INDEX_NAME in names, JOURNAL in names
     if resume:
-        if (out / INDEX_NAME).exists():
+        if has_index:
             raise CompileError(f"{out}: already a complete archive; nothing to resume")
-        if not (out / JOURNAL).exists():
+        if not has_journal:
             raise CompileError(f"{out}: no interrupted compile to resume (no {JOURNAL})")
-        return False
-    if any(out.iterdir()):
-        if not overwrite:
-            what = "an archive" if (out / INDEX_NAME).exists() else "files"
-            raise CompileError(
-                f"{out}: already holds {what}; choose a new path, --overwrite it, or --resume"
-            )
-        # The index goes first, so a crash never leaves a stale but valid-looking archive.
-        (out / INDEX_NAME).unlink(missing_ok=True)
-        for p in out.iterdir():
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    return False
+        return
+    if not names:
+        return
+    if not has_index and not has_journal:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise CompileError(
+            f"{out}: holds files that are not a dlop archive ({shown}); --overwrite replaces only "
+            f"a dlop archive (with {INDEX_NAME}) or an interrupted compile (with {JOURNAL}), and "
+            "nothing was deleted. Choose a new or empty folder"
+        )
+    if not overwrite:
+        what = "an archive" if has_index else "an interrupted compile"
+        raise CompileError(
+            f"{out}: already holds {what}; choose a new path, --overwrite it, or --resume"
+        )
+    foreign = [n for n in names if not (_ARCHIVE_FILE.fullmatch(n) and (out / n).is_file())]
+    if foreign:
+        raise CompileError(
+            f"{out}: holds {', '.join(foreign[:5])} besides a dlop archive; --overwrite deletes "
+            "only an archive's own files, and nothing was deleted. Move them away or choose "
+            "another folder"
+        )
+    # The index goes first, so a crash never leaves a stale but valid-looking archive.
+    (out / INDEX_NAME).unlink(missing_ok=True)
+    for n in names:
+        (out / n).unlink(missing_ok=True)
 
 
 def _verify_completed(out: Path, journal: _Journal) -> None:
@@ -189,12 +330,21 @@ def _verify_completed(out: Path, journal: _Journal) -> None:
         path = out / info.file
         try:
             with ShardReader(path) as r:
-                ok = r.file_crc32() == info.crc32 and r.num_samples == info.num_samples
-        except Exception:
-            ok = False
-        if not ok:
-            raise CompileError(f"{path}: completed shard is missing or damaged; compile afresh")
-    keep = {s.file for s in journal.shards} | {JOURNAL}
+                crc, count = r.file_crc32(), r.num_samples
+            why = (
+                ""
+                if (crc, count) == (info.crc32, info.num_samples)
+                else f"CRC-32 {crc} and {count} samples, the journal says {info.crc32} and "
+                f"{info.num_samples}"
+            )
+        except (OSError, ValueError, DlopError) as e:
+            why = str(e)
+        if why:
+            raise CompileError(
+                f"{path}: completed shard is missing or damaged ({why}); compile afresh "
+                "(--overwrite)"
+            )
+    keep = {s.file for s in journal.shards} | {JOURNAL, LOCK}
     for p in out.iterdir():
         if p.name not in keep and p.is_file():
             p.unlink()  # partial shards, spools and temp files of the interrupted run
@@ -229,23 +379,58 @@ def compile_corpus(
 ) -> Index:
     """Compiles recipe.source into an archive at ``out``; returns its index."""
     out = Path(out)
+    _check_apart(out, recipe)
     corpus = open_corpus(recipe.source, recipe.layout, recipe.media, recipe.images, recipe.masks)
     if not corpus.items:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
     shape = CorpusShape.of(corpus)
     fields = schema_for(recipe, shape)
-    created_dir = _prepare_output(out, resume, overwrite)
+    with _locked_output(out, resume, overwrite) as created_dir:
+        return _compile_into(
+            recipe,
+            corpus,
+            shape,
+            fields,
+            out,
+            created_dir,
+            resume=resume,
+            workers=workers,
+            progress=progress,
+            on_progress=on_progress,
+        )
+
+
+def _compile_into(
+    recipe: Recipe,
+    corpus: Corpus,
+    shape: CorpusShape,
+    fields: list[Field],
+    out: Path,
+    created_dir: bool,
+    *,
+    resume: bool,
+    workers: int | None,
+    progress: bool,
+    on_progress: Callable[[int], None] | None,
+) -> Index:
+    """The compile proper, in a locked OUT that _locked_output prepared."""
     journal = _Journal(out, recipe.digest(), corpus.fingerprint)
     if resume:
         journal.load()
         _verify_completed(out, journal)
+    else:
+        journal.save()  # from the start, so that an interruption at any point can --resume
+    _test_point("start")
     workers = max(1, workers or os.cpu_count() or 1)
     total = len(corpus.items)
     consumed = journal.consumed
 
     def checkpoint(_: ShardInfo) -> None:
-        journal.consumed = consumed  # inputs behind every completed shard
+        # Shards close only between inputs (write_group), so every sample of the
+        # inputs counted here lies in a completed shard.
+        journal.consumed = consumed
         journal.save()
+        _test_point(f"shard:{len(journal.shards)}")
 
     writer = ArchiveWriter(
         out,
@@ -269,11 +454,12 @@ def compile_corpus(
     journal.shards, journal.skipped = writer.shards, writer.skipped
     bar = _progress_bar(total, journal.consumed, progress)
     try:
-        for outcome in _results(corpus, shape, recipe, workers, journal.consumed, out):
+        for n, outcome in enumerate(
+            _results(corpus, shape, recipe, workers, journal.consumed, out), 1
+        ):
             consumed += 1
             if outcome.reason is None:
-                for sample in outcome.samples:
-                    writer.write(sample)
+                writer.write_group(outcome.samples)
             elif recipe.on_error == "fail":
                 writer.abort()
                 (out / JOURNAL).unlink(missing_ok=True)
@@ -282,13 +468,14 @@ def compile_corpus(
                 raise CompileError(f"{outcome.path}: {outcome.reason} (--on-error fail)")
             else:
                 writer.skip(outcome.path or outcome.key, outcome.reason or "", key=outcome.key)
+            _test_point(f"input:{n}")
             bar.update(1)
             if on_progress:
                 on_progress(consumed)
-        index = writer.close()
+        index = writer.close(before_index=lambda: _test_point("index"))
     except BaseException as e:
         writer.abort(keep_completed=True)  # after --on-error fail nothing is left to keep
-        if not isinstance(e, CompileError):
+        if _resumable(e) and (out / JOURNAL).exists():
             print(
                 f"dlop-compile: stopped; run again with --resume to continue from {len(writer.shards)} "
                 "completed shard(s)",
@@ -299,6 +486,14 @@ def compile_corpus(
         bar.close()
     (out / JOURNAL).unlink(missing_ok=True)
     return index
+
+
+def _resumable(e: BaseException) -> bool:
+    """Whether running the same command again with --resume can get further: after an
+    interruption or a full disk, yes; after a refused write or a bad input or recipe, no."""
+    if isinstance(e, OSError):
+        return e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS)
+    return isinstance(e, KeyboardInterrupt)
 
 
 def _results(

@@ -6,7 +6,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -179,6 +179,11 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
 class ArchiveWriter:
     """Writes samples into shards of about ``shard_bytes`` each, then the index.
 
+    A shard closes once it holds ``shard_bytes`` or more, and only between
+    groups (``write_group``): the samples one input yields (clips, segments,
+    tiles) always share a shard, so a group larger than ``shard_bytes`` makes
+    one shard larger than ``shard_bytes``. ``write(sample)`` is a group of one.
+
     On ``abort()`` (or an exception inside ``with``) every file this writer made
     is removed and no index is written. To continue an interrupted write, pass
     the shards already completed (and inputs already skipped); ``on_shard`` is
@@ -221,10 +226,21 @@ class ArchiveWriter:
         self._current: ShardWriter | None = None
 
     def write(self, sample: Mapping[str, Any]) -> None:
-        if self._current is None:
-            self._current = ShardWriter(self.directory / shard_name(len(self.shards)), self.fields)
-        self._current.write(sample)
-        if self._current.bytes_written >= self.shard_bytes:
+        self.write_group((sample,))
+
+    def write_group(self, samples: Iterable[Mapping[str, Any]]) -> None:
+        """Writes samples that belong together into one shard; the shard may close after them.
+
+        ``on_shard`` therefore only ever sees shards that end on a group boundary,
+        which lets a caller count whole inputs as done when a shard completes.
+        """
+        for sample in samples:
+            if self._current is None:
+                self._current = ShardWriter(
+                    self.directory / shard_name(len(self.shards)), self.fields
+                )
+            self._current.write(sample)
+        if self._current is not None and self._current.bytes_written >= self.shard_bytes:
             self._finish_shard(self._current)
 
     def _finish_shard(self, writer: ShardWriter) -> None:
@@ -237,12 +253,15 @@ class ArchiveWriter:
         """Records an input that was not compiled (written to errors.jsonl)."""
         self.skipped.append({"path": path, "reason": reason, **extra})
 
-    def close(self) -> Index:
+    def close(self, before_index: Callable[[], None] | None = None) -> Index:
+        """Closes the last shard, writes errors.jsonl, calls ``before_index``, writes the index."""
         if self._current is not None:
             self._finish_shard(self._current)
         if self.skipped:
             lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in self.skipped)
             atomic_write(self.directory / ERRORS_NAME, lines.encode())
+        if before_index is not None:
+            before_index()
         provenance = {"dlop_version": _dlop_version(), "created": now_utc(), **self.provenance}
         index = Index(
             self.fields,

@@ -1,0 +1,170 @@
+"""kill -9 at chosen moments, then --resume: the archive is byte-identical to an uninterrupted one.
+
+The compile runs as a subprocess and kills itself at an exact moment through the
+test-only DLOP_TEST_KILL_AT hook (start, input:N, shard:N, index); the resume
+runs in-process. Corpora: ESC-50 style clips (one sample per input), dense video
+clips (several samples per input, cut from one file) and image tiles (many
+samples per input), each with a tiny --shard-bytes so there are several shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlop.compiler.pipeline import JOURNAL, LOCK, TEST_KILL_AT, TEST_SIGNAL
+from dlop.formats import ArchiveReader, ArchiveWriter, Field
+from dlop.tools.compile_cli import main
+
+from .fixtures import esc50_corpus
+from .media import write_image, write_video
+
+EPOCH = "1700000000"
+
+
+def _clips(root: Path) -> list[str]:
+    esc50_corpus(root, [("wav", 16000, 1)] * 7, seconds=0.5)
+    (root / "audio" / "3-1002-A-2.wav").write_bytes(b"")  # one skipped input: errors.jsonl too
+    return [str(root), "--duration", "1", "--shard-bytes", "20KB"]
+
+
+def _segments(root: Path) -> list[str]:
+    for n in range(6):
+        write_video(root / ("a" if n % 2 else "b") / f"v{n}.mp4", frames=30)
+    (root / "a" / "v3x.mp4").write_bytes(b"")  # skipped, between two good videos
+    # 3 clips of 4 frames (37 KB each) per video: a shard fills in the middle of a video
+    return [
+        str(root),
+        "--clip",
+        "dense",
+        "--clips",
+        "3",
+        "--clip-frames",
+        "4",
+        *("--shard-bytes", "150KB"),
+    ]
+
+
+def _tiles(root: Path) -> list[str]:
+    rng = np.random.default_rng(0)
+    for n in range(6):
+        write_image(root / "images" / f"im{n}.png", rng.integers(0, 256, (64, 64, 3), np.uint8))
+        write_image(root / "Maps1" / f"im{n}.png", rng.integers(0, 6, (64, 64), np.uint8))
+    (root / "images" / "im9.png").write_bytes(b"")  # skipped
+    # 16 tiles (about 17 KB) per image: a shard fills in the middle of an image
+    return [str(root), "--tile", "16", "--shard-bytes", "25KB"]
+
+
+CORPORA = {"clips": _clips, "segments": _segments, "tiles": _tiles}
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.fixture(scope="module", params=sorted(CORPORA))
+def corpus(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[list[str], dict[str, bytes]]]:
+    """(compile arguments without -o, every file of the uninterrupted archive)."""
+    root = tmp_path_factory.mktemp(request.param)
+    args = [*CORPORA[request.param](root / "corpus"), "--workers", "1", "-q"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SOURCE_DATE_EPOCH", EPOCH)
+        assert main([*args, "-o", str(root / "whole")]) == 0
+    whole = files(root / "whole")
+    assert len([n for n in whole if n.endswith(".dlop")]) >= 3 and "errors.jsonl" in whole
+    assert JOURNAL not in whole and LOCK not in whole
+    yield args, whole
+
+
+def compile_until(args: list[str], out: Path, moment: str, sig: str = "KILL") -> subprocess.Popen:
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, TEST_KILL_AT: moment, TEST_SIGNAL: sig}
+    cmd = [sys.executable, "-m", "dlop.tools.compile_cli", *args, "-o", str(out)]
+    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+
+
+def journal(out: Path) -> dict:
+    return json.loads((out / JOURNAL).read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["start", "input:1", "shard:2", "index"])
+def test_kill_9_then_resume_is_byte_identical(
+    corpus: tuple[list[str], dict[str, bytes]],
+    moment: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args, whole = corpus
+    out = tmp_path / "out"
+    proc = compile_until(args, out, moment)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err.decode()
+    assert not (out / "index.json").exists()
+    done = journal(out)  # the journal exists from the start
+    if moment in ("start", "input:1"):  # before the first shard; input:1 with one open
+        assert done["shards"] == [] and done["consumed"] == 0
+    if moment == "shard:2":
+        assert len(done["shards"]) == 2
+    if moment == "index":
+        # every shard closed, the index not yet written
+        assert len(done["shards"]) == len([n for n in whole if n.endswith(".dlop")])
+        (out / ".index.json.tmp").write_bytes(b'{"half": ')  # as if killed inside the write
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    assert main([*args, "-o", str(out), "--resume"]) == 0
+    assert files(out) == whole
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corpus", ["tiles"], indirect=True)
+def test_a_second_compile_into_the_same_out_is_refused(
+    corpus: tuple[list[str], dict[str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args, whole = corpus
+    out = tmp_path / "out"
+    proc = compile_until(args, out, "shard:1", sig="STOP")  # holds the lock, stopped
+    try:
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        before = files(out)
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            assert main([*args, "-o", str(out), *extra]) == 1
+            err = capsys.readouterr().err
+            assert f"another dlop-compile (pid {proc.pid} on " in err, err
+            assert files(out) == before  # the running compile's files are untouched
+    finally:
+        proc.kill()
+        proc.wait()
+    # the killed holder's lock file is left behind but blocks nothing
+    assert (out / LOCK).exists()
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    assert main([*args, "-o", str(out), "--resume"]) == 0
+    assert files(out) == whole
+
+
+def test_shards_close_only_between_groups(tmp_path: Path) -> None:
+    fields = [Field("x", "u8", (None,))]
+    closed: list[int] = []
+    w = ArchiveWriter(
+        tmp_path, fields, shard_bytes=10, on_shard=lambda s: closed.append(s.num_samples)
+    )
+    w.write_group([{"x": np.zeros(6, np.uint8)}] * 3)  # 18 bytes in one group: one shard
+    w.write_group([{"x": np.zeros(4, np.uint8)}])
+    w.write_group([{"x": np.zeros(4, np.uint8)}] * 2)
+    w.write({"x": np.zeros(20, np.uint8)})
+    index = w.close()
+    assert closed == [3, 3, 1] and [s.num_samples for s in index.shards] == [3, 3, 1]
+    with ArchiveReader(tmp_path) as r:
+        assert [len(r.get("x", i)) for i in range(r.num_samples)] == [6, 6, 6, 4, 4, 4, 20]
