@@ -9,7 +9,10 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from dlop.formats import ArchiveReader
 from dlop.runtime import Loader, open_archive
@@ -17,11 +20,11 @@ from dlop.runtime import Loader, open_archive
 from .compile_cli import main as compile_main
 
 
-def _rate(fn: object, samples: int, repeats: int = 3) -> float:
+def _rate(fn: Callable[[], object], samples: int, repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
+        fn()
         best = min(best, time.perf_counter() - t0)
     return samples / best
 
@@ -57,9 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return 1
     sample = reader.sample(0)
+    logmel = np.asarray(sample["logmel"])
     print(
-        f"sample 0: {sample['key']} label {int(sample['label'])} ({sample['category']}), "
-        f"logmel {sample['logmel'].shape} dB range {float(sample['logmel'].min()):.1f}..{float(sample['logmel'].max()):.1f}"
+        f"sample 0: {sample['key']!s} label {int(sample['label'])} ({sample['category']!s}), "
+        f"logmel {logmel.shape} dB range {float(logmel.min()):.1f}..{float(logmel.max()):.1f}"
     )
 
     print(f"\n== 3. one epoch each, {workers} CPU core(s)")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dlop.formats import ArchiveReader, DlopError, Field
 from dlop.formats.codecs import Zstd
 
@@ -201,8 +202,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.png:
         title = f"sample {index}"
         for key in ("key", "category", "text"):
-            if isinstance(sample.get(key), str):
-                title += f" · {sample[key][:80]}"
+            if isinstance(text := sample.get(key), str):
+                title += f" · {text[:80]}"
         drawn = render_sample(
             sample, reader.fields, args.png, title=title, recipe=reader.index.recipe
         )

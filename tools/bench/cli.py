@@ -7,14 +7,15 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .common import Row, machine, markdown_table, peak_rss_mib, print_table, write_json
 
-SECTIONS = ("format", "compile", "runtime", "vision", "peers")
-# peers needs LitData and MosaicML Streaming, which only `make bench-peers` installs
-DEFAULT_SECTIONS = ("format", "compile", "runtime", "vision")
+if TYPE_CHECKING:
+    from .compile_bench import Made
 
 
 def _cuda() -> bool:
@@ -57,12 +58,86 @@ def _train(work: Path, args: argparse.Namespace) -> list[Row]:
     return train_rows(workload, sources, args.train_steps, args.device, num_classes=5)
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Run:
+    """One dlop-bench run: its scratch folder, its arguments, and the compile
+    section's output, which the runtime section reads."""
+
+    def __init__(self, work: Path, args: argparse.Namespace) -> None:
+        self.work = work
+        self.args = args
+        self._compiled: tuple[list[Row], Made] | None = None
+
+    def compiled(self) -> tuple[list[Row], Made]:
+        if self._compiled is None:
+            from . import compile_bench
+
+            a = self.args
+            self._compiled = compile_bench.run(self.work / "compile", a.clips, a.scale, a.workers)
+        return self._compiled
+
+
+def _format(run: _Run) -> list[Row]:
+    from . import format_bench
+
+    a = run.args
+    return format_bench.run(run.work / "format", a.raw_gib, a.zstd_samples, a.repeats)
+
+
+def _compile(run: _Run) -> list[Row]:
+    return run.compiled()[0]
+
+
+def _runtime(run: _Run) -> list[Row]:
+    from . import runtime_bench
+
+    made = run.compiled()[1]
+    a = run.args
+    return runtime_bench.run(
+        run.work / "runtime",
+        made.archive,
+        made.corpus,
+        made.naive_rate,
+        a.workers,
+        a.repeats,
+        a.speech_utts,
+        [float(x) for x in a.memory_gib.split(",") if x],
+    )
+
+
+def _vision(run: _Run) -> list[Row]:
+    from . import vision_bench
+
+    a = run.args
+    return vision_bench.run(
+        run.work / "vision", a.videos, a.images, a.workers, a.repeats, a.vision_mib
+    )
+
+
+def _peers(run: _Run) -> list[Row]:
+    from . import peer_rows
+
+    a = run.args
+    return peer_rows.run(run.work / "peers", a.peer_samples, a.workers, a.repeats)
+
+
+# Every section, in the order a run takes them; `--only` chooses among these names.
+SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
+    "format": _format,
+    "compile": _compile,
+    "runtime": _runtime,
+    "vision": _vision,
+    "peers": _peers,
+}
+# peers needs LitData and MosaicML Streaming, which only `make bench-peers` installs
+DEFAULT_SECTIONS = tuple(name for name in SECTIONS if name != "peers")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dlop-bench", description=__doc__)
     p.add_argument(
         "--only",
         nargs="*",
-        choices=SECTIONS,
+        choices=list(SECTIONS),
         help=f"run only these sections (default: {' '.join(DEFAULT_SECTIONS)})",
     )
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="where results.json goes")
@@ -99,60 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=8)
     p.add_argument("--train-batch", type=int, default=32)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    args = p.parse_args(argv)
-    sections = args.only or list(DEFAULT_SECTIONS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rows: list[Row] = []
     started = time.time()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        work = Path(tmp)
+        run = _Run(Path(tmp), args)
         if args.train:
-            rows += _train(work, args)
-            sections = []
-        if "format" in sections:
-            from . import format_bench
-
-            print("== format", file=sys.stderr, flush=True)
-            rows += format_bench.run(work / "format", args.raw_gib, args.zstd_samples, args.repeats)
-        if "compile" in sections or "runtime" in sections:
-            from . import compile_bench
-
-            print("== compile", file=sys.stderr, flush=True)
-            compile_rows, made = compile_bench.run(
-                work / "compile", args.clips, args.scale, args.workers
-            )
-            if "compile" in sections:
-                rows += compile_rows
-            if "runtime" in sections:
-                from . import runtime_bench
-
-                print("== runtime", file=sys.stderr, flush=True)
-                rows += runtime_bench.run(
-                    work / "runtime",
-                    made["archive"],
-                    made["corpus"],
-                    made["naive_rate"],
-                    args.workers,
-                    args.repeats,
-                    args.speech_utts,
-                    [float(x) for x in args.memory_gib.split(",") if x],
-                )
-        if "vision" in sections:
-            from . import vision_bench
-
-            print("== vision", file=sys.stderr, flush=True)
-            rows += vision_bench.run(
-                work / "vision",
-                args.videos,
-                args.images,
-                args.workers,
-                args.repeats,
-                args.vision_mib,
-            )
-        if "peers" in sections:
-            from . import peer_rows
-
-            print("== peers", file=sys.stderr, flush=True)
-            rows += peer_rows.run(work / "peers", args.peer_samples, args.workers, args.repeats)
+            rows += _train(run.work, args)
+        else:
+            chosen = set(args.only or DEFAULT_SECTIONS)
+            for name, section in SECTIONS.items():
+                if name in chosen:
+                    print(f"== {name}", file=sys.stderr, flush=True)
+                    rows += section(run)
     print_table(rows)
     meta = {
         **machine(),

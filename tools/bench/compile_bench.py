@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dlop.compiler.demo import DEMO_RECIPE
@@ -23,7 +24,16 @@ def corpus_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in (root / "audio").iterdir())
 
 
-def run(work: Path, clips: int, scale: int, workers: int) -> tuple[list[Row], dict[str, object]]:
+@dataclass(frozen=True)
+class Made:
+    """What the compile section leaves for the runtime section."""
+
+    corpus: Path
+    archive: Path
+    naive_rate: float  # samples/s of the naive per-sample DataLoader
+
+
+def run(work: Path, clips: int, scale: int, workers: int) -> tuple[list[Row], Made]:
     corpus = esc50_wavs(work / "esc", clips)
     raw = corpus_bytes(corpus)
     wl = f"compile: ESC-50-shaped {clips} clips, 5 s 44.1 kHz WAV ({raw / 2**20:.0f} MiB) -> 128-mel log-mel"
@@ -102,4 +112,4 @@ def run(work: Path, clips: int, scale: int, workers: int) -> tuple[list[Row], di
     )
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(big, ignore_errors=True)
-    return rows, {"corpus": corpus, "archive": archives["float64"], "naive_rate": naive_rate}
+    return rows, Made(corpus=corpus, archive=archives["float64"], naive_rate=naive_rate)

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
+
 from dlop.compiler.demo import CLASSES, synth
 
 
 def esc50_wavs(
     root: Path, clips: int, seconds: float = 5.0, rate: int = 44100, seed: int = 0
 ) -> Path:
-    """``clips`` mono int16 WAVs at 44.1 kHz in the ESC-50 layout (the REFERENCE §1 shape)."""
+    """``clips`` mono int16 WAVs in the layout of ESC-50 (K. J. Piczak, 2015,
+    https://github.com/karolpiczak/ESC-50): ``audio/{fold}-{id}-A-{target}.wav``
+    plus ``meta/esc50.csv``; its clips are 5 s at 44.1 kHz."""
     (root / "audio").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     rows = []
@@ -49,7 +53,7 @@ def replicate(src: Path, dst: Path, times: int) -> Path:
     return dst
 
 
-def _write_csv(root: Path, rows: list[tuple[object, ...]]) -> None:
+def _write_csv(root: Path, rows: Sequence[tuple[object, object, object, object]]) -> None:
     (root / "meta").mkdir(exist_ok=True)
     with open(root / "meta" / "esc50.csv", "w", newline="") as fh:
         w = csv.writer(fh)

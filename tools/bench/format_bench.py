@@ -7,7 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import zstandard
-from dlop.formats import ArchiveReader, ArchiveWriter, BlockCache, Field, ShardReader, Zstd
+
+from dlop.formats import (
+    ArchiveReader,
+    ArchiveWriter,
+    BlockCache,
+    Codec,
+    Field,
+    Raw,
+    ShardReader,
+    Zstd,
+)
 
 from .common import Row, best_of, rate_row
 
@@ -25,9 +35,9 @@ def synthetic_logmel(rng: np.random.Generator, n: int) -> np.ndarray:
     return (-80 + 60 * band + noise).astype(np.float16)
 
 
-def build(path: Path, n: int, codec: object, seed: int = 0, chunk: int = 256) -> ArchiveReader:
+def build(path: Path, n: int, codec: Codec, seed: int = 0, chunk: int = 256) -> ArchiveReader:
     shutil.rmtree(path, ignore_errors=True)
-    field = Field("logmel", "f16", (FRAMES, MELS), codec=codec, units="dB")  # type: ignore[arg-type]
+    field = Field("logmel", "f16", (FRAMES, MELS), codec=codec, units="dB")
     rng = np.random.default_rng(seed)
     with ArchiveWriter(path, [field], shard_bytes=1 << 40) as w:
         for start in range(0, n, chunk):
@@ -48,7 +58,7 @@ def run(
 def raw_rows(workdir: Path, raw_gib: float, repeats: int) -> list[Row]:
     sample_bytes = FRAMES * MELS * 2
     n = max(1, int(raw_gib * (1 << 30) // sample_bytes))
-    reader = build(workdir / "raw", n, "raw")
+    reader = build(workdir / "raw", n, Raw())
     shard = reader.shard(0)
     src = shard.array("logmel")
     nbytes = src.nbytes

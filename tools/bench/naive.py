@@ -8,9 +8,10 @@ from typing import Any
 
 import soundfile as sf
 import torch
+from torch.utils.data import DataLoader, Dataset
+
 from dlop.compiler.filterbanks import mel_filterbank
 from dlop.compiler.resample import resample
-from torch.utils.data import DataLoader, Dataset
 
 
 class NaiveLogmel(Dataset[tuple[torch.Tensor, int]]):

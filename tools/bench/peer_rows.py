@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dlop.formats import ArchiveReader, ArchiveWriter, Field
 from dlop.runtime import Loader, open_archive
 
@@ -34,7 +35,7 @@ BATCH = 256
 def _sample(path: str, i: int) -> dict[str, Any]:
     """One sample as a peer's writer takes it (module level, so worker processes can pickle it)."""
     with ArchiveReader(path) as r:
-        return {"logmel": np.array(r.get("logmel", i)), "label": int(r.get("label", i))}  # type: ignore[call-overload]
+        return {"logmel": np.array(r.get("logmel", i)), "label": int(r.get("label", i))}
 
 
 def _timed(make: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -86,7 +87,7 @@ def _streaming(
         MDSWriter(out=str(out), columns=columns, size_limit="64mb") as w,
     ):
         for i in range(n):
-            w.write({"logmel": np.array(r.get("logmel", i)), "label": int(r.get("label", i))})  # type: ignore[call-overload]
+            w.write({"logmel": np.array(r.get("logmel", i)), "label": int(r.get("label", i))})
     convert = time.perf_counter() - t0
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
 
@@ -113,7 +114,7 @@ class _Float32Samples:
         if self.reader is None:
             self.reader = ArchiveReader(self.path)
         logmel = np.asarray(self.reader.get("logmel", i), dtype=np.float32)
-        return logmel, int(self.reader.get("label", i))  # type: ignore[call-overload]
+        return logmel, int(self.reader.get("label", i))
 
 
 def _ffcv(
@@ -193,7 +194,7 @@ def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
         ("FFCV 1.0 DatasetWriter + Loader (float32 copies: 2x the bytes)", _ffcv),
     ):
         try:
-            took, first_ms, convert, stored = fn(path, work, samples, workers, repeats)
+            took_s, first_ms, convert, stored = fn(path, work, samples, workers, repeats)
         except ImportError as e:
             rows.append(Row(wl, f"{name}: not run ({e}; install with make bench-peers)"))
             continue
@@ -202,7 +203,7 @@ def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
                 wl,
                 name,
                 samples,
-                took,
+                took_s,
                 size * (2 if fn is _ffcv else 1),
                 dlop,
                 "dlop Loader",

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dlop.formats import ArchiveReader
 
 from .common import Row, rate_row
@@ -28,7 +29,7 @@ def write_webdataset(archive: Path, out: Path, samples_per_tar: int = 500) -> li
             for i in range(first, min(len(reader), first + samples_per_tar)):
                 buf = io.BytesIO()
                 np.save(buf, reader.get("logmel", i))
-                label = str(int(reader.get("label", i))).encode()  # type: ignore[arg-type]
+                label = str(int(reader.get("label", i))).encode()
                 for ext, data in (("npy", buf.getvalue()), ("cls", label)):
                     info = tarfile.TarInfo(f"{i:07d}.{ext}")
                     info.size = len(data)

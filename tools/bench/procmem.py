@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -40,7 +41,7 @@ def tree_rss_kib(root: int) -> int:
 class PeakSampler:
     """Polls a reading in a thread and keeps its maximum."""
 
-    def __init__(self, read: object, interval: float = 0.05) -> None:
+    def __init__(self, read: Callable[[], int], interval: float = 0.05) -> None:
         self.read = read
         self.interval = interval
         self.peak = 0
@@ -49,7 +50,7 @@ class PeakSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.read())  # type: ignore[operator]
+            self.peak = max(self.peak, self.read())
             time.sleep(self.interval)
 
     def __enter__(self) -> PeakSampler:
@@ -59,4 +60,4 @@ class PeakSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.read())  # type: ignore[operator]
+        self.peak = max(self.peak, self.read())

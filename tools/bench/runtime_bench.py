@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
+
 from dlop.compiler.demo import DEMO_RECIPE
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
@@ -17,7 +19,6 @@ from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Archive, Loader, open_archive
 from dlop.runtime.copier import native
 from dlop.runtime.gather import FixedRawGather
-from torch.utils.data import DataLoader
 
 from .common import Row, best_of, first_batch_ms, interleaved, loader_epoch, rate_row
 from .format_bench import FRAMES, MELS, synthetic_logmel
@@ -165,7 +166,7 @@ def run(
     )
     zpath = work / "esc-zstd"
     index = compile_corpus(recipe, zpath, workers=workers, progress=False, overwrite=True)
-    # A block cache well below the 220 MB of decoded features, so epochs decode rather than hit.
+    # A block cache far smaller than the decoded features, so epochs decode rather than hit.
     zloader = Loader(
         Archive(zpath, fields=["logmel", "label"], cache_bytes=16 << 20), BATCH, seed=0
     )

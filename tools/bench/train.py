@@ -54,7 +54,10 @@ class ResNet18(nn.Module):
         self.head = nn.Linear(512, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
+        logits: torch.Tensor = self.head(
+            torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1)
+        )
+        return logits
 
 
 def _batches(source: Iterable[Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -74,7 +77,8 @@ def train_rows(
         torch.manual_seed(0)
         model = ResNet18(num_classes).to(dev)
         if dev.type == "cuda":
-            model = model.to(memory_format=torch.channels_last)
+            # Module.to takes memory_format, but torch's overloads do not list it.
+            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         waited = computed = 0.0
         done = 0
@@ -93,7 +97,7 @@ def train_rows(
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 loss = nn.functional.cross_entropy(model(x), y.to(dev))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            torch.autograd.backward(loss)  # loss.backward(), which torch leaves unannotated
             opt.step()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)

@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset
+
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
 from dlop.formats import ArchiveReader, ArchiveWriter
 from dlop.runtime import Loader, open_archive
-from torch.utils.data import DataLoader, Dataset
 
 from .common import Row, first_batch_ms, interleaved, loader_epoch, rate_row
 
@@ -218,7 +219,7 @@ def _loader_rows(
         "memcpy",
         first_batch_ms=first_ms,
     )
-    row.extra["vs_naive"] = round(row.samples_per_s / (naive.samples_per_s or 1), 1)
+    row.extra["vs_naive"] = _vs_naive(row, naive)
     row0 = rate_row(
         workload,
         "dlop Loader, prefetch=0 (gathers on the training thread)",
@@ -228,8 +229,15 @@ def _loader_rows(
         memcpy,
         "memcpy",
     )
-    row0.extra["vs_naive"] = round(row0.samples_per_s / (naive.samples_per_s or 1), 1)
+    row0.extra["vs_naive"] = _vs_naive(row0, naive)
     return [memcpy, row, row0, naive]
+
+
+def _vs_naive(row: Row, naive: Row) -> float | None:
+    """The row's rate over the naive pipeline's, rounded for the table."""
+    if not row.samples_per_s or not naive.samples_per_s:
+        return None
+    return round(row.samples_per_s / naive.samples_per_s, 1)
 
 
 def _workload(

@@ -1,0 +1,69 @@
+"""dlop-bench's `--only` choices are the sections it can run, dispatched in order."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dlop.tools.bench import cli, compile_bench, runtime_bench
+from dlop.tools.bench.common import Row
+
+
+def _stub(name: str, calls: list[str]) -> Callable[[cli._Run], list[Row]]:
+    def section(run: cli._Run) -> list[Row]:
+        calls.append(name)
+        return [Row(f"{name}: toy", name, 1.0)]
+
+    return section
+
+
+def test_only_choices_are_the_runnable_sections() -> None:
+    only = next(a for a in cli.build_parser()._actions if "--only" in a.option_strings)
+    assert only.choices == list(cli.SECTIONS)
+    assert set(cli.DEFAULT_SECTIONS) < set(cli.SECTIONS)
+    assert all(callable(run) for run in cli.SECTIONS.values())
+
+
+def test_only_runs_the_chosen_sections_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    for name in cli.SECTIONS:
+        monkeypatch.setitem(cli.SECTIONS, name, _stub(name, calls))
+    out = tmp_path / "out"
+    assert cli.main(["--only", "vision", "format", "--out", str(out)]) == 0
+    assert calls == ["format", "vision"]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["pipeline"] for r in rows] == ["format", "vision"]
+
+
+def test_runtime_reuses_the_compile_sections_archive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiles: list[Path] = []
+    made = compile_bench.Made(tmp_path / "corpus", tmp_path / "archive", 10.0)
+
+    def compile_run(work: Path, *args: object) -> tuple[list[Row], compile_bench.Made]:
+        compiles.append(work)
+        return [Row("compile: toy", "dlop-compile", 1.0)], made
+
+    def runtime_run(work: Path, archive: Path, corpus: Path, rate: float, *a: object) -> list[Row]:
+        assert (archive, corpus, rate) == (made.archive, made.corpus, made.naive_rate)
+        return [Row("runtime: toy", "dlop Loader", 2.0)]
+
+    monkeypatch.setattr(compile_bench, "run", compile_run)
+    monkeypatch.setattr(runtime_bench, "run", runtime_run)
+    out = tmp_path / "out"
+    assert cli.main(["--only", "runtime", "compile", "--out", str(out)]) == 0
+    assert len(compiles) == 1
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["pipeline"] for r in rows] == ["dlop-compile", "dlop Loader"]
+
+
+def test_only_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--only", "nonsense"])
+    assert "invalid choice" in capsys.readouterr().err
