@@ -52,7 +52,28 @@ def test_compiler_and_runtime_do_not_import_each_other() -> None:
     assert violations("runtime") == []
 
 
+TOP_LEVEL = ("formats", "compiler", "runtime", "tools")
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """Imports of a top-level folder by its folder name: from the repository
+    root they would load a second copy of the package beside ``dlop.X``."""
+    return {name for name in imports_of(path) if name.split(".")[0] in TOP_LEVEL}
+
+
+def test_packages_are_imported_as_dlop_only() -> None:
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for folder in (*TOP_LEVEL, "tests")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for name in top_level_imports(path)
+    ]
+    assert bad == []
+
+
 def test_the_check_catches_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "x.py"
     bad.write_text("import torch\nfrom dlop.runtime import Loader\nfrom ..compiler import x\n")
     assert {"torch", "dlop.runtime", "..compiler"} <= imports_of(bad)
+    bad.write_text("from runtime.loader import Loader\nimport dlop.runtime\nfrom .tools import x\n")
+    assert top_level_imports(bad) == {"runtime.loader"}
