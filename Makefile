@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.dlop-installed
 
-.PHONY: demo test bench bench-peers lint env clean
+.PHONY: demo test bench bench-peers lint env clean fuzz
 
 env: $(STAMP)
 
@@ -45,6 +45,11 @@ bench-peers:
 	$(PEERS)/bin/python -c "import torchvision" 2>/dev/null || \
 		echo "$(CURDIR)/tools/bench/peers-env" > "$$($(PEERS)/bin/python -c 'import site; print(site.getsitepackages()[0])')/dlop-bench-stubs.pth"
 	$(PEERS)/bin/dlop-bench --only peers --out bench-out/peers
+
+# The archive fuzzer for longer: hypothesis mutations of index.json, shard headers and
+# file kinds, in a child process with a memory cap (DLOP_FUZZ_EXAMPLES to change).
+fuzz: env
+	DLOP_FUZZ_EXAMPLES=$${DLOP_FUZZ_EXAMPLES:-5000} $(VENV)/bin/python -m pytest -q tests/formats/test_fuzz.py
 
 # mypy: one strict run over the whole dlop package (scope and settings in pyproject.toml).
 lint: env

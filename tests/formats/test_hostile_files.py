@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from dlop.formats import ArchiveWriter, Field, FormatError, SchemaError, ShardWriter, Zstd
 from dlop.formats.constants import PREAMBLE
 from dlop.formats.header import parse_header
