@@ -139,7 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="bad inputs: record and go on (default), or stop",
     )
     o.add_argument("--resume", action="store_true", help="finish an interrupted compile in OUT")
-    o.add_argument("--overwrite", action="store_true", help="replace whatever OUT holds")
+    o.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the dlop archive (or interrupted compile) in OUT; nothing else is deleted",
+    )
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
 
