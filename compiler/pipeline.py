@@ -194,30 +194,32 @@ def _test_point(moment: str) -> None:
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(TEST_SIGNAL, "KILL")))
 
 
-def _source_folders(recipe: Recipe) -> list[Path]:
-    """Every folder the layout reads from, resolved: the corpus folder (a manifest's,
-    CSV's or tar's own folder for a file source) and --images / --masks folders."""
+def _source_folders(recipe: Recipe) -> list[tuple[Path, bool]]:
+    """The folders the layout reads from, resolved, each with whether it is read
+    whole (listed recursively). A file source (a manifest, a .tar, a brace pattern)
+    counts as the folder holding it, which is not read whole; --images and --masks
+    folders are."""
     source = recipe.source
-    if "{" in source:  # a brace pattern: the folder it expands in
-        base = Path(source[: source.index("{")] + "x").parent
+    if "{" in source:  # a brace pattern: the folder of the text before the first brace
+        base, whole = Path(os.path.dirname(source[: source.index("{")]) or "."), False
     else:
-        base = Path(source)
-        if not base.is_dir():
-            base = base.parent
-    folders = [base]
+        base, whole = Path(source), Path(source).is_dir()
+        base = base if whole else base.parent
+    folders = [(base, whole)]
     for extra in (recipe.images, *(recipe.masks or ())):
         if extra:
-            folders.append(Path(extra) if Path(extra).is_absolute() else base / extra)
-    return [f.resolve() for f in folders]
+            folders.append((Path(extra) if Path(extra).is_absolute() else base / extra, True))
+    return [(f.resolve(), w) for f, w in folders]
 
 
 def _check_apart(out: Path, recipe: Recipe) -> None:
-    """Refuses an OUT that is, holds, or lies inside a folder the corpus is read from."""
+    """Refuses an OUT that is or holds a folder the corpus is read from, or lies inside
+    one that the layout lists (where the next compile would read the archive as input)."""
     target = out.resolve()
-    for folder in _source_folders(recipe):
+    for folder, whole in _source_folders(recipe):
         if target == folder:
             how = "is the corpus folder"
-        elif folder in target.parents:
+        elif whole and folder in target.parents:
             how = f"lies inside the corpus folder {folder}"
         elif target in folder.parents:
             how = f"contains the corpus folder {folder}"
