@@ -565,7 +565,7 @@ def _main_module_hidden() -> Iterator[None]:
     its children avoids both.
     """
     main = sys.modules.get("__main__")
-    saved = {
+    saved: dict[str, Any] = {
         a: main.__dict__[a]
         for a in ("__file__", "__spec__")
         if main is not None and a in main.__dict__
