@@ -308,10 +308,12 @@ def _clear_output(out: Path, resume: bool, overwrite: bool) -> None:
             "nothing was deleted. Choose a new or empty folder"
         )
     if not overwrite:
-        what = "an archive" if has_index else "an interrupted compile"
-        raise CompileError(
-            f"{out}: already holds {what}; choose a new path, --overwrite it, or --resume"
+        what = (
+            "an archive; choose a new path or --overwrite it"
+            if has_index
+            else "an interrupted compile; --resume it, --overwrite it, or choose a new path"
         )
+        raise CompileError(f"{out}: already holds {what}")
     foreign = [n for n in names if not (_ARCHIVE_FILE.fullmatch(n) and (out / n).is_file())]
     if foreign:
         raise CompileError(
