@@ -57,12 +57,16 @@ DTYPES: dict[str, np.dtype] = {
 
 KINDS = ("array", "bytes", "str")
 
-# Block table (SPEC.md §4): one u64 row of these columns per zstd block.
+# Block table (SPEC.md §4): one row of these u64 columns per block of a block-coded
+# field: compressed offset within `data`, compressed length, first sample,
+# uncompressed length, CRC-32 of the compressed bytes. Code names a column through
+# BLOCK_ROW (``table["raw_length"]``), never by its position.
 BLOCK_COLUMNS = ("comp_offset", "comp_length", "first_sample", "raw_length", "crc32")
-BLOCK_ROW_BYTES = 8 * len(BLOCK_COLUMNS)
+BLOCK_DTYPE = np.dtype("<u8")
+BLOCK_ROW = np.dtype([(column, BLOCK_DTYPE) for column in BLOCK_COLUMNS])
+BLOCK_ROW_BYTES = BLOCK_ROW.itemsize
 OFFSET_DTYPE = np.dtype("<u8")
 SHAPE_DTYPE = np.dtype("<i8")
-BLOCK_DTYPE = np.dtype("<u8")
 
 DEFAULT_BLOCK_BYTES = 256 << 10
 DEFAULT_ZSTD_LEVEL = 3

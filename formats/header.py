@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .codecs import Zstd
 from .constants import (
     ALIGNMENT,
     BLOCK_ROW_BYTES,
@@ -50,7 +49,7 @@ class FieldLayout:
     field: Field
     regions: dict[str, Region]
     value_count: int | None = None  # ragged fields
-    num_blocks: int | None = None  # zstd fields
+    num_blocks: int | None = None  # block-coded fields
 
     def to_json(self) -> dict[str, Any]:
         out = self.field.to_json()
@@ -79,9 +78,7 @@ def required_regions(f: Field) -> tuple[str, ...]:
     names: list[str] = []
     if f.ragged:
         names += ["shapes", "offsets"]
-    if isinstance(f.codec, Zstd):
-        names.append("blocks")
-    names.append("data")
+    names += f.codec.regions
     return tuple(names)
 
 
@@ -221,7 +218,7 @@ def _field_layout(
         value_count = _int(path, obj, "value_count", where)
         _expect_len(path, where, "shapes", regions["shapes"], n * f.ndim * 8)
         _expect_len(path, where, "offsets", regions["offsets"], (n + 1) * 8)
-    if isinstance(f.codec, Zstd):
+    if "blocks" in regions:
         num_blocks = _int(path, obj, "num_blocks", where)
         if (num_blocks == 0) != (n == 0) or num_blocks > n:
             raise FormatError(path, f"{where}: {num_blocks} blocks for {n} samples")

@@ -19,14 +19,15 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-import zstandard
 
-from .codecs import Zstd, unshuffle_bytes
+from .codecs import BlockCoder, FrameError
 from .constants import (
+    BLOCK_COLUMNS,
     BLOCK_DTYPE,
+    BLOCK_ROW,
     MAX_BLOCK_RAW_BYTES,
     MAX_DIM,
     MAX_SAMPLE_BYTES,
@@ -64,15 +65,27 @@ class Problem:
 
 
 class _FieldState:
-    __slots__ = ("blocks", "field", "first_samples", "layout", "offsets", "shapes")
+    __slots__ = (
+        "coder",
+        "field",
+        "first_samples",
+        "layout",
+        "offsets",
+        "shapes",
+        "store",
+        "table",
+    )
 
     def __init__(self, layout: FieldLayout) -> None:
         self.layout = layout
         self.field = layout.field
         self.offsets: np.ndarray | None = None
         self.shapes: np.ndarray | None = None
-        self.blocks: np.ndarray | None = None
+        self.table: np.ndarray | None = None  # BLOCK_ROW records of a block-coded field
         self.first_samples: np.ndarray | None = None
+        # The one place the reader looks at the codec: how the values are stored.
+        self.coder: BlockCoder | None = layout.field.codec.block_coder()
+        self.store: _Store = _MAPPED if self.coder is None else _BLOCKS
 
 
 class BlockCache:
@@ -107,16 +120,6 @@ class BlockCache:
 
 
 _READER_TOKENS = itertools.count()
-
-# Decompression contexts are not safe to share between threads: one per thread.
-_ZSTD = threading.local()
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    dctx = getattr(_ZSTD, "dctx", None)
-    if dctx is None:
-        dctx = _ZSTD.dctx = zstandard.ZstdDecompressor()
-    return dctx
 
 
 class ShardReader:
@@ -193,11 +196,7 @@ class ShardReader:
             offsets = self._region(st, "offsets", OFFSET_DTYPE)
             self._check_ragged(st, shapes, offsets)
             st.shapes, st.offsets = shapes, offsets
-        if isinstance(f.codec, Zstd):
-            blocks = self._region(st, "blocks", BLOCK_DTYPE).reshape(-1, 5)
-            self._check_blocks(st, blocks)
-            st.blocks = blocks
-            st.first_samples = blocks[:, 2].astype(np.int64)
+        st.store.load(self, st)
 
     def _check_crc(self, st: _FieldState, rname: str, r: Region) -> None:
         if _crc(self._u8[r.offset : r.end]) != r.crc32:
@@ -246,19 +245,20 @@ class ShardReader:
             bad = int(np.argmax(np.prod(shapes, axis=1) != counts)) if len(counts) else 0
             raise self._fail(st, f"sample {bad}: stored shape does not match its offsets")
 
-    def _check_blocks(self, st: _FieldState, blocks: np.ndarray) -> None:
+    def _check_blocks(self, st: _FieldState, table: np.ndarray) -> None:
         n, data = self.num_samples, st.layout.regions["data"]
-        if not len(blocks):
+        if not len(table):
             if data.length:
                 raise self._fail(st, "no blocks, but the data region is not empty")
             return
-        comp_off, comp_len, first, raw_len = (blocks[:, j] for j in range(4))
+        comp_off, comp_len = table["comp_offset"], table["comp_length"]
+        first, raw_len = table["first_sample"], table["raw_length"]
         ends = comp_off + comp_len
         if comp_off[0] != 0 or np.any(comp_off[1:] != ends[:-1]) or int(ends[-1]) != data.length:
             raise self._fail(st, "block table does not cover the data region exactly and in order")
         if first[0] != 0 or np.any(first[1:] <= first[:-1]) or int(first[-1]) >= n:
             raise self._fail(st, "block first-sample column must start at 0 and strictly increase")
-        if np.any(blocks[:, 4] > 0xFFFFFFFF):
+        if np.any(table["crc32"] > 0xFFFFFFFF):
             raise self._fail(st, "block CRC-32 column holds a value wider than 32 bits")
         # Bound what a block may decode to before anything trusts it (SPEC.md §8): the
         # spec's cap, and what a Zstandard frame of that size can possibly hold.
@@ -304,10 +304,13 @@ class ShardReader:
         """A fixed raw field as one zero-copy ``[num_samples, *shape]`` view."""
         st = self._st(name)
         f = st.field
-        if f.ragged or f.codec.name != "raw":
-            raise SchemaError(f"{self.path}: field {name!r} is not a fixed raw field")
-        shape = (self.num_samples, *(d for d in f.shape if d is not None))
-        return self._region(st, "data", f.np_dtype).reshape(shape)
+        values = st.store.view(self, st)
+        if f.ragged or values is None:
+            raise SchemaError(
+                f"{self.path}: field {name!r} is not a fixed field stored as it is "
+                f"(it is {'ragged' if f.ragged else f.codec.describe()}); use read_range() or get()"
+            )
+        return values.reshape(self.num_samples, *(d for d in f.shape if d is not None))
 
     def read_range(
         self, name: str, start: int, stop: int, out: np.ndarray | None = None
@@ -318,7 +321,8 @@ class ShardReader:
         copying): a single cached-store memcpy of a few MiB reaches about half
         the bandwidth that two cores do.
         """
-        f = self._st(name).field
+        st = self._st(name)
+        f = st.field
         if f.ragged:
             raise SchemaError(f"{self.path}: field {name!r} is ragged; read samples with get()")
         if not 0 <= start <= stop <= self.num_samples:
@@ -330,30 +334,20 @@ class ShardReader:
             raise SchemaError(
                 f"{self.path}: out is {out.dtype}{list(out.shape)}, need {f.np_dtype}{list(shape)}"
             )
-        if f.codec.name == "raw":
-            parallel_copy(out, self.array(name)[start:stop])
-            return out
-        # zstd: whole blocks, each decoded once, sliced to the overlap with start:stop
-        st = self._st(name)
-        assert st.first_samples is not None  # zstd fields always have a block table
-        k = self.block_of(name, start) if stop > start else len(st.first_samples)
-        while k < len(st.first_samples) and int(st.first_samples[k]) < stop:
-            first = int(st.first_samples[k])
-            last = (
-                int(st.first_samples[k + 1]) if k + 1 < len(st.first_samples) else self.num_samples
-            )
-            a, b = max(start, first), min(stop, last)
-            block = self.decode_block(name, k).reshape(-1, *shape[1:])
-            out[a - start : b - start] = block[a - first : b - first]
-            k += 1
+        st.store.copy_range(self, st, start, stop, out)
         return out
 
     def values(self, name: str) -> np.ndarray:
         """A raw ragged field's concatenated values, as a zero-copy 1-D view."""
         st = self._st(name)
-        if not st.field.ragged or st.field.codec.name != "raw":
-            raise SchemaError(f"{self.path}: field {name!r} is not a ragged raw field")
-        return self._region(st, "data", st.field.np_dtype)
+        values = st.store.view(self, st)
+        if not st.field.ragged or values is None:
+            raise SchemaError(
+                f"{self.path}: field {name!r} is not a ragged field stored as it is "
+                f"(it is {'fixed' if not st.field.ragged else st.field.codec.describe()}); "
+                "read samples with get()"
+            )
+        return values
 
     def offsets(self, name: str) -> np.ndarray:
         """u64 ``[num_samples + 1]`` element offsets of a ragged field."""
@@ -369,25 +363,40 @@ class ShardReader:
             raise SchemaError(f"{self.path}: field {name!r} is not ragged")
         return st.shapes
 
-    def blocks(self, name: str) -> np.ndarray:
-        """u64 ``[num_blocks, 5]`` block table of a zstd field (SPEC.md §4)."""
+    def value_bytes(self, name: str) -> int:
+        """Bytes the field's values take uncompressed (its data region when stored as they are)."""
         st = self._st(name)
-        if st.blocks is None:
-            raise SchemaError(f"{self.path}: field {name!r} is not zstd-coded")
-        return st.blocks
+        return st.store.value_bytes(self, st)
+
+    def block_table(self, name: str) -> np.ndarray:
+        """The block table of a block-coded field as ``[num_blocks]`` BLOCK_ROW records,
+        columns by name: ``table["raw_length"]`` (SPEC.md §4)."""
+        st = self._st(name)
+        if st.table is None:
+            raise SchemaError(
+                f"{self.path}: field {name!r} has no block table (codec {st.field.codec.describe()})"
+            )
+        return st.table
+
+    def blocks(self, name: str) -> np.ndarray:
+        """u64 ``[num_blocks, 5]`` block table of a block-coded field, columns in the order
+        of BLOCK_COLUMNS (SPEC.md §4); block_table() names them."""
+        return self.block_table(name).view(BLOCK_DTYPE).reshape(-1, len(BLOCK_COLUMNS))
 
     def block_of(self, name: str, index: int) -> int:
         st = self._st(name)
         if st.first_samples is None:
-            raise SchemaError(f"{self.path}: field {name!r} is not zstd-coded")
+            raise SchemaError(
+                f"{self.path}: field {name!r} has no block table (codec {st.field.codec.describe()})"
+            )
         return int(np.searchsorted(st.first_samples, index, side="right")) - 1
 
     def compressed_block(self, name: str, block: int) -> memoryview:
         """The stored frame bytes of one block, zero-copy."""
         st = self._st(name)
-        row = self.blocks(name)[block]
-        start = st.layout.regions["data"].offset + int(row[0])
-        return memoryview(self._mm)[start : start + int(row[1])]
+        row = self.block_table(name)[block]
+        start = st.layout.regions["data"].offset + int(row["comp_offset"])
+        return memoryview(self._mm)[start : start + int(row["comp_length"])]
 
     def decode_block(self, name: str, block: int, *, cached: bool = True) -> np.ndarray:
         """One block's values, decompressed and unshuffled: 1-D array of the field's dtype.
@@ -406,27 +415,20 @@ class ShardReader:
         return values
 
     def _decode_block(self, st: _FieldState, block: int) -> np.ndarray:
-        assert st.blocks is not None and isinstance(st.field.codec, Zstd)
-        raw_len = int(st.blocks[block, 3])
-        frame = self.compressed_block(st.field.name, block)
+        name, coder, table = st.field.name, st.coder, self.block_table(st.field.name)
+        if coder is None:  # a field with a block table always has a block coder
+            raise SchemaError(f"{self.path}: field {name!r} has no block coder")
+        raw_len = int(table["raw_length"][block])
+        frame = self.compressed_block(name, block)
         try:
-            declared = zstandard.frame_content_size(frame)
-            if declared != raw_len:
-                raise FormatError(
-                    self.path,
-                    f"field {st.field.name!r} block {block}: frame declares {declared} bytes, table says {raw_len}",
-                )
-            data = _decompressor().decompress(frame, max_output_size=raw_len)
-        except zstandard.ZstdError as e:
-            raise FormatError(self.path, f"field {st.field.name!r} block {block}: {e}") from None
-        if len(data) != raw_len:
+            u8 = coder.decode(frame, raw_len, st.field.itemsize)
+        except FrameError as e:
+            raise FormatError(self.path, f"field {name!r} block {block}: {e}") from None
+        if u8.nbytes != raw_len:
             raise FormatError(
                 self.path,
-                f"field {st.field.name!r} block {block}: decoded {len(data)} bytes, expected {raw_len}",
+                f"field {name!r} block {block}: decoded {u8.nbytes} bytes, expected {raw_len}",
             )
-        u8 = np.frombuffer(data, np.uint8)
-        if st.field.codec.shuffle:
-            u8 = unshuffle_bytes(u8, st.field.itemsize)
         return u8.view(st.field.np_dtype)
 
     def get(self, name: str, index: int) -> Value:
@@ -443,18 +445,7 @@ class ShardReader:
             count = f.sample_bytes // f.itemsize
             lo, hi = index * count, (index + 1) * count
             shape = tuple(d for d in f.shape if d is not None)
-        if isinstance(f.codec, Zstd):
-            k = self.block_of(name, index)
-            assert st.first_samples is not None
-            first = int(st.first_samples[k])
-            base = (
-                int(st.offsets[first])
-                if st.offsets is not None
-                else first * (f.sample_bytes // f.itemsize)
-            )
-            arr = self.decode_block(name, k)[lo - base : hi - base]
-        else:
-            arr = self._region(st, "data", f.np_dtype)[lo:hi]
+        arr = st.store.span(self, st, index, lo, hi)
         if f.kind == "bytes":
             return arr.tobytes()
         if f.kind == "str":
@@ -477,19 +468,10 @@ class ShardReader:
         p = str(self.path)
         for name, st in self._state.items():
             data = st.layout.regions["data"]
-            if st.blocks is not None:
-                for k, row in enumerate(st.blocks):
-                    frame = self.compressed_block(name, k)
-                    if _crc(frame) != int(row[4]):
-                        problems.append(Problem(p, name, k, "block CRC-32 mismatch"))
-                        continue
-                    try:
-                        self._decode_block(st, k)
-                    except FormatError as e:
-                        problems.append(Problem(p, name, k, e.problem))
+            found = st.store.verify(self, st)
             if _crc(self._u8[data.offset : data.end]) != data.crc32:
-                if not any(pr.field == name for pr in problems):
-                    problems.append(
+                if not found:
+                    found.append(
                         Problem(
                             p,
                             name,
@@ -497,19 +479,14 @@ class ShardReader:
                             f"data region (bytes {data.offset}..{data.end}) CRC-32 mismatch",
                         )
                     )
-            elif self._bool_bad(st):
-                problems.append(Problem(p, name, None, "bool field holds bytes other than 0 and 1"))
+            elif st.field.dtype == "bool" and st.store.bool_bad(self, st):
+                found.append(Problem(p, name, None, "bool field holds bytes other than 0 and 1"))
+            problems += found
         return problems
 
     def file_crc32(self) -> int:
         """CRC-32 of the whole file, as recorded in the archive index."""
         return _crc(self._u8)
-
-    def _bool_bad(self, st: _FieldState) -> bool:
-        if st.field.dtype != "bool" or st.field.codec.name != "raw":
-            return False
-        data = st.layout.regions["data"]
-        return bool(np.any(self._u8[data.offset : data.end] > 1))
 
     def close(self) -> None:
         """Unmaps the file unless views of it are still alive (they keep it mapped)."""
@@ -518,7 +495,7 @@ class ShardReader:
             return
         self._u8 = np.empty(0, np.uint8)
         for st in getattr(self, "_state", {}).values():
-            st.offsets = st.shapes = st.blocks = None
+            st.offsets = st.shapes = st.table = st.first_samples = None
         # A caller may still hold a view; the mapping then goes when it does.
         with contextlib.suppress(BufferError):
             mm.close()
@@ -529,6 +506,123 @@ class ShardReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+class _Store(Protocol):
+    """How a field's values are stored (SPEC.md §4), chosen once per field from its codec."""
+
+    def load(self, r: ShardReader, st: _FieldState) -> None:
+        """Loads and checks the storage's own metadata when the shard opens."""
+
+    def view(self, r: ShardReader, st: _FieldState) -> np.ndarray | None:
+        """All values as one zero-copy 1-D view, or None when they are not stored as they are."""
+
+    def span(self, r: ShardReader, st: _FieldState, index: int, lo: int, hi: int) -> np.ndarray:
+        """Elements ``lo:hi`` of the values: those of sample ``index``, 1-D."""
+
+    def copy_range(
+        self, r: ShardReader, st: _FieldState, start: int, stop: int, out: np.ndarray
+    ) -> None:
+        """Copies samples ``start:stop`` of a fixed field into ``out``."""
+
+    def value_bytes(self, r: ShardReader, st: _FieldState) -> int:
+        """Bytes of the values, uncompressed."""
+
+    def verify(self, r: ShardReader, st: _FieldState) -> list[Problem]:
+        """Problems with the storage's own checksums and frames."""
+
+    def bool_bad(self, r: ShardReader, st: _FieldState) -> bool:
+        """Whether a bool field holds bytes other than 0 and 1 (checked where it is cheap)."""
+
+
+class _Mapped:
+    """Values stored as they are: every read is a slice of the mapping, zero-copy."""
+
+    def load(self, r: ShardReader, st: _FieldState) -> None:
+        pass
+
+    def view(self, r: ShardReader, st: _FieldState) -> np.ndarray:
+        return r._region(st, "data", st.field.np_dtype)
+
+    def span(self, r: ShardReader, st: _FieldState, index: int, lo: int, hi: int) -> np.ndarray:
+        return self.view(r, st)[lo:hi]
+
+    def copy_range(
+        self, r: ShardReader, st: _FieldState, start: int, stop: int, out: np.ndarray
+    ) -> None:
+        values = self.view(r, st).reshape(r.num_samples, *out.shape[1:])
+        parallel_copy(out, values[start:stop])
+
+    def value_bytes(self, r: ShardReader, st: _FieldState) -> int:
+        return st.layout.regions["data"].length
+
+    def verify(self, r: ShardReader, st: _FieldState) -> list[Problem]:
+        return []
+
+    def bool_bad(self, r: ShardReader, st: _FieldState) -> bool:
+        data = st.layout.regions["data"]
+        return bool(np.any(r._u8[data.offset : data.end] > 1))
+
+
+class _Blocks:
+    """Values in blocks of whole samples, one frame each, found through the block table;
+    decoded blocks go through the reader's block cache."""
+
+    def load(self, r: ShardReader, st: _FieldState) -> None:
+        table = r._region(st, "blocks", BLOCK_DTYPE).view(BLOCK_ROW)
+        r._check_blocks(st, table)
+        st.table = table
+        st.first_samples = table["first_sample"].astype(np.int64)
+
+    def view(self, r: ShardReader, st: _FieldState) -> None:
+        return None
+
+    def span(self, r: ShardReader, st: _FieldState, index: int, lo: int, hi: int) -> np.ndarray:
+        f = st.field
+        k = r.block_of(f.name, index)
+        first = int(r.block_table(f.name)["first_sample"][k])
+        base = (
+            int(st.offsets[first])
+            if st.offsets is not None
+            else first * (f.sample_bytes // f.itemsize)
+        )
+        return r.decode_block(f.name, k)[lo - base : hi - base]
+
+    def copy_range(
+        self, r: ShardReader, st: _FieldState, start: int, stop: int, out: np.ndarray
+    ) -> None:
+        # Whole blocks, each decoded once, sliced to their overlap with start:stop.
+        name = st.field.name
+        firsts = r.block_table(name)["first_sample"]
+        k = r.block_of(name, start) if stop > start else len(firsts)
+        while k < len(firsts) and int(firsts[k]) < stop:
+            first = int(firsts[k])
+            last = int(firsts[k + 1]) if k + 1 < len(firsts) else r.num_samples
+            a, b = max(start, first), min(stop, last)
+            block = r.decode_block(name, k).reshape(-1, *out.shape[1:])
+            out[a - start : b - start] = block[a - first : b - first]
+            k += 1
+
+    def value_bytes(self, r: ShardReader, st: _FieldState) -> int:
+        return int(r.block_table(st.field.name)["raw_length"].sum())
+
+    def verify(self, r: ShardReader, st: _FieldState) -> list[Problem]:
+        p, name, problems = str(r.path), st.field.name, []
+        for k, crc in enumerate(r.block_table(name)["crc32"].tolist()):
+            if _crc(r.compressed_block(name, k)) != crc:
+                problems.append(Problem(p, name, k, "block CRC-32 mismatch"))
+                continue
+            try:
+                r._decode_block(st, k)
+            except FormatError as e:
+                problems.append(Problem(p, name, k, e.problem))
+        return problems
+
+    def bool_bad(self, r: ShardReader, st: _FieldState) -> bool:
+        return False  # values are checked as blocks decode, not all at once here
+
+
+_MAPPED = _Mapped()
+_BLOCKS = _Blocks()
 
 _POOL: ThreadPoolExecutor | None = None
 _PARALLEL_MIN_BYTES = 4 << 20

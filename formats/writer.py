@@ -1,7 +1,7 @@
 """Streaming shard writer (SPEC.md §2-§5).
 
 Each field's values are spooled to a temporary file beside the shard while
-samples arrive (a zstd field keeps only its current block in memory); closing
+samples arrive (a block-coded field keeps only its current block in memory); closing
 lays out header and regions into a temporary file and renames it into place,
 so a shard file either is complete or does not exist.
 """
@@ -18,9 +18,10 @@ from typing import IO, Any
 
 import numpy as np
 
-from .codecs import Zstd, shuffle_bytes, zstd_compressor
+from .codecs import BlockCoder
 from .constants import (
-    BLOCK_DTYPE,
+    BLOCK_COLUMNS,
+    BLOCK_ROW,
     MAX_BLOCK_RAW_BYTES,
     MAX_DIM,
     MAX_FIELD_BYTES,
@@ -75,61 +76,112 @@ class _Spool:
         self.path.unlink(missing_ok=True)
 
 
+class _PlainSink:
+    """Values stored as they are: every payload goes straight to the data spool."""
+
+    def __init__(self, data: _Spool) -> None:
+        self.data = data
+
+    @property
+    def pending_bytes(self) -> int:
+        return 0
+
+    @property
+    def num_blocks(self) -> int | None:
+        return None
+
+    def add(self, payload: bytes, index: int) -> None:
+        self.data.write(payload)
+
+    def flush(self) -> None:
+        pass
+
+    def small_regions(self) -> dict[str, bytes]:
+        return {}
+
+
+class _BlockSink:
+    """Values in blocks of whole samples, each block stored as one frame and listed
+    in the block table (SPEC.md §4); only the current block is held in memory."""
+
+    def __init__(self, field: Field, data: _Spool, coder: BlockCoder) -> None:
+        self.field = field
+        self.data = data
+        self.block_bytes = coder.block_bytes
+        self.encode = coder.encoder(field.itemsize)
+        self.block = bytearray()
+        self.block_first = 0
+        self.block_samples = 0
+        self.rows: list[tuple[int, ...]] = []
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self.block)
+
+    @property
+    def num_blocks(self) -> int | None:
+        return len(self.rows)
+
+    def add(self, payload: bytes, index: int) -> None:
+        if len(payload) > MAX_BLOCK_RAW_BYTES:
+            raise SchemaError(
+                f"sample {index} field {self.field.name!r}: {len(payload)} bytes exceed the "
+                f"{MAX_BLOCK_RAW_BYTES}-byte block limit of codec "
+                f"{self.field.codec.describe()}; store such samples with codec raw"
+            )
+        if len(self.block) + len(payload) > MAX_BLOCK_RAW_BYTES:
+            self.flush()  # a block never decodes to more than the limit
+        if self.block_samples == 0:
+            self.block_first = index
+        self.block += payload
+        self.block_samples += 1
+        if len(self.block) >= self.block_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.block_samples:
+            return
+        frame = self.encode(bytes(self.block))
+        row = {
+            "comp_offset": self.data.length,
+            "comp_length": len(frame),
+            "first_sample": self.block_first,
+            "raw_length": len(self.block),
+            "crc32": zlib.crc32(frame),
+        }
+        self.rows.append(tuple(row[c] for c in BLOCK_COLUMNS))
+        self.data.write(frame)
+        self.block.clear()
+        self.block_samples = 0
+
+    def small_regions(self) -> dict[str, bytes]:
+        return {"blocks": np.array(self.rows, dtype=BLOCK_ROW).tobytes()}
+
+
 class _FieldSink:
     def __init__(self, field: Field, spool: Path) -> None:
         self.field = field
         self.data = _Spool(spool)
         self.offsets = array("q", [0]) if field.ragged else None
         self.shapes = array("q") if field.ragged else None
-        self.zstd = field.codec if isinstance(field.codec, Zstd) else None
-        self.cctx = zstd_compressor(self.zstd) if self.zstd else None
-        self.block = bytearray()
-        self.block_first = 0
-        self.block_samples = 0
-        self.block_rows: list[tuple[int, int, int, int, int]] = []
+        # The one place the writer looks at the codec: how it stores values.
+        coder = field.codec.block_coder()
+        self.values: _PlainSink | _BlockSink = (
+            _PlainSink(self.data) if coder is None else _BlockSink(field, self.data, coder)
+        )
 
     def add(self, payload: bytes, shape: tuple[int, ...], index: int) -> None:
         if self.offsets is not None and self.shapes is not None:
             self.offsets.append(self.offsets[-1] + len(payload) // self.field.itemsize)
             self.shapes.extend(shape)
-        if self.zstd is None:
-            self.data.write(payload)
-            return
-        if len(payload) > MAX_BLOCK_RAW_BYTES:
-            raise SchemaError(
-                f"sample {index} field {self.field.name!r}: {len(payload)} bytes exceed the "
-                f"{MAX_BLOCK_RAW_BYTES}-byte zstd block limit; store such samples with codec raw"
-            )
-        if len(self.block) + len(payload) > MAX_BLOCK_RAW_BYTES:
-            self.flush_block()  # a block never decodes to more than the limit
-        if self.block_samples == 0:
-            self.block_first = index
-        self.block += payload
-        self.block_samples += 1
-        if len(self.block) >= self.zstd.block_bytes:
-            self.flush_block()
-
-    def flush_block(self) -> None:
-        if not self.block_samples or self.zstd is None or self.cctx is None:
-            return
-        raw = bytes(self.block)
-        if self.zstd.shuffle:
-            raw = shuffle_bytes(raw, self.field.itemsize).tobytes()
-        comp = self.cctx.compress(raw)
-        self.block_rows.append(
-            (self.data.length, len(comp), self.block_first, len(raw), zlib.crc32(comp))
-        )
-        self.data.write(comp)
-        self.block.clear()
-        self.block_samples = 0
+        self.values.add(payload, index)
 
     def small_regions(self) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
         if self.offsets is not None and self.shapes is not None:
             out["shapes"] = np.asarray(self.shapes, dtype=SHAPE_DTYPE).tobytes()
             out["offsets"] = np.asarray(self.offsets, dtype=OFFSET_DTYPE).tobytes()
-        if self.zstd is not None:
-            out["blocks"] = np.asarray(self.block_rows, dtype=BLOCK_DTYPE).reshape(-1, 5).tobytes()
+        out.update(self.values.small_regions())
         return out
 
 
@@ -157,7 +209,7 @@ class ShardWriter:
     @property
     def bytes_written(self) -> int:
         """Uncompressed-or-compressed bytes spooled so far (for shard rotation)."""
-        return sum(s.data.length + len(s.block) for s in self._sinks)
+        return sum(s.data.length + s.values.pending_bytes for s in self._sinks)
 
     def write(self, sample: Mapping[str, Any]) -> None:
         if self._closed:
@@ -220,7 +272,7 @@ class ShardWriter:
 
     def _assemble(self) -> ShardInfo:
         for s in self._sinks:
-            s.flush_block()
+            s.values.flush()
         smalls = [s.small_regions() for s in self._sinks]
 
         def layout(header_end: int) -> tuple[list[FieldLayout], int]:
@@ -241,7 +293,7 @@ class ShardWriter:
                         sink.field,
                         regions,
                         sink.offsets[-1] if sink.offsets is not None else None,
-                        len(sink.block_rows) if sink.zstd is not None else None,
+                        sink.values.num_blocks,
                     )
                 )
             return out, align(cursor)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from dlop.formats import ArchiveReader, DlopError, Field
-from dlop.formats.codecs import Zstd
+from dlop.formats.codecs import codec_from_json
 
 from .render import as_float, render_sample
 
@@ -26,10 +26,7 @@ def archive_summary(reader: ArchiveReader) -> dict[str, Any]:
             shard = reader.shard(k)
             layout = shard.layout_of(name)
             stored += sum(r.length for r in layout.regions.values())
-            if isinstance(f.codec, Zstd):
-                raw += int(shard.blocks(name)[:, 3].sum())
-            else:
-                raw += layout.regions["data"].length
+            raw += shard.value_bytes(name)
             if f.ragged:
                 axes = [i for i, d in enumerate(f.shape) if d is None]
                 lengths.append(shard.shapes(name)[:, axes])
@@ -84,11 +81,7 @@ def print_info(s: dict[str, Any]) -> None:
     print("fields")
     rows = [["name", "kind", "dtype", "shape", "codec", "stored", "ratio", "ragged min/mean/max"]]
     for name, f in s["fields"].items():
-        codec = f["codec"]["name"] + (
-            f":{f['codec']['level']}" if f["codec"]["name"] == "zstd" else ""
-        )
-        if f["codec"].get("shuffle"):
-            codec += "+shuffle"
+        codec = codec_from_json(f["codec"]).describe()
         shape = "[" + ", ".join("*" if d is None else str(d) for d in f["shape"]) + "]"
         rl = f.get("ragged_lengths")
         ragged = (
