@@ -34,7 +34,9 @@ import importlib
 import itertools
 import os
 import queue
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
@@ -142,6 +144,21 @@ def _lower_priority() -> None:
             )
 
 
+# Every JobThread started and not yet seen to end: interpreter exit waits for them
+# all (_close_all), including one whose owner was collected on that very thread.
+_threads: set[JobThread] = set()
+_threads_lock = threading.Lock()
+
+
+def _wait_native_exit(native_id: int | None, deadline: float) -> None:
+    """Polls until the native thread is gone from /proc/self/task (Linux), or ``deadline``."""
+    if native_id is None or not sys.platform.startswith("linux"):
+        return
+    task = f"/proc/self/task/{native_id}"
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.0005)
+
+
 class JobThread(threading.Thread):
     """A persistent daemon thread running submitted jobs in order until ``stop``.
 
@@ -155,6 +172,13 @@ class JobThread(threading.Thread):
         self.jobs: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self.lower_priority = lower_priority
         self.pid = os.getpid()
+        with _threads_lock:
+            # Threads that ended without being waited for (their owner let go of
+            # them on the thread itself) and are gone: nothing left to wait for.
+            for t in [t for t in _threads if not t.is_alive() and t.pid == self.pid]:
+                if t.native_id is None or not os.path.exists(f"/proc/self/task/{t.native_id}"):
+                    _threads.discard(t)
+            _threads.add(self)
         self.start()
 
     def run(self) -> None:
@@ -176,10 +200,29 @@ class JobThread(threading.Thread):
 
     def stop(self, timeout: float | None = None) -> None:
         """Ends the thread after the jobs already submitted; with ``timeout``, waits
-        that long for it (never when called from the thread itself)."""
+        that long for it to be gone (never when called from the thread itself)."""
         self.jobs.put(None)
         if timeout is not None and threading.current_thread() is not self:
-            self.join(timeout)
+            self.finish(timeout)
+
+    def finish(self, timeout: float) -> None:
+        """Waits until the thread has ended, down to the operating system's thread.
+
+        ``join`` returns once the thread has let go of the interpreter, but the
+        native thread still runs its thread-local destructors (torch's, OpenMP's)
+        after that. An interpreter that exits meanwhile runs the libraries'
+        static destructors under it, which can abort the process ("terminate
+        called without an active exception"). On Linux the thread's entry in
+        /proc/self/task goes when it has fully ended.
+        """
+        if self.pid != os.getpid():  # a forked child: the thread stayed in the parent
+            return
+        deadline = time.monotonic() + timeout
+        self.join(timeout)
+        if not self.is_alive():
+            with _threads_lock:
+                _threads.discard(self)
+            _wait_native_exit(self.native_id, deadline)
 
 
 class _Helper(JobThread):
@@ -430,12 +473,22 @@ class Copier:
                 helper.stop()
             for helper in self.helpers:
                 if helper is not threading.current_thread():
-                    helper.join(timeout=10)
+                    helper.finish(timeout=10)
             self.helpers.clear()
 
 
 @atexit.register
 def _close_all() -> None:
-    """Copiers still open at exit (an Archive's own) stop their helpers before shutdown."""
+    """At exit, copiers still open (an Archive's own) stop their helpers, then every
+    runtime thread still running is stopped and waited for, so none is still
+    ending while the interpreter shuts down. Registered before runtime.loader's
+    hook, so it runs after it (atexit runs hooks last-in, first-out)."""
     for copier in list(_live):
         copier.close()
+    with _threads_lock:
+        threads = [t for t in _threads if t.pid == os.getpid()]
+    for thread in threads:
+        thread.stop()
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.finish(timeout=10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch.utils.data import Dataset
 
 from .batch import Batch
 from .copier import Copier, native
+from .errors import SampleIndexError, ShardChangedError, UsageError, UsageTypeError
 from .gather import FieldGather, RaggedRowsGather, as_tensor, make_gather
 from .memory import keep_batch_memory
 
@@ -29,18 +31,23 @@ class Archive(Dataset[dict[str, Any]]):
     padded with ``pad_value`` to the batch's longest sample and come with
     ``<field>_lengths`` (``[B]``, or ``[B, k]`` for k varying dimensions);
     text fields are lists.
+
+    ``fields`` selects fields by name: a list of names, or one name as a str.
+    Every gather first checks that the shards it reads have not shrunk since
+    they were opened (see ``check_shards``).
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        fields: Sequence[str] | None = None,
+        fields: Sequence[str] | str | None = None,
         pad_value: float = 0.0,
         cache_bytes: int = 256 << 20,
     ) -> None:
         self.path = Path(path)
+        fields = _field_names(self.path, fields)
         self._options = {
-            "fields": None if fields is None else list(fields),
+            "fields": fields,
             "pad_value": pad_value,
             "cache_bytes": cache_bytes,
         }
@@ -54,6 +61,11 @@ class Archive(Dataset[dict[str, Any]]):
         self.fields: dict[str, Field] = {n: self.reader.fields[n] for n in names}
         self.pad_value = pad_value
         self.shards = [self.reader.shard(k) for k in range(self.reader.num_shards)]
+        # What each shard's file was when mapped: (size, device, inode).
+        self._files = [
+            _file_identity(s.path, info.bytes)
+            for s, info in zip(self.shards, self.reader.index.shards, strict=True)
+        ]
         self.starts = torch.from_numpy(self.reader.shard_starts.copy())
         self.gathers: dict[str, FieldGather] = {
             n: make_gather(f, self.shards, self.starts, pad_value) for n, f in self.fields.items()
@@ -68,9 +80,23 @@ class Archive(Dataset[dict[str, Any]]):
         return int(self.reader.num_samples)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        if index < 0:
-            index += len(self)
-        k, local = self.reader.locate(index)
+        """Sample ``index`` (negative counts from the end); fields are columns, so
+        ``ds[i]["x"]``, not ``ds["x"]``."""
+        if isinstance(index, str | bytes):
+            raise UsageTypeError(
+                f"{self.path}: an archive is indexed by sample number, got {index!r}; "
+                f"for a field take ds[i][{index!r}], or open_archive(path, fields=[{index!r}])"
+            )
+        if isinstance(index, bool) or not hasattr(index, "__index__"):
+            raise UsageTypeError(
+                f"{self.path}: a sample number must be an integer, got {type(index).__name__}"
+            )
+        i = operator.index(index)
+        n = len(self)
+        if not -n <= i < n:
+            raise SampleIndexError(f"{self.path}: sample {i} out of range 0..{n - 1} (or -{n}..-1)")
+        k, local = self.reader.locate(i + n if i < 0 else i)
+        self.check_shards([k])
         out: dict[str, Any] = {}
         for name, f in self.fields.items():
             value = self.shards[k].get(name, local)
@@ -80,10 +106,7 @@ class Archive(Dataset[dict[str, Any]]):
     def __getitems__(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         """A collated batch, rows in the order of ``indices``."""
         keep_batch_memory()  # fresh batches reuse freed ones instead of faulting in new pages
-        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
-        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
-            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
-            raise IndexError(f"{self.path}: sample {bad} out of range 0..{len(self) - 1}")
+        idx = self._batch_indices(indices)
         if len(idx) < 2 or bool((idx[1:] >= idx[:-1]).all()) or self._one_shard(idx):
             return self.gather(idx)  # gathers take any order within a shard
         order = torch.argsort(idx, stable=True)
@@ -98,6 +121,59 @@ class Archive(Dataset[dict[str, Any]]):
                 else value.index_select(0, inverse)
             )
         return out
+
+    def _batch_indices(self, indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """``indices`` as a flat int64 tensor, each checked against 0..len-1."""
+        if isinstance(indices, str | bytes):
+            raise UsageTypeError(f"{self.path}: __getitems__ takes sample numbers, got {indices!r}")
+        try:
+            if isinstance(indices, torch.Tensor):
+                if indices.dtype.is_floating_point or indices.dtype.is_complex:
+                    raise TypeError(indices.dtype)
+                arr = indices.detach().cpu().reshape(-1).numpy()
+            else:
+                arr = np.asarray(indices).reshape(-1)
+            if arr.dtype.kind not in "iub" and arr.size:
+                arr = np.array([operator.index(x) for x in arr.tolist()], dtype=object)
+        except (TypeError, ValueError) as e:
+            raise UsageTypeError(
+                f"{self.path}: __getitems__ takes a sequence of integer sample numbers, "
+                f"got {type(indices).__name__} ({e})"
+            ) from None
+        if arr.dtype.kind == "b":
+            raise UsageTypeError(f"{self.path}: __getitems__ takes sample numbers, not booleans")
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < 0 or hi >= len(self):
+                bad = lo if lo < 0 else hi
+                raise SampleIndexError(f"{self.path}: sample {bad} out of range 0..{len(self) - 1}")
+        return torch.from_numpy(arr.astype(np.int64))
+
+    def check_shards(self, shards: Sequence[int] | np.ndarray) -> None:
+        """Raises ShardChangedError when a shard among ``shards`` (numbers) has shrunk
+        since it was mapped; reading its pages past the new end would kill the
+        process with SIGBUS. A shard deleted or replaced by another file
+        (``os.replace``) is not an error: the mapping keeps the file it opened.
+        """
+        for k in np.unique(np.asarray(shards, dtype=np.int64)).tolist():
+            size, dev, ino = self._files[k]
+            path = self.shards[k].path
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # deleted: the mapped file lives on until unmapped
+            if st.st_ino == ino and st.st_dev == dev and st.st_size < size:
+                raise ShardChangedError(
+                    f"{path}: shard shrank from {size} to {st.st_size} bytes after the "
+                    "archive opened it; rewrite shards under a new name and os.replace "
+                    "them, never in place, while a job reads them"
+                )
+
+    def shards_of(self, indices: torch.Tensor) -> np.ndarray:
+        """The shard numbers that global ``indices`` fall in."""
+        if len(self.shards) == 1 or not len(indices):
+            return np.zeros(min(1, len(indices)), np.int64)
+        return (torch.searchsorted(self.starts, indices, right=True) - 1).numpy()
 
     def _one_shard(self, idx: torch.Tensor) -> bool:
         lo, hi = torch.searchsorted(
@@ -117,6 +193,7 @@ class Archive(Dataset[dict[str, Any]]):
         own serves, or torch's kernels where the compiled copier is missing.
         Off the main thread pass one: torch's parallel kernels are slow there.
         """
+        self.check_shards(self.shards_of(indices))
         if copier is None:
             copier = self.own_copier()
         batch = Batch()
@@ -172,8 +249,33 @@ class Archive(Dataset[dict[str, Any]]):
         self.__init__(state.pop("path"), **state)  # type: ignore[misc]
 
 
+def _field_names(path: Path, fields: Sequence[str] | str | None) -> list[str] | None:
+    """``fields`` as a list of names: a str is one name."""
+    if fields is None:
+        return None
+    names = [fields] if isinstance(fields, str) else fields
+    try:
+        names = list(names)
+    except TypeError:
+        raise UsageTypeError(
+            f"{path}: fields must be a field name or a list of them, got {type(fields).__name__}"
+        ) from None
+    wrong = [n for n in names if not isinstance(n, str)]
+    if wrong:
+        raise UsageTypeError(f"{path}: fields must be names (str), got {wrong!r}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"{path}: fields {names} name a field more than once")
+    return names
+
+
+def _file_identity(path: Path, size: int) -> tuple[int, int, int]:
+    """(size the reader validated, device, inode) of a mapped shard file."""
+    st = os.stat(path)
+    return size, st.st_dev, st.st_ino
+
+
 def open_archive(
-    path: str | os.PathLike[str], fields: Sequence[str] | None = None, pad_value: float = 0.0
+    path: str | os.PathLike[str], fields: Sequence[str] | str | None = None, pad_value: float = 0.0
 ) -> Archive:
     """Opens an archive as a map-style Dataset (see Archive)."""
     return Archive(path, fields=fields, pad_value=pad_value)

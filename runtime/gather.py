@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from dlop.formats import Field, ShardReader
 
 from .copier import Copier, native
+from .errors import UsageError
 
 TORCH_DTYPES = {
     "u8": torch.uint8,
@@ -55,6 +57,40 @@ def as_tensor(arr: np.ndarray, dtype: str, *, for_gather: bool = False) -> torch
     if for_gather and dtype in _GATHER_AS:
         return t.view(_GATHER_AS[dtype])
     return t.view(TORCH_DTYPES[dtype]) if t.dtype != TORCH_DTYPES[dtype] else t
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_padded(field: Field, shapes: np.ndarray, itemsize: int) -> None:
+    """Refuses a padded batch larger than this machine's memory before allocating it.
+
+    Padding takes the longest sample in each varying dimension, so samples long
+    in different dimensions ((1, 10**6) and (10**6, 1)) pad to an area no sample
+    has. ``shapes`` is ``[B, ndim]``.
+    """
+    if not len(shapes):
+        return
+    maxes = [int(m) for m in shapes.max(axis=0)]
+    padded = len(shapes) * math.prod(maxes) * itemsize  # Python ints: no overflow
+    limit = memory_bytes()
+    if limit is not None and padded > limit:
+        data = int(np.prod(shapes, axis=1, dtype=np.float64).sum()) * itemsize
+        ranges = " x ".join(
+            f"{int(lo)}..{int(hi)}" for lo, hi in zip(shapes.min(axis=0), maxes, strict=True)
+        )
+        raise UsageError(
+            f"field {field.name!r}: padding {len(shapes)} samples (sizes {ranges}) to the "
+            f"longest in each dimension gives [{len(shapes)}, {', '.join(map(str, maxes))}], "
+            f"{padded} bytes for {data} bytes of data, more than this machine's memory "
+            f"({limit} bytes); batch samples of similar shape (bucket_by), crop them in the "
+            "compiler, or read this field sample by sample (ds[i])"
+        )
 
 
 def shard_groups(indices: torch.Tensor, starts: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -181,6 +217,7 @@ class PerSampleGather(FieldGather):
                 np.copyto(target[j], v.view(target.dtype), casting="no")
             return {f.name: out.view(self.out_dtype)}
         shapes = np.array([v.shape for v in values], dtype=np.int64).reshape(len(values), f.ndim)
+        check_padded(f, shapes, self.out_dtype.itemsize)
         maxes = shapes.max(axis=0) if len(values) else np.zeros(f.ndim, np.int64)
         shape = (len(values), *(int(m) for m in maxes))
         out = self._output(shape, out)

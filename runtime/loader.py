@@ -37,6 +37,7 @@ from .batch import Batch
 from .copier import Copier, JobThread, Pending, native
 from .dataset import Archive
 from .distributed import rank_and_world
+from .errors import ShardChangedError, UsageError, UsageTypeError, check_int
 from .order import OrderSpec, rank_batches
 
 Transform = Callable[[Batch, torch.Generator], Batch]
@@ -102,15 +103,32 @@ class Loader:
         order: str = "global",
         window_shards: int = 8,
         bucket_window: int = 64,
-        fields: Sequence[str] | None = None,
+        fields: Sequence[str] | str | None = None,
         pad_value: float = 0.0,
     ) -> None:
+        batch_size = check_int("Loader batch_size", batch_size, low=1)
+        prefetch = check_int("Loader prefetch", prefetch, low=0)
+        seed = check_int("Loader seed", seed)
+        window_shards = check_int("Loader window_shards", window_shards, low=1)
+        bucket_window = check_int("Loader bucket_window", bucket_window, low=1)
+        if order not in ("global", "window"):
+            raise UsageError(f"Loader order must be 'global' or 'window', got {order!r}")
         self.archive = (
             archive
             if isinstance(archive, Archive)
             else Archive(archive, fields=fields, pad_value=pad_value)
         )
         rank, world_size = rank_and_world(rank, world_size)
+        world_size = check_int("Loader world_size", world_size, low=1)
+        rank = check_int("Loader rank", rank, low=0, high=world_size - 1)
+        if bucket_by is not None:
+            f = self.archive.fields.get(bucket_by) if isinstance(bucket_by, str) else None
+            if f is None or not f.ragged:
+                ragged = [n for n, g in self.archive.fields.items() if g.ragged]
+                raise UsageError(
+                    f"{self.archive.path}: Loader bucket_by must name a ragged field among "
+                    f"{ragged}, got {bucket_by!r}"
+                )
         self.spec = OrderSpec(
             num_samples=len(self.archive),
             batch_size=batch_size,
@@ -130,8 +148,6 @@ class Loader:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LoaderError(f"device {self.device} requested, but CUDA is not available")
         self.transforms = tuple(transforms)
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be 0 or more, got {prefetch}")
         self.prefetch = prefetch
         self.epoch = 0
         self._resume_from: int | None = None
@@ -148,7 +164,7 @@ class Loader:
     # -- order and state ----------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        self.epoch = check_int("Loader.set_epoch epoch", epoch, low=0)
         self._batches_done = 0
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
@@ -180,8 +196,15 @@ class Loader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from a saved position: the next iteration yields the remaining batches of its epoch."""
+        if not isinstance(state, dict):
+            raise UsageTypeError(
+                f"Loader.load_state_dict takes the dict state_dict() returned, got {type(state).__name__}"
+            )
         if state.get("format") != STATE_FORMAT or state.get("version") != 1:
-            raise ValueError("not a dlop Loader state (format/version mismatch)")
+            raise UsageError(
+                f"not a dlop Loader state: format {state.get('format')!r} version "
+                f"{state.get('version')!r}, expected {STATE_FORMAT!r} version 1"
+            )
         mine = self.state_dict()
         for key in (
             "seed",
@@ -196,15 +219,23 @@ class Loader:
             "bucket_window",
         ):
             if state.get(key) != mine[key]:
-                raise ValueError(
+                raise UsageError(
                     f"loader state was saved with {key}={state.get(key)!r}, this loader has {mine[key]!r}"
                 )
         if state.get("rank") != self.spec.rank:
-            raise ValueError(
+            raise UsageError(
                 f"loader state is rank {state.get('rank')}'s, this loader is rank {self.spec.rank}"
             )
-        self.epoch = int(state["epoch"])
-        self._batches_done = self._resume_from = int(state["batches_done"])
+        epoch = check_int("loader state epoch", state.get("epoch"), low=0)
+        count = len(self.batches(epoch))
+        done = check_int(
+            f"loader state batches_done (epoch {epoch} has {count} batches)",
+            state.get("batches_done"),
+            low=0,
+            high=count,
+        )
+        self.epoch = epoch
+        self._batches_done = self._resume_from = done
 
     # -- iteration ------------------------------------------------------------------
 
@@ -230,17 +261,30 @@ class Loader:
     def _ring(self) -> list[_Slot]:
         if self._slots is None:
             pin = torch.cuda.is_available()
-            b = self.spec.batch_size
+            # No batch holds more samples than the archive: a larger batch_size
+            # does not make larger buffers.
+            b = min(self.spec.batch_size, max(1, self.spec.num_samples))
+            sizes = {}
+            for name, g in self.archive.gathers.items():
+                numel = self.archive.buffer_numel(name, b)
+                if numel is not None:
+                    sizes[name] = (numel, g.dtype)
+            count = self._slot_count()
+            total = count * sum(n * d.itemsize for n, d in sizes.values())
             slots = []
-            for _ in range(self._slot_count()):
-                buffers = {}
-                for name, g in self.archive.gathers.items():
-                    numel = self.archive.buffer_numel(name, b)
-                    if numel is not None:
-                        t = torch.empty(numel, dtype=g.dtype, pin_memory=pin)
+            try:
+                for _ in range(count):
+                    buffers = {}
+                    for name, (numel, dtype) in sizes.items():
+                        t = torch.empty(numel, dtype=dtype, pin_memory=pin)
                         t.zero_()  # first touch here, not in the first timed batches
                         buffers[name] = t
-                slots.append(_Slot(buffers))
+                    slots.append(_Slot(buffers))
+            except RuntimeError as e:  # the allocator's "can't allocate"
+                raise LoaderError(
+                    f"{self.archive.path}: cannot allocate {count} batch buffers of "
+                    f"batch_size={b} ({total} bytes in all): {e}; lower batch_size or prefetch"
+                ) from None
             self._slots = slots
         return self._slots
 
@@ -269,11 +313,16 @@ class Loader:
             slot = slots[j % len(slots)]
             if slot.event is not None:
                 slot.event.synchronize()
-            batch = self.archive.gather(
-                torch.from_numpy(batches[j]),
-                out=slot.buffers,
-                copier=self.copier if native() is not None else None,
-            )
+            try:
+                batch = self.archive.gather(
+                    torch.from_numpy(batches[j]),
+                    out=slot.buffers,
+                    copier=self.copier if native() is not None else None,
+                )
+            except ShardChangedError as e:
+                raise LoaderError(
+                    f"{self.archive.path}: gathering batch {j} of epoch {self.epoch} failed: {e}"
+                ) from e
             if stream is not None:
                 batch, slot.event = _copy_to_device(batch, self.device, stream)
                 _use_on_current_stream(batch, slot.event, self.device)

@@ -1,0 +1,46 @@
+"""The runtime's errors: a call given what it cannot use, and shards changed under it.
+
+Each also subclasses the built-in error that code catching Python's own
+would expect (``ValueError``, ``TypeError``, ``IndexError``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+from dlop.formats import DlopError
+
+
+class UsageError(DlopError, ValueError):
+    """An argument or a state outside what a runtime call allows; the message names
+    the argument, what arrived and what is allowed."""
+
+
+class UsageTypeError(DlopError, TypeError):
+    """An argument of a type a runtime call does not take."""
+
+
+class SampleIndexError(DlopError, IndexError):
+    """A sample number outside the archive."""
+
+
+class ShardChangedError(DlopError):
+    """A shard file shrank after the archive mapped it: reading its mapped pages past
+    the new end would kill the process (SIGBUS), so the read is refused."""
+
+
+def check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int (bool refused) within [low, high], or a Usage(Type)Error naming ``name``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise UsageTypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    n = operator.index(value)
+    if (low is not None and n < low) or (high is not None and n > high):
+        allowed = (
+            f"{low}..{high}"
+            if low is not None and high is not None
+            else f"at least {low}"
+            if low is not None
+            else f"at most {high}"
+        )
+        raise UsageError(f"{name} must be {allowed}, got {n}")
+    return n
