@@ -4,7 +4,7 @@ Standard library, numpy and zstandard only.
 """
 
 from .archive import ArchiveReader, ArchiveWriter, Index, read_index, shard_name, write_index
-from .codecs import Codec, Raw, Zstd, parse_codec
+from .codecs import Codec, Raw, Zstd, codec_from_json, parse_codec
 from .constants import ALIGNMENT, ERRORS_NAME, FORMAT_VERSION, INDEX_NAME
 from .errors import ChecksumError, DlopError, FormatError, SchemaError
 from .reader import BlockCache, Problem, ShardReader
@@ -32,6 +32,7 @@ __all__ = [
     "ShardReader",
     "ShardWriter",
     "Zstd",
+    "codec_from_json",
     "parse_codec",
     "read_index",
     "shard_name",

@@ -139,7 +139,7 @@ def codec_from_json(obj: Mapping[str, Any], where: str = "codec") -> Codec:
     if cls is None:
         raise SchemaError(
             f"{where}: unknown codec {name!r} (this reader knows {', '.join(_REGISTRY)}); "
-            "the archive needs a newer dlop, or its header is damaged"
+            "the archive was written by a newer dlop, or is damaged"
         )
     return cls.from_json(obj, where)
 

@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from dlop.formats import ArchiveReader, DlopError, Field
-from dlop.formats.codecs import codec_from_json
+from dlop.formats import ArchiveReader, DlopError, Field, codec_from_json
 
 from .render import as_float, render_sample
 
