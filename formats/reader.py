@@ -577,9 +577,11 @@ class _Blocks:
         return None
 
     def span(self, r: ShardReader, st: _FieldState, index: int, lo: int, hi: int) -> np.ndarray:
-        f = st.field
-        k = r.block_of(f.name, index)
-        first = int(r.block_table(f.name)["first_sample"][k])
+        f, firsts = st.field, st.first_samples
+        if firsts is None:
+            raise SchemaError(f"{r.path}: the reader is closed; reopen it to read field {f.name!r}")
+        k = int(np.searchsorted(firsts, index, side="right")) - 1
+        first = int(firsts[k])
         base = (
             int(st.offsets[first])
             if st.offsets is not None
