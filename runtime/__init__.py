@@ -8,6 +8,7 @@ iterator; ``IterableArchive`` serves DataLoader worker processes.
 from .augment import Mixup, RandomTimeCrop, SpecAugment
 from .batch import Batch
 from .dataset import Archive, open_archive
+from .errors import SampleIndexError, ShardChangedError, UsageError, UsageTypeError
 from .iterable import IterableArchive
 from .loader import Loader, LoaderError
 from .order import OrderSpec, epoch_order, rank_batches
@@ -26,7 +27,11 @@ __all__ = [
     "RandomResizedCrop",
     "RandomTemporalCrop",
     "RandomTimeCrop",
+    "SampleIndexError",
+    "ShardChangedError",
     "SpecAugment",
+    "UsageError",
+    "UsageTypeError",
     "epoch_order",
     "open_archive",
     "rank_batches",
