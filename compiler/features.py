@@ -7,6 +7,7 @@ Whisper's max-8) are never computed across a batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import asdict, dataclass, fields
@@ -68,43 +69,8 @@ class FeatureConfig:
     fft_dtype: str = "float64"
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> ValueError:
-            return ValueError(f"feature config: {msg}")
-
-        if self.features not in FEATURES:
-            raise bad(f"features {self.features!r} is not one of {FEATURES}")
-        if self.sample_rate <= 0:
-            raise bad(f"sample_rate {self.sample_rate} must be positive")
-        if self.fft_dtype not in ("float32", "float64"):
-            raise bad(f"fft_dtype {self.fft_dtype!r} must be float32 or float64")
-        if self.features in ("logmel", "mfcc"):
-            if self.n_fft <= 0 or self.hop_length <= 0:
-                raise bad(f"n_fft {self.n_fft} and hop_length {self.hop_length} must be positive")
-            if self.win_length is not None and not 0 < self.win_length <= self.n_fft:
-                raise bad(f"win_length {self.win_length} must be in 1..n_fft ({self.n_fft})")
-            if self.pad_mode not in ("constant", "reflect"):
-                raise bad(f"pad_mode {self.pad_mode!r} must be constant or reflect")
-            if self.mel_scale not in ("htk", "slaney"):
-                raise bad(f"mel_scale {self.mel_scale!r} must be htk or slaney")
-            if self.norm not in ("slaney", "none"):
-                raise bad(f"norm {self.norm!r} must be slaney or none")
-            f_max = self.sample_rate / 2 if self.f_max is None else self.f_max
-            if not 0 <= self.f_min < f_max <= self.sample_rate / 2:
-                raise bad(
-                    f"need 0 <= f_min ({self.f_min}) < f_max ({f_max}) <= Nyquist ({self.sample_rate / 2})"
-                )
-        if self.features == "fbank" and (self.frame_length_ms <= 0 or self.frame_shift_ms <= 0):
-            raise bad("frame_length_ms and frame_shift_ms must be positive")
-        if self.features != "waveform" and self.n_mels <= 0:
-            raise bad(f"n_mels {self.n_mels} must be positive")
-        if self.features == "mfcc" and not 0 < self.n_mfcc <= self.n_mels:
-            raise bad(f"n_mfcc {self.n_mfcc} must be in 1..n_mels ({self.n_mels})")
-        if self.log not in ("db", "log10", "ln", "none"):
-            raise bad(f"log {self.log!r} must be db, log10, ln or none")
-        if self.window not in ("hann", "hanning", "hamming", "povey", "rectangular"):
-            raise bad(
-                f"window {self.window!r} is not one of hann, hanning, hamming, povey, rectangular"
-            )
+        _check_types(self)
+        _check_values(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,7 +81,61 @@ class FeatureConfig:
         return self.n_mfcc if self.features == "mfcc" else self.n_mels
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The parameters that produce this convention's features, and only those.
+
+        Options the chosen kind never reads are left out; defaults that are
+        resolved at run time (``win_length``, ``f_max``) are written resolved;
+        Kaldi framing is also written in samples. ``from_json`` reads it back.
+        """
+        values = asdict(self)
+        out = {name: values[name] for name in applicable_options(self)}
+        if "win_length" in out:
+            out["win_length"] = self.win_length or self.n_fft
+        if "f_max" in out:
+            out["f_max"] = resolved_f_max(self)
+        if self.features == "fbank":
+            out.update(_kaldi_facts(*kaldi_frame_sizes(self)))
+            out.update(mel_scale="kaldi", power=2.0)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> FeatureConfig:
+        """A config from ``to_json``'s table (or an older one holding every field).
+
+        The facts ``to_json`` adds (sizes in samples, Kaldi's fixed choices) are
+        checked against the options they follow from, so an edited table
+        cannot say one thing and run another.
+        """
+        if not isinstance(obj, dict):
+            raise ValueError(f"features: expected a table of options, got {type(obj).__name__}")
+        known = {f.name for f in fields(cls)}
+        facts = set(_kaldi_facts(1, 1, 1))
+        unknown = sorted(set(obj) - known - facts)
+        if unknown:
+            raise ValueError(
+                f"features: unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}"
+            )
+        values = {k: v for k, v in obj.items() if k in known}
+        fbank = values.get("features") == "fbank"
+        if fbank:
+            # Kaldi's mel scale and power spectrum are fixed, recorded as facts.
+            values.pop("mel_scale", None)
+            values.pop("power", None)
+        cfg = cls(**values)
+        given = {k: obj[k] for k in facts if k in obj}
+        if given and not fbank:
+            raise ValueError(
+                f"features: {', '.join(sorted(given))} apply to fbank only, not {cfg.features}"
+            )
+        if given:
+            want = _kaldi_facts(*kaldi_frame_sizes(cfg))
+            for key, value in given.items():
+                if value != want[key]:
+                    raise ValueError(
+                        f"features.{key}: recorded {value!r} but the options give {want[key]!r}; "
+                        f"remove {key} or make it agree"
+                    )
+        return cfg
 
     def num_output_frames(self, num_samples: int) -> int:
         """Frames produced for a clip of num_samples (at sample_rate)."""
@@ -129,6 +149,161 @@ class FeatureConfig:
         padded = num_samples + (2 * (self.n_fft // 2) if self.center else 0)
         frames = 0 if padded < self.n_fft else 1 + (padded - self.n_fft) // self.hop_length
         return max(0, frames - 1) if self.drop_last_frame else frames
+
+
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1000, 768_000  # Hz
+MAX_FFT = 1 << 16  # samples per analysis frame (n_fft, Kaldi's padded window)
+MAX_FRAMES = 1 << 24  # num_frames
+CHOICES: dict[str, tuple[str, ...]] = {
+    "features": FEATURES,
+    "window": ("hann", "hanning", "hamming", "povey", "rectangular"),
+    "pad_mode": ("constant", "reflect"),
+    "mel_scale": ("htk", "slaney"),
+    "norm": ("slaney", "none"),
+    "log": ("db", "log10", "ln", "none"),
+    "post": ("none", "whisper", "ast"),
+    "fft_dtype": ("float32", "float64"),
+}
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _check_types(cfg: FeatureConfig) -> None:
+    """Each field holds its declared type: no bool for int, no string for a number.
+
+    Numbers become float where a float is declared, so ``80`` and ``80.0``
+    record alike.
+    """
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        kinds = str(f.type).split(" | ")
+        if value is None and "None" in kinds:
+            continue
+        base = kinds[0]
+        if base == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif base == "float":
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if ok and not math.isfinite(value):
+                raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
+            if ok:
+                object.__setattr__(cfg, f.name, float(value))
+        elif base == "bool":
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            expected = _KINDS[base] + (" or none" if "None" in kinds else "")
+            raise ValueError(
+                f"{f.name}: expected {expected}, got {value!r} ({type(value).__name__})"
+            )
+
+
+def _check_values(c: FeatureConfig) -> None:
+    """Ranges of every field and the relations between them (types already checked)."""
+
+    def bad(key: str, msg: str) -> ValueError:
+        return ValueError(f"{key}: {msg}")
+
+    def within(key: str, lo: float, hi: float, unit: str = "") -> None:
+        value = getattr(c, key)
+        if value is not None and not lo <= value <= hi:
+            raise bad(key, f"{value}{unit} is outside the allowed {lo}..{hi}{unit}")
+
+    def positive(key: str) -> None:
+        value = getattr(c, key)
+        if value is not None and not value > 0:
+            raise bad(key, f"{value} must be greater than 0")
+
+    for key, allowed in CHOICES.items():
+        if getattr(c, key) not in allowed:
+            raise bad(key, f"{getattr(c, key)!r} is not one of {', '.join(allowed)}")
+    if c.preset not in PRESETS:
+        raise bad("preset", f"{c.preset!r} is not one of {', '.join(sorted(PRESETS))}")
+    within("sample_rate", MIN_SAMPLE_RATE, MAX_SAMPLE_RATE, " Hz")
+    within("n_fft", 2, MAX_FFT)
+    within("hop_length", 1, MAX_FFT)
+    within("win_length", 1, c.n_fft)
+    within("n_mels", 1, math.inf)  # the upper bound depends on the FFT size (below)
+    within("n_mfcc", 1, math.inf)
+    within("num_frames", 1, MAX_FRAMES)
+    within("preemphasis", 0.0, 1.0)
+    for key in ("power", "amin", "top_db", "input_scale", "norm_std"):
+        positive(key)
+    for key in ("frame_length_ms", "frame_shift_ms"):
+        positive(key)
+    if c.features == "waveform":
+        return
+    nyquist = c.sample_rate / 2
+    if c.features == "fbank":
+        size, shift, padded = kaldi_frame_sizes(c)
+        if size < 2 or padded > MAX_FFT:
+            raise bad(
+                "frame_length_ms",
+                f"{c.frame_length_ms} ms is {size} samples at {c.sample_rate} Hz; "
+                f"a frame needs 2..{MAX_FFT} samples",
+            )
+        if shift < 1:
+            raise bad(
+                "frame_shift_ms",
+                f"{c.frame_shift_ms} ms is 0 samples at {c.sample_rate} Hz; give at least "
+                f"{1000 / c.sample_rate:.4g} ms",
+            )
+        bins = padded // 2
+        fft_note = f"the {bins} frequency bins of a {padded}-sample FFT"
+    else:
+        bins = c.n_fft // 2 + 1
+        fft_note = f"the {bins} frequency bins of n_fft {c.n_fft} (n_fft // 2 + 1)"
+    if c.n_mels > bins:
+        raise bad(
+            "n_mels", f"{c.n_mels} is more than {fft_note}; lower n_mels or raise the FFT size"
+        )
+    f_max = resolved_f_max(c)
+    if not 0 <= c.f_min < f_max:
+        raise bad("f_min", f"{c.f_min} Hz must be >= 0 and below f_max ({f_max} Hz)")
+    if not f_max <= nyquist:
+        raise bad("f_max", f"{f_max} Hz is above Nyquist ({nyquist} Hz at {c.sample_rate} Hz)")
+    if c.features == "mfcc" and c.n_mfcc > c.n_mels:
+        raise bad("n_mfcc", f"{c.n_mfcc} is more than n_mels ({c.n_mels})")
+
+
+def resolved_f_max(cfg: FeatureConfig) -> float:
+    """The upper filterbank edge in Hz: None is Nyquist; for fbank, <= 0 is an offset from it."""
+    nyquist = cfg.sample_rate / 2
+    if cfg.features == "fbank":
+        f_max = cfg.f_max if cfg.f_max is not None else 0.0
+        return f_max + nyquist if f_max <= 0.0 else f_max
+    return nyquist if cfg.f_max is None else cfg.f_max
+
+
+def applicable_options(cfg: FeatureConfig) -> list[str]:
+    """The fields the featurizer reads for cfg.features, in recording order."""
+    names = ["features", "preset", "sample_rate"]
+    if cfg.features == "waveform":
+        return names
+    if cfg.features == "fbank":
+        names += ["frame_length_ms", "frame_shift_ms", "round_to_power_of_two", "window"]
+        names += ["remove_dc", "preemphasis", "input_scale"]
+    else:
+        names += ["n_fft", "hop_length", "win_length", "window", "center"]
+        names += ["pad_mode"] if cfg.center else []
+        names += ["power", "drop_last_frame", "mel_scale", "norm"]
+    names += ["n_mels", "f_min", "f_max", "fft_dtype", "log"]
+    if cfg.log != "none":
+        names += ["amin", "top_db"]
+    names += ["n_mfcc"] if cfg.features == "mfcc" else []
+    names += ["num_frames", "post"]
+    names += ["norm_mean", "norm_std"] if cfg.post == "ast" else []
+    return names
+
+
+def _kaldi_facts(size: int, shift: int, padded: int) -> dict[str, Any]:
+    """What Kaldi framing runs, in samples (recorded beside the options it follows from)."""
+    return {
+        "frame_length_samples": size,
+        "frame_shift_samples": shift,
+        "fft_length": padded,
+        "snip_edges": True,
+    }
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -237,16 +412,16 @@ def feature_config(
     preset: str = "librosa", features: str | None = None, **overrides: Any
 ) -> FeatureConfig:
     """A preset with overrides applied (None values are ignored)."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise ValueError(f"preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     values = dict(PRESETS[preset])
     values["preset"] = preset
-    known = {f.name for f in fields(FeatureConfig)}
-    for key, value in overrides.items():
+    known = {f.name for f in fields(FeatureConfig)} - {"preset", "features"}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for key in given:
         if key not in known:
-            raise ValueError(f"unknown feature option {key!r}")
-        if value is not None:
-            values[key] = value
+            raise ValueError(f"{key}: unknown feature option; valid: {', '.join(sorted(known))}")
+    values.update(given)
     if features is not None:
         kind = PRESETS[preset]["features"]
         if features in ("logmel", "mfcc") and kind == "fbank":
@@ -256,7 +431,32 @@ def feature_config(
         if features == "fbank" and kind != "fbank":
             raise ValueError(f"--features fbank needs --preset kaldi or ast, not {preset!r}")
         values["features"] = features
-    return FeatureConfig(**values)
+    cfg = FeatureConfig(**values)
+    _check_applicable(cfg, given)
+    return cfg
+
+
+def with_options(cfg: FeatureConfig, overrides: dict[str, Any]) -> FeatureConfig:
+    """cfg with some options changed (None values are ignored); each must apply to its kind."""
+    known = {f.name for f in fields(FeatureConfig)} - {"preset", "features"}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for key in given:
+        if key not in known:
+            raise ValueError(f"{key}: unknown feature option; valid: {', '.join(sorted(known))}")
+    out = dataclasses.replace(cfg, **given)
+    _check_applicable(out, given)
+    return out
+
+
+def _check_applicable(cfg: FeatureConfig, given: dict[str, Any]) -> None:
+    """An option the featurizer would not read is a mistake in the recipe, not a no-op."""
+    applicable = applicable_options(cfg)
+    for key in given:
+        if key not in applicable:
+            raise ValueError(
+                f"{key}: does not apply to {cfg.features} features (preset {cfg.preset}); "
+                f"the options that do: {', '.join(applicable[2:])}"
+            )
 
 
 @functools.lru_cache(maxsize=32)
@@ -304,8 +504,14 @@ def frame_signal(
     return x.unfold(-1, frame, hop)
 
 
-def power_spectrogram(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """float32 ``(..., time) -> (..., frames, n_fft//2+1)`` float32 |STFT|^power.
+def _stft_frames(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """float32 ``(..., time) -> (..., frames, n_fft)`` view of the (centred) signal."""
+    frames = frame_signal(x, cfg.n_fft, cfg.hop_length, cfg.center, cfg.pad_mode)
+    return frames[..., :-1, :] if cfg.drop_last_frame and frames.shape[-2] else frames
+
+
+def _stft_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """``(..., frames, n_fft) -> (..., frames, n_fft//2+1)`` float32 |FFT|^power of windowed frames.
 
     Only the FFT needs cfg.fft_dtype: its rounding error is relative to the
     whole frame's energy, so in float32 it swamps bands far below the peak.
@@ -318,7 +524,6 @@ def power_spectrogram(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
     if win_length < cfg.n_fft:
         left = (cfg.n_fft - win_length) // 2
         window = F.pad(window, (left, cfg.n_fft - win_length - left))
-    frames = frame_signal(x, cfg.n_fft, cfg.hop_length, cfg.center, cfg.pad_mode)
     if frames.shape[-2] == 0:  # the FFT backend rejects empty batches
         return frames.new_zeros((*frames.shape[:-1], cfg.n_fft // 2 + 1), dtype=torch.float32)
     # A same-dtype cast copy then an in-place multiply: about twice as fast as
@@ -333,9 +538,13 @@ def power_spectrogram(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
     if cfg.power == 2.0:
         power = spec.real.square()
         power.addcmul_(spec.imag, spec.imag)
-    else:
-        power = spec.abs().pow(cfg.power)
-    return power[..., :-1, :] if cfg.drop_last_frame else power
+        return power
+    return spec.abs().pow(cfg.power)
+
+
+def power_spectrogram(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """float32 ``(..., time) -> (..., frames, n_fft//2+1)`` float32 |STFT|^power."""
+    return _stft_power(_stft_frames(x, cfg), cfg)
 
 
 def kaldi_frame_sizes(cfg: FeatureConfig) -> tuple[int, int, int]:
@@ -345,27 +554,37 @@ def kaldi_frame_sizes(cfg: FeatureConfig) -> tuple[int, int, int]:
     return size, shift, padded
 
 
-def kaldi_power_spectrum(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """Kaldi framing (snip_edges), DC removal, pre-emphasis, window, |FFT|^2.
+def _kaldi_frames(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """float32 ``(..., time) -> (..., frames, frame_length)`` view (snip_edges framing)."""
+    size, shift, _ = kaldi_frame_sizes(cfg)
+    return frame_signal(x, size, shift, center=False, pad_mode="constant")
+
+
+def _kaldi_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """Kaldi's scaling, DC removal, pre-emphasis, window, |FFT|^2 per frame.
 
     The time-domain steps round relative to the frame too, so they run in
     cfg.fft_dtype along with the FFT.
     """
-    size, shift, padded = kaldi_frame_sizes(cfg)
-    x = x.to(cfg.dtype) * cfg.input_scale
-    frames = frame_signal(x, size, shift, center=False, pad_mode="constant")
+    size, _, padded = kaldi_frame_sizes(cfg)
     if frames.shape[-2] == 0:
         return frames.new_zeros((*frames.shape[:-1], padded // 2 + 1), dtype=torch.float32)
+    frames = frames.to(cfg.dtype) * cfg.input_scale
     if cfg.remove_dc:
         frames = frames - frames.mean(dim=-1, keepdim=True)
     if cfg.preemphasis:
         previous = torch.cat([frames[..., :1], frames[..., :-1]], dim=-1)
         frames = frames - cfg.preemphasis * previous
-    frames = frames * make_window(cfg.window, size, x.dtype)
+    frames = frames * make_window(cfg.window, size, frames.dtype)
     spec = torch.fft.rfft(F.pad(frames, (0, padded - size))).to(torch.complex64)
     power = spec.real.square()
     power.addcmul_(spec.imag, spec.imag)
     return power
+
+
+def kaldi_power_spectrum(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """Kaldi framing (snip_edges), DC removal, pre-emphasis, window, |FFT|^2."""
+    return _kaldi_power(_kaldi_frames(x, cfg), cfg)
 
 
 def _log(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
@@ -434,22 +653,66 @@ def _filterbank_bands(cfg: FeatureConfig, filters_per_band: int = 16) -> tuple[B
     return tuple(bands)
 
 
+ROW_BLOCK = 32  # frames per filterbank product
+
+
 def apply_filterbank(power: torch.Tensor, bands: tuple[Band, ...]) -> torch.Tensor:
-    """``(..., frames, bins) -> (..., frames, n_mels)``: the filterbank product, band by band."""
+    """``(..., frames, bins) -> (..., frames, n_mels)``: the filterbank product, band by band.
+
+    Every product is taken over exactly ROW_BLOCK frames (the last block
+    zero-padded): BLAS picks kernels by matrix size and rounds a row
+    differently in a short product, so a fixed size makes each frame's bands
+    the same whatever else is computed with it.
+    """
+    frames = power.shape[-2]
     out = power.new_zeros((*power.shape[:-1], bands[-1][1]))
-    for f0, f1, b0, b1, weights in bands:
-        if b1 > b0:
-            out[..., f0:f1] = power[..., b0:b1] @ weights
+    for r0 in range(0, frames, ROW_BLOCK):
+        rows = min(ROW_BLOCK, frames - r0)
+        block = power[..., r0 : r0 + rows, :]
+        if rows < ROW_BLOCK:
+            block = F.pad(block, (0, 0, 0, ROW_BLOCK - rows))
+        for f0, f1, b0, b1, weights in bands:
+            if b1 > b0:
+                out[..., r0 : r0 + rows, f0:f1] = (block[..., b0:b1] @ weights)[..., :rows, :]
     return out
 
 
-def featurize(waveform: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """``(..., time)`` at cfg.sample_rate -> float32 ``(..., frames, bins)`` (``(..., time)`` for waveform)."""
+CHUNK_SAMPLES = 1 << 21  # frame samples per featurizer step (16 MiB of float64)
+
+
+def featurize(
+    waveform: torch.Tensor, cfg: FeatureConfig, chunk_frames: int | None = None
+) -> torch.Tensor:
+    """``(..., time)`` at cfg.sample_rate -> float32 ``(..., frames, bins)`` (``(..., time)`` for waveform).
+
+    Frames go through the FFT and filterbank ``chunk_frames`` at a time
+    (default: about CHUNK_SAMPLES samples of frames; rounded up to whole
+    ROW_BLOCKs), so a long recording
+    never holds its whole spectrogram; each frame is computed alone, so the
+    result does not depend on the chunk size. Log, the per-clip clamps and
+    everything after run once on the whole clip's mel power.
+    """
     x = waveform.to(torch.float32)
     if cfg.features == "waveform":
         return x
-    power = kaldi_power_spectrum(x, cfg) if cfg.features == "fbank" else power_spectrogram(x, cfg)
-    mel = apply_filterbank(power, _filterbank_bands(cfg))
+    if cfg.features == "fbank":
+        frames, power_of = _kaldi_frames(x, cfg), _kaldi_power
+    else:
+        frames, power_of = _stft_frames(x, cfg), _stft_power
+    if chunk_frames is not None and chunk_frames < 1:
+        raise ValueError(f"chunk_frames must be positive, got {chunk_frames}")
+    bands = _filterbank_bands(cfg)
+    step = chunk_frames or CHUNK_SAMPLES // frames.shape[-1]
+    step = -(-step // ROW_BLOCK) * ROW_BLOCK  # whole filterbank blocks
+    count = frames.shape[-2]
+    if count <= step:
+        mel = apply_filterbank(power_of(frames, cfg), bands)
+    else:
+        mel = x.new_empty((*frames.shape[:-2], count, cfg.n_mels))
+        for start in range(0, count, step):
+            part = frames[..., start : start + step, :]
+            mel[..., start : start + step, :] = apply_filterbank(power_of(part, cfg), bands)
+    del frames
     out = _log(mel, cfg)
     if cfg.post == "whisper":
         out = (_clip_below_clip_max(out, 8.0) + 4.0) / 4.0

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import tomllib
+
 from dlop.formats import Codec, Raw, SchemaError, Zstd, parse_codec
 
 from .errors import CompileError
-from .features import FeatureConfig, feature_config
+from .features import FEATURES, PRESETS, FeatureConfig, feature_config, with_options
 from .resample import ResampleConfig
 from .sources import LAYOUTS, MEDIA, detect_layout, layout_media
 from .vision import VisionConfig
@@ -98,23 +101,32 @@ class Recipe:
         return codec if isinstance(codec, Zstd) else Raw()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "layout": self.layout,
-            "media": self.media,
-            "vision": self.vision.to_json(),
-            "images": self.images,
-            "masks": list(self.masks) if self.masks is not None else None,
-            "features": self.feature.to_json(),
-            "dtype": self.dtype,
-            "duration": self.duration,
-            "downmix": self.downmix,
-            "codec": self.codec,
-            "feature_codec": self.feature_codec().to_json(),
-            "shard_bytes": self.shard_bytes,
-            "on_error": self.on_error,
-            "resampler": asdict(self.resampler),
-        }
+        """The options that made this archive, and only those (``build_recipe`` reads it back).
+
+        Audio options (features, stored dtype, downmix, resampler) appear only
+        where audio is compiled: audio media, or video with its audio track;
+        vision options only for video and images.
+        """
+        out: dict[str, Any] = {"source": self.source, "layout": self.layout, "media": self.media}
+        if self.media != "audio":
+            out["vision"] = self.vision.to_json()
+        if self.media == "image":
+            out["images"] = self.images
+            out["masks"] = list(self.masks) if self.masks is not None else None
+        if self.media == "audio" or (self.media == "video" and self.vision.audio):
+            out["features"] = self.feature.to_json()
+            out["dtype"] = self.dtype
+            if self.media == "audio":
+                out["duration"] = self.duration
+            out["downmix"] = self.downmix
+            out["resampler"] = asdict(self.resampler)
+        out.update(
+            codec=self.codec,
+            feature_codec=self.feature_codec().to_json(),
+            shard_bytes=self.shard_bytes,
+            on_error=self.on_error,
+        )
+        return out
 
     def digest(self) -> str:
         """Hash of everything that determines the archive's bytes."""
@@ -143,57 +155,177 @@ def load_recipe_file(path: str | Path) -> dict[str, Any]:
     return obj
 
 
+RECIPE_OPTIONS = (
+    "source",
+    "layout",
+    "media",
+    "features",
+    "preset",
+    "dtype",
+    "duration",
+    "downmix",
+    "codec",
+    "feature_codec",
+    "shard_bytes",
+    "on_error",
+    "resampler",
+    "workers",
+    "vision",
+    "images",
+    "masks",
+)
+MAX_DURATION_S = 24 * 3600.0
+MIN_SHARD_BYTES, MAX_SHARD_BYTES = 4 << 10, 1 << 40
+MAX_WORKERS = 1024
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "layout": LAYOUTS,
+    "media": MEDIA,
+    "preset": tuple(sorted(PRESETS)),
+    "dtype": tuple(DTYPES),
+    "downmix": ("mean", "first"),
+    "on_error": ("skip", "fail"),
+}
+# name: (type, lowest, highest)
+_RESAMPLER: dict[str, tuple[type, float, float]] = {
+    "zero_crossings": (int, 1, 1024),
+    "rolloff": (float, 0.5, 1.0),
+    "beta": (float, 0.0, 100.0),
+}
+_SIMPLE = {"int": "an integer", "int | None": "an integer", "bool": "true or false"}
+_SIMPLE |= {"str": "a string", "float | None": "a number"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and math.isfinite(value)
+
+
+def _fits(kind: str, value: Any) -> bool:
+    if kind.startswith("int"):
+        return _is_int(value)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    return _is_number(value)
+
+
+def check_options(opts: dict[str, Any]) -> None:
+    """Names, types and ranges of the recipe's options, before any work.
+
+    Feature options are checked by FeatureConfig and vision options by
+    VisionConfig as they are built; this covers the rest, and the types of
+    the plain vision options. Every message names the option.
+    """
+    known = set(RECIPE_OPTIONS) | FEATURE_OPTIONS | VISION_OPTIONS
+    unknown = sorted(set(opts) - known)
+    if unknown:
+        raise CompileError(
+            f"unknown recipe option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known))}"
+        )
+
+    def bad(key: str, expected: str) -> CompileError:
+        return CompileError(f"recipe option {key}: expected {expected}, got {opts[key]!r}")
+
+    for key, allowed in _CHOICES.items():
+        if key in opts and (not isinstance(opts[key], str) or opts[key] not in allowed):
+            raise bad(key, f"one of {', '.join(allowed)}")
+    features = opts.get("features")
+    if features is not None and not isinstance(features, dict) and features not in FEATURES:
+        raise bad("features", f"one of {', '.join(FEATURES)} (or a resolved table of options)")
+    if "source" in opts and not isinstance(opts["source"], str | os.PathLike):
+        raise bad("source", "a path")
+    for key in ("codec", "images"):
+        if key in opts and not isinstance(opts[key], str):
+            raise bad(key, "a string")
+    for key in ("resampler", "vision", "feature_codec"):
+        if key in opts and not isinstance(opts[key], dict):
+            raise bad(key, "a table of options")
+    if "duration" in opts:
+        duration = opts["duration"]
+        if not _is_number(duration) or not 0 <= duration <= MAX_DURATION_S:
+            raise bad("duration", f"seconds from 0 (native lengths) to {MAX_DURATION_S:g}")
+    if "shard_bytes" in opts:
+        value = opts["shard_bytes"]
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise bad("shard_bytes", "a number of bytes, or a size such as 256MiB")
+        try:
+            size = parse_size(value)
+        except CompileError as e:
+            raise CompileError(f"recipe option shard_bytes: {e}") from None
+        if not MIN_SHARD_BYTES <= size <= MAX_SHARD_BYTES:
+            raise bad("shard_bytes", f"{MIN_SHARD_BYTES} bytes (4KiB) to {MAX_SHARD_BYTES} (1TiB)")
+    if "workers" in opts and (
+        not _is_int(opts["workers"]) or not 1 <= opts["workers"] <= MAX_WORKERS
+    ):
+        raise bad("workers", f"an integer from 1 to {MAX_WORKERS}")
+    if "masks" in opts:
+        masks = opts["masks"]
+        if not isinstance(masks, str) and not (
+            isinstance(masks, list | tuple) and all(isinstance(m, str) for m in masks)
+        ):
+            raise bad("masks", "a folder name or a list of them")
+    for key, value in (opts.get("resampler") or {}).items():
+        if key not in _RESAMPLER:
+            raise CompileError(
+                f"recipe option resampler.{key}: unknown; valid: {', '.join(_RESAMPLER)}"
+            )
+        kind, lo, hi = _RESAMPLER[key]
+        ok = _is_int(value) if kind is int else _is_number(value)
+        if not ok or not lo <= value <= hi:
+            raise CompileError(
+                f"recipe option resampler.{key}: expected {'an integer' if kind is int else 'a number'} "
+                f"from {lo:g} to {hi:g}, got {value!r}"
+            )
+    vision = {**(opts.get("vision") or {}), **{k: opts[k] for k in VISION_OPTIONS if k in opts}}
+    for f in fields(VisionConfig):
+        kind = str(f.type)
+        value = vision.get(f.name)
+        if value is not None and kind in _SIMPLE and not _fits(kind, value):
+            raise CompileError(f"recipe option {f.name}: expected {_SIMPLE[kind]}, got {value!r}")
+
+
 def build_recipe(options: dict[str, Any]) -> Recipe:
-    """Options (recipe file merged with command-line flags) -> Recipe; unknown keys are errors."""
+    """Options (recipe file merged with command-line flags) -> Recipe; unknown keys are errors.
+
+    Every option is checked (check_options, FeatureConfig, VisionConfig)
+    before the source is looked at.
+    """
     # A key given as null (as a resolved recipe stores "duration": null) counts as given.
     explicit_duration = "duration" in options
     opts = {k.replace("-", "_"): v for k, v in options.items() if v is not None}
-    known = (
-        {
-            "source",
-            "layout",
-            "features",
-            "preset",
-            "dtype",
-            "duration",
-            "downmix",
-            "codec",
-            "feature_codec",
-            "shard_bytes",
-            "on_error",
-            "resampler",
-            "workers",
-            "media",
-            "vision",
-            "images",
-            "masks",
-        }
-        | FEATURE_OPTIONS
-        | VISION_OPTIONS
-    )
-    unknown = sorted(set(opts) - known)
-    if unknown:
-        raise CompileError(f"unknown recipe option(s): {', '.join(unknown)}")
+    check_options(opts)
     if "source" not in opts:
         raise CompileError("no SOURCE: give the corpus path (or 'source' in the recipe)")
     features = opts.get("features")
+    overrides = {k: opts[k] for k in FEATURE_OPTIONS if k in opts}
     try:
         if isinstance(features, dict):  # a resolved recipe from an index
-            cfg = FeatureConfig(**features)
+            cfg = FeatureConfig.from_json(features)
+            if opts.get("preset", cfg.preset) != cfg.preset:
+                raise ValueError(
+                    f"preset: {opts['preset']!r} differs from the resolved features' "
+                    f"{cfg.preset!r}; drop one of them"
+                )
+            if overrides:
+                cfg = with_options(cfg, overrides)
         else:
-            overrides = {k: opts[k] for k in FEATURE_OPTIONS if k in opts}
             cfg = feature_config(opts.get("preset", "librosa"), features, **overrides)
     except (TypeError, ValueError) as e:
-        raise CompileError(str(e)) from None
-    resampler = opts.get("resampler")
-    layout = opts.get("layout") or detect_layout(Path(str(opts["source"])))
-    media = opts.get("media") or layout_media(layout, Path(str(opts["source"])))
+        raise CompileError(f"recipe option {e}") from None
     vision_opts = dict(opts["vision"]) if isinstance(opts.get("vision"), dict) else {}
     vision_opts.update({k: opts[k] for k in VISION_OPTIONS if k in opts})
     try:
         vision = VisionConfig.from_options(vision_opts)
     except (TypeError, ValueError) as e:
         raise CompileError(str(e)) from None
+    resampler = opts.get("resampler")
+    layout = opts.get("layout") or detect_layout(Path(str(opts["source"])))
+    media = opts.get("media") or layout_media(layout, Path(str(opts["source"])))
     masks = opts.get("masks")
     if isinstance(masks, str):
         masks = [masks]

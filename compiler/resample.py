@@ -44,24 +44,80 @@ def _kernel(
     return kernel[:, None, :], width
 
 
+@functools.lru_cache(maxsize=16)
+def _block_weights(
+    orig: int, new: int, cfg: ResampleConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, int, int]:
+    """The kernels of ``group`` consecutive blocks as one matrix ``[taps', group * new]``.
+
+    With few phases per block (48 kHz -> 16 kHz has one) each block's
+    product would be a thin matrix-vector step over a window mostly shared
+    with its neighbours; grouping blocks gives a wide product and a window
+    read once per group. Entry ``[g * orig + t, g * new + p]`` is phase p's tap t.
+    """
+    kernel, width = _kernel(orig, new, cfg, dtype)
+    group = -(-MIN_PHASES // new)
+    taps = kernel.shape[-1]
+    weights = torch.zeros((taps + (group - 1) * orig, group * new), dtype=dtype)
+    for g in range(group):
+        weights[g * orig : g * orig + taps, g * new : (g + 1) * new] = kernel[:, 0, :].T
+    return weights, width, group
+
+
+MIN_PHASES = 64  # output samples per kernel row, at least (blocks are grouped)
+CHUNK_SAMPLES = 1 << 20  # input samples per step
+ROW_BLOCK = 256  # output blocks per kernel product
+
+
 def resample(
-    waveform: torch.Tensor, orig_rate: int, new_rate: int, cfg: ResampleConfig = ResampleConfig()
+    waveform: torch.Tensor,
+    orig_rate: int,
+    new_rate: int,
+    cfg: ResampleConfig = ResampleConfig(),
+    chunk_samples: int | None = None,
 ) -> torch.Tensor:
-    """``(..., time) -> (..., ceil(time * new_rate / orig_rate))`` in the input's dtype."""
+    """``(..., time) -> (..., ceil(time * new_rate / orig_rate))`` in the input's dtype.
+
+    The input is read about ``chunk_samples`` samples at a time (default
+    CHUNK_SAMPLES), each step with its own margins, so the only full-length
+    tensor made is the output. Every kernel product spans exactly ROW_BLOCK
+    output blocks (the last zero-padded): BLAS rounds a short product
+    differently, and a fixed size makes each output sample the same whatever
+    the chunking or the input's length.
+    """
     if orig_rate <= 0 or new_rate <= 0:
         raise ValueError(f"sample rates must be positive, got {orig_rate} -> {new_rate}")
+    if chunk_samples is not None and chunk_samples < 1:
+        raise ValueError(f"chunk_samples must be positive, got {chunk_samples}")
     if orig_rate == new_rate:
         return waveform
     g = math.gcd(orig_rate, new_rate)
     orig, new = orig_rate // g, new_rate // g
-    kernel, width = _kernel(orig, new, cfg, waveform.dtype)
+    weights, width, group = _block_weights(orig, new, cfg, waveform.dtype)
+    orig, new, taps = orig * group, new * group, weights.shape[0]
     shape = waveform.shape
     length = shape[-1]
     out_len = math.ceil(new * length / orig)
     if length == 0 or waveform.numel() == 0:
         return waveform.new_zeros((*shape[:-1], out_len))
-    x = waveform.reshape(math.prod(shape[:-1]), 1, length)
-    x = F.pad(x, (width, width + orig))
-    y = F.conv1d(x, kernel, stride=orig)  # [batch, new, blocks]
-    y = y.transpose(1, 2).reshape(x.shape[0], -1)
-    return y[:, :out_len].reshape(*shape[:-1], out_len)
+    x = waveform.reshape(math.prod(shape[:-1]), length)
+    # Output block b (samples b*new .. b*new + new) reads x[b*orig - width :][:taps].
+    blocks = -(-out_len // new)
+    step = max(1, (chunk_samples or CHUNK_SAMPLES) // orig)
+    step = -(-step // ROW_BLOCK) * ROW_BLOCK
+    out = x.new_empty((x.shape[0], blocks, new))
+    for k0 in range(0, blocks, step):
+        k1 = min(blocks, k0 + step)
+        lo, hi = k0 * orig - width, (k1 - 1) * orig - width + taps
+        span = x[:, max(lo, 0) : min(hi, length)]
+        if lo < 0 or hi > length:
+            span = F.pad(span, (max(0, -lo), max(0, hi - length)))
+        frames = span.unfold(-1, taps, orig)  # [batch, k1 - k0, taps], a view
+        for r0 in range(0, k1 - k0, ROW_BLOCK):
+            rows = min(ROW_BLOCK, k1 - k0 - r0)
+            block = frames[:, r0 : r0 + rows]
+            if rows < ROW_BLOCK:
+                block = F.pad(block, (0, 0, 0, ROW_BLOCK - rows))
+            product = block.contiguous() @ weights
+            out[:, k0 + r0 : k0 + r0 + rows] = product[:, :rows]
+    return out.reshape(x.shape[0], -1)[:, :out_len].reshape(*shape[:-1], out_len)
