@@ -230,6 +230,7 @@ def _waveform(
     """Decoded, downmixed and resampled to the recipe's rate: [time] float32."""
     audio, rate = decode_audio(source, name, offset, duration)
     wave = torch.from_numpy(downmix(audio, recipe.downmix))
+    del audio  # the channels, once mixed (a long recording holds no second copy)
     return resample(wave, rate, recipe.feature.sample_rate, recipe.resampler)
 
 
