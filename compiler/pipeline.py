@@ -82,12 +82,31 @@ def _init_worker(recipe_json: dict[str, Any], shape: CorpusShape, spill_dir: str
     from .recipe import build_recipe
 
     torch.set_num_threads(1)
+    _die_with_driver()
     for fd in _LOCK_FDS:  # a forked worker must not keep the output lock alive after the driver
         os.close(fd)
     _LOCK_FDS.clear()
     _WORKER.update(
         recipe=build_recipe(recipe_json), shape=shape, spill_dir=spill_dir, chunks=itertools.count()
     )
+
+
+def _die_with_driver() -> None:
+    """Asks Linux to kill this worker when the driver dies (kill -9 included).
+
+    Without it, workers of a killed compile keep decoding until their queue
+    drains, holding memory and CPU that a --resume run needs.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # best effort: the compile is correct either way
 
 
 @dataclass(frozen=True)

@@ -168,3 +168,36 @@ def test_shards_close_only_between_groups(tmp_path: Path) -> None:
     assert closed == [3, 3, 1] and [s.num_samples for s in index.shards] == [3, 3, 1]
     with ArchiveReader(tmp_path) as r:
         assert [len(r.get("x", i)) for i in range(r.num_samples)] == [6, 6, 6, 4, 4, 4, 20]
+
+
+def _processes_naming(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue  # gone, or not ours to read
+            if text.encode() in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+@pytest.mark.parametrize("corpus", ["clips"], indirect=True)
+def test_workers_die_with_a_killed_driver(
+    corpus: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    args, _ = corpus
+    args = [a if a != "1" or args[i - 1] != "--workers" else "2" for i, a in enumerate(args)]
+    out = tmp_path / "out-orphans"
+    proc = compile_until(args, out, "input:3")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err.decode()
+    for _ in range(100):  # the kernel signals them at once; allow for scheduling
+        left = _processes_naming(str(out))
+        if not left:
+            break
+        subprocess.run(["sleep", "0.1"], check=True)
+    assert not left, f"worker processes outlived the killed compile: {left}"
