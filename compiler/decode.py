@@ -117,7 +117,9 @@ def _soundfile(
     """Decoded audio, or None when soundfile does not recognize the file."""
     import soundfile as sf
 
-    handle = io.BytesIO(source) if isinstance(source, bytes) else source
+    # soundfile encodes a str path strictly; the bytes of the path also open a file whose
+    # name is not UTF-8 (os.fsdecode's surrogates)
+    handle = io.BytesIO(source) if isinstance(source, bytes) else os.fsencode(source)
     try:
         f = sf.SoundFile(handle)
     except sf.LibsndfileError as e:
@@ -226,7 +228,7 @@ def _wav_declared_frames(source: Source, name: str, fallback: int | None) -> int
             chunk = r.read(8)
             if len(chunk) < 8:
                 return fallback
-            cid, size = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+            cid, size = chunk[:4], int(struct.unpack("<I", chunk[4:])[0])
             if cid == b"fmt ":
                 fmt = r.read(min(size, 16))
                 block_align = struct.unpack("<H", fmt[12:14])[0] if len(fmt) >= 14 else 0
@@ -251,7 +253,7 @@ def _wav_declared_frames(source: Source, name: str, fallback: int | None) -> int
                         "frames): the header understates the length; rewrite the file",
                     )
                 break
-            size = struct.unpack("<I", chunk[4:])[0]
+            size = int(struct.unpack("<I", chunk[4:])[0])
             pos += 8 + size + (size & 1)
     return declared
 
@@ -310,12 +312,12 @@ def _pyav(
     decoded = 0
     rate = 0
     try:
-        with av.open(handle, metadata_errors="ignore") as container:
+        with av.open(handle, "r", metadata_errors="ignore") as container:
             streams = container.streams.audio
             if not streams:
                 raise InputError(name, "no audio stream")
             stream = streams[0]
-            stream.thread_type = "AUTO"
+            stream.codec_context.thread_type = "AUTO"
             rate = stream.rate
             declared = _pyav_declared_frames(container, stream)
             for frame in container.decode(stream):
@@ -361,13 +363,15 @@ def _pyav_declared_frames(container: Any, stream: Any) -> int | None:
         seconds = container.duration / 1_000_000
     else:
         return None
-    return round(seconds * stream.rate)
+    return int(round(seconds * stream.rate))
 
 
 def downmix(audio: np.ndarray, policy: str) -> np.ndarray:
     """``[channels, samples] -> [samples]``: ``mean`` of channels, or the ``first``."""
     if policy == "mean":
-        return audio.mean(axis=0, dtype=np.float32) if audio.shape[0] > 1 else audio[0]
+        mean: np.ndarray = audio.mean(axis=0, dtype=np.float32) if audio.shape[0] > 1 else audio[0]
+        return mean
     if policy == "first":
-        return audio[0]
+        first: np.ndarray = audio[0]
+        return first
     raise ValueError(f"downmix {policy!r} must be mean or first")

@@ -20,6 +20,7 @@ FORMATS = (
 
 def synth(kind: str, rate: int, seconds: float, rng: np.random.Generator) -> np.ndarray:
     t = np.arange(int(rate * seconds)) / rate
+    x: np.ndarray
     if kind == "tone":
         f = rng.uniform(200, 2000)
         x = np.sin(2 * np.pi * f * t) + 0.3 * np.sin(2 * np.pi * 2 * f * t)
@@ -29,9 +30,9 @@ def synth(kind: str, rate: int, seconds: float, rng: np.random.Generator) -> np.
     elif kind == "noise_burst":
         x = rng.standard_normal(len(t)) * ((t * rng.uniform(2, 6)) % 1 < 0.3)
     elif kind == "formant_sweep":
-        f0 = rng.uniform(90, 220) * (1 + 0.1 * np.sin(2 * np.pi * 0.7 * t))
-        phase = 2 * np.pi * np.cumsum(f0) / rate
-        x = sum(np.sin(k * phase) / k for k in range(1, 30))
+        pitch = rng.uniform(90, 220) * (1 + 0.1 * np.sin(2 * np.pi * 0.7 * t))
+        phase = 2 * np.pi * np.cumsum(pitch) / rate
+        x = np.sum([np.sin(k * phase) / k for k in range(1, 30)], axis=0)
         formant = 500 + 1500 * (0.5 + 0.5 * np.sin(2 * np.pi * rng.uniform(0.2, 1.0) * t))
         x = x * (1 + np.sin(2 * np.pi * formant * t) * 0.5)
     else:
@@ -40,7 +41,8 @@ def synth(kind: str, rate: int, seconds: float, rng: np.random.Generator) -> np.
         x[::period] = 1.0
         x = np.convolve(x, np.exp(-np.arange(200) / 20), mode="same")
     x = x + 0.003 * rng.standard_normal(len(t))
-    return (0.7 * x / (np.abs(x).max() + 1e-9)).astype(np.float32)
+    out: np.ndarray = (0.7 * x / (np.abs(x).max() + 1e-9)).astype(np.float32)
+    return out
 
 
 def make_demo_corpus(

@@ -180,11 +180,12 @@ def shape_sample(image: Any, masks: dict[str, Any], cfg: VisionConfig) -> list[P
     if cfg.tile is None:
         return [Patch(img, shaped, (0, 0))]
     th, tw = cfg.tile
+    height, width = img.shape[:2]
     return [
         Patch(
             np.ascontiguousarray(img[y : y + th, x : x + tw]),
             {n: np.ascontiguousarray(m[y : y + th, x : x + tw]) for n, m in shaped.items()},
             (y, x),
         )
-        for y, x in tile_origins(*img.shape[:2], cfg.tile)
+        for y, x in tile_origins(height, width, cfg.tile)
     ]

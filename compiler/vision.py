@@ -47,6 +47,7 @@ def parse_remap(value: Any) -> tuple[tuple[int, int], ...] | None:
     """``"0:0,1:1,3:2"``, ``{"3": 2}`` or ``[[3, 2]]`` -> sorted (from, to) pairs of mask values."""
     if value is None or value == "":
         return None
+    pairs: list[Any]
     if isinstance(value, dict):
         pairs = list(value.items())
     elif isinstance(value, str):

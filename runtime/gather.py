@@ -359,7 +359,7 @@ class TextGather(FieldGather):
         for k, a, b in self._groups(indices):
             start = int(self.starts[k])
             local = [int(i) - start for i in indices[a:b].tolist()]
-            if self.field.codec.name != "raw":
+            if not self.field.codec.mappable:
                 values += [self.shards[k].get(name, i) for i in local]
                 continue
             data, offsets = self._shard_text(k)
@@ -381,9 +381,9 @@ def make_gather(
 ) -> FieldGather:
     if field.kind in ("str", "bytes"):
         return TextGather(field, shards, starts, pad_value)
-    raw = field.codec.name == "raw"
-    if not field.ragged and raw:
+    mapped = field.codec.mappable
+    if not field.ragged and mapped:
         return FixedRawGather(field, shards, starts, pad_value)
-    if raw and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
+    if mapped and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
         return RaggedRowsGather(field, shards, starts, pad_value)
     return PerSampleGather(field, shards, starts, pad_value)

@@ -308,7 +308,7 @@ class Loader:
         otherwise torch's parallel kernels, which run well on the calling thread.
         """
         slots = self._ring()
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]  # torch.cuda ships no annotations
         for j in range(start, len(batches)):
             slot = slots[j % len(slots)]
             if slot.event is not None:
@@ -356,7 +356,7 @@ def _copy_to_device(batch: Batch, device: torch.device, stream: Any) -> tuple[Ba
                 for k, v in batch.items()
             }
         )
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
         event.record(stream)
     return moved, event
 
@@ -405,7 +405,7 @@ class _Epoch:
         self.held: _Slot | None = None
         self.stop = threading.Event()
         self.finished = threading.Event()
-        self.stream = torch.cuda.Stream(loader.device) if self.cuda else None
+        self.stream = torch.cuda.Stream(loader.device) if self.cuda else None  # type: ignore[no-untyped-call]
 
     def _produce(self, start: int) -> None:
         """Gathers the epoch's batches in order, pipelined: this thread prepares a
