@@ -536,10 +536,11 @@ def _stft_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
         windowed.mul_(window)
     spec = torch.fft.rfft(windowed).to(torch.complex64)
     if cfg.power == 2.0:
-        power = spec.real.square()
+        power: torch.Tensor = spec.real.square()
         power.addcmul_(spec.imag, spec.imag)
         return power
-    return spec.abs().pow(cfg.power)
+    magnitude: torch.Tensor = spec.abs().pow(cfg.power)
+    return magnitude
 
 
 def power_spectrogram(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
@@ -577,7 +578,7 @@ def _kaldi_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
         frames = frames - cfg.preemphasis * previous
     frames = frames * make_window(cfg.window, size, frames.dtype)
     spec = torch.fft.rfft(F.pad(frames, (0, padded - size))).to(torch.complex64)
-    power = spec.real.square()
+    power: torch.Tensor = spec.real.square()
     power.addcmul_(spec.imag, spec.imag)
     return power
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import tomllib
 
-from dlop.formats import Codec, Raw, SchemaError, Zstd, parse_codec
+from dlop.formats import Codec, SchemaError, parse_codec
 
 from .errors import CompileError
 from .features import FEATURES, PRESETS, FeatureConfig, feature_config, with_options
@@ -96,9 +96,7 @@ class Recipe:
             codec = parse_codec(self.codec)
         except SchemaError as e:
             raise CompileError(str(e)) from None
-        if isinstance(codec, Zstd) and not self.codec.endswith(":noshuffle"):
-            return Zstd(level=codec.level, block_bytes=codec.block_bytes, shuffle=True)
-        return codec if isinstance(codec, Zstd) else Raw()
+        return codec.shuffled()
 
     def to_json(self) -> dict[str, Any]:
         """The options that made this archive, and only those (``build_recipe`` reads it back).
@@ -283,10 +281,12 @@ def check_options(opts: dict[str, Any]) -> None:
             )
     vision = {**(opts.get("vision") or {}), **{k: opts[k] for k in VISION_OPTIONS if k in opts}}
     for f in fields(VisionConfig):
-        kind = str(f.type)
+        declared = str(f.type)
         value = vision.get(f.name)
-        if value is not None and kind in _SIMPLE and not _fits(kind, value):
-            raise CompileError(f"recipe option {f.name}: expected {_SIMPLE[kind]}, got {value!r}")
+        if value is not None and declared in _SIMPLE and not _fits(declared, value):
+            raise CompileError(
+                f"recipe option {f.name}: expected {_SIMPLE[declared]}, got {value!r}"
+            )
 
 
 def build_recipe(options: dict[str, Any]) -> Recipe:
