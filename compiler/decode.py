@@ -363,7 +363,10 @@ def _pyav_declared_frames(container: Any, stream: Any) -> int | None:
         seconds = container.duration / 1_000_000
     else:
         return None
-    return int(round(seconds * stream.rate))
+    return round(seconds * float(stream.rate))
+
+
+DOWNMIX_POLICIES = ("mean", "first")
 
 
 def downmix(audio: np.ndarray, policy: str) -> np.ndarray:

@@ -15,6 +15,7 @@ import tomllib
 
 from dlop.formats import Codec, SchemaError, parse_codec
 
+from .decode import DOWNMIX_POLICIES
 from .errors import CompileError
 from .features import FEATURES, PRESETS, FeatureConfig, feature_config, with_options
 from .resample import ResampleConfig
@@ -76,10 +77,10 @@ class Recipe:
             raise CompileError(f"media {self.media!r} must be one of {MEDIA}")
         if self.dtype not in DTYPES:
             raise CompileError(f"dtype {self.dtype!r} must be one of {sorted(DTYPES)}")
-        if self.on_error not in ("skip", "fail"):
-            raise CompileError(f"on_error {self.on_error!r} must be skip or fail")
-        if self.downmix not in ("mean", "first"):
-            raise CompileError(f"downmix {self.downmix!r} must be mean or first")
+        if self.on_error not in ON_ERROR_POLICIES:
+            raise CompileError(f"on_error {self.on_error!r} must be one of {ON_ERROR_POLICIES}")
+        if self.downmix not in DOWNMIX_POLICIES:
+            raise CompileError(f"downmix {self.downmix!r} must be one of {DOWNMIX_POLICIES}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise CompileError(f"layout {self.layout!r} must be one of {LAYOUTS}")
         if self.duration is not None and self.duration <= 0:
@@ -175,13 +176,15 @@ RECIPE_OPTIONS = (
 MAX_DURATION_S = 24 * 3600.0
 MIN_SHARD_BYTES, MAX_SHARD_BYTES = 4 << 10, 1 << 40
 MAX_WORKERS = 1024
-_CHOICES: dict[str, tuple[str, ...]] = {
+ON_ERROR_POLICIES = ("skip", "fail")
+# The recipe options that take one of a fixed set of words (the CLI offers the same sets).
+CHOICES: dict[str, tuple[str, ...]] = {
     "layout": LAYOUTS,
     "media": MEDIA,
     "preset": tuple(sorted(PRESETS)),
     "dtype": tuple(DTYPES),
-    "downmix": ("mean", "first"),
-    "on_error": ("skip", "fail"),
+    "downmix": DOWNMIX_POLICIES,
+    "on_error": ON_ERROR_POLICIES,
 }
 # name: (type, lowest, highest)
 _RESAMPLER: dict[str, tuple[type, float, float]] = {
@@ -229,7 +232,7 @@ def check_options(opts: dict[str, Any]) -> None:
     def bad(key: str, expected: str) -> CompileError:
         return CompileError(f"recipe option {key}: expected {expected}, got {opts[key]!r}")
 
-    for key, allowed in _CHOICES.items():
+    for key, allowed in CHOICES.items():
         if key in opts and (not isinstance(opts[key], str) or opts[key] not in allowed):
             raise bad(key, f"one of {', '.join(allowed)}")
     features = opts.get("features")

@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlop.compiler.features import PRESETS
+from dlop.compiler import features, vision
 from dlop.compiler.pipeline import compile_corpus
-from dlop.compiler.recipe import build_recipe, load_recipe_file
-from dlop.compiler.sources import LAYOUTS
+from dlop.compiler.recipe import CHOICES, build_recipe, load_recipe_file
 from dlop.formats import DlopError
 
 
@@ -41,22 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo", type=Path, metavar="OUT", help="generate the demo corpus under OUT and compile it"
     )
     g = p.add_argument_group("corpus")
-    g.add_argument("--layout", choices=LAYOUTS, help="default: detected from SOURCE")
+    g.add_argument("--layout", choices=CHOICES["layout"], help="default: detected from SOURCE")
     g.add_argument(
         "--duration", type=float, help="crop or zero-pad every clip to SECONDS (0: native lengths)"
     )
     g.add_argument(
-        "--downmix", choices=("mean", "first"), help="how channels become one (default mean)"
+        "--downmix", choices=CHOICES["downmix"], help="how channels become one (default mean)"
     )
-    g.add_argument(
-        "--media", choices=("audio", "video", "image"), help="default: told by layout and files"
-    )
+    g.add_argument("--media", choices=CHOICES["media"], help="default: told by layout and files")
     v = p.add_argument_group("video and images")
     v.add_argument("--size", type=int, help="resize so the short side is N pixels (antialiased)")
     v.add_argument("--crop", help="centre crop N or HxW after --size (default: keep all)")
     v.add_argument(
         "--clip",
-        choices=("uniform", "dense"),
+        choices=vision.CLIP_MODES,
         help="uniform: one clip of segment centres over the video (default); dense: consecutive frames",
     )
     v.add_argument("--clip-frames", type=int, help="frames per clip (default 16)")
@@ -83,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--missing-mask",
-        choices=("fill", "skip"),
+        choices=vision.MISSING_MASK_RULES,
         help="an image lacking some annotator's mask: store it filled (default) or skip the image",
     )
     v.add_argument("--mask-remap", help="mask label table, e.g. 0:0,1:1,3:2,4:3,5:4,6:5")
@@ -99,8 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="images or masks with more pixels are bad inputs (default 150000000)",
     )
     f = p.add_argument_group("features")
-    f.add_argument("--features", choices=("logmel", "fbank", "mfcc", "waveform"))
-    f.add_argument("--preset", choices=sorted(PRESETS), help="feature convention (default librosa)")
+    f.add_argument("--features", choices=features.CHOICES["features"])
+    f.add_argument(
+        "--preset", choices=CHOICES["preset"], help="feature convention (default librosa)"
+    )
     for flag, typ in (
         ("--sample-rate", int),
         ("--n-fft", int),
@@ -114,18 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         f.add_argument(flag, type=typ)
     f.add_argument("--top-db", type=_none_or_float, help="per-clip dynamic range in dB, or none")
-    f.add_argument("--mel-scale", choices=("htk", "slaney"))
-    f.add_argument("--norm", choices=("slaney", "none"))
+    f.add_argument("--mel-scale", choices=features.CHOICES["mel_scale"])
+    f.add_argument("--norm", choices=features.CHOICES["norm"])
     f.add_argument("--center", action=argparse.BooleanOptionalAction, default=None)
-    f.add_argument("--pad-mode", choices=("constant", "reflect"))
+    f.add_argument("--pad-mode", choices=features.CHOICES["pad_mode"])
     f.add_argument(
         "--fft-dtype",
-        choices=("float64", "float32"),
+        choices=features.CHOICES["fft_dtype"],
         help="FFT precision: float64 (default) matches the references exactly, float32 is faster",
     )
-    f.add_argument(
-        "--dtype", choices=("float16", "bfloat16", "float32"), help="stored dtype (default float16)"
-    )
+    f.add_argument("--dtype", choices=CHOICES["dtype"], help="stored dtype (default float16)")
     o = p.add_argument_group("output")
     o.add_argument("--codec", help="raw (default), zstd, zstd:LEVEL")
     o.add_argument(
@@ -135,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--workers", type=int, help="worker processes (default: all cores)")
     o.add_argument(
         "--on-error",
-        choices=("skip", "fail"),
+        choices=CHOICES["on_error"],
         help="bad inputs: record and go on (default), or stop",
     )
     o.add_argument("--resume", action="store_true", help="finish an interrupted compile in OUT")

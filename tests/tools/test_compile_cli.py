@@ -1,0 +1,33 @@
+"""dlop-compile's word choices are the compiler's own sets, never a second copy."""
+
+from __future__ import annotations
+
+import argparse
+
+from dlop.compiler import features, vision
+from dlop.compiler.recipe import CHOICES
+from dlop.tools.compile_cli import build_parser
+
+
+def _choices(parser: argparse.ArgumentParser) -> dict[str, tuple[str, ...]]:
+    return {
+        a.dest: tuple(a.choices)
+        for a in parser._actions  # argparse keeps no public list of actions
+        if a.choices is not None
+    }
+
+
+def test_every_choice_comes_from_the_module_that_checks_it() -> None:
+    owners = {
+        **{
+            key: CHOICES[key]
+            for key in ("layout", "downmix", "media", "preset", "dtype", "on_error")
+        },
+        **{
+            key: features.CHOICES[key]
+            for key in ("features", "mel_scale", "norm", "pad_mode", "fft_dtype")
+        },
+        "clip": vision.CLIP_MODES,
+        "missing_mask": vision.MISSING_MASK_RULES,
+    }
+    assert _choices(build_parser()) == owners
