@@ -62,8 +62,8 @@ class FeatureConfig:
     norm_mean: float = 0.0
     norm_std: float = 1.0
     # Precision of framing, FFT and power. float64 matches the references to
-    # about 1e-6 dB in every band; float32 is about 1.6x faster per clip but
-    # errs up to ~2e-3 dB in bands 75 dB below a clip's peak. Filterbank, log and
+    # about 1e-6 dB in every band; float32 is faster (docs/compile.md has the
+    # measured figures) and errs by about 2e-3 dB in bands 75 dB below a clip's peak. Filterbank, log and
     # clamps run in float32 either way: sums of positive powers keep their
     # relative precision.
     fft_dtype: str = "float64"

@@ -1,4 +1,10 @@
-"""Mel scales and filterbanks (REFERENCE §3), computed in float64 with numpy."""
+"""Mel scales and filterbanks, computed in float64 with numpy.
+
+Scales: HTK (2595 log10(1 + f/700)), Slaney (Auditory Toolbox: linear below
+1 kHz, logarithmic above) and Kaldi (1127 ln(1 + f/700)); triangles and the
+Slaney area norm as librosa.filters.mel and torchaudio.functional.melscale_fbanks
+define them, and Kaldi's mel-domain triangles as kaldi/src/feat/mel-computations.cc.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Video decoding with PyAV: frames sampled by presentation time (REFERENCE §4).
+"""Video decoding with PyAV: frames sampled by presentation time, not by frame index.
 
 The frame shown at time ``t`` is the last frame whose timestamp is at or
 before ``t`` (the first frame for times before it, the last frame for times

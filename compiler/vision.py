@@ -1,4 +1,4 @@
-"""Frame and image geometry shared by the video and image compilers (REFERENCE §4).
+"""Frame and image geometry shared by the video and image compilers.
 
 Images are ``[H, W, C]`` uint8 and masks ``[H, W]`` uint8. Images shrink with
 an antialiasing filter (Pillow's bilinear widens its support when it
