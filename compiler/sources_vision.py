@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import re
 from pathlib import Path
 
 from .errors import CompileError
-from .sources import IMAGE_EXTS, VIDEO_EXTS, Corpus, Item, _fingerprint
+from .sources import (
+    IMAGE_EXTS,
+    VIDEO_EXTS,
+    Corpus,
+    Item,
+    _fingerprint,
+    files_below,
+    is_archive,
+    name_key,
+    read_csv,
+)
 
 CHARADES_CSVS = ("Charades_v1_train.csv", "Charades_v1_test.csv")
 CHARADES_CLASSES = 157
@@ -29,33 +37,41 @@ def charades(root: Path) -> Corpus:
     if not csvs:
         raise CompileError(f"{root}: charades layout needs {' or '.join(CHARADES_CSVS)}")
     videos: dict[str, Path] = {}
-    for f in sorted(root.rglob("*")):
-        if f.is_file() and f.suffix.lower() in VIDEO_EXTS:
-            videos.setdefault(f.stem, f)  # the first by sorted path when one id has several files
+    for f in files_below(root, VIDEO_EXTS):
+        videos.setdefault(f.stem, f)  # the first by sorted path when one id has several files
     classes = [f"c{i:03d}" for i in range(CHARADES_CLASSES)]
     names_file = root / "Charades_v1_classes.txt"
     meta = hashlib.sha256()
     if names_file.is_file():
-        for line in names_file.read_text("utf-8").splitlines():
+        try:
+            names_text = names_file.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise CompileError(
+                f"{names_file}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8"
+            ) from None
+        for line in names_text.splitlines():
             code, _, name = line.strip().partition(" ")
             if _SPAN.match(f"{code} 0 0") and int(code[1:]) < CHARADES_CLASSES:
                 classes[int(code[1:])] = name or code
     items: list[Item] = []
     for table in csvs:
-        raw = table.read_bytes()
+        raw, rows = read_csv(table, root, {"id", "actions"})
         meta.update(raw)
-        rows = list(csv.DictReader(io.StringIO(raw.decode("utf-8-sig"))))
-        if rows and not {"id", "actions"} <= set(rows[0]):
-            raise CompileError(f"{table}: needs columns id and actions, has {sorted(rows[0])}")
         split = "train" if "train" in table.name else "test"
-        for n, row in enumerate(rows, 2):
-            vid = row["id"].strip()
+        for row in rows:
+            n = row.line
+            vid = row.fields.get("id", "").strip()
+            if row.error is not None:
+                items.append(
+                    Item(key=name_key(vid) if vid else f"{table.name} line {n}", error=row.error)
+                )
+                continue
             video = videos.get(vid)
-            key = str(video.relative_to(root)) if video else vid
+            key = name_key(str(video.relative_to(root))) if video else vid
             item = Item(key=key, path=str(video) if video else None)
-            item.extras = {"video_id": vid, "split": split, "actions": row["actions"] or ""}
+            item.extras = {"video_id": vid, "split": split, "actions": row.fields["actions"]}
             labels: set[int] = set()
-            for span in filter(None, (s.strip() for s in (row["actions"] or "").split(";"))):
+            for span in filter(None, (s.strip() for s in row.fields["actions"].split(";"))):
                 m = _SPAN.match(span)
                 if not m or int(m.group(1)) >= CHARADES_CLASSES:
                     item.error = f"{table.name} line {n}: action {span!r} is not 'cNNN START END'"
@@ -90,7 +106,7 @@ def _images_dir(root: Path, images: str | None) -> Path | None:
 
 
 def _image_files(folder: Path) -> list[Path]:
-    return sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTS)
+    return files_below(folder, IMAGE_EXTS)
 
 
 def match_stem(stem: str, image_stems: set[str]) -> str | None:
@@ -107,7 +123,9 @@ def match_stem(stem: str, image_stems: set[str]) -> str | None:
 
 def _mask_dirs(root: Path, images_dir: Path, stems: set[str]) -> list[Path]:
     found = []
-    for d in sorted(p for p in root.iterdir() if p.is_dir() and p != images_dir):
+    for d in sorted(
+        p for p in root.iterdir() if p.is_dir() and p != images_dir and not is_archive(p)
+    ):
         if any(match_stem(f.stem, stems) for f in _image_files(d)):
             found.append(d)
     return found
@@ -169,11 +187,11 @@ def segmentation(root: Path, images: str | None, masks: tuple[str, ...] | None) 
             found[name][stem] = f
     items = []
     for f in files:
-        item = Item(key=str(f.relative_to(root)), path=str(f))
+        item = Item(key=name_key(str(f.relative_to(root))), path=str(f))
         item.masks = {n: str(found[n][f.stem]) if f.stem in found[n] else None for n in names}
         items.append(item)
     listing = "\n".join(
-        f"{n}\0{p.relative_to(root)}\0{p.stat().st_size}"
+        f"{n}\0{name_key(str(p.relative_to(root)))}\0{p.stat().st_size}"
         for n in names
         for p in sorted(found[n].values())
     )
@@ -186,7 +204,7 @@ def segmentation(root: Path, images: str | None, masks: tuple[str, ...] | None) 
         {},
         {
             "mask_folders": {
-                n: str(d.relative_to(root)) if d.is_relative_to(root) else str(d)
+                n: name_key(str(d.relative_to(root) if d.is_relative_to(root) else d))
                 for n, d in zip(names, dirs, strict=True)
             }
         },
