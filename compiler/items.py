@@ -21,7 +21,7 @@ from .errors import InputError
 from .features import featurize
 from .recipe import DTYPES, Recipe
 from .resample import resample
-from .sources import Corpus, Item, webdataset_fields
+from .sources import MAX_LABEL, Corpus, Item, webdataset_fields
 
 
 @dataclass(frozen=True)
@@ -193,12 +193,22 @@ def process_item(item: Item, recipe: Recipe, shape: CorpusShape) -> Outcome:
 
 
 def _labels(item: Item, shape: CorpusShape, name: str) -> dict[str, Any]:
+    """The item's label, multi-hot labels, text and extra fields, each checked as stored."""
     out: dict[str, Any] = {}
     if shape.has_label:
         if item.label is None:
             raise InputError(name, "no label")
+        if type(item.label) is not int or not 0 <= item.label <= MAX_LABEL:
+            raise InputError(
+                name, f"label {item.label!r} is not a class index (an integer 0 to {MAX_LABEL})"
+            )
         out["label"] = item.label
     if shape.num_labels:
+        bad = [v for v in item.labels or [] if type(v) is not int or not 0 <= v < shape.num_labels]
+        if bad:
+            raise InputError(
+                name, f"labels {bad[:5]} are not class indices from 0 to {shape.num_labels - 1}"
+            )
         hot = np.zeros(shape.num_labels, np.uint8)
         hot[item.labels or []] = 1
         out["labels"] = hot
@@ -207,6 +217,8 @@ def _labels(item: Item, shape: CorpusShape, name: str) -> dict[str, Any]:
             raise InputError(name, "no transcript")
         out["text"] = item.text
     for field_name in shape.extra:
+        if field_name not in item.extras:
+            raise InputError(name, f"no {field_name}")
         out[field_name] = item.extras[field_name]
     return out
 

@@ -52,7 +52,7 @@ from dlop.formats.archive import atomic_write
 from .errors import CompileError
 from .items import CorpusShape, Outcome, process_item, schema_for
 from .recipe import Recipe
-from .sources import Corpus, Item, open_corpus, stream_webdataset
+from .sources import Corpus, Item, open_corpus, stream_webdataset, text_path
 
 JOURNAL = ".dlop-progress.json"
 LOCK = ".dlop-lock"  # flock'ed for the whole compile; holds "pid N on HOST"
@@ -488,9 +488,12 @@ def _compile_into(
                 (out / JOURNAL).unlink(missing_ok=True)
                 if created_dir:
                     shutil.rmtree(out, ignore_errors=True)
-                raise CompileError(f"{outcome.path}: {outcome.reason} (--on-error fail)")
+                raise CompileError(
+                    f"{text_path(outcome.path or outcome.key)}: {outcome.reason} (--on-error fail)"
+                )
             else:
-                writer.skip(outcome.path or outcome.key, outcome.reason or "", key=outcome.key)
+                path = text_path(outcome.path or outcome.key)
+                writer.skip(path, outcome.reason or "", key=outcome.key)
             _test_point(f"input:{n}")
             bar.update(1)
             if on_progress:

@@ -78,6 +78,11 @@ def key_name(key: str) -> str:
     return os.fsdecode(raw)
 
 
+def text_path(path: str) -> str:
+    """A path for records and messages: itself when it is text, else its name_key form."""
+    return path if _is_text(path) else name_key(path)
+
+
 def _is_text(value: str) -> bool:
     """Whether a str holds only characters UTF-8 can store (no lone surrogates)."""
     try:

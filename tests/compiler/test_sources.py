@@ -205,6 +205,11 @@ def test_non_utf8_file_names_round_trip(tmp_path: Path) -> None:
         name_key(name).encode("utf-8")
     r = compile_ok(str(root), "-o", str(tmp_path / "a"))
     assert [r.sample(i)["key"] for i in range(len(r))] == keys
+    (root / "dog" / os.fsdecode(b"bad\xff.wav")).write_text("not audio")
+    r = compile_ok(str(root), "-o", str(tmp_path / "b"))
+    (error,) = r.errors()
+    assert error["key"] == "dog/bad\\xff.wav" and error["path"].endswith("/dog/bad\\xff.wav")
+    error["path"].encode("utf-8")
 
 
 def test_non_utf8_manifest_lines_are_bad_inputs(tmp_path: Path) -> None:
