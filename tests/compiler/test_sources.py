@@ -19,7 +19,7 @@ from dlop.compiler.sources_vision import charades
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 
-from .fixtures import librispeech_corpus, webdataset_corpus, write_audio, write_esc50_csv
+from .fixtures import librispeech_corpus, webdataset_corpus, write_esc50_csv
 from .signals import make_signal
 
 
@@ -272,7 +272,7 @@ def test_truncated_tar_member_is_a_bad_input(tmp_path: Path) -> None:
     first = root / "train-000.tar"
     data = first.read_bytes()
     with tarfile.open(first) as tf:
-        last = [m for m in tf if m.name == "s0_002.flac"][0]
+        last = next(m for m in tf if m.name == "s0_002.flac")
     first.write_bytes(data[: last.offset_data + 100])  # its header claims more than is left
     (root / "train-002.tar").write_bytes(b"this is not a tar file" * 40)
     corpus = open_corpus(str(root), None)
