@@ -598,8 +598,8 @@ def _manifest(path: Path, media: str = "audio") -> Corpus:
     for name, limit in limits.items():
         if not present[name]:
             continue
-        kind, line = kinds.get(name, ("int", 0))  # no usable value anywhere: all are bad
-        first = f"line {line} gives class {'indices' if kind == 'int' else 'names'}"
+        kind, first_line = kinds.get(name, ("int", 0))  # no usable value anywhere: all are bad
+        first = f"line {first_line} gives class {'indices' if kind == 'int' else 'names'}"
         for it in items:
             if it.error is not None:
                 continue
