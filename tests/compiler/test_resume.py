@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlop.compiler.pipeline import JOURNAL, LOCK, TEST_KILL_AT, TEST_SIGNAL
+from dlop.compiler.output import JOURNAL, LOCK
+from dlop.compiler.pipeline import TEST_KILL_AT, TEST_SIGNAL
 from dlop.formats import ArchiveReader, ArchiveWriter, Field
 from dlop.tools.compile_cli import main
 

@@ -1,0 +1,367 @@
+"""The output folder of a compile: where OUT may be, its lock, what --overwrite and --resume
+may delete, and the progress journal an interrupted compile resumes from.
+
+A compile deletes only names it writes itself (COMPILE_FILE); OUT holding anything
+else makes --overwrite and --resume refuse before anything is deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn, TypeGuard
+
+from dlop.formats import ERRORS_NAME, INDEX_NAME, DlopError, FormatError, ShardInfo, shard_name
+from dlop.formats.archive import atomic_write
+from dlop.formats.constants import (
+    ARCHIVE_FORMAT,
+    MAX_ERRORS_BYTES,
+    MAX_INDEX_BYTES,
+    MAX_SHARD_SAMPLES,
+)
+from dlop.formats.files import loads_bounded, read_capped
+
+from .errors import CompileError
+from .recipe import Recipe
+
+JOURNAL = ".dlop-progress.json"
+LOCK = ".dlop-lock"  # flock'ed for the whole compile; holds "pid N on HOST"
+SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the output folder, removed as read
+# The journal records what an index and errors.jsonl would: it is capped at both together.
+MAX_JOURNAL_BYTES = MAX_INDEX_BYTES + MAX_ERRORS_BYTES
+
+_SHARD = r"shard-\d{5,}\.dlop"
+_OWN = "|".join(re.escape(n) for n in (INDEX_NAME, ERRORS_NAME, JOURNAL))
+# Every name a compile writes in OUT: the archive's files, the journal, the lock, the
+# workers' chunk files, the writers' temporary files (atomic_write's ".NAME.tmp", a
+# shard's ".shard-N.dlop.tmp" and its field spools ".shard-N.dlop.fK.spool").
+COMPILE_FILE = re.compile(
+    rf"(?:{_SHARD}|{_OWN}|{re.escape(LOCK)}|{re.escape(SPILL_PREFIX)}\d+-\d+)"
+    rf"|\.(?:{_SHARD}|{_OWN})\.tmp|\.{_SHARD}\.f\d+\.spool"
+)
+
+
+def _written_by_a_compile(out: Path, name: str) -> bool:
+    """Whether OUT/name is a regular file (not a link) under a name a compile writes."""
+    return (
+        bool(COMPILE_FILE.fullmatch(name))
+        and (out / name).is_file()
+        and not (out / name).is_symlink()
+    )
+
+
+def _foreign(out: Path, names: list[str]) -> str:
+    """The entries of OUT a compile did not write, shown for a message ('' when none)."""
+    foreign = [n for n in names if not _written_by_a_compile(out, n)]
+    return ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+
+
+# -- where OUT may be --------------------------------------------------------------
+
+
+def _source_folders(recipe: Recipe) -> list[tuple[Path, bool]]:
+    """The folders the layout reads from, resolved, each with whether it is read
+    whole (listed recursively). A file source (a manifest, a .tar, a brace pattern)
+    counts as the folder holding it, which is not read whole; --images and --masks
+    folders are."""
+    source = recipe.source
+    if "{" in source:  # a brace pattern: the folder of the text before the first brace
+        base, whole = Path(os.path.dirname(source[: source.index("{")]) or "."), False
+    else:
+        base, whole = Path(source), Path(source).is_dir()
+        base = base if whole else base.parent
+    folders = [(base, whole)]
+    for extra in (recipe.images, *(recipe.masks or ())):
+        if extra:
+            folders.append((Path(extra) if Path(extra).is_absolute() else base / extra, True))
+    return [(f.resolve(), w) for f, w in folders]
+
+
+def check_apart(out: Path, recipe: Recipe) -> None:
+    """Refuses an OUT that is or holds a folder the corpus is read from, or lies inside
+    one that the layout lists (where the next compile would read the archive as input)."""
+    target = out.resolve()
+    for folder, whole in _source_folders(recipe):
+        if target == folder:
+            how = "is the corpus folder"
+        elif whole and folder in target.parents:
+            how = f"lies inside the corpus folder {folder}"
+        elif target in folder.parents:
+            how = f"contains the corpus folder {folder}"
+        else:
+            continue
+        raise CompileError(
+            f"{out}: the output folder {how}; a compile writes (and --overwrite deletes) only "
+            "outside what it reads. Choose an output folder outside the corpus"
+        )
+
+
+# -- the lock ------------------------------------------------------------------------
+
+_LOCK_FDS: set[int] = set()  # lock descriptors this process holds, closed in forked workers
+
+
+def close_inherited_locks() -> None:
+    """In a forked worker: closes the driver's lock descriptors, so that the lock dies
+    with the driver and not with its last worker."""
+    for fd in _LOCK_FDS:
+        os.close(fd)
+    _LOCK_FDS.clear()
+
+
+class OutputLock:
+    """An exclusive advisory lock (flock) on OUT/.dlop-lock, held for the whole compile.
+
+    The lock dies with the process, so a lock file left by a killed compile blocks
+    nothing; the file names the holder so that a refused compile can say who. A
+    finished compile unlinks the file while holding it; a compile that opened the
+    file before that unlink may get its flock on the unlinked file, so a lock
+    counts only once the locked file is still the one at the path.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / LOCK
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if self._still_at_path(fd):
+                    break
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "pid unknown"
+                os.close(fd)
+                raise CompileError(
+                    f"{out}: another dlop-compile ({holder}) is writing this archive; wait for "
+                    "it to finish, or stop it and run again with --resume"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # locked a file its holder has just unlinked: open the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+        _LOCK_FDS.add(fd)
+
+    def _still_at_path(self, fd: int) -> bool:
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)
+
+    def release(self) -> None:
+        """Removes the lock file (while still holding it) and unlocks."""
+        self.path.unlink(missing_ok=True)
+        _LOCK_FDS.discard(self.fd)
+        os.close(self.fd)
+
+
+@contextlib.contextmanager
+def locked_output(out: Path, resume: bool, overwrite: bool) -> Iterator[bool]:
+    """Creates or checks OUT and holds its lock throughout; yields whether this compile created it."""
+    created = False
+    if not out.exists():
+        if resume:
+            raise CompileError(f"{out}: nothing to resume (the directory does not exist)")
+        with contextlib.suppress(FileExistsError):  # another compile may create it meanwhile
+            out.mkdir(parents=True)
+            created = True
+    if not out.is_dir():
+        raise CompileError(f"{out}: exists and is not a directory")
+    lock = OutputLock(out)
+    try:
+        _clear_output(out, resume, overwrite)
+        yield created
+    finally:
+        lock.release()
+
+
+def _clear_output(out: Path, resume: bool, overwrite: bool) -> None:
+    """Checks what OUT holds (under the lock); for --overwrite, deletes a previous archive.
+
+    For --resume only the check: what may go is deleted once the journal is read
+    and the completed shards are verified (clear_for_resume)."""
+    names = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+    has_index, has_journal = INDEX_NAME in names, JOURNAL in names
+    if resume:
+        if has_index:
+            raise CompileError(f"{out}: already a complete archive; nothing to resume")
+        if not has_journal:
+            raise CompileError(f"{out}: no interrupted compile to resume (no {JOURNAL})")
+        foreign = _foreign(out, names)
+        if foreign:
+            raise CompileError(
+                f"{out}: holds {foreign} besides an interrupted compile; --resume deletes only "
+                "the files a compile writes, and nothing was deleted. Move them away and run "
+                "again with --resume"
+            )
+        return
+    if not names:
+        return
+    if not has_index and not has_journal:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise CompileError(
+            f"{out}: holds files that are not a dlop archive ({shown}); --overwrite replaces only "
+            f"a dlop archive (with {INDEX_NAME}) or an interrupted compile (with {JOURNAL}), and "
+            "nothing was deleted. Choose a new or empty folder"
+        )
+    if not overwrite:
+        what = (
+            "an archive; choose a new path or --overwrite it"
+            if has_index
+            else "an interrupted compile; --resume it, --overwrite it, or choose a new path"
+        )
+        raise CompileError(f"{out}: already holds {what}")
+    if has_index:
+        _check_archive_index(out / INDEX_NAME)
+    foreign = _foreign(out, names)
+    if foreign:
+        raise CompileError(
+            f"{out}: holds {foreign} besides a dlop archive; --overwrite deletes "
+            "only an archive's own files, and nothing was deleted. Move them away or choose "
+            "another folder"
+        )
+    # The index goes first, so a crash never leaves a stale but valid-looking archive.
+    (out / INDEX_NAME).unlink(missing_ok=True)
+    for n in names:
+        (out / n).unlink(missing_ok=True)
+
+
+def _check_archive_index(path: Path) -> None:
+    """Refuses --overwrite unless ``path`` parses as a dlop archive index."""
+    try:
+        obj = loads_bounded(
+            path, read_capped(path, MAX_INDEX_BYTES, root=path.parent, what="index"), "index"
+        )
+        if not isinstance(obj, dict) or obj.get("format") != ARCHIVE_FORMAT:
+            got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
+            raise FormatError(path, f"'format' is {got!r}, expected {ARCHIVE_FORMAT!r}")
+    except (FormatError, OSError) as e:
+        raise CompileError(
+            f"{path}: not a dlop archive index ({getattr(e, 'problem', e)}); --overwrite "
+            "replaces only a dlop archive, and nothing was deleted. Choose another folder"
+        ) from None
+
+
+# -- the journal ---------------------------------------------------------------------
+
+
+class Journal:
+    """Progress of an unfinished compile: completed shards, inputs consumed, inputs skipped."""
+
+    def __init__(self, out: Path, digest: str, fingerprint: str) -> None:
+        self.path = out / JOURNAL
+        self.digest, self.fingerprint = digest, fingerprint
+        self.shards: list[ShardInfo] = []
+        self.consumed = 0
+        self.skipped: list[dict[str, Any]] = []
+
+    def save(self) -> None:
+        atomic_write(
+            self.path,
+            json.dumps(
+                {
+                    "recipe_digest": self.digest,
+                    "fingerprint": self.fingerprint,
+                    "consumed": self.consumed,
+                    "shards": [s.to_json() for s in self.shards],
+                    "skipped": self.skipped,
+                }
+            ).encode(),
+        )
+
+    def load(self, num_inputs: int) -> None:
+        """Reads and checks the journal of an interrupted compile of ``num_inputs`` inputs."""
+        try:
+            data = read_capped(self.path, MAX_JOURNAL_BYTES, root=self.path.parent, what="journal")
+            obj = loads_bounded(self.path, data, "the journal")
+        except FormatError as e:
+            self._bad(e.problem)
+        except OSError as e:
+            self._bad(f"cannot read it: {e.strerror or e}")
+        if not isinstance(obj, dict):
+            self._bad(f"expected a JSON object, got {type(obj).__name__}")
+        if obj.get("recipe_digest") != self.digest:
+            raise CompileError(
+                f"{self.path.parent}: --resume with a different recipe than the interrupted compile"
+            )
+        if obj.get("fingerprint") != self.fingerprint:
+            raise CompileError(
+                f"{self.path.parent}: the corpus changed since the interrupted compile; compile afresh"
+            )
+        consumed = obj.get("consumed")
+        if not _is_int(consumed) or not 0 <= consumed <= num_inputs:
+            self._bad(f"'consumed' is {consumed!r}, expected an integer from 0 to {num_inputs}")
+        shards, skipped = obj.get("shards"), obj.get("skipped")
+        if not isinstance(shards, list):
+            self._bad(f"'shards' is {type(shards).__name__}, expected a list")
+        if not isinstance(skipped, list):
+            self._bad(f"'skipped' is {type(skipped).__name__}, expected a list")
+        self.shards = [self._shard(k, s) for k, s in enumerate(shards)]
+        for k, record in enumerate(skipped):
+            if not isinstance(record, dict):
+                self._bad(f"'skipped[{k}]' is {type(record).__name__}, expected an object")
+        self.consumed, self.skipped = consumed, skipped
+
+    def _shard(self, k: int, s: object) -> ShardInfo:
+        keys = ("file", "num_samples", "bytes", "crc32")
+        if not isinstance(s, dict) or sorted(s) != sorted(keys):
+            self._bad(f"'shards[{k}]' is {str(s)[:100]}, expected an object with keys {keys}")
+        if s["file"] != shard_name(k):
+            self._bad(f"'shards[{k}].file' is {s['file']!r}, expected {shard_name(k)!r}")
+        for key, most in zip(keys[1:], (MAX_SHARD_SAMPLES, (1 << 64) - 1, 0xFFFFFFFF), strict=True):
+            if not _is_int(s[key]) or not 0 <= s[key] <= most:
+                self._bad(
+                    f"'shards[{k}].{key}' is {s[key]!r}, expected an integer from 0 to {most}"
+                )
+        return ShardInfo(s["file"], s["num_samples"], s["bytes"], s["crc32"])
+
+    def _bad(self, problem: str) -> NoReturn:
+        raise CompileError(
+            f"{self.path}: the progress journal is damaged: {problem}; it cannot be resumed, "
+            "compile afresh (--overwrite)"
+        )
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def clear_for_resume(out: Path, journal: Journal) -> None:
+    """Checks the journal's completed shards, then deletes what else the interrupted
+    compile left (a partial shard and its spools, chunk and temporary files).
+
+    _clear_output has already refused an OUT holding anything a compile does not write.
+    """
+    from dlop.formats import ShardReader
+
+    for info in journal.shards:
+        path = out / info.file
+        try:
+            with ShardReader(path) as r:
+                crc, count = r.file_crc32(), r.num_samples
+            why = (
+                ""
+                if (crc, count) == (info.crc32, info.num_samples)
+                else f"CRC-32 {crc} and {count} samples, the journal says {info.crc32} and "
+                f"{info.num_samples}"
+            )
+        except (OSError, ValueError, DlopError) as e:
+            why = str(e)
+        if why:
+            raise CompileError(
+                f"{path}: completed shard is missing or damaged ({why}); compile afresh "
+                "(--overwrite)"
+            )
+    keep = {s.file for s in journal.shards} | {JOURNAL, LOCK}
+    for p in sorted(out.iterdir()):
+        if p.name not in keep and _written_by_a_compile(out, p.name):
+            p.unlink()
