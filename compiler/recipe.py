@@ -13,7 +13,9 @@ from typing import Any
 
 import tomllib
 
-from dlop.formats import Codec, SchemaError, parse_codec
+from dlop.formats import INDEX_NAME, Codec, FormatError, SchemaError, parse_codec
+from dlop.formats.constants import ARCHIVE_FORMAT, MAX_INDEX_BYTES
+from dlop.formats.files import loads_bounded, read_capped
 
 from .decode import DOWNMIX_POLICIES
 from .errors import CompileError
@@ -133,21 +135,39 @@ class Recipe:
 
 
 def load_recipe_file(path: str | Path) -> dict[str, Any]:
-    """Options from a .toml or .json recipe, or from an archive's index.json."""
+    """Options from a .toml or .json recipe, or from an archive's index.json.
+
+    Read as an archive's files are (formats/files.py): a regular file only (a FIFO
+    or a device is refused without blocking), at most MAX_INDEX_BYTES, JSON nested
+    at most MAX_JSON_DEPTH deep; every failure is a CompileError naming the file.
+    """
     p = Path(path)
-    if p.is_dir() and (p / "index.json").is_file():
-        p = p / "index.json"
+    root = None
+    if p.is_dir():
+        root, p = p, p / INDEX_NAME  # an archive: its index's links must stay inside it
     try:
-        text = p.read_text("utf-8")
+        data = read_capped(p, MAX_INDEX_BYTES, root=root, what="recipe")
+    except FileNotFoundError:
+        no_index = " (a folder given as a recipe must be a dlop archive)" if root else ""
+        raise CompileError(f"{p}: cannot read recipe: no such file{no_index}") from None
+    except FormatError as e:
+        raise CompileError(f"{p}: cannot read recipe: {e.problem}") from None
     except OSError as e:
         raise CompileError(f"{p}: cannot read recipe: {e.strerror or e}") from None
     try:
-        obj = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise CompileError(
-            f"{p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}"
-        ) from None
-    if isinstance(obj, dict) and obj.get("format") == "dlop-archive":
+        if p.suffix == ".toml":
+            obj: Any = tomllib.loads(data.decode("utf-8"))
+        else:
+            obj = loads_bounded(p, data, "recipe")
+    except FormatError as e:
+        raise CompileError(f"{p}: {e.problem}") from None
+    except UnicodeDecodeError as e:
+        raise CompileError(f"{p}: a TOML recipe must be UTF-8 text: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CompileError(f"{p}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise CompileError(f"{p}: not valid TOML: arrays or tables nested too deep") from None
+    if isinstance(obj, dict) and obj.get("format") == ARCHIVE_FORMAT:
         obj = obj.get("recipe", {})
     if not isinstance(obj, dict):
         raise CompileError(f"{p}: a recipe must be a table/object of options")
