@@ -1,7 +1,8 @@
 """kill -9 at chosen moments, then --resume: the archive is byte-identical to an uninterrupted one.
 
 The compile runs as a subprocess and kills itself at an exact moment through the
-test-only DLOP_TEST_KILL_AT hook (start, input:N, shard:N, index); the resume
+test-only DLOP_TEST_KILL_AT hook (start, input:N, shard:N, index: before any shard,
+inside the first or a later shard, right after a shard, before the index); the resume
 runs in-process. Corpora: ESC-50 style clips (one sample per input), dense video
 clips (several samples per input, cut from one file) and image tiles (many
 samples per input), each with a tiny --shard-bytes so there are several shards.
@@ -65,6 +66,10 @@ def _tiles(root: Path) -> list[str]:
 
 
 CORPORA = {"clips": _clips, "segments": _segments, "tiles": _tiles}
+# The input after which each corpus is inside its second shard, not at its end: the
+# first shard closes with input 2 in all three; input 3 of clips and segments is the
+# skipped one, so their second shard is open from input 4.
+INSIDE_SECOND_SHARD = {"clips": 4, "segments": 4, "tiles": 3}
 
 
 def files(out: Path) -> dict[str, bytes]:
@@ -98,15 +103,18 @@ def journal(out: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", ["start", "input:1", "shard:2", "index"])
+@pytest.mark.parametrize("moment", ["start", "input:1", "inside-shard:2", "shard:2", "index"])
 def test_kill_9_then_resume_is_byte_identical(
     corpus: tuple[list[str], dict[str, bytes]],
     moment: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     args, whole = corpus
     out = tmp_path / "out"
+    if moment == "inside-shard:2":
+        moment = f"input:{INSIDE_SECOND_SHARD[request.node.callspec.params['corpus']]}"
     proc = compile_until(args, out, moment)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, err.decode()
@@ -114,6 +122,10 @@ def test_kill_9_then_resume_is_byte_identical(
     done = journal(out)  # the journal exists from the start
     if moment in ("start", "input:1"):  # before the first shard; input:1 with one open
         assert done["shards"] == [] and done["consumed"] == 0
+    if request.node.callspec.params["moment"] == "inside-shard:2":
+        # the first shard closed with input 2; the second is open, holding what followed
+        assert len(done["shards"]) == 1 and done["consumed"] == 2
+        assert any(p.name.endswith(".spool") for p in out.iterdir())
     if moment == "shard:2":
         assert len(done["shards"]) == 2
     if moment == "index":
