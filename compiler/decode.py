@@ -11,9 +11,12 @@ decode error instead of a shorter clip carrying the full clip's label.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import re
 import struct
+import tempfile
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,26 +62,59 @@ def check_file(source: Source, name: str) -> None:
 
 
 def decode_audio(
-    source: Source, name: str, offset: float = 0.0, duration: float | None = None
+    source: Source,
+    name: str,
+    offset: float = 0.0,
+    duration: float | None = None,
+    *,
+    mix: str | None = None,
 ) -> tuple[np.ndarray, int]:
     """Decodes ``[offset, offset + duration)`` seconds; raises InputError naming ``name``.
 
     Raises when the file (or the requested span of it) decodes to fewer frames
     than it declares, beyond ``LENGTH_TOLERANCE_FRAMES`` for lossy codecs.
+    ``mix`` (a ``DOWNMIX_POLICIES`` word) mixes the channels block by block as
+    they are decoded: ``[1, samples]``, equal to ``downmix`` of the full
+    decode, without ever holding every channel of a long recording.
     """
+    if mix is not None and mix not in DOWNMIX_POLICIES:
+        raise ValueError(f"downmix {mix!r} must be one of {', '.join(DOWNMIX_POLICIES)}")
     check_file(source, name)
-    decoded = _soundfile(source, name, offset, duration)
+    decoded = _soundfile(source, name, offset, duration, mix)
     if decoded is None:
-        decoded = _pyav(source, name, offset, duration)
+        decoded = _pyav(source, name, offset, duration, mix)
     audio, rate = decoded
     if audio.shape[1] == 0:
         raise InputError(name, "no audio samples" + (f" at offset {offset} s" if offset else ""))
-    if not np.isfinite(audio).all():
-        raise InputError(
-            name,
-            f"non-finite samples (NaN or Inf): {int((~np.isfinite(audio)).sum())} of {audio.size}",
-        )
     return audio, rate
+
+
+def _mixed(block: np.ndarray, mix: str | None) -> np.ndarray:
+    """``[channels, n]`` C-contiguous float32 -> what one block contributes to the output.
+
+    The mean of a C-contiguous block adds its rows in order, as ``downmix`` of
+    the whole recording does, so block-by-block mixing gives the same bits.
+    """
+    if mix is None or block.shape[0] == 1:
+        return block
+    return block[:1] if mix == "first" else block.mean(axis=0, dtype=np.float32)[None]
+
+
+class _NonFinite:
+    """Counts NaN and Inf samples block by block (a whole-recording mask would be 1 byte per sample)."""
+
+    def __init__(self) -> None:
+        self.bad = self.total = 0
+
+    def add(self, block: np.ndarray) -> None:
+        self.total += block.size
+        finite = np.isfinite(block)
+        if not finite.all():
+            self.bad += block.size - int(np.count_nonzero(finite))
+
+    def check(self, name: str) -> None:
+        if self.bad:
+            raise InputError(name, f"non-finite samples (NaN or Inf): {self.bad} of {self.total}")
 
 
 def _short(e: BaseException) -> str:
@@ -112,57 +148,135 @@ def _check_length(
 
 
 def _soundfile(
-    source: Source, name: str, offset: float, duration: float | None
+    source: Source, name: str, offset: float, duration: float | None, mix: str | None
 ) -> tuple[np.ndarray, int] | None:
     """Decoded audio, or None when soundfile does not recognize the file."""
     import soundfile as sf
 
     # soundfile encodes a str path strictly; the bytes of the path also open a file whose
     # name is not UTF-8 (os.fsdecode's surrogates)
-    handle = io.BytesIO(source) if isinstance(source, bytes) else os.fsencode(source)
-    try:
-        f = sf.SoundFile(handle)
-    except sf.LibsndfileError as e:
-        if e.code in _NOT_FOR_SOUNDFILE:
-            return None
-        raise InputError(name, f"cannot decode: {_sf_reason(e)}") from None
-    with f:
-        rate, channels, subtype = f.samplerate, f.channels, f.subtype
-        lossless = subtype.startswith(_LOSSLESS_SUBTYPES)
-        declared = f.frames if f.frames < _UNKNOWN_FRAMES else None
-        if f.format == "WAV" and lossless:
-            # libsndfile shortens a WAV's length to the bytes present; the header says what was meant.
-            declared = _wav_declared_frames(source, name, declared)
-        elif f.format == "OGG":
-            _check_ogg_end(source, name)
-        start = round(offset * rate)
-        wanted = None if duration is None else round(duration * rate)
-        if start:
-            try:
-                f.seek(start if declared is None else min(start, f.frames))
-            except (sf.LibsndfileError, RuntimeError) as e:
-                raise InputError(name, f"cannot seek to frame {start}: {_sf_reason(e)}") from None
-        count = wanted
-        if declared is not None:
-            left = max(0, f.frames - f.tell())
-            count = left if count is None else min(count, left)
-        # int16 then scale: the same float32 values as libsndfile's own
-        # conversion (x / 32768 is exact), in a third of the time.
-        dtype = "int16" if subtype == "PCM_16" else "float32"
+    handle: Any = io.BytesIO(source) if isinstance(source, bytes) else os.fsencode(source)
+    with contextlib.ExitStack() as stack:
         try:
-            data = _read_blocks(f, name, count, channels, dtype, start, declared)
-        except InputError:
-            if declared is not None:
-                raise
-            # A stream that does not state its length (FLAC with 0 total samples)
-            # can make libsndfile fail at its end; PyAV reads such streams, strictly.
+            f = sf.SoundFile(handle)
+        except sf.LibsndfileError as e:
+            if e.code in _NOT_FOR_SOUNDFILE:
+                return None
+            if not isinstance(source, bytes):
+                raise InputError(name, f"cannot decode: {_sf_reason(e)}") from None
+            # libsndfile opens some streams (MP3) only from a file, not from memory:
+            # a tar member gets the same decoder a file on disk does.
+            spill = stack.enter_context(tempfile.NamedTemporaryFile(suffix=".audio"))
+            spill.write(source)
+            spill.flush()
+            try:
+                f = sf.SoundFile(spill.name)
+            except sf.LibsndfileError as e2:
+                if e2.code in _NOT_FOR_SOUNDFILE:
+                    return None
+                raise InputError(name, f"cannot decode: {_sf_reason(e2)}") from None
+        with f:
+            return _soundfile_read(f, source, name, offset, duration, mix)
+
+
+_SAMPLE_BYTES = {
+    "PCM_S8": 1,
+    "PCM_U8": 1,
+    "PCM_16": 2,
+    "PCM_24": 3,
+    "PCM_32": 4,
+    "FLOAT": 4,
+    "DOUBLE": 8,
+    "ULAW": 1,
+    "ALAW": 1,
+}
+# libsndfile's header log notes a data size larger than the bytes present as
+# "data : 96000 (should be 47960)": the data chunk (WAV, WAVEX), SSND (AIFF),
+# "Data Size" (AU), BODY (8SVX), and W64's lower-case riff size (its data
+# chunk is not noted). RF64 notes a frame count short of its ds64 chunk's.
+_SIZE_NOTE = re.compile(
+    r"^\s*(data|SSND|Data Size|BODY|riff)\s*:\s*(\d+)\s*\(should be (-?\d+)\)", re.M
+)
+_DS64_NOTE = re.compile(
+    r"Calculated frame count (\d+) does not match value from 'ds64' chunk of (\d+)"
+)
+_UNSET_SIZES = (0, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF)  # streamed: "length unknown"
+
+
+def _header_declared_frames(f: Any, name: str) -> int | None:
+    """The frames the header declares when libsndfile noted that the file holds fewer, else None.
+
+    libsndfile shortens its frame count to the bytes present; its header log
+    keeps what the header said. Raises when the missing bytes cannot be
+    counted in frames (ADPCM, GSM: blocks of frames).
+    """
+    info = f.extra_info
+    if m := _DS64_NOTE.search(info):
+        calculated, declared = int(m[1]), int(m[2])
+        return declared if declared > calculated else None
+    for label, said, present in _SIZE_NOTE.findall(info):
+        said_bytes, present_bytes = int(said), int(present)
+        if said_bytes in _UNSET_SIZES or said_bytes <= present_bytes:
+            continue
+        missing = said_bytes - present_bytes
+        width = _SAMPLE_BYTES.get(f.subtype)
+        if width is None:
+            raise InputError(
+                name,
+                f"truncated: the {f.format} header's {label.strip()} size is {said_bytes} bytes "
+                f"but the file holds {present_bytes} ({missing} bytes of {f.subtype} audio "
+                "missing); the file is cut short or its header overstates its length",
+            )
+        # a cut inside a frame leaves part of it: the missing bytes round up to frames
+        return int(f.frames) - (-missing // (width * f.channels))
+    return None
+
+
+def _soundfile_read(
+    f: Any, source: Source, name: str, offset: float, duration: float | None, mix: str | None
+) -> tuple[np.ndarray, int] | None:
+    import soundfile as sf
+
+    rate, channels, subtype = f.samplerate, f.channels, f.subtype
+    lossless = subtype.startswith(_LOSSLESS_SUBTYPES)
+    declared = f.frames if f.frames < _UNKNOWN_FRAMES else None
+    if declared is not None:
+        declared = _header_declared_frames(f, name) or declared
+    if f.format in ("WAV", "WAVEX") and lossless:
+        # libsndfile shortens a WAV's length to the bytes present; the header says what was meant.
+        declared = _wav_declared_frames(source, name, declared)
+    elif f.format == "OGG":
+        _check_ogg_end(source, name)
+    elif f.format == "MP3":
+        _check_mpeg_end(source, name)
+        if not _mpeg_states_length(source):
+            # libsndfile estimates the length from the first frame's bit rate and
+            # stops reading there (a variable-rate file would lose its end); PyAV
+            # decodes every frame, and the end check above holds it to whole frames.
             return None
+    start = round(offset * rate)
+    wanted = None if duration is None else round(duration * rate)
+    if start:
+        try:
+            f.seek(start if declared is None else min(start, f.frames))
+        except (sf.LibsndfileError, RuntimeError) as e:
+            raise InputError(name, f"cannot seek to frame {start}: {_sf_reason(e)}") from None
+    count = wanted
+    if declared is not None:
+        left = max(0, f.frames - f.tell())
+        count = left if count is None else min(count, left)
+    try:
+        data = _read_blocks(f, name, count, channels, subtype, start, declared, mix)
+    except InputError:
+        if declared is not None:
+            raise
+        # A stream that does not state its length (FLAC with 0 total samples)
+        # can make libsndfile fail at its end; PyAV reads such streams, strictly.
+        return None
     _check_length(
-        name, data.shape[0], declared, start, wanted, 0 if lossless else LENGTH_TOLERANCE_FRAMES
+        name, data.shape[1], declared, start, wanted, 0 if lossless else LENGTH_TOLERANCE_FRAMES
     )
-    if dtype == "int16":
-        data = np.multiply(data, np.float32(1 / 32768), dtype=np.float32)
-    return np.ascontiguousarray(data.T), rate
+    return data, rate
 
 
 def _read_blocks(
@@ -170,11 +284,18 @@ def _read_blocks(
     name: str,
     count: int | None,
     channels: int,
-    dtype: str,
+    subtype: str,
     start: int,
     declared: int | None,
+    mix: str | None,
 ) -> np.ndarray:
-    """Up to ``count`` frames (all that follow when None) as ``[frames, channels]``, block by block."""
+    """Up to ``count`` frames (all that follow when None) as float32 ``[channels, frames]``.
+
+    Read block by block into one reused buffer and converted into the output
+    as they come: the file's samples are never held whole in a second form.
+    PCM_16 is read as int16 and scaled by 1/32768 in float32, the same values
+    as libsndfile's own conversion (x / 32768 is exact) in a third of the time.
+    """
     import soundfile as sf
 
     def fail(at: int, e: BaseException) -> InputError:
@@ -182,30 +303,41 @@ def _read_blocks(
         of = f" of {declared} declared" if declared is not None else ""
         return InputError(name, f"cannot decode frames {at}-{stop}{of}: {_sf_reason(e)}")
 
-    if count is not None:
-        out = np.empty((count, channels), dtype)
-        pos = 0
-        while pos < count:
-            try:
-                got = f.read(out=out[pos : pos + _BLOCK_FRAMES]).shape[0]
-            except (sf.LibsndfileError, RuntimeError) as e:
-                raise fail(start + pos, e) from None
-            pos += got
-            if got < min(_BLOCK_FRAMES, count - (pos - got)):
-                break
-        return out[:pos]
-    blocks = []
-    pos = 0
-    while True:
+    pcm16 = subtype == "PCM_16"
+    buf = np.empty((_BLOCK_FRAMES, channels), np.int16 if pcm16 else np.float32)
+    scale = np.float32(1 / 32768)
+    out_channels = 1 if mix is not None else channels
+    finite = _NonFinite()
+    out = np.empty((out_channels, count if count is not None else _BLOCK_FRAMES), np.float32)
+    parts: list[np.ndarray] = []  # full outputs, when the length is not known ahead
+    pos = filled = 0
+    while count is None or pos < count:
+        n = _BLOCK_FRAMES if count is None else min(_BLOCK_FRAMES, count - pos)
         try:
-            block = f.read(_BLOCK_FRAMES, dtype=dtype, always_2d=True)
+            got = f.read(out=buf[:n]).shape[0]
         except (sf.LibsndfileError, RuntimeError) as e:
             raise fail(start + pos, e) from None
-        blocks.append(block)
-        pos += block.shape[0]
-        if block.shape[0] < _BLOCK_FRAMES:
+        if got:
+            raw = buf[:got]
+            if count is None and filled + got > out.shape[1]:
+                parts.append(out[:, :filled])
+                out = np.empty((out_channels, max(out.shape[1] * 2, got)), np.float32)
+                filled = 0
+            block = np.empty((channels, got), np.float32)  # C order: rows add as downmix's do
+            if pcm16:
+                np.multiply(raw.T, scale, out=block)
+            else:
+                finite.add(raw)
+                block[:] = raw.T
+            out[:, filled : filled + got] = _mixed(block, mix)
+            filled += got
+        pos += got
+        if got < n:
             break
-    return np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+    finite.check(name)
+    if parts:
+        return np.concatenate([*parts, out[:, :filled]], axis=1)
+    return out if filled == out.shape[1] else np.ascontiguousarray(out[:, :filled])
 
 
 def _reader(source: Source) -> IO[bytes]:
@@ -292,6 +424,121 @@ def _check_ogg_end(source: Source, name: str) -> None:
     raise InputError(name, "truncated: no whole Ogg page ends the file")
 
 
+# MPEG audio frame header tables (ISO 11172-3, 13818-3): kbit/s by [version][layer]
+# for bitrate indices 1-14, where version 3 is MPEG-1 and 2 / 0 are MPEG-2 / 2.5.
+_MPEG_KBPS = {
+    (3, 3): (32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448),
+    (3, 2): (32, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384),
+    (3, 1): (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320),
+    (2, 3): (32, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256),
+    (2, 2): (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),
+    (2, 1): (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),
+}
+_MPEG_RATES = {3: (44100, 48000, 32000), 2: (22050, 24000, 16000), 0: (11025, 12000, 8000)}
+_MPEG_MAX_FRAME = 2881  # bytes: layer II, MPEG-2.5, 160 kbit/s, 8 kHz
+
+
+def _mpeg_frame(b: bytes, i: int) -> tuple[tuple[int, int, int], int] | None:
+    """((version, layer, rate), length in bytes) of the frame header at ``b[i:]``, or None."""
+    if i + 4 > len(b) or b[i] != 0xFF or b[i + 1] & 0xE0 != 0xE0:
+        return None
+    version, layer = (b[i + 1] >> 3) & 3, (b[i + 1] >> 1) & 3
+    bitrate, rate_index, padding = b[i + 2] >> 4, (b[i + 2] >> 2) & 3, (b[i + 2] >> 1) & 1
+    if version == 1 or layer == 0 or bitrate in (0, 15) or rate_index == 3:
+        return None  # reserved, or free format (no length in the header)
+    kbps = _MPEG_KBPS[(3 if version == 3 else 2, layer)][bitrate - 1] * 1000
+    rate = _MPEG_RATES[version][rate_index]
+    if layer == 3:  # layer I: 4-byte slots
+        length = (12 * kbps // rate + padding) * 4
+    elif layer == 1 and version != 3:  # layer III, MPEG-2/2.5: 576 samples a frame
+        length = 72 * kbps // rate + padding
+    else:
+        length = 144 * kbps // rate + padding
+    return (version, layer, rate), length
+
+
+def _mpeg_audio_end(r: IO[bytes], end: int) -> int:
+    """Where the MPEG frames end: before a trailing ID3v1 tag and APEv2 tag."""
+    for _ in range(2):
+        if end >= 128:
+            r.seek(end - 128)
+            if r.read(3) == b"TAG":
+                end -= 128
+                continue
+        if end >= 32:
+            r.seek(end - 32)
+            footer = r.read(32)
+            if footer[:8] == b"APETAGEX":
+                size, flags = struct.unpack("<II", footer[12:20])
+                end -= size + (32 if flags & 0x80000000 else 0)
+                continue
+        break
+    return end
+
+
+def _mpeg_states_length(source: Source) -> bool:
+    """Whether an MP3's first frame is a Xing/Info or VBRI header (which states the length)."""
+    with _reader(source) as r:
+        head = r.read(10)
+        start = 0
+        if head[:3] == b"ID3" and len(head) == 10:  # ID3v2: a syncsafe size, maybe a footer
+            size = (head[6] << 21) | (head[7] << 14) | (head[8] << 7) | head[9]
+            start = 10 + size + (10 if head[5] & 0x10 else 0)
+        r.seek(start)
+        data = r.read(1 << 16)
+    for i in range(len(data)):
+        frame = _mpeg_frame(data, i)
+        if frame is None:
+            continue
+        nxt = _mpeg_frame(data, i + frame[1])
+        if nxt is None or nxt[0] != frame[0]:
+            continue  # not a run of frames: a chance 0xFF byte
+        body = data[i : i + frame[1]]
+        return b"Xing" in body or b"Info" in body or body[36:40] == b"VBRI"
+    return False
+
+
+def _check_mpeg_end(source: Source, name: str) -> None:
+    """Raises when an MP3 file ends inside an MPEG audio frame.
+
+    Without a Xing/Info or VBRI header libsndfile estimates an MP3's length
+    from its size, so a cut file would decode as a shorter clip. The last
+    frames are found in the file's tail (a run of three headers, each where
+    the previous frame's length says, with one version, layer and rate) and
+    followed to the end: a frame whose header promises more bytes than
+    remain is a cut. A cut that falls exactly between two frames, or a tail
+    with no such run (bytes that are not MPEG audio), cannot be told apart
+    from a whole file here.
+    """
+    with _reader(source) as r:
+        end = _mpeg_audio_end(r, r.seek(0, io.SEEK_END))
+        at = max(0, end - 8 * _MPEG_MAX_FRAME)
+        r.seek(at)
+        tail = r.read(end - at)
+    for i in range(len(tail)):
+        first = _mpeg_frame(tail, i)
+        if first is None:
+            continue
+        j, run, cut = i, 0, 0
+        while (frame := _mpeg_frame(tail, j)) is not None and frame[0] == first[0]:
+            if j + frame[1] > len(tail):
+                cut = frame[1]
+                break
+            run += 1
+            j += frame[1]
+        if run < 3:
+            continue  # a chance 0xFF byte, or too few frames to judge
+        left = len(tail) - j
+        if cut or (0 < left < 4 and tail[j] == 0xFF):
+            size = f"is {cut} bytes" if cut else "starts"
+            raise InputError(
+                name,
+                f"truncated: the MPEG audio frame at byte {at + j} {size} but the file ends "
+                f"{left} bytes after it starts; the file is cut short",
+            )
+        return  # the frames run to the end, or to bytes that are not a frame header
+
+
 _SCALE = {
     "s16": 1 / 32768,
     "s16p": 1 / 32768,
@@ -302,15 +549,63 @@ _SCALE = {
 }
 
 
+class _Collector:
+    """Keeps the decoded samples of ``[start, stop)`` only, in float32 ``[channels, n]``.
+
+    Preallocated to the expected length when the container states one; grows
+    in doubling steps otherwise (or past it), so that no list of frames, no
+    concatenation of them and no sliced copy are alive together.
+    """
+
+    def __init__(self, start: int, stop: int | None, expected: int | None) -> None:
+        self.start, self.stop = start, stop
+        self.expected = expected
+        self.seen = 0  # samples decoded, kept or not
+        self.out: np.ndarray | None = None
+        self.filled = 0
+        self.parts: list[np.ndarray] = []
+
+    def add(self, arr: np.ndarray) -> None:
+        n = arr.shape[1]
+        lo = max(0, self.start - self.seen)
+        hi = n if self.stop is None else min(n, self.stop - self.seen)
+        self.seen += n
+        if hi <= lo:
+            return
+        arr = arr[:, lo:hi]
+        got = arr.shape[1]
+        if self.out is None:
+            first = max(got, self.expected or 0, 1 << 16)
+            self.out = np.empty((arr.shape[0], first), np.float32)
+        elif arr.shape[0] != self.out.shape[0]:
+            raise ValueError(f"channel count changed from {self.out.shape[0]} to {arr.shape[0]}")
+        if self.filled + got > self.out.shape[1]:
+            self.parts.append(self.out[:, : self.filled])
+            self.out = np.empty((arr.shape[0], max(self.out.shape[1], got)), np.float32)
+            self.filled = 0
+        self.out[:, self.filled : self.filled + got] = arr
+        self.filled += got
+
+    def result(self) -> np.ndarray:
+        if self.out is None:
+            return np.zeros((1, 0), np.float32)
+        last = self.out[:, : self.filled]
+        if self.parts:
+            return np.concatenate([*self.parts, last], axis=1)
+        return self.out if self.filled == self.out.shape[1] else np.ascontiguousarray(last)
+
+
 def _pyav(
-    source: Source, name: str, offset: float, duration: float | None
+    source: Source, name: str, offset: float, duration: float | None, mix: str | None
 ) -> tuple[np.ndarray, int]:
     import av
 
     handle = io.BytesIO(source) if isinstance(source, bytes) else str(source)
-    chunks: list[np.ndarray] = []
     decoded = 0
     rate = 0
+    finite = _NonFinite()
+    kept: _Collector | None = None
+    declared: int | None = None
     try:
         with av.open(handle, "r", metadata_errors="ignore") as container:
             streams = container.streams.audio
@@ -321,34 +616,44 @@ def _pyav(
             rate = stream.rate
             declared = _pyav_declared_frames(container, stream)
             for frame in container.decode(stream):
-                rate = frame.sample_rate
+                if kept is None:
+                    rate = frame.sample_rate or rate
+                    start = round(offset * rate)
+                    stop = None if duration is None else start + round(duration * rate)
+                    span = None if declared is None else max(0, declared - start)
+                    if span is not None and stop is not None:
+                        span = min(span, stop - start)
+                    expected = None if span is None else span + LENGTH_TOLERANCE_FRAMES
+                    kept = _Collector(start, stop, expected)
                 arr = frame.to_ndarray()
                 fmt = frame.format.name
                 channels = len(frame.layout.channels)
                 if not frame.format.is_planar:
                     arr = arr.reshape(-1, channels).T
-                arr = arr.astype(np.float32)
+                arr = np.array(arr, dtype=np.float32, order="C")
                 if fmt.startswith("u8"):
                     arr -= 128
                 arr *= _SCALE.get(fmt, 1.0)
-                chunks.append(arr)
+                finite.add(arr)
+                kept.add(_mixed(arr, mix))
                 decoded += arr.shape[1]
+                if kept.stop is not None and kept.seen >= kept.stop:
+                    break  # the requested span is decoded: the rest of the file is not needed
     except InputError:
         raise
     except (av.FFmpegError, ValueError, OSError) as e:
-        where = f"after {decoded} frames ({decoded / rate:.3f} s)" if chunks and rate else ""
+        where = f"after {decoded} frames ({decoded / rate:.3f} s)" if decoded and rate else ""
         raise InputError(
             name,
             "cannot decode (not a format soundfile knows; PyAV: "
             f"{_short(e)}{'; ' + where if where else ''})",
         ) from None
-    if not chunks:
+    if kept is None:
         raise InputError(name, "no audio frames decoded")
-    audio = np.concatenate(chunks, axis=1)
+    finite.check(name)
+    out = kept.result()
     start = round(offset * rate)
     wanted = None if duration is None else round(duration * rate)
-    stop = None if wanted is None else start + wanted
-    out = np.ascontiguousarray(audio[:, start:stop])
     _check_length(name, out.shape[1], declared, start, wanted, LENGTH_TOLERANCE_FRAMES)
     return out, rate
 

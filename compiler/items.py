@@ -240,7 +240,8 @@ def _waveform(
     source: Any, name: str, recipe: Recipe, offset: float = 0.0, duration: float | None = None
 ) -> torch.Tensor:
     """Decoded, downmixed and resampled to the recipe's rate: [time] float32."""
-    audio, rate = decode_audio(source, name, offset, duration)
+    # mixed block by block as decoded: all channels of a long recording are never held
+    audio, rate = decode_audio(source, name, offset, duration, mix=recipe.downmix)
     wave = torch.from_numpy(downmix(audio, recipe.downmix))
     del audio  # the channels, once mixed (a long recording holds no second copy)
     return resample(wave, rate, recipe.feature.sample_rate, recipe.resampler)

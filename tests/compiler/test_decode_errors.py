@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from dlop.compiler.decode import LENGTH_TOLERANCE_FRAMES, decode_audio
+from dlop.compiler.decode import LENGTH_TOLERANCE_FRAMES, decode_audio, downmix
 from dlop.compiler.errors import InputError
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
@@ -211,3 +211,120 @@ def test_fail_mode_stops_on_a_truncated_file(tmp_path: Path) -> None:
     recipe = build_recipe({"source": str(root), "on_error": "fail"})
     with pytest.raises(CompileError, match=r"cut\.flac: cannot decode frames"):
         compile_corpus(recipe, tmp_path / "out", workers=1, progress=False)
+
+
+# Containers libsndfile writes here whose frame count it shortens to the bytes present.
+CONTAINERS = {
+    "wavex": ("WAVEX", "PCM_16"),
+    "wavex-float": ("WAVEX", "FLOAT"),
+    "aiff": ("AIFF", "PCM_16"),
+    "aiff-24": ("AIFF", "PCM_24"),
+    "w64": ("W64", "PCM_16"),
+    "rf64": ("RF64", "PCM_16"),
+    "au": ("AU", "PCM_16"),
+    "ima-adpcm.wav": ("WAV", "IMA_ADPCM"),
+    "ms-adpcm.wav": ("WAV", "MS_ADPCM"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONTAINERS))
+def test_other_containers_cut_short_are_decode_errors(kind: str, tmp_path: Path) -> None:
+    fmt, subtype = CONTAINERS[kind]
+    whole = encoded(fmt, subtype)
+    audio, _ = decode_audio(whole, f"whole.{kind}")
+    if "adpcm" in kind:  # blocks of frames: the last one is padded
+        assert 48000 <= audio.shape[1] < 48000 + 2048
+    else:
+        assert audio.shape == (1, 48000)
+        reference, _ = sf.read(io.BytesIO(whole), dtype="float32")
+        np.testing.assert_array_equal(audio[0], reference)
+    cut = whole[: len(whole) // 2]
+    path = tmp_path / f"cut.{kind}"
+    path.write_bytes(cut)
+    for source in (cut, path):
+        with pytest.raises(InputError, match="truncated: ") as e:
+            decode_audio(source, f"cut.{kind}")
+        assert e.value.path == f"cut.{kind}"
+        assert "of 48000 declared frames" in e.value.reason or "bytes but the file holds" in (
+            e.value.reason
+        )
+
+
+def test_a_span_of_a_cut_aiff_still_decodes() -> None:
+    aiff = encoded("AIFF", "PCM_16")
+    cut = aiff[: len(aiff) // 2]
+    assert decode_audio(cut, "a.aiff", offset=0.25, duration=1.0)[0].shape == (1, 16000)
+    with pytest.raises(InputError, match="of the 16000 frames requested from frame 16000"):
+        decode_audio(cut, "a.aiff", offset=1.0, duration=1.0)
+
+
+def mp3_frame_length(data: bytes, at: int) -> int:
+    """Length of the MPEG-2 layer III frame at ``at`` (the encoder's 16 kHz output)."""
+    kbps = (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160)[(data[at + 2] >> 4) - 1]
+    assert data[at : at + 2] == b"\xff\xf3"  # MPEG-2, layer III, no CRC
+    return 72 * kbps * 1000 // RATE + ((data[at + 2] >> 1) & 1)
+
+
+def test_an_mp3_without_a_xing_header_cut_short_is_a_decode_error(tmp_path: Path) -> None:
+    mp3 = encoded("MP3")
+    assert b"Xing" in mp3[:200] or b"Info" in mp3[:200]
+    bare = mp3[mp3_frame_length(mp3, 0) :]  # the Xing frame removed: the length is estimated
+    assert b"Xing" not in bare[:200] and b"Info" not in bare[:200]
+    assert abs(decode_audio(bare, "bare.mp3")[0].shape[1] - 48000) <= LENGTH_TOLERANCE_FRAMES
+    cut = bare[: len(bare) // 2]
+    path = tmp_path / "cut.mp3"
+    path.write_bytes(cut)
+    for source in (cut, path):
+        with pytest.raises(InputError, match=r"truncated: the MPEG audio frame at byte \d+"):
+            decode_audio(source, "cut.mp3")
+    # whole frames followed by an ID3v1 tag are a whole file
+    tagged = bare + b"TAG" + bytes(125)
+    assert decode_audio(tagged, "tagged.mp3")[0].shape[1] > 40000
+
+
+def test_block_by_block_conversion_and_mixing_match_the_whole_file() -> None:
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((150_000, 3)) * 0.2).clip(-1, 1).astype(np.float32)  # 3 blocks
+    for subtype in ("PCM_16", "FLOAT", "PCM_24"):
+        buf = io.BytesIO()
+        sf.write(buf, x, RATE, format="WAV", subtype=subtype)
+        data = buf.getvalue()
+        if subtype == "PCM_16":
+            ints, _ = sf.read(io.BytesIO(data), dtype="int16")
+            reference = (ints * np.float32(1 / 32768)).astype(np.float32).T
+        else:
+            reference = sf.read(io.BytesIO(data), dtype="float32")[0].T
+        audio, _ = decode_audio(data, "a.wav")
+        assert audio.flags.c_contiguous
+        np.testing.assert_array_equal(audio, reference)
+        for policy in ("mean", "first"):
+            mixed, _ = decode_audio(data, "a.wav", mix=policy)
+            np.testing.assert_array_equal(mixed[0], downmix(audio, policy))
+        span, _ = decode_audio(data, "a.wav", offset=1.5, duration=4.0, mix="mean")
+        np.testing.assert_array_equal(span[0], downmix(audio[:, 24000:88000], "mean"))
+
+
+def test_pyav_keeps_only_the_span_and_mixes_the_same(tmp_path: Path) -> None:
+    import av
+
+    path = tmp_path / "a.mka"
+    t = np.arange(3 * RATE) / RATE
+    stereo = np.stack([np.sin(2 * np.pi * 440 * t), 0.5 * np.cos(2 * np.pi * 220 * t)])
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("pcm_s16le", rate=RATE, layout="stereo")
+        for k in range(0, stereo.shape[1], 1000):
+            block = (stereo[:, k : k + 1000] * 20000).astype(np.int16)
+            frame = av.AudioFrame.from_ndarray(
+                block.T.reshape(1, -1), format="s16", layout="stereo"
+            )
+            frame.sample_rate, frame.pts = RATE, k
+            for p in s.encode(frame):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    full, rate = decode_audio(path, "a.mka")
+    assert rate == RATE and full.shape == (2, 3 * RATE)
+    span, _ = decode_audio(path, "a.mka", offset=0.5, duration=1.25)
+    np.testing.assert_array_equal(span, full[:, 8000:28000])
+    mixed, _ = decode_audio(path, "a.mka", offset=0.5, duration=1.25, mix="mean")
+    np.testing.assert_array_equal(mixed[0], downmix(full[:, 8000:28000], "mean"))
