@@ -8,6 +8,7 @@ else makes --overwrite and --resume refuse before anything is deleted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -128,7 +129,17 @@ class OutputLock:
     def __init__(self, out: Path) -> None:
         self.path = out / LOCK
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(
+                    self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644
+                )
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                raise CompileError(
+                    f"{self.path}: is a symbolic link, not the lock file a compile writes; "
+                    "remove it and run again"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if self._still_at_path(fd):
@@ -151,7 +162,7 @@ class OutputLock:
 
     def _still_at_path(self, fd: int) -> bool:
         try:
-            now = os.stat(self.path, follow_symlinks=False)
+            now = os.stat(self.path)
         except FileNotFoundError:
             return False
         mine = os.fstat(fd)

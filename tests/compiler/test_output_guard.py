@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dlop.compiler.errors import CompileError
-from dlop.compiler.output import JOURNAL, OutputLock
+from dlop.compiler.output import JOURNAL, LOCK, OutputLock
 from dlop.formats import ArchiveWriter
 from dlop.tools.compile_cli import main
 
@@ -298,3 +298,11 @@ def test_the_output_lock_has_one_holder_across_a_release(
     third.release()
     monkeypatch.undo()
     OutputLock(tmp_path).release()  # free again
+
+
+def test_a_lock_file_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").write_text("")
+    (tmp_path / LOCK).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CompileError, match="symbolic link"):
+        OutputLock(tmp_path)
+    assert (tmp_path / LOCK).is_symlink()
