@@ -28,9 +28,10 @@ Source = str | os.PathLike[str] | bytes
 def _open(source: Source, name: str, cfg: VisionConfig, shrink_to: int | None = None) -> Any:
     """Opens, checks the pixel cap from the header, decodes and turns upright.
 
-    ``shrink_to``: the short side a resize will bring the image to; a JPEG then
-    decodes at 1/2, 1/4 or 1/8 scale (never below that side) and only the
-    pixels decoded count against the cap.
+    ``shrink_to``: the short side a resize will bring the image to; a baseline
+    JPEG then decodes at 1/2, 1/4 or 1/8 scale (never below that side) and only
+    the pixels decoded count against the cap. Every other image (a progressive
+    JPEG too) is held to the cap at its header's size.
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -41,7 +42,8 @@ def _open(source: Source, name: str, cfg: VisionConfig, shrink_to: int | None = 
     # Pillow checks the header's size in Image.open, before decoding; its warning
     # band (cap to 2x cap) is made an error so that the cap is the cap. A JPEG
     # that a draft can shrink may pass the header check with up to 64x the cap
-    # (a 1/8 draft) and is held to the cap at its drafted size below.
+    # (a 1/8 draft) and is held to the cap at its drafted size below; anything
+    # not drafted is held to the cap at its header's size there.
     Image.MAX_IMAGE_PIXELS = cap * 64 if shrink_to else cap
     try:
         with warnings.catch_warnings():
@@ -51,7 +53,14 @@ def _open(source: Source, name: str, cfg: VisionConfig, shrink_to: int | None = 
                 image = Image.open(handle)
             except (Image.DecompressionBombError, Image.DecompressionBombWarning):
                 raise InputError(name, _over_cap(_header_size(handle), cap)) from None
-            if shrink_to and image.format == "JPEG":
+            # Only a baseline JPEG decodes reduced in memory: a progressive one
+            # keeps coefficient buffers for the whole image whatever the draft.
+            if (
+                shrink_to
+                and image.format == "JPEG"
+                and not image.info.get("progressive")
+                and not image.info.get("progression")
+            ):
                 image.draft(None, (shrink_to, shrink_to))
             if image.width * image.height > cap:
                 raise InputError(name, _over_cap(image.size, cap))

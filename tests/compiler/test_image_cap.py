@@ -108,3 +108,34 @@ def test_a_jpeg_with_size_decodes_reduced_and_counts_its_reduced_pixels(tmp_path
     png = write_image(tmp_path / "a.png", _pattern(600, 800))
     with pytest.raises(InputError, match="800x600 image"):
         load_image(png, "a.png", small)
+
+
+def jpeg_claiming(width: int, height: int, *, progressive: bool) -> bytes:
+    """A small JPEG whose frame header (SOF0 or SOF2) states ``width x height``."""
+    import io
+
+    buf = io.BytesIO()
+    Image.fromarray(_pattern(64, 64)[..., 0]).save(buf, "JPEG", progressive=progressive)
+    data = bytearray(buf.getvalue())
+    at = data.find(b"\xff\xc2" if progressive else b"\xff\xc0")  # SOF2 is progressive
+    if at < 0:
+        raise ValueError("Pillow wrote no frame header of the kind asked for")
+    data[at + 5 : at + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+def test_a_progressive_jpeg_is_held_to_the_cap_at_its_header_size() -> None:
+    cfg = VisionConfig(size=224)  # the default 150 MP cap
+    bomb = jpeg_claiming(16000, 16000, progressive=True)  # 256 MP, a 1/8 draft would be 4 MP
+    with pytest.raises(InputError, match=r"16000x16000 image .* over the 150000000 pixel cap"):
+        load_image(bomb, "bomb.jpg", cfg)
+    # a baseline JPEG of that size decodes reduced (1/8): its header is within 64x the cap
+    try:
+        load_image(jpeg_claiming(16000, 16000, progressive=False), "big.jpg", cfg)
+    except InputError as e:
+        assert "pixel cap" not in e.reason
+    # a real progressive image is decoded whole under --size, and counted whole
+    real = jpeg_claiming(64, 64, progressive=True)
+    assert load_image(real, "a.jpg", VisionConfig(size=16, max_image_pixels=4096)).size == (64, 64)
+    with pytest.raises(InputError, match="64x64 image"):
+        load_image(real, "a.jpg", VisionConfig(size=16, max_image_pixels=4095))
