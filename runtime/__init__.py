@@ -8,9 +8,15 @@ iterator; ``IterableArchive`` serves DataLoader worker processes.
 from .augment import Mixup, RandomTimeCrop, SpecAugment
 from .batch import Batch
 from .dataset import Archive, open_archive
-from .errors import SampleIndexError, ShardChangedError, UsageError, UsageTypeError
+from .errors import (
+    LoaderError,
+    SampleIndexError,
+    ShardChangedError,
+    UsageError,
+    UsageTypeError,
+)
 from .iterable import IterableArchive
-from .loader import Loader, LoaderError
+from .loader import Loader
 from .order import OrderSpec, epoch_order, rank_batches
 from .vision import Normalize, RandomHorizontalFlip, RandomResizedCrop, RandomTemporalCrop
 

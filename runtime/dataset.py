@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import os
 from collections.abc import Sequence
@@ -11,14 +10,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from dlop.formats import ArchiveReader, Field, SchemaError
+from dlop.formats import ArchiveReader, Field, SchemaError, ShardReader
 from torch.utils.data import Dataset
 
 from .batch import Batch
-from .copier import Copier, native
-from .errors import SampleIndexError, ShardChangedError, UsageError, UsageTypeError
-from .gather import FieldGather, RaggedRowsGather, as_tensor, make_gather
+from .engine import CopyEngine
+from .errors import SampleIndexError, UsageError, UsageTypeError
+from .gather import FieldGather, as_tensor
+from .gather_mapped import FixedRawGather, RaggedRowsGather
+from .gather_samples import PerSampleGather, TextGather
 from .memory import keep_batch_memory
+from .plan import CopyPlan
+from .source import LocalSource
 
 
 class Archive(Dataset[dict[str, Any]]):
@@ -35,6 +38,10 @@ class Archive(Dataset[dict[str, Any]]):
     ``fields`` selects fields by name: a list of names, or one name as a str.
     Every gather first checks that the shards it reads have not shrunk since
     they were opened (see ``check_shards``).
+
+    Stages: the shards come from a source (runtime.source), each field's gather
+    (runtime.gather) turns a batch of indices into a copy plan, and the copy
+    engine (runtime.engine) executes it: ``plan`` and ``gather``.
     """
 
     def __init__(
@@ -45,7 +52,7 @@ class Archive(Dataset[dict[str, Any]]):
         cache_bytes: int = 256 << 20,
     ) -> None:
         self.path = Path(path)
-        fields = _field_names(self.path, fields)
+        fields = field_names(self.path, fields)
         self._options = {
             "fields": fields,
             "pad_value": pad_value,
@@ -60,17 +67,13 @@ class Archive(Dataset[dict[str, Any]]):
             )
         self.fields: dict[str, Field] = {n: self.reader.fields[n] for n in names}
         self.pad_value = pad_value
-        self.shards = [self.reader.shard(k) for k in range(self.reader.num_shards)]
-        # What each shard's file was when mapped: (size, device, inode).
-        self._files = [
-            _file_identity(s.path, info.bytes)
-            for s, info in zip(self.shards, self.reader.index.shards, strict=True)
-        ]
+        self.source = LocalSource(self.reader)
+        self.shards = self.source.shards
         self.starts = torch.from_numpy(self.reader.shard_starts.copy())
         self.gathers: dict[str, FieldGather] = {
-            n: make_gather(f, self.shards, self.starts, pad_value) for n, f in self.fields.items()
+            n: gather_for(f, self.shards, self.starts, pad_value) for n, f in self.fields.items()
         }
-        self._copier: Copier | None = None
+        self._engine: CopyEngine | None = None
 
     @property
     def index(self) -> Any:
@@ -151,23 +154,8 @@ class Archive(Dataset[dict[str, Any]]):
 
     def check_shards(self, shards: Sequence[int] | np.ndarray) -> None:
         """Raises ShardChangedError when a shard among ``shards`` (numbers) has shrunk
-        since it was mapped; reading its pages past the new end would kill the
-        process with SIGBUS. A shard deleted or replaced by another file
-        (``os.replace``) is not an error: the mapping keeps the file it opened.
-        """
-        for k in np.unique(np.asarray(shards, dtype=np.int64)).tolist():
-            size, dev, ino = self._files[k]
-            path = self.shards[k].path
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue  # deleted: the mapped file lives on until unmapped
-            if st.st_ino == ino and st.st_dev == dev and st.st_size < size:
-                raise ShardChangedError(
-                    f"{path}: shard shrank from {size} to {st.st_size} bytes after the "
-                    "archive opened it; rewrite shards under a new name and os.replace "
-                    "them, never in place, while a job reads them"
-                )
+        since it was mapped (see runtime.source.LocalSource.check)."""
+        self.source.check(shards)
 
     def shards_of(self, indices: torch.Tensor) -> np.ndarray:
         """The shard numbers that global ``indices`` fall in."""
@@ -181,55 +169,49 @@ class Archive(Dataset[dict[str, Any]]):
         ).tolist()
         return bool(lo == hi)
 
+    def plan(
+        self, indices: torch.Tensor, out: dict[str, torch.Tensor] | None = None
+    ) -> tuple[Batch, CopyPlan]:
+        """The batch for ascending global ``indices`` and the copies that fill it.
+
+        Its tensors are views of ``out`` (flat buffers by field name, see
+        ``buffer_numel``) or fresh; they hold the batch once an engine has run
+        the plan. Nothing is copied here; zstd blocks are decoded here.
+        """
+        self.check_shards(self.shards_of(indices))
+        batch, steps = Batch(), []
+        for name, g in self.gathers.items():
+            entries, field_steps = g.plan(indices, None if out is None else out.get(name))
+            batch.update(entries)
+            steps += field_steps
+        return batch, CopyPlan(steps)
+
     def gather(
         self,
         indices: torch.Tensor,
         out: dict[str, torch.Tensor] | None = None,
-        copier: Copier | None = None,
+        engine: CopyEngine | None = None,
     ) -> Batch:
-        """Batch for ascending global ``indices``, optionally into preallocated flat buffers.
-
-        ``copier`` (runtime.copier) does the copies; without one the archive's
-        own serves, or torch's kernels where the compiled copier is missing.
-        Off the main thread pass one: torch's parallel kernels are slow there.
-        """
-        self.check_shards(self.shards_of(indices))
-        if copier is None:
-            copier = self.own_copier()
-        batch = Batch()
-        with copier.batched() if copier is not None else contextlib.nullcontext():
-            for name, g in self.gathers.items():
-                batch.update(g.gather(indices, None if out is None else out.get(name), copier))
+        """``plan`` executed by ``engine``, by default the archive's own (``own_engine``)."""
+        batch, plan = self.plan(indices, out)
+        (engine or self.own_engine()).run(plan)
         return batch
 
-    def own_copier(self) -> Copier | None:
-        """This process's copier for gathers called without one (``__getitems__``); None
-        without the compiled copier. A forked DataLoader worker makes its own, with
-        the worker's thread count (1).
+    def own_engine(self) -> CopyEngine:
+        """This process's engine for gathers given none (``__getitems__``). A forked
+        DataLoader worker makes its own, with the worker's thread count (1).
 
-        It streams (runtime.copier): a fresh batch lands in memory the allocator
-        last used a batch or more ago, no longer in cache. On the build machine
-        ``DataLoader(ds, batch_size=256)`` runs at 0.94x of the Loader this way
-        and 0.75x with ordinary stores.
+        It streams (runtime.engine): a fresh batch lands in memory the allocator
+        last used a batch or more ago, no longer in cache (docs/runtime.md gives
+        the measured effect).
         """
-        if native() is None:
-            return None
-        if self._copier is None or self._copier.pid != os.getpid():
-            self._copier = Copier(streaming=True)
-        return self._copier
+        if self._engine is None or self._engine.pid != os.getpid():
+            self._engine = CopyEngine(streaming=True)
+        return self._engine
 
     def buffer_numel(self, name: str, batch_size: int) -> int | None:
         """Elements a reusable output buffer for ``name`` needs at this batch size (None: no buffer)."""
-        f = self.fields[name]
-        g = self.gathers[name]
-        if f.kind != "array":
-            return None
-        if not f.ragged:
-            return batch_size * int(np.prod(g.trail, dtype=np.int64))
-        if isinstance(g, RaggedRowsGather):
-            longest = max((int(x.max()) for x in g.lengths if len(x)), default=0)
-            return batch_size * longest * int(np.prod(g.trail, dtype=np.int64))
-        return None
+        return self.gathers[name].buffer_numel(batch_size)
 
     def lengths(self, name: str) -> np.ndarray:
         """Per-sample length along the first varying dimension of a ragged field (no data read)."""
@@ -249,7 +231,7 @@ class Archive(Dataset[dict[str, Any]]):
         self.__init__(state.pop("path"), **state)  # type: ignore[misc]
 
 
-def _field_names(path: Path, fields: Sequence[str] | str | None) -> list[str] | None:
+def field_names(path: Path, fields: Sequence[str] | str | None) -> list[str] | None:
     """``fields`` as a list of names: a str is one name."""
     if fields is None:
         return None
@@ -268,10 +250,18 @@ def _field_names(path: Path, fields: Sequence[str] | str | None) -> list[str] | 
     return names
 
 
-def _file_identity(path: Path, size: int) -> tuple[int, int, int]:
-    """(size the reader validated, device, inode) of a mapped shard file."""
-    st = os.stat(path)
-    return size, st.st_dev, st.st_ino
+def gather_for(
+    field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
+) -> FieldGather:
+    """The gather for a field's kind and storage (runtime.gather lists them)."""
+    if field.kind in ("str", "bytes"):
+        return TextGather(field, shards, starts, pad_value)
+    mapped = field.codec.mappable
+    if not field.ragged and mapped:
+        return FixedRawGather(field, shards, starts, pad_value)
+    if mapped and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
+        return RaggedRowsGather(field, shards, starts, pad_value)
+    return PerSampleGather(field, shards, starts, pad_value)
 
 
 def open_archive(

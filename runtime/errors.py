@@ -24,6 +24,11 @@ class SampleIndexError(DlopError, IndexError):
     """A sample number outside the archive."""
 
 
+class LoaderError(DlopError):
+    """A batch the Loader could not make (in its producer thread, or buffers it could
+    not allocate), raised in the training loop naming the archive, batch and epoch."""
+
+
 class ShardChangedError(DlopError):
     """A shard file shrank after the archive mapped it: reading its mapped pages past
     the new end would kill the process (SIGBUS), so the read is refused."""

@@ -1,83 +1,80 @@
-"""The Loader: shuffled batches gathered into reusable buffers by a background thread.
+"""The Loader: the runtime's stages composed, in the order the bytes move.
 
-Data flow per batch: order (runtime.order) -> vectorized gather into a ring
-buffer slot (pinned when CUDA is available) -> optional non-blocking copy to
-the device on a side CUDA stream, recorded by an event -> transforms.
+    order (runtime.order)      which samples make batch j of this epoch
+      -> source (runtime.source)   the mapped shards they live in
+      -> gather (runtime.gather*)  indices -> a copy plan into a ring slot
+      -> engine (runtime.engine)   executes the plan on the copy threads
+      -> ring/prefetch (runtime.ring, runtime.prefetch)  slots, back-pressure
+      -> device (runtime.device)   side-stream copy to CUDA, with an event
+      -> transforms (runtime.transforms)  seeded per (seed, epoch, batch)
 
-One gather thread per Loader, kept across epochs, prepares each batch and
-queues its copies on the copier's helper threads (runtime.copier) behind the
-batch they are copying, so the copies run back to back (see _Epoch._produce).
-
-Buffer contract: on the CPU, a batch's tensors are views of a ring slot and
-stay valid until the next batch is requested (copy what you keep). On a CUDA
-device every batch is freshly allocated, and a slot is refilled only after the
-event of its copy has completed.
+``prefetch > 0`` runs gather and device on one producer thread kept for the
+Loader's lifetime, while the training loop takes ready batches;
+``prefetch=0`` runs the same stages inline when a batch is asked for.
+The buffer contract is in runtime.ring.
 """
 
 from __future__ import annotations
 
-import atexit
-import collections
-import contextlib
-import functools
 import os
-import queue
-import threading
-import traceback
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from dlop.formats import DlopError
 
 from .batch import Batch
-from .copier import Copier, JobThread, Pending, native
-from .dataset import Archive
+from .dataset import Archive, field_names
+from .device import DeviceStage
 from .distributed import rank_and_world
-from .errors import ShardChangedError, UsageError, UsageTypeError, check_int
-from .order import OrderSpec, rank_batches
+from .engine import CopyEngine
+from .errors import LoaderError, ShardChangedError, UsageError, UsageTypeError, check_int
+from .order import BatchOrder, OrderSpec
+from .prefetch import Prefetcher, PrefetchIter, Production, Ready
+from .ring import Slot, allocate, slot_count
+from .threads import JobThread, at_exit
+from .transforms import Transform, TransformStage
 
-Transform = Callable[[Batch, torch.Generator], Batch]
+__all__ = ["Loader", "LoaderError", "Transform"]
+
 STATE_FORMAT = "dlop-loader-state"
+# Settings that shape the order: a state saved under others is refused.
+STATE_SETTINGS = (
+    "seed",
+    "num_samples",
+    "batch_size",
+    "shuffle",
+    "drop_last",
+    "world_size",
+    "order",
+    "window_shards",
+    "bucket_by",
+    "bucket_window",
+)
 
-
-class LoaderError(DlopError):
-    """A failure in the background gather thread, re-raised in the training loop."""
-
-
-@dataclass
-class _Slot:
-    buffers: dict[str, torch.Tensor]
-    event: Any = None  # torch.cuda.Event of the last copy out of this slot
-
-
-@dataclass
-class _Ready:
-    number: int
-    batch: Batch | None = None
-    slot: _Slot | None = None
-    event: Any = None
-    error: BaseException | None = None
-    trace: str = ""
-
-
-_DONE = object()
 _live: weakref.WeakSet[Loader] = weakref.WeakSet()
 
 
-@atexit.register
 def _close_all() -> None:
-    """Loaders still open at exit stop their threads before the interpreter shuts
-    down (runs before runtime.copier's own exit hook, registered earlier)."""
+    """Loaders still open at exit stop their threads before the interpreter shuts down."""
     for loader in list(_live):
         loader.close()
 
 
+at_exit(_close_all)
+
+
+class LoaderThreads(NamedTuple):
+    """A Loader's threads: the producer (None before the first prefetching epoch) and
+    the copy engine's helpers."""
+
+    producer: JobThread | None
+    helpers: list[JobThread]
+
+
 class Loader:
-    """Iterates dict batches of an archive; see the module docstring for the buffer contract.
+    """Iterates dict batches of an archive; see the module docstring for the stages.
 
     ``rank``/``world_size`` default to torch.distributed's when it is
     initialized; ``order`` is ``global`` (full permutation) or ``window``
@@ -85,6 +82,8 @@ class Loader:
     lengths group batches; ``transforms`` are callables ``(batch, generator)
     -> batch`` run on the batch's device with a generator seeded from (seed,
     epoch, batch number), so resumed epochs repeat their augmentations too.
+    ``fields`` and ``pad_value`` open ``archive`` when it is a path; given an
+    ``Archive``, they must match what it was opened with.
     """
 
     def __init__(
@@ -104,31 +103,20 @@ class Loader:
         window_shards: int = 8,
         bucket_window: int = 64,
         fields: Sequence[str] | str | None = None,
-        pad_value: float = 0.0,
+        pad_value: float | None = None,
     ) -> None:
         batch_size = check_int("Loader batch_size", batch_size, low=1)
-        prefetch = check_int("Loader prefetch", prefetch, low=0)
+        self.prefetch = check_int("Loader prefetch", prefetch, low=0)
         seed = check_int("Loader seed", seed)
         window_shards = check_int("Loader window_shards", window_shards, low=1)
         bucket_window = check_int("Loader bucket_window", bucket_window, low=1)
         if order not in ("global", "window"):
             raise UsageError(f"Loader order must be 'global' or 'window', got {order!r}")
-        self.archive = (
-            archive
-            if isinstance(archive, Archive)
-            else Archive(archive, fields=fields, pad_value=pad_value)
-        )
+        self.archive = open_for_loader(archive, fields, pad_value)
         rank, world_size = rank_and_world(rank, world_size)
         world_size = check_int("Loader world_size", world_size, low=1)
         rank = check_int("Loader rank", rank, low=0, high=world_size - 1)
-        if bucket_by is not None:
-            f = self.archive.fields.get(bucket_by) if isinstance(bucket_by, str) else None
-            if f is None or not f.ragged:
-                ragged = [n for n, g in self.archive.fields.items() if g.ragged]
-                raise UsageError(
-                    f"{self.archive.path}: Loader bucket_by must name a ragged field among "
-                    f"{ragged}, got {bucket_by!r}"
-                )
+        check_bucket_by(self.archive, bucket_by)
         self.spec = OrderSpec(
             num_samples=len(self.archive),
             batch_size=batch_size,
@@ -143,33 +131,32 @@ class Loader:
             bucket_window=bucket_window,
         )
         self.bucket_by = bucket_by
-        self._lengths = self.archive.lengths(bucket_by) if bucket_by else None
+        self.order = BatchOrder(self.spec, self.archive.lengths(bucket_by) if bucket_by else None)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LoaderError(f"device {self.device} requested, but CUDA is not available")
+        self.to_device = DeviceStage(self.device)
         self.transforms = tuple(transforms)
-        self.prefetch = prefetch
-        self.epoch = 0
-        self._resume_from: int | None = None
-        self._batches_done = 0
-        self._slots: list[_Slot] | None = None
-        self._active: weakref.ref[_Iter] | None = None
-        # The gather thread, kept across epochs: starting an epoch costs a queue
-        # put rather than a thread start.
-        self._thread: JobThread | None = None
-        _live.add(self)
+        self.transform = TransformStage(self.transforms, seed, self.device)
+        self._slots: list[Slot] | None = None
+        self._active: weakref.ref[PrefetchIter] | None = None
+        self.prefetcher = Prefetcher("dlop-loader")
         # Slots that take turns have left the cache when refilled: stream into them.
-        self.copier = Copier(streaming=self._slot_count() > 1)
+        self.engine = CopyEngine(streaming=slot_count(self.prefetch, self.to_device.cuda) > 1)
+        _live.add(self)
 
     # -- order and state ----------------------------------------------------------
 
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = check_int("Loader.set_epoch epoch", epoch, low=0)
-        self._batches_done = 0
+        self.order.set_epoch(epoch)
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """This rank's sample indices, batch by batch, for an epoch."""
-        return rank_batches(self.spec, self.epoch if epoch is None else epoch, self._lengths)
+        return self.order.batches(epoch)
 
     def __len__(self) -> int:
         return len(self.batches())
@@ -179,8 +166,7 @@ class Loader:
         return {
             "format": STATE_FORMAT,
             "version": 1,
-            "epoch": self.epoch,
-            "batches_done": self._batches_done,
+            **self.order.state_dict(),
             "seed": s.seed,
             "num_samples": s.num_samples,
             "batch_size": s.batch_size,
@@ -206,18 +192,7 @@ class Loader:
                 f"{state.get('version')!r}, expected {STATE_FORMAT!r} version 1"
             )
         mine = self.state_dict()
-        for key in (
-            "seed",
-            "num_samples",
-            "batch_size",
-            "shuffle",
-            "drop_last",
-            "world_size",
-            "order",
-            "window_shards",
-            "bucket_by",
-            "bucket_window",
-        ):
+        for key in STATE_SETTINGS:
             if state.get(key) != mine[key]:
                 raise UsageError(
                     f"loader state was saved with {key}={state.get(key)!r}, this loader has {mine[key]!r}"
@@ -226,30 +201,69 @@ class Loader:
             raise UsageError(
                 f"loader state is rank {state.get('rank')}'s, this loader is rank {self.spec.rank}"
             )
-        epoch = check_int("loader state epoch", state.get("epoch"), low=0)
-        count = len(self.batches(epoch))
-        done = check_int(
-            f"loader state batches_done (epoch {epoch} has {count} batches)",
-            state.get("batches_done"),
-            low=0,
-            high=count,
-        )
-        self.epoch = epoch
-        self._batches_done = self._resume_from = done
+        self.order.reset(state)
 
     # -- iteration ------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
         self._close_active()
-        start = self._resume_from or 0
-        self._resume_from = None
-        self._batches_done = start
+        start = self.order.begin()
+        epoch, batches = self.order.epoch, self.order.batches()
         if self.prefetch == 0:
-            return self._synchronous(self.batches(), start)
-        it = _Iter(self, self.batches(), start)
+            return self._deliver(self._inline(batches, start, epoch), epoch)
+        production = Production(
+            self._planner(batches),
+            self.engine,
+            self.to_device,
+            self._ring(),
+            range(start, len(batches)),
+        )
+        it = self.prefetcher.start(production, lambda ready: self._failed(ready, epoch))
         # Weak: an iterator the training loop drops is collected and stops its epoch.
         self._active = weakref.ref(it)
-        return it
+        return self._deliver(it, epoch)
+
+    def _deliver(self, made: Iterator[tuple[int, Batch]], epoch: int) -> Iterator[Batch]:
+        """The transform stage, and the count of batches handed out (the order's state)."""
+        for number, batch in made:
+            batch = self.transform(batch, epoch, number)
+            self.order.handed_out(number + 1)
+            yield batch
+
+    def _planner(self, batches: list[np.ndarray]) -> Any:
+        archive = self.archive
+
+        def plan_batch(j: int, slot: Slot) -> Any:
+            return archive.plan(torch.from_numpy(batches[j]), slot.buffers)
+
+        return plan_batch
+
+    def _inline(
+        self, batches: list[np.ndarray], start: int, epoch: int
+    ) -> Iterator[tuple[int, Batch]]:
+        """prefetch=0: each batch made on the calling thread when asked for, into a
+        buffer still warm in cache, at the cost of the gather's time in the loop."""
+        slots = self._ring()
+        for j in range(start, len(batches)):
+            slot = slots[j % len(slots)]
+            slot.wait_copied()
+            try:
+                batch, plan = self.archive.plan(torch.from_numpy(batches[j]), slot.buffers)
+                self.engine.run(plan)
+            except ShardChangedError as e:
+                raise LoaderError(
+                    f"{self.archive.path}: gathering batch {j} of epoch {epoch} failed: {e}"
+                ) from e
+            batch, slot.event = self.to_device.copy(batch)
+            self.to_device.use(batch, slot.event)
+            yield j, batch
+
+    def _failed(self, ready: Ready, epoch: int) -> LoaderError:
+        e = ready.error
+        return LoaderError(
+            f"{self.archive.path}: gathering batch {ready.number} of epoch {epoch} failed: "
+            f"{type(e).__name__}: {e}\n--- in the loader thread:\n{ready.trace}"
+        )
 
     def _close_active(self) -> None:
         ref = getattr(self, "_active", None)
@@ -258,293 +272,75 @@ class Loader:
             active.close()
         self._active = None
 
-    def _ring(self) -> list[_Slot]:
+    # -- introspection and teardown -------------------------------------------------
+
+    def buffers(self) -> list[dict[str, torch.Tensor]]:
+        """The ring's batch buffers (flat, by field), allocated on first use, pinned
+        when CUDA is available; batches are views of them on the CPU."""
+        return [slot.buffers for slot in self._ring()]
+
+    def _ring(self) -> list[Slot]:
         if self._slots is None:
-            pin = torch.cuda.is_available()
             # No batch holds more samples than the archive: a larger batch_size
             # does not make larger buffers.
             b = min(self.spec.batch_size, max(1, self.spec.num_samples))
             sizes = {}
             for name, g in self.archive.gathers.items():
-                numel = self.archive.buffer_numel(name, b)
+                numel = g.buffer_numel(b)
                 if numel is not None:
-                    sizes[name] = (numel, g.dtype)
-            count = self._slot_count()
-            total = count * sum(n * d.itemsize for n, d in sizes.values())
-            slots = []
-            try:
-                for _ in range(count):
-                    buffers = {}
-                    for name, (numel, dtype) in sizes.items():
-                        t = torch.empty(numel, dtype=dtype, pin_memory=pin)
-                        t.zero_()  # first touch here, not in the first timed batches
-                        buffers[name] = t
-                    slots.append(_Slot(buffers))
-            except RuntimeError as e:  # the allocator's "can't allocate"
-                raise LoaderError(
-                    f"{self.archive.path}: cannot allocate {count} batch buffers of "
-                    f"batch_size={b} ({total} bytes in all): {e}; lower batch_size or prefetch"
-                ) from None
-            self._slots = slots
+                    sizes[name] = (numel, g.out_dtype)
+            count = slot_count(self.prefetch, self.to_device.cuda)
+            where = f"{self.archive.path} (batch_size={b})"
+            self._slots = allocate(sizes, count, torch.cuda.is_available(), where)
         return self._slots
 
-    def _slot_count(self) -> int:
-        """prefetch batches waiting plus the one in use; synchronous CPU loading needs only one.
-
-        On the CPU a batch is valid until the next is requested (the buffer
-        contract), so without prefetching one slot serves, and it stays warm in
-        cache: rotating several batch-sized buffers costs about a quarter of the
-        gather's speed on the build machine. A CUDA copy needs a second slot to
-        gather into while the first is still being copied.
-        """
-        if self.prefetch == 0:
-            return 2 if self.device.type == "cuda" else 1
-        return self.prefetch + 1
-
-    def _synchronous(self, batches: list[np.ndarray], start: int) -> Iterator[Batch]:
-        """prefetch=0: each batch is gathered on the calling thread when asked for, into
-        a buffer still warm in cache, at the cost of the gather's time in the
-        training loop. The Loader's copier serves when it is the compiled one;
-        otherwise torch's parallel kernels, which run well on the calling thread.
-        """
-        slots = self._ring()
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]  # torch.cuda ships no annotations
-        for j in range(start, len(batches)):
-            slot = slots[j % len(slots)]
-            if slot.event is not None:
-                slot.event.synchronize()
-            try:
-                batch = self.archive.gather(
-                    torch.from_numpy(batches[j]),
-                    out=slot.buffers,
-                    copier=self.copier if native() is not None else None,
-                )
-            except ShardChangedError as e:
-                raise LoaderError(
-                    f"{self.archive.path}: gathering batch {j} of epoch {self.epoch} failed: {e}"
-                ) from e
-            if stream is not None:
-                batch, slot.event = _copy_to_device(batch, self.device, stream)
-                _use_on_current_stream(batch, slot.event, self.device)
-            batch = _apply_transforms(self, batch, self.epoch, j)
-            self._batches_done = j + 1
-            yield batch
-
-    def _worker(self) -> JobThread:
-        if self._thread is None or self._thread.pid != os.getpid() or not self._thread.is_alive():
-            self._thread = JobThread("dlop-loader")
-        return self._thread
+    def threads(self) -> LoaderThreads:
+        """The threads this Loader runs (for inspection and tests)."""
+        return LoaderThreads(self.prefetcher.thread, self.engine.helpers())
 
     def close(self) -> None:
+        """Stops the epoch in progress and every thread of this Loader, waiting for them."""
         self._close_active()
-        if getattr(self, "_thread", None) is not None:
-            self._thread.stop(timeout=10)  # type: ignore[union-attr]
-            self._thread = None
-        if getattr(self, "copier", None) is not None:
-            self.copier.close()
+        if getattr(self, "prefetcher", None) is not None:
+            self.prefetcher.close()
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
 
     def __del__(self) -> None:
         self.close()
 
 
-def _copy_to_device(batch: Batch, device: torch.device, stream: Any) -> tuple[Batch, Any]:
-    """Non-blocking copies of the batch's tensors on ``stream``; returns the batch and an event after them."""
-    with torch.cuda.stream(stream):
-        moved = Batch(
-            {
-                k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                for k, v in batch.items()
-            }
+def open_for_loader(
+    archive: Archive | str | os.PathLike[str],
+    fields: Sequence[str] | str | None,
+    pad_value: float | None,
+) -> Archive:
+    """``archive`` opened with ``fields`` and ``pad_value``; an Archive already open is
+    taken as it is when they match it, and refused when they do not."""
+    if not isinstance(archive, Archive):
+        return Archive(archive, fields=fields, pad_value=0.0 if pad_value is None else pad_value)
+    if fields is not None:
+        names = field_names(archive.path, fields)
+        if names != list(archive.fields):
+            raise UsageError(
+                f"{archive.path}: Loader got an open Archive with fields {list(archive.fields)} "
+                f"and fields={names}; open it with those fields (open_archive(path, "
+                "fields=...)) or pass the path"
+            )
+    if pad_value is not None and pad_value != archive.pad_value:
+        raise UsageError(
+            f"{archive.path}: Loader got an open Archive padded with {archive.pad_value} and "
+            f"pad_value={pad_value}; open it with that pad_value or pass the path"
         )
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
-        event.record(stream)
-    return moved, event
+    return archive
 
 
-def _use_on_current_stream(batch: Batch, event: Any, device: torch.device) -> None:
-    """Makes the current stream wait for the copy, and tells the allocator these tensors are used there."""
-    current = torch.cuda.current_stream(device)
-    current.wait_event(event)
-    for v in batch.values():
-        if isinstance(v, torch.Tensor):
-            v.record_stream(current)
-
-
-def _apply_transforms(loader: Loader, batch: Batch, epoch: int, number: int) -> Batch:
-    """Runs the transforms with generators seeded from (seed, epoch, batch number)."""
-    if not loader.transforms:
-        return batch
-    gen = torch.Generator(device=loader.device)
-    seed = np.random.SeedSequence([loader.spec.seed, epoch, number, 0x5EED]).generate_state(1)
-    for i, transform in enumerate(loader.transforms):
-        gen.manual_seed(int(seed[0]) + i)
-        batch = transform(batch, gen)
-    return batch
-
-
-class _Epoch:
-    """One epoch's production, shared by the gather thread and the consumer's _Iter.
-    It holds no reference to the _Iter, so an iterator the training loop drops
-    is collected and stops its epoch (see _Iter.__del__)."""
-
-    def __init__(self, loader: Loader, batches: list[np.ndarray]) -> None:
-        self.loader = loader
-        self.batches = batches
-        self.epoch = loader.epoch
-        self.cuda = loader.device.type == "cuda"
-        slots = loader._ring()
-        # On the CPU the most recently released slot is refilled first (LIFO): it is
-        # the one most likely still in cache, which matters where copies go through
-        # the cache (no compiled copier). A CUDA slot has just been handed to an
-        # asynchronous copy, so there the oldest goes first (FIFO).
-        self.free: collections.deque[_Slot] = collections.deque(slots)
-        # Guards ``free`` and ``consumer_waiting``; the producer waits on it for a slot.
-        self.cond = threading.Condition()
-        self.consumer_waiting = False
-        self.ready: queue.Queue[Any] = queue.Queue()
-        self.held: _Slot | None = None
-        self.stop = threading.Event()
-        self.finished = threading.Event()
-        self.stream = torch.cuda.Stream(loader.device) if self.cuda else None  # type: ignore[no-untyped-call]
-
-    def _produce(self, start: int) -> None:
-        """Gathers the epoch's batches in order, pipelined: this thread prepares a
-        batch (address lists, small fields) and queues its copies on the copier's
-        helpers behind the batch they are copying, then publishes that one when
-        its copies are done. So the helpers copy back to back while the Python
-        work of the next batch and the hand-over to the consumer overlap them."""
-        archive, copier = self.loader.archive, self.loader.copier
-        in_flight: collections.deque[tuple[int, Batch, _Slot, Pending]] = collections.deque()
-
-        def publish() -> bool:
-            """Finishes the oldest batch in flight and hands it over; False after an error."""
-            j, batch, slot, pending = in_flight.popleft()
-            try:
-                pending.wait()
-                event = None
-                if self.stream is not None:
-                    batch, event = _copy_to_device(batch, self.loader.device, self.stream)
-                    slot.event = event
-                    self._release(slot)  # refilled only after event completes
-                self.ready.put(_Ready(j, batch, None if self.stream else slot, event))
-                return True
-            except BaseException as e:
-                self.ready.put(_Ready(j, error=e, trace=traceback.format_exc()))
-                return False
-
-        def take_slot() -> _Slot | None:
-            """A free slot, or None once stopped or failed. While none is free, the
-            oldest batch in flight is finished and handed over only if the consumer
-            is waiting for it; otherwise the copies queued on the helpers keep them
-            busy while this thread waits for the consumer to release a slot."""
-            while True:
-                with self.cond:
-                    while not self.stop.is_set():
-                        if self.free:
-                            return self.free.pop() if not self.cuda else self.free.popleft()
-                        if in_flight and self.consumer_waiting:
-                            break
-                        self.cond.wait(0.1)
-                    else:
-                        return None
-                if not publish():
-                    return None
-
-        try:
-            for j in range(start, len(self.batches)):
-                slot = take_slot()
-                if slot is None:
-                    return
-                try:
-                    if slot.event is not None:
-                        slot.event.synchronize()  # the slot's previous copy to the device is done
-                    with copier.collecting() as parts:
-                        batch = archive.gather(
-                            torch.from_numpy(self.batches[j]), out=slot.buffers, copier=copier
-                        )
-                    in_flight.append((j, batch, slot, copier.start(parts)))
-                except BaseException as e:
-                    while in_flight:
-                        if not publish():
-                            return
-                    self.ready.put(_Ready(j, error=e, trace=traceback.format_exc()))
-                    return
-                if len(in_flight) > 1 and not publish():
-                    return
-            while in_flight:
-                if not publish():
-                    return
-            self.ready.put(_DONE)
-        finally:
-            for *_, pending in in_flight:  # stopped early: let the copies finish
-                with contextlib.suppress(BaseException):
-                    pending.wait()
-            self.finished.set()
-
-    def _release(self, slot: _Slot) -> None:
-        with self.cond:
-            self.free.append(slot)
-            self.cond.notify()
-
-
-class _Iter:
-    """The training loop's side of an epoch: hands out batches, releases slots."""
-
-    def __init__(self, loader: Loader, batches: list[np.ndarray], start: int) -> None:
-        self.loader = loader
-        self.e = _Epoch(loader, batches)
-        loader._worker().submit(functools.partial(self.e._produce, start))
-
-    def __iter__(self) -> _Iter:
-        return self
-
-    def __next__(self) -> Batch:
-        e = self.e
-        with e.cond:
-            if e.held is not None:
-                e.free.append(e.held)
-                e.held = None
-            # Racy but safe: if the producer publishes meanwhile, it has at worst
-            # finished a batch in flight a little early.
-            e.consumer_waiting = e.ready.empty()
-            e.cond.notify()
-        try:
-            item = e.ready.get()
-        finally:
-            e.consumer_waiting = False
-        if item is _DONE:
-            e.finished.wait()
-            raise StopIteration
-        if item.error is not None:
-            self.close()
-            raise LoaderError(
-                f"{self.loader.archive.path}: gathering batch {item.number} of epoch {e.epoch} failed: "
-                f"{type(item.error).__name__}: {item.error}\n--- in the loader thread:\n{item.trace}"
-            ) from item.error
-        batch: Batch = item.batch
-        if e.cuda:
-            _use_on_current_stream(batch, item.event, self.loader.device)
-        e.held = item.slot
-        batch = _apply_transforms(self.loader, batch, e.epoch, item.number)
-        self.loader._batches_done = item.number + 1
-        return batch
-
-    def close(self) -> None:
-        """Stops production and waits until the gather thread has left this epoch."""
-        e = self.e
-        e.stop.set()
-        with e.cond:
-            e.cond.notify_all()
-        worker = self.loader._thread
-        if worker is None or threading.current_thread() is worker:
-            return
-        while not e.finished.wait(0.1) and worker.is_alive():
-            pass
-
-    def __del__(self) -> None:
-        """An iterator dropped mid-epoch stops its production (without waiting for it)."""
-        e = getattr(self, "e", None)
-        if e is not None:
-            e.stop.set()
-            with e.cond:
-                e.cond.notify_all()
+def check_bucket_by(archive: Archive, bucket_by: object) -> None:
+    if bucket_by is None:
+        return
+    f = archive.fields.get(bucket_by) if isinstance(bucket_by, str) else None
+    if f is None or not f.ragged:
+        ragged = [n for n, g in archive.fields.items() if g.ragged]
+        raise UsageError(
+            f"{archive.path}: bucket_by must name a ragged field among {ragged}, got {bucket_by!r}"
+        )

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import check_int
+
 
 @dataclass(frozen=True)
 class OrderSpec:
@@ -124,3 +126,64 @@ def rank_batches(
         batches = [batches[i] for i in perm]
     picked = _even(np.arange(len(batches)), world, spec.drop_last)[spec.rank :: world]
     return [np.sort(batches[i]) for i in picked]
+
+
+class BatchOrder:
+    """The order stage: this consumer's batches, epoch by epoch, and how many of the
+    current epoch were handed out.
+
+    State: ``{"epoch", "batches_done"}``; with the spec (seed, sizes, rank,
+    world size, bucketing, window) that is all it takes to continue exactly.
+    ``reset(state)`` makes the next iteration start after ``batches_done``;
+    later iterations start at the epoch's beginning.
+    """
+
+    def __init__(
+        self, spec: OrderSpec, lengths: np.ndarray | None = None, owner: str = "Loader"
+    ) -> None:
+        self.owner = owner  # who errors name
+        self.spec = spec
+        self.lengths = lengths
+        self.epoch = 0
+        self.batches_done = 0
+        self._resume = False
+        self._cached: tuple[int, list[np.ndarray]] | None = None
+
+    def batches(self, epoch: int | None = None) -> list[np.ndarray]:
+        """The sample indices of each batch of ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, rank_batches(self.spec, epoch, self.lengths))
+        return self._cached[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = check_int(f"{self.owner}.set_epoch epoch", epoch, low=0)
+        self.batches_done = 0
+        self._resume = False
+
+    def begin(self) -> int:
+        """Starts an iteration of the current epoch; returns its first batch number."""
+        start = self.batches_done if self._resume else 0
+        self._resume = False
+        self.batches_done = start
+        return start
+
+    def handed_out(self, count: int) -> None:
+        """``count`` batches of the current epoch have reached the consumer."""
+        self.batches_done = count
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_done": self.batches_done}
+
+    def reset(self, state: dict[str, object], where: str = "loader state") -> None:
+        """Continues from ``state`` (checked: ``epoch`` at least 0, ``batches_done``
+        within the epoch's batches)."""
+        epoch = check_int(f"{where} epoch", state.get("epoch"), low=0)
+        count = len(self.batches(epoch))
+        done = check_int(
+            f"{where} batches_done (epoch {epoch} has {count} batches)",
+            state.get("batches_done"),
+            low=0,
+            high=count,
+        )
+        self.epoch, self.batches_done, self._resume = epoch, done, True

@@ -1,6 +1,6 @@
-"""The copier: compiled byte-run copies (plain and streaming), the torch/ctypes
-fallback, pipelined batches on helper threads, fork safety, and the Loader and
-Dataset giving identical batches either way."""
+"""The copy engine: compiled byte-run copies (plain and streaming), the torch/ctypes
+fallback, pipelined plans on helper threads, errors at wait, fork safety, and
+the Loader and Dataset giving identical batches either way."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ import pytest
 import torch
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Loader, LoaderError, open_archive
-from dlop.runtime import copier as copier_module
-from dlop.runtime.copier import Copier, native
+from dlop.runtime import engine as engine_module
+from dlop.runtime.engine import CopyEngine, compiled
+from dlop.runtime.plan import CopyPlan, Rows, Runs
+from dlop.runtime.threads import HELPER_NICE
 
 from .test_loader import run_epoch
 
-needs_native = pytest.mark.skipif(native() is None, reason="compiled copier not built")
+needs_native = pytest.mark.skipif(compiled() is None, reason="compiled copier not built")
 
 
 def _runs(rng: np.random.Generator, sizes: list[int]) -> tuple[np.ndarray, np.ndarray, list[Any]]:
@@ -45,7 +47,7 @@ def _runs(rng: np.random.Generator, sizes: list[int]) -> tuple[np.ndarray, np.nd
 def test_compiled_copier_is_built_where_a_compiler_is() -> None:
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: the fallback copies serve")
-    assert copier_module._compiled is not None, "runtime/_copy.c was not built at install"
+    assert engine_module.built(), "runtime/_copy.c was not built at install"
 
 
 @needs_native
@@ -60,7 +62,7 @@ def test_copy_runs_copies_exactly_the_runs(streaming: bool) -> None:
     d_addr = np.array([dst.ctypes.data + d for d, _, _ in runs], np.int64)
     s_addr = np.array([src.ctypes.data + s for _, s, _ in runs], np.int64)
     nbytes = np.array([n for *_, n in runs], np.int64)
-    lib = native()
+    lib = compiled()
     assert lib is not None
     lib.copy_runs(d_addr.ctypes.data, s_addr.ctypes.data, nbytes.ctypes.data, len(runs), streaming)
     np.testing.assert_array_equal(dst, expected)
@@ -74,17 +76,18 @@ def test_copy_rows_gathers_checked_rows(streaming: bool) -> None:
     rng = np.random.default_rng(3)
     table = rng.integers(0, 256, (40, 5000), dtype=np.uint8)  # rows of 5000 bytes
     rows = np.array([39, 0, 7, 7, 21, 38, 1, 0, 12, 30], np.int64)
-    c = Copier(threads=2, streaming=streaming)
+    c = CopyEngine(threads=2, streaming=streaming)
+    src = torch.from_numpy(table)
     try:
         for take in (rows, rows[:1], rows[:0], np.tile(rows, 30)):  # one share and two
-            out = np.zeros((len(take) + 1, 5000), np.uint8)
-            c.rows(out.ctypes.data, table.ctypes.data, take, 5000, len(table))
-            np.testing.assert_array_equal(out[: len(take)], table[take])
-            assert not out[len(take)].any()  # nothing past the last row
-        out = np.zeros((3, 5000), np.uint8)
+            out = torch.zeros((len(take) + 1) * 5000, dtype=torch.uint8)
+            c.run(CopyPlan([Rows(out[: len(take) * 5000], src, np.ascontiguousarray(take))]))
+            np.testing.assert_array_equal(out.numpy().reshape(-1, 5000)[: len(take)], table[take])
+            assert not out[len(take) * 5000 :].any()  # nothing past the last row
+        out = torch.zeros(3 * 5000, dtype=torch.uint8)
         for bad in ([0, 40, 1], [-1, 2, 3]):
             with pytest.raises(IndexError, match=r"out of range 0\.\.39"):
-                c.rows(out.ctypes.data, table.ctypes.data, np.array(bad), 5000, len(table))
+                c.run(CopyPlan([Rows(out, src, np.array(bad, np.int64))]))
             assert not out.any()  # checked before anything is copied
     finally:
         c.close()
@@ -95,15 +98,17 @@ def test_copy_rows_gathers_checked_rows(streaming: bool) -> None:
 def test_helpers_yield_the_cpu(monkeypatch: pytest.MonkeyPatch, nice: str | None) -> None:
     if nice is not None:
         monkeypatch.setenv("DLOP_COPY_NICE", nice)
-    c = Copier(threads=2)
-    seen: list[int] = []
+    c = CopyEngine(threads=2)
+    src = torch.zeros(4 << 20, dtype=torch.uint8)
     try:
-        c.parallel([lambda: None, lambda: seen.append(threading.get_native_id())])
+        c.run(CopyPlan([Rows(torch.empty_like(src), src.view(-1, 1 << 16), np.arange(64))]))
+        (helper,) = c.helpers()  # the calling thread took one share, a helper the other
         base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        got = os.getpriority(os.PRIO_PROCESS, seen[0])
+        assert helper.native_id is not None
+        got = os.getpriority(os.PRIO_PROCESS, helper.native_id)
     finally:
         c.close()
-    expected = base if nice == "0" else min(19, base + copier_module.HELPER_NICE)
+    expected = base if nice == "0" else min(19, base + HELPER_NICE)
     assert got == expected
 
 
@@ -112,7 +117,7 @@ def test_helpers_yield_the_cpu(monkeypatch: pytest.MonkeyPatch, nice: str | None
 def test_copier_spreads_runs_over_threads(
     monkeypatch: pytest.MonkeyPatch, compiled: bool, streaming: bool
 ) -> None:
-    if compiled and native() is None:
+    if compiled and engine_module.compiled() is None:
         pytest.skip("compiled copier not built")
     if not compiled:
         monkeypatch.setenv("DLOP_NATIVE_COPY", "0")
@@ -122,66 +127,93 @@ def test_copier_spreads_runs_over_threads(
     expected = dst.copy()
     for d, s, n in runs:
         expected[d : d + n] = src[s : s + n]
-    c = Copier(threads=2, streaming=streaming)
+    c = CopyEngine(threads=2, streaming=streaming)
+    out = torch.from_numpy(dst)
     try:
-        c.copy(
-            np.array([dst.ctypes.data + d for d, _, _ in runs]),
-            np.array([src.ctypes.data + s for _, s, _ in runs]),
-            np.array([n for *_, n in runs]),
+        c.run(
+            CopyPlan(
+                [
+                    Runs(
+                        out,
+                        np.array([d for d, _, _ in runs], np.int64),
+                        np.array([src.ctypes.data + s for _, s, _ in runs], np.int64),
+                        np.array([n for *_, n in runs], np.int64),
+                        (src,),
+                    )
+                ]
+            )
         )
+        assert len(c.helpers()) == 1  # the runs were spread over two threads
     finally:
         c.close()
     np.testing.assert_array_equal(dst, expected)
 
 
-def test_started_batches_run_in_order_and_errors_surface_at_wait() -> None:
-    c = Copier(threads=2)
+def _tagged_plan(tags: dict[int, tuple[int, int]], batch: int) -> CopyPlan:
+    """A plan of two equal steps, one per share, each tagged (batch, part)."""
+    src = torch.zeros(1, 64, dtype=torch.uint8)
+    steps = []
+    for part in (0, 1):
+        step = Rows(torch.empty(64, dtype=torch.uint8), src, np.zeros(1, np.int64))
+        tags[id(step)] = (batch, part)
+        steps.append(step)
+    return CopyPlan(steps)
+
+
+def test_started_plans_run_in_order_and_errors_surface_at_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    c = CopyEngine(threads=2)
     log: list[tuple[int, int]] = []
+    tags: dict[int, tuple[int, int]] = {}
     lock = threading.Lock()
 
-    def job(batch: int, part: int) -> None:
+    def execute(step: Any, streaming: bool) -> None:
+        batch, part = tags[id(step)]
+        if (batch, part) == (1, 0):
+            raise RuntimeError("copy failed")
         with lock:
             log.append((batch, part))
 
-    def fail() -> None:
-        raise RuntimeError("copy failed")
-
+    monkeypatch.setattr(engine_module, "execute_step", execute)
     try:
-        first = c.start([[lambda: job(0, 0)], [lambda: job(0, 1)]])
-        second = c.start([[lambda: job(1, 0), fail], [lambda: job(1, 1)]])
+        first = c.start(_tagged_plan(tags, 0))
+        second = c.start(_tagged_plan(tags, 1))
         first.wait()
         with pytest.raises(RuntimeError, match="copy failed"):
             second.wait()
-        for part in (0, 1):  # each helper ran its share of batch 0 before batch 1's
+        assert (1, 1) in log  # the other share still ran to its end
+        for part in (0, 1):  # each helper ran its share of plan 0 before plan 1's
             order = [b for b, p in log if p == part]
-            assert order == [0, 1]
-        c.parallel([lambda: job(2, 0), lambda: job(2, 1)])  # still usable after the error
+            assert order == sorted(order)
+        c.run(_tagged_plan(tags, 2))  # still usable after the error
         assert sorted(log[-2:]) == [(2, 0), (2, 1)]
     finally:
         c.close()
-    assert not c.helpers
+    assert not c.helpers()
 
 
-def _use_after_fork(c: Copier, out: Any) -> None:
-    box = [0, 0]
+def _use_after_fork(c: CopyEngine, out: Any) -> None:
+    # numpy-made tensors: torch's own parallel kernels can hang in a forked child
+    src = np.arange(4 << 20, dtype=np.int64).astype(np.uint8)
+    dst = np.zeros_like(src)
+    rows = torch.from_numpy(src).view(-1, 1 << 16)
+    c.run(CopyPlan([Rows(torch.from_numpy(dst), rows, np.arange(64))]))
+    out.put([len(c.helpers()), bool(np.array_equal(dst, src))])
 
-    def set_(i: int) -> None:
-        box[i] = i + 1
 
-    c.parallel([lambda: set_(0), lambda: set_(1)])
-    out.put(box)
-
-
-def test_a_forked_child_uses_the_copier_with_threads_of_its_own() -> None:
-    c = Copier(threads=2)
-    c.parallel([lambda: None, lambda: None])  # helpers exist in the parent
+def test_a_forked_child_uses_the_engine_with_threads_of_its_own() -> None:
+    c = CopyEngine(threads=2)
+    src = torch.zeros(4 << 20, dtype=torch.uint8)
+    c.run(CopyPlan([Rows(torch.empty_like(src), src.view(-1, 1 << 16), np.arange(64))]))
+    assert len(c.helpers()) == 1  # a helper exists in the parent
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     child = ctx.Process(target=_use_after_fork, args=(c, out))
     child.start()
     child.join(timeout=60)
     try:
-        assert child.exitcode == 0 and out.get(timeout=5) == [1, 2]
+        assert child.exitcode == 0 and out.get(timeout=5) == [1, True]
     finally:
         if child.is_alive():
             child.kill()
@@ -243,13 +275,13 @@ def test_the_gather_thread_is_kept_across_epochs_and_stopped_by_close(big_rows: 
     for epoch in range(5):
         loader.set_epoch(epoch)
         assert sum(len(b["label"]) for b in loader) == 57
-        workers.add(loader._thread)
-    helpers = list(loader.copier.helpers)
+        workers.add(loader.threads().producer)
+    helpers = loader.threads().helpers
     assert len(workers) == 1 and helpers
     it = iter(loader)
     next(it)  # abandon an epoch midway: the next one starts cleanly
     assert sum(len(b["label"]) for b in loader) == 57
-    assert {loader._thread} == workers
+    assert {loader.threads().producer} == workers
     loader.close()
     assert not any(t.is_alive() for t in [*workers, *helpers])
 
@@ -274,12 +306,11 @@ def test_exit_in_the_middle_of_an_epoch_is_clean(big_rows: Path) -> None:
         assert done.returncode == 0, done.stderr[-2000:]
 
 
-@needs_native
 def test_a_copy_failing_on_a_helper_reaches_the_loop(
     monkeypatch: pytest.MonkeyPatch, big_rows: Path
 ) -> None:
     calls = {"n": 0}
-    real = copier_module._native_rows
+    real = engine_module.execute_step
 
     def flaky(*args: Any) -> None:
         calls["n"] += 1
@@ -288,11 +319,11 @@ def test_a_copy_failing_on_a_helper_reaches_the_loop(
         real(*args)
 
     loader = Loader(big_rows, 8, seed=0)
-    monkeypatch.setattr(copier_module, "_native_rows", flaky)
+    monkeypatch.setattr(engine_module, "execute_step", flaky)
     with pytest.raises(LoaderError, match=r"gathering batch \d+ of epoch 0 failed: OSError"):
         for _ in loader:
             pass
-    monkeypatch.setattr(copier_module, "_native_rows", real)
+    monkeypatch.setattr(engine_module, "execute_step", real)
     assert sum(len(b["label"]) for b in loader) == 57  # the next epoch runs cleanly
     loader.close()
 
@@ -302,7 +333,7 @@ def test_a_loader_dropped_mid_epoch_stops_its_threads(big_rows: Path) -> None:
     for i, _ in enumerate(loader):
         if i == 1:
             break  # the iterator is dropped here, mid-epoch
-    threads = [loader._thread, *loader.copier.helpers]
+    threads = [loader.threads().producer, *loader.threads().helpers]
     assert all(t is not None and t.is_alive() for t in threads)
     del loader
     gc.collect()

@@ -92,9 +92,9 @@ def test_dataloader_workers_map_style_and_iterable(archive: Path) -> None:
     del per_worker
 
 
-def test_both_ragged_gather_strategies_agree(tmp_path: Path) -> None:
+def test_ragged_span_plan_agrees_with_a_row_gather(tmp_path: Path) -> None:
     from dlop.formats import ArchiveWriter, Field
-    from dlop.runtime.gather import RaggedRowsGather
+    from dlop.runtime.gather_mapped import RaggedRowsGather
 
     with ArchiveWriter(tmp_path / "s", [Field("f", "f16", (None, 80))], shard_bytes=300_000) as w:
         for i in range(40):
@@ -104,10 +104,17 @@ def test_both_ragged_gather_strategies_agree(tmp_path: Path) -> None:
     idx = torch.tensor([1, 5, 17, 18, 33, 39])
     gather = ds.gathers["f"]
     assert isinstance(gather, RaggedRowsGather)
-    spans = gather.gather(idx, None)
-    gather.SPAN_COPY_BYTES = 1 << 40  # force the row gather
-    rows = gather.gather(idx, None)
-    assert torch.equal(spans["f"], rows["f"]) and torch.equal(spans["f_lengths"], rows["f_lengths"])
+    spans = ds.gather(idx)
+    # The same batch row by row: index_select of each sample's valid rows, zeros after.
+    rows = torch.zeros_like(spans["f"])
+    for j, i in enumerate(idx.tolist()):
+        k, local = ds.reader.locate(i)
+        values = torch.from_numpy(ds.shards[k].values("f").reshape(-1, 80))
+        first = int(ds.shards[k].offsets("f")[local]) // 80
+        n = int(spans["f_lengths"][j])
+        torch.index_select(values, 0, torch.arange(first, first + n), out=rows[j, :n])
+    assert torch.equal(spans["f"], rows)
+    assert spans["f_lengths"].tolist() == [100 + 37 * i for i in idx.tolist()]
     for j, i in enumerate(idx.tolist()):
         n = 100 + 37 * i
         assert bool((spans["f"][j, :n] == i % 50).all()) and bool((spans["f"][j, n:] == 0).all())

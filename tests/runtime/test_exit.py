@@ -27,10 +27,10 @@ DRIVER = textwrap.dedent(
 
     def check_threads():
         # Runs after the runtime's own exit hooks (registered later, run earlier).
-        from dlop.runtime import copier
+        from dlop.runtime.threads import live_threads
         left = [t.name for t in threading.enumerate() if t.name.startswith("dlop")]
         natives = [
-            t.native_id for t in copier._threads
+            t.native_id for t in live_threads()
             if os.path.exists(f"/proc/self/task/{t.native_id}")
         ]
         if left or natives:

@@ -176,8 +176,8 @@ def test_torch_distributed_gloo_two_processes(archive: Path, tmp_path: Path) -> 
 def test_gpu_pinned_side_stream_and_augment(archive: Path) -> None:
     loader = Loader(archive, 8, seed=4, device="cuda", transforms=TRANSFORMS)
     cpu = Loader(archive, 8, seed=4)
-    slots = loader._ring()
-    assert all(t.is_pinned() for s in slots for t in s.buffers.values())
+    slots = loader.buffers()
+    assert all(t.is_pinned() for s in slots for t in s.values())
     for g, c in zip(loader, cpu, strict=True):
         assert g["logmel"].is_cuda and g["label"].is_cuda
         assert torch.equal(g["label"].cpu(), c["label"])

@@ -112,3 +112,39 @@ def test_bad_specs() -> None:
         OrderSpec(10, 2, rank=2, world_size=2)
     with pytest.raises(ValueError, match="batch_size"):
         OrderSpec(10, 0)
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_order_stage_state_round_trips(bucketed: bool) -> None:
+    from dlop.runtime.order import BatchOrder
+
+    lengths = np.random.default_rng(1).integers(1, 500, 103) if bucketed else None
+    spec = OrderSpec(103, 8, seed=4, rank=1, world_size=2, bucket_window=3)
+    first = BatchOrder(spec, lengths)
+    first.set_epoch(5)
+    start = first.begin()
+    assert start == 0
+    first.handed_out(4)
+    state = first.state_dict()
+    assert state == {"epoch": 5, "batches_done": 4}
+    second = BatchOrder(spec, lengths)
+    second.reset(state)
+    assert second.begin() == 4 and second.epoch == 5
+    assert [b.tolist() for b in second.batches()] == [b.tolist() for b in first.batches()]
+    assert second.begin() == 0  # only the next iteration resumes
+    second.handed_out(len(second.batches()))
+    third = BatchOrder(spec, lengths)
+    third.reset(second.state_dict())  # an epoch's end is a state too
+    assert third.begin() == len(third.batches())
+
+
+def test_order_stage_refuses_states_outside_the_epoch() -> None:
+    from dlop.runtime.errors import UsageError, UsageTypeError
+    from dlop.runtime.order import BatchOrder
+
+    order = BatchOrder(OrderSpec(20, 4))
+    for bad in ({"epoch": -1, "batches_done": 0}, {"epoch": 0, "batches_done": 6}):
+        with pytest.raises(UsageError):
+            order.reset(bad)
+    with pytest.raises(UsageTypeError, match="batches_done"):
+        order.reset({"epoch": 0, "batches_done": "2"})

@@ -1,0 +1,223 @@
+"""The prefetch stage: batches made ahead on one producer thread, handed over through the ring.
+
+The producer plans batch j+1 (row lists, decoded blocks, text) while the copy
+engine's helpers copy batch j, and starts j+1's copies behind j's, so the
+helpers copy back to back; then it waits for j's copies, queues j's copy to
+the device and hands j over. At most two batches are in flight.
+
+Back-pressure: the producer takes a free ring slot for each batch. While none
+is free it finishes and hands over the oldest batch in flight only if the
+training loop is waiting for it; otherwise the copies queued on the helpers
+keep them busy while the producer waits for a slot to come back.
+
+One producer thread serves a Loader for its lifetime (``Prefetcher``);
+starting an epoch costs a queue put, not a thread start.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .batch import Batch
+from .device import DeviceStage
+from .engine import CopyEngine, Ticket
+from .plan import CopyPlan
+from .ring import FreeSlots, Slot
+from .threads import JobThread
+
+PlanBatch = Callable[[int, Slot], tuple[Batch, CopyPlan]]
+
+
+@dataclass
+class Ready:
+    number: int
+    batch: Batch | None = None
+    slot: Slot | None = None
+    event: Any = None
+    error: BaseException | None = None
+    trace: str = ""
+
+
+_DONE = object()
+
+
+class Production:
+    """One epoch's batches ``numbers``, made on the producer thread (``run``) and taken
+    by the training loop (``PrefetchIter``). It holds no reference to the iterator,
+    so an iterator the training loop drops is collected and stops its epoch."""
+
+    def __init__(
+        self,
+        plan_batch: PlanBatch,
+        engine: CopyEngine,
+        device: DeviceStage,
+        slots: list[Slot],
+        numbers: range,
+    ) -> None:
+        self.plan_batch = plan_batch
+        self.engine = engine
+        self.device = device
+        self.numbers = numbers
+        self.free = FreeSlots(slots, lifo=not device.cuda)
+        self.consumer_waiting = False  # guarded by free.cond
+        self.ready: queue.Queue[Any] = queue.Queue()
+        self.held: Slot | None = None
+        self.stop = threading.Event()
+        self.finished = threading.Event()
+        self.in_flight: collections.deque[tuple[int, Batch, Slot, Ticket]] = collections.deque()
+
+    def run(self) -> None:
+        try:
+            for j in self.numbers:
+                slot = self._take_slot()
+                if slot is None or not self._start(j, slot):
+                    return
+                if len(self.in_flight) > 1 and not self._publish():
+                    return
+            while self.in_flight:
+                if not self._publish():
+                    return
+            self.ready.put(_DONE)
+        finally:
+            for *_, ticket in self.in_flight:  # stopped early: let the copies finish
+                with contextlib.suppress(BaseException):
+                    ticket.wait()
+            self.finished.set()
+
+    def _start(self, j: int, slot: Slot) -> bool:
+        """Plans batch j into ``slot`` and starts its copies; False after an error."""
+        try:
+            slot.wait_copied()
+            batch, plan = self.plan_batch(j, slot)
+            self.in_flight.append((j, batch, slot, self.engine.start(plan)))
+            return True
+        except BaseException as e:
+            trace = traceback.format_exc()
+            while self.in_flight:
+                if not self._publish():
+                    return False
+            self.ready.put(Ready(j, error=e, trace=trace))
+            return False
+
+    def _publish(self) -> bool:
+        """Finishes the oldest batch in flight and hands it over; False after an error."""
+        j, batch, slot, ticket = self.in_flight.popleft()
+        try:
+            ticket.wait()
+            batch, event = self.device.copy(batch)
+            if self.device.cuda:
+                slot.event = event
+                self.release(slot)  # refilled only after its event completes
+            self.ready.put(Ready(j, batch, None if self.device.cuda else slot, event))
+            return True
+        except BaseException as e:
+            self.ready.put(Ready(j, error=e, trace=traceback.format_exc()))
+            return False
+
+    def _take_slot(self) -> Slot | None:
+        """A free slot, or None once stopped or failed (see the module docstring)."""
+        while True:
+            with self.free.cond:
+                while not self.stop.is_set():
+                    slot = self.free.pop()
+                    if slot is not None:
+                        return slot
+                    if self.in_flight and self.consumer_waiting:
+                        break
+                    self.free.cond.wait(0.1)
+                else:
+                    return None
+            if not self._publish():
+                return None
+
+    def release(self, slot: Slot) -> None:
+        with self.free.cond:
+            self.free.put(slot)
+
+    def halt(self) -> None:
+        """Asks the producer to stop (it finishes the copies it started)."""
+        self.stop.set()
+        with self.free.cond:
+            self.free.cond.notify_all()
+
+
+class PrefetchIter:
+    """The training loop's side of a production: yields ``(number, batch)``; a failed
+    batch raises ``fail(ready)``."""
+
+    def __init__(
+        self,
+        production: Production,
+        producer: JobThread,
+        fail: Callable[[Ready], BaseException],
+    ) -> None:
+        self.p = production
+        self.producer = producer
+        self.fail = fail
+        producer.submit(production.run)
+
+    def __iter__(self) -> PrefetchIter:
+        return self
+
+    def __next__(self) -> tuple[int, Batch]:
+        p = self.p
+        with p.free.cond:
+            if p.held is not None:
+                p.free.put(p.held)
+                p.held = None
+            # Racy but safe: if the producer publishes meanwhile, it has at worst
+            # finished a batch in flight a little early.
+            p.consumer_waiting = p.ready.empty()
+            p.free.cond.notify()
+        try:
+            item = p.ready.get()
+        finally:
+            p.consumer_waiting = False
+        if item is _DONE:
+            p.finished.wait()
+            raise StopIteration
+        if item.error is not None:
+            self.close()
+            raise self.fail(item) from item.error
+        p.device.use(item.batch, item.event)
+        p.held = item.slot
+        return item.number, item.batch
+
+    def close(self) -> None:
+        """Stops production and waits until the producer has left this epoch."""
+        self.p.halt()
+        if threading.current_thread() is self.producer:
+            return
+        while not self.p.finished.wait(0.1) and self.producer.is_alive():
+            pass
+
+    def __del__(self) -> None:
+        """An iterator dropped mid-epoch stops its production (without waiting for it)."""
+        p = getattr(self, "p", None)
+        if p is not None:
+            p.halt()
+
+
+class Prefetcher:
+    """Owns the producer thread, kept across epochs, and starts each epoch's production."""
+
+    def __init__(self, name: str = "dlop-loader") -> None:
+        self.name = name
+        self.thread: JobThread | None = None
+
+    def start(self, production: Production, fail: Callable[[Ready], BaseException]) -> PrefetchIter:
+        if self.thread is None or not self.thread.usable():
+            self.thread = JobThread(self.name)
+        return PrefetchIter(production, self.thread, fail)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.stop(timeout=10)
+            self.thread = None

@@ -1,0 +1,89 @@
+"""Where a shard's bytes come from: the source stage.
+
+A source hands out opened shards (``dlop.formats.ShardReader``) by number,
+and hears ahead of time which shards a batch will read (``ask``) and when a
+batch is done with them (``release``). ``LocalSource`` maps local files and
+needs neither (the page cache does the rest); a remote source with a
+node-local cache fetches on ``ask`` and may evict after ``release``. Before
+each read, ``check`` refuses a shard that changed under its mapping.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from dlop.formats import ArchiveReader, ShardReader
+
+from .errors import ShardChangedError
+
+
+class ShardSource(Protocol):
+    """What the runtime asks of a shard source."""
+
+    def shard(self, k: int) -> ShardReader:
+        """Shard ``k``, opened and validated."""
+        ...
+
+    def ask(self, shards: Sequence[int]) -> None:
+        """These shards will be read soon (a hint; reading does not depend on it)."""
+        ...
+
+    def release(self, shards: Sequence[int]) -> None:
+        """A batch that asked for these shards is done with them."""
+        ...
+
+    def check(self, shards: Sequence[int] | np.ndarray) -> None:
+        """Raises when one of these shards can no longer be read safely."""
+        ...
+
+
+class LocalSource:
+    """Shards of a local archive, memory-mapped once when the archive opens."""
+
+    def __init__(self, reader: ArchiveReader) -> None:
+        self.reader = reader
+        self.shards = [reader.shard(k) for k in range(reader.num_shards)]
+        # What each shard's file was when mapped: (size, device, inode).
+        self.files = [
+            _file_identity(s.path, info.bytes)
+            for s, info in zip(self.shards, reader.index.shards, strict=True)
+        ]
+
+    def shard(self, k: int) -> ShardReader:
+        return self.shards[k]
+
+    def ask(self, shards: Sequence[int]) -> None:
+        pass  # mapped already; the page cache reads ahead
+
+    def release(self, shards: Sequence[int]) -> None:
+        pass
+
+    def check(self, shards: Sequence[int] | np.ndarray) -> None:
+        """Raises ShardChangedError when a shard among ``shards`` (numbers) has shrunk
+        since it was mapped; reading its pages past the new end would kill the
+        process with SIGBUS. A shard deleted or replaced by another file
+        (``os.replace``) is not an error: the mapping keeps the file it opened.
+        """
+        for k in np.unique(np.asarray(shards, dtype=np.int64)).tolist():
+            size, dev, ino = self.files[k]
+            path = self.shards[k].path
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # deleted: the mapped file lives on until unmapped
+            if st.st_ino == ino and st.st_dev == dev and st.st_size < size:
+                raise ShardChangedError(
+                    f"{path}: shard shrank from {size} to {st.st_size} bytes after the "
+                    "archive opened it; rewrite shards under a new name and os.replace "
+                    "them, never in place, while a job reads them"
+                )
+
+
+def _file_identity(path: Path, size: int) -> tuple[int, int, int]:
+    """(size the reader validated, device, inode) of a mapped shard file."""
+    st = os.stat(path)
+    return size, st.st_dev, st.st_ino

@@ -1,0 +1,131 @@
+"""Gather plans, checked without threads: fixed rows against torch.index_select, ragged and
+multi-dimensional padding against padding by hand, and steps that would write outside
+their destination refused when made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from dlop.formats import ArchiveWriter, Field, Zstd
+from dlop.runtime import open_archive
+from dlop.runtime.errors import UsageError
+from dlop.runtime.engine import CopyEngine, run_share
+from dlop.runtime.gather_samples import sample_runs
+from dlop.runtime.plan import CopyPlan, Rows, Runs
+
+from .helpers import make_archive
+
+
+def execute(plan: CopyPlan) -> None:
+    """Runs a plan's steps on the calling thread, in order: no engine threads."""
+    run_share(plan.steps, streaming=False)
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_archive(tmp_path_factory.mktemp("p") / "a", n=37)
+
+
+def test_fixed_rows_plan_matches_index_select(archive: Path) -> None:
+    ds = open_archive(archive, fields=["logmel", "label"])
+    assert ds.reader.num_shards > 3
+    idx = torch.tensor([0, 3, 3, 8, 20, 21, 36])
+    out = {"logmel": torch.full((7 * 20,), 7.0, dtype=torch.float16)}
+    batch, plan = ds.plan(idx, out)
+    assert {type(s) for s in plan.steps} == {Rows}
+    assert batch["logmel"].data_ptr() == out["logmel"].data_ptr()  # a view of the buffer
+    execute(plan)
+    whole = torch.cat(
+        [torch.from_numpy(s.array("logmel").copy()) for s in ds.shards]
+    )  # every sample, in order
+    expected = torch.index_select(whole, 0, idx)
+    assert torch.equal(batch["logmel"], expected)
+    assert batch["label"].tolist() == idx.tolist()
+
+
+@pytest.mark.parametrize("pad", [0.0, 7.0])
+def test_ragged_plan_matches_padding_by_hand(archive: Path, pad: float) -> None:
+    ds = open_archive(archive, fields=["speech", "image"], pad_value=pad)
+    idx = torch.tensor([1, 2, 9, 10, 30])
+    batch, plan = ds.plan(idx)
+    garbage = [s.dst for s in plan.steps]
+    for dst in garbage:  # fresh outputs hold anything: every byte must be written
+        dst.fill_(0xAB)
+    execute(plan)
+    for name in ("speech", "image"):
+        values = [np.asarray(ds[i][name]) for i in idx.tolist()]
+        shape = tuple(max(v.shape[a] for v in values) for a in range(values[0].ndim))
+        expected = np.full((len(values), *shape), pad, values[0].dtype)
+        for j, v in enumerate(values):
+            expected[(j, *(slice(0, n) for n in v.shape))] = v
+        np.testing.assert_array_equal(batch[name].numpy(), expected)
+    assert batch["speech_lengths"].tolist() == [len(ds[i]["speech"]) for i in idx.tolist()]
+    assert batch["image_lengths"].tolist() == [list(ds[i]["image"].shape[:2]) for i in idx.tolist()]
+
+
+def test_a_pad_value_the_field_cannot_hold_is_refused(archive: Path) -> None:
+    ds = open_archive(archive, fields=["image"], pad_value=-3.5)  # image is u8
+    with pytest.raises(UsageError, match=r"field 'image' \(u8\): pad_value -3.5 does not fit"):
+        ds.__getitems__([1, 2])
+
+
+def test_zstd_plan_holds_the_decoded_values(tmp_path: Path) -> None:
+    ds = open_archive(make_archive(tmp_path / "z", n=30, zstd=True), fields=["logmel", "speech"])
+    idx = torch.tensor([2, 3, 17, 29])
+    batch, plan = ds.plan(idx)
+    runs = [s for s in plan.steps if isinstance(s, Runs)]
+    assert runs and all(s.keep for s in runs)  # the decoded arrays travel with the plan
+    execute(plan)
+    for j, i in enumerate(idx.tolist()):
+        assert torch.equal(batch["logmel"][j], ds[i]["logmel"])
+        n = int(batch["speech_lengths"][j])
+        assert torch.equal(batch["speech"][j, :n], ds[i]["speech"])
+
+
+def test_sample_runs_cover_each_sample_once() -> None:
+    for shape, padded in [((2, 3, 4), (5, 3, 4)), ((2, 3, 4), (2, 6, 4)), ((1, 1, 2), (3, 4, 2))]:
+        offsets, sizes = sample_runs(shape, padded, 2)
+        region = np.zeros(int(np.prod(padded)) * 2, np.int64)
+        for o, n in zip(offsets.tolist(), sizes.tolist(), strict=True):
+            region[o : o + n] += 1
+        assert region.sum() == np.prod(shape) * 2 and region.max() == 1
+
+
+def test_steps_outside_their_destination_are_refused() -> None:
+    dst = torch.zeros(100, dtype=torch.uint8)
+    src = np.zeros(200, np.uint8)
+    addr = np.array([src.ctypes.data], np.int64)
+    for offset, size in [(90, 20), (-1, 5)]:
+        with pytest.raises(ValueError, match="outside its destination"):
+            Runs(dst, np.array([offset], np.int64), addr, np.array([size], np.int64), (src,))
+    with pytest.raises(ValueError, match="exactly len"):
+        Rows(dst, torch.zeros(4, 30, dtype=torch.uint8), np.array([0, 1], np.int64))
+
+
+def test_a_plan_runs_the_same_inline_and_on_helpers(archive: Path) -> None:
+    ds = open_archive(archive)
+    idx = torch.arange(0, 37, 2)
+    batch, plan = ds.plan(idx)
+    execute(plan)
+    inline = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    engine = CopyEngine(threads=2)
+    try:
+        again, plan = ds.plan(idx)
+        engine.start(plan).wait()
+    finally:
+        engine.close()
+    for k, v in inline.items():
+        assert torch.equal(again[k], v) if isinstance(v, torch.Tensor) else again[k] == v
+
+
+def test_a_bf16_field_is_copied_bit_for_bit(tmp_path: Path) -> None:
+    with ArchiveWriter(tmp_path / "b", [Field("x", "bf16", (3,), codec=Zstd())]) as w:
+        for i in range(5):
+            w.write({"x": np.arange(3, dtype=np.uint16) + 1000 * i})
+    ds = open_archive(tmp_path / "b")
+    batch = ds.__getitems__([4, 0])
+    assert batch["x"].dtype == torch.bfloat16
+    assert batch["x"].view(torch.int16).tolist() == [[4000, 4001, 4002], [0, 1, 2]]
