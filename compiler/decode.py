@@ -228,7 +228,7 @@ def _header_declared_frames(f: Any, name: str) -> int | None:
                 "missing); the file is cut short or its header overstates its length",
             )
         # a cut inside a frame leaves part of it: the missing bytes round up to frames
-        return int(f.frames) - (-missing // (width * f.channels))
+        return int(f.frames) - (-missing // (width * int(f.channels)))
     return None
 
 

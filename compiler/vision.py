@@ -104,6 +104,12 @@ class VisionConfig:
             )
         if not 0 <= self.mask_fill <= 255:
             raise ValueError(f"mask_fill {self.mask_fill} must lie in 0-255")
+        cap = self.max_image_pixels
+        if not isinstance(cap, int) or isinstance(cap, bool):
+            raise ValueError(
+                f"max_image_pixels {cap!r} must be a whole number of pixels written as an "
+                "integer (150000000, not 1.5e8)"
+            )
         if self.max_image_pixels <= 0:
             raise ValueError(
                 f"max_image_pixels {self.max_image_pixels} must be a positive number of pixels"
@@ -143,7 +149,7 @@ class VisionConfig:
             missing_mask=str(opts.get("missing_mask", "fill")),
             mask_remap=parse_remap(opts.get("mask_remap")),
             consensus=bool(opts.get("consensus", False)),
-            max_image_pixels=_whole(opts.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)),
+            max_image_pixels=opts.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
         )
 
     def output_hw(self) -> tuple[int, int] | None:
@@ -151,14 +157,6 @@ class VisionConfig:
         if self.tile is not None:
             return self.tile
         return self.crop
-
-
-def _whole(value: Any) -> int:
-    """A pixel count from a recipe: ``150000000``, ``1.5e8`` or ``"4e8"``."""
-    number = float(value)
-    if not number.is_integer():
-        raise ValueError(f"max_image_pixels {value!r} must be a whole number of pixels")
-    return int(number)
 
 
 def resized_hw(height: int, width: int, size: int | None) -> tuple[int, int]:

@@ -82,12 +82,28 @@ def test_the_cap_is_a_recipe_option_and_a_flag(tmp_path: Path) -> None:
     assert compile_main(args) == 1
 
 
-def test_vision_config_checks_the_cap() -> None:
-    assert VisionConfig.from_options({"max_image_pixels": "4e8"}).max_image_pixels == 400_000_000
+def test_vision_config_checks_the_cap(tmp_path: Path) -> None:
+    from dlop.compiler.errors import CompileError
+    from dlop.compiler.recipe import build_recipe
+
+    assert VisionConfig.from_options({"max_image_pixels": 400_000_000}).max_image_pixels == (
+        400_000_000
+    )
     assert VisionConfig().to_json()["max_image_pixels"] == DEFAULT_MAX_IMAGE_PIXELS
-    for bad in (0, -5, "1.5"):
+    # an integer everywhere: the recipe, the flag and VisionConfig refuse the same forms
+    for bad in (0, -5, "1.5", "4e8", 1.5e8, True):
         with pytest.raises(ValueError, match="max_image_pixels"):
             VisionConfig.from_options({"max_image_pixels": bad})
+    for bad in ("4e8", 1.5e8):
+        with pytest.raises(CompileError, match="max_image_pixels"):
+            build_recipe({"source": str(tmp_path), "max_image_pixels": bad})
+        with pytest.raises(CompileError, match="max_image_pixels"):
+            build_recipe({"source": str(tmp_path), "vision": {"max_image_pixels": bad}})
+    with pytest.raises(SystemExit):
+        compile_main([str(tmp_path), "-o", str(tmp_path / "o"), "--max-image-pixels", "4e8"])
+    write_image(tmp_path / "c" / "a.png", _pattern(8, 8))
+    recipe = build_recipe({"source": str(tmp_path), "max_image_pixels": 400_000_000})
+    assert recipe.vision.max_image_pixels == 400_000_000
 
 
 def test_a_jpeg_with_size_decodes_reduced_and_counts_its_reduced_pixels(tmp_path: Path) -> None:
