@@ -30,8 +30,9 @@ from dlop.formats.files import loads_bounded, read_capped
 
 from .errors import CompileError
 from .recipe import Recipe
+from .sources import PROGRESS_NAME
 
-JOURNAL = ".dlop-progress.json"
+JOURNAL = PROGRESS_NAME  # the listing skips folders holding one, so it is named there
 LOCK = ".dlop-lock"  # flock'ed for the whole compile; holds "pid N on HOST"
 SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the output folder, removed as read
 # The journal records what an index and errors.jsonl would: it is capped at both together.
