@@ -22,8 +22,11 @@ from dlop.formats import ERRORS_NAME, INDEX_NAME, DlopError, FormatError, ShardI
 from dlop.formats.archive import atomic_write
 from dlop.formats.constants import (
     ARCHIVE_FORMAT,
+    MAX_ERROR_RECORD_KEYS,
     MAX_ERRORS_BYTES,
+    MAX_ERRORS_RECORDS,
     MAX_INDEX_BYTES,
+    MAX_JSON_VALUES,
     MAX_SHARD_SAMPLES,
 )
 from dlop.formats.files import loads_bounded, read_capped
@@ -37,6 +40,8 @@ LOCK = ".dlop-lock"  # flock'ed for the whole compile; holds "pid N on HOST"
 SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the output folder, removed as read
 # The journal records what an index and errors.jsonl would: it is capped at both together.
 MAX_JOURNAL_BYTES = MAX_INDEX_BYTES + MAX_ERRORS_BYTES
+# ... and its JSON values at an index's plus every skipped record's (a key and a value per key).
+MAX_JOURNAL_VALUES = MAX_JSON_VALUES + (2 * MAX_ERROR_RECORD_KEYS + 2) * MAX_ERRORS_RECORDS
 
 _SHARD = r"shard-\d{5,}\.dlop"
 _OWN = "|".join(re.escape(n) for n in (INDEX_NAME, ERRORS_NAME, JOURNAL))
@@ -294,7 +299,7 @@ class Journal:
         """Reads and checks the journal of an interrupted compile of ``num_inputs`` inputs."""
         try:
             data = read_capped(self.path, MAX_JOURNAL_BYTES, root=self.path.parent, what="journal")
-            obj = loads_bounded(self.path, data, "the journal")
+            obj = loads_bounded(self.path, data, "the journal", max_values=MAX_JOURNAL_VALUES)
         except FormatError as e:
             self._bad(e.problem)
         except OSError as e:

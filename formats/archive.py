@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -21,16 +23,19 @@ from .constants import (
     FORMAT_VERSION,
     INDEX_NAME,
     MAX_ARCHIVE_SAMPLES,
-    MAX_ERRORS_BYTES,
+    MAX_ERRORS_RECORDS,
     MAX_INDEX_BYTES,
+    MAX_NAME_CHARS,
     MAX_SHARD_SAMPLES,
+    MAX_SHARDS,
     SHARD_SUFFIX,
     SUPPORTED_VERSIONS,
 )
 from .errors import DlopError, FormatError, SchemaError
-from .files import loads_bounded, read_capped
+from .files import check_scan, loads_bounded, read_capped, scan_json
 from .reader import BlockCache, Problem, ShardReader, Value
 from .schema import Field, check_schema
+from .skipped import encode_record, read_skipped
 from .writer import ShardInfo, ShardWriter
 
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
@@ -82,8 +87,24 @@ def write_index(directory: str | os.PathLike[str], index: Index) -> Path:
         raise SchemaError(
             f"index num_samples {index.num_samples} != sum over shards {sum(s.num_samples for s in index.shards)}"
         )
+    if len(index.shards) > MAX_SHARDS:
+        raise SchemaError(
+            f"{len(index.shards)} shards; an archive holds at most {MAX_SHARDS} (SPEC.md §8): "
+            "raise shard_bytes"
+        )
     path = Path(directory) / INDEX_NAME
-    atomic_write(path, json.dumps(index.to_json(), indent=1, sort_keys=False).encode() + b"\n")
+    data = json.dumps(index.to_json(), indent=1, sort_keys=False).encode() + b"\n"
+    # The bounds a reader enforces (SPEC.md §8), checked on the bytes it would read.
+    if len(data) > MAX_INDEX_BYTES:
+        raise SchemaError(
+            f"index.json would be {len(data)} bytes, above its {MAX_INDEX_BYTES}-byte cap: "
+            "recipe, provenance or metadata too large"
+        )
+    try:
+        check_scan(path, scan_json(data), "index")
+    except FormatError as e:
+        raise SchemaError(f"{e.problem}: not written, a reader would refuse it") from None
+    atomic_write(path, data)
     return path
 
 
@@ -100,7 +121,12 @@ def now_utc() -> str:
 
 
 def read_index(directory: str | os.PathLike[str]) -> Index:
-    """Reads and validates ``index.json`` against SPEC.md §6 and the bounds of §8."""
+    """Reads and validates ``index.json`` against SPEC.md §6 and the bounds of §8.
+
+    Unknown top-level keys are ignored (§7); what they cost to parse is bounded
+    with the rest of the text (bytes, nesting, values, number length) before
+    anything is parsed.
+    """
     path = Path(directory) / INDEX_NAME
     try:
         data = read_capped(path, MAX_INDEX_BYTES, root=Path(directory), what="index")
@@ -122,6 +148,10 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
     shards = obj.get("shards")
     if not isinstance(schema, list) or not isinstance(shards, list):
         raise FormatError(path, "'schema' and 'shards' must be lists")
+    if len(shards) > MAX_SHARDS:
+        raise FormatError(
+            path, f"lists {len(shards)} shards; an archive holds at most {MAX_SHARDS} (SPEC.md §8)"
+        )
     try:
         fields = tuple(Field.from_json(f, f"schema entry #{i}") for i, f in enumerate(schema))
         check_schema(fields)
@@ -132,9 +162,16 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
         if not isinstance(s, dict):
             raise FormatError(path, f"shard entry #{i} is not an object")
         name = s.get("file")
-        if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or name == INDEX_NAME:
+        if (
+            not isinstance(name, str)
+            or len(name) > MAX_NAME_CHARS
+            or not _SHARD_NAME.fullmatch(name)
+            or name == INDEX_NAME
+        ):
             raise FormatError(
-                path, f"shard entry #{i}: file {name!r} is not a plain file name in the archive"
+                path,
+                f"shard entry #{i}: file {name!r:.{MAX_NAME_CHARS + 8}} is not a plain file name "
+                f"of at most {MAX_NAME_CHARS} characters in the archive",
             )
         nums = [s.get(k) for k in ("num_samples", "bytes", "crc32")]
         limits = (MAX_SHARD_SAMPLES, (1 << 64) - 1, 0xFFFFFFFF)
@@ -160,7 +197,17 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
             path, f"num_samples {total!r} != {sum(s.num_samples for s in infos)} summed over shards"
         )
     skipped = obj.get("skipped", {})
-    count = skipped.get("count", 0) if isinstance(skipped, dict) else 0
+    count = skipped.get("count", 0) if isinstance(skipped, dict) else None
+    if (
+        isinstance(count, bool)
+        or not isinstance(count, int)
+        or not 0 <= count <= MAX_ERRORS_RECORDS
+    ):
+        raise FormatError(
+            path,
+            f"'skipped' is {skipped!r:.200}; expected an object whose 'count' is an integer "
+            f"0 ... {MAX_ERRORS_RECORDS}",
+        )
     dicts = {k: obj.get(k, {}) for k in ("recipe", "provenance", "metadata")}
     for k, v in dicts.items():
         if not isinstance(v, dict):
@@ -171,7 +218,7 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
         total,
         dicts["recipe"],
         dicts["provenance"],
-        count if isinstance(count, int) else 0,
+        count,
         dicts["metadata"],
     )
 
@@ -236,6 +283,11 @@ class ArchiveWriter:
         """
         for sample in samples:
             if self._current is None:
+                if len(self.shards) >= MAX_SHARDS:
+                    raise SchemaError(
+                        f"{self.directory}: an archive holds at most {MAX_SHARDS} shards "
+                        f"(SPEC.md §8); raise shard_bytes (now {self.shard_bytes})"
+                    )
                 self._current = ShardWriter(
                     self.directory / shard_name(len(self.shards)), self.fields
                 )
@@ -250,16 +302,20 @@ class ArchiveWriter:
             self.on_shard(self.shards[-1])
 
     def skip(self, path: str, reason: str, **extra: Any) -> None:
-        """Records an input that was not compiled (written to errors.jsonl)."""
-        self.skipped.append({"path": path, "reason": reason, **extra})
+        """Records an input that was not compiled (written to errors.jsonl).
+
+        ``extra`` values are strings, numbers, booleans or None (SPEC.md §8)."""
+        record = {"path": path, "reason": reason, **extra}
+        encode_record(record, len(self.skipped))  # refused now rather than at close
+        self.skipped.append(record)
 
     def close(self, before_index: Callable[[], None] | None = None) -> Index:
         """Closes the last shard, writes errors.jsonl, calls ``before_index``, writes the index."""
         if self._current is not None:
             self._finish_shard(self._current)
         if self.skipped:
-            lines = "".join(json.dumps(s, sort_keys=True) + "\n" for s in self.skipped)
-            atomic_write(self.directory / ERRORS_NAME, lines.encode())
+            lines = b"".join(encode_record(s, i) for i, s in enumerate(self.skipped))
+            atomic_write(self.directory / ERRORS_NAME, lines)
         if before_index is not None:
             before_index()
         provenance = {"dlop_version": _dlop_version(), "created": now_utc(), **self.provenance}
@@ -366,23 +422,24 @@ class ArchiveReader:
         k, i = self.locate(index)
         return self.shard(k).sample(i)
 
-    def errors(self) -> list[dict[str, Any]]:
-        """The skipped inputs recorded in errors.jsonl."""
-        path = self.directory / ERRORS_NAME
-        try:
-            data = read_capped(path, MAX_ERRORS_BYTES, root=self.directory, what=ERRORS_NAME)
-        except FileNotFoundError:
-            return []
-        out = []
-        for n, line in enumerate(data.splitlines(), 1):
-            if line.strip():
-                out.append(loads_bounded(path, line, f"line {n}"))
-        return out
+    def errors(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """The skipped inputs recorded in errors.jsonl, in order: the first ``limit`` when given.
+
+        Only the chunks holding the lines returned are read, and only those
+        lines parsed; reading them all also checks that the file holds exactly
+        the index's skipped count.
+        """
+        with contextlib.closing(self.iter_errors()) as records:
+            return list(itertools.islice(records, limit))
+
+    def iter_errors(self) -> Generator[dict[str, Any], None, None]:
+        """errors.jsonl's records one at a time (see ``dlop.formats.skipped``)."""
+        return read_skipped(self.directory, self.index.skipped_count)
 
     def verify(
         self, progress: Callable[[int], None] | None = None, threads: int | None = None
     ) -> list[Problem]:
-        """Checks every shard's whole-file CRC, structure, regions and blocks."""
+        """Checks every shard's whole-file CRC, structure, regions and blocks, and errors.jsonl."""
 
         def one(k: int) -> list[Problem]:
             info = self.index.shards[k]
@@ -409,6 +466,11 @@ class ArchiveReader:
                 problems += found
                 if progress:
                     progress(k + 1)
+        try:  # every record, one at a time: the count and each record's shape
+            for _ in self.iter_errors():
+                pass
+        except FormatError as e:
+            problems.append(Problem(e.path, None, None, e.problem))
         return problems
 
     def close(self) -> None:

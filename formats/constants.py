@@ -14,9 +14,23 @@ ALIGNMENT = 4096
 
 # Bounds every reader enforces and every writer respects (SPEC.md §8).
 MAX_HEADER_BYTES = 64 << 20
-MAX_INDEX_BYTES = 256 << 20
-MAX_ERRORS_BYTES = 256 << 20
+# An archive holds at most MAX_SHARDS shards. A shard entry as the writer writes it
+# (shard-NNNNNN.dlop and the largest counts) takes at most 136 bytes: 17 MiB for all
+# entries, leaving 15 MiB of the index for schema, recipe, provenance and metadata.
+MAX_SHARDS = 1 << 17
+MAX_INDEX_BYTES = 32 << 20
+# JSON text of the header, index.json and one errors.jsonl record: nesting depth,
+# values and keys (a shard entry is 9), characters of one number token. The value
+# bound covers MAX_SHARDS entries with room to spare and caps a parse to a few hundred MB.
 MAX_JSON_DEPTH = 64
+MAX_JSON_VALUES = 1 << 21
+MAX_JSON_NUMBER_CHARS = 32
+# errors.jsonl: one flat JSON object per line (string keys, scalar values), no more
+# lines than the index's skipped count.
+MAX_ERRORS_BYTES = 256 << 20
+MAX_ERRORS_RECORDS = 1 << 20
+MAX_ERROR_RECORD_BYTES = 64 << 10
+MAX_ERROR_RECORD_KEYS = 16
 MAX_SHARD_SAMPLES = 1 << 40
 MAX_ARCHIVE_SAMPLES = 1 << 48
 MAX_NDIM = 32

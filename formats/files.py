@@ -1,9 +1,11 @@
 """Opening archive files safely (SPEC.md §8): regular files only, links kept inside
-the archive folder, bounded reads, and JSON of bounded nesting.
+the archive folder, bounded reads, and JSON whose parse cost is bounded
+before it is parsed (nesting, number of values, length of numbers).
 
 An archive may come from anywhere; none of its files may make a reader block
 (a FIFO), read without end (a device), read outside its folder (a link), or
-recurse without bound (deeply nested JSON).
+recurse without bound (deeply nested JSON), or parse without bound (millions
+of tiny values, integers of thousands of digits).
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import json
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .constants import MAX_JSON_DEPTH
+from .constants import MAX_JSON_DEPTH, MAX_JSON_NUMBER_CHARS, MAX_JSON_VALUES
 from .errors import FormatError
 
 _KINDS = {
@@ -107,18 +110,36 @@ def read_capped(
 # A JSON string: quotes around anything but quotes and backslashes, or escapes.
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+# Outside strings, a run of these is a number token (or broken text the parser refuses).
+_LONG_NUMBER = re.compile(rb"[-+.0-9eE]{%d,}" % (MAX_JSON_NUMBER_CHARS + 1))
 _DEPTH_CHUNK = 1 << 20
 
 
-def json_depth(data: bytes) -> int:
-    """The deepest nesting of arrays and objects in JSON text, without parsing it.
+@dataclass(frozen=True)
+class JsonScan:
+    """What parsing a JSON text would cost, found without parsing it (SPEC.md §8).
 
-    String contents are skipped; on malformed text the figure is only an
-    estimate, and the parser reports the real error.
+    ``values`` bounds the values and object keys the text holds from above:
+    in valid JSON each one but the outermost follows its own ``[``, ``{``,
+    ``,`` or ``:``. ``longest_number`` is the longest run of number characters
+    outside strings. On malformed text the figures are estimates, and the
+    parser reports the real error.
     """
-    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+
+    depth: int
+    values: int
+    longest_number: int
+
+
+def scan_json(data: bytes) -> JsonScan:
+    """Nesting depth, value count and longest number token of JSON text, in a few C-speed passes."""
+    bare = _JSON_STRING.sub(b"", data)
+    longest = max((len(m) for m in _LONG_NUMBER.findall(bare)), default=0)
+    values = 1 + bare.count(b",") + bare.count(b":") + bare.count(b"[") + bare.count(b"{")
+    brackets = bare.translate(None, _NOT_BRACKETS)
+    del bare
     if len(brackets) <= 1:
-        return len(brackets)
+        return JsonScan(len(brackets), values, longest)
     arr = np.frombuffer(brackets, np.uint8)
     deepest = depth = 0
     for start in range(0, len(arr), _DEPTH_CHUNK):
@@ -127,18 +148,55 @@ def json_depth(data: bytes) -> int:
         running = np.cumsum(steps, dtype=np.int64) + depth
         deepest = max(deepest, int(running.max()))
         depth = int(running[-1])
-    return deepest
+    return JsonScan(deepest, values, longest)
 
 
-def loads_bounded(path: object, data: bytes, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """``json.loads`` of UTF-8 text nested at most ``max_depth`` deep; FormatError otherwise."""
-    depth = json_depth(data)
-    if depth > max_depth:
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON text, without parsing it."""
+    return scan_json(data).depth
+
+
+def check_scan(
+    path: object,
+    scan: JsonScan,
+    what: str,
+    max_depth: int = MAX_JSON_DEPTH,
+    max_values: int = MAX_JSON_VALUES,
+) -> None:
+    """FormatError unless ``scan`` is within the nesting, value and number bounds."""
+    if scan.longest_number > MAX_JSON_NUMBER_CHARS:
         raise FormatError(
-            path, f"{what} nests arrays and objects {depth} deep; the limit is {max_depth}"
+            path,
+            f"{what} holds a number {scan.longest_number} characters long; numbers are at most "
+            f"{MAX_JSON_NUMBER_CHARS} characters (SPEC.md §8)",
         )
+    if scan.depth > max_depth:
+        raise FormatError(
+            path, f"{what} nests arrays and objects {scan.depth} deep; the limit is {max_depth}"
+        )
+    if scan.values > max_values:
+        raise FormatError(
+            path,
+            f"{what} holds up to {scan.values} JSON values and keys; the limit is {max_values} "
+            "(SPEC.md §8)",
+        )
+
+
+def loads_bounded(
+    path: object,
+    data: bytes,
+    what: str,
+    max_depth: int = MAX_JSON_DEPTH,
+    max_values: int = MAX_JSON_VALUES,
+) -> Any:
+    """``json.loads`` of UTF-8 text within the bounds of SPEC.md §8; FormatError otherwise.
+
+    The text is scanned first (nesting, value count, number length), so the
+    parse never starts on text whose cost the bounds do not cover; numbers are
+    bounded here, whatever the interpreter's own integer-digit limit is set to.
+    """
+    check_scan(path, scan_json(data), what, max_depth, max_values)
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        # ValueError covers JSONDecodeError and integers past Python's digit limit.
         raise FormatError(path, f"{what} is not valid UTF-8 JSON: {str(e)[:200]}") from None

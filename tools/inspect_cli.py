@@ -14,9 +14,14 @@ from dlop.formats import ArchiveReader, DlopError, Field, codec_from_json
 
 from .render import as_float, render_sample
 
+# Skipped inputs listed by ``info`` (--json lists more); errors.jsonl holds them all.
+SHOWN_SKIPPED = 20
+JSON_SKIPPED = 1000
 
-def archive_summary(reader: ArchiveReader) -> dict[str, Any]:
-    """Everything ``info`` prints, as a JSON-ready dict."""
+
+def archive_summary(reader: ArchiveReader, max_skipped: int = JSON_SKIPPED) -> dict[str, Any]:
+    """Everything ``info`` prints, as a JSON-ready dict; at most ``max_skipped`` skipped inputs
+    are read from errors.jsonl, the rest only counted (from the index)."""
     per_field: dict[str, dict[str, Any]] = {}
     for name, f in reader.fields.items():
         stored = raw = 0
@@ -50,7 +55,7 @@ def archive_summary(reader: ArchiveReader) -> dict[str, Any]:
                 }
         per_field[name] = entry
     total_bytes = sum(s.bytes for s in reader.index.shards)
-    errors = reader.errors()
+    errors = reader.errors(limit=max_skipped)
     return {
         "path": str(reader.directory),
         "format_version": 1,
@@ -62,7 +67,11 @@ def archive_summary(reader: ArchiveReader) -> dict[str, Any]:
         "recipe": reader.index.recipe,
         "provenance": reader.index.provenance,
         "metadata": reader.index.metadata,
-        "skipped": {"count": reader.index.skipped_count, "inputs": errors},
+        "skipped": {
+            "count": reader.index.skipped_count,
+            "inputs": errors,
+            "not_listed": reader.index.skipped_count - len(errors),
+        },
     }
 
 
@@ -116,10 +125,11 @@ def print_info(s: dict[str, Any]) -> None:
     print(
         f"skipped   {skipped['count']} input(s)" + (" (errors.jsonl):" if skipped["count"] else "")
     )
-    for e in skipped["inputs"][:20]:
+    shown = skipped["inputs"][:SHOWN_SKIPPED]
+    for e in shown:
         print(f"  {e.get('path')}: {e.get('reason')}")
-    if len(skipped["inputs"]) > 20:
-        print(f"  ... and {len(skipped['inputs']) - 20} more in errors.jsonl")
+    if skipped["count"] > len(shown):
+        print(f"  ... and {skipped['count'] - len(shown)} more in errors.jsonl")
 
 
 def describe_value(name: str, value: Any, f: Field) -> str:
@@ -148,7 +158,7 @@ def describe_value(name: str, value: Any, f: Field) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     reader = ArchiveReader(args.path)
-    summary = archive_summary(reader)
+    summary = archive_summary(reader, JSON_SKIPPED if args.json else SHOWN_SKIPPED)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()

@@ -166,6 +166,22 @@ def case_deep_errors(a: Path) -> None:
     )
 
 
+def case_flood_errors(a: Path) -> None:
+    """8 MB of `[]` lines where the index counts one skipped input."""
+    (a / "errors.jsonl").write_bytes(b"[]\n" * ((8 << 20) // 3))
+
+
+def case_wide_index(a: Path) -> None:
+    """Millions of empty arrays under a top-level key the reader does not know."""
+    text = (a / "index.json").read_text().rstrip().rstrip("}")
+    (a / "index.json").write_text(text + ', "future": [' + ",".join(["[]"] * 3_000_000) + "]}")
+
+
+def case_long_int_index(a: Path) -> None:
+    text = (a / "index.json").read_text()
+    (a / "index.json").write_text(text.replace('"version": 1', '"version": 1' + "0" * 200_000))
+
+
 def case_samples_2_70(a: Path) -> None:
     def edit(obj: dict[str, Any]) -> None:
         obj["shards"][0]["num_samples"] = 1 << 70
@@ -220,6 +236,9 @@ CASES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "deep_index": (case_deep_index, ENTRIES),
     "deep_metadata": (case_deep_metadata, ENTRIES),
     "deep_errors": (case_deep_errors, ("formats", "info")),
+    "flood_errors": (case_flood_errors, ("formats", "info")),
+    "wide_index": (case_wide_index, ENTRIES),
+    "long_int_index": (case_long_int_index, ENTRIES),
     "samples_2_70": (case_samples_2_70, ENTRIES),
     "samples_2_63": (case_samples_2_63, ENTRIES),
     "header_samples_2_70": (case_header_samples_2_70, ENTRIES),
@@ -230,6 +249,9 @@ NAMES = {
     "fifo_errors": "errors.jsonl",
     "zero_errors": "errors.jsonl",
     "deep_errors": "errors.jsonl",
+    "flood_errors": "errors.jsonl",
+    "wide_index": "index.json",
+    "long_int_index": "index.json",
     "fifo_index": "index.json",
     "zero_index": "index.json",
     "index_links_out": "index.json",
@@ -259,6 +281,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], d
             text=True,
             timeout=600,
             check=False,
+            # Without the interpreter's integer-digit limit: the bounds must hold on their own.
+            env={**os.environ, "PYTHONINTMAXSTRDIGITS": "0"},
         )
         started = None
         for line in proc.stdout.splitlines():
