@@ -1,14 +1,18 @@
 """Child process for test_fuzz.py: structural mutations of an archive, read back.
 
-Hypothesis mutates index.json and shard headers (types, counts, shapes, nesting)
-and the archive's files (kinds, links, truncation); each mutant is opened and
-read through dlop.formats and dlop-inspect's summary. The only outcomes allowed
-are success and a DlopError. Runs under a capped address space; the number of
-examples comes from DLOP_FUZZ_EXAMPLES.
+Hypothesis mutates index.json and shard headers (types, counts, shapes, nesting),
+the contents of a shard's regions (offsets, shapes, block-table rows, data; with
+the region CRC fixed up or not), the lines of errors.jsonl, and the archive's
+files (kinds, links, truncation). Each mutant is opened and read through
+dlop.formats, dlop-inspect's summary and the runtime's open_archive (samples
+and a batch through ``__getitems__``). The only outcomes allowed are success and
+a DlopError. Runs under a capped address space; the number of examples comes
+from DLOP_FUZZ_EXAMPLES.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -16,6 +20,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +31,11 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # for tests.formats.helpers
 
 from dlop.formats import ArchiveReader, ArchiveWriter, DlopError, Field, Zstd
+from dlop.runtime import open_archive
 from dlop.tools.inspect_cli import archive_summary
 from tests.formats.helpers import read_header, rewrite_header
 
-ADDRESS_SPACE_BYTES = 3 << 30
+ADDRESS_SPACE_BYTES = 4 << 30  # the runtime maps shards and loads torch
 EXAMPLES = int(os.environ.get("DLOP_FUZZ_EXAMPLES", "300"))
 
 FIELDS = [
@@ -110,6 +116,23 @@ EDIT = st.tuples(
     st.sampled_from(["set", "set", "set", "delete", "wrap"]),
     st.one_of(VALUES, DEEP),
 )
+# A u64 written into a region: (shard, field, region, element, value, fix the region CRC).
+REGION_EDIT = st.tuples(
+    st.integers(0, 7),
+    st.integers(0, 15),
+    st.integers(0, 7),
+    st.integers(0, 1 << 12),
+    st.one_of(HUGE_INTS, st.integers(0, 64), st.integers(-(1 << 63), (1 << 64) - 1)),
+    st.booleans(),
+)
+ERROR_LINES = st.lists(
+    st.one_of(
+        VALUES.map(json.dumps),
+        st.dictionaries(st.sampled_from(["path", "reason", "key", "x"]), SCALARS).map(json.dumps),
+        st.sampled_from(["", "{", "[]" * 1000, '{"path": "a", "reason": "' + "r" * 70_000 + '"}']),
+    ),
+    max_size=5,
+)
 FILE_KINDS = st.sampled_from(
     ["fifo", "dir", "dev_zero", "link_out", "link_in", "empty", "truncate", "deep_text"]
 )
@@ -119,8 +142,14 @@ FILE_KINDS = st.sampled_from(
 def mutations(draw: st.DrawFn) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for _ in range(draw(st.integers(1, 3))):
-        target = draw(st.sampled_from(["index", "header", "header", "file"]))
-        if target == "file":
+        target = draw(
+            st.sampled_from(["index", "header", "header", "region", "region", "errors", "file"])
+        )
+        if target == "region":
+            out.append((target, draw(REGION_EDIT)))
+        elif target == "errors":
+            out.append((target, draw(ERROR_LINES)))
+        elif target == "file":
             which = draw(st.sampled_from(["index.json", "errors.jsonl", "shard-00000.dlop"]))
             out.append(("file", (which, draw(FILE_KINDS), draw(st.integers(0, 1 << 16)))))
         else:
@@ -128,9 +157,44 @@ def mutations(draw: st.DrawFn) -> list[tuple[str, Any]]:
     return out
 
 
+def edit_region(archive: Path, edit: tuple[int, int, int, int, int, bool]) -> None:
+    """Writes one little-endian u64 into a region of a shard, fixing its CRC when asked."""
+    k, fi, ri, elem, value, fix_crc = edit
+    shards = sorted(archive.glob("shard-*.dlop"))
+    if not shards:
+        return
+    shard = shards[k % len(shards)]
+    if not shard.is_file() or shard.is_symlink():
+        return
+    try:
+        header, _ = read_header(shard)
+        field = header["fields"][fi % len(header["fields"])]
+        names = sorted(field["regions"])
+        region = field["regions"][names[ri % len(names)]]
+        offset, length = int(region["offset"]), int(region["length"])
+    except (ValueError, RecursionError, struct.error, LookupError, TypeError, AttributeError):
+        return  # an earlier mutation broke the header already
+    raw = bytearray(shard.read_bytes())
+    if length < 8 or not 0 <= offset <= len(raw) - length:
+        return
+    struct.pack_into("<Q", raw, offset + (elem % (length // 8)) * 8, value % (1 << 64))
+    shard.write_bytes(bytes(raw))
+    if fix_crc:
+        region["crc32"] = zlib.crc32(raw[offset : offset + length])
+        with contextlib.suppress(AssertionError):  # AssertionError: no longer fits
+            rewrite_header(shard, header)
+
+
 def apply(archive: Path, outside: Path, muts: list[tuple[str, Any]]) -> None:
     for target, m in muts:
-        if target == "index":
+        if target == "region":
+            edit_region(archive, m)
+        elif target == "errors":
+            errors = archive / "errors.jsonl"
+            if errors.is_symlink() or errors.is_dir():
+                continue
+            errors.write_text("".join(line + "\n" for line in m))
+        elif target == "index":
             index = archive / "index.json"
             if not index.is_file() or index.is_symlink():
                 continue
@@ -188,13 +252,21 @@ def apply(archive: Path, outside: Path, muts: list[tuple[str, Any]]) -> None:
                 path.write_bytes(b"")
 
 
-def read_everything(archive: Path) -> None:
+def read_everything(archive: Path, counts: dict[str, int]) -> None:
     with ArchiveReader(archive) as reader:
         for i in range(min(len(reader), 8)):
             reader.sample(i)
         reader.errors()
         reader.verify(threads=1)
         archive_summary(reader)
+    ds = open_archive(archive)
+    n = len(ds)
+    for i in range(min(n, 8)):
+        ds[i]
+    if n:
+        ds.__getitems__(list(range(n - 1, -1, -1)))  # every sample, across shards, reordered
+        ds.__getitems__([0])
+    counts["runtime_batches"] += 1
 
 
 def main() -> None:
@@ -203,7 +275,7 @@ def main() -> None:
     base = make_base(work / "base")
     outside = work / "outside.dlop"
     shutil.copy(base / "shard-00000.dlop", outside)
-    counts = {"ok": 0, "dlop": 0}
+    counts = {"ok": 0, "dlop": 0, "runtime_batches": 0, "region_edits": 0, "errors_edits": 0}
 
     @settings(
         max_examples=EXAMPLES,
@@ -218,8 +290,10 @@ def main() -> None:
             shutil.rmtree(archive)
         shutil.copytree(base, archive, symlinks=True)
         apply(archive, outside, muts)
+        for target in ("region", "errors"):
+            counts[f"{target}_edits"] += any(t == target for t, _ in muts)
         try:
-            read_everything(archive)
+            read_everything(archive, counts)
             counts["ok"] += 1
         except DlopError:
             counts["dlop"] += 1

@@ -2,8 +2,10 @@
 
 The hypothesis run (fuzz_archive.py) happens in a child process with a capped
 address space and a timeout, so a hang or a runaway allocation fails the test
-rather than the machine. ``make fuzz`` runs many more examples
-(DLOP_FUZZ_EXAMPLES).
+rather than the machine. Mutants are read through dlop.formats, dlop-inspect's
+summary and the runtime's open_archive (samples and batches); mutations reach
+index.json, shard headers, region contents and errors.jsonl. ``make fuzz`` runs
+many more examples (DLOP_FUZZ_EXAMPLES).
 """
 
 from __future__ import annotations
@@ -38,3 +40,7 @@ def test_mutated_archives_fail_only_with_dlop_errors() -> None:
     line = next(x for x in proc.stdout.splitlines() if x.startswith("FUZZ "))
     counts = json.loads(line[len("FUZZ ") :])
     assert counts["ok"] + counts["dlop"] >= 1, counts
+    # The runtime read whole batches of some mutants; region and errors.jsonl edits were tried.
+    assert min(counts["runtime_batches"], counts["region_edits"], counts["errors_edits"]) >= 1, (
+        counts
+    )
