@@ -7,9 +7,11 @@ Whisper's max-8) are never computed across a batch.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -61,12 +63,15 @@ class FeatureConfig:
     num_frames: int | None = None
     norm_mean: float = 0.0
     norm_std: float = 1.0
-    # Precision of framing, FFT and power. float64 matches the references to
-    # about 1e-6 dB in every band; float32 is faster (docs/compile.md has the
-    # measured figures) and errs by about 2e-3 dB in bands 75 dB below a clip's peak. Filterbank, log and
-    # clamps run in float32 either way: sums of positive powers keep their
-    # relative precision.
-    fft_dtype: str = "float64"
+    # Precision of the window, FFT and power (and Kaldi's time-domain steps).
+    # float32 is what every preset's reference computes in on decoded float32
+    # audio: librosa and torchaudio keep the input's dtype, Whisper, AST and
+    # PANNs run torch in float32, and Kaldi's BaseFloat is float. float64
+    # moves bands 75 dB below a clip's peak by about 2e-3 dB, below what
+    # float16 storage keeps, at about twice the FFT's cost. Filterbank, log
+    # and clamps run in float32 either way: sums of positive powers keep
+    # their relative precision.
+    fft_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -505,47 +510,43 @@ def frame_signal(
 
 
 def _stft_frames(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """float32 ``(..., time) -> (..., frames, n_fft)`` view of the (centred) signal."""
+    """float32 ``(time,) -> (frames, n_fft)`` view of the (centred) signal."""
     frames = frame_signal(x, cfg.n_fft, cfg.hop_length, cfg.center, cfg.pad_mode)
     return frames[..., :-1, :] if cfg.drop_last_frame and frames.shape[-2] else frames
 
 
-def _stft_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """``(..., frames, n_fft) -> (..., frames, n_fft//2+1)`` float32 |FFT|^power of windowed frames.
+@functools.lru_cache(maxsize=32)
+def _stft_window(kind: str, win_length: int, n_fft: int, dtype: torch.dtype) -> torch.Tensor:
+    """The window centred in n_fft samples (zeros either side when win_length is shorter)."""
+    window = make_window(kind, win_length, dtype)
+    left = (n_fft - win_length) // 2
+    return F.pad(window, (left, n_fft - win_length - left)) if win_length < n_fft else window
 
-    Only the FFT needs cfg.fft_dtype: its rounding error is relative to the
-    whole frame's energy, so in float32 it swamps bands far below the peak.
-    Framing stays in the input's float32 (exact), the window multiply promotes
-    to float64, and each FFT output bin is rounded back to complex64 at once,
-    an error relative to that bin alone.
+
+def _stft_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """float32 ``(rows, n_fft) -> (rows, n_fft//2+1)`` float32 |FFT|^power of the windowed frames.
+
+    ``frames`` is the caller's own tensor: it is windowed in place. With
+    fft_dtype float64 the window multiply and FFT run in float64 and each
+    output bin is rounded back to complex64 at once, an error relative to
+    that bin alone (a float32 FFT's error is relative to the whole frame).
     """
-    win_length = cfg.win_length or cfg.n_fft
-    window = make_window(cfg.window, win_length, cfg.dtype)
-    if win_length < cfg.n_fft:
-        left = (cfg.n_fft - win_length) // 2
-        window = F.pad(window, (left, cfg.n_fft - win_length - left))
+    window = _stft_window(cfg.window, cfg.win_length or cfg.n_fft, cfg.n_fft, cfg.dtype)
     if frames.shape[-2] == 0:  # the FFT backend rejects empty batches
-        return frames.new_zeros((*frames.shape[:-1], cfg.n_fft // 2 + 1), dtype=torch.float32)
-    # A same-dtype cast copy then an in-place multiply: about twice as fast as
-    # letting the multiply promote float32 frames to float64.
-    windowed = torch.empty(frames.shape, dtype=window.dtype)
-    if frames.dtype == window.dtype:
-        torch.mul(frames, window, out=windowed)
-    else:
-        windowed.copy_(frames)
-        windowed.mul_(window)
-    spec = torch.fft.rfft(windowed).to(torch.complex64)
+        return frames.new_zeros((*frames.shape[:-1], cfg.n_fft // 2 + 1))
+    # float64: a cast copy then an in-place multiply, about twice as fast as
+    # letting the multiply promote float32 frames.
+    windowed = frames.to(window.dtype).mul_(window)
+    spec = torch.fft.rfft(windowed)
+    del windowed
+    if spec.dtype != torch.complex64:
+        spec = spec.to(torch.complex64)
     if cfg.power == 2.0:
         power: torch.Tensor = spec.real.square()
         power.addcmul_(spec.imag, spec.imag)
         return power
     magnitude: torch.Tensor = spec.abs().pow(cfg.power)
     return magnitude
-
-
-def power_spectrogram(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """float32 ``(..., time) -> (..., frames, n_fft//2+1)`` float32 |STFT|^power."""
-    return _stft_power(_stft_frames(x, cfg), cfg)
 
 
 def kaldi_frame_sizes(cfg: FeatureConfig) -> tuple[int, int, int]:
@@ -556,59 +557,58 @@ def kaldi_frame_sizes(cfg: FeatureConfig) -> tuple[int, int, int]:
 
 
 def _kaldi_frames(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """float32 ``(..., time) -> (..., frames, frame_length)`` view (snip_edges framing)."""
+    """float32 ``(time,) -> (frames, frame_length)`` view (snip_edges framing)."""
     size, shift, _ = kaldi_frame_sizes(cfg)
     return frame_signal(x, size, shift, center=False, pad_mode="constant")
 
 
 def _kaldi_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """Kaldi's scaling, DC removal, pre-emphasis, window, |FFT|^2 per frame.
+    """float32 ``(rows, frame_length) -> (rows, fft_length//2+1)``: Kaldi's scaling, DC
+    removal, pre-emphasis, window and |FFT|^2 per frame (``frames`` is modified).
 
     The time-domain steps round relative to the frame too, so they run in
     cfg.fft_dtype along with the FFT.
     """
     size, _, padded = kaldi_frame_sizes(cfg)
     if frames.shape[-2] == 0:
-        return frames.new_zeros((*frames.shape[:-1], padded // 2 + 1), dtype=torch.float32)
-    frames = frames.to(cfg.dtype) * cfg.input_scale
+        return frames.new_zeros((*frames.shape[:-1], padded // 2 + 1))
+    frames = frames.to(cfg.dtype)
+    if cfg.input_scale != 1.0:
+        frames.mul_(cfg.input_scale)
     if cfg.remove_dc:
-        frames = frames - frames.mean(dim=-1, keepdim=True)
+        frames.sub_(frames.mean(dim=-1, keepdim=True))
     if cfg.preemphasis:
         previous = torch.cat([frames[..., :1], frames[..., :-1]], dim=-1)
-        frames = frames - cfg.preemphasis * previous
-    frames = frames * make_window(cfg.window, size, frames.dtype)
-    spec = torch.fft.rfft(F.pad(frames, (0, padded - size))).to(torch.complex64)
+        frames.sub_(previous.mul_(cfg.preemphasis))
+        del previous
+    frames.mul_(make_window(cfg.window, size, frames.dtype))
+    spec = torch.fft.rfft(F.pad(frames, (0, padded - size)) if padded > size else frames)
+    del frames
+    if spec.dtype != torch.complex64:
+        spec = spec.to(torch.complex64)
     power: torch.Tensor = spec.real.square()
     power.addcmul_(spec.imag, spec.imag)
     return power
 
 
-def kaldi_power_spectrum(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """Kaldi framing (snip_edges), DC removal, pre-emphasis, window, |FFT|^2."""
-    return _kaldi_power(_kaldi_frames(x, cfg), cfg)
-
-
-def _log(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+def _log_(x: torch.Tensor, cfg: FeatureConfig) -> None:
+    """cfg.log of x, in place (no clamps that depend on the clip)."""
     if cfg.log == "none":
-        return x
-    clamped = x.clamp_min(cfg.amin)
+        return
+    x.clamp_(min=cfg.amin)
     if cfg.log == "db":
-        out = 10.0 * torch.log10(clamped)
+        torch.log10(x, out=x)
+        x.mul_(10.0)
     elif cfg.log == "log10":
-        out = torch.log10(clamped)
+        torch.log10(x, out=x)
     else:
-        out = torch.log(clamped)
-    if cfg.top_db is not None:
-        out = _clip_below_clip_max(out, cfg.top_db)
-    return out
+        torch.log(x, out=x)
 
 
-def _clip_below_clip_max(x: torch.Tensor, floor: float) -> torch.Tensor:
-    """max(x, max over this clip - floor), one max per leading index."""
-    if x.shape[-2] * x.shape[-1] == 0:
-        return x
-    peak = x.amax(dim=(-2, -1), keepdim=True)
-    return torch.maximum(x, peak - floor)
+def _clip_below_clip_max_(x: torch.Tensor, floor: float) -> None:
+    """x = max(x, max(x) - floor) in place, x being one clip's ``(frames, bins)``."""
+    if x.numel():
+        torch.maximum(x, x.amax() - floor, out=x)
 
 
 def _fix_frames(x: torch.Tensor, num_frames: int) -> torch.Tensor:
@@ -630,6 +630,11 @@ def _filterbank_tensor(cfg: FeatureConfig) -> torch.Tensor:
             cfg.sample_rate, cfg.n_fft, cfg.n_mels, cfg.f_min, f_max, cfg.mel_scale, cfg.norm
         )
     return torch.tensor(fb, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _dct_tensor(n_mels: int, n_mfcc: int) -> torch.Tensor:
+    return torch.tensor(dct_matrix(n_mels, n_mfcc), dtype=torch.float32)
 
 
 Band = tuple[
@@ -654,31 +659,124 @@ def _filterbank_bands(cfg: FeatureConfig, filters_per_band: int = 16) -> tuple[B
     return tuple(bands)
 
 
-ROW_BLOCK = 32  # frames per filterbank product
+ROW_BLOCK = 32  # frames per matrix product; every clip's frames start on a block boundary
+
+
+def _blocked_matmul(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``(rows, k) @ (k, n)`` as products of exactly ROW_BLOCK rows each (rows padded with zeros).
+
+    BLAS picks kernels by matrix size and may round a row differently in a
+    product of another size; a batch of fixed-size products makes each row's
+    result the same whatever else is computed with it.
+    """
+    rows = x.shape[0]
+    blocks = -(-rows // ROW_BLOCK)
+    if blocks * ROW_BLOCK != rows:
+        x = F.pad(x, (0, 0, 0, blocks * ROW_BLOCK - rows))
+    product = torch.bmm(
+        x.view(blocks, ROW_BLOCK, x.shape[1]), weights.expand(blocks, *weights.shape)
+    )
+    return product.flatten(0, 1)[:rows]
 
 
 def apply_filterbank(power: torch.Tensor, bands: tuple[Band, ...]) -> torch.Tensor:
-    """``(..., frames, bins) -> (..., frames, n_mels)``: the filterbank product, band by band.
-
-    Every product is taken over exactly ROW_BLOCK frames (the last block
-    zero-padded): BLAS picks kernels by matrix size and rounds a row
-    differently in a short product, so a fixed size makes each frame's bands
-    the same whatever else is computed with it.
-    """
-    frames = power.shape[-2]
-    out = power.new_zeros((*power.shape[:-1], bands[-1][1]))
-    for r0 in range(0, frames, ROW_BLOCK):
-        rows = min(ROW_BLOCK, frames - r0)
-        block = power[..., r0 : r0 + rows, :]
-        if rows < ROW_BLOCK:
-            block = F.pad(block, (0, 0, 0, ROW_BLOCK - rows))
-        for f0, f1, b0, b1, weights in bands:
-            if b1 > b0:
-                out[..., r0 : r0 + rows, f0:f1] = (block[..., b0:b1] @ weights)[..., :rows, :]
+    """``(rows, bins) -> (rows, n_mels)``: the filterbank product, band by band, in fixed
+    ROW_BLOCK-row products (see _blocked_matmul)."""
+    out = power.new_zeros((power.shape[0], bands[-1][1]))
+    for f0, f1, b0, b1, weights in bands:
+        if b1 > b0:
+            out[:, f0:f1] = _blocked_matmul(power[:, b0:b1], weights)
     return out
 
 
-CHUNK_SAMPLES = 1 << 21  # frame samples per featurizer step (16 MiB of float64)
+def _gather_rows(frames: list[torch.Tensor], starts: list[int], r0: int, r1: int) -> torch.Tensor:
+    """Rows ``r0:r1`` of the clips' frames laid end to end, clip i from row starts[i] and
+    zero rows up to starts[i + 1]: a new float32 ``(r1 - r0, frame_length)`` tensor."""
+    out = torch.empty((r1 - r0, frames[0].shape[-1]), dtype=torch.float32)
+    i = bisect.bisect_right(starts, r0) - 1
+    pos = r0
+    while pos < r1:
+        start, clip = starts[i], frames[i]
+        end = min(start + clip.shape[0], r1)
+        if pos < end:
+            out[pos - r0 : end - r0] = clip[pos - start : end - start]
+            pos = end
+        end = min(starts[i + 1], r1)
+        if pos < end:
+            out[pos - r0 : end - r0] = 0.0
+            pos = end
+        i += 1
+    return out
+
+
+CHUNK_SAMPLES = 1 << 21  # frame samples per featurizer step (8 MiB in float32)
+
+
+def featurize_clips(
+    waves: Sequence[torch.Tensor], cfg: FeatureConfig, chunk_frames: int | None = None
+) -> list[torch.Tensor]:
+    """Each ``(time,)`` clip at cfg.sample_rate -> float32 ``(frames, bins)`` (``(time,)`` for waveform).
+
+    The clips' frames are laid end to end, each clip starting on a ROW_BLOCK
+    boundary (zero rows fill the rest of its last block), and go through the
+    FFT and filterbank ``chunk_frames`` rows at a time (default: about
+    CHUNK_SAMPLES samples of frames; rounded up to whole ROW_BLOCKs), so
+    neither many clips nor one long recording is held as a whole
+    spectrogram. Every frame is transformed alone and every product has a
+    fixed shape over rows of one clip, so a clip's features are byte-identical
+    whichever clips are featurized with it and however the rows are chunked.
+    Log runs once on all mel rows; the per-clip clamps (top_db, Whisper's
+    max - 8) and everything after on each clip's own rows.
+    """
+    if chunk_frames is not None and chunk_frames < 1:
+        raise ValueError(f"chunk_frames must be positive, got {chunk_frames}")
+    xs = []
+    for n, wave in enumerate(waves):
+        if wave.ndim != 1:
+            raise ValueError(
+                f"clip {n}: expected a (time,) waveform, got shape {tuple(wave.shape)}"
+            )
+        xs.append(wave.to(torch.float32))
+    if cfg.features == "waveform" or not xs:
+        return xs
+    if cfg.features == "fbank":
+        frames, power_of = [_kaldi_frames(x, cfg) for x in xs], _kaldi_power
+    else:
+        frames, power_of = [_stft_frames(x, cfg) for x in xs], _stft_power
+    del xs
+    counts = [f.shape[-2] for f in frames]
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + -(-count // ROW_BLOCK) * ROW_BLOCK)
+    total = starts[-1]
+    step = chunk_frames or CHUNK_SAMPLES // frames[0].shape[-1]
+    step = -(-step // ROW_BLOCK) * ROW_BLOCK  # whole blocks
+    bands = _filterbank_bands(cfg)
+    mel = torch.empty((total, cfg.n_mels), dtype=torch.float32)
+    for r0 in range(0, total, step):
+        r1 = min(total, r0 + step)
+        mel[r0:r1] = apply_filterbank(power_of(_gather_rows(frames, starts, r0, r1), cfg), bands)
+    del frames
+    _log_(mel, cfg)
+    for start, count in zip(starts, counts, strict=False):
+        clip = mel[start : start + count]
+        if cfg.log != "none" and cfg.top_db is not None:
+            _clip_below_clip_max_(clip, cfg.top_db)
+        if cfg.post == "whisper":
+            _clip_below_clip_max_(clip, 8.0)
+            clip.add_(4.0).div_(4.0)
+    out = (
+        _blocked_matmul(mel, _dct_tensor(cfg.n_mels, cfg.n_mfcc)) if cfg.features == "mfcc" else mel
+    )
+    clips = []
+    for start, count in zip(starts, counts, strict=False):
+        clip = out[start : start + count]
+        if cfg.num_frames is not None:
+            clip = _fix_frames(clip, cfg.num_frames)
+        if cfg.post == "ast":
+            clip = (clip - cfg.norm_mean) / (2.0 * cfg.norm_std)
+        clips.append(clip)
+    return clips
 
 
 def featurize(
@@ -686,41 +784,14 @@ def featurize(
 ) -> torch.Tensor:
     """``(..., time)`` at cfg.sample_rate -> float32 ``(..., frames, bins)`` (``(..., time)`` for waveform).
 
-    Frames go through the FFT and filterbank ``chunk_frames`` at a time
-    (default: about CHUNK_SAMPLES samples of frames; rounded up to whole
-    ROW_BLOCKs), so a long recording
-    never holds its whole spectrogram; each frame is computed alone, so the
-    result does not depend on the chunk size. Log, the per-clip clamps and
-    everything after run once on the whole clip's mel power.
+    Each leading index is a clip of its own (featurize_clips), so the result
+    is byte-identical to featurizing the clips one by one.
     """
     x = waveform.to(torch.float32)
     if cfg.features == "waveform":
         return x
-    if cfg.features == "fbank":
-        frames, power_of = _kaldi_frames(x, cfg), _kaldi_power
-    else:
-        frames, power_of = _stft_frames(x, cfg), _stft_power
-    if chunk_frames is not None and chunk_frames < 1:
-        raise ValueError(f"chunk_frames must be positive, got {chunk_frames}")
-    bands = _filterbank_bands(cfg)
-    step = chunk_frames or CHUNK_SAMPLES // frames.shape[-1]
-    step = -(-step // ROW_BLOCK) * ROW_BLOCK  # whole filterbank blocks
-    count = frames.shape[-2]
-    if count <= step:
-        mel = apply_filterbank(power_of(frames, cfg), bands)
-    else:
-        mel = x.new_empty((*frames.shape[:-2], count, cfg.n_mels))
-        for start in range(0, count, step):
-            part = frames[..., start : start + step, :]
-            mel[..., start : start + step, :] = apply_filterbank(power_of(part, cfg), bands)
-    del frames
-    out = _log(mel, cfg)
-    if cfg.post == "whisper":
-        out = (_clip_below_clip_max(out, 8.0) + 4.0) / 4.0
-    if cfg.features == "mfcc":
-        out = out @ torch.tensor(dct_matrix(cfg.n_mels, cfg.n_mfcc), dtype=torch.float32)
-    if cfg.num_frames is not None:
-        out = _fix_frames(out, cfg.num_frames)
-    if cfg.post == "ast":
-        out = (out - cfg.norm_mean) / (2.0 * cfg.norm_std)
-    return out
+    lead, length = x.shape[:-1], x.shape[-1]
+    clips = featurize_clips(list(x.reshape(math.prod(lead), length)), cfg, chunk_frames)
+    if not clips:
+        return x.new_zeros((*lead, cfg.num_output_frames(length), cfg.bins))
+    return torch.stack(clips).reshape(*lead, *clips[0].shape)

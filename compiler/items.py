@@ -9,6 +9,7 @@ tile. Bad input never raises here: it comes back as an Outcome with a reason.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from dlop.formats import Field
 
 from .decode import decode_audio, downmix
 from .errors import InputError
-from .features import featurize
+from .features import featurize_clips
 from .recipe import DTYPES, Recipe
 from .resample import resample
 from .sources import MAX_LABEL, Corpus, Item, webdataset_fields
@@ -171,25 +172,70 @@ def schema_for(recipe: Recipe, corpus: CorpusShape) -> list[Field]:
 
 def process_item(item: Item, recipe: Recipe, shape: CorpusShape) -> Outcome:
     """Every archive sample of one input; never raises for bad input."""
-    name = item.key if item.path is None else item.path
-    try:
-        if item.data is not None:
-            webdataset_fields(item)
-        if item.error:
-            raise InputError(name, item.error)
-        common = _labels(item, shape, name)
-        if shape.media == "video":
-            samples = _video(item, recipe, name)
-        elif shape.media == "image":
-            samples = _image(item, recipe, shape, name)
-        else:
-            samples = [_audio(item, recipe, name)]
-        for s in samples:
-            s["key"] = item.key
-            s.update(common)
-        return Outcome(item.key, samples=samples)
-    except InputError as e:
-        return Outcome(item.key, reason=e.reason, path=e.path)
+    return process_items([item], recipe, shape)[0]
+
+
+GROUP_SAMPLES = 1 << 23  # decoded audio samples featurized together (32 MiB of float32)
+
+
+def process_items(items: Sequence[Item], recipe: Recipe, shape: CorpusShape) -> list[Outcome]:
+    """Every archive sample of each input, in order; never raises for bad input.
+
+    Audio inputs are decoded one at a time and featurized in groups of about
+    GROUP_SAMPLES decoded samples, so the FFT, filterbank and log run on
+    large tensors; featurize_clips makes each input's bytes the same as
+    featurizing it alone, so groups may be cut anywhere.
+    """
+    outcomes: list[Outcome | None] = [None] * len(items)
+    group: list[tuple[int, str, torch.Tensor, dict[str, Any]]] = []
+    held = 0
+    for n, item in enumerate(items):
+        name = item.key if item.path is None else item.path
+        try:
+            if item.data is not None:
+                webdataset_fields(item)
+            if item.error:
+                raise InputError(name, item.error)
+            common = _labels(item, shape, name)
+            if shape.media == "audio":
+                name, wave = _audio(item, recipe, name)
+                group.append((n, name, wave, common))
+                held += wave.numel()
+                if held >= GROUP_SAMPLES:
+                    _featurize_group(group, items, recipe, outcomes)
+                    group, held = [], 0
+                continue
+            if shape.media == "video":
+                samples = _video(item, recipe, name)
+            else:
+                samples = _image(item, recipe, shape, name)
+            for s in samples:
+                s["key"] = item.key
+                s.update(common)
+            outcomes[n] = Outcome(item.key, samples=samples)
+        except InputError as e:
+            outcomes[n] = Outcome(item.key, reason=e.reason, path=e.path)
+    _featurize_group(group, items, recipe, outcomes)
+    return [o for o in outcomes if o is not None]
+
+
+def _featurize_group(
+    group: list[tuple[int, str, torch.Tensor, dict[str, Any]]],
+    items: Sequence[Item],
+    recipe: Recipe,
+    outcomes: list[Outcome | None],
+) -> None:
+    """Featurizes decoded audio inputs together; fills their outcomes (the group is emptied)."""
+    feats = featurize_clips([wave for _, _, wave, _ in group], recipe.feature)
+    kind = recipe.feature.features
+    for (n, name, _, common), feat in zip(group, feats, strict=True):
+        key = items[n].key
+        try:
+            sample = {kind: _stored(feat, recipe, name), "key": key, **common}
+            outcomes[n] = Outcome(key, samples=[sample])
+        except InputError as e:
+            outcomes[n] = Outcome(key, reason=e.reason, path=e.path)
+    group.clear()
 
 
 def _labels(item: Item, shape: CorpusShape, name: str) -> dict[str, Any]:
@@ -223,8 +269,8 @@ def _labels(item: Item, shape: CorpusShape, name: str) -> dict[str, Any]:
     return out
 
 
-def _features(wave: torch.Tensor, recipe: Recipe, name: str) -> np.ndarray:
-    feat = featurize(wave, recipe.feature)
+def _stored(feat: torch.Tensor, recipe: Recipe, name: str) -> np.ndarray:
+    """float32 features in the recipe's stored dtype, refused when they would not be finite."""
     dtype = getattr(torch, recipe.dtype)
     if feat.numel():
         # One float32 reduction says whether the stored values will be finite:
@@ -247,7 +293,8 @@ def _waveform(
     return resample(wave, rate, recipe.feature.sample_rate, recipe.resampler)
 
 
-def _audio(item: Item, recipe: Recipe, name: str) -> dict[str, Any]:
+def _audio(item: Item, recipe: Recipe, name: str) -> tuple[str, torch.Tensor]:
+    """(the name errors give, the decoded waveform cropped or padded to the recipe's duration)."""
     if item.data is not None and item.member is not None:
         name = f"{item.member[0]}:{item.key}.{item.member[1]}"
         source: Any = item.data[item.member[1]]
@@ -262,7 +309,7 @@ def _audio(item: Item, recipe: Recipe, name: str) -> dict[str, Any]:
             if wave.shape[0] >= n
             else torch.nn.functional.pad(wave, (0, n - wave.shape[0]))
         )
-    return {cfg.features: _features(wave, recipe, name)}
+    return name, wave
 
 
 def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
@@ -278,10 +325,12 @@ def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
         cfg = recipe.feature
         if info.has_audio:
             wave = _waveform(item.path, name, recipe)
-            for s, c in zip(samples, clips, strict=True):
+            spans = []
+            for c in clips:
                 a = max(0, round((c.start - info.start) * cfg.sample_rate))
-                b = max(a, round((c.end - info.start) * cfg.sample_rate))
-                s[cfg.features] = _features(wave[a:b], recipe, name)
+                spans.append(wave[a : max(a, round((c.end - info.start) * cfg.sample_rate))])
+            for s, feat in zip(samples, featurize_clips(spans, cfg), strict=True):
+                s[cfg.features] = _stored(feat, recipe, name)
         else:
             empty = np.zeros((0, cfg.bins), dtype=_STORED[recipe.dtype])
             for s in samples:

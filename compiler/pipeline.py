@@ -1,6 +1,7 @@
 """The compile driver: items -> worker processes (decode, resample, featurize) -> shards.
 
-Determinism: every item is featurized on its own with one torch thread, and
+Determinism: workers featurize items in groups with one torch thread, and an
+item's features do not depend on the items grouped with it (featurize_clips);
 results are written in corpus order, so the shard bytes depend only on the
 corpus and the recipe, never on the worker count or on where a resumed compile
 picked up.
@@ -36,7 +37,7 @@ import torch
 from dlop.formats import ArchiveWriter, Field, Index, ShardInfo
 
 from .errors import CompileError
-from .items import CorpusShape, Outcome, process_item, schema_for
+from .items import CorpusShape, Outcome, process_items, schema_for
 from .output import (
     JOURNAL,
     SPILL_PREFIX,
@@ -111,7 +112,7 @@ def _run_chunk(items: list[Item]) -> tuple[list[Outcome], str | None]:
     writes, a context switch each); one file write per chunk, read back in
     one call, does not.
     """
-    outcomes = [process_item(it, _WORKER["recipe"], _WORKER["shape"]) for it in items]
+    outcomes = process_items(items, _WORKER["recipe"], _WORKER["shape"])
     path = Path(_WORKER["spill_dir"]) / f"{SPILL_PREFIX}{os.getpid()}-{next(_WORKER['chunks'])}"
     offset = 0
     with open(path, "wb") as f:
@@ -306,14 +307,19 @@ def _resumable(e: BaseException) -> bool:
 def _results(
     corpus: Corpus, shape: CorpusShape, recipe: Recipe, workers: int, start: int, spill_dir: Path
 ) -> Iterator[Outcome]:
-    chunks = _chunks(_item_stream(corpus, start), CHUNK_ITEMS[corpus.media])
+    # Chunks (the groups featurized together) are cut at multiples of the chunk
+    # size counted from the corpus's first input, wherever a resumed compile
+    # starts; the bytes do not depend on the grouping either (featurize_clips).
+    size = CHUNK_ITEMS[corpus.media]
+    stream = _item_stream(corpus, start)
+    head = list(itertools.islice(stream, -start % size))
+    chunks = itertools.chain([head] if head else [], _chunks(stream, size))
     if workers == 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             for chunk in chunks:
-                for it in chunk:
-                    yield process_item(it, recipe, shape)
+                yield from process_items(chunk, recipe, shape)
         finally:
             torch.set_num_threads(threads)
         return

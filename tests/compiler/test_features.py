@@ -97,16 +97,36 @@ def test_mfcc_matches_librosa() -> None:
 @pytest.mark.filterwarnings(
     "ignore:Empty filters detected"
 )  # 128 HTK mels on a 400-point FFT, as torchaudio does
-def test_torchaudio_preset_against_float64_reference() -> None:
+@pytest.mark.parametrize("fft_dtype", ["float32", "float64"])
+def test_torchaudio_preset_against_float64_reference(fft_dtype: str) -> None:
+    """float64 matches in every band. float32, the default, matches where the signal
+    stands within 60 dB of the clip's peak (no top_db here: bands reach -100 dB), and
+    deeper bands err no more than torchaudio's own float32 computation (torch.stft)."""
     x = make_signal(16000)
     stft = librosa.stft(
         x, n_fft=400, hop_length=200, window="hann", center=True, pad_mode="reflect"
     )
     fb = librosa.filters.mel(sr=16000, n_fft=400, n_mels=128, htk=True, norm=None)
     want = (10 * np.log10(np.maximum(fb @ np.abs(stft) ** 2, 1e-10))).T
-    got = ours(x, "torchaudio")
+    got = ours(x, "torchaudio", fft_dtype=fft_dtype)
     assert got.shape == want.shape
-    assert np.abs(got - want).max() < 5e-4
+    err = np.abs(got - want)
+    if fft_dtype == "float64":
+        assert err.max() < 5e-4
+        return
+    assert err[want >= want.max() - 60].max() < 5e-4
+    spec = torch.stft(
+        torch.from_numpy(x.astype(np.float32)),
+        400,
+        200,
+        window=torch.hann_window(400),
+        center=True,
+        pad_mode="reflect",
+        return_complex=True,
+    )
+    mel = (spec.abs() ** 2).T @ torch.from_numpy(fb.T.astype(np.float32))
+    theirs = (10 * torch.log10(mel.clamp_min(1e-10))).double().numpy()
+    assert err.max() <= np.abs(theirs - want).max()
 
 
 def kaldi_reference(x: np.ndarray, sr: int, n_bins: int, window: str, scale: float) -> np.ndarray:

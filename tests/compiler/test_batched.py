@@ -1,0 +1,170 @@
+"""Featurization in groups: a clip's bytes do not depend on the clips featurized with it.
+
+Unit level: clips featurized one by one, as one batch, split into groups at
+arbitrary boundaries and chunked at other row counts give bit-identical float32
+(and so float16) features, for every preset. End to end: 1 and 2 workers,
+other group sizes and a kill -9 + --resume in the middle give identical archives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dlop.compiler import items, pipeline
+from dlop.compiler.features import ROW_BLOCK, feature_config, featurize, featurize_clips
+from dlop.compiler.output import JOURNAL
+from dlop.compiler.pipeline import TEST_KILL_AT
+from dlop.tools.compile_cli import main
+
+from .fixtures import write_audio, write_esc50_csv
+from .signals import make_signal
+
+KINDS = [
+    ("librosa", "logmel", {}),
+    ("librosa", "mfcc", {}),
+    ("librosa", "logmel", {"fft_dtype": "float64"}),
+    ("torchaudio", "logmel", {}),
+    ("whisper", "logmel", {}),
+    ("panns", "logmel", {}),
+    ("kaldi", "fbank", {}),
+    ("kaldi", "fbank", {"fft_dtype": "float64"}),
+    ("ast", "fbank", {}),
+]
+EPOCH = "1700000000"
+
+
+def ragged(rate: int) -> list[torch.Tensor]:
+    """Clips of many lengths: empty, shorter than a frame, a few frames, several row blocks."""
+    lengths = [int(rate * s) for s in (0.37, 0.05, 1.21, 0.6, 0.0, 0.9, 0.013, 0.44)]
+    return [
+        torch.from_numpy(make_signal(rate, n / rate, seed=i).astype(np.float32))
+        if n
+        else torch.zeros(0)
+        for i, n in enumerate(lengths)
+    ]
+
+
+def as_bytes(feats: list[torch.Tensor]) -> list[bytes]:
+    return [f.contiguous().numpy().tobytes() for f in feats]
+
+
+@pytest.mark.parametrize(("preset", "kind", "options"), KINDS)
+def test_grouping_and_chunking_never_change_a_clips_bytes(
+    preset: str, kind: str, options: dict[str, str]
+) -> None:
+    cfg = feature_config(preset, kind, **options)
+    clips = ragged(cfg.sample_rate)
+    alone = [featurize_clips([c], cfg)[0] for c in clips]
+    assert [f.shape[0] for f in alone] == [cfg.num_output_frames(len(c)) for c in clips]
+    want = as_bytes(alone)
+    assert as_bytes(featurize_clips(clips, cfg)) == want
+    for cuts in ([1, 4], [2, 3, 7], [5]):
+        split = []
+        for a, b in zip([0, *cuts], [*cuts, len(clips)], strict=True):
+            split += featurize_clips(clips[a:b], cfg)
+        assert as_bytes(split) == want, cuts
+    for rows in (ROW_BLOCK, 3 * ROW_BLOCK):
+        assert as_bytes(featurize_clips(clips, cfg, chunk_frames=rows)) == want, rows
+    half = [f.to(torch.float16) for f in featurize_clips(clips[::-1], cfg)][::-1]
+    assert as_bytes(half) == as_bytes([f.to(torch.float16) for f in alone])
+
+
+@pytest.mark.parametrize("seconds", [0.8, 0.05])  # 0.05 s: 3 frames, a short product
+@pytest.mark.parametrize(("preset", "kind", "options"), KINDS)
+def test_a_stacked_batch_is_bit_identical_to_its_clips(
+    preset: str, kind: str, options: dict[str, str], seconds: float
+) -> None:
+    cfg = feature_config(preset, kind, **options)
+    batch = torch.stack(
+        [
+            torch.from_numpy(make_signal(cfg.sample_rate, seconds, seed=s).astype(np.float32))
+            for s in range(5)
+        ]
+    )
+    together = featurize(batch, cfg)
+    for i in range(len(batch)):
+        assert torch.equal(together[i], featurize(batch[i], cfg)), i
+    grid = featurize(batch[:4].reshape(2, 2, -1), cfg)
+    assert torch.equal(grid.reshape(together[:4].shape), together[:4])
+
+
+def test_clips_must_be_one_dimensional() -> None:
+    with pytest.raises(ValueError, match=r"clip 1: expected a \(time,\) waveform"):
+        featurize_clips([torch.zeros(100), torch.zeros(2, 100)], feature_config("kaldi"))
+
+
+# -- end to end ---------------------------------------------------------------------
+
+
+def speech_corpus(root: Path) -> list[str]:
+    """Eleven clips of different lengths at two rates (one resampled), one unreadable."""
+    rows = []
+    for n in range(12):
+        rate = 16000 if n % 3 else 22050
+        name = f"{1 + n % 5}-{1000 + n}-A-{n % 3}.wav"
+        path = root / "audio" / name
+        if n == 6:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"RIFF")  # skipped: errors.jsonl too
+        else:
+            write_audio(path, make_signal(rate, 0.2 + 0.17 * n, seed=n), rate)
+        rows.append(
+            {
+                "filename": name,
+                "fold": 1 + n % 5,
+                "target": n % 3,
+                "category": f"class{n % 3}",
+                "esc10": "False",
+                "src_file": 1000 + n,
+                "take": "A",
+            }
+        )
+    write_esc50_csv(root, rows)
+    return [str(root), "--preset", "kaldi", "--shard-bytes", "12KB", "-q"]
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.mark.slow
+def test_archive_bytes_do_not_depend_on_workers_groups_or_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = speech_corpus(tmp_path / "corpus")
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    assert main([*args, "--workers", "1", "-o", str(tmp_path / "one")]) == 0
+    whole = files(tmp_path / "one")
+    assert len([n for n in whole if n.endswith(".dlop")]) >= 3 and "errors.jsonl" in whole
+
+    assert main([*args, "--workers", "2", "-o", str(tmp_path / "two")]) == 0
+    assert files(tmp_path / "two") == whole
+
+    # other chunk sizes, and groups cut inside a chunk by the sample budget
+    monkeypatch.setitem(pipeline.CHUNK_ITEMS, "audio", 5)
+    monkeypatch.setattr(items, "GROUP_SAMPLES", 20000)
+    assert main([*args, "--workers", "1", "-o", str(tmp_path / "small")]) == 0
+    assert files(tmp_path / "small") == whole
+    monkeypatch.undo()
+
+    # killed in the middle (2 workers), resumed in-process with other group sizes
+    out = tmp_path / "resumed"
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, TEST_KILL_AT: "input:5"}
+    cmd = [sys.executable, "-m", "dlop.tools.compile_cli", *args, "--workers", "2", "-o", str(out)]
+    proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    consumed = json.loads((out / JOURNAL).read_text())["consumed"]
+    assert 0 < consumed <= 5 and consumed % 3  # resumes inside a chunk of either size
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    monkeypatch.setitem(pipeline.CHUNK_ITEMS, "audio", 3)
+    assert main([*args, "--workers", "1", "--resume", "-o", str(out)]) == 0
+    assert files(out) == whole
