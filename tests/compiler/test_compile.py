@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+
 from dlop.compiler.pipeline import JOURNAL
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main

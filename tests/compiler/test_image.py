@@ -7,10 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
+
 from dlop.compiler.image import consensus
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main as compile_main
-from PIL import Image
 
 from .media import write_image
 

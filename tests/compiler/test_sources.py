@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+
 from dlop.compiler.errors import CompileError, InputError
 from dlop.compiler.items import CorpusShape, _labels
 from dlop.compiler.sources import Item, detect_layout, key_name, name_key, open_corpus

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dlop.compiler.vision import VisionConfig, shape_image
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main as compile_main

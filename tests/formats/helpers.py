@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dlop.formats import Field, ShardWriter, Zstd
 from dlop.formats.constants import ALIGNMENT, PREAMBLE
 

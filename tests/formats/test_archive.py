@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dlop.formats import ArchiveReader, ArchiveWriter, DlopError, Field, FormatError, SchemaError
 
 

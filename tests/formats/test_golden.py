@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from dlop.formats import ArchiveReader, ArchiveWriter, Field, ShardWriter, Zstd
 
 GOLDEN = Path(__file__).parent / "golden_v1"

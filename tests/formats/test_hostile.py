@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dlop.formats import ChecksumError, FormatError, ShardReader
 from dlop.formats.constants import OFFSET_DTYPE
 

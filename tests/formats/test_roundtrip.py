@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dlop.formats import ArchiveReader, ArchiveWriter, Field, Raw, ShardReader, ShardWriter, Zstd
-from dlop.formats.constants import DTYPES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from dlop.formats import ArchiveReader, ArchiveWriter, Field, Raw, ShardReader, ShardWriter, Zstd
+from dlop.formats.constants import DTYPES
 
 from .helpers import MIXED_FIELDS, assert_value_equal, write_mixed
 

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+
 from dlop.formats import Field, ShardReader, ShardWriter
 
 

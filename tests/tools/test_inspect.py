@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
+
 from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.tools.inspect_cli import main
-from PIL import Image
 
 
 @pytest.fixture
