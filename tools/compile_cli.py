@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--fft-dtype",
         choices=features.CHOICES["fft_dtype"],
-        help="FFT precision: float64 (default) matches the references exactly, float32 is faster",
+        help="FFT precision: float32 (default) as the references compute, float64 exact in deep bands",
     )
     f.add_argument("--dtype", choices=CHOICES["dtype"], help="stored dtype (default float16)")
     o = p.add_argument_group("output")
