@@ -20,7 +20,14 @@ import pytest
 import torch
 
 from dlop.compiler import items, pipeline
-from dlop.compiler.features import ROW_BLOCK, feature_config, featurize, featurize_clips
+from dlop.compiler.features import (
+    PRESETS,
+    ROW_BLOCK,
+    FeatureConfig,
+    feature_config,
+    featurize,
+    featurize_clips,
+)
 from dlop.compiler.output import JOURNAL
 from dlop.compiler.pipeline import TEST_KILL_AT
 from dlop.tools.compile_cli import main
@@ -168,3 +175,12 @@ def test_archive_bytes_do_not_depend_on_workers_groups_or_resume(
     monkeypatch.setitem(pipeline.CHUNK_ITEMS, "audio", 3)
     assert main([*args, "--workers", "1", "--resume", "-o", str(out)]) == 0
     assert files(out) == whole
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_each_preset_computes_in_float32_and_records_it(preset: str) -> None:
+    cfg = feature_config(preset)
+    assert cfg.fft_dtype == "float32" and cfg.to_json()["fft_dtype"] == "float32"
+    exact = feature_config(preset, fft_dtype="float64")
+    assert FeatureConfig.from_json(exact.to_json()).fft_dtype == "float64"
+    assert exact.to_json()["fft_dtype"] == "float64"
