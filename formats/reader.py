@@ -16,7 +16,6 @@ import os
 import threading
 import zlib
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -315,12 +314,9 @@ class ShardReader:
     def read_range(
         self, name: str, start: int, stop: int, out: np.ndarray | None = None
     ) -> np.ndarray:
-        """Copies samples ``start:stop`` of a fixed field into ``out`` (allocated if None).
-
-        Large raw copies are split across threads (numpy releases the GIL while
-        copying): a single cached-store memcpy of a few MiB reaches about half
-        the bandwidth that two cores do.
-        """
+        """Copies samples ``start:stop`` of a fixed field into ``out`` (allocated if None),
+        on the calling thread: the format layer starts no threads (the runtime's copy
+        engine is where batch copies run in parallel)."""
         st = self._st(name)
         f = st.field
         if f.ragged:
@@ -550,7 +546,7 @@ class _Mapped:
         self, r: ShardReader, st: _FieldState, start: int, stop: int, out: np.ndarray
     ) -> None:
         values = self.view(r, st).reshape(r.num_samples, *out.shape[1:])
-        parallel_copy(out, values[start:stop])
+        np.copyto(out, values[start:stop])
 
     def value_bytes(self, r: ShardReader, st: _FieldState) -> int:
         return st.layout.regions["data"].length
@@ -625,30 +621,6 @@ class _Blocks:
 
 _MAPPED = _Mapped()
 _BLOCKS = _Blocks()
-
-_POOL: ThreadPoolExecutor | None = None
-_PARALLEL_MIN_BYTES = 4 << 20
-
-
-def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int | None = None) -> None:
-    """``np.copyto(dst, src)`` split along the first axis over a small thread pool."""
-    global _POOL
-    n = threads or min(4, os.cpu_count() or 1)
-    if n < 2 or src.nbytes < _PARALLEL_MIN_BYTES or len(src) < 2:
-        np.copyto(dst, src)
-        return
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(
-            max(2, min(4, os.cpu_count() or 1)), thread_name_prefix="dlop-copy"
-        )
-    bounds = np.linspace(0, len(src), n + 1).astype(int)
-    futures = [
-        _POOL.submit(np.copyto, dst[a:b], src[a:b]) for a, b in itertools.pairwise(bounds[1:])
-    ]
-    np.copyto(dst[bounds[0] : bounds[1]], src[bounds[0] : bounds[1]])
-    for fut in futures:
-        fut.result()
-
 
 def _crc(buf: np.ndarray | memoryview) -> int:
     """CRC-32 of a buffer, in chunks (zlib releases the GIL on each)."""

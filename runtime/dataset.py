@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 from .batch import Batch
 from .engine import CopyEngine
 from .errors import SampleIndexError, UsageError, UsageTypeError
-from .gather import FieldGather, as_tensor
+from .gather import Allocate, FieldGather, as_tensor
 from .gather_mapped import FixedRawGather, RaggedRowsGather
 from .gather_samples import PerSampleGather, TextGather
 from .memory import keep_batch_memory
@@ -170,18 +170,20 @@ class Archive(Dataset[dict[str, Any]]):
         return bool(lo == hi)
 
     def plan(
-        self, indices: torch.Tensor, out: dict[str, torch.Tensor] | None = None
+        self, indices: torch.Tensor, out: dict[str, torch.Tensor] | Allocate | None = None
     ) -> tuple[Batch, CopyPlan]:
         """The batch for ascending global ``indices`` and the copies that fill it.
 
         Its tensors are views of ``out`` (flat buffers by field name, see
-        ``buffer_numel``) or fresh; they hold the batch once an engine has run
-        the plan. Nothing is copied here; zstd blocks are decoded here.
+        ``buffer_numel``), made by ``out`` (an allocator), or fresh; they hold
+        the batch once an engine has run the plan. Nothing is copied here;
+        zstd blocks are decoded here.
         """
         self.check_shards(self.shards_of(indices))
         batch, steps = Batch(), []
         for name, g in self.gathers.items():
-            entries, field_steps = g.plan(indices, None if out is None else out.get(name))
+            where = out.get(name) if isinstance(out, dict) else out
+            entries, field_steps = g.plan(indices, where)
             batch.update(entries)
             steps += field_steps
         return batch, CopyPlan(steps)
@@ -189,7 +191,7 @@ class Archive(Dataset[dict[str, Any]]):
     def gather(
         self,
         indices: torch.Tensor,
-        out: dict[str, torch.Tensor] | None = None,
+        out: dict[str, torch.Tensor] | Allocate | None = None,
         engine: CopyEngine | None = None,
     ) -> Batch:
         """``plan`` executed by ``engine``, by default the archive's own (``own_engine``)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,11 @@ TORCH_DTYPES = {
 }
 
 Planned = tuple[dict[str, Any], list[Step]]
+# Makes a fresh output tensor of a shape and dtype (fresh outputs: torch.empty).
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# Where a gather writes: the front of a reusable flat buffer, fresh tensors
+# from an allocator, or (None) fresh tensors from torch.empty.
+Output = torch.Tensor | Allocate | None
 
 
 def as_tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
@@ -145,10 +151,12 @@ class FieldGather:
         self.trail = tuple(d for d in field.shape if d is not None)
         self._pattern = torch.zeros(0, dtype=self.out_dtype)
 
-    def output(self, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
+    def output(self, shape: tuple[int, ...], out: Output) -> torch.Tensor:
         """A fresh tensor of ``shape``, or the front of a reusable flat buffer viewed as one."""
         if out is None:
             return torch.empty(shape, dtype=self.out_dtype)
+        if not isinstance(out, torch.Tensor):
+            return out(shape, self.out_dtype)
         return out.view(-1)[: math.prod(shape)].view(self.out_dtype).view(shape)
 
     def pad_pattern(self, nbytes: int) -> torch.Tensor:
@@ -170,6 +178,6 @@ class FieldGather:
         """Elements a reusable output buffer needs at this batch size (None: fresh each batch)."""
         return None
 
-    def plan(self, indices: torch.Tensor, out: torch.Tensor | None) -> Planned:
+    def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         """The field's batch entries and the copy steps that fill them."""
         raise NotImplementedError

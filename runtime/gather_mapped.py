@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .gather import FieldGather, Planned, as_bytes, flat_bytes, shard_groups
+from .gather import FieldGather, Output, Planned, as_bytes, flat_bytes, shard_groups
 from .plan import Rows, Runs, Step, fill_runs
 
 
@@ -25,7 +25,7 @@ class FixedRawGather(FieldGather):
     def buffer_numel(self, batch_size: int) -> int | None:
         return batch_size * math.prod(self.trail)
 
-    def plan(self, indices: torch.Tensor, out: torch.Tensor | None) -> Planned:
+    def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         out = self.output((len(indices), *self.trail), out)
         steps: list[Step] = []
         rb = self.row_bytes
@@ -67,7 +67,7 @@ class RaggedRowsGather(FieldGather):
         ]
         return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
 
-    def plan(self, indices: torch.Tensor, out: torch.Tensor | None) -> Planned:
+    def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         f = self.field
         groups = shard_groups(indices, self.starts)
         locals_ = [(k, (indices[a:b] - self.starts[k]).numpy()) for k, a, b in groups]

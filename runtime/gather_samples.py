@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .gather import FieldGather, Planned, check_padded, flat_bytes, shard_groups
+from .gather import FieldGather, Output, Planned, check_padded, flat_bytes, shard_groups
 from .plan import Runs, Step, fill_runs
 
 
@@ -63,7 +63,7 @@ class PerSampleGather(FieldGather):
                 values.append(np.ascontiguousarray(value))
         return values
 
-    def plan(self, indices: torch.Tensor, out: torch.Tensor | None) -> Planned:
+    def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         f, values = self.field, self._values(indices)
         shapes = np.array([v.shape for v in values], dtype=np.int64).reshape(len(values), f.ndim)
         if f.ragged:
@@ -123,7 +123,7 @@ class TextGather(FieldGather):
             self._text[k] = cached
         return cached
 
-    def plan(self, indices: torch.Tensor, out: torch.Tensor | None) -> Planned:
+    def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         name, is_str = self.field.name, self.field.kind == "str"
         values: list[Any] = []
         for k, a, b in shard_groups(indices, self.starts):

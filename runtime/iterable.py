@@ -27,6 +27,7 @@ from .dataset import Archive
 from .distributed import rank_and_world
 from .errors import UsageError, UsageTypeError, check_int
 from .loader import check_bucket_by
+from .memory import shared_empty
 from .order import BatchOrder, OrderSpec
 
 STATE_FORMAT = "dlop-iterable-state"
@@ -124,10 +125,12 @@ class IterableArchive(IterableDataset[Batch]):
         order.set_epoch(self.epoch)
         archive = self.archive()
         engine = archive.own_engine()
+        # In a worker, batches are made in shared memory, where DataLoader sends them.
+        out = shared_empty if info is not None else None
         for j, indices in enumerate(order.batches()):
             if j < skip:
                 continue
-            batch = archive.gather(torch.from_numpy(indices), engine=engine)
+            batch = archive.gather(torch.from_numpy(indices), out, engine)
             self._handed_out += 1
             yield batch
 

@@ -109,3 +109,16 @@ def test_padding_to_an_impossible_batch_fails_early(crossed: Path) -> None:
     for prefetch in (0, 2):
         with pytest.raises((LoaderError, UsageError), match=message):
             list(Loader(ds, 2, prefetch=prefetch))
+
+
+def test_an_open_archive_with_other_fields_or_padding_is_refused(archive: Path) -> None:
+    ds = open_archive(archive, fields=["label", "speech"], pad_value=-1.0)
+    with pytest.raises(UsageError, match=r"fields \['label', 'speech'\] and fields=\['label'\]"):
+        Loader(ds, 4, fields="label")
+    with pytest.raises(UsageError, match="padded with -1.0 and pad_value=0.0"):
+        Loader(ds, 4, pad_value=0.0)
+    loader = Loader(ds, 4, fields=["label", "speech"], pad_value=-1.0)  # matching: taken as is
+    assert loader.archive is ds
+    padded = next(iter(loader))
+    assert (padded["speech"] == -1.0).any()  # the archive's pad_value applies
+    loader.close()
