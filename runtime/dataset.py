@@ -271,3 +271,40 @@ def open_archive(
 ) -> Archive:
     """Opens an archive as a map-style Dataset (see Archive)."""
     return Archive(path, fields=fields, pad_value=pad_value)
+
+
+def open_for_loader(
+    archive: Archive | str | os.PathLike[str],
+    fields: Sequence[str] | str | None,
+    pad_value: float | None,
+) -> Archive:
+    """The Loader's archive: ``archive`` opened with ``fields`` and ``pad_value``; an
+    Archive already open is taken as it is when they match it, refused when they do not."""
+    if not isinstance(archive, Archive):
+        return Archive(archive, fields=fields, pad_value=0.0 if pad_value is None else pad_value)
+    if fields is not None:
+        names = field_names(archive.path, fields)
+        if names != list(archive.fields):
+            raise UsageError(
+                f"{archive.path}: Loader got an open Archive with fields {list(archive.fields)} "
+                f"and fields={names}; open it with those fields (open_archive(path, "
+                "fields=...)) or pass the path"
+            )
+    if pad_value is not None and pad_value != archive.pad_value:
+        raise UsageError(
+            f"{archive.path}: Loader got an open Archive padded with {archive.pad_value} and "
+            f"pad_value={pad_value}; open it with that pad_value or pass the path"
+        )
+    return archive
+
+
+def check_bucket_by(archive: Archive, bucket_by: object) -> None:
+    """Refuses a ``bucket_by`` that is not one of the archive's ragged fields."""
+    if bucket_by is None:
+        return
+    f = archive.fields.get(bucket_by) if isinstance(bucket_by, str) else None
+    if f is None or not f.ragged:
+        ragged = [n for n, g in archive.fields.items() if g.ragged]
+        raise UsageError(
+            f"{archive.path}: bucket_by must name a ragged field among {ragged}, got {bucket_by!r}"
+        )

@@ -23,10 +23,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import Batch
-from .dataset import Archive
+from .dataset import Archive, check_bucket_by
 from .distributed import rank_and_world
 from .errors import UsageError, UsageTypeError, check_int
-from .loader import check_bucket_by
 from .memory import shared_empty
 from .order import BatchOrder, OrderSpec
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .batch import Batch
-from .dataset import Archive, field_names
+from .dataset import Archive, check_bucket_by, open_for_loader
 from .device import DeviceStage
 from .distributed import rank_and_world
 from .engine import CopyEngine
@@ -308,39 +308,3 @@ class Loader:
 
     def __del__(self) -> None:
         self.close()
-
-
-def open_for_loader(
-    archive: Archive | str | os.PathLike[str],
-    fields: Sequence[str] | str | None,
-    pad_value: float | None,
-) -> Archive:
-    """``archive`` opened with ``fields`` and ``pad_value``; an Archive already open is
-    taken as it is when they match it, and refused when they do not."""
-    if not isinstance(archive, Archive):
-        return Archive(archive, fields=fields, pad_value=0.0 if pad_value is None else pad_value)
-    if fields is not None:
-        names = field_names(archive.path, fields)
-        if names != list(archive.fields):
-            raise UsageError(
-                f"{archive.path}: Loader got an open Archive with fields {list(archive.fields)} "
-                f"and fields={names}; open it with those fields (open_archive(path, "
-                "fields=...)) or pass the path"
-            )
-    if pad_value is not None and pad_value != archive.pad_value:
-        raise UsageError(
-            f"{archive.path}: Loader got an open Archive padded with {archive.pad_value} and "
-            f"pad_value={pad_value}; open it with that pad_value or pass the path"
-        )
-    return archive
-
-
-def check_bucket_by(archive: Archive, bucket_by: object) -> None:
-    if bucket_by is None:
-        return
-    f = archive.fields.get(bucket_by) if isinstance(bucket_by, str) else None
-    if f is None or not f.ragged:
-        ragged = [n for n, g in archive.fields.items() if g.ragged]
-        raise UsageError(
-            f"{archive.path}: bucket_by must name a ragged field among {ragged}, got {bucket_by!r}"
-        )

@@ -22,8 +22,8 @@ MODULES = ("dlop.formats", "dlop.compiler", "dlop.runtime", "dlop.tools", "dlop.
 PROBE = f"""
 import importlib, json
 mods = {{m: importlib.import_module(m).__file__ for m in {MODULES!r}}}
-import dlop.runtime.copier as copier
-print(json.dumps({{"files": mods, "native": copier.native() is not None}}))
+import dlop.runtime.engine as engine
+print(json.dumps({{"files": mods, "native": engine.compiled() is not None}}))
 """
 
 
