@@ -31,7 +31,8 @@ from .distributed import rank_and_world
 from .engine import CopyEngine
 from .errors import LoaderError, ShardChangedError, UsageError, UsageTypeError, check_int
 from .order import BatchOrder, OrderSpec
-from .prefetch import Prefetcher, PrefetchIter, Production, Ready
+from .plan import CopyPlan
+from .prefetch import PlanBatch, Prefetcher, PrefetchIter, Production, Ready
 from .ring import Slot, allocate, slot_count
 from .threads import JobThread, at_exit
 from .transforms import Transform, TransformStage
@@ -230,10 +231,11 @@ class Loader:
             self.order.handed_out(number + 1)
             yield batch
 
-    def _planner(self, batches: list[np.ndarray]) -> Any:
+    def _planner(self, batches: list[np.ndarray]) -> PlanBatch:
+        """The gather stage for the producer: batch j planned into a ring slot."""
         archive = self.archive
 
-        def plan_batch(j: int, slot: Slot) -> Any:
+        def plan_batch(j: int, slot: Slot) -> tuple[Batch, CopyPlan]:
             return archive.plan(torch.from_numpy(batches[j]), slot.buffers)
 
         return plan_batch
