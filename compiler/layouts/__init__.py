@@ -1,0 +1,162 @@
+"""The corpus layouts (REFERENCE §5): one module per layout, found here and asked in one place.
+
+A layout module defines::
+
+    NAME = "esc50"                 # the --layout word
+    MEDIA = ("audio",)             # the media it can hold; the first is its default
+    SIGNS = "meta/esc50.csv"       # what detection looks for, for messages
+    FALLBACK = False               # optional: asked only when no other layout matches
+    def detect(source: Path) -> bool
+    def list_corpus(source: Path, options: ListOptions) -> Corpus
+    def source_media(source: Path) -> str   # optional: the media this SOURCE holds
+
+Every module in this package whose name does not start with ``_`` is
+registered when the package is imported, so adding a layout is adding a
+file; ``register`` adds one from elsewhere. A layout module imports the
+shared listing helpers (``compiler.listing``, ``compiler.corpus``), never
+another layout.
+
+Detection asks every layout that is not a fallback, in name order; one
+match is the layout, two or more are an error asking for ``--layout``. Only
+when none matches are the fallbacks asked (``folder``), in name order, the
+first match winning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from ..corpus import Corpus, ListOptions
+from ..errors import CompileError
+from ..listing import MEDIA, is_archive
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One registered layout: its module's names, checked once at registration."""
+
+    name: str
+    media: tuple[str, ...]
+    signs: str
+    fallback: bool
+    detect: Callable[[Path], bool]
+    list: Callable[[Path, ListOptions], Corpus]
+    source_media: Callable[[Path], str]
+
+
+_REGISTRY: dict[str, Layout] = {}
+
+
+def register(module: ModuleType) -> Layout:
+    """Adds a layout module to the registry (see the module docstring for what it defines)."""
+    missing = [
+        a for a in ("NAME", "MEDIA", "SIGNS", "detect", "list_corpus") if not hasattr(module, a)
+    ]
+    if missing:
+        raise CompileError(f"layout module {module.__name__} lacks {', '.join(missing)}")
+    name = module.NAME
+    if name in _REGISTRY:
+        raise CompileError(
+            f"layout module {module.__name__}: layout {name!r} is registered already"
+        )
+    media = tuple(module.MEDIA)
+    if not media or not set(media) <= set(MEDIA):
+        raise CompileError(f"layout {name}: MEDIA {media} must name some of {MEDIA}")
+    default = media[0]
+    layout = Layout(
+        name=name,
+        media=media,
+        signs=module.SIGNS,
+        fallback=bool(getattr(module, "FALLBACK", False)),
+        detect=module.detect,
+        list=module.list_corpus,
+        source_media=getattr(module, "source_media", lambda source: default),
+    )
+    _REGISTRY[name] = layout
+    return layout
+
+
+def unregister(name: str) -> None:
+    """Drops a layout that ``register`` added."""
+    _REGISTRY.pop(name, None)
+
+
+def _discover() -> None:
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            register(importlib.import_module(f"{__name__}.{info.name}"))
+
+
+def names() -> tuple[str, ...]:
+    """The registered layouts' names, in detection order."""
+    return tuple(layout.name for layout in _in_order())
+
+
+def _in_order() -> list[Layout]:
+    return sorted(_REGISTRY.values(), key=lambda layout: (layout.fallback, layout.name))
+
+
+def get(name: str) -> Layout:
+    layout = _REGISTRY.get(name)
+    if layout is None:
+        raise CompileError(f"unknown layout {name!r}; choose one of {names()}")
+    return layout
+
+
+def detect_layout(source: Path) -> str:
+    """The one layout that recognises ``source`` (see the module docstring for the order)."""
+    if source.is_dir() and is_archive(source):
+        raise CompileError(
+            f"{source}: is a dlop archive (or an interrupted compile's output), not a corpus; "
+            "to rebuild it, pass it as --recipe"
+        )
+    ordered = _in_order()
+    found = [layout.name for layout in ordered if not layout.fallback and layout.detect(source)]
+    if len(found) > 1:
+        raise CompileError(
+            f"{source}: layout is ambiguous ({' and '.join(found)} match); pass --layout"
+        )
+    if found:
+        return found[0]
+    if not source.exists() and not source.is_symlink():
+        raise CompileError(f"{source}: no such file or directory")
+    fallback = next((la.name for la in ordered if la.fallback and la.detect(source)), None)
+    if fallback is not None:
+        return fallback
+    signs = [layout.signs for layout in ordered]
+    raise CompileError(
+        f"{source}: cannot tell the layout (found no {', '.join(signs[:-1])} or {signs[-1]}); "
+        "pass --layout"
+    )
+
+
+def layout_media(layout: str, source: Path) -> str:
+    """The media a layout's SOURCE holds (told by its files where the layout holds several)."""
+    return get(layout).source_media(source)
+
+
+def open_corpus(
+    source: str,
+    layout: str | None,
+    media: str | None = None,
+    images: str | None = None,
+    masks: tuple[str, ...] | None = None,
+) -> Corpus:
+    """Lists ``source`` with its layout (detected when None) into a Corpus, in corpus order."""
+    path = Path(source)
+    chosen = get(layout or detect_layout(path))
+    media = media or chosen.source_media(path)
+    if media not in chosen.media:
+        raise CompileError(
+            f"layout {chosen.name} holds {' or '.join(chosen.media)}, not {media}; "
+            "drop --media or pick another --layout"
+        )
+    return chosen.list(path, ListOptions(media=media, images=images, masks=masks))
+
+
+_discover()

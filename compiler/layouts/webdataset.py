@@ -1,0 +1,205 @@
+"""WebDataset tar shards: raw audio members plus .cls / .txt / .json, grouped by key.
+
+Members are read as bytes and never decoded by extension, so nothing in a tar
+is ever unpickled or executed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..corpus import MAX_LABEL, Corpus, Item, ListOptions
+from ..errors import CompileError
+from ..listing import AUDIO_EXTS, file_size, is_text, name_bytes, name_key
+
+NAME = "webdataset"
+MEDIA = ("audio",)
+SIGNS = "*.tar shards"
+
+
+def _is_pattern(source: Path) -> bool:
+    """A brace pattern (``train-{000..099}.tar``) rather than a file or folder."""
+    return "{" in str(source) and not source.exists()
+
+
+def detect(source: Path) -> bool:
+    if _is_pattern(source):
+        return True
+    if source.is_file():
+        return source.suffix == ".tar"
+    return source.is_dir() and next(source.glob("*.tar"), None) is not None
+
+
+def _tar_paths(source: Path) -> list[Path]:
+    if source.is_dir():
+        return sorted(source.glob("*.tar"))
+    if "{" in str(source):
+        import braceexpand  # a webdataset dependency
+
+        return [Path(p) for p in braceexpand.braceexpand(str(source))]
+    return [source]
+
+
+def list_corpus(source: Path, options: ListOptions) -> Corpus:
+    """Every sample of every tar, in tar order then member order."""
+    tars = _tar_paths(source)
+    if not tars:
+        raise CompileError(f"{source}: no .tar shards found")
+    items: list[Item] = []
+    h = hashlib.sha256()
+    has_label = has_text = False
+    for tar in tars:
+        if not tar.is_file():
+            raise CompileError(f"{tar}: tar shard not found")
+        h.update(name_bytes(tar.name) + f"\0{file_size(tar)}\n".encode())
+        for key, members, damage in _group_members(tar):
+            exts = [m[len(key) + 1 :].lower() for m in members]
+            audio = [e for e in exts if f".{e}" in AUDIO_EXTS]
+            # every item names its tar, so the stream reads each tar on its own
+            item = Item(key=name_key(key), member=(str(tar), audio[0] if len(audio) == 1 else ""))
+            if damage is not None:
+                item.error, item.unread = damage, True
+            elif len(audio) != 1:
+                item.error = (
+                    f"{name_key(tar.name)}: sample {item.key!r} has {len(audio)} audio members"
+                )
+            has_label |= "cls" in exts or "json" in exts
+            has_text |= "txt" in exts
+            items.append(item)
+    return Corpus("webdataset", str(source), items, has_label, has_text, {}, {}, h.hexdigest())
+
+
+def _group_members(tar: Path) -> Iterator[tuple[str, list[str], str | None]]:
+    """Consecutive members sharing a key (everything before the first '.' of the basename),
+    each group with the damage that ended the tar's listing inside it, if any.
+
+    A tar that cannot be read at all is one damaged group named for the tar; one whose
+    member's header claims more bytes than the file holds, or that breaks off, ends there
+    with the group it broke off in marked damaged.
+    """
+    current: str | None = None
+    group: list[str] = []
+    where = name_key(tar.name)
+    try:
+        size = tar.stat().st_size
+        tf = tarfile.open(tar)  # noqa: SIM115 - closed by the with below, once it opened
+    except (tarfile.TarError, OSError, EOFError) as e:
+        yield tar.name, [], f"{where}: not a readable tar file ({e})"
+        return
+    with tf:
+        members = iter(tf)
+        while True:
+            try:
+                m = next(members, None)
+            except (tarfile.TarError, OSError, EOFError) as e:
+                damage = f"{where}: broken off after byte {tf.offset} ({e})"
+                yield (current or tar.name), group, damage
+                return
+            if m is None:
+                break
+            if not m.isfile():
+                continue
+            slash = m.name.rfind("/")
+            dot = m.name.find(".", slash + 1)
+            key = m.name if dot < 0 else m.name[:dot]
+            if key != current and group:
+                yield current or "", group, None
+                group = []
+            current = key
+            group.append(m.name)
+            if m.offset_data + m.size > size:
+                damage = (
+                    f"{where}: member {name_key(m.name)!r} at byte {m.offset_data} claims "
+                    f"{m.size} bytes, but the file ends at byte {size} (truncated tar)"
+                )
+                yield key, group, damage
+                return
+    if group:
+        yield current or "", group, None
+
+
+def stream_webdataset(corpus: Corpus, start: int = 0) -> Iterator[Item]:
+    """The corpus's items from ``start`` on, each with its members' bytes, read with webdataset.
+
+    Samples come back as raw bytes: nothing is decoded here, so no member is
+    ever unpickled or executed. Each tar is read on its own; a sample the
+    listing found damaged is passed on as the bad input it is, and one the tar
+    stream cannot deliver becomes a bad input naming the stream's error.
+    """
+    import webdataset as wds
+
+    numbered = enumerate(corpus.items)
+    for tar, run in itertools.groupby(numbered, key=lambda p: (p[1].member or ("", ""))[0]):
+        todo = list(run)
+        if todo[-1][0] < start:
+            continue  # a tar wholly behind a resumed compile is not read again
+        failures: list[BaseException] = []
+
+        def stop(e: BaseException, failures: list[BaseException] = failures) -> bool:
+            failures.append(e)
+            return False  # stop reading this tar; its undelivered samples are bad inputs
+
+        stream = iter(wds.WebDataset([tar], shardshuffle=False, empty_check=False, handler=stop))
+        held: dict[str, Any] | None = None
+        for n, item in todo:
+            sample = held if held is not None else next(stream, None)
+            held = None
+            got = None if sample is None else name_key(str(sample.get("__key__")))
+            if got != item.key:
+                if item.unread:
+                    held = sample  # the damaged sample never came; this one is the next's
+                elif sample is None and failures:
+                    item.error = (
+                        f"{name_key(Path(tar).name)}: the tar stream stopped ({failures[0]})"
+                    )
+                else:
+                    raise CompileError(
+                        f"{tar}: tar stream gave sample {got!r} where {item.key!r} was listed"
+                    )
+            elif not item.unread:
+                item.data = {
+                    k: v
+                    for k, v in (sample or {}).items()
+                    if not k.startswith("__") and isinstance(v, bytes)
+                }
+            if n >= start:
+                yield item
+
+
+def webdataset_fields(item: Item) -> None:
+    """Fills label/text from the item's cls/txt/json member bytes; a bad one sets item.error."""
+    data = item.data or {}
+    try:
+        cls = data["cls"].decode("utf-8").strip() if "cls" in data else None
+        txt = data["txt"].decode("utf-8").strip() if "txt" in data else None
+    except UnicodeDecodeError as e:
+        item.error = f"{item.key}: a .cls or .txt member is not UTF-8 text (byte {e.start})"
+        return
+    if cls is not None:
+        try:
+            item.label = int(cls)
+        except ValueError:
+            item.error = f"{item.key}.cls: {cls[:40]!r} is not an integer class"
+            return
+    item.text = txt
+    if "json" in data:
+        try:
+            obj = json.loads(data["json"])
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            item.error = f"{item.key}.json: not JSON ({e})"
+            return
+        if isinstance(obj, dict):
+            if item.label is None and type(obj.get("label")) is int:
+                item.label = obj["label"]
+            if item.text is None and isinstance(obj.get("text"), str):
+                item.text = obj["text"]
+    if item.label is not None and not 0 <= item.label <= MAX_LABEL:
+        item.error = f"{item.key}: label {item.label} is not a class index from 0 to {MAX_LABEL}"
+    elif item.text is not None and not is_text(item.text):
+        item.error = f"{item.key}: text holds an unpaired surrogate escape, which is no text"

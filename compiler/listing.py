@@ -1,0 +1,244 @@
+"""What every corpus layout lists with: names as keys, walks, CSV and text lines, fingerprints.
+
+Layouts read the corpus's files only through the functions here (walk_files,
+files_below, subfolders, read_bytes, file_size), so the storage they list
+from is decided in one place.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlop.formats.constants import ARCHIVE_FORMAT, INDEX_NAME
+
+from .errors import CompileError
+
+AUDIO_EXTS = (
+    ".wav",
+    ".flac",
+    ".ogg",
+    ".oga",
+    ".mp3",
+    ".m4a",
+    ".aac",
+    ".opus",
+    ".webm",
+    ".mp4",
+    ".mkv",
+    ".aif",
+    ".aiff",
+)
+VIDEO_EXTS = (".mp4", ".avi", ".mkv", ".webm", ".mov", ".m4v", ".mpg", ".mpeg", ".ts", ".flv")
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".tif", ".tiff", ".bmp")
+MEDIA = ("audio", "video", "image")
+MEDIA_EXTS = {"audio": AUDIO_EXTS, "video": VIDEO_EXTS, "image": IMAGE_EXTS}
+ALL_MEDIA_EXTS = frozenset(AUDIO_EXTS + VIDEO_EXTS + IMAGE_EXTS)
+# The progress journal of an interrupted compile (the pipeline's JOURNAL): its folder is output.
+PROGRESS_NAME = ".dlop-progress.json"
+I64 = range(-(2**63), 2**63)
+
+# -- names ---------------------------------------------------------------------------
+
+_TO_ESCAPE = re.compile("[\\\\\udc80-\udcff]")
+_ESCAPED = re.compile(r"\\(\\|x[0-9a-f]{2})")
+
+
+def name_key(name: str) -> str:
+    """A file name (as os.fsdecode gives it) as a key that is valid UTF-8, reversibly.
+
+    Bytes that are not UTF-8 become ``\\xNN`` (two lowercase hex digits) and a
+    backslash becomes ``\\\\``; every other character stays. key_name reverses it.
+    """
+    text = os.fsencode(name).decode("utf-8", "surrogateescape")
+    return _TO_ESCAPE.sub(
+        lambda m: "\\\\" if m[0] == "\\" else f"\\x{ord(m[0]) - 0xDC00:02x}", text
+    )
+
+
+def key_name(key: str) -> str:
+    """The file name a name_key key was made from."""
+    raw = _ESCAPED.sub(
+        lambda m: "\\" if m[1] == "\\" else chr(0xDC00 + int(m[1][1:], 16)), key
+    ).encode("utf-8", "surrogateescape")
+    return os.fsdecode(raw)
+
+
+def text_path(path: str) -> str:
+    """A path for records and messages: itself when it is text, else its name_key form."""
+    return path if is_text(path) else name_key(path)
+
+
+def is_text(value: str) -> bool:
+    """Whether a str holds only characters UTF-8 can store (no lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def name_bytes(name: str) -> bytes:
+    try:
+        return os.fsencode(name)
+    except UnicodeEncodeError:  # a lone surrogate from a JSON escape, not from a file name
+        return name.encode("utf-8", "surrogatepass")
+
+
+# -- the corpus's files (archives are never input) -------------------------------------
+
+
+def is_archive(folder: Path) -> bool:
+    """A dlop archive (its index.json) or an interrupted compile's output (its progress journal)."""
+    if (folder / PROGRESS_NAME).exists():
+        return True
+    try:
+        with open(folder / INDEX_NAME, "rb") as f:
+            head = f.read(4096)  # "format" is the index's first key (SPEC.md)
+    except OSError:
+        return False
+    return f'"{ARCHIVE_FORMAT}"'.encode() in head
+
+
+def walk_files(root: Path, exts: tuple[str, ...] | frozenset[str] | None = None) -> Iterator[Path]:
+    """Files below ``root`` (by extension, any case), in no set order, never inside a dlop archive."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if not is_archive(here / d)]
+        for f in filenames:
+            path = here / f
+            if (exts is None or path.suffix.lower() in exts) and path.is_file():
+                yield path
+
+
+def files_below(root: Path, exts: tuple[str, ...] | frozenset[str] | None = None) -> list[Path]:
+    """walk_files in sorted path order."""
+    return sorted(walk_files(root, exts))
+
+
+def subfolders(root: Path) -> list[Path]:
+    """The folders directly inside ``root`` that are not dlop archives, sorted; none if no folder."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not is_archive(p))
+
+
+def read_bytes(path: Path) -> bytes:
+    """A listing file's bytes (a CSV, a manifest, a transcript)."""
+    return path.read_bytes()
+
+
+def file_size(path: Path) -> int:
+    """A file's size in bytes, -1 when it cannot be told (missing, unreadable)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def media_of(paths: Iterable[str | Path]) -> str:
+    """audio, video or image, by the files' extensions (.mp4 and friends count as video)."""
+    exts = [Path(p).suffix.lower() for p in paths]
+    images = sum(e in IMAGE_EXTS for e in exts)
+    videos = sum(e in VIDEO_EXTS for e in exts)
+    audio_only = sum(e in AUDIO_EXTS and e not in VIDEO_EXTS for e in exts)
+    if images and images >= max(videos, audio_only):
+        return "image"
+    return "video" if videos > audio_only else "audio"
+
+
+# -- listing files: CSV and text lines ---------------------------------------------------
+
+
+@dataclass
+class CsvRow:
+    """One record of a corpus CSV: its (last) line number and fields, or why it is bad."""
+
+    line: int
+    fields: dict[str, str]
+    error: str | None = None
+
+
+def read_csv(path: Path, root: Path, need: set[str]) -> tuple[bytes, list[CsvRow]]:
+    """A corpus CSV's records (file order). A bad record (not UTF-8, too few or too many
+    fields, unparseable) comes back with its error, its fields as read (bytes that are not
+    UTF-8 as surrogates; name_key makes them a key); a file whose header is not UTF-8 text
+    with the ``need`` columns is a CompileError."""
+    raw = read_bytes(path)
+    rel = path.relative_to(root) if path.is_relative_to(root) else path
+    text = raw.decode("utf-8-sig", "surrogateescape")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader, [])
+    except csv.Error as e:
+        raise CompileError(f"{path}: line 1 is not a CSV header ({e})") from None
+    if not all(is_text(h) for h in header):
+        try:
+            raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise CompileError(
+                f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8"
+            ) from None
+    if not need <= set(header):
+        raise CompileError(f"{path}: needs columns {sorted(need)}, has {sorted(header)}")
+    rows: list[CsvRow] = []
+    while True:
+        try:
+            values = next(reader, None)
+        except csv.Error as e:
+            rows.append(CsvRow(reader.line_num, {}, f"{rel} line {reader.line_num}: {e}"))
+            continue
+        if values is None:
+            break
+        if not values:
+            continue  # a blank line
+        where = f"{rel} line {reader.line_num}"
+        fields = dict(zip(header, values, strict=False))
+        row = CsvRow(reader.line_num, fields)
+        if len(values) != len(header):
+            row.error = f"{where}: has {len(values)} columns, the header has {len(header)}"
+        elif not all(is_text(v) for v in values):
+            row.error = f"{where}: not UTF-8 text; save the file as UTF-8"
+        rows.append(row)
+    return raw, rows
+
+
+def lines(raw: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """(line number from 1, byte offset, line without its end) of a text file's bytes.
+
+    Only \\n (and \\r\\n) end a line, as JSON lines and transcripts mean; a UTF-8 byte
+    order mark at the start is dropped.
+    """
+    offset = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
+    for n, line in enumerate(raw[offset:].split(b"\n"), 1):
+        yield n, offset, line[:-1] if line.endswith(b"\r") else line
+        offset += len(line) + 1
+
+
+def utf8(line: bytes, where: str, offset: int) -> tuple[str, str | None]:
+    """The line as text, or (its text with surrogates, why it is not UTF-8)."""
+    try:
+        return line.decode("utf-8"), None
+    except UnicodeDecodeError as e:
+        return line.decode("utf-8", "surrogateescape"), (
+            f"{where} (byte {offset + e.start}): not UTF-8 text ({e.reason}); save it as UTF-8"
+        )
+
+
+# -- fingerprint -------------------------------------------------------------------------
+
+
+def fingerprint(inputs: Iterable[tuple[str, str | None, float, float | None]], extra: bytes) -> str:
+    """sha256 over every input's (key, path, offset, duration), the path as its size, after
+    ``extra`` (the corpus's listing files)."""
+    h = hashlib.sha256(extra)
+    for key, path, offset, duration in inputs:
+        size = -1 if path is None else file_size(Path(path))
+        h.update(name_bytes(key) + f"\0{size}\0{offset}\0{duration}\n".encode())
+    return h.hexdigest()
