@@ -27,9 +27,14 @@ test: env
 bench: env
 	$(VENV)/bin/dlop-bench
 
-# LitData, MosaicML Streaming and FFCV, in their own environment (never dlop dependencies).
-# Both require torchvision, which does not load beside the CPU torch: they are
-# installed without it, and Streaming gets the stand-in in tools/bench/peers-env.
+# LitData, MosaicML Streaming, FFCV, Lhotse and Hugging Face datasets, in their own
+# environment (never dlop dependencies). LitData and Streaming require torchvision, which
+# does not load beside the CPU torch: they are installed without it, and Streaming gets
+# the stand-in in tools/bench/peers-env. datasets 5.2 needs huggingface_hub 1.x, so
+# transformers (Streaming imports two classes from it; datasets' feature extractor and
+# LengthGroupedSampler) is 5.x although Streaming declares <5. Lhotse's Fbank is pure
+# torch (torchaudio does not import here); LilcomChunkyWriter needs lilcom; Lhotse
+# imports urllib3 without declaring it.
 PEERS := .venv-peers
 bench-peers:
 	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
@@ -38,7 +43,8 @@ bench-peers:
 	$(PEERS)/bin/pip install -q -e .
 	$(PEERS)/bin/pip install -q --no-deps litdata==0.2.76 mosaicml-streaming==0.13.0
 	$(PEERS)/bin/pip install -q filelock lightning-utilities requests urllib3 tifffile boto3 \
-		obstore 'numpy<2.2' 'xxhash<4' zstd Brotli python-snappy catalogue tqdm 'transformers<5' pillow
+		obstore 'numpy<2.2' 'xxhash<4' zstd Brotli python-snappy catalogue tqdm pillow \
+		transformers==5.23.0 lhotse==1.33.0 lilcom==1.8.2 datasets==5.2.0
 	# FFCV compiles against libturbojpeg and OpenCV; without them its row says it did not run.
 	-(command -v apt-get >/dev/null && apt-get install -y -q libturbojpeg0-dev libopencv-dev pkg-config >/dev/null)
 	-$(PEERS)/bin/pip install -q ffcv==1.0.2

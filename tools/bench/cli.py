@@ -114,10 +114,11 @@ def _vision(run: _Run) -> list[Row]:
 
 
 def _peers(run: _Run) -> list[Row]:
-    from . import peer_rows
+    from . import peer_rows, speech_peers
 
     a = run.args
-    return peer_rows.run(run.work / "peers", a.peer_samples, a.workers, a.repeats)
+    rows = peer_rows.run(run.work / "peers", a.peer_samples, a.workers, a.repeats)
+    return rows + speech_peers.run(run.work / "speech-peers", a.peer_utts, a.workers, a.repeats)
 
 
 # Every section, in the order a run takes them; `--only` chooses among these names.
@@ -128,7 +129,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "vision": _vision,
     "peers": _peers,
 }
-# peers needs LitData and MosaicML Streaming, which only `make bench-peers` installs
+# peers needs LitData, MosaicML Streaming, Lhotse and datasets, which only `make bench-peers` installs
 DEFAULT_SECTIONS = tuple(name for name in SECTIONS if name != "peers")
 
 
@@ -157,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", default="1,10", help="archive sizes for the Loader memory check")
     p.add_argument(
         "--peer-samples", type=int, default=2000, help="ESC-50-shaped samples in the peers section"
+    )
+    p.add_argument(
+        "--peer-utts",
+        type=int,
+        default=400,
+        help="speech utterances (0.5-30 s) for Lhotse and datasets in the peers section",
     )
     p.add_argument("--videos", type=int, default=96, help="H.264 clips in the video workload")
     p.add_argument("--images", type=int, default=128, help="JPEG + 2 masks in the image workload")
