@@ -16,6 +16,7 @@ The buffer contract is in runtime.ring.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Iterator, Sequence
@@ -218,6 +219,7 @@ class Loader:
             self.to_device,
             self._ring(),
             range(start, len(batches)),
+            functools.partial(self._copied, batches),
         )
         it = self.prefetcher.start(production, lambda ready: self._failed(ready, epoch))
         # Weak: an iterator the training loop drops is collected and stops its epoch.
@@ -233,12 +235,24 @@ class Loader:
 
     def _planner(self, batches: list[np.ndarray]) -> PlanBatch:
         """The gather stage for the producer: batch j planned into a ring slot."""
-        archive = self.archive
 
         def plan_batch(j: int, slot: Slot) -> tuple[Batch, CopyPlan]:
-            return archive.plan(torch.from_numpy(batches[j]), slot.buffers)
+            self._ask_ahead(batches, j)
+            return self.archive.plan(torch.from_numpy(batches[j]), slot.buffers)
 
         return plan_batch
+
+    def _ask_ahead(self, batches: list[np.ndarray], j: int) -> None:
+        """The source stage hears which shards batch j and the one after it read, before
+        they are read (a remote source fetches them meanwhile)."""
+        archive = self.archive
+        for k in (j, j + 1)[: len(batches) - j]:
+            archive.source.ask(archive.shards_of(torch.from_numpy(batches[k])).tolist())
+
+    def _copied(self, batches: list[np.ndarray], j: int) -> None:
+        """Batch j has been copied out of its shards: the source may let go of them."""
+        archive = self.archive
+        archive.source.release(archive.shards_of(torch.from_numpy(batches[j])).tolist())
 
     def _inline(
         self, batches: list[np.ndarray], start: int, epoch: int
@@ -249,6 +263,7 @@ class Loader:
         for j in range(start, len(batches)):
             slot = slots[j % len(slots)]
             slot.wait_copied()
+            self._ask_ahead(batches, j)
             try:
                 batch, plan = self.archive.plan(torch.from_numpy(batches[j]), slot.buffers)
                 self.engine.run(plan)
@@ -256,6 +271,8 @@ class Loader:
                 raise LoaderError(
                     f"{self.archive.path}: gathering batch {j} of epoch {epoch} failed: {e}"
                 ) from e
+            finally:
+                self._copied(batches, j)
             batch, slot.event = self.to_device.copy(batch)
             self.to_device.use(batch, slot.event)
             yield j, batch

@@ -33,6 +33,7 @@ from .ring import FreeSlots, Slot
 from .threads import JobThread
 
 PlanBatch = Callable[[int, Slot], tuple[Batch, CopyPlan]]
+Copied = Callable[[int], None]  # batch j's copies are done (its source may let go)
 
 
 @dataclass
@@ -60,8 +61,10 @@ class Production:
         device: DeviceStage,
         slots: list[Slot],
         numbers: range,
+        copied: Copied,
     ) -> None:
         self.plan_batch = plan_batch
+        self.copied = copied
         self.engine = engine
         self.device = device
         self.numbers = numbers
@@ -110,7 +113,10 @@ class Production:
         """Finishes the oldest batch in flight and hands it over; False after an error."""
         j, batch, slot, ticket = self.in_flight.popleft()
         try:
-            ticket.wait()
+            try:
+                ticket.wait()
+            finally:
+                self.copied(j)
             batch, event = self.device.copy(batch)
             if self.device.cuda:
                 slot.event = event

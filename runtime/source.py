@@ -2,7 +2,9 @@
 
 A source hands out opened shards (``dlop.formats.ShardReader``) by number,
 and hears ahead of time which shards a batch will read (``ask``) and when a
-batch is done with them (``release``). ``LocalSource`` maps local files and
+batch is done with them (``release``). The Loader asks for batch j's and
+j+1's shards as it plans batch j (so a shard may be asked for more than once)
+and releases batch j's once its copies are done. ``LocalSource`` maps local files and
 needs neither (the page cache does the rest); a remote source with a
 node-local cache fetches on ``ask`` and may evict after ``release``. Before
 each read, ``check`` refuses a shard that changed under its mapping.

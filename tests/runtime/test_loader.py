@@ -250,3 +250,43 @@ def test_synchronous_loader_matches_the_threaded_one_and_resumes(archive: Path) 
         all(same(a, b) for a, b in zip(rest, reference[3:], strict=True))
         and len(rest) == len(reference) - 3
     )
+
+
+class RecordingSource:
+    """A source stage that records what it hears, around the archive's own."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.log: list[tuple[str, tuple[int, ...]]] = []
+
+    def shard(self, k: int) -> Any:
+        return self.inner.shard(k)
+
+    def ask(self, shards: Any) -> None:
+        self.log.append(("ask", tuple(shards)))
+
+    def release(self, shards: Any) -> None:
+        self.log.append(("release", tuple(shards)))
+
+    def check(self, shards: Any) -> None:
+        self.log.append(("read", tuple(int(k) for k in shards)))
+        self.inner.check(shards)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_the_source_hears_of_shards_ahead_and_lets_go_after(archive: Path, prefetch: int) -> None:
+    ds = open_archive(archive)
+    source = RecordingSource(ds.source)
+    ds.source = source  # type: ignore[assignment]
+    loader = Loader(ds, 6, seed=1, prefetch=prefetch)
+    batches = loader.batches()
+    assert sum(len(b["label"]) for b in loader) == 41
+    reads = [shards for what, shards in source.log if what == "read"]
+    assert len(reads) == len(batches)
+    for j, shards in enumerate(reads):
+        read_at = [i for i, e in enumerate(source.log) if e == ("read", shards)][0]
+        asked = {k for what, s in source.log[:read_at] if what == "ask" for k in s}
+        assert set(shards) <= asked, f"batch {j} read shards {shards} before asking"
+    released = [s for what, s in source.log if what == "release"]
+    assert released == reads  # each batch lets go of what it read, in order
+    loader.close()
