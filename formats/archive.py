@@ -9,7 +9,6 @@ import os
 import re
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,6 +36,9 @@ from .reader import BlockCache, Problem, ShardReader, Value
 from .schema import Field, check_schema
 from .skipped import encode_record, read_skipped
 from .writer import ShardInfo, ShardWriter
+
+# How ArchiveReader.verify runs its per-shard check: ``map`` or a pool's ``map``.
+ShardMap = Callable[[Callable[[int], list[Problem]], Iterable[int]], Iterable[list[Problem]]]
 
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
 
@@ -437,9 +439,16 @@ class ArchiveReader:
         return read_skipped(self.directory, self.index.skipped_count)
 
     def verify(
-        self, progress: Callable[[int], None] | None = None, threads: int | None = None
+        self,
+        progress: Callable[[int], None] | None = None,
+        map_shards: ShardMap = map,
     ) -> list[Problem]:
-        """Checks every shard's whole-file CRC, structure, regions and blocks, and errors.jsonl."""
+        """Checks every shard's whole-file CRC, structure, regions and blocks, and errors.jsonl.
+
+        Shards are checked through ``map_shards(check, shard_numbers)``, in order by
+        default; a caller that wants them checked in parallel passes its own pool's
+        ``map`` (the format layer starts no threads).
+        """
 
         def one(k: int) -> list[Problem]:
             info = self.index.shards[k]
@@ -460,12 +469,10 @@ class ArchiveReader:
                 reader.close()
 
         problems: list[Problem] = []
-        workers = threads or min(len(self.index.shards), os.cpu_count() or 1) or 1
-        with ThreadPoolExecutor(workers) as pool:
-            for k, found in enumerate(pool.map(one, range(len(self.index.shards)))):
-                problems += found
-                if progress:
-                    progress(k + 1)
+        for k, found in enumerate(map_shards(one, range(len(self.index.shards)))):
+            problems += found
+            if progress:
+                progress(k + 1)
         try:  # every record, one at a time: the count and each record's shape
             for _ in self.iter_errors():
                 pass

@@ -82,8 +82,6 @@ def test_the_check_catches_a_violation(tmp_path: Path) -> None:
 # Calls that start threads or processes; the format layer owns none (runtime.engine
 # runs the batch copies).
 THREAD_STARTERS = {"Thread", "ThreadPoolExecutor", "ProcessPoolExecutor", "Pool", "Process"}
-# Known exception, to be moved out: ArchiveReader.verify checks shards' CRCs on a pool.
-FORMATS_THREADS_ALLOWED = {"formats/archive.py"}
 
 
 def thread_starts(path: Path) -> list[str]:
@@ -101,12 +99,7 @@ def thread_starts(path: Path) -> list[str]:
 
 
 def test_formats_starts_no_threads() -> None:
-    bad = [
-        hit
-        for path in sorted((ROOT / "formats").rglob("*.py"))
-        if str(path.relative_to(ROOT)) not in FORMATS_THREADS_ALLOWED
-        for hit in thread_starts(path)
-    ]
+    bad = [hit for path in sorted((ROOT / "formats").rglob("*.py")) for hit in thread_starts(path)]
     assert bad == []
 
 

@@ -35,7 +35,7 @@ def run_formats(path: str) -> None:
         for i in range(min(len(reader), 3)):
             reader.sample(i)
         reader.errors()
-        problems = reader.verify(threads=1)
+        problems = reader.verify()
         if problems:
             from dlop.formats import FormatError
 

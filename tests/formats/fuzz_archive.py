@@ -257,7 +257,7 @@ def read_everything(archive: Path, counts: dict[str, int]) -> None:
         for i in range(min(len(reader), 8)):
             reader.sample(i)
         reader.errors()
-        reader.verify(threads=1)
+        reader.verify()
         archive_summary(reader)
     ds = open_archive(archive)
     n = len(ds)

@@ -101,7 +101,7 @@ def test_errors_fewer_records_than_the_count(tmp_path: Path) -> None:
         assert len(r.errors(limit=2)) == 2
         with pytest.raises(FormatError, match=r"holds 2 records; index\.json counts 3"):
             r.errors()
-        assert [p.message for p in r.verify(threads=1)] == [
+        assert [p.message for p in r.verify()] == [
             "holds 2 records; index.json counts 3 skipped inputs"
         ]
     (a / "errors.jsonl").unlink()
