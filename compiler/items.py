@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from dlop.formats import Field
 
 from .decode import decode_audio, downmix

@@ -622,6 +622,7 @@ class _Blocks:
 _MAPPED = _Mapped()
 _BLOCKS = _Blocks()
 
+
 def _crc(buf: np.ndarray | memoryview) -> int:
     """CRC-32 of a buffer, in chunks (zlib releases the GIL on each)."""
     mv = (

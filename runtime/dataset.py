@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from dlop.formats import ArchiveReader, Field, SchemaError, ShardReader
 from torch.utils.data import Dataset
+
+from dlop.formats import ArchiveReader, Field, SchemaError, ShardReader
 
 from .batch import Batch
 from .engine import CopyEngine

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from dlop.formats import Field, ShardReader
 
 from .errors import UsageError

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
 from dlop.formats import ArchiveReader, ShardReader
 
 from .errors import ShardChangedError

@@ -6,6 +6,7 @@ import librosa
 import numpy as np
 import pytest
 import torch
+
 from dlop.compiler.features import feature_config, featurize
 
 from .signals import make_signal as _make_signal

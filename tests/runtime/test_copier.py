@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime import engine as engine_module

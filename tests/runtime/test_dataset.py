@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dlop.runtime import Batch, IterableArchive, open_archive
 from torch.utils.data import DataLoader
+
+from dlop.runtime import Batch, IterableArchive, open_archive
 
 from .helpers import feature, make_archive, speech
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
+
 from dlop.runtime import IterableArchive, Loader
 from dlop.runtime.errors import UsageError
-from torch.utils.data import DataLoader
 
 from .helpers import make_archive
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from dlop.runtime import Loader, LoaderError, Mixup, RandomTimeCrop, SpecAugment, open_archive
 
 from .helpers import make_archive
@@ -284,7 +285,7 @@ def test_the_source_hears_of_shards_ahead_and_lets_go_after(archive: Path, prefe
     reads = [shards for what, shards in source.log if what == "read"]
     assert len(reads) == len(batches)
     for j, shards in enumerate(reads):
-        read_at = [i for i, e in enumerate(source.log) if e == ("read", shards)][0]
+        read_at = next(i for i, e in enumerate(source.log) if e == ("read", shards))
         asked = {k for what, s in source.log[:read_at] if what == "ask" for k in s}
         assert set(shards) <= asked, f"batch {j} read shards {shards} before asking"
     released = [s for what, s in source.log if what == "release"]

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from dlop.formats import ArchiveWriter, DlopError, Field
 from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime.errors import SampleIndexError, UsageError, UsageTypeError
@@ -115,7 +116,7 @@ def test_an_open_archive_with_other_fields_or_padding_is_refused(archive: Path) 
     ds = open_archive(archive, fields=["label", "speech"], pad_value=-1.0)
     with pytest.raises(UsageError, match=r"fields \['label', 'speech'\] and fields=\['label'\]"):
         Loader(ds, 4, fields="label")
-    with pytest.raises(UsageError, match="padded with -1.0 and pad_value=0.0"):
+    with pytest.raises(UsageError, match=r"padded with -1\.0 and pad_value=0\.0"):
         Loader(ds, 4, pad_value=0.0)
     loader = Loader(ds, 4, fields=["label", "speech"], pad_value=-1.0)  # matching: taken as is
     assert loader.archive is ds

@@ -7,8 +7,9 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from dlop.runtime import OrderSpec, rank_batches
 from torch.utils.data import DistributedSampler
+
+from dlop.runtime import OrderSpec, rank_batches
 
 
 @pytest.mark.parametrize("n", [1, 10, 37, 64])

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import open_archive
-from dlop.runtime.errors import UsageError
 from dlop.runtime.engine import CopyEngine, run_share
+from dlop.runtime.errors import UsageError
 from dlop.runtime.gather_samples import sample_runs
 from dlop.runtime.plan import CopyPlan, Rows, Runs
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from dlop.formats import ArchiveWriter, Field
 
 

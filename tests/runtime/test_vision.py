@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dlop.runtime import (
     Normalize,
     RandomHorizontalFlip,
@@ -134,10 +135,11 @@ def test_paired_crop_on_the_gpu() -> None:
 
 
 def test_loader_batches_of_variable_size_images_stay_aligned(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from PIL import Image
+
     from dlop.compiler.pipeline import compile_corpus
     from dlop.compiler.recipe import build_recipe
     from dlop.runtime import Loader, open_archive
-    from PIL import Image
 
     for i, (h, w) in enumerate([(30, 40), (24, 24), (50, 20), (16, 60), (33, 35)]):
         image, mask = shapes(1, h, w, seed=10 + i)
