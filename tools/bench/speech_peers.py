@@ -15,8 +15,9 @@ documented fast path, with the same number of worker processes:
   in a DataLoader, in random batches and length-grouped
   (transformers' ``LengthGroupedSampler``).
 
-Each compile runs in a child process, timed from after its imports, with the
-peak RSS of that process and its workers read from /proc. The peers are not
+Each compile runs in a child process, timed from after its imports, with one
+math thread per worker process (OMP_NUM_THREADS=1) and the peak RSS of that
+process and its workers read from /proc. The peers are not
 dependencies of dlop: they are imported only here, inside the functions that
 use them (``make bench-peers`` installs them).
 """
@@ -223,7 +224,16 @@ def timed_compile(peer: str, corpus: Path, out: Path, workers: int) -> tuple[flo
     """(seconds, peak RSS in KiB of the compile and its workers, bytes on disk) of one peer's
     compile in a fresh process, timed from after its imports."""
     cmd = [sys.executable, "-m", __name__, peer, str(corpus), str(out), str(workers)]
-    env = {**os.environ, "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    # one math thread per worker process for every peer, as dlop's workers run: Lhotse's
+    # spawned feature workers and the numpy inside datasets' map workers would otherwise
+    # each start a thread per core and contend for the cores the other workers use
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "TQDM_DISABLE": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    }
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     with PeakSampler(lambda: tree_rss_kib(proc.pid), 0.1) as peak:
         stdout, stderr = proc.communicate()
