@@ -40,6 +40,19 @@ def write_aac(path: Path, x: np.ndarray, rate: int) -> None:
             out.mux(packet)
 
 
+def esc50_row(name: str, n: int) -> dict[str, object]:
+    """The esc50.csv row of clip ``name``, the n-th of a generated corpus (3 classes, 5 folds)."""
+    return {
+        "filename": name,
+        "fold": 1 + n % 5,
+        "target": n % 3,
+        "category": f"class{n % 3}",
+        "esc10": "False",
+        "src_file": 1000 + n,
+        "take": "A",
+    }
+
+
 def esc50_corpus(root: Path, specs: list[tuple[str, int, int]], seconds: float = 1.0) -> Path:
     """specs: (extension, sample rate, channels) per clip; targets cycle over 3 classes."""
     rows = []
@@ -48,17 +61,7 @@ def esc50_corpus(root: Path, specs: list[tuple[str, int, int]], seconds: float =
         write_audio(
             root / "audio" / name, make_signal(rate, seconds, seed=n, channels=channels), rate
         )
-        rows.append(
-            {
-                "filename": name,
-                "fold": 1 + n % 5,
-                "target": n % 3,
-                "category": f"class{n % 3}",
-                "esc10": "False",
-                "src_file": 1000 + n,
-                "take": "A",
-            }
-        )
+        rows.append(esc50_row(name, n))
     write_esc50_csv(root, rows)
     return root
 

@@ -32,7 +32,7 @@ from dlop.compiler.output import JOURNAL
 from dlop.compiler.pipeline import TEST_KILL_AT
 from dlop.tools.compile_cli import main
 
-from .fixtures import write_audio, write_esc50_csv
+from .fixtures import esc50_row, write_audio, write_esc50_csv
 from .signals import make_signal
 
 KINDS = [
@@ -124,17 +124,7 @@ def speech_corpus(root: Path) -> list[str]:
             path.write_bytes(b"RIFF")  # skipped: errors.jsonl too
         else:
             write_audio(path, make_signal(rate, 0.2 + 0.17 * n, seed=n), rate)
-        rows.append(
-            {
-                "filename": name,
-                "fold": 1 + n % 5,
-                "target": n % 3,
-                "category": f"class{n % 3}",
-                "esc10": "False",
-                "src_file": 1000 + n,
-                "take": "A",
-            }
-        )
+        rows.append(esc50_row(name, n))
     write_esc50_csv(root, rows)
     return [str(root), "--preset", "kaldi", "--shard-bytes", "12KB", "-q"]
 
