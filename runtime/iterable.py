@@ -1,16 +1,19 @@
-"""An IterableDataset for DataLoader worker processes: each worker of each rank takes a disjoint share.
+"""An IterableDataset for DataLoader worker processes: the Loader's batches, shared out to workers.
 
-Composed of the Loader's order and gather stages: the order (bucketing and
-window order included) is that of ``world_size * num_workers`` consumers,
-and each worker gathers its batches with its archive's own copy engine.
+Each rank computes exactly the Loader's batches (same order stage, bucketing
+and window order included, ``world_size`` ranks), and worker ``w`` of ``W``
+gathers batches ``w, w + W, w + 2W, ...`` with its archive's own copy engine.
+``DataLoader`` takes batches from its workers round-robin, starting at worker
+0, so it yields them in the Loader's order; the worker count changes nothing
+but who gathers what.
 
 Epoch and resume reach persistent workers through a small shared-memory
 tensor made in the parent (``torch.Tensor.share_memory_``) and read by each
-worker when its iteration starts: ``[epoch, batches done, claimed by worker
-0, 1, ...]``. ``DataLoader`` takes batches from its workers round-robin,
-starting at worker 0, and every consumer has the same number of batches, so
-"n batches consumed" means consumer c has handed out ``ceil((n - c) / workers)``
-(see ``IterableArchive._claim`` for which worker continues as which consumer).
+worker when its iteration starts: ``[epoch, resume point, claimed by worker
+0, 1, ...]``. After a state of n batches, the next iteration's worker w
+serves batches ``n + w, n + w + W, ...``: the DataLoader asks worker 0 first,
+so batch n comes first. Each worker resumes once per state (its claim slot);
+later iterations start the epoch over.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -26,10 +30,12 @@ from .batch import Batch
 from .dataset import Archive, check_bucket_by
 from .distributed import rank_and_world
 from .errors import UsageError, UsageTypeError, check_int
+from .loader import STATE_SETTINGS
 from .memory import shared_empty
 from .order import BatchOrder, OrderSpec
 
 STATE_FORMAT = "dlop-iterable-state"
+STATE_VERSION = 2  # version 1 split batches among world_size * workers consumers
 MAX_WORKERS = 256  # workers that can resume from a state (one claim slot each)
 _EPOCH, _DONE, _CLAIMS = 0, 1, 2
 
@@ -37,10 +43,10 @@ _EPOCH, _DONE, _CLAIMS = 0, 1, 2
 class IterableArchive(IterableDataset[Batch]):
     """Yields whole batches; use ``DataLoader(ds, batch_size=None, num_workers=k)``.
 
-    Workers and ranks are treated as ``world_size * num_workers`` consumers
-    with the Loader's distribution rules (runtime.order), so every consumer
-    gets the same number of batches and the union covers the epoch.
-    ``set_epoch`` and ``load_state_dict`` reach persistent workers.
+    Through the DataLoader, each rank gets exactly the Loader's batches in the
+    Loader's order (same seed and settings), whatever ``k`` is: worker ``w``
+    gathers every ``k``-th batch starting at ``w``. ``set_epoch`` and
+    ``load_state_dict`` reach persistent workers.
     """
 
     def __init__(
@@ -75,7 +81,8 @@ class IterableArchive(IterableDataset[Batch]):
         self._archive: Archive | None = None
         shared = torch.zeros(_CLAIMS + MAX_WORKERS, dtype=torch.int64)
         self._shared = shared.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
-        self._handed_out = 0  # batches this process yielded in the current epoch
+        self._order: BatchOrder | None = None
+        self._handed_out = 0  # batch number reached by this process's latest iteration
         check_bucket_by(self.archive(), bucket_by)
 
     def archive(self) -> Archive:
@@ -89,7 +96,16 @@ class IterableArchive(IterableDataset[Batch]):
         return int(self._shared[_EPOCH])
 
     def set_epoch(self, epoch: int) -> None:
-        self._publish(check_int("IterableArchive.set_epoch epoch", epoch, low=0), 0)
+        """Starts ``epoch`` at its beginning; a state just loaded for this same epoch
+        is kept (the usual loop calls ``load_state_dict`` and then ``set_epoch``)."""
+        epoch = check_int("IterableArchive.set_epoch epoch", epoch, low=0)
+        if epoch == self.epoch and self._resume_pending():
+            return
+        self._publish(epoch, 0)
+
+    def _resume_pending(self) -> bool:
+        """A loaded state that no worker has started from yet."""
+        return int(self._shared[_DONE]) > 0 and not bool(self._shared[_CLAIMS:].any())
 
     def _publish(self, epoch: int, done: int) -> None:
         self._shared[_CLAIMS:] = 0
@@ -97,93 +113,124 @@ class IterableArchive(IterableDataset[Batch]):
         self._shared[_EPOCH] = epoch
         self._handed_out = done
 
-    def order_for(self, worker: int, workers: int) -> BatchOrder:
-        """The order stage of one consumer: worker ``worker`` of ``workers`` on this rank."""
-        archive = self.archive()
-        spec = OrderSpec(
-            len(archive),
-            self.batch_size,
-            self.shuffle,
-            self.seed,
-            self.drop_last,
-            rank=self.rank * workers + worker,
-            world_size=self.world_size * workers,
-            mode=self.order,
-            shard_sizes=tuple(s.num_samples for s in archive.index.shards),
-            window_shards=self.window_shards,
-            bucket_window=self.bucket_window,
-        )
-        lengths = archive.lengths(self.bucket_by) if self.bucket_by else None
-        return BatchOrder(spec, lengths, owner="IterableArchive")
+    def batch_order(self) -> BatchOrder:
+        """This rank's order stage: the Loader's, for ``world_size`` ranks."""
+        if self._order is None:
+            archive = self.archive()
+            spec = OrderSpec(
+                len(archive),
+                self.batch_size,
+                self.shuffle,
+                self.seed,
+                self.drop_last,
+                rank=self.rank,
+                world_size=self.world_size,
+                mode=self.order,
+                shard_sizes=tuple(s.num_samples for s in archive.index.shards),
+                window_shards=self.window_shards,
+                bucket_window=self.bucket_window,
+            )
+            lengths = archive.lengths(self.bucket_by) if self.bucket_by else None
+            self._order = BatchOrder(spec, lengths, owner="IterableArchive")
+        return self._order
+
+    def batches(self, epoch: int | None = None) -> list[np.ndarray]:
+        """This rank's sample indices, batch by batch, for an epoch (default: the current one)."""
+        return self.batch_order().batches(self.epoch if epoch is None else epoch)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (all workers together)."""
+        return len(self.batches())
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        consumer, skip = self._claim(worker, workers)
-        order = self.order_for(consumer, workers)
-        order.set_epoch(self.epoch)
+        start = self._claim(worker)
+        batches = self.batches()
         archive = self.archive()
         engine = archive.own_engine()
         # In a worker, batches are made in shared memory, where DataLoader sends them.
         out = shared_empty if info is not None else None
-        for j, indices in enumerate(order.batches()):
-            if j < skip:
-                continue
-            batch = archive.gather(torch.from_numpy(indices), out, engine)
-            self._handed_out += 1
+        self._handed_out = start
+        for j in range(start + worker, len(batches), workers):
+            batch = archive.gather(torch.from_numpy(batches[j]), out, engine)
+            self._handed_out = j + 1  # with workers=1 (in process): batches yielded so far
             yield batch
 
-    def _claim(self, worker: int, workers: int) -> tuple[int, int]:
-        """(consumer, batches to skip) for this worker's iteration.
-
-        After a loaded state of n batches, DataLoader asks worker 0 first, but
-        the next batch is consumer n % workers's: worker w plays consumer
-        (w + n) % workers, and skips what that consumer had handed out. Once
-        per state: later iterations start the epoch over.
-        """
+    def _claim(self, worker: int) -> int:
+        """The batch number this worker's iteration starts from: the loaded state's
+        position, once per worker and state; 0 after that."""
         done = int(self._shared[_DONE])
         if not done or int(self._shared[_CLAIMS + worker]):
-            return worker, 0
+            return 0
         if worker >= MAX_WORKERS:
             raise UsageError(f"IterableArchive resumes with at most {MAX_WORKERS} workers")
         self._shared[_CLAIMS + worker] = 1
-        consumer = (worker + done) % workers
-        return consumer, (done - consumer + workers - 1) // workers
+        return done
 
     def state_dict(self, batches_done: int | None = None) -> dict[str, Any]:
         """The position after ``batches_done`` batches of the current epoch (the batches
-        the training loop took from the DataLoader); by default, the batches this
-        process yielded itself (exact with ``num_workers=0``)."""
+        the training loop took from the DataLoader, at most the epoch's batch count); by
+        default, the batches this process yielded itself (exact with ``num_workers=0``)."""
         done = self._handed_out if batches_done is None else batches_done
+        count = len(self.batches())
         return {
             "format": STATE_FORMAT,
-            "version": 1,
+            "version": STATE_VERSION,
             "epoch": self.epoch,
-            "batches_done": check_int("IterableArchive.state_dict batches_done", done, low=0),
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "world_size": self.world_size,
-            "rank": self.rank,
+            "batches_done": check_int(
+                f"IterableArchive.state_dict batches_done (epoch {self.epoch} has {count} batches)",
+                done,
+                low=0,
+                high=count,
+            ),
+            **self._settings(),
+        }
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings that shape the order (the Loader's STATE_SETTINGS) and the rank."""
+        spec = self.batch_order().spec
+        return {
+            "seed": spec.seed,
+            "num_samples": spec.num_samples,
+            "batch_size": spec.batch_size,
+            "shuffle": spec.shuffle,
+            "drop_last": spec.drop_last,
+            "world_size": spec.world_size,
+            "order": spec.mode,
+            "window_shards": spec.window_shards,
+            "bucket_by": self.bucket_by,
+            "bucket_window": spec.bucket_window,
+            "rank": spec.rank,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The next iteration continues after the state's batches; later ones start
-        their epoch at the beginning."""
+        """The next iteration continues after the state's batches, whatever the worker
+        count was or is; later ones start their epoch at the beginning. A state saved
+        under other order settings (``STATE_SETTINGS``) or for another rank is refused."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise UsageTypeError(
                 f"IterableArchive.load_state_dict takes the dict its state_dict() returned, got {state!r:.80}"
             )
-        for key in ("seed", "batch_size", "world_size", "rank"):
-            if state.get(key) != getattr(self, key):
+        if state.get("version") != STATE_VERSION:
+            raise UsageError(
+                f"iterable state version {state.get('version')!r} is not {STATE_VERSION}: "
+                "states saved before the worker order was made the Loader's cannot resume; "
+                "start the epoch over"
+            )
+        mine = self._settings()
+        for key in (*STATE_SETTINGS, "rank"):
+            if state.get(key) != mine[key]:
                 raise UsageError(
                     f"iterable state was saved with {key}={state.get(key)!r}, "
-                    f"this dataset has {getattr(self, key)!r}"
+                    f"this dataset has {mine[key]!r}"
                 )
-        epoch = check_int("iterable state epoch", state.get("epoch"), low=0)
-        done = check_int("iterable state batches_done", state.get("batches_done"), low=0)
-        self._publish(epoch, done)
+        order = self.batch_order()
+        order.reset(state, where="iterable state")
+        self._publish(order.epoch, order.batches_done)
 
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
         state["_archive"] = None  # each worker maps the shards itself
+        state["_order"] = None  # and computes the order itself
         return state

@@ -134,8 +134,9 @@ class BatchOrder:
 
     State: ``{"epoch", "batches_done"}``; with the spec (seed, sizes, rank,
     world size, bucketing, window) that is all it takes to continue exactly.
-    ``reset(state)`` makes the next iteration start after ``batches_done``;
-    later iterations start at the epoch's beginning.
+    ``reset(state)`` makes the next iteration start after ``batches_done``
+    (``set_epoch`` of the same epoch keeps that); later iterations start at
+    the epoch's beginning.
     """
 
     def __init__(
@@ -157,7 +158,13 @@ class BatchOrder:
         return self._cached[1]
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = check_int(f"{self.owner}.set_epoch epoch", epoch, low=0)
+        """Starts ``epoch`` at its beginning, except that a state just loaded by
+        ``reset`` for this same epoch is kept: the usual loop loads a state once,
+        then calls ``set_epoch(epoch)`` at the top of every epoch."""
+        epoch = check_int(f"{self.owner}.set_epoch epoch", epoch, low=0)
+        if self._resume and epoch == self.epoch:
+            return
+        self.epoch = epoch
         self.batches_done = 0
         self._resume = False
 

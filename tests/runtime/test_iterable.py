@@ -3,12 +3,14 @@ sample once per epoch in a new order, bucketing, and exact resume."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import IterableArchive, Loader
 from dlop.runtime.errors import UsageError
 
@@ -20,8 +22,149 @@ def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_archive(tmp_path_factory.mktemp("it") / "a", n=40)
 
 
+@pytest.fixture(scope="module")
+def odd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_archive(tmp_path_factory.mktemp("it37") / "a", n=37)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2000 labels only: N=2000, batch 256 leaves a tail that no worker count divides."""
+    path = tmp_path_factory.mktemp("it2000") / "a"
+    with ArchiveWriter(path, [Field("label", "i64", ())], shard_bytes=4000) as w:
+        for i in range(2000):
+            w.write({"label": i})
+    return path
+
+
 def labels(batches: list[dict[str, torch.Tensor]]) -> list[list[int]]:
     return [b["label"].tolist() for b in batches]
+
+
+def workers_loader(ds: IterableArchive, workers: int) -> DataLoader[dict[str, torch.Tensor]]:
+    return DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        multiprocessing_context="fork" if workers else None,
+    )
+
+
+def loader_labels(path: Path, **kw: object) -> list[list[int]]:
+    loader = Loader(path, **kw)  # type: ignore[arg-type]
+    loader.set_epoch(1)
+    got = [b["label"].tolist() for b in loader]  # the Loader reuses its buffers
+    loader.close()
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(
+    "ignore:This DataLoader will create:UserWarning"
+)  # 3 workers on 2 cores
+@pytest.mark.parametrize("workers", [0, 2, 3])
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize(("which", "batch_size"), [("odd", 8), ("big", 256)])
+def test_workers_yield_the_loaders_batches_exactly_once(
+    which: str,
+    batch_size: int,
+    drop_last: bool,
+    world: int,
+    workers: int,
+    request: pytest.FixtureRequest,
+) -> None:
+    path: Path = request.getfixturevalue(which)
+    n = 37 if which == "odd" else 2000
+    served: Counter[int] = Counter()
+    for rank in range(world):
+        kw = dict(batch_size=batch_size, seed=3, drop_last=drop_last, rank=rank, world_size=world)
+        ds = IterableArchive(path, **kw)  # type: ignore[arg-type]
+        ds.set_epoch(1)
+        got = labels(list(workers_loader(ds, workers)))
+        assert got == loader_labels(path, **kw)  # the Loader's batches, in its order
+        assert len(got) == len(ds)
+        served.update(x for b in got for x in b)
+    if drop_last:
+        assert max(served.values()) == 1
+        per_rank = n // world
+        assert sum(served.values()) == world * (per_rank - per_rank % batch_size)
+    elif world == 1:
+        assert served == Counter(range(n))  # every sample exactly once
+    else:
+        assert set(served) == set(range(n)) and sum(served.values()) - n < world
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(
+    "ignore:This DataLoader will create:UserWarning"
+)  # 3 workers on 2 cores
+@pytest.mark.parametrize(("saved_with", "loaded_with"), [(2, 2), (2, 3), (0, 2), (3, 0)])
+def test_resume_with_any_worker_count_then_set_epoch(
+    odd: Path, saved_with: int, loaded_with: int
+) -> None:
+    ds = IterableArchive(odd, batch_size=4, seed=3, bucket_by="speech")
+    ds.set_epoch(2)
+    full = labels(list(workers_loader(ds, saved_with)))
+    assert len(full) == 10
+    ds.set_epoch(2)
+    it = iter(workers_loader(ds, saved_with))
+    taken = [next(it)["label"].tolist() for _ in range(3)]
+    del it
+    assert taken == full[:3]
+    state = ds.state_dict(batches_done=3)
+    fresh = IterableArchive(odd, batch_size=4, seed=3, bucket_by="speech")
+    fresh.load_state_dict(state)
+    fresh.set_epoch(state["epoch"])  # the usual loop: set_epoch after load_state_dict keeps it
+    resumed = workers_loader(fresh, loaded_with)
+    assert labels(list(resumed)) == full[3:]
+    assert labels(list(resumed)) == full  # the iteration after starts the epoch over
+    fresh.load_state_dict(state)
+    fresh.set_epoch(3)  # another epoch drops the resume
+    assert len(list(workers_loader(fresh, loaded_with))) == 10
+
+
+def test_state_settings_mismatch_is_refused(odd: Path) -> None:
+    state = IterableArchive(odd, 4, seed=3).state_dict()
+    changed = {
+        "shuffle": {"shuffle": False},
+        "drop_last": {"drop_last": True},
+        "order": {"order": "window"},
+        "window_shards": {"window_shards": 2},
+        "bucket_by": {"bucket_by": "speech"},
+        "bucket_window": {"bucket_window": 3},
+        "world_size": {"rank": 0, "world_size": 2},
+    }
+    for key, kw in changed.items():
+        other = IterableArchive(odd, 4, seed=3, **kw)  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match=key):
+            other.load_state_dict(state)
+    rank1 = IterableArchive(odd, 4, seed=3, rank=1, world_size=2).state_dict()
+    with pytest.raises(UsageError, match="rank"):
+        IterableArchive(odd, 4, seed=3, rank=0, world_size=2).load_state_dict(rank1)
+    with pytest.raises(UsageError, match="num_samples"):
+        IterableArchive(odd, 4, seed=3).load_state_dict({**state, "num_samples": 40})
+    with pytest.raises(UsageError, match="version"):
+        IterableArchive(odd, 4, seed=3).load_state_dict({**state, "version": 1})
+    with pytest.raises(UsageError, match="batches_done"):
+        IterableArchive(odd, 4, seed=3).load_state_dict({**state, "batches_done": 11})
+
+
+def test_each_pass_counts_from_its_start(odd: Path) -> None:
+    ds = IterableArchive(odd, batch_size=4, seed=3)
+    assert sum(1 for _ in ds) == 10
+    assert ds.state_dict()["batches_done"] == 10
+    it = iter(ds)  # a second pass over the same epoch, no set_epoch
+    for _ in range(2):
+        next(it)
+    state = ds.state_dict()
+    assert state["batches_done"] == 2
+    again = IterableArchive(odd, batch_size=4, seed=3)
+    again.load_state_dict(state)
+    assert sum(1 for _ in again) == 8
+    with pytest.raises(UsageError, match="batches_done"):
+        ds.state_dict(batches_done=11)
 
 
 @pytest.mark.slow
@@ -77,6 +220,24 @@ def test_in_process_order_matches_the_loader_with_bucketing(archive: Path) -> No
     again.load_state_dict(state)
     assert labels(list(again)) == expected[4:]
     loader.close()
+
+
+def test_loader_resume_survives_set_epoch(archive: Path) -> None:
+    first = Loader(archive, 4, seed=1)
+    first.set_epoch(3)
+    expected = [b["label"].tolist() for b in first]
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    del it
+    first.close()
+    again = Loader(archive, 4, seed=1)
+    again.load_state_dict(state)
+    again.set_epoch(state["epoch"])
+    assert [b["label"].tolist() for b in again] == expected[3:]
+    assert len(list(again)) == len(expected)
+    again.close()
 
 
 def test_iterable_misuse_is_refused(archive: Path) -> None:

@@ -149,3 +149,18 @@ def test_order_stage_refuses_states_outside_the_epoch() -> None:
             order.reset(bad)
     with pytest.raises(UsageTypeError, match="batches_done"):
         order.reset({"epoch": 0, "batches_done": "2"})
+
+
+def test_set_epoch_after_reset_keeps_the_resume() -> None:
+    from dlop.runtime.order import BatchOrder
+
+    spec = OrderSpec(40, 4, seed=1)
+    order = BatchOrder(spec)
+    order.reset({"epoch": 3, "batches_done": 3})
+    order.set_epoch(3)  # the usual loop: load the state, then set_epoch(epoch)
+    assert order.begin() == 3 and order.epoch == 3
+    order.set_epoch(3)  # once the iteration began, set_epoch starts the epoch over
+    assert order.begin() == 0
+    order.reset({"epoch": 3, "batches_done": 3})
+    order.set_epoch(4)  # another epoch drops the resume
+    assert order.begin() == 0 and order.epoch == 4
