@@ -24,6 +24,7 @@ taking a share itself, then waiting.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
@@ -207,8 +208,12 @@ class CopyEngine:
         ticket = self._submit(shares[1:], streaming)
         try:
             run_share(shares[0], streaming)
-        finally:
-            ticket.wait()
+        except BaseException:
+            # The helpers' shares still finish first; this thread's own error is the one raised.
+            with contextlib.suppress(BaseException):
+                ticket.wait()
+            raise
+        ticket.wait()
 
     def _submit(self, shares: list[list[Step]], streaming: bool) -> Ticket:
         ticket = Ticket(len(shares))

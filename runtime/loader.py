@@ -16,11 +16,10 @@ The buffer contract is in runtime.ring.
 
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -30,10 +29,18 @@ from .dataset import Archive, check_bucket_by, open_for_loader
 from .device import DeviceStage
 from .distributed import rank_and_world
 from .engine import CopyEngine
-from .errors import LoaderError, ShardChangedError, UsageError, UsageTypeError, check_int
+from .errors import LoaderError, SampleIndexError, UsageError, UsageTypeError, check_int
 from .order import BatchOrder, OrderSpec
 from .plan import CopyPlan
-from .prefetch import PlanBatch, Prefetcher, PrefetchIter, Production, Ready
+from .prefetch import (
+    STOPPED_MESSAGE,
+    Asks,
+    InlineRun,
+    PlanBatch,
+    Prefetcher,
+    PrefetchIter,
+    Production,
+)
 from .ring import Slot, allocate, slot_count
 from .threads import JobThread, at_exit
 from .transforms import Transform, TransformStage
@@ -54,6 +61,9 @@ STATE_SETTINGS = (
     "bucket_by",
     "bucket_window",
 )
+
+# Raised as they are from the training loop: they name the misuse already.
+USAGE_ERRORS = (UsageError, UsageTypeError, SampleIndexError)
 
 _live: weakref.WeakSet[Loader] = weakref.WeakSet()
 
@@ -141,7 +151,7 @@ class Loader:
         self.transforms = tuple(transforms)
         self.transform = TransformStage(self.transforms, seed, self.device)
         self._slots: list[Slot] | None = None
-        self._active: weakref.ref[PrefetchIter] | None = None
+        self._active: weakref.ref[PrefetchIter | InlineRun] | None = None
         self.prefetcher = Prefetcher("dlop-loader")
         # Slots that take turns have left the cache when refilled: stream into them.
         self.engine = CopyEngine(streaming=slot_count(self.prefetch, self.to_device.cuda) > 1)
@@ -212,16 +222,25 @@ class Loader:
         start = self.order.begin()
         epoch, batches = self.order.epoch, self.order.batches()
         if self.prefetch == 0:
-            return self._deliver(self._inline(batches, start, epoch), epoch)
+            run = InlineRun()
+            self._active = weakref.ref(run)
+            return self._deliver(self._inline(batches, start, epoch, run), epoch)
+        asks = Asks(self.archive, batches)
         production = Production(
-            self._planner(batches),
+            self._planner(batches, asks),
             self.engine,
             self.to_device,
             self._ring(),
             range(start, len(batches)),
-            functools.partial(self._copied, batches),
+            asks.release,
+            asks.release_all,
         )
-        it = self.prefetcher.start(production, lambda ready: self._failed(ready, epoch))
+        it = self.prefetcher.start(
+            production,
+            lambda ready: self._wrapped(
+                cast(BaseException, ready.error), ready.number, epoch, ready.trace
+            ),
+        )
         # Weak: an iterator the training loop drops is collected and stops its epoch.
         self._active = weakref.ref(it)
         return self._deliver(it, epoch)
@@ -233,55 +252,56 @@ class Loader:
             self.order.handed_out(number + 1)
             yield batch
 
-    def _planner(self, batches: list[np.ndarray]) -> PlanBatch:
+    def _planner(self, batches: list[np.ndarray], asks: Asks) -> PlanBatch:
         """The gather stage for the producer: batch j planned into a ring slot."""
 
         def plan_batch(j: int, slot: Slot) -> tuple[Batch, CopyPlan]:
-            self._ask_ahead(batches, j)
+            asks.ask_through(j)
             return self.archive.plan(torch.from_numpy(batches[j]), slot.buffers)
 
         return plan_batch
 
-    def _ask_ahead(self, batches: list[np.ndarray], j: int) -> None:
-        """The source stage hears which shards batch j and the one after it read, before
-        they are read (a remote source fetches them meanwhile)."""
-        archive = self.archive
-        for k in (j, j + 1)[: len(batches) - j]:
-            archive.source.ask(archive.shards_of(torch.from_numpy(batches[k])).tolist())
-
-    def _copied(self, batches: list[np.ndarray], j: int) -> None:
-        """Batch j has been copied out of its shards: the source may let go of them."""
-        archive = self.archive
-        archive.source.release(archive.shards_of(torch.from_numpy(batches[j])).tolist())
-
     def _inline(
-        self, batches: list[np.ndarray], start: int, epoch: int
+        self, batches: list[np.ndarray], start: int, epoch: int, run: InlineRun
     ) -> Iterator[tuple[int, Batch]]:
         """prefetch=0: each batch made on the calling thread when asked for, into a
         buffer still warm in cache, at the cost of the gather's time in the loop."""
         slots = self._ring()
-        for j in range(start, len(batches)):
-            slot = slots[j % len(slots)]
-            slot.wait_copied()
-            self._ask_ahead(batches, j)
-            try:
-                batch, plan = self.archive.plan(torch.from_numpy(batches[j]), slot.buffers)
-                self.engine.run(plan)
-            except ShardChangedError as e:
-                raise LoaderError(
-                    f"{self.archive.path}: gathering batch {j} of epoch {epoch} failed: {e}"
-                ) from e
-            finally:
-                self._copied(batches, j)
-            batch, slot.event = self.to_device.copy(batch)
-            self.to_device.use(batch, slot.event)
-            yield j, batch
+        asks = Asks(self.archive, batches)
+        try:
+            for j in range(start, len(batches)):
+                if run.closed:
+                    raise LoaderError(STOPPED_MESSAGE)
+                slot = slots[j % len(slots)]
+                try:
+                    slot.wait_copied()
+                    asks.ask_through(j)
+                    try:
+                        batch, plan = self.archive.plan(torch.from_numpy(batches[j]), slot.buffers)
+                        self.engine.run(plan)
+                    finally:
+                        asks.release(j)
+                    batch, slot.event = self.to_device.copy(batch)
+                    self.to_device.use(batch, slot.event)
+                except Exception as e:
+                    error = self._wrapped(e, j, epoch)
+                    if error is e:
+                        raise
+                    raise error from e
+                yield j, batch
+        finally:
+            asks.release_all()  # stopped early: the batch asked ahead, too
 
-    def _failed(self, ready: Ready, epoch: int) -> LoaderError:
-        e = ready.error
+    def _wrapped(self, e: BaseException, number: int, epoch: int, trace: str = "") -> BaseException:
+        """What the training loop raises for batch ``number``'s error ``e``: a usage
+        error (or a BaseException that is no Exception) as it is, any other a
+        ``LoaderError`` naming the archive, batch and epoch (``e`` its cause)."""
+        if isinstance(e, USAGE_ERRORS) or not isinstance(e, Exception):
+            return e
+        where = f"\n--- in the loader thread:\n{trace}" if trace else ""
         return LoaderError(
-            f"{self.archive.path}: gathering batch {ready.number} of epoch {epoch} failed: "
-            f"{type(e).__name__}: {e}\n--- in the loader thread:\n{ready.trace}"
+            f"{self.archive.path}: gathering batch {number} of epoch {epoch} failed: "
+            f"{type(e).__name__}: {e}{where}"
         )
 
     def _close_active(self) -> None:

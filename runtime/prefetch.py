@@ -23,17 +23,25 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
 
 from .batch import Batch
 from .device import DeviceStage
 from .engine import CopyEngine, Ticket
+from .errors import LoaderError
 from .plan import CopyPlan
 from .ring import FreeSlots, Slot
 from .threads import JobThread
 
+if TYPE_CHECKING:
+    from .dataset import Archive
+
 PlanBatch = Callable[[int, Slot], tuple[Batch, CopyPlan]]
 Copied = Callable[[int], None]  # batch j's copies are done (its source may let go)
+Ended = Callable[[], None]  # the production has ended, its copies done (let go of the rest)
 
 
 @dataclass
@@ -46,7 +54,52 @@ class Ready:
     trace: str = ""
 
 
-_DONE = object()
+_DONE = object()  # the epoch's last batch has been handed over
+_STOPPED = object()  # halted before the end: the iterator was closed or superseded
+
+STOPPED_MESSAGE = (
+    "this Loader iterator was stopped: Loader.close() or a new iter(loader) ended its "
+    "epoch; take a new iterator with iter(loader)"
+)
+
+
+class Asks:
+    """The source stage's side of one epoch: batch j's shards asked for once, while
+    batch j-1 is made (a remote source fetches them meanwhile), and let go of once:
+    when j has been copied, or by ``release_all`` when the epoch ends early."""
+
+    def __init__(self, archive: Archive, batches: list[np.ndarray]) -> None:
+        self.archive = archive
+        self.batches = batches
+        self.out: dict[int, list[int]] = {}  # asked for, not yet let go of
+
+    def ask_through(self, j: int) -> None:
+        """Batch j (if not asked for yet) and the one after it."""
+        for k in (j, j + 1):
+            if k < len(self.batches) and k not in self.out:
+                shards = self.archive.shards_of(torch.from_numpy(self.batches[k])).tolist()
+                self.archive.source.ask(shards)
+                self.out[k] = shards
+
+    def release(self, j: int) -> None:
+        shards = self.out.pop(j, None)
+        if shards is not None:
+            self.archive.source.release(shards)
+
+    def release_all(self) -> None:
+        for j in list(self.out):
+            self.release(j)
+
+
+class InlineRun:
+    """prefetch=0's handle on an epoch for ``Loader.close`` and a new ``iter``:
+    closed, its iterator raises ``LoaderError`` instead of making more batches."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class Production:
@@ -62,9 +115,11 @@ class Production:
         slots: list[Slot],
         numbers: range,
         copied: Copied,
+        ended: Ended = lambda: None,
     ) -> None:
         self.plan_batch = plan_batch
         self.copied = copied
+        self.ended = ended
         self.engine = engine
         self.device = device
         self.numbers = numbers
@@ -77,6 +132,7 @@ class Production:
         self.in_flight: collections.deque[tuple[int, Batch, Slot, Ticket]] = collections.deque()
 
     def run(self) -> None:
+        end: object = _STOPPED  # halted or failed unless it reaches the end
         try:
             for j in self.numbers:
                 slot = self._take_slot()
@@ -87,12 +143,17 @@ class Production:
             while self.in_flight:
                 if not self._publish():
                     return
-            self.ready.put(_DONE)
+            end = _DONE
         finally:
             for *_, ticket in self.in_flight:  # stopped early: let the copies finish
                 with contextlib.suppress(BaseException):
                     ticket.wait()
+            # Every batch asked for and not yet let go of (in flight, asked ahead).
+            with contextlib.suppress(BaseException):
+                self.ended()
             self.finished.set()
+            # Last, so a training loop waiting in ``next`` always wakes up.
+            self.ready.put(end)
 
     def _start(self, j: int, slot: Slot) -> bool:
         """Plans batch j into ``slot`` and starts its copies; False after an error."""
@@ -156,7 +217,8 @@ class Production:
 
 class PrefetchIter:
     """The training loop's side of a production: yields ``(number, batch)``; a failed
-    batch raises ``fail(ready)``."""
+    batch raises ``fail(ready)``; a production halted before its end (``close``, the
+    Loader's ``close`` or a new ``iter``) raises ``LoaderError``."""
 
     def __init__(
         self,
@@ -182,16 +244,26 @@ class PrefetchIter:
             # finished a batch in flight a little early.
             p.consumer_waiting = p.ready.empty()
             p.free.cond.notify()
+        if p.stop.is_set():
+            # Batches still queued may share ring slots with a newer epoch: none is handed out.
+            self.close()
+            raise LoaderError(STOPPED_MESSAGE)
         try:
             item = p.ready.get()
         finally:
             p.consumer_waiting = False
-        if item is _DONE:
+        if item is _DONE or item is _STOPPED:
+            p.ready.put(item)  # a later ``next`` ends the same way
             p.finished.wait()
-            raise StopIteration
+            if item is _DONE:
+                raise StopIteration
+            raise LoaderError(STOPPED_MESSAGE)
         if item.error is not None:
             self.close()
-            raise self.fail(item) from item.error
+            error = self.fail(item)
+            if error is item.error:  # a usage error, raised as it is
+                raise error
+            raise error from item.error
         p.device.use(item.batch, item.event)
         p.held = item.slot
         return item.number, item.batch

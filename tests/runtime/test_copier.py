@@ -342,3 +342,24 @@ def test_a_loader_dropped_mid_epoch_stops_its_threads(big_rows: Path) -> None:
         assert t is not None
         t.join(timeout=10)
         assert not t.is_alive()
+
+
+def test_the_calling_threads_own_copy_error_is_the_one_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caller = threading.current_thread()
+
+    def failing(*args: Any) -> None:
+        if threading.current_thread() is caller:
+            raise ValueError("the caller's share failed")
+        raise OSError("a helper's share failed too")
+
+    monkeypatch.setattr(engine_module, "execute_step", failing)
+    c = CopyEngine(threads=2)
+    src = torch.zeros(4 << 20, dtype=torch.uint8)
+    try:
+        with pytest.raises(ValueError, match="the caller's share failed"):
+            c.run(CopyPlan([Rows(torch.empty_like(src), src.view(-1, 1 << 16), np.arange(64))]))
+        assert len(c.helpers()) == 1  # a helper took the other share
+    finally:
+        c.close()

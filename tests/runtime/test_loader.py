@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +293,99 @@ def test_the_source_hears_of_shards_ahead_and_lets_go_after(archive: Path, prefe
     released = [s for what, s in source.log if what == "release"]
     assert released == reads  # each batch lets go of what it read, in order
     loader.close()
+
+
+class CountingSource(RecordingSource):
+    """Counts asks against releases per shard; ``fail_at`` makes that read fail."""
+
+    def __init__(self, inner: Any, fail_at: int | None = None) -> None:
+        super().__init__(inner)
+        self.fail_at = fail_at
+        self.reads = 0
+
+    def check(self, shards: Any) -> None:
+        self.reads += 1
+        if self.reads == self.fail_at:
+            raise OSError("simulated read failure")
+        super().check(shards)
+
+    def outstanding(self) -> int:
+        asked = sum(len(s) for what, s in self.log if what == "ask")
+        return asked - sum(len(s) for what, s in self.log if what == "release")
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("end", ["full", "stop", "error"])
+def test_every_ask_is_released_once(archive: Path, prefetch: int, end: str) -> None:
+    ds = open_archive(archive)
+    source = CountingSource(ds.source, fail_at=3 if end == "error" else None)
+    ds.source = source  # type: ignore[assignment]
+    loader = Loader(ds, 4, seed=2, prefetch=prefetch)
+    batches = loader.batches()
+    if end == "error":
+        with pytest.raises(LoaderError, match=r"batch 2 of epoch 0 failed: OSError"):
+            list(loader)
+    else:
+        for i, _ in enumerate(loader):
+            if end == "stop" and i == 2:
+                break
+    loader.close()
+    asks = [s for what, s in source.log if what == "ask"]
+    if end == "full":
+        assert len(asks) == len(batches)  # each batch asked for once
+    assert source.outstanding() == 0
+
+
+HANGS = """
+import sys, threading, time
+from dlop.runtime import Loader, LoaderError, open_archive
+path, prefetch, case = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+loader = Loader(path, 4, seed=0, prefetch=prefetch)
+it = iter(loader)
+next(it)
+if case == "close":
+    loader.close()
+elif case == "new-iter":
+    other = iter(loader)
+    assert next(other)["label"].shape == (4,)
+elif case == "close-from-another-thread":
+    class Slow:
+        def __init__(self, inner): self.inner = inner
+        def __getattr__(self, name): return getattr(self.inner, name)
+        def check(self, shards): time.sleep(0.5); self.inner.check(shards)
+    loader.archive.source = Slow(loader.archive.source)
+    threading.Timer(0.2, loader.close).start()
+try:
+    while True:
+        next(it)
+except LoaderError as e:
+    assert "iterator was stopped" in str(e), e
+else:
+    raise SystemExit("the stopped iterator went on to the end")
+assert next(it, None) is None  # then it is over, at once
+loader.close()
+print("ok")
+"""
+
+
+# prefetch=0 makes batches on the training thread: no other thread to block on.
+@pytest.mark.parametrize(
+    ("prefetch", "case"),
+    [
+        (0, "close"),
+        (0, "new-iter"),
+        (2, "close"),
+        (2, "new-iter"),
+        (2, "close-from-another-thread"),
+    ],
+)
+def test_a_stopped_iterator_raises_instead_of_hanging(
+    archive: Path, prefetch: int, case: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", HANGS, str(archive), str(prefetch), case],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -122,4 +123,35 @@ def test_an_open_archive_with_other_fields_or_padding_is_refused(archive: Path) 
     assert loader.archive is ds
     padded = next(iter(loader))
     assert (padded["speech"] == -1.0).any()  # the archive's pad_value applies
+    loader.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_loader_errors_are_wrapped_alike_and_usage_errors_kept(
+    archive: Path, prefetch: int
+) -> None:
+    ds = open_archive(archive, fields=["image"], pad_value=-3.5)  # image is u8
+    with pytest.raises(UsageError, match=r"field 'image' \(u8\): pad_value -3.5 does not fit"):
+        list(Loader(ds, 8, shuffle=False, prefetch=prefetch))
+
+    class Failing:
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.reads = inner, 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def check(self, shards: Any) -> None:
+            self.reads += 1
+            if self.reads == 2:
+                raise OSError("simulated read failure")
+            self.inner.check(shards)
+
+    ds = open_archive(archive)
+    ds.source = Failing(ds.source)  # type: ignore[assignment]
+    loader = Loader(ds, 4, shuffle=False, prefetch=prefetch)
+    message = r"/a: gathering batch 1 of epoch 0 failed: OSError: simulated read failure"
+    with pytest.raises(LoaderError, match=message) as caught:
+        list(loader)
+    assert isinstance(caught.value.__cause__, OSError)
     loader.close()
