@@ -55,7 +55,7 @@ bench-peers:
 # The archive fuzzer for longer: hypothesis mutations of index.json, shard headers and
 # file kinds, in a child process with a memory cap (DLOP_FUZZ_EXAMPLES to change).
 fuzz: env
-	DLOP_FUZZ_EXAMPLES=$${DLOP_FUZZ_EXAMPLES:-5000} $(VENV)/bin/python -m pytest -q tests/formats/test_fuzz.py
+	DLOP_FUZZ_RANDOM=1 DLOP_FUZZ_EXAMPLES=$${DLOP_FUZZ_EXAMPLES:-5000} $(VENV)/bin/python -m pytest -q tests/formats/test_fuzz.py
 
 # mypy: one strict run over the whole dlop package (scope and settings in pyproject.toml).
 lint: env
