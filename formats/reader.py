@@ -480,6 +480,12 @@ class ShardReader:
             problems += found
         return problems
 
+    def mapped_size(self) -> int:
+        """The current size of the mapped file itself (an fstat of the mapping's own
+        descriptor): smaller than it was when mapped if the file was truncated in
+        place, whatever its path now names."""
+        return int(self._mm.size())
+
     def file_crc32(self) -> int:
         """CRC-32 of the whole file, as recorded in the archive index."""
         return _crc(self._u8)

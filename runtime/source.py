@@ -12,9 +12,7 @@ each read, ``check`` refuses a shard that changed under its mapping.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -50,11 +48,7 @@ class LocalSource:
     def __init__(self, reader: ArchiveReader) -> None:
         self.reader = reader
         self.shards = [reader.shard(k) for k in range(reader.num_shards)]
-        # What each shard's file was when mapped: (size, device, inode).
-        self.files = [
-            _file_identity(s.path, info.bytes)
-            for s, info in zip(self.shards, reader.index.shards, strict=True)
-        ]
+        self.sizes = [info.bytes for info in reader.index.shards]  # as validated when mapped
 
     def shard(self, k: int) -> ShardReader:
         return self.shards[k]
@@ -72,21 +66,12 @@ class LocalSource:
         (``os.replace``) is not an error: the mapping keeps the file it opened.
         """
         for k in np.unique(np.asarray(shards, dtype=np.int64)).tolist():
-            size, dev, ino = self.files[k]
-            path = self.shards[k].path
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue  # deleted: the mapped file lives on until unmapped
-            if st.st_ino == ino and st.st_dev == dev and st.st_size < size:
+            # fstat of the mapping's own descriptor: the mapped file, whatever its path names now
+            size, now = self.sizes[k], self.shards[k].mapped_size()
+            if now < size:
+                path = self.shards[k].path
                 raise ShardChangedError(
-                    f"{path}: shard shrank from {size} to {st.st_size} bytes after the "
+                    f"{path}: shard shrank from {size} to {now} bytes after the "
                     "archive opened it; rewrite shards under a new name and os.replace "
                     "them, never in place, while a job reads them"
                 )
-
-
-def _file_identity(path: Path, size: int) -> tuple[int, int, int]:
-    """(size the reader validated, device, inode) of a mapped shard file."""
-    st = os.stat(path)
-    return size, st.st_dev, st.st_ino

@@ -86,3 +86,28 @@ def test_a_replaced_shard_keeps_being_read_as_opened(rows: Path) -> None:
     shard.unlink()
     shard.write_bytes(data[: len(data) // 2])  # a new file under the old name
     assert ds.__getitems__(list(range(24)))["label"].tolist() == before
+
+
+def test_a_shard_moved_away_then_truncated_is_still_caught(rows: Path) -> None:
+    """The check looks at the mapped file itself, not at whatever its old path names."""
+    script = textwrap.dedent(
+        f"""
+        import os
+        from dlop.runtime import open_archive
+        from dlop.runtime.errors import ShardChangedError
+        ds = open_archive({str(rows)!r})
+        shard = ds.shards[0].path
+        moved = str(shard) + ".old"
+        os.rename(shard, moved)
+        os.truncate(moved, os.path.getsize(moved) // 2)
+        try:
+            ds[0]
+        except ShardChangedError as e:
+            print(type(e).__name__, str(e).splitlines()[0])
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ShardChangedError"), done.stdout + done.stderr[-2000:]
