@@ -38,6 +38,7 @@ from dlop.formats import ArchiveWriter, Field, Index, ShardInfo
 
 from .errors import CompileError
 from .items import CorpusShape, Outcome, process_items, schema_for
+from .layouts import stream_items
 from .output import (
     JOURNAL,
     SPILL_PREFIX,
@@ -48,7 +49,7 @@ from .output import (
     locked_output,
 )
 from .recipe import Recipe
-from .sources import Corpus, Item, open_corpus, stream_webdataset, text_path
+from .sources import Corpus, Item, open_corpus, text_path
 
 # Inputs per task sent to a worker: enough to amortize the hand-over for small
 # audio clips, and one for images, whose decoded size (a 5k x 5k slide core
@@ -153,12 +154,6 @@ def _test_point(moment: str) -> None:
     """Signals this process when the test variable names this moment (see TEST_KILL_AT)."""
     if os.environ.get(TEST_KILL_AT) == moment:
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(TEST_SIGNAL, "KILL")))
-
-
-def _item_stream(corpus: Corpus, start: int) -> Iterator[Item]:
-    if corpus.layout == "webdataset":
-        return stream_webdataset(corpus, start)
-    return iter(corpus.items[start:])
 
 
 def _chunks(items: Iterator[Item], size: int) -> Iterator[list[Item]]:
@@ -311,7 +306,7 @@ def _results(
     # size counted from the corpus's first input, wherever a resumed compile
     # starts; the bytes do not depend on the grouping either (featurize_clips).
     size = CHUNK_ITEMS[corpus.media]
-    stream = _item_stream(corpus, start)
+    stream = stream_items(corpus, start)
     head = list(itertools.islice(stream, -start % size))
     chunks = itertools.chain([head] if head else [], _chunks(stream, size))
     if workers == 1:

@@ -172,6 +172,13 @@ def stream_webdataset(corpus: Corpus, start: int = 0) -> Iterator[Item]:
                 yield item
 
 
+def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
+    """The registry's hook: items [start, stop) with their members' bytes."""
+    return itertools.islice(
+        stream_webdataset(corpus, start), None if stop is None else stop - start
+    )
+
+
 def webdataset_fields(item: Item) -> None:
     """Fills label/text from the item's cls/txt/json member bytes; a bad one sets item.error."""
     data = item.data or {}
