@@ -19,3 +19,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def s3():  # type: ignore[no-untyped-def]
+    """S3 over HTTP on loopback (tests/objectstore.py); the environment points at it."""
+    from tests.objectstore import s3_server
+
+    with s3_server() as server:
+        yield server
