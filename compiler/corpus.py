@@ -7,6 +7,7 @@ stages read it); a field that a media does not use stays at its default.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import listing
@@ -34,6 +35,16 @@ class Item:
     # webdataset: listing stopped at damage in this sample's tar, so the tar stream may not
     # hold it (it is bad either way)
     unread: bool = False
+    # a URL input's bytes (and its masks'), by URL, fetched by the worker (urls.fetch_inputs)
+    fetched: dict[str, bytes] | None = None
+
+
+def input_source(item: Item, path: str) -> str | bytes:
+    """What decode reads for one of the item's files: its fetched bytes when it is a URL
+    the worker fetched (urls.fetch_inputs), else the path."""
+    if item.fetched is not None and path in item.fetched:
+        return item.fetched[path]
+    return path
 
 
 @dataclass
@@ -58,8 +69,14 @@ class ListOptions:
     media: str = "audio"
     images: str | None = None  # segmentation: the images folder (default: detected)
     masks: tuple[str, ...] | None = None  # segmentation: mask folders (default: detected)
+    text_column: str | None = None  # hf: the transcript column (default: text, sentence, ...)
+    label_column: str | None = None  # hf: the class column (default: label, or a ClassLabel)
+    keep_columns: tuple[str, ...] = ()  # hf: scalar columns carried as fields
 
 
-def fingerprint(items: list[Item], extra: bytes = b"") -> str:
-    """sha256 over every input's key and size plus the corpus's listing files (``extra``)."""
-    return listing.fingerprint(((it.key, it.path, it.offset, it.duration) for it in items), extra)
+def fingerprint(items: list[Item], extra: bytes = b"", root: Path | None = None) -> str:
+    """sha256 over every input's key and size plus the corpus's listing files (``extra``);
+    ``root`` is the SOURCE path, whose listing gives the sizes of URL inputs."""
+    return listing.fingerprint(
+        ((it.key, it.path, it.offset, it.duration) for it in items), extra, root
+    )

@@ -180,7 +180,9 @@ def compile_corpus(
     """Compiles recipe.source into an archive at ``out``; returns its index."""
     out = Path(out)
     check_apart(out, recipe)
-    corpus = open_corpus(recipe.source, recipe.layout, recipe.media, recipe.images, recipe.masks)
+    corpus = open_corpus(
+        recipe.source, recipe.layout, recipe.media, recipe.images, recipe.masks, **recipe.columns()
+    )
     if not corpus.items:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
     shape = CorpusShape.of(corpus)

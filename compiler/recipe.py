@@ -73,6 +73,9 @@ class Recipe:
     vision: VisionConfig = field(default_factory=VisionConfig)
     images: str | None = None  # segmentation: the images folder (default: detected)
     masks: tuple[str, ...] | None = None  # segmentation: mask folders (default: detected)
+    text_column: str | None = None  # hf: the transcript column (default: detected)
+    label_column: str | None = None  # hf: the class column (default: detected)
+    keep_columns: tuple[str, ...] = ()  # hf: scalar columns carried as fields
 
     def __post_init__(self) -> None:
         if self.media not in MEDIA:
@@ -85,6 +88,12 @@ class Recipe:
             raise CompileError(f"downmix {self.downmix!r} must be one of {DOWNMIX_POLICIES}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise CompileError(f"layout {self.layout!r} must be one of {LAYOUTS}")
+        given = [name for name, value in self.columns().items() if value]
+        if given and self.layout != "hf":
+            raise CompileError(
+                f"{', '.join(given)} choose columns of a table corpus (layout hf), not of "
+                f"layout {self.layout}; drop them or pass --layout hf"
+            )
         if self.duration is not None and self.duration <= 0:
             raise CompileError(f"duration {self.duration} must be positive seconds")
         self.feature_codec()  # validates
@@ -114,6 +123,10 @@ class Recipe:
         if self.media == "image":
             out["images"] = self.images
             out["masks"] = list(self.masks) if self.masks is not None else None
+        # Column choices are recorded only when given, so other recipes keep their digest.
+        for name, value in self.columns().items():
+            if value:
+                out[name] = list(value) if isinstance(value, tuple) else value
         if self.media == "audio" or (self.media == "video" and self.vision.audio):
             out["features"] = self.feature.to_json()
             out["dtype"] = self.dtype
@@ -128,6 +141,14 @@ class Recipe:
             on_error=self.on_error,
         )
         return out
+
+    def columns(self) -> dict[str, Any]:
+        """The column choices a table layout (hf) lists with, as open_corpus takes them."""
+        return {
+            "text_column": self.text_column,
+            "label_column": self.label_column,
+            "keep_columns": self.keep_columns,
+        }
 
     def digest(self) -> str:
         """Hash of everything that determines the archive's bytes."""
@@ -192,6 +213,9 @@ RECIPE_OPTIONS = (
     "vision",
     "images",
     "masks",
+    "text_column",
+    "label_column",
+    "keep_columns",
 )
 MAX_DURATION_S = 24 * 3600.0
 MIN_SHARD_BYTES, MAX_SHARD_BYTES = 4 << 10, 1 << 40
@@ -235,6 +259,18 @@ def _fits(kind: str, value: Any) -> bool:
     return _is_number(value)
 
 
+def _column_names(value: Any) -> tuple[str, ...] | None:
+    """``"a,b"`` or ``["a", "b"]`` -> ("a", "b"); None when it is neither (or names none)."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        return None
+    names = tuple(v.strip() for v in value)
+    if not names or not all(names) or len(set(names)) != len(names):
+        return None
+    return names
+
+
 def check_options(opts: dict[str, Any]) -> None:
     """Names, types and ranges of the recipe's options, before any work.
 
@@ -263,6 +299,13 @@ def check_options(opts: dict[str, Any]) -> None:
     for key in ("codec", "images"):
         if key in opts and not isinstance(opts[key], str):
             raise bad(key, "a string")
+    for key in ("text_column", "label_column"):
+        if key in opts and (not isinstance(opts[key], str) or not opts[key]):
+            raise bad(key, "a column name")
+    if "keep_columns" in opts:
+        keep = opts["keep_columns"]
+        if not _column_names(keep):
+            raise bad("keep_columns", "column names: a list, or one string separated by commas")
     for key in ("resampler", "vision", "feature_codec"):
         if key in opts and not isinstance(opts[key], dict):
             raise bad(key, "a table of options")
@@ -370,4 +413,7 @@ def build_recipe(options: dict[str, Any]) -> Recipe:
         vision=vision,
         images=None if opts.get("images") is None else str(opts["images"]),
         masks=None if masks is None else tuple(str(m) for m in masks),
+        text_column=opts.get("text_column"),
+        label_column=opts.get("label_column"),
+        keep_columns=_column_names(opts.get("keep_columns", ())) or (),
     )

@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--downmix", choices=CHOICES["downmix"], help="how channels become one (default mean)"
     )
     g.add_argument("--media", choices=CHOICES["media"], help="default: told by layout and files")
+    g.add_argument(
+        "--text-column", help="hf: the transcript column (default: text, sentence, transcription)"
+    )
+    g.add_argument(
+        "--label-column", help="hf: the class column (default: label, or the first ClassLabel)"
+    )
+    g.add_argument("--keep-columns", help="hf: scalar columns carried as fields, e.g. speaker,age")
     v = p.add_argument_group("video and images")
     v.add_argument("--size", type=int, help="resize so the short side is N pixels (antialiased)")
     v.add_argument("--crop", help="centre crop N or HxW after --size (default: keep all)")

@@ -15,6 +15,11 @@ A layout module defines::
         # members, Parquet rows) and are cheaper to read in one pass than one by one.
         # Without it a compile takes corpus.items[start:stop] as listed.
 
+SOURCE may be a URL (``s3://``, ``gs://``, ``https://``): the layout then gets a
+``compiler.urls.UrlPath``, a Path whose file questions go to the bucket listing;
+a layout that reads files through ``compiler.listing`` and the Path methods
+named there lists URLs as it lists folders.
+
 Every module in this package whose name does not start with ``_`` is
 registered when the package is imported, so adding a layout is adding a
 file; ``register`` adds one from elsewhere. A layout module imports the
@@ -36,10 +41,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from ..corpus import Corpus, Item, ListOptions
 from ..errors import CompileError
 from ..listing import MEDIA, is_archive
+from ..urls import is_url, local_path, url_path
 
 
 @dataclass(frozen=True)
@@ -157,15 +164,28 @@ def stream_items(corpus: Corpus, start: int = 0, stop: int | None = None) -> Ite
     return itertools.islice(corpus.items, start, stop)
 
 
+def source_path(source: str, storage_options: dict[str, Any] | None = None) -> Path:
+    """SOURCE as the path layouts list: a local Path, or a UrlPath for a URL (compiler.urls)."""
+    if is_url(source):
+        return url_path(source, storage_options)
+    return Path(local_path(source))
+
+
 def open_corpus(
     source: str,
     layout: str | None,
     media: str | None = None,
     images: str | None = None,
     masks: tuple[str, ...] | None = None,
+    *,
+    text_column: str | None = None,
+    label_column: str | None = None,
+    keep_columns: tuple[str, ...] = (),
+    storage_options: dict[str, Any] | None = None,
 ) -> Corpus:
-    """Lists ``source`` with its layout (detected when None) into a Corpus, in corpus order."""
-    path = Path(source)
+    """Lists ``source`` (a path or URL) with its layout (detected when None) into a Corpus,
+    in corpus order; ``storage_options`` reach the filesystem of a URL (compiler.urls)."""
+    path = source_path(source, storage_options)
     chosen = get(layout or detect_layout(path))
     media = media or chosen.source_media(path)
     if media not in chosen.media:
@@ -173,7 +193,15 @@ def open_corpus(
             f"layout {chosen.name} holds {' or '.join(chosen.media)}, not {media}; "
             "drop --media or pick another --layout"
         )
-    return chosen.list(path, ListOptions(media=media, images=images, masks=masks))
+    options = ListOptions(
+        media=media,
+        images=images,
+        masks=masks,
+        text_column=text_column,
+        label_column=label_column,
+        keep_columns=keep_columns,
+    )
+    return chosen.list(path, options)
 
 
 _discover()

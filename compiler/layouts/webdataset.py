@@ -10,13 +10,14 @@ import hashlib
 import itertools
 import json
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ..corpus import MAX_LABEL, Corpus, Item, ListOptions
 from ..errors import CompileError
-from ..listing import AUDIO_EXTS, file_size, is_text, name_bytes, name_key
+from ..listing import AUDIO_EXTS, file_size, is_text, like, name_bytes, name_key
+from ..urls import UrlPath, is_url, url_path
 
 NAME = "webdataset"
 MEDIA = ("audio",)
@@ -42,7 +43,7 @@ def _tar_paths(source: Path) -> list[Path]:
     if "{" in str(source):
         import braceexpand  # a webdataset dependency
 
-        return [Path(p) for p in braceexpand.braceexpand(str(source))]
+        return [like(source, p) for p in braceexpand.braceexpand(str(source))]
     return [source]
 
 
@@ -88,7 +89,10 @@ def _group_members(tar: Path) -> Iterator[tuple[str, list[str], str | None]]:
     where = name_key(tar.name)
     try:
         size = tar.stat().st_size
-        tf = tarfile.open(tar)  # noqa: SIM115 - closed by the with below, once it opened
+        if isinstance(tar, UrlPath):  # read through fsspec's file, seeking over member data
+            tf = tarfile.open(fileobj=tar.open("rb"))  # noqa: SIM115 - closed by the with below
+        else:
+            tf = tarfile.open(tar)  # noqa: SIM115 - closed by the with below, once it opened
     except (tarfile.TarError, OSError, EOFError) as e:
         yield tar.name, [], f"{where}: not a readable tar file ({e})"
         return
@@ -145,7 +149,7 @@ def stream_webdataset(corpus: Corpus, start: int = 0) -> Iterator[Item]:
             failures.append(e)
             return False  # stop reading this tar; its undelivered samples are bad inputs
 
-        stream = iter(wds.WebDataset([tar], shardshuffle=False, empty_check=False, handler=stop))
+        stream = _tar_samples(wds, tar, stop)
         held: dict[str, Any] | None = None
         for n, item in todo:
             sample = held if held is not None else next(stream, None)
@@ -172,6 +176,19 @@ def stream_webdataset(corpus: Corpus, start: int = 0) -> Iterator[Item]:
                 yield item
 
 
+def _tar_samples(wds: Any, tar: str, stop: Callable[[BaseException], bool]) -> Iterator[Any]:
+    """One tar's samples as webdataset groups them; a URL tar is read as one fsspec stream."""
+    if not is_url(tar):
+        return iter(wds.WebDataset([tar], shardshuffle=False, empty_check=False, handler=stop))
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    def opened() -> Iterator[dict[str, Any]]:
+        with url_path(tar, STORAGE_OPTIONS.get(tar)).open("rb") as f:
+            yield {"url": tar, "stream": f}
+
+    return group_by_keys(tar_file_expander(opened(), handler=stop), handler=stop)
+
+
 def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
     """The registry's hook: items [start, stop) with their members' bytes."""
     return itertools.islice(
@@ -194,7 +211,8 @@ def webdataset_fields(item: Item) -> None:
         except ValueError:
             item.error = f"{item.key}.cls: {cls[:40]!r} is not an integer class"
             return
-    item.text = txt
+    if txt is not None:  # items of other layouts carry their text already
+        item.text = txt
     if "json" in data:
         try:
             obj = json.loads(data["json"])

@@ -1,0 +1,323 @@
+"""Hugging Face ``datasets`` Parquet files: an ``Audio`` (or ``Image``) column and scalar columns.
+
+The media column is the feature's struct of ``bytes`` and ``path``: bytes are
+decoded in memory; without bytes, a relative path is resolved against the
+dataset folder (SOURCE, or the folder of a SOURCE file). The features, with
+their ``ClassLabel`` names and ``Audio`` sampling rate, come from the Parquet
+schema metadata under ``huggingface``.
+
+Listing reads each file's footer and its small columns only, never the media
+bytes; ``stream`` reads the media column one row group at a time, so a split
+of any size never sits in memory. pyarrow is imported only here, when used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..corpus import MAX_LABEL, Corpus, Item, ListOptions, fingerprint
+from ..errors import CompileError
+from ..listing import AUDIO_EXTS, IMAGE_EXTS, file_size, is_text, name_bytes, name_key
+
+NAME = "hf"
+MEDIA = ("audio", "image")
+SIGNS = "*.parquet files"
+SUFFIX = ".parquet"
+TEXT_COLUMNS = ("text", "sentence", "transcription")
+FEATURE_TYPES = {"audio": "Audio", "image": "Image"}
+# Parquet files are looked for this deep below SOURCE (data/train-0000.parquet,
+# config/split/0000.parquet), so detection never walks a whole corpus of media files.
+_PATTERNS = ("*.parquet", "*/*.parquet", "*/*/*.parquet")
+
+
+def _pq() -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CompileError(
+            "reading Parquet (layout hf) needs pyarrow: pip install 'dlop[hf]'"
+        ) from None
+    return pq
+
+
+def detect(source: Path) -> bool:
+    if source.is_file():
+        return source.suffix == SUFFIX
+    return source.is_dir() and any(next(source.glob(p), None) for p in _PATTERNS)
+
+
+def _files(source: Path) -> list[Path]:
+    if source.is_file():
+        return [source]
+    return sorted({p for pattern in _PATTERNS for p in source.glob(pattern) if p.is_file()})
+
+
+def _features(schema: Any) -> dict[str, Any]:
+    """The ``datasets`` features from the schema metadata ({} when the file has none)."""
+    raw = (schema.metadata or {}).get(b"huggingface")
+    try:
+        info = json.loads(raw) if raw else {}
+        features = info.get("info", {}).get("features", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return {}
+    return features if isinstance(features, dict) else {}
+
+
+def _type_of(features: dict[str, Any], column: str) -> str:
+    spec = features.get(column)
+    return str(spec.get("_type", "")) if isinstance(spec, dict) else ""
+
+
+def source_media(source: Path) -> str:
+    """image when the first file's features hold an Image and no Audio column, else audio."""
+    files = _files(source)
+    if not files:
+        return "audio"
+    features = _features(_pq().read_schema(files[0]))
+    types = {_type_of(features, c) for c in features}
+    return "image" if "Image" in types and "Audio" not in types else "audio"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """Which column holds what, told once from the first file's schema."""
+
+    media: str
+    text: str | None
+    label: str | None
+    keep: dict[str, str]  # column -> "i64" | "f64" | "str"
+    key: str | None  # a string ``id`` column names the samples
+
+
+def _scalar_kind(arrow_type: Any) -> str | None:
+    import pyarrow as pa
+
+    if pa.types.is_integer(arrow_type) or pa.types.is_boolean(arrow_type):
+        return "i64"
+    if pa.types.is_floating(arrow_type):
+        return "f64"
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "str"
+    return None
+
+
+def _columns(path: Path, schema: Any, features: dict[str, Any], options: ListOptions) -> _Columns:
+    names = list(schema.names)
+    wanted = FEATURE_TYPES[options.media]
+    media = next((c for c in names if _type_of(features, c) == wanted), None)
+    if media is None and options.media in names:
+        media = options.media
+    if media is None or not {"bytes", "path"} <= {f.name for f in schema.field(media).type}:
+        raise CompileError(
+            f"{path}: no {wanted} column (a struct of bytes and path, declared in the "
+            f"huggingface schema metadata); columns: {names}"
+        )
+
+    def pick(option: str, given: str | None, found: str | None) -> str | None:
+        if given is not None and given not in names:
+            raise CompileError(f"{path}: --{option} {given!r} is not a column; columns: {names}")
+        column = given or found
+        if column is not None and _scalar_kind(schema.field(column).type) is None:
+            raise CompileError(
+                f"{path}: --{option} {column!r} holds {schema.field(column).type}, "
+                "not integers or strings"
+            )
+        return column
+
+    text = pick(
+        "text-column", options.text_column, next((c for c in TEXT_COLUMNS if c in names), None)
+    )
+    class_labels = [c for c in names if _type_of(features, c) == "ClassLabel"]
+    found_label = "label" if "label" in names else next(iter(class_labels), None)
+    label = pick("label-column", options.label_column, found_label)
+    keep: dict[str, str] = {}
+    for column in options.keep_columns:
+        kind = _scalar_kind(schema.field(column).type) if column in names else None
+        if kind is None or column in (media, text, label):
+            why = "is not a column" if column not in names else f"holds {schema.field(column).type}"
+            if column in (media, text, label):
+                why = "is read already (media, text or label)"
+            raise CompileError(
+                f"{path}: --keep-columns {column!r} {why}; keep scalar columns (integers, "
+                f"floats, strings) of {names}"
+            )
+        keep[column] = kind
+    key = "id" if "id" in names and _scalar_kind(schema.field("id").type) == "str" else None
+    return _Columns(media, text, label, keep, key)
+
+
+def list_corpus(source: Path, options: ListOptions) -> Corpus:
+    """Every row of every Parquet file, in file order then row order; media bytes not read."""
+    pq = _pq()
+    files = _files(source)
+    if not files:
+        raise CompileError(
+            f"{source}: no .parquet files found (looked {len(_PATTERNS)} levels deep)"
+        )
+    root = source if source.is_dir() else source.parent
+    first = pq.ParquetFile(files[0])
+    features = _features(first.schema_arrow)
+    cols = _columns(files[0], first.schema_arrow, features, options)
+    classes = _label_names(features, cols.label)
+    h = hashlib.sha256(json.dumps(features, sort_keys=True).encode())
+    items: list[Item] = []
+    for path in files:
+        rel = name_key(str(path.relative_to(root)))
+        h.update(name_bytes(rel) + f"\0{file_size(path)}\n".encode())
+        items += _list_file(pq.ParquetFile(path), path, rel, cols, classes)
+    metadata: dict[str, Any] = {"hf": _described(cols, features)}
+    if classes:
+        metadata["classes"] = classes
+    return Corpus(
+        NAME,
+        str(source),
+        items,
+        cols.label is not None,
+        cols.text is not None,
+        dict(cols.keep),
+        metadata,
+        fingerprint(items, h.digest()),
+        media=options.media,
+    )
+
+
+def _label_names(features: dict[str, Any], label: str | None) -> list[str]:
+    spec = features.get(label or "")
+    names = spec.get("names") if isinstance(spec, dict) else None
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def _described(cols: _Columns, features: dict[str, Any]) -> dict[str, Any]:
+    """Where the archive's fields came from, and the media column's declared sampling rate."""
+    spec = features.get(cols.media)
+    rate = spec.get("sampling_rate") if isinstance(spec, dict) else None
+    return {
+        "media_column": cols.media,
+        "text_column": cols.text,
+        "label_column": cols.label,
+        "keep_columns": list(cols.keep),
+        "sampling_rate": rate if isinstance(rate, int) else None,
+    }
+
+
+def _list_file(pf: Any, path: Path, rel: str, cols: _Columns, classes: list[str]) -> list[Item]:
+    names = list(pf.schema_arrow.names)
+    small = [c for c in (cols.key, cols.text, cols.label, *cols.keep) if c is not None]
+    missing = [c for c in small if c not in names]
+    if missing or cols.media not in names:
+        raise CompileError(
+            f"{path}: lacks column(s) {missing or [cols.media]} that the first file has; "
+            "every file of a split must share one schema"
+        )
+    items: list[Item] = []
+    wanted = list(dict.fromkeys([*small, f"{cols.media}.path"]))
+    row = 0
+    for batch in pf.iter_batches(batch_size=1 << 16, columns=wanted):
+        data = batch.to_pydict()
+        paths = [(m or {}).get("path") for m in data[cols.media]]
+        for n in range(batch.num_rows):
+            items.append(_item(data, n, row, path, rel, cols, classes, paths[n]))
+            row += 1
+    return items
+
+
+def _item(
+    data: dict[str, list[Any]],
+    n: int,
+    row: int,
+    path: Path,
+    rel: str,
+    cols: _Columns,
+    classes: list[str],
+    media_path: str | None,
+) -> Item:
+    where = f"{rel} row {row}"
+    key = data[cols.key][n] if cols.key is not None else None
+    key = key if isinstance(key, str) and key and is_text(key) else where
+    ext = Path(media_path or "").suffix.lower()
+    known = ext in (AUDIO_EXTS if cols.media != "image" else IMAGE_EXTS)
+    item = Item(key=key, member=(str(path), ext[1:] if known else "bin"))
+    if cols.text is not None:
+        text = data[cols.text][n]
+        item.text = None if text is None else str(text)
+    for column in cols.keep:
+        if data[column][n] is not None:
+            item.extras[column] = data[column][n]
+    if cols.label is not None:
+        value = data[cols.label][n]
+        if isinstance(value, str) and classes:
+            value = classes.index(value) if value in classes else None
+        if type(value) is bool:
+            value = int(value)
+        if type(value) is not int or not 0 <= value <= MAX_LABEL:
+            item.error = f"{where}: label {value!r} is not a class index from 0 to {MAX_LABEL}"
+        else:
+            item.label = value
+    if item.text is not None and not is_text(item.text):
+        item.error = f"{where}: text holds an unpaired surrogate escape, which is no text"
+    return item
+
+
+def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
+    """The registry's hook: items [start, stop), each with its media bytes (or path), read one
+    row group at a time. The corpus's own items stay light: each one yielded is a copy."""
+    pq = _pq()
+    stop = len(corpus.items) if stop is None else min(stop, len(corpus.items))
+    root = Path(corpus.root) if Path(corpus.root).is_dir() else Path(corpus.root).parent
+    column = corpus.metadata["hf"]["media_column"]
+    first = 0
+    for file, run in itertools.groupby(corpus.items, key=lambda it: (it.member or ("", ""))[0]):
+        todo = list(run)
+        lo, hi = max(start, first), min(stop, first + len(todo))
+        if lo < hi:
+            yield from _stream_file(
+                pq.ParquetFile(file), file, todo, lo - first, hi - first, root, column
+            )
+        first += len(todo)
+        if first >= stop:
+            return
+
+
+def _stream_file(
+    pf: Any, file: str, items: list[Item], lo: int, hi: int, root: Path, column: str
+) -> Iterator[Item]:
+    if pf.metadata.num_rows != len(items):
+        raise CompileError(
+            f"{file}: holds {pf.metadata.num_rows} rows, {len(items)} were listed; the file "
+            "changed during the compile"
+        )
+    group_start = 0
+    for g in range(pf.metadata.num_row_groups):
+        rows = pf.metadata.row_group(g).num_rows
+        a, b = max(lo, group_start), min(hi, group_start + rows)
+        if a < b:
+            media = pf.read_row_group(g, columns=[column]).column(0).combine_chunks()
+            for row in range(a, b):
+                cell = media[row - group_start].as_py()
+                yield _filled(items[row], cell, root, f"{name_key(Path(file).name)} row {row}")
+        group_start += rows
+        if group_start >= hi:
+            return
+
+
+def _filled(item: Item, cell: dict[str, Any] | None, root: Path, where: str) -> Item:
+    """A copy of ``item`` with its media: the bytes in memory, else the resolved path."""
+    data, path = (cell or {}).get("bytes"), (cell or {}).get("path")
+    if item.error is not None:
+        return item
+    if data:
+        ext = (item.member or ("", "bin"))[1]
+        return dataclasses.replace(item, data={ext: data})
+    if path:
+        full = Path(path) if Path(path).is_absolute() else root / path
+        return dataclasses.replace(item, path=str(full), member=None)
+    why = "empty bytes and no path" if data is not None else "neither bytes nor a path"
+    return dataclasses.replace(
+        item, error=f"{where}: the media cell holds {why} (no media to decode)"
+    )

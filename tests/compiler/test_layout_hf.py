@@ -1,0 +1,210 @@
+"""--layout hf: Parquet written by Hugging Face ``datasets`` with an Audio column."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlop.compiler.errors import CompileError
+from dlop.compiler.layouts import hf, open_corpus, stream_items
+from dlop.compiler.recipe import build_recipe
+from dlop.formats import ArchiveReader
+from dlop.tools.compile_cli import main
+
+from .fixtures import write_audio
+from .signals import make_signal
+
+TEXTS = ["the first one", "zweite Äußerung", "trois — «guillemets»", "  padded  ", "fünf\tfive"]
+CLASSES = ["cat", "dog", "owl"]
+
+
+def compile_ok(*args: str) -> None:
+    assert main([*args, "-q", "--workers", "1"]) == 0
+
+
+def write_parquet(path: Path, columns: dict[str, list[Any]], features: dict[str, Any]) -> None:
+    """A Parquet file as ``datasets`` writes it, rows in groups of two; the Audio cells are
+    built as the feature's bytes/path struct (no torchcodec encode)."""
+    import pyarrow as pa
+    from datasets import Dataset, DatasetInfo, Features
+
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    arrays = {
+        k: pa.array(v, type=struct) if k in ("audio", "image") else pa.array(v)
+        for k, v in columns.items()
+    }
+    table = pa.table(arrays).cast(Features(features).arrow_schema)
+    dataset = Dataset(table, info=DatasetInfo(features=Features(features)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dataset.to_parquet(str(path), batch_size=2)
+
+
+def hf_corpus(root: Path, embed: tuple[bool, ...] = (True, False, True, False, True)) -> Path:
+    """Five clips (WAV and FLAC, 16 and 8 kHz); each row embeds its bytes or keeps a relative
+    path; plus a manifest of the same files for compiling them as plain files."""
+    from datasets import Audio, ClassLabel, Value
+
+    cells, lines = [], []
+    for i, keep_bytes in enumerate(embed):
+        name = f"clips/c{i}.{'flac' if i % 2 else 'wav'}"
+        rate = 8000 if i == 2 else 16000
+        write_audio(root / name, make_signal(rate, 0.4 + 0.1 * i, seed=i), rate)
+        data = (root / name).read_bytes() if keep_bytes else None
+        cells.append({"bytes": data, "path": Path(name).name if keep_bytes else name})
+        lines.append(json.dumps({"audio_filepath": name, "text": TEXTS[i]}) + "\n")
+    (root / "plain.jsonl").write_text("".join(lines), encoding="utf-8")
+    columns = {
+        "id": [f"utt-{i}" for i in range(len(embed))],
+        "audio": cells,
+        "text": TEXTS[: len(embed)],
+        "label": [i % 3 for i in range(len(embed))],
+        "speaker": [f"spk{i // 2}" for i in range(len(embed))],
+        "duration_ms": [400 + 100 * i for i in range(len(embed))],
+    }
+    features = {
+        "id": Value("string"),
+        "audio": Audio(sampling_rate=16000),
+        "text": Value("string"),
+        "label": ClassLabel(names=CLASSES),
+        "speaker": Value("string"),
+        "duration_ms": Value("int64"),
+    }
+    write_parquet(root / "data" / "train-00000-of-00001.parquet", columns, features)
+    return root
+
+
+def test_parquet_compiles_like_the_same_audio_from_plain_files(tmp_path: Path) -> None:
+    root = hf_corpus(tmp_path / "hf")
+    compile_ok(str(root), "-o", str(tmp_path / "a"), "--keep-columns", "speaker,duration_ms")
+    compile_ok(str(root / "plain.jsonl"), "-o", str(tmp_path / "b"))
+    a, b = ArchiveReader(tmp_path / "a"), ArchiveReader(tmp_path / "b")
+    assert a.index.recipe["layout"] == "hf" and a.index.recipe["keep_columns"] == [
+        "speaker",
+        "duration_ms",
+    ]
+    assert len(a) == len(b) == 5 and a.index.skipped_count == 0
+    assert a.index.metadata["classes"] == CLASSES
+    assert a.index.metadata["hf"]["sampling_rate"] == 16000
+    for i in range(5):
+        s, plain = a.sample(i), b.sample(i)
+        assert s["key"] == f"utt-{i}"
+        assert s["text"].encode() == TEXTS[i].encode()  # byte-exact, whitespace kept
+        assert (s["label"], s["speaker"], s["duration_ms"]) == (
+            i % 3,
+            f"spk{i // 2}",
+            400 + 100 * i,
+        )
+        feature = a.index.metadata["feature_field"]
+        assert np.array_equal(s[feature], plain[feature])
+
+
+def test_listing_reads_no_media_bytes_and_stream_reads_only_its_row_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pyarrow.parquet as pq
+
+    root = hf_corpus(tmp_path / "hf")
+    read: list[tuple[int, list[str]]] = []
+    real_group, real_batches = pq.ParquetFile.read_row_group, pq.ParquetFile.iter_batches
+
+    def group(self: Any, i: int, columns: list[str], **kw: Any) -> Any:
+        read.append((i, columns))
+        return real_group(self, i, columns=columns, **kw)
+
+    def batches(self: Any, *a: Any, columns: list[str], **kw: Any) -> Any:
+        assert "audio" not in columns and "audio.bytes" not in columns
+        return real_batches(self, *a, columns=columns, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", group)
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", batches)
+    corpus = open_corpus(str(root), None)
+    assert corpus.layout == "hf" and len(corpus.items) == 5 and read == []
+    got = list(stream_items(corpus, 3, 4))
+    assert [it.key for it in got] == ["utt-3"] and read == [(1, ["audio"])]  # rows 2-3
+    assert got[0].path == str(root / "clips/c3.flac") and got[0].data is None
+    first = next(stream_items(corpus, 0, 1))
+    assert first.data == {"wav": (root / "clips/c0.wav").read_bytes()}
+    assert corpus.items[0].data is None  # the corpus's items stay light
+
+
+def test_bad_rows_are_skipped_and_named(tmp_path: Path) -> None:
+    from datasets import Audio, Value
+
+    root = tmp_path / "bad"
+    write_audio(root / "ok.wav", make_signal(16000, 0.3), 16000)
+    cells = [
+        {"bytes": (root / "ok.wav").read_bytes(), "path": "ok.wav"},
+        {"bytes": None, "path": None},
+        {"bytes": b"this is not audio at all" * 20, "path": "junk.wav"},
+        {"bytes": None, "path": "gone/missing.flac"},
+        None,
+    ]
+    columns = {"audio": cells, "sentence": ["a", "b", "c", "d", "e"]}
+    write_parquet(root / "x.parquet", columns, {"audio": Audio(), "sentence": Value("string")})
+    compile_ok(str(root), "-o", str(tmp_path / "a"))
+    r = ArchiveReader(tmp_path / "a")
+    assert [r.get("key", i) for i in range(len(r))] == ["x.parquet row 0"]
+    assert r.sample(0)["text"] == "a"  # the sentence column is a transcript
+    errors = [(e.get("key"), e["reason"]) for e in r.errors()]
+    assert r.index.skipped_count == 4, errors
+    reasons = " | ".join(reason for _, reason in errors)
+    assert "x.parquet row 1: the media cell holds neither bytes nor a path" in reasons
+    assert "x.parquet row 4" in reasons
+    assert "cannot decode" in reasons and "not found" in reasons
+    out = tmp_path / "f"
+    assert main([str(root), "-o", str(out), "--on-error", "fail", "-q", "--workers", "1"]) == 1
+
+
+def test_column_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = hf_corpus(tmp_path / "hf", embed=(True, True))
+    out = tmp_path / "a"
+    compile_ok(
+        str(root), "-o", str(out), "--text-column", "speaker", "--label-column", "duration_ms"
+    )
+    r = ArchiveReader(out)
+    assert [r.sample(i)["text"] for i in range(2)] == ["spk0", "spk0"]
+    assert [r.sample(i)["label"] for i in range(2)] == [400, 500]
+    assert "classes" not in r.index.metadata  # duration_ms is no ClassLabel
+    recipe = build_recipe({"source": str(root), **r.index.recipe})
+    assert (recipe.text_column, recipe.label_column) == ("speaker", "duration_ms")
+    for args, expected in (
+        (["--text-column", "nope"], "--text-column 'nope' is not a column"),
+        (["--keep-columns", "audio"], "--keep-columns 'audio'"),
+        (["--keep-columns", "a,,b"], "keep_columns: expected column names"),
+    ):
+        assert main([str(root), "-o", str(tmp_path / "x"), "-q", *args]) == 1
+        assert expected in capsys.readouterr().err
+    with pytest.raises(CompileError, match="layout hf"):
+        build_recipe({"source": str(root / "plain.jsonl"), "text_column": "text"})
+
+
+def test_peoples_speech_hub_form(tmp_path: Path) -> None:
+    """People's Speech on the hub: id, audio (16 kHz), duration_ms, text."""
+    from datasets import Audio, Value
+
+    write_audio(tmp_path / "a.flac", make_signal(16000, 0.5), 16000)
+    cells = [{"bytes": (tmp_path / "a.flac").read_bytes(), "path": "a.flac"}] * 3
+    columns = {
+        "id": ["doc/a_000.flac", "doc/a_001.flac", "doc/a_002.flac"],
+        "audio": cells,
+        "duration_ms": [500, 500, 500],
+        "text": ["one", "two", "three"],
+    }
+    features = {
+        "id": Value("string"),
+        "audio": Audio(sampling_rate=16000),
+        "duration_ms": Value("int32"),
+        "text": Value("string"),
+    }
+    source = tmp_path / "microset" / "train-00000-of-00001.parquet"
+    write_parquet(source, columns, features)
+    compile_ok(str(source), "-o", str(tmp_path / "out"), "--keep-columns", "duration_ms")
+    r = ArchiveReader(tmp_path / "out")
+    assert [r.sample(i)["key"] for i in range(3)] == columns["id"]
+    assert [r.sample(i)["text"] for i in range(3)] == columns["text"]
+    assert r.sample(2)["duration_ms"] == 500
+    assert hf.detect(source) and hf.detect(tmp_path)
