@@ -3,12 +3,21 @@
 Standard library, numpy and zstandard only.
 """
 
-from .archive import ArchiveReader, ArchiveWriter, Index, read_index, shard_name, write_index
+from .archive import (
+    ArchiveReader,
+    ArchiveWriter,
+    Index,
+    encode_index,
+    read_index,
+    shard_name,
+    write_index,
+)
 from .codecs import Codec, Raw, Zstd, codec_from_json, parse_codec
 from .constants import ALIGNMENT, ERRORS_NAME, FORMAT_VERSION, INDEX_NAME
 from .errors import ChecksumError, DlopError, FormatError, SchemaError
 from .reader import BlockCache, Problem, ShardReader
 from .schema import Field
+from .units import UnitTable, num_units, unit_shard_name
 from .writer import ShardInfo, ShardWriter
 
 __all__ = [
@@ -31,10 +40,14 @@ __all__ = [
     "ShardInfo",
     "ShardReader",
     "ShardWriter",
+    "UnitTable",
     "Zstd",
     "codec_from_json",
+    "encode_index",
+    "num_units",
     "parse_codec",
     "read_index",
     "shard_name",
+    "unit_shard_name",
     "write_index",
 ]

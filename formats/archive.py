@@ -35,6 +35,7 @@ from .files import check_scan, loads_bounded, read_capped, scan_json
 from .reader import BlockCache, Problem, ShardReader, Value
 from .schema import Field, check_schema
 from .skipped import encode_record, read_skipped
+from .units import UnitTable
 from .writer import ShardInfo, ShardWriter
 
 # How ArchiveReader.verify runs its per-shard check: ``map`` or a pool's ``map``.
@@ -54,8 +55,10 @@ class Index:
     provenance: dict[str, Any] = field(default_factory=dict)
     skipped_count: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    units: UnitTable | None = None  # absent from archives written before work units
 
     def to_json(self) -> dict[str, Any]:
+        units = {} if self.units is None else {"units": self.units.to_json()}
         return {
             "format": ARCHIVE_FORMAT,
             "version": FORMAT_VERSION,
@@ -65,6 +68,7 @@ class Index:
             "recipe": self.recipe,
             "provenance": self.provenance,
             "skipped": {"count": self.skipped_count, "file": ERRORS_NAME},
+            **units,
             "metadata": self.metadata,
         }
 
@@ -85,6 +89,13 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 def write_index(directory: str | os.PathLike[str], index: Index) -> Path:
     """Writes index.json last and atomically; the archive is complete once it exists."""
+    path = Path(directory) / INDEX_NAME
+    atomic_write(path, encode_index(index, path))
+    return path
+
+
+def encode_index(index: Index, path: object = INDEX_NAME) -> bytes:
+    """index.json's bytes; refuses an index a reader would refuse (SPEC.md §6, §8)."""
     if index.num_samples != sum(s.num_samples for s in index.shards):
         raise SchemaError(
             f"index num_samples {index.num_samples} != sum over shards {sum(s.num_samples for s in index.shards)}"
@@ -94,7 +105,6 @@ def write_index(directory: str | os.PathLike[str], index: Index) -> Path:
             f"{len(index.shards)} shards; an archive holds at most {MAX_SHARDS} (SPEC.md §8): "
             "raise shard_bytes"
         )
-    path = Path(directory) / INDEX_NAME
     data = json.dumps(index.to_json(), indent=1, sort_keys=False).encode() + b"\n"
     # The bounds a reader enforces (SPEC.md §8), checked on the bytes it would read.
     if len(data) > MAX_INDEX_BYTES:
@@ -106,8 +116,7 @@ def write_index(directory: str | os.PathLike[str], index: Index) -> Path:
         check_scan(path, scan_json(data), "index")
     except FormatError as e:
         raise SchemaError(f"{e.problem}: not written, a reader would refuse it") from None
-    atomic_write(path, data)
-    return path
+    return data
 
 
 def now_utc() -> str:
@@ -214,6 +223,7 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
     for k, v in dicts.items():
         if not isinstance(v, dict):
             raise FormatError(path, f"{k!r} should be an object")
+    units = obj.get("units")
     return Index(
         fields,
         tuple(infos),
@@ -222,6 +232,7 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
         dicts["provenance"],
         count,
         dicts["metadata"],
+        None if units is None else UnitTable.from_json(path, units, [s.file for s in infos], count),
     )
 
 
@@ -236,7 +247,10 @@ class ArchiveWriter:
     On ``abort()`` (or an exception inside ``with``) every file this writer made
     is removed and no index is written. To continue an interrupted write, pass
     the shards already completed (and inputs already skipped); ``on_shard`` is
-    called after each shard is closed, for progress records.
+    called after each shard is closed, for progress records. ``name_shard`` names
+    the shard numbered from 0 among this writer's (``shard-NNNNN.dlop`` by default);
+    a writer of one work unit's shards names them by unit (units.unit_shard_name) and
+    ends with ``finish_shards`` instead of writing an index.
     """
 
     def __init__(
@@ -252,8 +266,10 @@ class ArchiveWriter:
         shards: Sequence[ShardInfo] = (),
         skipped: Sequence[Mapping[str, Any]] = (),
         on_shard: Callable[[ShardInfo], None] | None = None,
+        name_shard: Callable[[int], str] = shard_name,
     ) -> None:
         self.directory = Path(directory)
+        self.name_shard = name_shard
         self.fields = tuple(check_schema(fields).values())
         if shard_bytes < 1:
             raise SchemaError(f"shard_bytes must be positive, got {shard_bytes}")
@@ -291,7 +307,7 @@ class ArchiveWriter:
                         f"(SPEC.md §8); raise shard_bytes (now {self.shard_bytes})"
                     )
                 self._current = ShardWriter(
-                    self.directory / shard_name(len(self.shards)), self.fields
+                    self.directory / self.name_shard(len(self.shards)), self.fields
                 )
             self._current.write(sample)
         if self._current is not None and self._current.bytes_written >= self.shard_bytes:
@@ -311,10 +327,15 @@ class ArchiveWriter:
         encode_record(record, len(self.skipped))  # refused now rather than at close
         self.skipped.append(record)
 
-    def close(self, before_index: Callable[[], None] | None = None) -> Index:
-        """Closes the last shard, writes errors.jsonl, calls ``before_index``, writes the index."""
+    def finish_shards(self) -> list[ShardInfo]:
+        """Closes the last shard; returns every completed one. Writes no index."""
         if self._current is not None:
             self._finish_shard(self._current)
+        return self.shards
+
+    def close(self, before_index: Callable[[], None] | None = None) -> Index:
+        """Closes the last shard, writes errors.jsonl, calls ``before_index``, writes the index."""
+        self.finish_shards()
         if self.skipped:
             lines = b"".join(encode_record(s, i) for i, s in enumerate(self.skipped))
             atomic_write(self.directory / ERRORS_NAME, lines)

@@ -18,6 +18,8 @@ MAX_HEADER_BYTES = 64 << 20
 # (shard-NNNNNN.dlop and the largest counts) takes at most 136 bytes: 17 MiB for all
 # entries, leaving 15 MiB of the index for schema, recipe, provenance and metadata.
 MAX_SHARDS = 1 << 17
+# Work units an index lists (SPEC.md §6.1): two counts each, at most 16 bytes and 2 values.
+MAX_UNITS = 1 << 17
 MAX_INDEX_BYTES = 32 << 20
 # JSON text of the header, index.json and one errors.jsonl record: nesting depth,
 # values and keys (a shard entry is 9), characters of one number token. The value
