@@ -1,0 +1,297 @@
+"""The node-local shard cache: one directory serves every rank and DataLoader worker.
+
+Layout: ``<root>/<archive id>/`` per archive, the id a hash of its index bytes
+(two archives never share a folder; the same archive under two URLs does),
+holding ``index.json``, ``source.txt`` (where it came from), the cached shards
+under their own names, and per shard an empty ``<name>.lock``.
+
+Only files, renames and ``flock`` are used: every lock dies with the process
+that holds it, so a crash leaves nothing that blocks the next run.
+
+- A shard becomes visible by rename only, after its checksum was verified;
+  it is written under ``<name>.tmp-<pid>-<random>`` while its writer holds an
+  exclusive lock on it. A temporary file nobody holds is a crashed writer's:
+  it is removed when a cache opens (and before eviction gives up).
+- One fetch per shard per node: the fetcher holds ``<name>.lock``; others
+  wait on it and then find the shard in place.
+- Holders: a process reading a cached shard keeps a shared lock on it for as
+  long as it holds the shard. Eviction takes an exclusive non-blocking lock,
+  so it only ever removes shards no process holds, least recently used first.
+- The budget is a hard ceiling on the bytes of every file under ``root``:
+  room is made and the new file created at its full size under one
+  node-wide lock (``<root>/.budget.lock``), before any byte is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dlop.formats import DlopError
+
+TMP_MARK = ".tmp-"
+LOCK_SUFFIX = ".lock"
+BUDGET_LOCK = ".budget.lock"
+
+
+class CacheError(DlopError):
+    """The shard cache cannot hold what was asked of it (budget, or its folder)."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """A cached shard this process holds: its path and the descriptor whose shared
+    lock keeps it from eviction until ``CacheDir.let_go``."""
+
+    path: Path
+    fd: int
+    bytes: int
+
+
+def _open(path: Path, flags: int = os.O_RDONLY) -> int:
+    return os.open(path, flags | os.O_CLOEXEC, 0o644)
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block."""
+    fd = _open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def is_tmp(name: str) -> bool:
+    return TMP_MARK in name
+
+
+def is_shard(name: str) -> bool:
+    return not (is_tmp(name) or name.endswith(LOCK_SUFFIX) or name in ("index.json", "source.txt"))
+
+
+class CacheDir:
+    """A cache folder with a byte budget (``max_bytes``) shared by every process on the node."""
+
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int, wait_s: float = 120.0) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.wait_s = wait_s
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.sweep()
+
+    def files(self) -> Iterator[tuple[Path, os.stat_result]]:
+        """Every file under the root (one level of archive folders), with its stat."""
+        for sub in list(self.root.iterdir()):
+            if not sub.is_dir():
+                continue
+            for p in list(sub.iterdir()):
+                with contextlib.suppress(FileNotFoundError):
+                    yield p, p.stat()
+
+    def used_bytes(self) -> int:
+        return sum(st.st_size for _, st in self.files())
+
+    def sweep(self) -> int:
+        """Removes temporary files no live writer holds; returns how many."""
+        removed = 0
+        for p, _ in self.files():
+            if is_tmp(p.name) and self._remove_if_free(p):
+                removed += 1
+        return removed
+
+    def _remove_if_free(self, p: Path) -> bool:
+        try:
+            fd = _open(p)
+        except FileNotFoundError:
+            return False
+        try:
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+            return True
+        finally:
+            os.close(fd)
+
+    def archive_dir(self, archive_id: str) -> Path:
+        d = self.root / archive_id
+        d.mkdir(exist_ok=True)
+        return d
+
+    def hold(self, path: Path) -> Held | None:
+        """The cached shard at ``path`` held (shared lock, LRU time refreshed), or None
+        when it is not there (or was evicted while we opened it)."""
+        try:
+            fd = _open(path)
+        except FileNotFoundError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        st = os.fstat(fd)
+        if st.st_nlink == 0:  # evicted between our open and our lock
+            os.close(fd)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return Held(path, fd, st.st_size)
+
+    def let_go(self, held: Held) -> None:
+        os.close(held.fd)
+
+    def get(self, path: Path, fetch: Callable[[], bytes], write: WriteFn | None = None) -> Held:
+        """Shard ``path`` held: from the cache, or fetched once on this node and stored.
+
+        ``fetch`` returns the verified bytes; ``write`` (optional) turns them
+        into the file to cache (a raw copy of a compressed shard) and returns
+        its bytes.
+        """
+        held = self.hold(path)
+        if held is not None:
+            return held
+        with locked(path.with_name(path.name + LOCK_SUFFIX)):
+            held = self.hold(path)  # another process fetched it while we waited
+            if held is not None:
+                return held
+            data = fetch()
+            if write is not None:
+                data = write(data)
+            self.store(path, data)
+            held = self.hold(path)
+        if held is None:
+            raise CacheError(f"{path}: stored, then gone before it could be held")
+        return held
+
+    def store(self, path: Path, data: bytes) -> None:
+        """Writes ``data`` as ``path``: room made and the temporary file sized under the
+        budget lock, written, synced and renamed into place."""
+        tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        fd = self.reserve(tmp, len(data))
+        try:
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+            os.fsync(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        finally:
+            os.close(fd)
+
+    def reserve(self, tmp: Path, size: int) -> int:
+        """Creates ``tmp`` at ``size`` bytes, locked, once the budget has room for it;
+        evicts unheld shards (least recently used first) to make room, and waits
+        while the shards in the way are held."""
+        if size > self.max_bytes:
+            raise CacheError(
+                f"{tmp.parent}: a {size}-byte shard does not fit the cache budget of "
+                f"{self.max_bytes} bytes; raise cache_bytes (DLOP_CACHE_BYTES) to at least "
+                "twice the largest shard"
+            )
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with locked(self.root / BUDGET_LOCK):
+                used = self.make_room(size)
+                if used + size <= self.max_bytes:
+                    fd = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    os.ftruncate(fd, size)
+                    return fd
+            if time.monotonic() > deadline:
+                raise CacheError(
+                    f"{self.root}: {size} bytes needed, {used} of the {self.max_bytes}-byte "
+                    f"budget in use by shards that processes still hold (waited "
+                    f"{self.wait_s:.0f} s); raise cache_bytes (DLOP_CACHE_BYTES) or read "
+                    "fewer shards at once (smaller window_shards, fewer ranks per node)"
+                )
+            time.sleep(0.05)
+
+    def make_room(self, size: int) -> int:
+        """Evicts unheld shards, oldest use first, until ``size`` more bytes fit; returns
+        the bytes in use after. Called under the budget lock."""
+        entries = list(self.files())
+        used = sum(st.st_size for _, st in entries)
+        if used + size <= self.max_bytes:
+            return used
+        for p, st in sorted(entries, key=lambda e: e[1].st_mtime_ns):
+            if used + size <= self.max_bytes:
+                break
+            if (is_tmp(p.name) and self._remove_if_free(p)) or (
+                is_shard(p.name) and self._remove_if_free(p)
+            ):
+                used -= st.st_size
+        return used
+
+    def clear(self) -> int:
+        """Removes every shard, temporary file and archive folder no process holds;
+        returns the bytes freed."""
+        freed = 0
+        with locked(self.root / BUDGET_LOCK):
+            for p, st in list(self.files()):
+                if (is_shard(p.name) or is_tmp(p.name)) and self._remove_if_free(p):
+                    freed += st.st_size
+            for sub in list(self.root.iterdir()):
+                if sub.is_dir() and not any(is_shard(p.name) for p in sub.iterdir()):
+                    for p in sub.iterdir():
+                        with contextlib.suppress(FileNotFoundError):
+                            freed += p.stat().st_size
+                            p.unlink()
+                    with contextlib.suppress(OSError):
+                        sub.rmdir()
+        return freed
+
+
+WriteFn = Callable[[bytes], bytes]
+
+
+def default_cache_dir() -> Path:
+    """``DLOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/dlop/shards`` (``~/.cache/dlop/shards``)."""
+    env = os.environ.get("DLOP_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dlop" / "shards"
+
+
+def default_cache_bytes() -> int:
+    """``DLOP_CACHE_BYTES`` (an integer, or with a K/M/G/T suffix), else 16 GiB."""
+    env = os.environ.get("DLOP_CACHE_BYTES", "").strip()
+    if not env:
+        return 16 << 30
+    return parse_bytes(env, "DLOP_CACHE_BYTES")
+
+
+def parse_bytes(text: str, where: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    digits = t[:-1] if t[-1:] in units else t
+    try:
+        value = int(float(digits) * scale)
+    except ValueError:
+        raise CacheError(
+            f"{where}: {text!r} is not a byte count; write e.g. 50000000000 or 50G"
+        ) from None
+    if value < 1:
+        raise CacheError(f"{where}: {text!r} must be a positive byte count")
+    return value

@@ -1,0 +1,166 @@
+"""Fetching an archive's files from object storage through fsspec: whole or in ranged
+parts fetched in parallel, checked against the index, retried with backoff.
+
+Any fsspec URL works (``s3://``, ``gs://``, ``https://``, ``memory://``...);
+the extra that provides the protocol must be installed (``pip install
+'dlop[s3]'`` for S3). Clients are made lazily per process, keyed by pid, so a
+forked DataLoader worker never uses a client (and its connection pool and
+event loop) inherited from its parent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import threading
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlop.formats import INDEX_NAME, DlopError
+
+from .errors import LoaderError
+
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
+_clients: dict[tuple[int, str, str], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` names remote storage (``scheme://``) rather than a local path."""
+    if not isinstance(path, str) or "://" not in path:
+        return False
+    return not path.startswith("file://")
+
+
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """This process's fsspec filesystem for ``url`` and the path within it."""
+    try:
+        import fsspec.core
+    except ImportError:
+        raise DlopError(
+            f"{url}: reading archives from URLs needs fsspec: pip install 'dlop[s3]'"
+        ) from None
+    protocol = url.split("://", 1)[0]
+    options = dict(storage_options or {})
+    key = (os.getpid(), protocol, json.dumps(options, sort_keys=True, default=repr))
+    path = fsspec.core.strip_protocol(url)
+    with _clients_lock:
+        fs = _clients.get(key)
+        if fs is None:
+            try:
+                cls = fsspec.get_filesystem_class(protocol)
+            except (ImportError, ValueError) as e:
+                extra = EXTRAS.get(protocol, protocol)
+                raise DlopError(
+                    f"{url}: no filesystem for {protocol}:// ({e}); "
+                    f"install it with pip install 'dlop[{extra}]'"
+                ) from None
+            fs = cls(skip_instance_cache=True, **options)
+            _clients[key] = fs
+    # The path the filesystem's own calls take (http keeps the whole URL).
+    stripped: str = fs._strip_protocol(url)
+    return fs, stripped or path
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How hard a fetch tries: ``attempts`` in all, sleeping ``backoff_s`` doubled after
+    each failure (with jitter, at most ``max_backoff_s``)."""
+
+    attempts: int = 6
+    backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    part_bytes: int = 16 << 20
+    parallel_parts: int = 4
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
+
+    def pause(self, attempt: int) -> None:
+        delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+        self.sleep(delay * (0.5 + random.random()))
+
+
+DEFAULT_RETRY = Retry()
+
+# Errors that retrying cannot fix: the object is not there, or we may not read it.
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
+
+
+def fetch_bytes(
+    fs: Any,
+    path: str,
+    size: int | None,
+    check: Callable[[bytes], str | None],
+    what: str,
+    retry: Retry = DEFAULT_RETRY,
+) -> bytes:
+    """The object at ``path``, ``size`` bytes when known (then in ranged parts fetched in
+    parallel), accepted once ``check(data)`` returns None (else a reason); timeouts,
+    resets, 5xx, SlowDown, truncated or corrupt data are retried with backoff, and
+    LoaderError names ``what`` and the URL when every attempt failed."""
+    reasons: list[str] = []
+    for attempt in range(retry.attempts):
+        try:
+            data = fetch_once(fs, path, size, retry)
+        except PERMANENT as e:
+            raise LoaderError(f"{what}: cannot read {path}: {e}") from None
+        except Exception as e:  # the storage client's own errors have no common base
+            reasons.append(f"{type(e).__name__}: {e}"[:300])
+        else:
+            problem = check(data)
+            if problem is None:
+                return data
+            reasons.append(problem)
+        if attempt + 1 < retry.attempts:
+            retry.pause(attempt)
+    raise LoaderError(
+        f"{what}: {path} failed {retry.attempts} times; last: {reasons[-1]} "
+        f"(all: {'; '.join(reasons)[:1500]}); check the storage and the network, or "
+        "recompile the archive if the object itself is damaged"
+    )
+
+
+def fetch_once(fs: Any, path: str, size: int | None, retry: Retry) -> bytes:
+    if size is None or size <= retry.part_bytes or retry.parallel_parts < 2:
+        return bytes(fs.cat_file(path))
+    cuts = [*range(0, size, retry.part_bytes), size]
+    spans = list(itertools.pairwise(cuts))
+    with ThreadPoolExecutor(min(retry.parallel_parts, len(spans))) as pool:
+        parts = list(pool.map(lambda s: bytes(fs.cat_file(path, start=s[0], end=s[1])), spans))
+    return b"".join(parts)
+
+
+def checker(size: int, crc32: int) -> Callable[[bytes], str | None]:
+    """A ``check`` for ``fetch_bytes``: the byte count and CRC-32 the index records."""
+
+    def check(data: bytes) -> str | None:
+        if len(data) != size:
+            return f"got {len(data)} bytes, index.json says {size} (truncated transfer?)"
+        crc = zlib.crc32(data)
+        if crc != crc32:
+            return f"CRC-32 {crc:#010x}, index.json says {crc32:#010x} (corrupted transfer?)"
+        return None
+
+    return check
+
+
+def fetch_index(
+    fs: Any, base: str, url: str, max_bytes: int, retry: Retry = DEFAULT_RETRY
+) -> bytes:
+    """``index.json`` of the archive at ``base`` (bytes, at most ``max_bytes``)."""
+
+    def check(data: bytes) -> str | None:
+        if len(data) > max_bytes:
+            return f"index.json is {len(data)} bytes, above its {max_bytes}-byte cap"
+        return None
+
+    return fetch_bytes(fs, join(base, INDEX_NAME), None, check, f"{url}: index.json", retry)
+
+
+def join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name
