@@ -60,6 +60,8 @@ class Corpus:
     media: str = "audio"
     num_labels: int = 0  # multi-hot width when items carry ``labels``
     mask_names: tuple[str, ...] = ()
+    # fsspec options for a URL SOURCE (credentials, endpoint): for reading inputs, never stored
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """What every corpus layout lists with: names as keys, walks, CSV and text lines, fingerprints.
 
 Layouts read the corpus's files only through the functions here (walk_files,
-files_below, subfolders, read_bytes, file_size), so the storage they list
-from is decided in one place.
+files_below, subfolders, read_bytes, file_size, like) and the Path methods a
+``compiler.urls.UrlPath`` has too, so the storage they list from (local files or
+a URL) is decided in one place.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from pathlib import Path
 from dlop.formats.constants import ARCHIVE_FORMAT, INDEX_NAME
 
 from .errors import CompileError
+
+# What layouts use of compiler.urls, offered here (layouts import only listing, corpus, errors).
+from .urls import UrlPath as UrlPath
+from .urls import is_url as is_url
+from .urls import size_of
+from .urls import url_path as url_path
 
 AUDIO_EXTS = (
     ".wav",
@@ -98,16 +105,37 @@ def is_archive(folder: Path) -> bool:
     """A dlop archive (its index.json) or an interrupted compile's output (its progress journal)."""
     if (folder / PROGRESS_NAME).exists():
         return True
+    if isinstance(folder, UrlPath) and not (folder / INDEX_NAME).is_file():
+        return False  # answered by the listing, without a request
     try:
-        with open(folder / INDEX_NAME, "rb") as f:
+        with (folder / INDEX_NAME).open("rb") as f:
             head = f.read(4096)  # "format" is the index's first key (SPEC.md)
     except OSError:
         return False
     return f'"{ARCHIVE_FORMAT}"'.encode() in head
 
 
+def like(source: Path, text: str) -> Path:
+    """``text`` (a path or URL) as a path of the same kind as ``source``."""
+    return source.with_url(text) if isinstance(source, UrlPath) else Path(text)
+
+
+def _walk_url(root: UrlPath, exts: tuple[str, ...] | frozenset[str] | None) -> Iterator[Path]:
+    files = list(root.files_below())
+    marks = {f.parent for f in files if f.name in (PROGRESS_NAME, INDEX_NAME)}
+    archives = [d for d in marks if is_archive(d)]
+    for path in files:
+        if exts is not None and path.suffix.lower() not in exts:
+            continue
+        if not any(a in path.parents and a != root for a in archives):
+            yield path
+
+
 def walk_files(root: Path, exts: tuple[str, ...] | frozenset[str] | None = None) -> Iterator[Path]:
     """Files below ``root`` (by extension, any case), in no set order, never inside a dlop archive."""
+    if isinstance(root, UrlPath):
+        yield from _walk_url(root, exts)
+        return
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if not is_archive(here / d)]
@@ -135,7 +163,10 @@ def read_bytes(path: Path) -> bytes:
 
 
 def file_size(path: Path) -> int:
-    """A file's size in bytes, -1 when it cannot be told (missing, unreadable)."""
+    """A file's size in bytes, -1 when it cannot be told (missing, unreadable, or a URL
+    that cannot be listed); a URL's comes from its folder's listing."""
+    if isinstance(path, UrlPath):
+        return path.size()
     try:
         return path.stat().st_size
     except OSError:
@@ -234,11 +265,16 @@ def utf8(line: bytes, where: str, offset: int) -> tuple[str, str | None]:
 # -- fingerprint -------------------------------------------------------------------------
 
 
-def fingerprint(inputs: Iterable[tuple[str, str | None, float, float | None]], extra: bytes) -> str:
+def fingerprint(
+    inputs: Iterable[tuple[str, str | None, float, float | None]],
+    extra: bytes,
+    root: Path | None = None,
+) -> str:
     """sha256 over every input's (key, path, offset, duration), the path as its size, after
-    ``extra`` (the corpus's listing files)."""
+    ``extra`` (the corpus's listing files). Under a URL ``root`` the sizes come from the
+    bucket listing (one per folder, never a request per input)."""
     h = hashlib.sha256(extra)
     for key, path, offset, duration in inputs:
-        size = -1 if path is None else file_size(Path(path))
+        size = -1 if path is None else size_of(path, root or Path("."))
         h.update(name_bytes(key) + f"\0{size}\0{offset}\0{duration}\n".encode())
     return h.hexdigest()

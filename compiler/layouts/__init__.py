@@ -201,7 +201,9 @@ def open_corpus(
         label_column=label_column,
         keep_columns=keep_columns,
     )
-    return chosen.list(path, options)
+    corpus = chosen.list(path, options)
+    corpus.storage_options = dict(storage_options or {})
+    return corpus
 
 
 _discover()

@@ -79,7 +79,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         False,
         {"video_id": "str", "split": "str", "actions": "str"},
         {"label_classes": classes},
-        fingerprint(items, meta.digest()),
+        fingerprint(items, meta.digest(), root),
         media="video",
         num_labels=CHARADES_CLASSES,
     )

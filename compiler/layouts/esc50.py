@@ -79,5 +79,5 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         False,
         {"fold": "i64", "category": "str"},
         {"classes": names},
-        fingerprint(items, raw),
+        fingerprint(items, raw, root),
     )

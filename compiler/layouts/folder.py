@@ -65,6 +65,6 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         False,
         {},
         {"classes": classes},
-        fingerprint(items),
+        fingerprint(items, root=root),
         media=media,
     )

@@ -58,5 +58,5 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         True,
         {"speaker": "i64", "chapter": "i64"},
         {},
-        fingerprint(items, meta.digest()),
+        fingerprint(items, meta.digest(), root),
     )

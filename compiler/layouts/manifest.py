@@ -1,4 +1,5 @@
-"""NeMo-style JSON-lines manifests: one object per line, media paths relative to the manifest."""
+"""NeMo-style JSON-lines manifests: one object per line, media paths relative to the manifest
+(or URLs, read as written)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from ..corpus import MAX_LABEL, MAX_MULTI_LABELS, Corpus, Item, ListOptions, fingerprint
 from ..errors import CompileError
-from ..listing import is_text, lines, name_key, read_bytes, utf8
+from ..listing import is_text, is_url, lines, name_key, read_bytes, utf8
 
 NAME = "manifest"
 MEDIA = ("audio", "video", "image")
@@ -25,7 +26,7 @@ def source_media(source: Path) -> str:
     """video when the first line that parses names a ``video_filepath``, else audio."""
     if not source.is_file():
         return "audio"
-    with open(source, encoding="utf-8", errors="replace") as f:
+    with source.open(encoding="utf-8", errors="replace") as f:
         for line in f:  # the first line that parses (the manifest reader reports bad ones)
             try:
                 obj = json.loads(line)
@@ -104,7 +105,8 @@ def list_corpus(path: Path, options: ListOptions) -> Corpus:
             items.append(Item(key=where, error=error))
             continue
         key = str(obj.get("id") or name_key(audio if not start else f"{audio}@{start:g}"))
-        item = Item(key=key, path=str(base / audio), offset=start, duration=duration)
+        media_path = audio if is_url(audio) else str(base / audio)  # a URL stays as written
+        item = Item(key=key, path=media_path, offset=start, duration=duration)
         if "text" in obj:
             item.text = str(obj["text"])
         for name in ("label", "labels"):
@@ -175,7 +177,7 @@ def list_corpus(path: Path, options: ListOptions) -> Corpus:
         has_text,
         {},
         metadata,
-        fingerprint(items, raw),
+        fingerprint(items, raw, path),
         media=media,
         num_labels=num_labels,
     )

@@ -127,7 +127,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
                 for n, d in zip(names, dirs, strict=True)
             }
         },
-        fingerprint(items, listing.encode()),
+        fingerprint(items, listing.encode(), root),
         media="image",
         mask_names=tuple(names),
     )

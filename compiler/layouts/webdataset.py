@@ -16,8 +16,17 @@ from typing import Any
 
 from ..corpus import MAX_LABEL, Corpus, Item, ListOptions
 from ..errors import CompileError
-from ..listing import AUDIO_EXTS, file_size, is_text, like, name_bytes, name_key
-from ..urls import UrlPath, is_url, url_path
+from ..listing import (
+    AUDIO_EXTS,
+    UrlPath,
+    file_size,
+    is_text,
+    is_url,
+    like,
+    name_bytes,
+    name_key,
+    url_path,
+)
 
 NAME = "webdataset"
 MEDIA = ("audio",)
@@ -149,7 +158,7 @@ def stream_webdataset(corpus: Corpus, start: int = 0) -> Iterator[Item]:
             failures.append(e)
             return False  # stop reading this tar; its undelivered samples are bad inputs
 
-        stream = _tar_samples(wds, tar, stop)
+        stream = _tar_samples(wds, tar, stop, corpus.storage_options)
         held: dict[str, Any] | None = None
         for n, item in todo:
             sample = held if held is not None else next(stream, None)
@@ -176,17 +185,20 @@ def stream_webdataset(corpus: Corpus, start: int = 0) -> Iterator[Item]:
                 yield item
 
 
-def _tar_samples(wds: Any, tar: str, stop: Callable[[BaseException], bool]) -> Iterator[Any]:
+def _tar_samples(
+    wds: Any, tar: str, stop: Callable[[BaseException], bool], options: dict[str, Any]
+) -> Iterator[Any]:
     """One tar's samples as webdataset groups them; a URL tar is read as one fsspec stream."""
     if not is_url(tar):
         return iter(wds.WebDataset([tar], shardshuffle=False, empty_check=False, handler=stop))
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
     def opened() -> Iterator[dict[str, Any]]:
-        with url_path(tar, STORAGE_OPTIONS.get(tar)).open("rb") as f:
+        with url_path(tar, options).open("rb") as f:
             yield {"url": tar, "stream": f}
 
-    return group_by_keys(tar_file_expander(opened(), handler=stop), handler=stop)
+    samples: Iterator[Any] = group_by_keys(tar_file_expander(opened(), handler=stop), handler=stop)
+    return samples
 
 
 def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:

@@ -1,0 +1,429 @@
+"""Object storage for SOURCE and OUT: fsspec URLs (``s3://``, ``gs://``, ``https://``).
+
+A local path (or a ``file://`` URL, which ``local_path`` turns into one) never
+comes here: the local compile stays on plain files. For a URL:
+
+- ``filesystem(url, options)`` is the fsspec filesystem and the path inside it.
+  Credentials and endpoints come from the usual environment (for S3-compatible
+  servers ``AWS_ENDPOINT_URL``) or from ``--storage-option key=value`` pairs
+  (``parse_storage_options``); a missing backend is a CompileError naming the
+  extra to install.
+- ``url_path(url, options)`` is the path the layouts list through: a
+  ``pathlib.Path`` subclass (``UrlPath``) whose ``/``, ``name``, ``stem``,
+  ``suffix``, ``parent``, ``relative_to`` are the usual ones and whose
+  ``exists``, ``is_file``, ``is_dir``, ``iterdir``, ``glob``, ``open``,
+  ``read_bytes`` and ``stat`` ask the filesystem. A folder is listed once, whole,
+  with its sizes (one paginated bucket listing), and every later question below
+  it is answered from that listing: no per-file round trips. ``str()`` gives the
+  URL back. It has no ``os.fspath``: passing one to ``open()`` or ``os.walk``
+  raises instead of touching a local path of the same name. ``compiler.listing``
+  (walk_files, subfolders, read_bytes, file_size, like) dispatches on it, so a
+  layout written against those helpers and the Path methods above lists URLs too.
+  HTTP(S) cannot be listed: an ``https://`` SOURCE is one manifest or tar (or a
+  brace pattern of tars), and its inputs' sizes are not asked (the fingerprint is
+  the manifest's or the tars' names and sizes).
+- ``fetch_inputs(items, options)`` gives a worker the bytes of URL inputs (and of
+  their masks) as ``Item.fetched``, for decode to read from memory.
+- ``FsspecStore`` is the output Store for a URL OUT (see compiler.store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import io
+import json
+import os
+import re
+import stat
+import tempfile
+from collections.abc import Generator, Iterator, Sequence
+from pathlib import Path, PosixPath
+from typing import Any
+
+from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
+
+from .errors import CompileError
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+# The extra that installs each protocol's fsspec backend.
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
+UNLISTABLE = ("http", "https")
+# Store.read refuses more than a journal could hold: an index plus its errors.jsonl.
+MAX_READ_BYTES = MAX_INDEX_BYTES + MAX_ERRORS_BYTES
+# One input fetched into a worker's memory; a larger one is a bad input.
+MAX_FETCH_BYTES = 4 << 30
+
+
+def scheme(text: str) -> str | None:
+    """The URL scheme of ``text`` (lowercase), None for a plain path."""
+    m = _SCHEME.match(text)
+    return m[1].lower() if m else None
+
+
+def is_url(text: str | os.PathLike[str]) -> bool:
+    """Whether ``text`` is a URL that goes through fsspec (any scheme but ``file``)."""
+    found = scheme(str(text)) if isinstance(text, str) else None
+    return found is not None and found != "file"
+
+
+def local_path(text: str) -> str:
+    """A ``file://`` URL as the local path it names; anything else unchanged."""
+    if scheme(text) == "file":
+        return text[len("file://") :] or "/"
+    return text
+
+
+def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``key=value`` pairs as fsspec storage options; a value that is JSON (true, 3,
+    {"region_name": "x"}) is parsed, anything else stays text."""
+    options: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise CompileError(
+                f"--storage-option {pair!r}: expected KEY=VALUE, e.g. endpoint_url=http://host:9000"
+            )
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value
+    return options
+
+
+def _missing_extra(proto: str, e: BaseException) -> CompileError:
+    extra = EXTRAS.get(proto)
+    how = f"pip install 'dlop[{extra}]'" if extra else f"install the fsspec backend for {proto}://"
+    return CompileError(
+        f"{proto}:// URLs need an fsspec backend that is not installed ({e}); {how}"
+    )
+
+
+def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """(the fsspec filesystem, the path inside it) for ``url``."""
+    proto = scheme(url) or "file"
+    try:
+        from fsspec.core import url_to_fs
+    except ImportError as e:
+        raise _missing_extra(proto, e) from None
+    try:
+        # A fresh instance: a cached one would keep the endpoint and credentials the
+        # environment held when it was made.
+        options = {"skip_instance_cache": True, **(storage_options or {})}
+        fs, path = url_to_fs(url, **options)
+    except ImportError as e:
+        raise _missing_extra(proto, e) from None
+    except ValueError as e:
+        raise CompileError(f"{url}: not a URL fsspec knows ({e})") from None
+    except TypeError as e:
+        raise CompileError(f"{url}: a --storage-option does not fit {proto}:// ({e})") from None
+    return fs, str(path)
+
+
+# -- the path the layouts list through -------------------------------------------------------
+
+
+class _Tree:
+    """One filesystem and what its listings said: each folder is listed at most once, whole."""
+
+    def __init__(self, fs: Any, url_scheme: str) -> None:
+        self.fs = fs
+        self.scheme = url_scheme  # "s3"
+        self.listable = url_scheme not in UNLISTABLE
+        self.entries: dict[str, dict[str, Any]] = {}  # fs path -> {"type", "size"}
+        self.listed: list[str] = []  # folders whose whole subtree is in entries
+
+    def fs_path(self, path: PosixPath) -> str:
+        text = PosixPath.__str__(path)[1:]  # "/bucket/key" -> "bucket/key"
+        return f"{self.scheme}://{text}" if not self.listable else text
+
+    def _covered(self, p: str) -> bool:
+        return any(p == f or p.startswith(f + "/") for f in self.listed)
+
+    def list_folder(self, p: str) -> None:
+        """Lists folder ``p`` whole (sizes included), once."""
+        if not self.listable or self._covered(p):
+            return
+        found = self.fs.find(p, withdirs=True, detail=True)
+        for name, info in found.items():
+            name = name.rstrip("/")
+            kind = "directory" if info.get("type") == "directory" else "file"
+            self.entries[name] = {"type": kind, "size": int(info.get("size") or 0)}
+        if found:
+            self.entries.setdefault(p, {"type": "directory", "size": 0})
+        self.listed.append(p)
+
+    def entry(self, p: str) -> dict[str, Any] | None:
+        if self._covered(p):
+            return self.entries.get(p)
+        if p in self.entries:
+            return self.entries[p]
+        try:
+            info = self.fs.info(p)
+        except (FileNotFoundError, OSError):
+            return None
+        kind = "directory" if info.get("type") == "directory" else "file"
+        got = {"type": kind, "size": int(info.get("size") or 0)}
+        self.entries[p] = got
+        if kind == "directory":
+            self.list_folder(p)
+        return got
+
+    def size(self, p: str) -> int:
+        """An object's size, listing its whole folder the first time one below it is asked
+        (a corpus's inputs share few folders), -1 when missing or not listable."""
+        if not self.listable:
+            return -1
+        if not self._covered(p):
+            self.list_folder(p.rsplit("/", 1)[0])
+        e = self.entries.get(p)
+        return -1 if e is None or e["type"] != "file" else int(e["size"])
+
+    def below(self, p: str) -> list[str]:
+        self.list_folder(p)
+        return [n for n in self.entries if n.startswith(p + "/")]
+
+
+class UrlPath(PosixPath):
+    """A URL as a ``pathlib.Path`` (see the module docstring); made by ``url_path``."""
+
+    _tree: _Tree
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return f"{self._tree.scheme}:/{text}" if self.root == "/" else text
+
+    def __repr__(self) -> str:
+        return f"UrlPath({str(self)!r})"
+
+    def __fspath__(self) -> str:
+        raise TypeError(f"{self} is a URL, not a local path; read it through its UrlPath methods")
+
+    @property
+    def fs_path(self) -> str:
+        return self._tree.fs_path(self)
+
+    def _entry(self) -> dict[str, Any] | None:
+        return self._tree.entry(self.fs_path)
+
+    def exists(self, *, follow_symlinks: bool = True) -> bool:
+        return self._entry() is not None
+
+    def is_file(self) -> bool:
+        e = self._entry()
+        return e is not None and e["type"] == "file"
+
+    def is_dir(self) -> bool:
+        e = self._entry()
+        return e is not None and e["type"] == "directory"
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def resolve(self, strict: bool = False) -> UrlPath:
+        return self
+
+    def absolute(self) -> UrlPath:
+        return self
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        e = self._entry()
+        if e is None:
+            raise FileNotFoundError(2, "no such object", str(self))
+        mode = stat.S_IFDIR if e["type"] == "directory" else stat.S_IFREG
+        return os.stat_result((mode | 0o444, 0, 0, 1, 0, 0, e["size"], 0, 0, 0))
+
+    def size(self) -> int:
+        """The object's size from the listing, -1 when unknown (missing, or not listable)."""
+        return self._tree.size(self.fs_path)
+
+    def files_below(self) -> Iterator[UrlPath]:
+        """Every object below this folder (one listing), in no set order."""
+        for name in self._tree.below(self.fs_path):
+            if self._tree.entries[name]["type"] == "file":
+                yield self._child_of(name)
+
+    def _child_of(self, fs_name: str) -> UrlPath:
+        return self / fs_name[len(self.fs_path) + 1 :]
+
+    def iterdir(self) -> Generator[UrlPath, None, None]:
+        base = self.fs_path
+        for name in sorted(self._tree.below(base)):
+            if "/" not in name[len(base) + 1 :]:
+                yield self._child_of(name)
+
+    def glob(self, pattern: str) -> Generator[UrlPath, None, None]:
+        """Direct children matching a one-level pattern (``*.tar``)."""
+        for child in self.iterdir():
+            if fnmatch.fnmatchcase(child.name, pattern):
+                yield child
+
+    def open(
+        self,
+        mode: str = "r",
+        buffering: int = -1,
+        encoding: str | None = None,
+        errors: str | None = None,
+        newline: str | None = None,
+    ) -> Any:
+        if mode not in ("r", "rb"):
+            raise CompileError(f"{self}: URLs are read only (asked to open it with mode {mode!r})")
+        handle = self._tree.fs.open(self.fs_path, "rb")
+        if mode == "rb":
+            return handle
+        return io.TextIOWrapper(handle, encoding=encoding, errors=errors, newline=newline)
+
+    def read_bytes(self) -> bytes:
+        try:
+            data: bytes = self._tree.fs.cat_file(self.fs_path)
+        except FileNotFoundError:
+            raise FileNotFoundError(2, "no such object", str(self)) from None
+        return data
+
+    def with_url(self, url: str) -> UrlPath:
+        """Another URL on the same filesystem, as a path."""
+        return _make(type(self), url)
+
+
+def _make(cls: type[UrlPath], url: str) -> UrlPath:
+    proto = scheme(url) or ""
+    return cls("/" + url[len(proto) + 3 :].rstrip("/"))
+
+
+def url_path(url: str, storage_options: dict[str, Any] | None = None) -> UrlPath:
+    """``url`` as a path the layouts can list (see the module docstring)."""
+    fs, _ = filesystem(url, storage_options)
+    tree = _Tree(fs, scheme(url) or "")
+    # Paths made from this one (/, parent, relative_to) share its class, so its tree.
+    cls = type("UrlPath", (UrlPath,), {"_tree": tree})
+    return _make(cls, url)
+
+
+def size_of(path: str, like: Path) -> int:
+    """The size of input ``path`` (a URL on ``like``'s filesystem, or local), -1 if unknown."""
+    if isinstance(like, UrlPath):
+        return like.with_url(path).size() if is_url(path) else -1
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1
+
+
+# -- input bytes for a worker ---------------------------------------------------------------
+
+
+def fetch_bytes(fs: Any, url: str, cap: int = MAX_FETCH_BYTES) -> bytes:
+    """The whole object at ``url`` (at most ``cap`` bytes); FileNotFoundError or
+    CompileError (too large) otherwise."""
+    with fs.open(url, "rb") as f:
+        data: bytes = f.read(cap + 1)
+    if len(data) > cap:
+        raise CompileError(f"{url}: larger than the {cap}-byte cap on one input read into memory")
+    return data
+
+
+def fetch_inputs(items: Sequence[Any], storage_options: dict[str, Any] | None = None) -> None:
+    """Fills ``Item.fetched`` with the bytes of every URL an item reads (its input and its
+    masks), so decode reads them from memory; a URL that cannot be read makes the item a
+    bad input naming why. Local items are left alone."""
+    systems: dict[str, Any] = {}
+    for item in items:
+        if item.error is not None:
+            continue
+        wanted = [item.path, *(item.masks or {}).values()]
+        urls = [u for u in wanted if u is not None and is_url(u)]
+        if not urls:
+            continue
+        fetched: dict[str, bytes] = {}
+        for url in urls:
+            proto = scheme(url) or ""
+            if proto not in systems:
+                systems[proto] = filesystem(url, storage_options)[0]
+            try:
+                fetched[url] = fetch_bytes(systems[proto], url)
+            except FileNotFoundError:
+                item.error = f"{url}: no such object"
+            except (OSError, CompileError) as e:
+                item.error = f"{url}: cannot be read ({e})"
+            if item.error is not None:
+                break
+        item.fetched = None if item.error is not None else fetched
+
+
+# -- where OUT may be -------------------------------------------------------------------------
+
+
+def url_inside(inner: str, outer: str) -> bool:
+    """Whether URL ``inner`` is ``outer`` or lies below it (same scheme, bucket and prefix)."""
+    a, b = inner.rstrip("/"), outer.rstrip("/")
+    return a == b or a.startswith(b + "/")
+
+
+def check_url_apart(out: str, source_folders: Sequence[str]) -> None:
+    """Refuses a URL OUT that is, holds, or lies inside a folder the corpus is read from."""
+    for folder in source_folders:
+        if not is_url(folder):
+            continue
+        if url_inside(out, folder) or url_inside(folder, out):
+            raise CompileError(
+                f"{out}: the output prefix overlaps the corpus prefix {folder}; a compile writes "
+                "(and --overwrite deletes) only outside what it reads. Choose an output prefix "
+                "outside the corpus"
+            )
+
+
+# -- the output store for a URL OUT ---------------------------------------------------------------
+
+
+class FsspecStore:
+    """The Store (compiler.store) of a URL OUT: shards are written in a local staging
+    folder and uploaded whole (an S3 object appears only once its PUT completes); small
+    files are written in one PUT; names are '/'-separated and relative to OUT."""
+
+    def __init__(self, out: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = out
+        self.fs, self.root = filesystem(out, storage_options)
+        self.root = self.root.rstrip("/")
+        self._staging: Path | None = None
+
+    def _full(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def staging(self) -> Path:
+        if self._staging is None or not self._staging.is_dir():
+            self._staging = Path(tempfile.mkdtemp(prefix="dlop-staging-"))
+        return self._staging
+
+    def put(self, local: Path, name: str) -> None:
+        self.fs.put_file(os.fspath(local), self._full(name))
+        local.unlink(missing_ok=True)
+
+    def write(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self._full(name), data)
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            data = fetch_bytes(self.fs, self._full(name), MAX_READ_BYTES)
+        except FileNotFoundError:
+            return None
+        except CompileError:
+            raise CompileError(
+                f"{self.url}/{name}: larger than the {MAX_READ_BYTES}-byte cap on an archive's "
+                "own small files; it is not what a compile writes"
+            ) from None
+        return data
+
+    def list(self, prefix: str = "") -> list[str]:
+        self.fs.invalidate_cache()
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self._full(folder) if folder else self.root
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        names = [p[len(self.root) + 1 :] for p in found if p.startswith(self.root + "/")]
+        return sorted(n for n in names if n.startswith(prefix))
+
+    def delete(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._full(name))
