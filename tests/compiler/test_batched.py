@@ -27,6 +27,8 @@ from dlop.compiler.features import (
     feature_config,
     featurize,
     featurize_clips,
+    frame_segments,
+    frame_signal,
 )
 from dlop.compiler.output import JOURNAL
 from dlop.compiler.pipeline import TEST_KILL_AT
@@ -174,3 +176,19 @@ def test_each_preset_computes_in_float32_and_records_it(preset: str) -> None:
     exact = feature_config(preset, fft_dtype="float64")
     assert FeatureConfig.from_json(exact.to_json()).fft_dtype == "float64"
     assert exact.to_json()["fft_dtype"] == "float64"
+
+
+@pytest.mark.parametrize("pad_mode", ["constant", "reflect"])
+@pytest.mark.parametrize(("frame", "hop"), [(16, 4), (16, 16), (15, 7), (8, 11), (2, 1)])
+def test_frame_segments_are_the_centred_frames_in_pieces(
+    pad_mode: str, frame: int, hop: int
+) -> None:
+    """Framing without padding the whole clip gives the rows padding it would, for lengths
+    around every edge case (shorter than the padding, one frame, a few frames)."""
+    for length in range(0, 5 * frame + 3 * hop):
+        x = torch.arange(1, length + 1, dtype=torch.float32)
+        for center in (True, False):
+            want = frame_signal(x, frame, hop, center, pad_mode)
+            pieces = frame_segments(x, frame, hop, center, pad_mode)
+            got = torch.cat([p.reshape(-1, frame) for p in pieces])
+            assert torch.equal(got, want.reshape(-1, frame)), (length, center)
