@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dlop.formats import ArchiveReader, Field, SchemaError, ShardReader
+from dlop.formats import Field, SchemaError, ShardReader
 
 from .batch import Batch
+from .concat import ArchivePaths, ConcatSource, archive_paths, check_compatible, open_reader
 from .engine import CopyEngine
 from .errors import SampleIndexError, UsageError, UsageTypeError
 from .gather import Allocate, FieldGather, as_tensor
 from .gather_mapped import FixedRawGather, RaggedRowsGather
 from .gather_samples import PerSampleGather, TextGather
+from .indices import batch_indices, field_names
 from .memory import keep_batch_memory
 from .plan import CopyPlan
+from .selection import select
 from .source import LocalSource
 
 
@@ -40,6 +42,12 @@ class Archive(Dataset[dict[str, Any]]):
     Every gather first checks that the shards it reads have not shrunk since
     they were opened (see ``check_shards``).
 
+    ``path`` may list several archives with the same schema (runtime.concat):
+    they read as one, samples numbered one archive after another. ``where``
+    and ``indices`` choose samples (runtime.selection): ``len``, ``ds[i]`` and
+    ``__getitems__`` then count the selected samples only, while ``plan`` and
+    ``gather`` take sample numbers of the whole (``selection[i]``).
+
     Stages: the shards come from a source (runtime.source), each field's gather
     (runtime.gather) turns a batch of indices into a copy plan, and the copy
     engine (runtime.engine) executes it: ``plan`` and ``gather``.
@@ -47,30 +55,52 @@ class Archive(Dataset[dict[str, Any]]):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: ArchivePaths,
         fields: Sequence[str] | str | None = None,
         pad_value: float = 0.0,
         cache_bytes: int = 256 << 20,
+        where: Mapping[str, Any] | None = None,
+        indices: Sequence[int] | np.ndarray | None = None,
+        allow_recipe_mismatch: bool = False,
     ) -> None:
-        self.path = Path(path)
+        self.paths = archive_paths(path)
+        self.path = self.paths[0]
         fields = field_names(self.path, fields)
-        self._options = {
+        self._options: dict[str, Any] = {
             "fields": fields,
             "pad_value": pad_value,
             "cache_bytes": cache_bytes,
+            "where": where,
+            "indices": indices,
+            "allow_recipe_mismatch": allow_recipe_mismatch,
         }
-        self.reader = ArchiveReader(self.path, block_cache_bytes=cache_bytes)
+        self.readers = [open_reader(p, cache_bytes) for p in self.paths]
+        self.reader = self.readers[0]
         names = list(self.reader.fields) if fields is None else list(fields)
-        missing = [n for n in names if n not in self.reader.fields]
-        if missing:
-            raise SchemaError(
-                f"{self.path}: no field(s) {missing}; fields are {list(self.reader.fields)}"
-            )
+        for reader in self.readers:
+            missing = [n for n in names if n not in reader.fields]
+            if missing:
+                raise SchemaError(
+                    f"{reader.directory}: no field(s) {missing}; fields are {list(reader.fields)}"
+                )
+        check_compatible(self.readers, fields, allow_recipe_mismatch)
         self.fields: dict[str, Field] = {n: self.reader.fields[n] for n in names}
         self.pad_value = pad_value
-        self.source = LocalSource(self.reader)
+        self.source = (
+            LocalSource(self.reader) if len(self.readers) == 1 else ConcatSource(self.readers)
+        )
         self.shards = self.source.shards
-        self.starts = torch.from_numpy(self.reader.shard_starts.copy())
+        # shard_sizes[k]: samples in shard k of the whole; starts: first sample of each, then the total
+        self.shard_sizes = tuple(i.num_samples for r in self.readers for i in r.index.shards)
+        self.shard_starts = np.cumsum((0, *self.shard_sizes), dtype=np.int64)
+        self.num_samples = int(self.shard_starts[-1])
+        self.starts = torch.from_numpy(self.shard_starts[:-1].copy())
+        what = (
+            str(self.path)
+            if len(self.paths) == 1
+            else f"{len(self.paths)} archives {self.path}, ..."
+        )
+        self.selection = select(self.reader.fields, self.shards, where, indices, what)
         self.gathers: dict[str, FieldGather] = {
             n: gather_for(f, self.shards, self.starts, pad_value) for n, f in self.fields.items()
         }
@@ -78,10 +108,11 @@ class Archive(Dataset[dict[str, Any]]):
 
     @property
     def index(self) -> Any:
+        """The (first) archive's parsed index.json."""
         return self.reader.index
 
     def __len__(self) -> int:
-        return int(self.reader.num_samples)
+        return self.num_samples if self.selection is None else len(self.selection)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """Sample ``index`` (negative counts from the end); fields are columns, so
@@ -99,7 +130,10 @@ class Archive(Dataset[dict[str, Any]]):
         n = len(self)
         if not -n <= i < n:
             raise SampleIndexError(f"{self.path}: sample {i} out of range 0..{n - 1} (or -{n}..-1)")
-        k, local = self.reader.locate(i + n if i < 0 else i)
+        i = i + n if i < 0 else i
+        g = i if self.selection is None else int(self.selection[i])
+        k = int(np.searchsorted(self.shard_starts, g, side="right")) - 1
+        local = g - int(self.shard_starts[k])
         self.check_shards([k])
         out: dict[str, Any] = {}
         for name, f in self.fields.items():
@@ -110,7 +144,9 @@ class Archive(Dataset[dict[str, Any]]):
     def __getitems__(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         """A collated batch, rows in the order of ``indices``."""
         keep_batch_memory()  # fresh batches reuse freed ones instead of faulting in new pages
-        idx = self._batch_indices(indices)
+        idx = batch_indices(self.path, indices, len(self))
+        if self.selection is not None:
+            idx = torch.from_numpy(self.selection[idx.numpy()])
         if len(idx) < 2 or bool((idx[1:] >= idx[:-1]).all()) or self._one_shard(idx):
             return self.gather(idx)  # gathers take any order within a shard
         order = torch.argsort(idx, stable=True)
@@ -125,33 +161,6 @@ class Archive(Dataset[dict[str, Any]]):
                 else value.index_select(0, inverse)
             )
         return out
-
-    def _batch_indices(self, indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """``indices`` as a flat int64 tensor, each checked against 0..len-1."""
-        if isinstance(indices, str | bytes):
-            raise UsageTypeError(f"{self.path}: __getitems__ takes sample numbers, got {indices!r}")
-        try:
-            if isinstance(indices, torch.Tensor):
-                if indices.dtype.is_floating_point or indices.dtype.is_complex:
-                    raise TypeError(indices.dtype)
-                arr = indices.detach().cpu().reshape(-1).numpy()
-            else:
-                arr = np.asarray(indices).reshape(-1)
-            if arr.dtype.kind not in "iub" and arr.size:
-                arr = np.array([operator.index(x) for x in arr.tolist()], dtype=object)
-        except (TypeError, ValueError) as e:
-            raise UsageTypeError(
-                f"{self.path}: __getitems__ takes a sequence of integer sample numbers, "
-                f"got {type(indices).__name__} ({e})"
-            ) from None
-        if arr.dtype.kind == "b":
-            raise UsageTypeError(f"{self.path}: __getitems__ takes sample numbers, not booleans")
-        if arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= len(self):
-                bad = lo if lo < 0 else hi
-                raise SampleIndexError(f"{self.path}: sample {bad} out of range 0..{len(self) - 1}")
-        return torch.from_numpy(arr.astype(np.int64))
 
     def check_shards(self, shards: Sequence[int] | np.ndarray) -> None:
         """Raises ShardChangedError when a shard among ``shards`` (numbers) has shrunk
@@ -226,31 +235,12 @@ class Archive(Dataset[dict[str, Any]]):
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     # DataLoader workers started with spawn/forkserver get the archive by pickle:
-    # send the path and reopen, never the mappings.
+    # send the paths and options and reopen, never the mappings.
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": str(self.path), **self._options}
+        return {"path": [str(p) for p in self.paths], **self._options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state.pop("path"), **state)  # type: ignore[misc]
-
-
-def field_names(path: Path, fields: Sequence[str] | str | None) -> list[str] | None:
-    """``fields`` as a list of names: a str is one name."""
-    if fields is None:
-        return None
-    names = [fields] if isinstance(fields, str) else fields
-    try:
-        names = list(names)
-    except TypeError:
-        raise UsageTypeError(
-            f"{path}: fields must be a field name or a list of them, got {type(fields).__name__}"
-        ) from None
-    wrong = [n for n in names if not isinstance(n, str)]
-    if wrong:
-        raise UsageTypeError(f"{path}: fields must be names (str), got {wrong!r}")
-    if len(set(names)) != len(names):
-        raise UsageError(f"{path}: fields {names} name a field more than once")
-    return names
 
 
 def gather_for(
@@ -268,21 +258,44 @@ def gather_for(
 
 
 def open_archive(
-    path: str | os.PathLike[str], fields: Sequence[str] | str | None = None, pad_value: float = 0.0
+    path: ArchivePaths,
+    fields: Sequence[str] | str | None = None,
+    pad_value: float = 0.0,
+    *,
+    where: Mapping[str, Any] | None = None,
+    indices: Sequence[int] | np.ndarray | None = None,
+    allow_recipe_mismatch: bool = False,
 ) -> Archive:
-    """Opens an archive as a map-style Dataset (see Archive)."""
-    return Archive(path, fields=fields, pad_value=pad_value)
+    """Opens an archive, or several with one schema read as one, as a map-style Dataset
+    of the samples ``where`` and ``indices`` choose (see Archive)."""
+    return Archive(
+        path,
+        fields=fields,
+        pad_value=pad_value,
+        where=where,
+        indices=indices,
+        allow_recipe_mismatch=allow_recipe_mismatch,
+    )
 
 
 def open_for_loader(
-    archive: Archive | str | os.PathLike[str],
+    archive: Archive | ArchivePaths,
     fields: Sequence[str] | str | None,
     pad_value: float | None,
+    **options: Any,
 ) -> Archive:
-    """The Loader's archive: ``archive`` opened with ``fields`` and ``pad_value``; an
-    Archive already open is taken as it is when they match it, refused when they do not."""
+    """The Loader's archive: ``archive`` opened with ``fields``, ``pad_value`` and
+    ``options`` (open_archive's keywords); an Archive already open is taken as it is
+    when they match it, refused when they do not."""
     if not isinstance(archive, Archive):
-        return Archive(archive, fields=fields, pad_value=0.0 if pad_value is None else pad_value)
+        pad = 0.0 if pad_value is None else pad_value
+        return open_archive(archive, fields, pad, **options)
+    given = [k for k, v in options.items() if v not in (None, False)]
+    if given:
+        raise UsageError(
+            f"{archive.path}: Loader got an open Archive and {given[0]}=; give it to "
+            f"open_archive(path, {given[0]}=...) instead, or pass the path"
+        )
     if fields is not None:
         names = field_names(archive.path, fields)
         if names != list(archive.fields):

@@ -16,21 +16,21 @@ The buffer contract is in runtime.ring.
 
 from __future__ import annotations
 
-import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
 
 from .batch import Batch
-from .dataset import Archive, check_bucket_by, open_for_loader
+from .choose import SOURCE_KEY, choose
+from .concat import ArchivePaths
+from .dataset import Archive
 from .device import DeviceStage
-from .distributed import rank_and_world
 from .engine import CopyEngine
 from .errors import LoaderError, SampleIndexError, UsageError, UsageTypeError, check_int
-from .order import BatchOrder, OrderSpec
+from .loader_state import STATE_FORMAT, STATE_SETTINGS, check_state, loader_state
 from .plan import CopyPlan
 from .prefetch import (
     STOPPED_MESSAGE,
@@ -45,22 +45,7 @@ from .ring import Slot, allocate, slot_count
 from .threads import JobThread, at_exit
 from .transforms import Transform, TransformStage
 
-__all__ = ["Loader", "LoaderError", "Transform"]
-
-STATE_FORMAT = "dlop-loader-state"
-# Settings that shape the order: a state saved under others is refused.
-STATE_SETTINGS = (
-    "seed",
-    "num_samples",
-    "batch_size",
-    "shuffle",
-    "drop_last",
-    "world_size",
-    "order",
-    "window_shards",
-    "bucket_by",
-    "bucket_window",
-)
+__all__ = ["STATE_FORMAT", "STATE_SETTINGS", "Loader", "LoaderError", "Transform"]
 
 # Raised as they are from the training loop: they name the misuse already.
 USAGE_ERRORS = (UsageError, UsageTypeError, SampleIndexError)
@@ -96,11 +81,20 @@ class Loader:
     epoch, batch number), so resumed epochs repeat their augmentations too.
     ``fields`` and ``pad_value`` open ``archive`` when it is a path; given an
     ``Archive``, they must match what it was opened with.
+
+    What to train on (docs/choosing.md): ``archive`` may be a list of paths
+    read as one (``allow_recipe_mismatch`` lets recipes differ); ``where`` and
+    ``indices`` choose samples (runtime.selection); a dict of source name ->
+    path(s) or Archive is a mixture (runtime.mixture), each epoch
+    ``samples_per_epoch`` samples drawn by ``weights`` (default: the sources'
+    sizes), each batch from one source with ``batch_per_source``; its batches
+    name each sample's source in ``batch["source"]`` (an index into
+    ``loader.sources``).
     """
 
     def __init__(
         self,
-        archive: Archive | str | os.PathLike[str],
+        archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths],
         batch_size: int,
         shuffle: bool = True,
         seed: int = 0,
@@ -116,34 +110,46 @@ class Loader:
         bucket_window: int = 64,
         fields: Sequence[str] | str | None = None,
         pad_value: float | None = None,
+        where: Mapping[str, Any] | None = None,
+        indices: Sequence[int] | np.ndarray | None = None,
+        allow_recipe_mismatch: bool = False,
+        weights: Mapping[str, float] | None = None,
+        samples_per_epoch: int | None = None,
+        batch_per_source: bool = False,
     ) -> None:
-        batch_size = check_int("Loader batch_size", batch_size, low=1)
         self.prefetch = check_int("Loader prefetch", prefetch, low=0)
-        seed = check_int("Loader seed", seed)
-        window_shards = check_int("Loader window_shards", window_shards, low=1)
-        bucket_window = check_int("Loader bucket_window", bucket_window, low=1)
-        if order not in ("global", "window"):
-            raise UsageError(f"Loader order must be 'global' or 'window', got {order!r}")
-        self.archive = open_for_loader(archive, fields, pad_value)
-        rank, world_size = rank_and_world(rank, world_size)
-        world_size = check_int("Loader world_size", world_size, low=1)
-        rank = check_int("Loader rank", rank, low=0, high=world_size - 1)
-        check_bucket_by(self.archive, bucket_by)
-        self.spec = OrderSpec(
-            num_samples=len(self.archive),
-            batch_size=batch_size,
+        self.choice = choose(
+            archive,
+            {
+                "fields": fields,
+                "pad_value": pad_value,
+                "where": where,
+                "indices": indices,
+                "allow_recipe_mismatch": allow_recipe_mismatch,
+                "weights": weights,
+                "samples_per_epoch": samples_per_epoch,
+                "batch_per_source": batch_per_source,
+            },
+            batch_size=check_int("Loader batch_size", batch_size, low=1),
             shuffle=shuffle,
-            seed=seed,
+            seed=check_int("Loader seed", seed),
             drop_last=drop_last,
             rank=rank,
             world_size=world_size,
             mode=order,
-            shard_sizes=tuple(s.num_samples for s in self.archive.index.shards),
-            window_shards=window_shards,
-            bucket_window=bucket_window,
+            window_shards=check_int("Loader window_shards", window_shards, low=1),
+            bucket_by=bucket_by,
+            bucket_window=check_int("Loader bucket_window", bucket_window, low=1),
         )
-        self.bucket_by = bucket_by
-        self.order = BatchOrder(self.spec, self.archive.lengths(bucket_by) if bucket_by else None)
+        self.archive, self.spec = self.choice.archive, self.choice.spec
+        self.order, self.bucket_by = self.choice.order, bucket_by
+        self._later_stages(device, transforms, seed)
+        _live.add(self)
+
+    def _later_stages(
+        self, device: str | torch.device | None, transforms: Sequence[Transform], seed: int
+    ) -> None:
+        """The stages after the order: device, transforms, ring, prefetch and copy engine."""
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LoaderError(f"device {self.device} requested, but CUDA is not available")
@@ -155,7 +161,12 @@ class Loader:
         self.prefetcher = Prefetcher("dlop-loader")
         # Slots that take turns have left the cache when refilled: stream into them.
         self.engine = CopyEngine(streaming=slot_count(self.prefetch, self.to_device.cuda) > 1)
-        _live.add(self)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """A mixture's source names, which ``batch["source"]`` indexes (empty otherwise)."""
+        mix = self.choice.mixture
+        return mix.names if mix is not None else ()
 
     # -- order and state ----------------------------------------------------------
 
@@ -174,46 +185,15 @@ class Loader:
         return len(self.batches())
 
     def state_dict(self) -> dict[str, Any]:
-        s = self.spec
-        return {
-            "format": STATE_FORMAT,
-            "version": 1,
-            **self.order.state_dict(),
-            "seed": s.seed,
-            "num_samples": s.num_samples,
-            "batch_size": s.batch_size,
-            "shuffle": s.shuffle,
-            "drop_last": s.drop_last,
-            "rank": s.rank,
-            "world_size": s.world_size,
-            "order": s.mode,
-            "window_shards": s.window_shards,
-            "bucket_by": self.bucket_by,
-            "bucket_window": s.bucket_window,
-        }
+        """The position (epoch, batches done) and the settings that shape the order,
+        the choice of samples included (runtime.loader_state); a few numbers and a
+        fingerprint, never index lists."""
+        position = self.order.state_dict()
+        return loader_state(self.spec, position, self.bucket_by, self.choice.settings())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from a saved position: the next iteration yields the remaining batches of its epoch."""
-        if not isinstance(state, dict):
-            raise UsageTypeError(
-                f"Loader.load_state_dict takes the dict state_dict() returned, got {type(state).__name__}"
-            )
-        if state.get("format") != STATE_FORMAT or state.get("version") != 1:
-            raise UsageError(
-                f"not a dlop Loader state: format {state.get('format')!r} version "
-                f"{state.get('version')!r}, expected {STATE_FORMAT!r} version 1"
-            )
-        mine = self.state_dict()
-        for key in STATE_SETTINGS:
-            if state.get(key) != mine[key]:
-                raise UsageError(
-                    f"loader state was saved with {key}={state.get(key)!r}, this loader has {mine[key]!r}"
-                )
-        if state.get("rank") != self.spec.rank:
-            raise UsageError(
-                f"loader state is rank {state.get('rank')}'s, this loader is rank {self.spec.rank}"
-            )
-        self.order.reset(state)
+        self.order.reset(check_state(state, self.state_dict()))
 
     # -- iteration ------------------------------------------------------------------
 
@@ -257,7 +237,7 @@ class Loader:
 
         def plan_batch(j: int, slot: Slot) -> tuple[Batch, CopyPlan]:
             asks.ask_through(j)
-            return self.archive.plan(torch.from_numpy(batches[j]), slot.buffers)
+            return self.plan(batches[j], slot.buffers)
 
         return plan_batch
 
@@ -277,7 +257,7 @@ class Loader:
                     slot.wait_copied()
                     asks.ask_through(j)
                     try:
-                        batch, plan = self.archive.plan(torch.from_numpy(batches[j]), slot.buffers)
+                        batch, plan = self.plan(batches[j], slot.buffers)
                         self.engine.run(plan)
                     finally:
                         asks.release(j)
@@ -291,6 +271,15 @@ class Loader:
                 yield j, batch
         finally:
             asks.release_all()  # stopped early: the batch asked ahead, too
+
+    def plan(self, indices: np.ndarray, buffers: dict[str, torch.Tensor]) -> tuple[Batch, CopyPlan]:
+        """The gather stage's plan of a batch into ``buffers``; a mixture's batches also
+        say each sample's source (``batch["source"]``)."""
+        batch, plan = self.archive.plan(torch.from_numpy(indices), buffers)
+        sources = self.choice.sources_of(indices)
+        if sources is not None:
+            batch[SOURCE_KEY] = sources
+        return batch, plan
 
     def _wrapped(self, e: BaseException, number: int, epoch: int, trace: str = "") -> BaseException:
         """What the training loop raises for batch ``number``'s error ``e``: a usage

@@ -26,11 +26,19 @@ Bucketing (``bucket_lengths``)
   rank; each window is sorted by length and cut into batches; the batches of
   the whole epoch are then shuffled and dealt out to ranks in turn (padded by
   repeating batches, or trimmed with drop_last, so counts stay equal).
+
+Selections and mixtures (runtime.selection, runtime.mixture)
+  A draw (``Draw``) gives an epoch's samples as archive sample numbers, in
+  epoch order, and optionally the group (mixture source) of each. A selection
+  draws ``selection[epoch_order(...)]``: the orders above over positions in
+  the selection. With groups, batches are cut within each group (each batch
+  from one group), then shuffled and dealt out to ranks as with bucketing.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,8 +69,24 @@ class OrderSpec:
             raise ValueError(f"order {self.mode!r} must be global or window")
 
 
-def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
+# An epoch -> its samples (archive sample numbers, in epoch order) and the group of each (or None).
+Draw = Callable[[int], tuple[np.ndarray, np.ndarray | None]]
+
+
+def rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
+    """The generator of one random stream of an epoch (0: sample order, 1: batch order,
+    2 and up: other stages' streams)."""
     return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, epoch, stream])
+
+
+def selection_draw(spec: OrderSpec, selection: np.ndarray | None) -> Draw:
+    """The draw of a selection: the epoch order over its positions, as sample numbers."""
+
+    def draw(epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        order = epoch_order(spec, epoch)
+        return (order if selection is None else selection[order]), None
+
+    return draw
 
 
 def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
@@ -70,17 +94,17 @@ def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
     n = spec.num_samples
     if not spec.shuffle:
         return np.arange(n, dtype=np.int64)
-    rng = _rng(spec.seed, epoch, 0)
+    gen = rng(spec.seed, epoch, 0)
     if spec.mode == "global" or not spec.shard_sizes:
-        return rng.permutation(n).astype(np.int64)
+        return gen.permutation(n).astype(np.int64)
     starts = np.concatenate([[0], np.cumsum(spec.shard_sizes)]).astype(np.int64)
-    shards = rng.permutation(len(spec.shard_sizes))
+    shards = gen.permutation(len(spec.shard_sizes))
     parts = []
     for w in range(0, len(shards), spec.window_shards):
         window = np.concatenate(
             [np.arange(starts[k], starts[k + 1]) for k in shards[w : w + spec.window_shards]]
         )
-        parts.append(rng.permutation(window))
+        parts.append(gen.permutation(window))
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
@@ -101,12 +125,21 @@ def _even(seq: np.ndarray, world: int, drop_last: bool) -> np.ndarray:
 
 
 def rank_batches(
-    spec: OrderSpec, epoch: int, bucket_lengths: np.ndarray | None = None
+    spec: OrderSpec,
+    epoch: int,
+    bucket_lengths: np.ndarray | None = None,
+    samples: np.ndarray | None = None,
+    groups: np.ndarray | None = None,
 ) -> list[np.ndarray]:
-    """This rank's batches for the epoch, each sorted ascending (for locality of reads)."""
-    order = epoch_order(spec, epoch)
+    """This rank's batches for the epoch, each sorted ascending (for locality of reads).
+
+    ``samples``: the epoch's samples in order (default ``epoch_order``);
+    ``groups``: the group of each, batches cut within groups;
+    ``bucket_lengths``: indexed by sample number.
+    """
+    order = epoch_order(spec, epoch) if samples is None else samples
     world, b = spec.world_size, spec.batch_size
-    if bucket_lengths is None:
+    if bucket_lengths is None and groups is None:
         mine = _even(order, world, spec.drop_last)[spec.rank :: world]
         cuts = range(0, len(mine), b)
         batches = [mine[i : i + b] for i in cuts]
@@ -114,15 +147,19 @@ def rank_batches(
             batches.pop()
         return [np.sort(x) for x in batches]
     window = b * spec.bucket_window * world
+    parts = [order] if groups is None else [order[groups == g] for g in np.unique(groups)]
     batches = []
-    for start in range(0, len(order), window):
-        chunk = order[start : start + window]
-        chunk = chunk[np.argsort(bucket_lengths[chunk], kind="stable")]
-        batches += [chunk[i : i + b] for i in range(0, len(chunk), b)]
+    for part in parts:
+        step = window if bucket_lengths is not None else max(len(part), 1)
+        for start in range(0, len(part), step):
+            chunk = part[start : start + step]
+            if bucket_lengths is not None:
+                chunk = chunk[np.argsort(bucket_lengths[chunk], kind="stable")]
+            batches += [chunk[i : i + b] for i in range(0, len(chunk), b)]
     if spec.drop_last:
         batches = [x for x in batches if len(x) == b]
     if spec.shuffle:
-        perm = _rng(spec.seed, epoch, 1).permutation(len(batches))
+        perm = rng(spec.seed, epoch, 1).permutation(len(batches))
         batches = [batches[i] for i in perm]
     picked = _even(np.arange(len(batches)), world, spec.drop_last)[spec.rank :: world]
     return [np.sort(batches[i]) for i in picked]
@@ -140,11 +177,16 @@ class BatchOrder:
     """
 
     def __init__(
-        self, spec: OrderSpec, lengths: np.ndarray | None = None, owner: str = "Loader"
+        self,
+        spec: OrderSpec,
+        lengths: np.ndarray | None = None,
+        owner: str = "Loader",
+        draw: Draw | None = None,
     ) -> None:
         self.owner = owner  # who errors name
         self.spec = spec
         self.lengths = lengths
+        self.draw = draw  # None: the whole archive, in epoch_order
         self.epoch = 0
         self.batches_done = 0
         self._resume = False
@@ -154,7 +196,9 @@ class BatchOrder:
         """The sample indices of each batch of ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
         if self._cached is None or self._cached[0] != epoch:
-            self._cached = (epoch, rank_batches(self.spec, epoch, self.lengths))
+            samples, groups = self.draw(epoch) if self.draw is not None else (None, None)
+            made = rank_batches(self.spec, epoch, self.lengths, samples, groups)
+            self._cached = (epoch, made)
         return self._cached[1]
 
     def set_epoch(self, epoch: int) -> None:

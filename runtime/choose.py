@@ -1,0 +1,148 @@
+"""What a Loader trains on: its archive argument opened, and its order stage built.
+
+The argument is a path, a list of paths read as one, an open ``Archive``, or
+a mixture: a dict of source name -> any of those, drawn by ``weights``
+(runtime.mixture). ``where``/``indices`` choose samples (runtime.selection);
+the order stage then orders the selection, or draws the mixture.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dataset import Archive, check_bucket_by, open_for_loader
+from .distributed import rank_and_world
+from .errors import UsageError, UsageTypeError, check_int
+from .mixture import Mixture, check_weights, epoch_counts, mixture_draw
+from .order import BatchOrder, OrderSpec, selection_draw
+from .selection import digest, shard_counts
+
+SOURCE_KEY = "source"  # the batch entry naming each sample's mixture source
+
+
+@dataclass
+class Choice:
+    """The Loader's archive and order stage; for a mixture, its sources."""
+
+    archive: Archive
+    spec: OrderSpec
+    order: BatchOrder
+    mixture: Mixture | None = None
+    source_starts: np.ndarray | None = None  # each source's first sample number
+
+    def settings(self) -> dict[str, Any]:
+        """What, besides the spec, shapes the order (for loader states)."""
+        if self.mixture is not None:
+            pools = np.concatenate(self.mixture.pools)
+            return {"selection": digest(pools), "mixture": self.mixture.settings()}
+        return {"selection": digest(self.archive.selection), "mixture": None}
+
+    def sources_of(self, indices: np.ndarray) -> torch.Tensor | None:
+        """Each sample's source number (``int64 [B]``, an index into the mixture's
+        names); None without a mixture."""
+        if self.source_starts is None:
+            return None
+        found = np.searchsorted(self.source_starts, indices, side="right") - 1
+        return torch.from_numpy(found.astype(np.int64))
+
+
+def choose(archive: Any, open_options: dict[str, Any], **order: Any) -> Choice:
+    """Opens ``archive`` with ``open_options`` (fields, pad_value, where, indices,
+    allow_recipe_mismatch; plus weights, samples_per_epoch and batch_per_source for a
+    mixture) and builds the order stage from ``order`` (OrderSpec's settings, rank and
+    world_size as the Loader takes them, bucket_by)."""
+    if order["mode"] not in ("global", "window"):
+        raise UsageError(f"Loader order must be 'global' or 'window', got {order['mode']!r}")
+    mixing = {k: open_options.pop(k) for k in ("weights", "samples_per_epoch", "batch_per_source")}
+    rank, world = rank_and_world(order.pop("rank"), order.pop("world_size"))
+    world = check_int("Loader world_size", world, low=1)
+    order["rank"] = check_int("Loader rank", rank, low=0, high=world - 1)
+    order["world_size"] = world
+    bucket_by = order.pop("bucket_by")
+    if isinstance(archive, Mapping):
+        return choose_mixture(archive, open_options, mixing, bucket_by, order)
+    given = [k for k, v in mixing.items() if v not in (None, False)]
+    if given:
+        raise UsageError(
+            f"Loader {given[0]}= is for mixtures: pass the archives as a dict of "
+            "source name -> path, e.g. Loader({'a': path_a, 'b': path_b}, weights=...)"
+        )
+    ds = open_for_loader(
+        archive, open_options.pop("fields"), open_options.pop("pad_value"), **open_options
+    )
+    check_bucket_by(ds, bucket_by)
+    sel = ds.selection
+    sizes = ds.shard_sizes if sel is None else shard_counts(sel, ds.shard_starts)
+    spec = OrderSpec(num_samples=len(ds), shard_sizes=sizes, **order)
+    lengths = ds.lengths(bucket_by) if bucket_by else None
+    return Choice(ds, spec, BatchOrder(spec, lengths, draw=selection_draw(spec, sel)))
+
+
+def source_paths(name: object, source: object) -> tuple[list[Any], np.ndarray | None]:
+    """A mixture source's archive paths, and its own selection (an open Archive's)."""
+    if not isinstance(name, str):
+        raise UsageTypeError(f"Loader mixture sources are named by str, got {name!r}")
+    if isinstance(source, Archive):
+        return list(source.paths), source.selection
+    if isinstance(source, str | os.PathLike):
+        return [source], None
+    if isinstance(source, Sequence) and source and not isinstance(source, bytes):
+        return list(source), None
+    raise UsageTypeError(
+        f"Loader mixture source {name!r} must be a path, a list of paths or an open "
+        f"Archive, got {type(source).__name__}"
+    )
+
+
+def choose_mixture(
+    sources: Mapping[Any, Any],
+    open_options: dict[str, Any],
+    mixing: dict[str, Any],
+    bucket_by: str | None,
+    order: dict[str, Any],
+) -> Choice:
+    if not sources:
+        raise UsageError("Loader got an empty dict of sources; name at least one archive")
+    if open_options.get("indices") is not None:
+        raise UsageError("Loader indices= does not apply to a mixture; choose with where=")
+    if order["mode"] != "global":
+        raise UsageError("Loader order='window' does not apply to a mixture; use order='global'")
+    names = list(sources)
+    parts = [source_paths(n, sources[n]) for n in names]
+    paths = [p for ps, _ in parts for p in ps]
+    pad = open_options.pop("pad_value")
+    ds = Archive(paths, pad_value=0.0 if pad is None else pad, **open_options)
+    if SOURCE_KEY in ds.fields:
+        raise UsageError(
+            f"{ds.path}: a mixture's batches name each sample's source as {SOURCE_KEY!r}, "
+            f"and the archives have a field of that name; leave it out with fields=[...]"
+        )
+    check_bucket_by(ds, bucket_by)
+    reader_starts = np.cumsum([0] + [r.num_samples for r in ds.readers], dtype=np.int64)
+    firsts = np.cumsum([0] + [len(ps) for ps, _ in parts])
+    pools = []
+    for s, (_, own) in enumerate(parts):
+        lo, hi = int(reader_starts[firsts[s]]), int(reader_starts[firsts[s + 1]])
+        pool = np.arange(lo, hi, dtype=np.int64) if own is None else own + lo
+        if ds.selection is not None:
+            pool = pool[np.isin(pool, ds.selection)]
+        pools.append(pool)
+    batch_size, world = order["batch_size"], order["world_size"]
+    per_source = bool(mixing["batch_per_source"])
+    weights = check_weights(names, mixing["weights"], [len(p) for p in pools])
+    wanted = mixing["samples_per_epoch"]
+    wanted = sum(map(len, pools)) if wanted is None else wanted
+    wanted = check_int("Loader samples_per_epoch", wanted, low=1)
+    counts = epoch_counts(weights, wanted, batch_size, world, order["drop_last"], per_source)
+    mix = Mixture(tuple(names), tuple(pools), tuple(weights), wanted, tuple(counts), per_source)
+    spec = OrderSpec(num_samples=mix.epoch_size, **order)
+    lengths = ds.lengths(bucket_by) if bucket_by else None
+    draw = mixture_draw(mix, order["seed"], order["shuffle"])
+    starts = reader_starts[firsts[:-1]]
+    return Choice(ds, spec, BatchOrder(spec, lengths, draw=draw), mix, starts)

@@ -1,0 +1,182 @@
+"""Mixtures: each epoch drawn from several sources in chosen proportions.
+
+Sources are read as one archive (runtime.concat), each source a contiguous
+range of its sample numbers; a source's pool is the samples of its range
+that the selection keeps. Each epoch takes ``counts[s]`` samples from source
+``s``: its share of the epoch by weight (largest remainders, so the counts
+add up exactly, the same every epoch).
+
+Source ``s`` is read as an endless stream of passes over its pool, each pass
+a permutation seeded by (seed, pass, s): without replacement until the pool
+is used up, then the next pass, reshuffled. Epoch ``e`` takes the stream's
+items ``e * counts[s]`` to ``(e + 1) * counts[s]``, so an epoch is a pure
+function of (seed, epoch) and a source's pass at the start of epoch ``e`` is
+``e * counts[s] // len(pool)``: resuming needs no index lists.
+
+The epoch's draws are then shuffled together (seed, epoch), or, unshuffled,
+interleaved evenly by source. Its size is ``samples_per_epoch`` rounded so
+that every rank gets the same number of samples without repeating any (up to
+a multiple of the world size, down with drop_last); with
+``batch_per_source``, rounded to whole batches of one source, in a number
+that every rank gets alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import UsageError, UsageTypeError
+from .order import Draw, rng
+
+SOURCE_STREAM = 1000  # random stream of source s's passes: SOURCE_STREAM + s
+MIX_STREAM = 2  # random stream that shuffles an epoch's draws together
+
+
+@dataclass(frozen=True)
+class Mixture:
+    names: tuple[str, ...]
+    pools: tuple[np.ndarray, ...]  # each source's samples, ascending
+    weights: tuple[float, ...]  # summing to 1
+    samples_per_epoch: int  # as asked for
+    counts: tuple[int, ...]  # samples drawn from each source per epoch
+    batch_per_source: bool
+
+    @property
+    def epoch_size(self) -> int:
+        return sum(self.counts)
+
+    def passes(self, epoch: int) -> dict[str, int]:
+        """Each source's pass number at the start of ``epoch``."""
+        return {
+            name: epoch * c // len(pool) if len(pool) else 0
+            for name, pool, c in zip(self.names, self.pools, self.counts, strict=True)
+        }
+
+    def settings(self) -> dict[str, object]:
+        """What shapes the mixture's order, for loader states."""
+        return {
+            "sources": list(self.names),
+            "weights": [round(w, 12) for w in self.weights],
+            "samples_per_epoch": self.samples_per_epoch,
+            "sizes": [len(p) for p in self.pools],
+            "batch_per_source": self.batch_per_source,
+        }
+
+
+def check_weights(names: Sequence[str], weights: object, sizes: Sequence[int]) -> list[float]:
+    """``weights`` (source name -> weight; None: proportional to the sources' sizes) as a
+    list in source order, summing to 1."""
+    if weights is None:
+        raw = [float(n) for n in sizes]
+    else:
+        if not isinstance(weights, Mapping):
+            raise UsageTypeError(
+                f"Loader weights must be a dict of source name -> weight, got {type(weights).__name__}"
+            )
+        if set(weights) != set(names):
+            extra = sorted(map(str, set(weights) - set(names)))
+            lacking = sorted(set(names) - set(weights))
+            raise UsageError(
+                f"Loader weights name sources {sorted(map(str, weights))}, the sources are "
+                f"{list(names)} (unknown: {extra}, without a weight: {lacking}); give one "
+                "weight per source"
+            )
+        bad = [n for n in names if isinstance(weights[n], bool) or not _is_number(weights[n])]
+        if bad:
+            raise UsageTypeError(
+                f"Loader weights[{bad[0]!r}] must be a number, got {weights[bad[0]]!r}"
+            )
+        raw = [float(weights[n]) for n in names]
+        wrong = [n for n, w in zip(names, raw, strict=True) if not math.isfinite(w) or w < 0]
+        if wrong:
+            raise UsageError(
+                f"Loader weights[{wrong[0]!r}] is {weights[wrong[0]]!r}; weights must be "
+                "finite and at least 0"
+            )
+    total = sum(raw)
+    if not total > 0:
+        raise UsageError(f"Loader weights {raw} add up to 0; give some source a positive weight")
+    empty = [n for n, w, k in zip(names, raw, sizes, strict=True) if w > 0 and k == 0]
+    if empty:
+        raise UsageError(
+            f"Loader source {empty[0]!r} has weight {raw[list(names).index(empty[0])]} "
+            "but no samples (after where=); give it weight 0 or choose samples it holds"
+        )
+    return [w / total for w in raw]
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating)
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """``total`` split by ``weights``: floors, then one more to the largest remainders
+    (ties to the earlier source), so the parts add up to ``total`` exactly."""
+    exact = [total * w for w in weights]
+    parts = [math.floor(x) for x in exact]
+    order = sorted(range(len(parts)), key=lambda i: (-(exact[i] - parts[i]), i))
+    for i in order[: total - sum(parts)]:
+        parts[i] += 1
+    return parts
+
+
+def epoch_counts(
+    weights: Sequence[float],
+    samples_per_epoch: int,
+    batch_size: int,
+    world_size: int,
+    drop_last: bool,
+    batch_per_source: bool,
+) -> list[int]:
+    """Samples each source gives an epoch (see the module docstring for the rounding)."""
+    unit = batch_size * world_size if batch_per_source else world_size
+    rounding = math.floor if drop_last else math.ceil
+    total = int(rounding(samples_per_epoch / unit)) * unit
+    if total == 0:
+        raise UsageError(
+            f"Loader samples_per_epoch={samples_per_epoch} with drop_last makes no whole "
+            f"{'batch' if batch_per_source else 'sample'} for each of {world_size} rank(s)"
+        )
+    if batch_per_source:
+        return [k * batch_size for k in apportion(total // batch_size, weights)]
+    return apportion(total, weights)
+
+
+def stream_slice(
+    pool: np.ndarray, seed: int, source: int, start: int, count: int, shuffle: bool
+) -> np.ndarray:
+    """Items ``start`` to ``start + count`` of source ``source``'s endless stream of passes."""
+    n = len(pool)
+    if count == 0 or n == 0:
+        return np.zeros(0, np.int64)
+    first, last = start // n, (start + count - 1) // n
+    parts = [
+        pool[rng(seed, p, SOURCE_STREAM + source).permutation(n)] if shuffle else pool
+        for p in range(first, last + 1)
+    ]
+    off = start - first * n
+    return np.concatenate(parts)[off : off + count]
+
+
+def mixture_draw(mix: Mixture, seed: int, shuffle: bool) -> Draw:
+    """The order stage's draw of a mixture: the epoch's samples and each one's source."""
+
+    def draw(epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        parts = [
+            stream_slice(pool, seed, s, epoch * c, c, shuffle)
+            for s, (pool, c) in enumerate(zip(mix.pools, mix.counts, strict=True))
+        ]
+        samples = np.concatenate(parts).astype(np.int64)
+        groups = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
+        if shuffle:
+            perm = rng(seed, epoch, MIX_STREAM).permutation(len(samples))
+        else:  # evenly interleaved: the i-th of c draws at (i + 0.5) / c of the epoch
+            keys = np.concatenate([(np.arange(len(p)) + 0.5) / len(p) for p in parts if len(p)])
+            perm = np.argsort(keys, kind="stable")
+        return samples[perm], (groups[perm] if mix.batch_per_source else None)
+
+    return draw
