@@ -19,6 +19,7 @@ from .fixtures import esc50_corpus
 COMPILER = Path(__file__).resolve().parents[2] / "compiler"
 LAYOUT_FILES = sorted(p for p in (COMPILER / "layouts").glob("*.py") if p.name != "__init__.py")
 BUILT_IN = {"esc50", "folder", "librispeech", "manifest", "webdataset", "charades", "segmentation"}
+BUILT_IN |= {"hf", "peoples-speech", "lhotse"}
 
 # A whole layout, as a file: a folder holding ``items.lst`` whose lines name inputs.
 FAKE_LAYOUT = """
@@ -88,7 +89,7 @@ def fake_layout(tmp_path: Path) -> Iterator[ModuleType]:
 
 
 def test_the_registry_holds_every_layout_module() -> None:
-    assert {p.stem for p in LAYOUT_FILES} == BUILT_IN
+    assert {p.stem.replace("_", "-") for p in LAYOUT_FILES} == BUILT_IN  # peoples_speech
     assert set(layouts.names()) == BUILT_IN
     assert layouts.names() == sources.LAYOUTS
     # detection order: the layouts that say yes or no in name order, then the fallbacks

@@ -1,0 +1,237 @@
+"""Lhotse manifests: a CutSet, or a RecordingSet with its SupervisionSet (``.jsonl``/``.jsonl.gz``).
+
+Each supervision segment (or each cut of a CutSet) is one sample over its span
+of the recording, with its text, speaker and language (``""`` where the
+manifest gives none). The manifests are read as JSON lines here; Lhotse itself
+is not needed, and nothing a manifest names is ever run: a ``command`` or
+``url`` audio source is a bad input.
+
+Downmix: a sample decodes the recording's source file that holds its
+supervision's (or cut's) channel, the first one named when it names several;
+that file's channels become one by ``--downmix`` (mean by default), as for
+every layout. A recording with one file per channel therefore gives exactly
+the supervision's channel; one file holding every channel gives their mix.
+
+A relative audio path is looked for beside the manifest first, then (as Lhotse
+reads it) from the working directory.
+
+SOURCE is one manifest (a cuts, supervisions or recordings file: the other of
+a supervisions/recordings pair is found by name, ``supervisions`` <->
+``recordings``), or a folder holding exactly one cuts file or one such pair.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ..corpus import Corpus, Item, ListOptions, fingerprint
+from ..errors import CompileError
+from ..listing import is_text, lines, name_key, utf8
+
+NAME = "lhotse"
+MEDIA = ("audio",)
+SIGNS = "Lhotse cuts or recordings + supervisions .jsonl(.gz)"
+KINDS = ("cuts", "supervisions", "recordings")
+EXTRA_FIELDS = {"speaker": "str", "language": "str"}
+MAX_MANIFEST_BYTES = 1 << 34  # a gzipped manifest inflating past 16 GiB is refused
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name
+    if not (name.endswith(".jsonl") or name.endswith(".jsonl.gz")):
+        return None
+    return next((k for k in KINDS if k in name), None)
+
+
+def _candidates(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if _kind(p) is not None and p.is_file())
+
+
+def detect(source: Path) -> bool:
+    if source.is_file():
+        return _kind(source) is not None
+    return source.is_dir() and bool(_candidates(source))
+
+
+def _partner(path: Path) -> Path:
+    kind = _kind(path)
+    other = "recordings" if kind == "supervisions" else "supervisions"
+    return path.with_name(path.name.replace(str(kind), other))
+
+
+def _manifests(source: Path) -> tuple[Path, Path | None]:
+    """(cuts or supervisions file, recordings file or None for cuts)."""
+    if source.is_dir():
+        found = _candidates(source)
+        cuts = [p for p in found if _kind(p) == "cuts"]
+        sups = [p for p in found if _kind(p) == "supervisions"]
+        if len(cuts) + len(sups) != 1:
+            raise CompileError(
+                f"{source}: holds {len(cuts)} cuts and {len(sups)} supervisions manifests "
+                f"({', '.join(p.name for p in found)}); pass the one to compile as SOURCE"
+            )
+        source = (cuts or sups)[0]
+    kind = _kind(source)
+    if kind is None or not source.is_file():
+        raise CompileError(
+            f"{source}: not a Lhotse manifest (*cuts*, *supervisions* or "
+            "*recordings* .jsonl or .jsonl.gz)"
+        )
+    if kind == "cuts":
+        return source, None
+    sups, recs = (
+        (source, _partner(source)) if kind == "supervisions" else (_partner(source), source)
+    )
+    for p in (sups, recs):
+        if not p.is_file():
+            raise CompileError(f"{source}: its {_kind(p)} manifest {p.name} is not beside it")
+    return sups, recs
+
+
+def _read(path: Path) -> bytes:
+    with path.open("rb") as f:
+        raw = f.read()
+    if path.name.endswith(".gz"):
+        try:
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as g:
+                raw = g.read(MAX_MANIFEST_BYTES + 1)
+        except (OSError, EOFError) as e:
+            raise CompileError(f"{path}: not a readable gzip file ({e})") from None
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise CompileError(f"{path}: inflates past {MAX_MANIFEST_BYTES} bytes")
+    return raw
+
+
+def _objects(path: Path) -> tuple[bytes, list[tuple[str, dict[str, Any] | None, str | None]]]:
+    """(the file's bytes, each line's (where, object or None, error))."""
+    raw = _read(path)
+    out: list[tuple[str, dict[str, Any] | None, str | None]] = []
+    for n, offset, data in lines(raw):
+        where = f"{name_key(path.name)} line {n}"
+        text, error = utf8(data, where, offset)
+        if not text.strip():
+            continue
+        obj = None
+        if error is None:
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                error = f"{where} (byte {offset}): not JSON ({e})"
+            else:
+                if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+                    error, obj = f"{where} (byte {offset}): not an object with a string id", None
+        out.append((where, obj, error))
+    return raw, out
+
+
+def _seconds(obj: dict[str, Any], name: str, default: float | None = None) -> float:
+    value = obj.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} {value!r} is not a number of seconds")
+    if value < 0:
+        raise ValueError(f"{name} {value} is negative")
+    return float(value)
+
+
+def _audio_file(recording: dict[str, Any], channel: Any, base: Path) -> str:
+    """The path of the source file holding ``channel`` (its first, when a list)."""
+    if recording.get("transforms"):
+        raise ValueError("has transforms (speed, volume, resampling), which dlop does not apply")
+    sources = recording.get("sources")
+    if not isinstance(sources, list) or not sources:
+        raise ValueError("has no audio sources")
+    wanted = channel[0] if isinstance(channel, list) and channel else channel
+    chosen = next(
+        (s for s in sources if isinstance(s, dict) and wanted in (s.get("channels") or [])),
+        sources[0],
+    )
+    if not isinstance(chosen, dict) or not isinstance(chosen.get("source"), str):
+        raise ValueError("has a malformed audio source")
+    if chosen.get("type") != "file":
+        raise ValueError(
+            f"audio source type {chosen.get('type')!r} is not read (only files; dlop never "
+            "runs a command or fetches a url that a manifest names)"
+        )
+    path = Path(chosen["source"])
+    if path.is_absolute() or (base / path).is_file():
+        return str(base / path)
+    return str(path.absolute())  # as Lhotse reads it: from the working directory
+
+
+def _sample(
+    key: str, recording: dict[str, Any], span: dict[str, Any], sups: list[Any], base: Path
+) -> Item:
+    """One sample: ``span`` (a supervision or a cut) over ``recording``, told by ``sups``."""
+    item = Item(key=key)
+    item.path = _audio_file(recording, span.get("channel"), base)
+    item.offset = _seconds(span, "start", 0.0)
+    item.duration = _seconds(span, "duration")
+    texts = [s.get("text") for s in sups if isinstance(s, dict)]
+    if any(t is not None and (not isinstance(t, str) or not is_text(t)) for t in texts):
+        raise ValueError("text is not a string of text")
+    if texts and all(isinstance(t, str) for t in texts):
+        item.text = " ".join(texts)
+    first = sups[0] if sups and isinstance(sups[0], dict) else {}
+    for name in EXTRA_FIELDS:
+        value = first.get(name)
+        item.extras[name] = value if isinstance(value, str) and is_text(value) else ""
+    return item
+
+
+def list_corpus(source: Path, options: ListOptions) -> Corpus:
+    main, recs_path = _manifests(source)
+    base = main.parent
+    raw, rows = _objects(main)
+    extra = raw
+    recordings: dict[str, dict[str, Any] | str] = {}  # id -> recording, or its line's error
+    if recs_path is not None:
+        rec_raw, rec_rows = _objects(recs_path)
+        extra += rec_raw
+        for _, obj, _error in rec_rows:
+            if obj is not None:
+                recordings.setdefault(obj["id"], obj)
+    items: list[Item] = []
+    for where, obj, error in rows:
+        if obj is None:
+            items.append(Item(key=where, error=error))
+            continue
+        key = obj["id"] if is_text(obj["id"]) and obj["id"] else where
+        try:
+            items.append(_listed(key, obj, recordings, recs_path, base))
+        except (ValueError, TypeError) as e:
+            items.append(Item(key=key, error=f"{where}: {key!r} {e}"))
+    if items and all(it.error is not None and it.path is None for it in items):
+        raise CompileError(
+            f"{main}: no line is a Lhotse {_kind(main)} entry; the first: {items[0].error}"
+        )
+    has_text = any(it.text is not None for it in items)
+    return Corpus(
+        NAME, str(source), items, False, has_text, dict(EXTRA_FIELDS), {}, fingerprint(items, extra)
+    )
+
+
+def _listed(
+    key: str,
+    obj: dict[str, Any],
+    recordings: dict[str, Any],
+    recs_path: Path | None,
+    base: Path,
+) -> Item:
+    if recs_path is None:  # a cut carries its recording and supervisions
+        if obj.get("type", "MonoCut") != "MonoCut" or not isinstance(obj.get("recording"), dict):
+            raise ValueError(f"is a {obj.get('type')} (only MonoCuts with a recording are read)")
+        sups = obj.get("supervisions") or []
+        if not isinstance(sups, list):
+            raise ValueError("supervisions is not a list")
+        return _sample(key, obj["recording"], obj, sups, base)
+    recording = recordings.get(str(obj.get("recording_id")))
+    if recording is None:
+        raise ValueError(
+            f"names recording {obj.get('recording_id')!r}, which {recs_path.name} does not hold"
+        )
+    return _sample(key, recording, obj, [obj], base)
