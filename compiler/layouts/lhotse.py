@@ -69,13 +69,13 @@ def _manifests(source: Path) -> tuple[Path, Path | None]:
     if source.is_dir():
         found = _candidates(source)
         cuts = [p for p in found if _kind(p) == "cuts"]
-        sups = [p for p in found if _kind(p) == "supervisions"]
-        if len(cuts) + len(sups) != 1:
+        sup_files = [p for p in found if _kind(p) == "supervisions"]
+        if len(cuts) + len(sup_files) != 1:
             raise CompileError(
-                f"{source}: holds {len(cuts)} cuts and {len(sups)} supervisions manifests "
+                f"{source}: holds {len(cuts)} cuts and {len(sup_files)} supervisions manifests "
                 f"({', '.join(p.name for p in found)}); pass the one to compile as SOURCE"
             )
-        source = (cuts or sups)[0]
+        source = (cuts or sup_files)[0]
     kind = _kind(source)
     if kind is None or not source.is_file():
         raise CompileError(
@@ -174,8 +174,9 @@ def _sample(
     texts = [s.get("text") for s in sups if isinstance(s, dict)]
     if any(t is not None and (not isinstance(t, str) or not is_text(t)) for t in texts):
         raise ValueError("text is not a string of text")
-    if texts and all(isinstance(t, str) for t in texts):
-        item.text = " ".join(texts)
+    given = [t for t in texts if isinstance(t, str)]
+    if given and len(given) == len(texts):
+        item.text = " ".join(given)
     first = sups[0] if sups and isinstance(sups[0], dict) else {}
     for name in EXTRA_FIELDS:
         value = first.get(name)

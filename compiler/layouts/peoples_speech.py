@@ -137,7 +137,7 @@ def _read_manifest(manifest: Path, rel: str) -> tuple[bytes, list[_Segment]]:
         if not text.strip():
             continue
         try:
-            obj = json.loads(text) if error is None else None
+            obj = json.loads(text) if error is None else {}
             found = [] if error is not None else _line_segments(obj, where)
         except (json.JSONDecodeError, ValueError) as e:
             error = f"{where} (byte {offset}): {type(e).__name__}: {e}"

@@ -163,5 +163,5 @@ def test_a_folder_must_hold_one_manifest_to_compile(
     with pytest.raises(CompileError, match="pass the one to compile as SOURCE"):
         open_corpus(str(root), "lhotse")
     (root / "demo_recordings_dev.jsonl.gz").unlink()
-    with pytest.raises(CompileError, match="demo_recordings_dev.jsonl.gz is not beside it"):
+    with pytest.raises(CompileError, match=r"demo_recordings_dev\.jsonl\.gz is not beside it"):
         open_corpus(str(root / "demo_supervisions_dev.jsonl.gz"), "lhotse")
