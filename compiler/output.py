@@ -1,5 +1,6 @@
 """The output folder of a compile: where OUT may be, its lock, what --overwrite and --resume
-may delete, and the progress journal an interrupted compile resumes from.
+may delete, and the journal an interrupted compile resumes from (with the commit
+records of its finished work units, units.py).
 
 A compile deletes only names it writes itself (COMPILE_FILE); OUT holding anything
 else makes --overwrite and --resume refuse before anything is deleted.
@@ -16,38 +17,34 @@ import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn, TypeGuard
+from typing import NoReturn, TypeGuard
 
-from dlop.formats import ERRORS_NAME, INDEX_NAME, DlopError, FormatError, ShardInfo, shard_name
-from dlop.formats.archive import atomic_write
+from dlop.formats import ERRORS_NAME, INDEX_NAME, FormatError
 from dlop.formats.constants import (
     ARCHIVE_FORMAT,
-    MAX_ERROR_RECORD_KEYS,
-    MAX_ERRORS_BYTES,
-    MAX_ERRORS_RECORDS,
     MAX_INDEX_BYTES,
-    MAX_JSON_VALUES,
-    MAX_SHARD_SAMPLES,
 )
 from dlop.formats.files import loads_bounded, read_capped
 
 from .errors import CompileError
 from .recipe import Recipe
 from .sources import PROGRESS_NAME
+from .store import STAGING, LocalStore, Store
+from .units import COMMIT_PREFIX, UnitRecord, commit_name, parse_record, shards_in_place
 
 JOURNAL = PROGRESS_NAME  # the listing skips folders holding one, so it is named there
 LOCK = ".dlop-lock"  # flock'ed for the whole compile; holds "pid N on HOST"
-SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the output folder, removed as read
-# The journal records what an index and errors.jsonl would: it is capped at both together.
-MAX_JOURNAL_BYTES = MAX_INDEX_BYTES + MAX_ERRORS_BYTES
-# ... and its JSON values at an index's plus every skipped record's (a key and a value per key).
-MAX_JOURNAL_VALUES = MAX_JSON_VALUES + (2 * MAX_ERROR_RECORD_KEYS + 2) * MAX_ERRORS_RECORDS
+SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the staging folder, removed as read
+MAX_JOURNAL_BYTES = 64 << 10
 
-_SHARD = r"shard-\d{5,}\.dlop"
-_OWN = "|".join(re.escape(n) for n in (INDEX_NAME, ERRORS_NAME, JOURNAL))
-# Every name a compile writes in OUT: the archive's files, the journal, the lock, the
-# workers' chunk files, the writers' temporary files (atomic_write's ".NAME.tmp", a
-# shard's ".shard-N.dlop.tmp" and its field spools ".shard-N.dlop.fK.spool").
+_SHARD = r"(?:shard-\d{5,}|unit-\d{6,}-\d{4,})\.dlop"
+_COMMIT = rf"{re.escape(COMMIT_PREFIX)}\d{{6,}}\.json"
+_OWN = "|".join([*(re.escape(n) for n in (INDEX_NAME, ERRORS_NAME, JOURNAL)), _COMMIT])
+# Every name a compile writes in OUT: the archive's files (shards named by unit, or
+# shard-N.dlop by compiles before units), the journal, units' commit records, the lock,
+# the workers' chunk files, temporary files (".NAME.tmp" of small files; before units a
+# shard's ".shard-N.dlop.tmp" and its field spools ".shard-N.dlop.fK.spool"); and the
+# staging folder, a directory (STAGING).
 COMPILE_FILE = re.compile(
     rf"(?:{_SHARD}|{_OWN}|{re.escape(LOCK)}|{re.escape(SPILL_PREFIX)}\d+-\d+)"
     rf"|\.(?:{_SHARD}|{_OWN})\.tmp|\.{_SHARD}\.f\d+\.spool"
@@ -55,12 +52,14 @@ COMPILE_FILE = re.compile(
 
 
 def _written_by_a_compile(out: Path, name: str) -> bool:
-    """Whether OUT/name is a regular file (not a link) under a name a compile writes."""
-    return (
-        bool(COMPILE_FILE.fullmatch(name))
-        and (out / name).is_file()
-        and not (out / name).is_symlink()
-    )
+    """Whether OUT/name is a regular file (not a link) under a name a compile writes, or
+    the staging folder (a directory, not a link)."""
+    path = out / name
+    if path.is_symlink():
+        return False
+    if name == STAGING:
+        return path.is_dir()
+    return bool(COMPILE_FILE.fullmatch(name)) and path.is_file()
 
 
 def _foreign(out: Path, names: list[str]) -> str:
@@ -248,6 +247,7 @@ def _clear_output(out: Path, resume: bool, overwrite: bool) -> None:
         )
     # The index goes first, so a crash never leaves a stale but valid-looking archive.
     (out / INDEX_NAME).unlink(missing_ok=True)
+    LocalStore(out).clear_staging()
     for n in names:
         (out / n).unlink(missing_ok=True)
 
@@ -272,78 +272,63 @@ def _check_archive_index(path: Path) -> None:
 
 
 class Journal:
-    """Progress of an unfinished compile: completed shards, inputs consumed, inputs skipped."""
+    """What an unfinished compile compiles and how its inputs are cut into units.
 
-    def __init__(self, out: Path, digest: str, fingerprint: str) -> None:
-        self.path = out / JOURNAL
+    Written once, as soon as OUT is taken and before any work; each finished unit
+    then has its own commit record (units.py), so the journal never changes.
+    """
+
+    def __init__(
+        self, where: str, digest: str, fingerprint: str, unit_inputs: int, num_inputs: int
+    ) -> None:
+        self.where = where
         self.digest, self.fingerprint = digest, fingerprint
-        self.shards: list[ShardInfo] = []
-        self.consumed = 0
-        self.skipped: list[dict[str, Any]] = []
+        self.unit_inputs, self.num_inputs = unit_inputs, num_inputs
 
-    def save(self) -> None:
-        atomic_write(
-            self.path,
-            json.dumps(
-                {
-                    "recipe_digest": self.digest,
-                    "fingerprint": self.fingerprint,
-                    "consumed": self.consumed,
-                    "shards": [s.to_json() for s in self.shards],
-                    "skipped": self.skipped,
-                }
-            ).encode(),
-        )
+    def save(self, store: Store) -> None:
+        obj = {
+            "recipe_digest": self.digest,
+            "fingerprint": self.fingerprint,
+            "unit_inputs": self.unit_inputs,
+            "num_inputs": self.num_inputs,
+        }
+        store.write(JOURNAL, json.dumps(obj).encode())
 
-    def load(self, num_inputs: int) -> None:
-        """Reads and checks the journal of an interrupted compile of ``num_inputs`` inputs."""
+    def load(self, store: Store, unit_inputs_given: bool) -> None:
+        """Reads and checks the journal of the interrupted compile in ``store``; takes its
+        unit size unless one was given (which must then be the same)."""
+        data = store.read(JOURNAL)
+        if data is None:
+            raise CompileError(f"{self.where}: no interrupted compile to resume (no {JOURNAL})")
+        if len(data) > MAX_JOURNAL_BYTES:
+            self._bad(f"{len(data)} bytes, more than the {MAX_JOURNAL_BYTES} a journal takes")
         try:
-            data = read_capped(self.path, MAX_JOURNAL_BYTES, root=self.path.parent, what="journal")
-            obj = loads_bounded(self.path, data, "the journal", max_values=MAX_JOURNAL_VALUES)
+            obj = loads_bounded(self.where, data, "the journal")
         except FormatError as e:
             self._bad(e.problem)
-        except OSError as e:
-            self._bad(f"cannot read it: {e.strerror or e}")
         if not isinstance(obj, dict):
             self._bad(f"expected a JSON object, got {type(obj).__name__}")
         if obj.get("recipe_digest") != self.digest:
             raise CompileError(
-                f"{self.path.parent}: --resume with a different recipe than the interrupted compile"
+                f"{self.where}: --resume with a different recipe than the interrupted compile"
             )
-        if obj.get("fingerprint") != self.fingerprint:
+        if obj.get("fingerprint") != self.fingerprint or obj.get("num_inputs") != self.num_inputs:
             raise CompileError(
-                f"{self.path.parent}: the corpus changed since the interrupted compile; compile afresh"
+                f"{self.where}: the corpus changed since the interrupted compile; compile afresh"
             )
-        consumed = obj.get("consumed")
-        if not _is_int(consumed) or not 0 <= consumed <= num_inputs:
-            self._bad(f"'consumed' is {consumed!r}, expected an integer from 0 to {num_inputs}")
-        shards, skipped = obj.get("shards"), obj.get("skipped")
-        if not isinstance(shards, list):
-            self._bad(f"'shards' is {type(shards).__name__}, expected a list")
-        if not isinstance(skipped, list):
-            self._bad(f"'skipped' is {type(skipped).__name__}, expected a list")
-        self.shards = [self._shard(k, s) for k, s in enumerate(shards)]
-        for k, record in enumerate(skipped):
-            if not isinstance(record, dict):
-                self._bad(f"'skipped[{k}]' is {type(record).__name__}, expected an object")
-        self.consumed, self.skipped = consumed, skipped
-
-    def _shard(self, k: int, s: object) -> ShardInfo:
-        keys = ("file", "num_samples", "bytes", "crc32")
-        if not isinstance(s, dict) or sorted(s) != sorted(keys):
-            self._bad(f"'shards[{k}]' is {str(s)[:100]}, expected an object with keys {keys}")
-        if s["file"] != shard_name(k):
-            self._bad(f"'shards[{k}].file' is {s['file']!r}, expected {shard_name(k)!r}")
-        for key, most in zip(keys[1:], (MAX_SHARD_SAMPLES, (1 << 64) - 1, 0xFFFFFFFF), strict=True):
-            if not _is_int(s[key]) or not 0 <= s[key] <= most:
-                self._bad(
-                    f"'shards[{k}].{key}' is {s[key]!r}, expected an integer from 0 to {most}"
-                )
-        return ShardInfo(s["file"], s["num_samples"], s["bytes"], s["crc32"])
+        size = obj.get("unit_inputs")
+        if not _is_int(size) or size < 1:
+            self._bad(f"'unit_inputs' is {size!r:.40}, expected a positive integer")
+        if unit_inputs_given and size != self.unit_inputs:
+            raise CompileError(
+                f"{self.where}: --resume with --unit-inputs {self.unit_inputs}, the interrupted "
+                f"compile used {size}; drop --unit-inputs or give {size}"
+            )
+        self.unit_inputs = size
 
     def _bad(self, problem: str) -> NoReturn:
         raise CompileError(
-            f"{self.path}: the progress journal is damaged: {problem}; it cannot be resumed, "
+            f"{self.where}/{JOURNAL}: the journal is damaged: {problem}; it cannot be resumed, "
             "compile afresh (--overwrite)"
         )
 
@@ -352,33 +337,38 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def clear_for_resume(out: Path, journal: Journal) -> None:
-    """Checks the journal's completed shards, then deletes what else the interrupted
-    compile left (a partial shard and its spools, chunk and temporary files).
+def committed_units(store: Store, journal: Journal) -> dict[int, UnitRecord]:
+    """The units an interrupted compile finished: a commit record that parses as this
+    compile's record of that unit, every shard it names in place. Others are redone."""
+    listed = set(store.list())
+    found: dict[int, UnitRecord] = {}
+    for name in sorted(n for n in listed if n.startswith(COMMIT_PREFIX)):
+        digits = name[len(COMMIT_PREFIX) : -len(".json")]
+        if not digits.isdigit() or name != commit_name(int(digits)):
+            continue
+        unit = int(digits)
+        start = unit * journal.unit_inputs
+        inputs = range(start, min(start + journal.unit_inputs, journal.num_inputs))
+        data = store.read(name) if len(inputs) else None
+        record = None if data is None else parse_record(data, unit, inputs, journal.digest)
+        if record is not None and shards_in_place(store, record, listed):
+            found[unit] = record
+    return found
 
-    _clear_output has already refused an OUT holding anything a compile does not write.
-    """
-    from dlop.formats import ShardReader
 
-    for info in journal.shards:
-        path = out / info.file
-        try:
-            with ShardReader(path) as r:
-                crc, count = r.file_crc32(), r.num_samples
-            why = (
-                ""
-                if (crc, count) == (info.crc32, info.num_samples)
-                else f"CRC-32 {crc} and {count} samples, the journal says {info.crc32} and "
-                f"{info.num_samples}"
-            )
-        except (OSError, ValueError, DlopError) as e:
-            why = str(e)
-        if why:
-            raise CompileError(
-                f"{path}: completed shard is missing or damaged ({why}); compile afresh "
-                "(--overwrite)"
-            )
-    keep = {s.file for s in journal.shards} | {JOURNAL, LOCK}
-    for p in sorted(out.iterdir()):
-        if p.name not in keep and _written_by_a_compile(out, p.name):
-            p.unlink()
+def clear_for_resume(store: Store, committed: dict[int, UnitRecord]) -> None:
+    """Deletes what the interrupted compile left besides its journal, its lock and its
+    committed units: shards of unfinished units, records that do not count, temporary
+    and chunk files, the staging folder. For a local OUT, _clear_output has already
+    refused one holding anything a compile does not write."""
+    keep = {JOURNAL, LOCK}
+    for record in committed.values():
+        keep |= {commit_name(record.unit), *(s.file for s in record.shards)}
+    root = store.root if isinstance(store, LocalStore) else None
+    if isinstance(store, LocalStore):
+        store.clear_staging()
+    for name in store.list():
+        if name in keep or not COMPILE_FILE.fullmatch(name):
+            continue
+        if root is None or _written_by_a_compile(root, name):
+            store.delete(name)

@@ -1,30 +1,33 @@
-"""The compile driver: items -> worker processes (decode, resample, featurize) -> shards.
+"""The compile driver: inputs cut into work units (units.py), each unit's inputs ->
+worker processes (decode, resample, featurize) -> the unit's own shards -> its
+commit record; once every unit is committed, the index lists them in unit order.
 
-Determinism: workers featurize items in groups with one torch thread, and an
-item's features do not depend on the items grouped with it (featurize_clips);
-results are written in corpus order, so the shard bytes depend only on the
-corpus and the recipe, never on the worker count or on where a resumed compile
-picked up.
+Engines: the local one runs units one after another, in unit order, spreading
+each unit's featurizing over a process pool; the Dask one (dask_engine.py) runs
+one task per unit on a cluster. Determinism: workers featurize with one torch
+thread, an item's features do not depend on the items grouped with it
+(featurize_clips), a unit's shards depend only on its inputs, and the index
+and errors.jsonl are merged in unit order; so the archive's bytes depend only on
+the corpus, the recipe and the unit size, never on the engine, the worker count,
+the order units finish in, or where a resumed compile picked up.
 
-Output safety (output.py): OUT lies apart from the corpus and is locked for the
-whole compile. The progress journal exists from the moment OUT is taken, and
-shards close only between inputs, so the journal's count of consumed inputs is
-exact and a resumed compile writes the same bytes as an uninterrupted one.
+Output safety (output.py): a local OUT lies apart from the corpus and is locked for
+the whole compile. The journal exists from the moment OUT is taken; a unit
+counts once its commit record is published after its shards, so --resume redoes
+exactly the units without one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -34,29 +37,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlop.formats import ArchiveWriter, Field, Index, ShardInfo
+from dlop.formats import Index
 
+from .commit import Run, finish_run
 from .errors import CompileError
 from .items import CorpusShape, Outcome, process_items, schema_for
 from .layouts import stream_items
-from .output import (
-    JOURNAL,
-    SPILL_PREFIX,
-    Journal,
-    check_apart,
-    clear_for_resume,
-    close_inherited_locks,
-    locked_output,
-)
+from .output import JOURNAL, SPILL_PREFIX, close_inherited_locks
 from .recipe import Recipe
-from .sources import Corpus, Item, open_corpus, text_path
+from .sources import Item, open_corpus
+from .units import CHUNK_ITEMS, UNIT_INPUTS, UnitRecord, UnitWriter, chunked
 
-# Inputs per task sent to a worker: enough to amortize the hand-over for small
-# audio clips, and one for images, whose decoded size (a 5k x 5k slide core
-# with its masks is about 100 MB) bounds the compile's memory.
-CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 1}
-# For the test suite only: DLOP_TEST_KILL_AT=start|input:N|shard:N|index makes the
-# compile send itself DLOP_TEST_SIGNAL (KILL, or e.g. STOP) at that moment, so
+__all__ = ["CHUNK_ITEMS", "JOURNAL", "TEST_KILL_AT", "TEST_SIGNAL", "UNIT_INPUTS", "compile_corpus"]
+
+# For the test suite only: DLOP_TEST_KILL_AT=start|input:N|shard:N|unit:N|index makes
+# the compile send itself DLOP_TEST_SIGNAL (KILL, or e.g. STOP) at that moment, so
 # tests interrupt it at exact points (see docs/compile.md).
 TEST_KILL_AT = "DLOP_TEST_KILL_AT"
 TEST_SIGNAL = "DLOP_TEST_SIGNAL"
@@ -150,21 +145,10 @@ def _unspill(result: tuple[list[Outcome], str | None]) -> list[Outcome]:
 # -- driver --------------------------------------------------------------------------
 
 
-def _test_point(moment: str) -> None:
+def test_point(moment: str) -> None:
     """Signals this process when the test variable names this moment (see TEST_KILL_AT)."""
     if os.environ.get(TEST_KILL_AT) == moment:
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(TEST_SIGNAL, "KILL")))
-
-
-def _chunks(items: Iterator[Item], size: int) -> Iterator[list[Item]]:
-    chunk: list[Item] = []
-    for it in items:
-        chunk.append(it)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 def compile_corpus(
@@ -176,141 +160,103 @@ def compile_corpus(
     overwrite: bool = False,
     progress: bool = True,
     on_progress: Callable[[int], None] | None = None,
+    unit_inputs: int | None = None,
+    dask: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Index:
-    """Compiles recipe.source into an archive at ``out``; returns its index."""
-    out = Path(out)
-    check_apart(out, recipe)
+    """Compiles recipe.source into an archive at ``out``; returns its index.
+
+    ``unit_inputs``: inputs per work unit (default by media, UNIT_INPUTS; a multiple of
+    CHUNK_ITEMS). ``dask``: a scheduler address, or ``local:N`` for a LocalCluster of N
+    worker processes; None runs ``workers`` local processes.
+    """
     corpus = open_corpus(
         recipe.source, recipe.layout, recipe.media, recipe.images, recipe.masks, **recipe.columns()
     )
     if not corpus.items:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
     shape = CorpusShape.of(corpus)
-    fields = schema_for(recipe, shape)
-    with locked_output(out, resume, overwrite) as created_dir:
-        return _compile_into(
-            recipe,
-            corpus,
-            shape,
-            fields,
-            out,
-            created_dir,
-            resume=resume,
-            workers=workers,
-            progress=progress,
-            on_progress=on_progress,
-        )
-
-
-def _compile_into(
-    recipe: Recipe,
-    corpus: Corpus,
-    shape: CorpusShape,
-    fields: list[Field],
-    out: Path,
-    created_dir: bool,
-    *,
-    resume: bool,
-    workers: int | None,
-    progress: bool,
-    on_progress: Callable[[int], None] | None,
-) -> Index:
-    """The compile proper, in a locked OUT that locked_output prepared."""
-    journal = Journal(out, recipe.digest(), corpus.fingerprint)
-    if resume:
-        journal.load(len(corpus.items))
-        clear_for_resume(out, journal)
-    else:
-        journal.save()  # from the start, so that an interruption at any point can --resume
-    _test_point("start")
-    workers = max(1, workers or os.cpu_count() or 1)
-    total = len(corpus.items)
-    consumed = journal.consumed
-
-    def checkpoint(_: ShardInfo) -> None:
-        # Shards close only between inputs (write_group), so every sample of the
-        # inputs counted here lies in a completed shard.
-        journal.consumed = consumed
-        journal.save()
-        _test_point(f"shard:{len(journal.shards)}")
-
-    writer = ArchiveWriter(
-        out,
-        fields,
-        shard_bytes=recipe.shard_bytes,
-        recipe=recipe.to_json(),
-        provenance={
-            "source": {
-                "layout": corpus.layout,
-                "path": corpus.root,
-                "num_inputs": total,
-                "fingerprint": corpus.fingerprint,
-            }
-        },
-        metadata={**corpus.metadata, "feature_field": recipe.feature_name},
-        shards=journal.shards,
-        skipped=journal.skipped,
-        on_shard=checkpoint,
+    run = Run(
+        recipe,
+        corpus,
+        shape,
+        tuple(schema_for(recipe, shape)),
+        os.fspath(out),
+        storage_options,
+        _unit_size(unit_inputs, corpus.media),
+        unit_inputs is not None,
+        progress,
+        on_progress,
+        test_point,
     )
-    # One record of completed shards and skipped inputs, kept by the writer.
-    journal.shards, journal.skipped = writer.shards, writer.skipped
-    bar = _progress_bar(total, journal.consumed, progress)
-    try:
-        for n, outcome in enumerate(
-            _results(corpus, shape, recipe, workers, journal.consumed, out), 1
-        ):
-            consumed += 1
-            if outcome.reason is None:
-                writer.write_group(outcome.samples)
-            elif recipe.on_error == "fail":
-                writer.abort()
-                (out / JOURNAL).unlink(missing_ok=True)
-                if created_dir:
-                    shutil.rmtree(out, ignore_errors=True)
-                raise CompileError(
-                    f"{text_path(outcome.path or outcome.key)}: {outcome.reason} (--on-error fail)"
-                )
-            else:
-                path = text_path(outcome.path or outcome.key)
-                writer.skip(path, outcome.reason or "", key=outcome.key)
-            _test_point(f"input:{n}")
-            bar.update(1)
-            if on_progress:
-                on_progress(consumed)
-        index = writer.close(before_index=lambda: _test_point("index"))
-    except BaseException as e:
-        writer.abort(keep_completed=True)  # after --on-error fail nothing is left to keep
-        if _resumable(e) and (out / JOURNAL).exists():
-            print(
-                f"dlop-compile: stopped; run again with --resume to continue from {len(writer.shards)} "
-                "completed shard(s)",
-                file=sys.stderr,
-            )
-        raise
-    finally:
-        bar.close()
-    (out / JOURNAL).unlink(missing_ok=True)
-    return index
+
+    def engine(pending: list[int]) -> Iterator[UnitRecord]:
+        if dask is not None:
+            from .dask_engine import dask_records
+
+            records: Iterator[UnitRecord] = dask_records(dask, run, pending)
+            return records
+        return _local_records(run, pending, max(1, workers or os.cpu_count() or 1))
+
+    return finish_run(run, engine, resume=resume, overwrite=overwrite)
 
 
-def _resumable(e: BaseException) -> bool:
-    """Whether running the same command again with --resume can get further: after an
-    interruption or a full disk, yes; after a refused write or a bad input or recipe, no."""
-    if isinstance(e, OSError):
-        return e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS)
-    return isinstance(e, KeyboardInterrupt)
+def _unit_size(unit_inputs: int | None, media: str) -> int:
+    size = UNIT_INPUTS[media] if unit_inputs is None else unit_inputs
+    step = CHUNK_ITEMS[media]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % step:
+        raise CompileError(
+            f"--unit-inputs {size}: expected a positive multiple of {step} for {media} (inputs "
+            "are featurized in chunks of that many, and a chunk never spans two units)"
+        )
+    return size
+
+
+def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitRecord]:
+    """Runs the pending units in unit order on this machine; yields each committed record."""
+    store, done = run.store(), [0]
+    units = [(u, run.inputs_of(u)) for u in pending]
+
+    def after_put(_: object) -> None:
+        done[0] += 1
+        test_point(f"shard:{done[0]}")
+
+    chunks = (
+        chunk
+        for _, inputs in units
+        for chunk in chunked(
+            stream_items(run.corpus, inputs.start, inputs.stop), CHUNK_ITEMS[run.corpus.media]
+        )
+    )
+    outcomes = _results(chunks, run.shape, run.recipe, workers, store.staging())
+    with contextlib.closing(outcomes):
+        consumed = 0
+        for unit, inputs in units:
+            writer = UnitWriter(run.task(), store, unit, inputs, run.recipe.on_error, after_put)
+            try:
+                for outcome in itertools.islice(outcomes, len(inputs)):
+                    consumed += 1
+                    if not writer.add(outcome):
+                        break
+                    run.advance(1)
+                    test_point(f"input:{consumed}")
+                record = writer.commit()
+            except BaseException:
+                writer.discard()
+                raise
+            yield record
+            if record.failure is not None:
+                return
 
 
 def _results(
-    corpus: Corpus, shape: CorpusShape, recipe: Recipe, workers: int, start: int, spill_dir: Path
-) -> Iterator[Outcome]:
-    # Chunks (the groups featurized together) are cut at multiples of the chunk
-    # size counted from the corpus's first input, wherever a resumed compile
-    # starts; the bytes do not depend on the grouping either (featurize_clips).
-    size = CHUNK_ITEMS[corpus.media]
-    stream = stream_items(corpus, start)
-    head = list(itertools.islice(stream, -start % size))
-    chunks = itertools.chain([head] if head else [], _chunks(stream, size))
+    chunks: Iterator[list[Item]],
+    shape: CorpusShape,
+    recipe: Recipe,
+    workers: int,
+    spill_dir: Path,
+) -> Generator[Outcome, None, None]:
+    """Every input's outcome, in order, featurized in this process or a pool of ``workers``."""
     if workers == 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -388,29 +334,3 @@ def _main_module_hidden() -> Iterator[None]:
             main.__dict__.update(saved)
             if "__spec__" not in saved:
                 main.__dict__.pop("__spec__", None)
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(total: int, initial: int, enabled: bool) -> Any:
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    tqdm.monitor_interval = 0  # no monitor thread, so workers can be forked
-
-    return tqdm(
-        total=total,
-        initial=initial,
-        unit="input",
-        desc="compiling",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        smoothing=0.1,
-    )

@@ -138,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--workers", type=int, help="worker processes (default: all cores)")
     o.add_argument(
+        "--unit-inputs",
+        type=int,
+        help="inputs per work unit, a multiple of the media's chunk (default: by media, "
+        "8192 audio, 256 video or images; see docs/compile.md)",
+    )
+    o.add_argument(
+        "--dask",
+        metavar="ADDRESS",
+        help="run the units on Dask: a scheduler (tcp://host:8786) or local:N worker processes",
+    )
+    o.add_argument(
         "--on-error",
         choices=CHOICES["on_error"],
         help="bad inputs: record and go on (default), or stop",
@@ -152,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_NOT_RECIPE = {"out", "recipe", "demo", "resume", "overwrite", "quiet"}
+_NOT_RECIPE = {"out", "recipe", "demo", "resume", "overwrite", "quiet", "unit_inputs", "dask"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +208,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite or bool(args.demo),
         progress=not args.quiet,
+        unit_inputs=args.unit_inputs,
+        dask=args.dask,
     )
     took = time.perf_counter() - started
     size = sum(s.bytes for s in index.shards)

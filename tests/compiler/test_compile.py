@@ -45,7 +45,7 @@ def compile_ok(*args: str) -> None:
 
 
 def shard_bytes(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.glob("shard-*.dlop"))}
+    return {p.name: p.read_bytes() for p in sorted(path.glob("*.dlop"))}
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def shards(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.glob("shard-*.dlop"))}
+    return {p.name: p.read_bytes() for p in sorted(path.glob("*.dlop"))}
 
 
 @pytest.mark.parametrize(("preset", "kind"), COMBINATIONS)

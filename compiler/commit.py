@@ -1,0 +1,275 @@
+"""The client side of a compile: take OUT, journal, run the pending units on an engine,
+merge their commit records in unit order into errors.jsonl and index.json, tidy up.
+
+An engine is a function of the pending units' numbers that yields each unit's
+commit record once the unit is published (in any order); pipeline.py has the
+local one, dask_engine.py the Dask one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlop.formats import ERRORS_NAME, INDEX_NAME, Field, Index, UnitTable, encode_index, num_units
+from dlop.formats.archive import now_utc
+from dlop.formats.constants import MAX_UNITS
+from dlop.formats.skipped import encode_record
+
+from .corpus import Corpus
+from .errors import CompileError
+from .items import CorpusShape
+from .output import (
+    COMPILE_FILE,
+    JOURNAL,
+    LOCK,
+    Journal,
+    check_apart,
+    clear_for_resume,
+    committed_units,
+    locked_output,
+)
+from .recipe import Recipe
+from .store import LocalStore, Store, open_store
+from .units import UnitRecord, UnitTask, commit_name
+
+Engine = Callable[[list[int]], Iterator[UnitRecord]]
+
+
+@dataclass
+class Run:
+    """One compile: what it compiles, where to, how it is cut into units, its progress."""
+
+    recipe: Recipe
+    corpus: Corpus
+    shape: CorpusShape
+    fields: tuple[Field, ...]
+    out: str
+    storage_options: dict[str, Any] | None
+    unit_inputs: int
+    unit_inputs_given: bool
+    progress: bool
+    on_progress: Callable[[int], None] | None
+    test_point: Callable[[str], None]
+    consumed: int = 0
+    peak_rss: dict[str, int] = field(default_factory=dict)  # worker -> bytes, from records
+    _store: Store | None = None
+    _bar: Any = None
+
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self.out, self.storage_options)
+        return self._store
+
+    @property
+    def num_units(self) -> int:
+        return num_units(len(self.corpus.items), self.unit_inputs)
+
+    def inputs_of(self, unit: int) -> range:
+        start = unit * self.unit_inputs
+        return range(start, min(start + self.unit_inputs, len(self.corpus.items)))
+
+    def task(self) -> UnitTask:
+        return UnitTask(
+            self.recipe.to_json(),
+            self.recipe.digest(),
+            self.shape,
+            self.fields,
+            self.unit_inputs,
+            self.out,
+            self.storage_options,
+        )
+
+    def advance(self, inputs: int) -> None:
+        """Counts inputs done (for the progress bar and ``on_progress``)."""
+        self.consumed += inputs
+        if self._bar is not None:
+            self._bar.update(inputs)
+        if self.on_progress is not None:
+            self.on_progress(self.consumed)
+
+
+def finish_run(run: Run, engine: Engine, *, resume: bool, overwrite: bool) -> Index:
+    """Takes OUT (locked when local), then compiles every unit not yet committed."""
+    from .urls import is_url
+
+    if is_url(run.out):
+        with _remote_output(run.store(), resume, overwrite):
+            return _run_units(run, engine, resume, created_dir=False)
+    out = Path(run.out)
+    check_apart(out, run.recipe)
+    with locked_output(out, resume, overwrite) as created_dir:
+        return _run_units(run, engine, resume, created_dir)
+
+
+def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Index:
+    store = run.store()
+    total = len(run.corpus.items)
+    journal = Journal(
+        store.url, run.recipe.digest(), run.corpus.fingerprint, run.unit_inputs, total
+    )
+    committed: dict[int, UnitRecord] = {}
+    if resume:
+        journal.load(store, run.unit_inputs_given)
+        run.unit_inputs = journal.unit_inputs
+        committed = committed_units(store, journal)
+        clear_for_resume(store, committed)
+    if run.num_units > MAX_UNITS:
+        raise CompileError(
+            f"{total} inputs make {run.num_units} units of {run.unit_inputs}; an archive lists "
+            f"at most {MAX_UNITS} units: raise --unit-inputs"
+        )
+    if not resume:
+        journal.save(store)  # from the start, so that an interruption at any point can --resume
+    run.test_point("start")
+    pending = [u for u in range(run.num_units) if u not in committed]
+    run.consumed = sum(r.num_inputs for r in committed.values())
+    run._bar = _progress_bar(total, run.consumed, run.num_units, len(committed), run.progress)
+    records = engine(pending)
+    try:
+        for n, record in enumerate(records, 1):
+            if record.failure is not None:
+                _discard(store, created_dir)
+                raise CompileError(record.failure)
+            committed[record.unit] = record
+            if record.worker:
+                run.peak_rss[record.worker] = max(
+                    run.peak_rss.get(record.worker, 0), record.peak_rss
+                )
+            if run._bar is not None:
+                run._bar.set_postfix_str(f"units {len(committed)}/{run.num_units}", refresh=False)
+            run.test_point(f"unit:{n}")
+        index = _write_archive(run, store, committed)
+    except BaseException as e:
+        if _resumable(e):
+            print(
+                f"dlop-compile: stopped; run again with --resume to continue after {len(committed)} "
+                f"of {run.num_units} completed unit(s)",
+                file=sys.stderr,
+            )
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            records.close()  # type: ignore[attr-defined]
+        if run._bar is not None:
+            run._bar.close()
+    _tidy(store, committed)
+    return index
+
+
+def _write_archive(run: Run, store: Store, committed: dict[int, UnitRecord]) -> Index:
+    """errors.jsonl, then index.json last, both merged from the records in unit order."""
+    records = [committed[u] for u in range(run.num_units)]
+    shards = tuple(s for r in records for s in r.shards)
+    skipped = [s for r in records for s in r.skipped]
+    if skipped:
+        store.write(ERRORS_NAME, b"".join(encode_record(s, k) for k, s in enumerate(skipped)))
+    run.test_point("index")
+    from dlop import __version__
+
+    corpus = run.corpus
+    source = {
+        "layout": corpus.layout,
+        "path": corpus.root,
+        "num_inputs": len(corpus.items),
+        "fingerprint": corpus.fingerprint,
+    }
+    index = Index(
+        run.fields,
+        shards,
+        sum(s.num_samples for s in shards),
+        run.recipe.to_json(),
+        {"dlop_version": __version__, "created": now_utc(), "source": source},
+        len(skipped),
+        {**corpus.metadata, "feature_field": run.recipe.feature_name},
+        UnitTable(
+            run.unit_inputs,
+            len(corpus.items),
+            tuple(len(r.shards) for r in records),
+            tuple(len(r.skipped) for r in records),
+        ),
+    )
+    store.write(INDEX_NAME, encode_index(index, f"{store.url}/{INDEX_NAME}"))
+    return index
+
+
+def _tidy(store: Store, committed: dict[int, UnitRecord]) -> None:
+    """After the index: the commit records go, the staging folder, and the journal last."""
+    for unit in committed:
+        store.delete(commit_name(unit))
+    if isinstance(store, LocalStore):
+        store.clear_staging()
+    store.delete(JOURNAL)
+
+
+def _discard(store: Store, created_dir: bool) -> None:
+    """After a bad input under --on-error fail: removes everything this compile wrote."""
+    if isinstance(store, LocalStore):
+        store.clear_staging()
+        if created_dir:
+            shutil.rmtree(store.root, ignore_errors=True)
+            return
+    for name in store.list():
+        if name != LOCK and COMPILE_FILE.fullmatch(name):
+            store.delete(name)
+
+
+def _resumable(e: BaseException) -> bool:
+    """Whether running the same command again with --resume can get further: after an
+    interruption or a full disk, yes; after a refused write or a bad input or recipe, no."""
+    if isinstance(e, OSError):
+        return e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS)
+    return isinstance(e, KeyboardInterrupt)
+
+
+@contextlib.contextmanager
+def _remote_output(store: Store, resume: bool, overwrite: bool) -> Iterator[None]:
+    """A URL OUT: the checks a local OUT gets (no lock: object stores have none). Only names
+    a compile writes are ever deleted; anything else under OUT refuses the compile."""
+    names = store.list()
+    foreign = [n for n in names if not COMPILE_FILE.fullmatch(n)]
+    has_index, has_journal = INDEX_NAME in names, JOURNAL in names
+    if resume and (has_index or not has_journal):
+        why = "already a complete archive" if has_index else f"no interrupted compile ({JOURNAL})"
+        raise CompileError(f"{store.url}: {why}; nothing to resume")
+    if foreign and (resume or names):
+        raise CompileError(
+            f"{store.url}: holds {', '.join(foreign[:5])} besides what a compile writes; nothing "
+            "was deleted. Choose an empty prefix, or move them away"
+        )
+    if names and not resume:
+        if not overwrite:
+            raise CompileError(
+                f"{store.url}: already holds an archive or an interrupted compile; --resume it, "
+                "--overwrite it, or choose a new prefix"
+            )
+        store.delete(INDEX_NAME)  # first: a crash never leaves a stale but valid-looking archive
+        for name in names:
+            store.delete(name)
+    yield
+
+
+def _progress_bar(total: int, initial: int, units: int, units_done: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    tqdm.monitor_interval = 0  # no monitor thread, so workers can be forked
+
+    bar = tqdm(
+        total=total,
+        initial=initial,
+        unit="input",
+        desc="compiling",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        smoothing=0.1,
+    )
+    bar.set_postfix_str(f"units {units_done}/{units}", refresh=False)
+    return bar

@@ -1,0 +1,107 @@
+"""The Dask engine: one task per work unit on a Dask distributed cluster.
+
+Each task is ``units.run_unit`` on one unit's inputs (their descriptions, not their
+features): the worker writes the unit's shards and commit record into OUT itself
+and returns only the small record, so no feature array travels through the
+scheduler. Tasks are pure and idempotent: a worker that dies mid-unit (its
+nanny starts a new one) costs only that unit, which the scheduler runs again,
+overwriting whatever the dead attempt had published. At most a few units per
+worker are submitted at a time, so the client holds a bounded slice of the
+listing in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from .commit import Run
+from .errors import CompileError
+from .units import UnitRecord, run_unit, unit_corpus
+
+UNITS_PER_WORKER = 2  # units in flight per worker, besides one more each to start on
+
+
+def dask_records(address: str, run: Run, pending: list[int]) -> Iterator[UnitRecord]:
+    """Runs the pending units on the cluster at ``address`` (``local:N``: a LocalCluster of
+    N processes, started and stopped here); yields each record as its unit commits."""
+    try:
+        import distributed as dd
+    except ImportError:
+        raise CompileError(
+            "--dask needs Dask distributed, which is not installed: pip install 'dlop[dask]'"
+        ) from None
+    distributed: Any = dd  # the package's annotations are partial
+    with _client(distributed, address) as client:
+        task = run.task()  # a few kilobytes: the recipe, schema and where OUT is
+        workers = max(1, len(client.scheduler_info().get("workers", {})))
+        todo = iter(pending)
+        running = distributed.as_completed()
+        futures: dict[Any, int] = {}
+
+        def submit() -> None:
+            unit = next(todo, None)
+            if unit is None:
+                return
+            inputs = run.inputs_of(unit)
+            future = client.submit(
+                run_unit,
+                task,
+                unit,
+                unit_corpus(run.corpus, inputs),
+                key=f"dlop-unit-{run.recipe.digest()[:16]}-{unit}",
+                pure=False,
+                retries=2,  # an error in the task (a network hiccup); a dead worker retries anyway
+            )
+            futures[future] = unit
+            running.add(future)
+
+        for _ in range((UNITS_PER_WORKER + 1) * workers):
+            submit()
+        try:
+            for future in running:
+                record: UnitRecord = future.result()
+                futures.pop(future, None)
+                future.release()
+                run.advance(record.num_inputs)
+                yield record
+                if record.failure is not None:
+                    return
+                submit()
+        finally:
+            client.cancel(list(futures))
+
+
+@contextlib.contextmanager
+def _client(distributed: Any, address: str) -> Iterator[Any]:
+    if not address.startswith("local:"):
+        try:
+            client = distributed.Client(address, timeout="30s")
+        except (OSError, TimeoutError) as e:
+            raise CompileError(
+                f"--dask {address}: cannot reach the Dask scheduler ({e}); start one "
+                "(dask scheduler; dask worker ADDRESS) or use --dask local:N"
+            ) from None
+        with client:
+            yield client
+        return
+    count = address.partition(":")[2]
+    if not count.isdigit() or int(count) < 1:
+        raise CompileError(
+            f"--dask {address}: expected a scheduler address (tcp://host:8786) or local:N with "
+            "N worker processes, N >= 1"
+        )
+    with (
+        distributed.LocalCluster(
+            n_workers=int(count),
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        yield client

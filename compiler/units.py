@@ -1,0 +1,308 @@
+"""Work units: consecutive inputs compiled into their own shards, committed by one record.
+
+Inputs carry a fixed global number from the corpus listing; unit k holds inputs
+[k * unit_inputs, (k + 1) * unit_inputs). A unit's shards are named by unit and
+shard number (``unit-000003-0001.dlop``, formats/units.py), close only between
+inputs, and never span two units, so a unit's files depend only on its inputs
+and the recipe. A unit is published shards first, then its commit record
+(``.dlop-unit-000003.json``); it counts as done only when its record exists, parses,
+and every shard it names is in OUT under that name (locally: with the recorded
+size and CRC-32). Any engine (local processes, Dask) runs units in any order and
+as often as it likes; the client merges the records in unit order into the index.
+
+``run_unit`` is the whole of a unit's work in one function of (task, inputs): what
+a Dask task runs, and what a local compile runs with its featurizing spread over
+a process pool (pipeline.py feeds a UnitWriter the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeGuard
+
+import torch
+
+from dlop.formats import ArchiveWriter, Field, FormatError, ShardInfo, unit_shard_name
+from dlop.formats.constants import MAX_SHARD_SAMPLES
+from dlop.formats.files import loads_bounded
+from dlop.formats.skipped import encode_record
+
+from .corpus import Corpus, Item
+from .items import CorpusShape, Outcome, process_items
+from .layouts import stream_items
+from .listing import text_path
+from .recipe import Recipe, build_recipe
+from .store import LocalStore, Store, open_store
+
+COMMIT_PREFIX = ".dlop-unit-"
+# Inputs featurized together as one task of a local pool, and a unit's multiple: a unit
+# starts on a chunk boundary, so chunks never cross units.
+CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 1}
+# Default inputs per unit, by media: a few minutes of one worker's time for typical inputs.
+UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256}
+# For the test suite only: DLOP_TEST_UNIT_DELAY="UNIT:SECONDS,..." delays those units'
+# start; DLOP_TEST_KILL_WORKER="UNIT:INPUT:MARKER" kills the process running that unit
+# after its INPUT-th input, once (whoever creates the MARKER file first).
+TEST_UNIT_DELAY = "DLOP_TEST_UNIT_DELAY"
+TEST_KILL_WORKER = "DLOP_TEST_KILL_WORKER"
+
+
+def commit_name(unit: int) -> str:
+    return f"{COMMIT_PREFIX}{unit:06d}.json"
+
+
+@dataclass(frozen=True)
+class UnitRecord:
+    """What a committed unit wrote: its shards and skipped inputs (and who ran it)."""
+
+    unit: int
+    first_input: int
+    num_inputs: int
+    shards: tuple[ShardInfo, ...] = ()
+    skipped: tuple[dict[str, Any], ...] = ()
+    failure: str | None = None  # the bad input that stopped an --on-error fail compile
+    worker: str = ""
+    peak_rss: int = 0  # bytes: the worker process's peak resident set so far
+
+    def to_json(self, digest: str) -> dict[str, Any]:
+        return {
+            "recipe_digest": digest,
+            "unit": self.unit,
+            "first_input": self.first_input,
+            "num_inputs": self.num_inputs,
+            "shards": [s.to_json() for s in self.shards],
+            "skipped": list(self.skipped),
+            "worker": self.worker,
+            "peak_rss": self.peak_rss,
+        }
+
+
+def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitRecord | None:
+    """A commit record's contents when it is the record of ``unit`` of this compile; else None
+    (such a unit is not committed, and is compiled again)."""
+    try:
+        obj = loads_bounded(commit_name(unit), data, "commit record")
+    except FormatError:
+        return None
+    if not isinstance(obj, dict) or obj.get("recipe_digest") != digest:
+        return None
+    head = [obj.get(k) for k in ("unit", "first_input", "num_inputs")]
+    shards, skipped = obj.get("shards"), obj.get("skipped")
+    if head != [unit, inputs.start, len(inputs)] or not isinstance(shards, list):
+        return None
+    if not isinstance(skipped, list) or len(skipped) > len(inputs):
+        return None
+    infos = []
+    for j, s in enumerate(shards):
+        if not isinstance(s, dict) or s.get("file") != unit_shard_name(unit, j):
+            return None
+        nums = [s.get(k) for k in ("num_samples", "bytes", "crc32")]
+        limits = (MAX_SHARD_SAMPLES, (1 << 64) - 1, 0xFFFFFFFF)
+        if not all(_count(v, most) for v, most in zip(nums, limits, strict=True)):
+            return None
+        infos.append(ShardInfo(s["file"], s["num_samples"], s["bytes"], s["crc32"]))
+    try:
+        for k, r in enumerate(skipped):
+            encode_record(r, k)
+    except (FormatError, ValueError, TypeError):
+        return None
+    worker, rss = obj.get("worker"), obj.get("peak_rss")
+    return UnitRecord(
+        unit,
+        inputs.start,
+        len(inputs),
+        tuple(infos),
+        tuple(skipped),
+        worker=worker if isinstance(worker, str) else "",
+        peak_rss=rss if _count(rss, 1 << 62) else 0,
+    )
+
+
+def _count(value: object, most: int) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most
+
+
+def shards_in_place(store: Store, record: UnitRecord, listed: set[str]) -> bool:
+    """Whether every shard the record names is in OUT: by name in the listing (a store
+    publishes whole files only), and for a local OUT with the recorded size and CRC-32."""
+    for s in record.shards:
+        if s.file not in listed:
+            return False
+        if isinstance(store, LocalStore):
+            path = store.root / s.file
+            if store.size(s.file) != s.bytes or _file_crc32(path) != s.crc32:
+                return False
+    return True
+
+
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+# -- doing a unit --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitTask:
+    """Everything a unit needs besides its inputs; small, and the same for every unit."""
+
+    recipe: dict[str, Any]  # Recipe.to_json()
+    digest: str
+    shape: CorpusShape
+    fields: tuple[Field, ...]
+    unit_inputs: int
+    out: str
+    storage_options: dict[str, Any] | None = None
+
+
+@dataclass
+class UnitWriter:
+    """Writes one unit's outcomes, in input order, into its own shards; ``commit`` publishes
+    the record. Shards are written in a staging folder of their own and put into OUT as
+    each closes."""
+
+    task: UnitTask
+    store: Store
+    unit: int
+    inputs: range
+    on_error: str
+    after_put: Callable[[ShardInfo], None] | None = None  # called once a shard is in OUT
+    failure: str | None = None
+
+    def __post_init__(self) -> None:
+        self.staging = Path(tempfile.mkdtemp(prefix=f"u{self.unit}-", dir=self.store.staging()))
+        self.writer = ArchiveWriter(
+            self.staging,
+            self.task.fields,
+            shard_bytes=int(self.task.recipe["shard_bytes"]),
+            name_shard=lambda j: unit_shard_name(self.unit, j),
+            on_shard=self._put,
+        )
+
+    def _put(self, info: ShardInfo) -> None:
+        self.store.put(self.staging / info.file, info.file)
+        if self.after_put is not None:
+            self.after_put(info)
+
+    def add(self, outcome: Outcome) -> bool:
+        """Writes one input's samples, or records it as skipped; False once a bad input
+        stops an --on-error fail compile (``failure`` says which)."""
+        if outcome.reason is None:
+            self.writer.write_group(outcome.samples)
+            return True
+        path = text_path(outcome.path or outcome.key)
+        if self.on_error == "fail":
+            self.failure = f"{path}: {outcome.reason} (--on-error fail)"
+            return False
+        self.writer.skip(path, outcome.reason or "", key=outcome.key)
+        return True
+
+    def commit(self) -> UnitRecord:
+        """Puts the last shard, then the commit record; returns the record."""
+        try:
+            if self.failure is not None:
+                self.writer.abort()
+                return UnitRecord(
+                    self.unit, self.inputs.start, len(self.inputs), failure=self.failure
+                )
+            shards = self.writer.finish_shards()
+            record = UnitRecord(
+                self.unit,
+                self.inputs.start,
+                len(self.inputs),
+                tuple(shards),
+                tuple(self.writer.skipped),
+                worker=f"{socket.gethostname()}:{os.getpid()}",
+                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            )
+            data = json.dumps(record.to_json(self.task.digest)).encode()
+            self.store.write(commit_name(self.unit), data)
+            return record
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Drops the shard in progress and the staging folder (shards put stay in OUT)."""
+        self.writer.abort(keep_completed=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+_RECIPES: dict[str, Recipe] = {}
+
+
+def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
+    """Compiles one unit, whose inputs are ``corpus.items`` (a corpus holding only this
+    unit's inputs), into OUT; returns its commit record. Pure and idempotent: running it
+    again writes the same files under the same names."""
+    _delay(unit)
+    recipe = _RECIPES.get(task.digest)
+    if recipe is None:
+        recipe = _RECIPES[task.digest] = build_recipe(task.recipe)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per worker: the bytes do not depend on it
+    store = open_store(task.out, task.storage_options)
+    start = unit * task.unit_inputs
+    writer = UnitWriter(task, store, unit, range(start, start + len(corpus.items)), recipe.on_error)
+    try:
+        outcomes = (
+            o
+            for chunk in chunked(stream_items(corpus), CHUNK_ITEMS[corpus.media])
+            for o in process_items(chunk, recipe, task.shape)
+        )
+        for n, outcome in enumerate(outcomes, 1):
+            if not writer.add(outcome):
+                break
+            _maybe_die(unit, n)
+        return writer.commit()
+    except BaseException:
+        writer.discard()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+
+
+def unit_corpus(corpus: Corpus, inputs: range) -> Corpus:
+    """The corpus cut down to one unit's inputs (what a unit's task carries)."""
+    return replace(corpus, items=corpus.items[inputs.start : inputs.stop])
+
+
+def chunked(items: Iterable[Item], size: int) -> Iterator[list[Item]]:
+    chunk: list[Item] = []
+    for it in items:
+        chunk.append(it)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _delay(unit: int) -> None:
+    for part in os.environ.get(TEST_UNIT_DELAY, "").split(","):
+        if part.partition(":")[0] == str(unit):
+            time.sleep(float(part.partition(":")[2]))
+
+
+def _maybe_die(unit: int, n: int) -> None:
+    spec = os.environ.get(TEST_KILL_WORKER, "").split(":", 2)
+    if len(spec) == 3 and spec[:2] == [str(unit), str(n)]:
+        try:
+            os.close(os.open(spec[2], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # killed once already: the retried unit runs through
+        os.kill(os.getpid(), signal.SIGKILL)
