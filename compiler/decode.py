@@ -39,7 +39,9 @@ declared frame."""
 _NOT_FOR_SOUNDFILE = {1, 4, 18}
 _LOSSLESS_SUBTYPES = ("PCM_", "FLOAT", "DOUBLE", "ULAW", "ALAW")
 _UNKNOWN_FRAMES = 1 << 62  # libsndfile reports SF_COUNT_MAX when a stream's length is unknown
-_BLOCK_FRAMES = 1 << 16  # read unit: an error is placed within one block
+_BLOCK_FRAMES = (
+    1 << 18
+)  # read unit (a 6 s clip at 44.1 kHz in one read): an error is placed within one block
 # Containers whose headers state the stream length the muxer wrote (not an
 # estimate from the bit rate, as for raw ADTS AAC or MP3 without a Xing header).
 _PYAV_EXACT_LENGTH = {"mov", "mp4", "matroska", "webm", "flac", "wav", "aiff"}
@@ -323,13 +325,21 @@ def _read_blocks(
                 parts.append(out[:, :filled])
                 out = np.empty((out_channels, max(out.shape[1] * 2, got)), np.float32)
                 filled = 0
-            block = np.empty((channels, got), np.float32)  # C order: rows add as downmix's do
-            if pcm16:
-                np.multiply(raw.T, scale, out=block)
-            else:
+            dest = out[:, filled : filled + got]
+            if not pcm16:
                 finite.add(raw)
-                block[:] = raw.T
-            out[:, filled : filled + got] = _mixed(block, mix)
+            if channels == out_channels:  # nothing to mix: converted straight into the output
+                if pcm16:
+                    np.multiply(raw.T, scale, out=dest)
+                else:
+                    dest[:] = raw.T
+            else:
+                block = np.empty((channels, got), np.float32)  # C order: rows add as downmix's do
+                if pcm16:
+                    np.multiply(raw.T, scale, out=block)
+                else:
+                    block[:] = raw.T
+                dest[:] = _mixed(block, mix)
             filled += got
         pos += got
         if got < n:

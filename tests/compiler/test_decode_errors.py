@@ -282,18 +282,24 @@ def test_an_mp3_without_a_xing_header_cut_short_is_a_decode_error(tmp_path: Path
     assert decode_audio(tagged, "tagged.mp3")[0].shape[1] > 40000
 
 
-def test_block_by_block_conversion_and_mixing_match_the_whole_file() -> None:
+@pytest.mark.parametrize("channels", [3, 1])
+def test_block_by_block_conversion_and_mixing_match_the_whole_file(
+    channels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlop.compiler import decode
+
+    monkeypatch.setattr(decode, "_BLOCK_FRAMES", 1 << 16)
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal((150_000, 3)) * 0.2).clip(-1, 1).astype(np.float32)  # 3 blocks
+    x = (rng.standard_normal((150_000, channels)) * 0.2).clip(-1, 1).astype(np.float32)  # 3 blocks
     for subtype in ("PCM_16", "FLOAT", "PCM_24"):
         buf = io.BytesIO()
         sf.write(buf, x, RATE, format="WAV", subtype=subtype)
         data = buf.getvalue()
         if subtype == "PCM_16":
-            ints, _ = sf.read(io.BytesIO(data), dtype="int16")
+            ints, _ = sf.read(io.BytesIO(data), dtype="int16", always_2d=True)
             reference = (ints * np.float32(1 / 32768)).astype(np.float32).T
         else:
-            reference = sf.read(io.BytesIO(data), dtype="float32")[0].T
+            reference = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)[0].T
         audio, _ = decode_audio(data, "a.wav")
         assert audio.flags.c_contiguous
         np.testing.assert_array_equal(audio, reference)
