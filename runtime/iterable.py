@@ -14,11 +14,16 @@ worker when its iteration starts: ``[epoch, resume point, claimed by worker
 serves batches ``n + w, n + w + W, ...``: the DataLoader asks worker 0 first,
 so batch n comes first. Each worker resumes once per state (its claim slot);
 later iterations start the epoch over.
+
+In a worker, batches are gathered into a few shared-memory slots reused from
+batch to batch (runtime.shared_ring), each refilled only once the main
+process no longer holds the batch that used it.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,8 +36,8 @@ from .dataset import Archive, check_bucket_by
 from .distributed import rank_and_world
 from .errors import UsageError, UsageTypeError, check_int
 from .loader import STATE_SETTINGS
-from .memory import shared_empty
 from .order import BatchOrder, OrderSpec
+from .shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
 
 STATE_FORMAT = "dlop-iterable-state"
 STATE_VERSION = 2  # version 1 split batches among world_size * workers consumers
@@ -46,7 +51,10 @@ class IterableArchive(IterableDataset[Batch]):
     Through the DataLoader, each rank gets exactly the Loader's batches in the
     Loader's order (same seed and settings), whatever ``k`` is: worker ``w``
     gathers every ``k``-th batch starting at ``w``. ``set_epoch`` and
-    ``load_state_dict`` reach persistent workers.
+    ``load_state_dict`` reach persistent workers. Each worker reuses
+    ``worker_buffers`` shared-memory batch buffers (0: fresh memory for every
+    batch); the default covers DataLoader's default ``prefetch_factor=2`` with
+    the training loop holding a batch or two.
     """
 
     def __init__(
@@ -64,6 +72,7 @@ class IterableArchive(IterableDataset[Batch]):
         window_shards: int = 8,
         bucket_by: str | None = None,
         bucket_window: int = 64,
+        worker_buffers: int = 4,
     ) -> None:
         self.path = str(path)
         self.batch_size = check_int("IterableArchive batch_size", batch_size, low=1)
@@ -78,11 +87,16 @@ class IterableArchive(IterableDataset[Batch]):
         self.window_shards = check_int("IterableArchive window_shards", window_shards, low=1)
         self.bucket_window = check_int("IterableArchive bucket_window", bucket_window, low=1)
         self.bucket_by = bucket_by
+        self.worker_buffers = check_int(
+            "IterableArchive worker_buffers", worker_buffers, low=0, high=MAX_SLOTS
+        )
         self._archive: Archive | None = None
         shared = torch.zeros(_CLAIMS + MAX_WORKERS, dtype=torch.int64)
         self._shared = shared.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
         self._order: BatchOrder | None = None
         self._handed_out = 0  # batch number reached by this process's latest iteration
+        self._released = ReleaseTable(secrets.randbits(62), MAX_WORKERS, self.worker_buffers)
+        self._ring: WorkerRing | None = None  # made in each worker process
         check_bucket_by(self.archive(), bucket_by)
 
     def archive(self) -> Archive:
@@ -149,13 +163,29 @@ class IterableArchive(IterableDataset[Batch]):
         batches = self.batches()
         archive = self.archive()
         engine = archive.own_engine()
-        # In a worker, batches are made in shared memory, where DataLoader sends them.
-        out = shared_empty if info is not None else None
+        ring = self._worker_ring(worker) if info is not None else None
         self._handed_out = start
         for j in range(start + worker, len(batches), workers):
-            batch = archive.gather(torch.from_numpy(batches[j]), out, engine)
+            indices = torch.from_numpy(batches[j])
+            if ring is not None:
+                batch = ring.gather(archive, indices, engine)
+            else:
+                batch = archive.gather(indices, None, engine)
             self._handed_out = j + 1  # with workers=1 (in process): batches yielded so far
             yield batch
+
+    def _worker_ring(self, worker: int) -> WorkerRing:
+        """This worker's shared-memory slots, kept across iterations (persistent workers)."""
+        if self._ring is None:
+            count = self.worker_buffers if worker < MAX_WORKERS else 0
+            nbytes = slot_bytes(self.archive(), self.batch_size) if count else 0
+            self._ring = WorkerRing(self._released, worker % MAX_WORKERS, nbytes, count)
+        return self._ring
+
+    def buffer_counts(self) -> tuple[int, int]:
+        """Batches the DataLoader workers made so far: (in their shared-memory buffers,
+        in fresh shared memory because every buffer was still held in this process)."""
+        return self._released.counts()
 
     def _claim(self, worker: int) -> int:
         """The batch number this worker's iteration starts from: the loaded state's
@@ -233,4 +263,9 @@ class IterableArchive(IterableDataset[Batch]):
         state = dict(self.__dict__)
         state["_archive"] = None  # each worker maps the shards itself
         state["_order"] = None  # and computes the order itself
+        state["_ring"] = None  # and makes its own slots
         return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._released.register()  # batches unpickled here release slots in the shared table

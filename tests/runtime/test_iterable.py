@@ -3,6 +3,9 @@ sample once per epoch in a new order, bucketing, and exact resume."""
 
 from __future__ import annotations
 
+import gc
+import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -248,3 +251,123 @@ def test_iterable_misuse_is_refused(archive: Path) -> None:
         ds.load_state_dict({**IterableArchive(archive, 4, seed=2).state_dict(), "epoch": 0})
     with pytest.raises(UsageError, match="epoch must be at least 0"):
         ds.set_epoch(-1)
+
+
+# -- shared-memory slots in DataLoader workers --------------------------------------
+
+
+def cloned(batch: dict[str, object]) -> dict[str, object]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def assert_same(got: dict[str, object], expected: dict[str, object]) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert isinstance(got[name], torch.Tensor) and torch.equal(got[name], value), name
+        else:
+            assert got[name] == value, name
+
+
+def loader_batches(path: Path, **kw: object) -> list[dict[str, object]]:
+    loader = Loader(path, **kw)  # type: ignore[arg-type]
+    loader.set_epoch(1)
+    got = [cloned(b) for b in loader]
+    loader.close()
+    return got
+
+
+@pytest.fixture(scope="module", params=["raw", "zstd"])
+def many(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every field kind, 90 samples: 30 batches of 3, many more than the workers' slots."""
+    path = tmp_path_factory.mktemp(f"many-{request.param}") / "a"
+    return make_archive(path, n=90, zstd=request.param == "zstd")
+
+
+SLOTS_KW = dict(batch_size=3, seed=5, bucket_by="speech")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_worker_batches_are_the_loaders_and_kept_ones_keep_their_values(
+    many: Path, workers: int
+) -> None:
+    expected = loader_batches(many, **SLOTS_KW)
+    ds = IterableArchive(many, **SLOTS_KW)  # type: ignore[arg-type]
+    ds.set_epoch(1)
+    kept: dict[str, object] = {}
+    count = 0
+    for j, batch in enumerate(workers_loader(ds, workers)):
+        assert_same(batch, expected[j])
+        if j == 1:
+            kept["batch"] = batch  # a whole batch
+        elif j == 2:
+            kept["view"] = batch["speech"][1:]  # a view of one tensor, its batch dropped
+        elif j == 3:
+            kept["array"] = batch["logmel"].numpy()  # memory held through numpy
+        count += 1
+    assert count == len(expected) == 30
+    assert_same(kept["batch"], expected[1])  # type: ignore[arg-type]
+    assert torch.equal(kept["view"], expected[2]["speech"][1:])  # type: ignore[arg-type, index]
+    assert (kept["array"] == expected[3]["logmel"].numpy()).all()  # type: ignore[attr-defined, index]
+    in_slots, fresh = ds.buffer_counts()
+    if workers:
+        assert in_slots > 0 and in_slots + fresh == 30
+    else:
+        assert (in_slots, fresh) == (0, 0)  # made in this process: no DataLoader hand-over
+
+
+def test_a_loop_that_drops_each_batch_reuses_the_slots(many: Path) -> None:
+    ds = IterableArchive(many, **SLOTS_KW)  # type: ignore[arg-type]
+    for _ in workers_loader(ds, 2):
+        pass
+    assert ds.buffer_counts() == (30, 0)  # prefetch_factor 2 and one batch in hand fit 4 slots
+
+
+def test_batches_all_kept_get_fresh_memory_and_keep_their_values(many: Path) -> None:
+    expected = loader_batches(many, **SLOTS_KW)
+    ds = IterableArchive(many, **SLOTS_KW)  # type: ignore[arg-type]
+    ds.set_epoch(1)
+    got = list(workers_loader(ds, 2))  # every batch held: no slot is ever free again
+    assert len(got) == len(expected)
+    for batch, want in zip(got, expected, strict=True):
+        assert_same(batch, want)
+    assert ds.buffer_counts() == (8, 22)  # 4 slots in each of 2 workers, then fresh memory
+    no_slots = IterableArchive(many, **SLOTS_KW, worker_buffers=0)  # type: ignore[arg-type]
+    assert len(list(workers_loader(no_slots, 2))) == 30
+    assert no_slots.buffer_counts() == (0, 30)
+
+
+def worker_shared_memory(pids: list[int]) -> list[str]:
+    """Shared-memory segments made by these worker processes that this process still maps,
+    and their files left in /dev/shm (``file_system`` strategy)."""
+    marks = tuple(f"torch_{pid}_" for pid in pids)
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    files = [p.name for p in Path("/dev/shm").glob("torch_*")] if Path("/dev/shm").is_dir() else []
+    return [line for line in maps + files if any(m in line for m in marks)]
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_nothing_of_the_workers_shared_memory_is_left(many: Path, strategy: str) -> None:
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(strategy)
+    try:
+        pids = torch.zeros(2, dtype=torch.int64).share_memory_()
+        ds = IterableArchive(many, **SLOTS_KW)  # type: ignore[arg-type]
+        loader = DataLoader(
+            ds,
+            batch_size=None,
+            num_workers=2,
+            multiprocessing_context="fork",
+            worker_init_fn=lambda w: pids.__setitem__(w, os.getpid()),
+        )
+        kept = list(loader)[:3]  # the workers end with the epoch
+        assert ds.buffer_counts()[0] > 0
+        assert worker_shared_memory(pids.tolist())  # the check sees what is held
+        del kept, loader
+        gc.collect()
+        deadline = time.monotonic() + 10  # file_system: torch's shm manager unlinks after the exit
+        while worker_shared_memory(pids.tolist()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker_shared_memory(pids.tolist()) == []
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)

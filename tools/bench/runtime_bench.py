@@ -208,9 +208,10 @@ def ragged_rows(work: Path, utts: int, repeats: int) -> list[Row]:
     plain = Loader(ds, BATCH, seed=0)
     # DataLoader worker processes, as users' habits take them: bucketed batches
     # made in 2 workers, kept alive across epochs.
+    iterable = IterableArchive(path, BATCH, seed=0, bucket_by="fbank")
     in_workers = [  # held in a list so it can be dropped after the timing
         DataLoader(
-            IterableArchive(path, BATCH, seed=0, bucket_by="fbank"),
+            iterable,
             batch_size=None,
             num_workers=2,
             persistent_workers=True,
@@ -225,6 +226,9 @@ def ragged_rows(work: Path, utts: int, repeats: int) -> list[Row]:
         },
         repeats,
     )
+    # Batches the workers gathered into their reused shared-memory buffers, and into
+    # fresh shared memory (every buffer still held by the main process).
+    in_slots, fresh = iterable.buffer_counts()
     memcpy = rate_row(wl, "np.copyto of the values region (memcpy)", utts, took["memcpy"], size)
     loader_row = rate_row(
         wl,
@@ -249,6 +253,8 @@ def ragged_rows(work: Path, utts: int, repeats: int) -> list[Row]:
             loader_row,
             "dlop Loader, bucket_by",
             target=">=0.3x",
+            batches_in_reused_buffers=in_slots,
+            batches_in_fresh_memory=fresh,
         ),
     ]
     for lo in (bucketed, plain):
