@@ -1,0 +1,72 @@
+"""The Dask engine on a LocalCluster of 2 worker processes: the archive is byte-identical to
+the local compile's, whatever order the units finish in, and when a worker is killed
+in the middle of a unit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dlop.compiler.units import TEST_KILL_WORKER, TEST_UNIT_DELAY
+from dlop.tools.compile_cli import main
+
+from .fixtures import esc50_corpus
+
+pytest.importorskip("distributed")
+
+EPOCH = "1700000000"
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict[str, bytes]]:
+    """(compile arguments without -o, the local compile's archive): 4 units of 16 clips."""
+    root = tmp_path_factory.mktemp("dask")
+    corpus = esc50_corpus(root / "corpus", [("wav", 16000, 1)] * 60, seconds=0.25)
+    (corpus / "audio" / "3-1002-A-2.wav").write_bytes(b"")  # skipped: errors.jsonl too
+    args = [str(corpus), "--duration", "0.5", "--shard-bytes", "40KB", "--unit-inputs", "16", "-q"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SOURCE_DATE_EPOCH", EPOCH)
+        assert main([*args, "--workers", "1", "-o", str(root / "local")]) == 0
+    whole = files(root / "local")
+    assert "errors.jsonl" in whole and len([n for n in whole if n.startswith("unit-000003")])
+    return args, whole
+
+
+@pytest.mark.slow
+def test_dask_archive_is_the_local_one_in_any_unit_order(
+    clips: tuple[list[str], dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args, whole = clips
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    assert main([*args, "--dask", "local:2", "-o", str(tmp_path / "a")]) == 0
+    assert files(tmp_path / "a") == whole
+    # units 0 and 1 start late: 2 and 3 finish first
+    monkeypatch.setenv(TEST_UNIT_DELAY, "0:1.5,1:1")
+    assert main([*args, "--dask", "local:2", "-o", str(tmp_path / "b")]) == 0
+    assert files(tmp_path / "b") == whole
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_unit_costs_only_that_unit(
+    clips: tuple[list[str], dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args, whole = clips
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    monkeypatch.setenv(TEST_KILL_WORKER, f"1:9:{marker}")  # unit 1, after its 9th input
+    assert main([*args, "--dask", "local:2", "-o", str(tmp_path / "out")]) == 0
+    assert marker.exists()  # a worker did die there
+    assert files(tmp_path / "out") == whole
+
+
+def test_a_bad_dask_address_is_a_clear_error(
+    clips: tuple[list[str], dict[str, bytes]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args, _ = clips
+    assert main([*args, "--dask", "local:zero", "-o", str(tmp_path / "out")]) == 1
+    assert "local:N" in capsys.readouterr().err
