@@ -2,7 +2,9 @@
 
 ``open_archive`` gives a map-style Dataset (fast with a plain DataLoader
 through ``__getitems__``); ``Loader`` is the faster, resumable, DDP-aware
-iterator; ``IterableArchive`` serves DataLoader worker processes.
+iterator; ``IterableArchive`` serves DataLoader worker processes. Both
+``open_archive`` and ``Loader`` read several archives as one and choose
+samples (``where=``, ``indices=``); ``Loader`` also mixes sources by weight.
 """
 
 from .augment import Mixup, RandomTimeCrop, SpecAugment
@@ -18,6 +20,7 @@ from .errors import (
 from .iterable import IterableArchive
 from .loader import Loader
 from .order import OrderSpec, epoch_order, rank_batches
+from .selection import count_selected
 from .vision import Normalize, RandomHorizontalFlip, RandomResizedCrop, RandomTemporalCrop
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "SpecAugment",
     "UsageError",
     "UsageTypeError",
+    "count_selected",
     "epoch_order",
     "open_archive",
     "rank_batches",

@@ -8,7 +8,9 @@ add up exactly, the same every epoch).
 
 Source ``s`` is read as an endless stream of passes over its pool, each pass
 a permutation seeded by (seed, pass, s): without replacement until the pool
-is used up, then the next pass, reshuffled. Epoch ``e`` takes the stream's
+is used up, then the next pass, reshuffled (``pass_order``: an epoch that
+crosses into a new pass repeats no sample when the source holds at least
+twice its share of an epoch; a source smaller than its share repeats). Epoch ``e`` takes the stream's
 items ``e * counts[s]`` to ``(e + 1) * counts[s]``, so an epoch is a pure
 function of (seed, epoch) and a source's pass at the start of epoch ``e`` is
 ``e * counts[s] // len(pool)``: resuming needs no index lists.
@@ -146,16 +148,42 @@ def epoch_counts(
     return apportion(total, weights)
 
 
+def pass_order(pool: np.ndarray, seed: int, source: int, p: int, count: int) -> np.ndarray:
+    """Pass ``p`` of a source's stream, where each epoch takes ``count`` items.
+
+    An epoch that crosses from pass p-1 into pass p takes the tail of p-1 and the
+    head of p; the head is rearranged so that it holds none of that tail's
+    samples (they follow right after it), so no epoch repeats a sample. The
+    rearranged head is shorter than ``count`` and the tail no longer, so with
+    ``2 * count <= len(pool)`` each pass's tail is its permutation's own.
+    """
+    n = len(pool)
+    order = rng(seed, p, SOURCE_STREAM + source).permutation(n)
+    t = (p * n) % count  # items of pass p-1 that the crossing epoch takes
+    if p == 0 or t == 0 or 2 * count > n:
+        return pool[order]
+    prev_tail = rng(seed, p - 1, SOURCE_STREAM + source).permutation(n)[n - t :]
+    in_tail = np.zeros(n, bool)
+    in_tail[prev_tail] = True
+    flags = in_tail[order]
+    end = (
+        int(np.searchsorted(np.cumsum(~flags), count - t)) + 1
+    )  # shortest head with count - t others
+    head, head_flags = order[:end], flags[:end]
+    return pool[np.concatenate([head[~head_flags], head[head_flags], order[end:]])]
+
+
 def stream_slice(
     pool: np.ndarray, seed: int, source: int, start: int, count: int, shuffle: bool
 ) -> np.ndarray:
-    """Items ``start`` to ``start + count`` of source ``source``'s endless stream of passes."""
+    """The ``count`` items of source ``source``'s endless stream of passes from ``start``
+    (the epoch's share; ``start`` a multiple of it)."""
     n = len(pool)
     if count == 0 or n == 0:
         return np.zeros(0, np.int64)
     first, last = start // n, (start + count - 1) // n
     parts = [
-        pool[rng(seed, p, SOURCE_STREAM + source).permutation(n)] if shuffle else pool
+        pass_order(pool, seed, source, p, count) if shuffle else pool
         for p in range(first, last + 1)
     ]
     off = start - first * n

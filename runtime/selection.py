@@ -175,3 +175,58 @@ def digest(selection: np.ndarray | None) -> str | None:
 def shard_counts(selection: np.ndarray, starts: np.ndarray) -> tuple[int, ...]:
     """Selected samples per shard (``starts``: each shard's first sample, then the total)."""
     return tuple(np.diff(np.searchsorted(selection, starts)).tolist())
+
+
+def count_selected(archive: Any, where: Where) -> dict[str, Any]:
+    """What ``where`` keeps of ``archive`` (an open Archive, a path or a list of paths):
+    ``{"samples": all, "selected": kept, "values": {field: {value: kept count}}}``
+    (for ``dlop-inspect info --where``)."""
+    from .dataset import Archive
+
+    ds = archive if isinstance(archive, Archive) else Archive(archive, fields=[])
+    chosen = select(ds.reader.fields, ds.shards, where, None, str(ds.path))
+    base = np.arange(ds.num_samples) if ds.selection is None else ds.selection
+    kept = base[np.isin(base, chosen)] if chosen is not None else base
+    values: dict[str, dict[Any, int]] = {}
+    for name in where:
+        f = ds.reader.fields[name]
+        if f.kind == "str":
+            col = np.asarray(text_column(ds, name), object)
+        else:
+            col = np.concatenate([s.read_range(name, 0, s.num_samples) for s in ds.shards])
+        found, counts = np.unique(col[kept], return_counts=True)
+        values[name] = {v: int(c) for v, c in zip(found.tolist(), counts.tolist(), strict=True)}
+    return {"samples": len(base), "selected": len(kept), "values": values}
+
+
+def text_column(ds: Any, name: str) -> list[str]:
+    """A str field's values, sample by sample (for counting, not for training)."""
+    return [s.get(name, i) for s in ds.shards for i in range(s.num_samples)]
+
+
+def parse_where(fields: Mapping[str, Field], terms: Sequence[str]) -> dict[str, list[Any]]:
+    """``["fold=1,2,3", "category=dog"]`` (command-line terms) as a ``where`` dict, each
+    value converted to its field's type."""
+    out: dict[str, list[Any]] = {}
+    for term in terms:
+        name, sep, text = term.partition("=")
+        if not sep:
+            raise UsageError(f"--where {term!r}: expected FIELD=VALUE[,VALUE...], e.g. fold=1,2")
+        f = scalar_field(fields, name, f"--where {term!r}")
+        want = value_type(f)[1]
+        convert = {"str": str, "bool": _parse_bool, "int": int}.get(want, float)
+        try:
+            out.setdefault(name, []).extend(convert(v) for v in text.split(","))  # type: ignore[operator]
+        except ValueError:
+            raise UsageError(
+                f"--where {term!r}: {name} holds {want} values, got {text!r}"
+            ) from None
+    return out
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("true", "1"):
+        return True
+    if text.lower() in ("false", "0"):
+        return False
+    raise ValueError(text)

@@ -1,0 +1,81 @@
+"""Several archives read as one: addressing across archives, the Loader over them,
+and refusals of schemas and recipes that differ."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlop.formats import ArchiveWriter, Field
+from dlop.runtime import Loader, UsageError, open_archive
+
+RECIPE = {"source": "/corpus/a", "features": {"kind": "logmel", "n_mels": 3}, "dtype": "float16"}
+
+
+def write(
+    path: Path,
+    prefix: str,
+    n: int,
+    feature: Field | None = None,
+    recipe: dict[str, Any] | None = None,
+) -> Path:
+    feature = feature or Field("x", "f32", (None, 3))
+    fields = [Field.str_("key"), Field("label", "i64", ()), feature]
+    with ArchiveWriter(path, fields, shard_bytes=300, recipe=recipe or RECIPE) as w:
+        for i in range(n):
+            shape = tuple(1 + i % 4 if d is None else d for d in feature.shape)
+            w.write(
+                {
+                    "key": f"{prefix}{i}",
+                    "label": i % 3,
+                    "x": np.full(shape, i, feature.np_dtype),
+                }
+            )
+    return path
+
+
+def test_archives_read_as_one(tmp_path: Path) -> None:
+    a = write(tmp_path / "a", "a", 11)
+    b = write(tmp_path / "b", "b", 7, recipe={**RECIPE, "source": "/corpus/new"})
+    ds = open_archive([a, b])
+    assert len(ds) == 18 and ds[11]["key"] == "b0" and ds[-1]["key"] == "b6"
+    batch = ds.__getitems__([12, 3, 17])
+    assert batch["key"] == ["b1", "a3", "b6"]
+    assert batch["x_lengths"].tolist() == [2, 4, 3]
+    keys = {f"a{i}" for i in range(11)} | {f"b{i}" for i in range(7)}
+    for world in (1, 2, 3):
+        seen = []
+        for rank in range(world):
+            loader = Loader([a, b], 4, bucket_by="x", rank=rank, world_size=world, seed=world)
+            seen += [k for batch in loader for k in batch["key"]]
+        assert set(seen) == keys
+    picked = open_archive([a, b], where={"label": 1})
+    assert [picked[i]["key"] for i in range(len(picked))] == ["a1", "a4", "a7", "a10", "b1", "b4"]
+    again = pickle.loads(pickle.dumps(picked))  # spawned DataLoader workers reopen it
+    assert len(again) == 6 and again[5]["key"] == "b4"
+
+
+def test_a_field_that_differs_is_named(tmp_path: Path) -> None:
+    a = write(tmp_path / "a", "a", 5)
+    b = write(tmp_path / "b", "b", 5, feature=Field("x", "f16", (None, 3)))
+    with pytest.raises(UsageError, match=r"field 'x' is array f32\[None, 3\].*array f16") as e:
+        open_archive([a, b])
+    assert str(a) in str(e.value) and str(b) in str(e.value)
+    c = write(tmp_path / "c", "c", 5, feature=Field("x", "f32", (None, 4)))
+    with pytest.raises(UsageError, match="field 'x'"):
+        Loader([a, c], 2)
+    # the fields both hold alike are read as one
+    assert len(open_archive([a, b], fields=["key", "label"])) == 10
+
+
+def test_recipes_that_differ_are_refused_unless_allowed(tmp_path: Path) -> None:
+    a = write(tmp_path / "a", "a", 5)
+    other = {**RECIPE, "features": {"kind": "logmel", "n_mels": 40}}
+    b = write(tmp_path / "b", "b", 5, recipe=other)
+    with pytest.raises(UsageError, match="allow_recipe_mismatch=True"):
+        Loader([a, b], 2)
+    assert len(Loader([a, b], 2, allow_recipe_mismatch=True).batches(0)) == 5

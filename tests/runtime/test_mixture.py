@@ -1,0 +1,173 @@
+"""Weighted mixtures: proportions, determinism, passes without replacement, exact
+shares under DDP, resume, batches from one source, bucketing, and the errors."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlop.formats import ArchiveWriter, Field
+from dlop.runtime import Loader, UsageError, UsageTypeError
+
+SIZES = {"ls": 300, "ps": 500, "cv": 60}
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mix")
+    fields = [Field.str_("key"), Field("label", "i64", ()), Field("speech", "f32", (None, 2))]
+    out = {}
+    for name, n in SIZES.items():
+        with ArchiveWriter(root / name, fields, shard_bytes=2000) as w:
+            for i in range(n):
+                w.write(
+                    {
+                        "key": f"{name}{i}",
+                        "label": i,
+                        "speech": np.full((1 + i % 9, 2), i, np.float32),
+                    }
+                )
+        out[name] = root / name
+    return out
+
+
+def keys(loader: Loader) -> list[list[str]]:
+    return [batch["key"] for batch in loader]
+
+
+def test_proportions_over_an_epoch_of_100000(corpora: dict[str, Path]) -> None:
+    weights = {"ls": 0.2, "ps": 0.5, "cv": 0.3}
+    loader = Loader(
+        corpora, 2000, weights=weights, samples_per_epoch=100_000, fields="label", seed=1
+    )
+    counts: Counter[int] = Counter()
+    for batch in loader:
+        counts.update(batch["source"].tolist())
+    assert sum(counts.values()) == 100_000
+    for s, name in enumerate(loader.sources):
+        assert abs(counts[s] / 100_000 - weights[name]) < 0.01
+
+
+def test_same_seed_same_order_new_order_each_epoch(corpora: dict[str, Path]) -> None:
+    def make(seed: int) -> Loader:
+        return Loader(corpora, 16, weights={"ls": 1, "ps": 1, "cv": 1}, seed=seed, prefetch=0)
+
+    a, b = make(5), make(5)
+    assert all(np.array_equal(x, y) for x, y in zip(a.batches(0), b.batches(0), strict=True))
+    assert keys(a) == keys(b)
+    assert not all(np.array_equal(x, y) for x, y in zip(a.batches(0), a.batches(1), strict=True))
+    assert not all(
+        np.array_equal(x, y) for x, y in zip(a.batches(0), make(6).batches(0), strict=True)
+    )
+
+
+def test_a_source_is_drawn_without_replacement_until_used_up(corpora: dict[str, Path]) -> None:
+    # ps (500) gives 200 samples an epoch: epochs 0-1 and the first half of 2 are one pass
+    loader = Loader(
+        {"ls": corpora["ls"], "ps": corpora["ps"]},
+        50,
+        weights={"ls": 0.6, "ps": 0.4},
+        samples_per_epoch=500,
+        fields="key",
+    )
+    epochs = []
+    for epoch in range(5):
+        loader.set_epoch(epoch)
+        epochs.append([k for batch in loader for k in batch["key"] if k.startswith("ps")])
+    assert [len(e) for e in epochs] == [200] * 5
+    assert len(set(epochs[0] + epochs[1])) == 400  # pass 0, items 0-399
+    assert len(set(epochs[3] + epochs[4])) == 400  # pass 1, items 100-499
+    assert set(Counter(k for e in epochs for k in e).values()) == {2}  # two whole passes
+    assert set(epochs[0]) != set(epochs[3])  # the second pass is reshuffled
+
+
+@pytest.mark.parametrize("per_source", [False, True])
+def test_no_sample_twice_across_ranks(corpora: dict[str, Path], per_source: bool) -> None:
+    weights = {"ls": 0.3, "ps": 0.7}
+    sources = {"ls": corpora["ls"], "ps": corpora["ps"]}
+    for world in (1, 2, 3):
+        seen: list[str] = []
+        for rank in range(world):
+            loader = Loader(
+                sources,
+                8,
+                weights=weights,
+                samples_per_epoch=301,
+                batch_per_source=per_source,
+                rank=rank,
+                world_size=world,
+                fields="key",
+                prefetch=0,
+            )
+            loader.set_epoch(3)
+            for batch in keys(loader):
+                seen += batch
+                if per_source:
+                    assert len({k[:2] for k in batch}) == 1 and len(batch) == 8
+        assert len(seen) == len(set(seen))
+        unit = 8 * world if per_source else world
+        assert len(seen) == -(-301 // unit) * unit  # rounded up to equal shares, no repeats
+
+
+def test_resume_mid_epoch(corpora: dict[str, Path]) -> None:
+    kw = dict(
+        weights={"ls": 0.5, "ps": 0.25, "cv": 0.25},
+        samples_per_epoch=400,
+        bucket_by="speech",
+        rank=1,
+        world_size=2,
+        seed=9,
+    )
+    loader = Loader(corpora, 16, **kw)  # type: ignore[arg-type]
+    loader.set_epoch(4)
+    full = [(b["key"], b["source"].tolist()) for b in loader]
+    loader.set_epoch(4)
+    it = iter(loader)
+    head = [(b["key"], b["source"].tolist()) for _, b in zip(range(5), it, strict=False)]
+    state = loader.state_dict()
+    del it
+    assert isinstance(state["mixture"], dict) and "batches_done" in state
+    resumed = Loader(corpora, 16, **kw)  # type: ignore[arg-type]
+    resumed.load_state_dict(state)
+    resumed.set_epoch(4)
+    assert head + [(b["key"], b["source"].tolist()) for b in resumed] == full
+    other = Loader(corpora, 16, **{**kw, "weights": {"ls": 0.4, "ps": 0.35, "cv": 0.25}})  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="mixture"):
+        other.load_state_dict(state)
+
+
+def test_bucketing_across_the_mixture(corpora: dict[str, Path]) -> None:
+    loader = Loader(corpora, 10, bucket_by="speech", bucket_window=4, prefetch=0)
+    spread = []
+    total = 0
+    for batch in loader:
+        lengths = batch["speech_lengths"]
+        spread.append(int(lengths.max() - lengths.min()))
+        total += len(lengths)
+        names = {loader.sources[s] for s in batch["source"].tolist()}
+        assert all(k.startswith(tuple(names)) for k in batch["key"])
+    assert total == sum(SIZES.values())  # default: every sample once, by the sources' sizes
+    assert np.mean(spread) <= 2
+
+
+def test_mixture_errors(corpora: dict[str, Path]) -> None:
+    two = {"ls": corpora["ls"], "ps": corpora["ps"]}
+    with pytest.raises(UsageError, match=r"unknown: \['cv'\].*without a weight: \['ps'\]"):
+        Loader(two, 4, weights={"ls": 1, "cv": 1})
+    with pytest.raises(UsageError, match="at least 0"):
+        Loader(two, 4, weights={"ls": -1, "ps": 2})
+    with pytest.raises(UsageError, match="add up to 0"):
+        Loader(two, 4, weights={"ls": 0, "ps": 0})
+    with pytest.raises(UsageTypeError, match="must be a number"):
+        Loader(two, 4, weights={"ls": "1", "ps": 1})
+    with pytest.raises(UsageError, match=r"'ls' has weight 1\.0 but no samples"):
+        Loader(two, 4, weights={"ls": 1, "ps": 1}, where={"label": list(range(300, 400))})
+    with pytest.raises(UsageError, match="for mixtures"):
+        Loader(corpora["ls"], 4, weights={"ls": 1})
+    with pytest.raises(UsageError, match="window"):
+        Loader(two, 4, order="window")
+    with pytest.raises(UsageTypeError, match="must be a path"):
+        Loader({"ls": 3}, 4)

@@ -1,0 +1,171 @@
+"""Selections (where=, indices=): ESC-50 5-fold cross-validation with the Loader, every
+order feature on a selection, exact resume, and the errors."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlop.formats import ArchiveWriter, Field
+from dlop.runtime import Loader, UsageError, UsageTypeError, count_selected, open_archive
+from tests.compiler.fixtures import esc50_row, write_esc50_csv
+
+from .helpers import make_archive
+
+CLIPS = 60  # 12 per fold: every selection divides by world sizes 1..3, so none is padded
+
+
+@pytest.fixture(scope="module")
+def esc50(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, str]]]:
+    """An ESC-50-shaped archive (key, fold, label, category, logmel), written in a
+    shuffled order over small shards, and the esc50.csv it came from."""
+    root = tmp_path_factory.mktemp("esc50")
+    names = [f"{1 + n % 5}-{1000 + n}-A-{n % 3}.wav" for n in range(CLIPS)]
+    write_esc50_csv(root, [esc50_row(name, n) for n, name in enumerate(names)])
+    with open(root / "meta" / "esc50.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    fields = [
+        Field.str_("key"),
+        Field("fold", "i64", ()),
+        Field("label", "i64", ()),
+        Field.str_("category"),
+        Field("logmel", "f16", (4, 3)),
+    ]
+    order = np.random.default_rng(7).permutation(CLIPS)
+    with ArchiveWriter(root / "archive", fields, shard_bytes=400) as w:
+        for n in order.tolist():
+            row = rows[n]
+            w.write(
+                {
+                    "key": row["filename"],
+                    "fold": int(row["fold"]),
+                    "label": int(row["target"]),
+                    "category": row["category"],
+                    "logmel": np.full((4, 3), n, np.float16),
+                }
+            )
+    return root / "archive", rows
+
+
+def epoch_keys(loader: Loader) -> list[str]:
+    return [k for batch in loader for k in batch["key"]]
+
+
+def test_five_fold_cross_validation(esc50: tuple[Path, list[dict[str, str]]]) -> None:
+    path, rows = esc50
+    everything = {r["filename"] for r in rows}
+    for fold in range(1, 6):
+        others = [k for k in range(1, 6) if k != fold]
+        train = open_archive(path, fields="key", where={"fold": others})
+        test = open_archive(path, fields="key", where={"fold": fold})
+        train_keys = {train[i]["key"] for i in range(len(train))}
+        test_keys = {test[i]["key"] for i in range(len(test))}
+        assert test_keys == {r["filename"] for r in rows if int(r["fold"]) == fold}
+        assert train_keys == {r["filename"] for r in rows if int(r["fold"]) != fold}
+        assert not train_keys & test_keys and train_keys | test_keys == everything
+        for world in (1, 2, 3):
+            for where, keys in (({"fold": others}, train_keys), ({"fold": [fold]}, test_keys)):
+                seen = []
+                for rank in range(world):
+                    loader = Loader(
+                        path, 5, seed=fold, rank=rank, world_size=world, where=where, prefetch=0
+                    )
+                    loader.set_epoch(1)
+                    seen += epoch_keys(loader)
+                assert sorted(seen) == sorted(keys)  # each selected sample exactly once
+
+
+@pytest.mark.parametrize("order", ["global", "window"])
+def test_selection_resumes_exactly(esc50: tuple[Path, list[dict[str, str]]], order: str) -> None:
+    path, _ = esc50
+    where = {"fold": [1, 2, 3, 4]}
+    kw = dict(seed=3, rank=1, world_size=2, where=where, order=order, window_shards=2)
+    loader = Loader(path, 5, **kw)  # type: ignore[arg-type]
+    loader.set_epoch(2)
+    full = epoch_keys(loader)
+    loader.set_epoch(2)
+    it = iter(loader)
+    head = [k for _, batch in zip(range(2), it, strict=False) for k in batch["key"]]
+    state = loader.state_dict()
+    del it
+    resumed = Loader(path, 5, **kw)  # type: ignore[arg-type]
+    resumed.load_state_dict(state)
+    resumed.set_epoch(2)
+    assert head + epoch_keys(resumed) == full
+    # another selection of the same size is another order: its state is refused
+    other = Loader(path, 5, **{**kw, "where": {"fold": [2, 3, 4, 5]}})  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="selection"):
+        other.load_state_dict(state)
+
+
+def test_window_order_and_shuffle_off_on_a_selection(
+    esc50: tuple[Path, list[dict[str, str]]],
+) -> None:
+    path, rows = esc50
+    keys = sorted(r["filename"] for r in rows if r["target"] == "1")
+    window = Loader(path, 4, where={"label": 1}, order="window", window_shards=1, prefetch=0)
+    assert sorted(epoch_keys(window)) == keys
+    plain = Loader(path, 4, where={"label": 1}, shuffle=False, prefetch=0)
+    sel = open_archive(path, where={"label": 1}).selection
+    assert sel is not None
+    assert np.concatenate(plain.batches(0)).tolist() == sel.tolist()  # archive order
+
+
+def test_bucketing_and_drop_last_on_a_selection(tmp_path: Path) -> None:
+    path = make_archive(tmp_path / "a", n=37, shard_bytes=600)
+    indices = np.arange(0, 37, 3)  # 13 samples
+    for world in (1, 2, 3):
+        got = []
+        for rank in range(world):
+            loader = Loader(
+                path, 2, indices=indices, bucket_by="speech", rank=rank, world_size=world
+            )
+            batches = [b["label"].tolist() for b in loader]
+            got += [x for b in batches for x in b]
+        assert set(got) == set(indices.tolist())
+        assert len(got) - len(indices) < 2 * world  # at most the padding of whole batches
+        loader = Loader(path, 2, indices=indices, drop_last=True, rank=0, world_size=world)
+        assert all(len(b["label"]) == 2 for b in loader)
+
+
+def test_getitems_and_len_count_the_selection(tmp_path: Path) -> None:
+    path = make_archive(tmp_path / "a", n=37)
+    ds = open_archive(path, where={"label": [5, 9, 30]}, indices=[9, 30, 31])
+    assert len(ds) == 2 and ds[-1]["label"] == 30 and ds[0]["key"] == "k009"
+    assert ds.__getitems__([1, 0])["label"].tolist() == [30, 9]
+    text = open_archive(path, where={"text": ["ttt"]})
+    assert [text[i]["label"].item() for i in range(len(text))] == list(range(3, 37, 4))
+
+
+def test_count_selected(esc50: tuple[Path, list[dict[str, str]]]) -> None:
+    path, rows = esc50
+    got = count_selected(path, {"fold": [1, 2], "category": "class0"})
+    want = [r for r in rows if r["fold"] in "12" and r["category"] == "class0"]
+    assert got["samples"] == CLIPS and got["selected"] == len(want)
+    assert sum(got["values"]["fold"].values()) == len(want)
+    assert got["values"]["category"] == {"class0": len(want)}
+
+
+def test_selection_errors(esc50: tuple[Path, list[dict[str, str]]]) -> None:
+    path, _ = esc50
+    with pytest.raises(UsageError, match="no field 'split'"):
+        open_archive(path, where={"split": "train"})
+    with pytest.raises(UsageError, match=r"'logmel'.*scalar"):
+        open_archive(path, where={"logmel": 1})
+    with pytest.raises(UsageTypeError, match="must be int; got '1'"):
+        open_archive(path, where={"fold": "1"})
+    with pytest.raises(UsageTypeError, match="must be str"):
+        open_archive(path, where={"category": 1})
+    with pytest.raises(UsageError, match="selects no sample of 60"):
+        Loader(path, 4, where={"fold": 9})
+    with pytest.raises(UsageError, match="more than once"):
+        open_archive(path, indices=[1, 1])
+    with pytest.raises(UsageError, match=r"outside 0\.\.59"):
+        open_archive(path, indices=[60])
+    with pytest.raises(UsageTypeError, match="integer sample numbers"):
+        open_archive(path, indices=[0.5])
+    with pytest.raises(UsageError, match="open Archive and where="):
+        Loader(open_archive(path), 4, where={"fold": 1})
