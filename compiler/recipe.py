@@ -21,6 +21,7 @@ from .decode import DOWNMIX_POLICIES
 from .errors import CompileError
 from .features import FEATURES, PRESETS, FeatureConfig, feature_config, with_options
 from .resample import ResampleConfig
+from .layouts import source_path
 from .sources import LAYOUTS, MEDIA, detect_layout, layout_media
 from .vision import VisionConfig
 
@@ -390,8 +391,9 @@ def build_recipe(options: dict[str, Any]) -> Recipe:
     except (TypeError, ValueError) as e:
         raise CompileError(str(e)) from None
     resampler = opts.get("resampler")
-    layout = opts.get("layout") or detect_layout(Path(str(opts["source"])))
-    media = opts.get("media") or layout_media(layout, Path(str(opts["source"])))
+    source = source_path(str(opts["source"]))  # a local Path, or a UrlPath for a URL
+    layout = opts.get("layout") or detect_layout(source)
+    media = opts.get("media") or layout_media(layout, source)
     masks = opts.get("masks")
     if isinstance(masks, str):
         masks = [masks]

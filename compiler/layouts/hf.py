@@ -13,6 +13,7 @@ of any size never sits in memory. pyarrow is imported only here, when used.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -23,7 +24,17 @@ from typing import Any
 
 from ..corpus import MAX_LABEL, Corpus, Item, ListOptions, fingerprint
 from ..errors import CompileError
-from ..listing import AUDIO_EXTS, IMAGE_EXTS, file_size, is_text, name_bytes, name_key
+from ..listing import (
+    AUDIO_EXTS,
+    IMAGE_EXTS,
+    UrlPath,
+    file_size,
+    is_text,
+    name_bytes,
+    name_key,
+    walk_files,
+)
+from ..urls import is_url, url_path
 
 NAME = "hf"
 MEDIA = ("audio", "image")
@@ -49,13 +60,30 @@ def _pq() -> Any:
 def detect(source: Path) -> bool:
     if source.is_file():
         return source.suffix == SUFFIX
-    return source.is_dir() and any(next(source.glob(p), None) for p in _PATTERNS)
+    return source.is_dir() and bool(_files(source))
 
 
 def _files(source: Path) -> list[Path]:
     if source.is_file():
         return [source]
+    if isinstance(source, UrlPath):  # one bucket listing, its depth counted from SOURCE
+        depth = len(source.parts) + len(_PATTERNS)
+        found = walk_files(source, (SUFFIX,))
+        return sorted(p for p in found if len(p.parts) <= depth)
     return sorted({p for pattern in _PATTERNS for p in source.glob(pattern) if p.is_file()})
+
+
+def _path(text: str, storage_options: dict[str, Any]) -> Path:
+    """A listed file's path (or URL) as a path to open again."""
+    return url_path(text, storage_options) if is_url(text) else Path(text)
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """A Parquet file's reader over the path's file object (a local file or an fsspec one)."""
+    pq = _pq()
+    with path.open("rb") as f:
+        yield pq.ParquetFile(f)
 
 
 def _features(schema: Any) -> dict[str, Any]:
@@ -79,7 +107,8 @@ def source_media(source: Path) -> str:
     files = _files(source)
     if not files:
         return "audio"
-    features = _features(_pq().read_schema(files[0]))
+    with _opened(files[0]) as pf:
+        features = _features(pf.schema_arrow)
     types = {_type_of(features, c) for c in features}
     return "image" if "Image" in types and "Audio" not in types else "audio"
 
@@ -154,23 +183,24 @@ def _columns(path: Path, schema: Any, features: dict[str, Any], options: ListOpt
 
 def list_corpus(source: Path, options: ListOptions) -> Corpus:
     """Every row of every Parquet file, in file order then row order; media bytes not read."""
-    pq = _pq()
     files = _files(source)
     if not files:
         raise CompileError(
             f"{source}: no .parquet files found (looked {len(_PATTERNS)} levels deep)"
         )
     root = source if source.is_dir() else source.parent
-    first = pq.ParquetFile(files[0])
-    features = _features(first.schema_arrow)
-    cols = _columns(files[0], first.schema_arrow, features, options)
+    with _opened(files[0]) as first:
+        schema = first.schema_arrow
+    features = _features(schema)
+    cols = _columns(files[0], schema, features, options)
     classes = _label_names(features, cols.label)
     h = hashlib.sha256(json.dumps(features, sort_keys=True).encode())
     items: list[Item] = []
     for path in files:
         rel = name_key(str(path.relative_to(root)))
         h.update(name_bytes(rel) + f"\0{file_size(path)}\n".encode())
-        items += _list_file(pq.ParquetFile(path), path, rel, cols, classes)
+        with _opened(path) as pf:
+            items += _list_file(pf, path, rel, cols, classes)
     metadata: dict[str, Any] = {"hf": _described(cols, features)}
     if classes:
         metadata["classes"] = classes
@@ -182,7 +212,7 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
         cols.text is not None,
         dict(cols.keep),
         metadata,
-        fingerprint(items, h.digest()),
+        fingerprint(items, h.digest(), source),
         media=options.media,
     )
 
@@ -267,18 +297,17 @@ def _item(
 def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
     """The registry's hook: items [start, stop), each with its media bytes (or path), read one
     row group at a time. The corpus's own items stay light: each one yielded is a copy."""
-    pq = _pq()
     stop = len(corpus.items) if stop is None else min(stop, len(corpus.items))
-    root = Path(corpus.root) if Path(corpus.root).is_dir() else Path(corpus.root).parent
+    source = _path(corpus.root, corpus.storage_options)
+    root = source if source.is_dir() else source.parent
     column = corpus.metadata["hf"]["media_column"]
     first = 0
     for file, run in itertools.groupby(corpus.items, key=lambda it: (it.member or ("", ""))[0]):
         todo = list(run)
         lo, hi = max(start, first), min(stop, first + len(todo))
         if lo < hi:
-            yield from _stream_file(
-                pq.ParquetFile(file), file, todo, lo - first, hi - first, root, column
-            )
+            with _opened(_path(file, corpus.storage_options)) as pf:
+                yield from _stream_file(pf, file, todo, lo - first, hi - first, root, column)
         first += len(todo)
         if first >= stop:
             return

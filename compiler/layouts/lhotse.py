@@ -212,7 +212,14 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
         )
     has_text = any(it.text is not None for it in items)
     return Corpus(
-        NAME, str(source), items, False, has_text, dict(EXTRA_FIELDS), {}, fingerprint(items, extra)
+        NAME,
+        str(source),
+        items,
+        False,
+        has_text,
+        dict(EXTRA_FIELDS),
+        {},
+        fingerprint(items, extra, source),
     )
 
 

@@ -36,7 +36,9 @@ from ..listing import (
     name_bytes,
     name_key,
     utf8,
+    walk_files,
 )
+from ..urls import is_url, url_path
 
 NAME = "peoples-speech"
 MEDIA = ("audio",)
@@ -172,7 +174,7 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
         raw, segments = _read_manifest(manifest, name_key(manifest.name))
         h.update(hashlib.sha256(raw).digest())
         audio = _audio_dir(manifest)
-        tars = sorted(audio.glob("**/*.tar"))
+        tars = sorted(walk_files(audio, (".tar",)))
         index, damaged = _tar_index(tars)
         for tar in tars:
             h.update(name_bytes(str(tar.relative_to(root))) + f"\0{file_size(tar)}\n".encode())
@@ -202,7 +204,7 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
         True,
         dict(EXTRA_FIELDS),
         {},
-        fingerprint(items, h.digest()),
+        fingerprint(items, h.digest(), source),
     )
 
 
@@ -216,7 +218,8 @@ def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
         lo, hi = max(start, first), min(stop, first + len(todo))
         if lo < hi:
             if tar:
-                yield from _stream_tar(Path(tar), todo[lo - first : hi - first])
+                path = url_path(tar, corpus.storage_options) if is_url(tar) else Path(tar)
+                yield from _stream_tar(path, todo[lo - first : hi - first])
             else:
                 yield from todo[lo - first : hi - first]
         first += len(todo)

@@ -208,3 +208,32 @@ def test_peoples_speech_hub_form(tmp_path: Path) -> None:
     assert [r.sample(i)["text"] for i in range(3)] == columns["text"]
     assert r.sample(2)["duration_ms"] == 500
     assert hf.detect(source) and hf.detect(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_same_corpus_lists_streams_and_compiles_from_s3(s3: Any, tmp_path: Path) -> None:
+    root = hf_corpus(tmp_path / "hf")
+    s3.make_bucket("hfdata")
+    s3.filesystem().put(str(root), "hfdata/corpus", recursive=True)
+    url = "s3://hfdata/corpus"
+    local, remote = open_corpus(str(root), None), open_corpus(url, None)
+    assert remote.layout == "hf" and remote.fingerprint == local.fingerprint
+    assert [(it.key, it.text, it.label) for it in remote.items] == [
+        (it.key, it.text, it.label) for it in local.items
+    ]
+    got = list(stream_items(remote, 0, None))
+    for a, b in zip(stream_items(local, 0, None), got, strict=True):
+        assert a.data == b.data
+        assert (a.path is None) == (b.path is None)
+        if a.path is not None:  # a path row: the same file, by URL
+            assert b.path == url + a.path[len(str(root)) :]
+    # every row embedding its bytes: the archive is the same, byte for byte
+    whole = hf_corpus(tmp_path / "whole", embed=(True,) * 5)
+    s3.filesystem().put(str(whole), "hfdata/whole", recursive=True)
+    compile_ok(str(whole), "-o", str(tmp_path / "a"), "--keep-columns", "speaker")
+    compile_ok("s3://hfdata/whole", "-o", str(tmp_path / "b"), "--keep-columns", "speaker")
+    assert len(ArchiveReader(tmp_path / "b")) == 5
+    shards = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.dlop"))
+    assert shards == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*.dlop"))
+    for name in shards:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

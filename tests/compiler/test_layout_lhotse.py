@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -165,3 +166,20 @@ def test_a_folder_must_hold_one_manifest_to_compile(
     (root / "demo_recordings_dev.jsonl.gz").unlink()
     with pytest.raises(CompileError, match=r"demo_recordings_dev\.jsonl\.gz is not beside it"):
         open_corpus(str(root / "demo_supervisions_dev.jsonl.gz"), "lhotse")
+
+
+@pytest.mark.slow
+def test_the_same_manifests_list_from_s3(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = lhotse_corpus(tmp_path / "lh", monkeypatch)
+    s3.make_bucket("lhdata")
+    s3.filesystem().put(str(root), "lhdata/corpus", recursive=True)
+    url = "s3://lhdata/corpus"
+    local = open_corpus(str(root / "demo_supervisions_dev.jsonl.gz"), None)
+    remote = open_corpus(f"{url}/demo_supervisions_dev.jsonl.gz", None)
+    assert remote.layout == "lhotse" and remote.fingerprint == local.fingerprint
+    fields = [(it.key, it.text, it.extras, it.offset, it.duration) for it in local.items]
+    assert [(it.key, it.text, it.extras, it.offset, it.duration) for it in remote.items] == fields
+    for a, b in zip(local.items, remote.items, strict=True):
+        assert b.path == url + (a.path or "")[len(str(root)) :]

@@ -6,6 +6,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -154,3 +155,26 @@ def test_a_manifest_file_is_ambiguous_with_the_nemo_manifest_until_told(
     assert "ambiguous" in capsys.readouterr().err
     compile_ok(manifest, "--layout", "peoples-speech", "-o", str(tmp_path / "a"))
     assert len(ArchiveReader(tmp_path / "a")) == 5
+
+
+@pytest.mark.slow
+def test_the_same_corpus_lists_streams_and_compiles_from_s3(s3: Any, tmp_path: Path) -> None:
+    source = ps_corpus(tmp_path / "ps")
+    s3.make_bucket("psdata")
+    s3.filesystem().put(str(source), "psdata/train", recursive=True)
+    url = "s3://psdata/train"
+    local, remote = open_corpus(str(source), None), open_corpus(url, None)
+    assert remote.layout == "peoples-speech" and remote.fingerprint == local.fingerprint
+    assert [(it.key, it.text, it.extras) for it in remote.items] == [
+        (it.key, it.text, it.extras) for it in local.items
+    ]
+    assert [it.data for it in stream_items(remote, 1, 4)] == [
+        it.data for it in stream_items(local, 1, 4)
+    ]
+    compile_ok(str(source), "-o", str(tmp_path / "a"))
+    compile_ok(url, "-o", str(tmp_path / "b"))
+    assert len(ArchiveReader(tmp_path / "b")) == 5
+    shards = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.dlop"))
+    assert shards == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*.dlop"))
+    for name in shards:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
