@@ -1,18 +1,30 @@
-"""dlop-inspect: what an archive holds, whether it is intact, and one sample as a picture."""
+"""dlop-inspect: what an archive holds, whether it is intact, and one sample as a picture.
+
+ARCHIVE is a folder or a URL (``s3://bucket/prefix``, ``gs://...``, ``https://...``).
+An archive at a URL is fetched into a temporary folder first, under the same byte
+caps as a local one (index.json, errors.jsonl, and each shard at most the size
+its index entry gives), and read there; messages name the URL.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dlop.formats import ArchiveReader, DlopError, Field, codec_from_json
+from dlop.compiler.urls import filesystem, is_url, local_path, parse_storage_options
+from dlop.formats import ERRORS_NAME, INDEX_NAME, ArchiveReader, DlopError, Field, codec_from_json
+from dlop.formats.archive import read_index
+from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
 
 from .render import as_float, render_sample
 
@@ -158,9 +170,89 @@ def describe_value(name: str, value: Any, f: Field) -> str:
     return head + stats
 
 
+# -- archives at URLs -------------------------------------------------------------------------
+
+
+def _fetch_into(
+    fs: Any, base: str, name: str, folder: Path, cap: int, *, url: str, exact: bool = False
+) -> None:
+    """OUT/name into folder/name, at most ``cap`` bytes. A shard (``exact``) is fetched up to
+    one byte more than its index entry says, so that a longer object fails verification
+    rather than filling memory or disk; a larger index or errors.jsonl is an error."""
+    try:
+        with fs.open(f"{base}/{name}", "rb") as f:
+            data = f.read(cap + 1)
+    except FileNotFoundError:
+        return  # the reader reports the missing file where it needs it
+    if len(data) > cap and not exact:
+        raise DlopError(
+            f"{url.rstrip('/')}/{name}: larger than its {cap}-byte cap (SPEC.md §8); not a "
+            f"dlop archive's {name}"
+        )
+    (folder / name).write_bytes(data)
+
+
+def fetch_archive(
+    url: str, folder: Path, options: dict[str, Any], shards: Collection[int] | None = None
+) -> None:
+    """The archive at ``url`` into ``folder``: index.json (validated before anything else is
+    fetched), errors.jsonl and the shards numbered in ``shards`` (all when None)."""
+    fs, base = filesystem(url, options)
+    base = base.rstrip("/")
+    _fetch_into(fs, base, INDEX_NAME, folder, MAX_INDEX_BYTES, url=url)
+    index = read_index(folder)  # the format's bounds, before any name in it is used
+    if index.skipped_count:
+        _fetch_into(fs, base, ERRORS_NAME, folder, MAX_ERRORS_BYTES, url=url)
+    wanted = [s for k, s in enumerate(index.shards) if shards is None or k in shards]
+    with ThreadPoolExecutor(min(8, len(wanted)) or 1) as pool:
+        for _ in pool.map(
+            lambda s: _fetch_into(fs, base, s.file, folder, s.bytes, url=url, exact=True), wanted
+        ):
+            pass
+
+
+@contextlib.contextmanager
+def open_reader(
+    path: str, pairs: list[str] | None, shards: Collection[int] | None = None
+) -> Iterator[ArchiveReader]:
+    """An ArchiveReader of a folder, or of a URL's archive fetched into a temporary folder."""
+    if not is_url(path):
+        with ArchiveReader(local_path(path)) as reader:
+            yield reader
+        return
+    with tempfile.TemporaryDirectory(prefix="dlop-inspect-") as tmp:
+        fetch_archive(path, Path(tmp), parse_storage_options(pairs), shards)
+        with ArchiveReader(tmp) as reader:
+            yield reader
+
+
+def _named(text: str, reader: ArchiveReader, path: str) -> str:
+    """A message about a fetched archive's file, naming its URL rather than the temporary copy."""
+    return text.replace(str(reader.directory), path.rstrip("/")) if is_url(path) else text
+
+
+def _sample_shard(path: str, pairs: list[str] | None, index: int) -> set[int] | None:
+    """The one shard ``show`` needs of a URL's archive (None: all of a local one)."""
+    if not is_url(path):
+        return None
+    with tempfile.TemporaryDirectory(prefix="dlop-inspect-") as tmp:
+        fetch_archive(path, Path(tmp), parse_storage_options(pairs), shards=())
+        shards = read_index(tmp).shards
+    total = sum(s.num_samples for s in shards)
+    if not -total <= index < total:
+        return set()
+    index %= total
+    for k, s in enumerate(shards):
+        if index < s.num_samples:
+            return {k}
+        index -= s.num_samples
+    return set()
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    reader = ArchiveReader(args.path)
-    summary = archive_summary(reader, JSON_SKIPPED if args.json else SHOWN_SKIPPED)
+    with open_reader(args.path, args.storage_option) as reader:
+        summary = archive_summary(reader, JSON_SKIPPED if args.json else SHOWN_SKIPPED)
+        summary["path"] = _named(summary["path"], reader, args.path)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()
@@ -170,7 +262,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    reader = ArchiveReader(args.path)
+    with open_reader(args.path, args.storage_option) as reader:
+        return _verify(args, reader)
+
+
+def _verify(args: argparse.Namespace, reader: ArchiveReader) -> int:
     total = reader.num_shards
 
     def progress(done: int) -> None:
@@ -183,7 +279,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not args.quiet and total:
         print(file=sys.stderr)
     for p in problems:
-        print(f"FAIL {p}")
+        print(_named(f"FAIL {p}", reader, args.path))
     if problems:
         print(f"{len(problems)} problem(s) in {args.path}")
         return 1
@@ -195,7 +291,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    reader = ArchiveReader(args.path)
+    shards = _sample_shard(args.path, args.storage_option, args.index)
+    with open_reader(args.path, args.storage_option, shards) as reader:
+        return _show(args, reader)
+
+
+def _show(args: argparse.Namespace, reader: ArchiveReader) -> int:
     if not -len(reader) <= args.index < len(reader):
         raise DlopError(
             f"{args.path}: sample {args.index} out of range (archive has {len(reader)})"
@@ -223,15 +324,33 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser(
         "info", help="shards, samples, fields, compression, recipe, provenance, skipped inputs"
     )
-    info.add_argument("path", type=Path)
+    info.add_argument("path", help="archive folder or URL (s3://, gs://, https://)")
+    info.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec option for a URL (endpoint_url=..., anon=true); repeatable",
+    )
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(run=cmd_info)
     verify = sub.add_parser("verify", help="check every checksum and offset; exit 1 on any failure")
-    verify.add_argument("path", type=Path)
+    verify.add_argument("path", help="archive folder or URL (s3://, gs://, https://)")
+    verify.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec option for a URL (endpoint_url=..., anon=true); repeatable",
+    )
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     verify.set_defaults(run=cmd_verify)
     show = sub.add_parser("show", help="one sample's fields, optionally drawn to a PNG")
-    show.add_argument("path", type=Path)
+    show.add_argument("path", help="archive folder or URL (s3://, gs://, https://)")
+    show.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec option for a URL (endpoint_url=..., anon=true); repeatable",
+    )
     show.add_argument("index", type=int)
     show.add_argument(
         "--png", type=Path, help="draw the sample (spectrogram, frame grid, image + masks)"

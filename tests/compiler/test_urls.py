@@ -110,6 +110,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[_Counting]:
 
 
 def _upload(s3: Any, local: Path, bucket: str) -> str:
+    s3.reset()  # moto's buckets live in the process, past one server
     s3.make_bucket(bucket)
     fs = s3.filesystem()
     fs.put(str(local), f"{bucket}/corpus", recursive=True)
