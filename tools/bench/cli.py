@@ -113,6 +113,18 @@ def _vision(run: _Run) -> list[Row]:
     )
 
 
+def _select(run: _Run) -> list[Row]:
+    from . import select_bench
+
+    return select_bench.run(run.work / "select", run.args)
+
+
+def _sources(run: _Run) -> list[Row]:
+    from . import sources_bench
+
+    return sources_bench.run(run.work / "sources", run.args)
+
+
 def _peers(run: _Run) -> list[Row]:
     from . import peer_rows, speech_peers
 
@@ -127,6 +139,8 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "compile": _compile,
     "runtime": _runtime,
     "vision": _vision,
+    "select": _select,
+    "sources": _sources,
     "peers": _peers,
 }
 # peers needs LitData, MosaicML Streaming, Lhotse and datasets, which only `make bench-peers` installs
