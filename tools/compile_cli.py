@@ -16,6 +16,7 @@ from typing import Any
 from dlop.compiler import features, vision
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import CHOICES, build_recipe, load_recipe_file
+from dlop.compiler.urls import parse_storage_options
 from dlop.formats import DlopError
 
 
@@ -160,10 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace the dlop archive (or interrupted compile) in OUT; nothing else is deleted",
     )
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    o.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec option for URL SOURCE and OUT (endpoint_url=..., anon=true); repeatable; "
+        "credentials otherwise come from the environment",
+    )
     return p
 
 
 _NOT_RECIPE = {"out", "recipe", "demo", "resume", "overwrite", "quiet", "unit_inputs", "dask"}
+_NOT_RECIPE.add("storage_option")  # credentials and endpoints never go into the archive
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,6 +217,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite or bool(args.demo),
         progress=not args.quiet,
+        storage_options=parse_storage_options(args.storage_option),
         unit_inputs=args.unit_inputs,
         dask=args.dask,
     )
