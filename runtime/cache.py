@@ -95,6 +95,8 @@ class CacheDir:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.wait_s = wait_s
+        # Called when room runs out: lets go of holds kept only in case; True if any went.
+        self.squeeze: Callable[[], bool] | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         self.sweep()
 
@@ -217,6 +219,8 @@ class CacheDir:
                     fcntl.flock(fd, fcntl.LOCK_EX)
                     os.ftruncate(fd, size)
                     return fd
+            if self.squeeze is not None and self.squeeze():
+                continue  # this process let go of shards it kept only in case
             if time.monotonic() > deadline:
                 raise CacheError(
                     f"{self.root}: {size} bytes needed, {used} of the {self.max_bytes}-byte "

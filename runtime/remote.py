@@ -27,6 +27,7 @@ from dlop.formats import INDEX_NAME, DlopError
 from .errors import LoaderError
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
+ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "FSSPEC_")
 _clients: dict[tuple[int, str, str], Any] = {}
 _clients_lock = threading.Lock()
 
@@ -48,7 +49,9 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         ) from None
     protocol = url.split("://", 1)[0]
     options = dict(storage_options or {})
-    key = (os.getpid(), protocol, json.dumps(options, sort_keys=True, default=repr))
+    # Clients also read their settings from the environment (AWS_ENDPOINT_URL, ...).
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    key = (os.getpid(), protocol, json.dumps([options, env], sort_keys=True, default=repr))
     path = fsspec.core.strip_protocol(url)
     with _clients_lock:
         fs = _clients.get(key)

@@ -26,7 +26,7 @@ from dlop.formats import FormatError, Index, ShardReader
 from dlop.formats.transcode import needs_transcode, transcode_raw
 
 from .cache import CacheDir, Held
-from .errors import LoaderError, ShardChangedError
+from .errors import LoaderError, ShardChangedError, UsageError
 from .remote import DEFAULT_RETRY, Retry, checker, fetch_bytes, join
 
 Filesystem = Callable[[], tuple[Any, str]]  # this process's (filesystem, archive path)
@@ -55,6 +55,7 @@ class RemoteSource:
         self.loose_shards = loose_shards
         self.fetch_threads = fetch_threads
         self.transcode = needs_transcode(index.fields)
+        cache.squeeze = self.squeeze
         self.pid = -1
         self.fresh()
 
@@ -78,6 +79,13 @@ class RemoteSource:
         with self.lock:
             for k in sorted(set(shards)):
                 self.refs[k] += 1
+            try:
+                self.check_in_flight()
+            except UsageError:
+                for k in set(shards):
+                    self.refs[k] -= 1
+                raise
+            for k in sorted(set(shards)):
                 if k not in self.open and k not in self.pending:
                     if self.pool is None:
                         self.pool = ThreadPoolExecutor(self.fetch_threads, "dlop-fetch")
@@ -97,6 +105,27 @@ class RemoteSource:
                 old, _ = self.loose.popitem(last=False)
                 if self.refs[old] == 0:
                     self.drop(old)
+
+    def squeeze(self) -> bool:
+        """Lets go of the shards kept only because they were read last; True if any."""
+        with self.lock:
+            loose = [k for k in self.loose if self.refs[k] == 0 and k in self.open]
+            for k in loose:
+                self.drop(k)
+        return bool(loose)
+
+    def check_in_flight(self) -> None:
+        """Refuses holds that could never all be cached (called under the lock)."""
+        held = sum(1 for r in self.refs if r > 0)
+        largest = max((s.bytes for s in self.index.shards), default=0)
+        if held * largest > self.cache.max_bytes:
+            raise UsageError(
+                f"{self.url}: {held} shards are in flight at once (the batches being made "
+                f"and the next ones), up to {held} x {largest} bytes = {held * largest}, "
+                f"above cache_bytes {self.cache.max_bytes}; raise cache_bytes "
+                "(DLOP_CACHE_BYTES) to at least that, or use order='window' with "
+                "fewer window_shards"
+            )
 
     def shard(self, k: int) -> ShardReader:
         """Shard ``k`` mapped from the cache: fetched now, or waited for if under way.

@@ -1,0 +1,153 @@
+"""A loopback HTTP server for fault tests: serves a folder (GET with Range, HEAD) or
+forwards to an upstream server (moto's S3), injecting faults into chosen GETs.
+
+    with FaultProxy(root=folder) as proxy:          # or FaultProxy(upstream=s3.endpoint)
+        proxy.fail("shard-00002", "truncate")       # the next GET of that path
+        proxy.fail("shard-00003", "corrupt", times=None)   # every GET of it
+        url = proxy.url + "/archive"
+        proxy.gets["shard-00002"]                    # GETs whose path held that text
+
+Faults: ``drop`` (close the connection without a response), ``slowdown`` (503
+with S3's SlowDown body), ``truncate`` (the full Content-Length announced,
+half the body sent, connection closed), ``corrupt`` (one byte flipped),
+``stall`` (half the body sent, then the connection held open until the
+proxy closes).
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+
+
+class FaultProxy:
+    def __init__(self, root: Path | None = None, upstream: str | None = None) -> None:
+        self.root = root
+        self.upstream = urlsplit(upstream) if upstream else None
+        self.faults: list[list[Any]] = []  # [match, kind, times left or None]
+        self.gets: Counter[str] = Counter()
+        self.ranges: list[str] = []
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
+        self.server.daemon_threads = True
+        host, port = self.server.server_address[:2]
+        self.url = f"http://{host}:{port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def fail(self, match: str, kind: str, times: int | None = 1) -> None:
+        with self.lock:
+            self.faults.append([match, kind, times])
+
+    def count(self, match: str) -> int:
+        with self.lock:
+            return sum(n for path, n in self.gets.items() if match in path)
+
+    def take_fault(self, path: str) -> str | None:
+        with self.lock:
+            self.gets[path] += 1
+            for f in self.faults:
+                if f[0] in path and (f[2] is None or f[2] > 0):
+                    if f[2] is not None:
+                        f[2] -= 1
+                    return str(f[1])
+        return None
+
+    def __enter__(self) -> FaultProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closing.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def fetch(self, handler: BaseHTTPRequestHandler) -> tuple[int, dict[str, str], bytes]:
+        """The response the fault-free server gives: from the folder or the upstream."""
+        if self.upstream is not None:
+            conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port)
+            length = int(handler.headers.get("Content-Length") or 0)
+            body = handler.rfile.read(length) if length else None
+            conn.request(handler.command, handler.path, body, dict(handler.headers))
+            resp = conn.getresponse()
+            data = resp.read()
+            headers = {k: v for k, v in resp.getheaders() if k.lower() != "transfer-encoding"}
+            conn.close()
+            return resp.status, headers, data
+        return self.serve_file(handler)
+
+    def serve_file(self, handler: BaseHTTPRequestHandler) -> tuple[int, dict[str, str], bytes]:
+        assert self.root is not None
+        path = self.root / urlsplit(handler.path).path.lstrip("/")
+        if not path.is_file():
+            return 404, {"Content-Type": "text/plain"}, b"not found"
+        data = path.read_bytes()
+        total = len(data)
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        rng = handler.headers.get("Range")
+        if rng and rng.startswith("bytes="):
+            self.ranges.append(rng)
+            first, _, last = rng[6:].partition("-")
+            start = int(first) if first else total - int(last)
+            stop = min(total, int(last) + 1) if first and last else total
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{total}"
+            return 206, headers, data[start:stop]
+        return 200, headers, data
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def respond(self, status: int, headers: dict[str, str], length: int) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    if k.lower() not in ("content-length", "connection", "server", "date"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(length))
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+
+            def do_HEAD(self) -> None:
+                status, headers, body = proxy.fetch(self)
+                self.respond(status, headers, len(body))  # the length, not the body
+
+            def do_GET(self) -> None:
+                fault = proxy.take_fault(urlsplit(self.path).path)
+                if fault == "drop":
+                    self.close_connection = True
+                    return
+                if fault == "slowdown":
+                    self.respond(503, {"Content-Type": "application/xml"}, len(SLOWDOWN))
+                    self.wfile.write(SLOWDOWN)
+                    return
+                status, headers, body = proxy.fetch(self)
+                if fault == "corrupt" and status < 300 and body:
+                    mid = len(body) // 2
+                    body = body[:mid] + bytes([body[mid] ^ 0xFF]) + body[mid + 1 :]
+                if fault in ("truncate", "stall") and status < 300:
+                    self.respond(status, headers, len(body))  # announces the full length
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    if fault == "stall":
+                        proxy.closing.wait()
+                    return
+                self.respond(status, headers, len(body))
+                self.wfile.write(body)
+
+        return Handler

@@ -1,0 +1,181 @@
+"""Archives read from object storage through the node-local shard cache: the same
+batches as the local Loader, over S3 (moto on loopback) and HTTP with Range, and
+through faults injected by tests/faultproxy.py."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dlop.runtime import Loader, LoaderError, open_archive
+from dlop.runtime.cache import CacheDir
+from dlop.runtime.errors import UsageError
+from dlop.runtime.remote import Retry
+from dlop.runtime.remote_archive import RemoteArchive, open_remote
+from tests.faultproxy import FaultProxy
+from tests.runtime.helpers import make_archive
+
+FAST = Retry(attempts=4, backoff_s=0.001, max_backoff_s=0.01)
+SETTINGS: dict[str, Any] = {"batch_size": 4, "seed": 5, "order": "window", "window_shards": 2}
+
+
+def epoch_batches(loader: Loader, epoch: int) -> list[dict[str, Any]]:
+    """The epoch's batches, copied out of the Loader's reused buffers."""
+    loader.set_epoch(epoch)
+    return [copied(b) for b in loader]
+
+
+def copied(batch: Any) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(a[k] == b[k] if isinstance(a[k], list) else torch.equal(a[k], b[k]) for k in a)
+
+
+def check_like_local(remote: RemoteArchive, local: Path, world: int = 2, **settings: Any) -> None:
+    for rank in range(world):
+        kw = {**SETTINGS, "rank": rank, "world_size": world, **settings}
+        for epoch in (0, 1):
+            want = epoch_batches(Loader(local, **kw), epoch)
+            got = epoch_batches(Loader(remote, **kw), epoch)
+            assert [b["key"] for b in got] == [b["key"] for b in want]
+            assert all(same(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Path:
+    """A folder holding a raw archive ``a`` and a zstd one ``z``."""
+    make_archive(tmp_path / "site" / "a")
+    make_archive(tmp_path / "site" / "z", zstd=True)
+    return tmp_path / "site"
+
+
+@pytest.mark.parametrize("name", ["a", "z"])
+def test_s3_batches_equal_local(s3: Any, served: Path, tmp_path: Path, name: str) -> None:
+    s3.make_bucket("data")
+    s3.filesystem().put(str(served / name), f"data/{name}", recursive=True)
+    remote = open_remote(f"s3://data/{name}", cache_dir=tmp_path / "cache", cache_bytes=1 << 20)
+    check_like_local(remote, served / name)
+    # A zstd archive is cached raw: every cached shard maps without a block table.
+    cached = [p for p in (tmp_path / "cache").rglob("shard-*.dlop")]
+    assert cached and all(
+        open_archive(served / "a").fields["logmel"].codec.mappable for _ in cached
+    )
+    assert not remote.fields["logmel"].ragged and remote.fields["logmel"].codec.mappable
+
+
+def test_resume_matches_local(served: Path, tmp_path: Path) -> None:
+    with FaultProxy(root=served) as proxy:
+        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        kw = {**SETTINGS, "rank": 1, "world_size": 2}
+        reference = epoch_batches(Loader(served / "a", **kw), 2)
+        first = Loader(remote, **kw)
+        first.set_epoch(2)
+        it = iter(first)
+        for _ in range(3):
+            next(it)
+        state = first.state_dict()
+        first.close()
+        resumed = Loader(remote, **kw)
+        resumed.load_state_dict(state)
+        rest = [copied(b) for b in resumed]
+        assert all(same(g, w) for g, w in zip(rest, reference[3:], strict=True))
+        assert len(rest) == len(reference) - 3
+
+
+def test_http_ranged_parts(served: Path, tmp_path: Path) -> None:
+    parts = Retry(attempts=2, backoff_s=0.001, part_bytes=16 << 10, parallel_parts=3)
+    with FaultProxy(root=served) as proxy:
+        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=parts)
+        check_like_local(remote, served / "a", world=1)
+        assert proxy.ranges and all(r.startswith("bytes=") for r in proxy.ranges)
+        # every shard fetched once, in parts: 61440 bytes in 16 KiB parts is 4 GETs
+        assert proxy.count("shard-00000") == 4
+
+
+@pytest.mark.parametrize("fault", ["drop", "slowdown", "truncate", "corrupt"])
+def test_faults_survived_over_http(served: Path, tmp_path: Path, fault: str) -> None:
+    with FaultProxy(root=served) as proxy:
+        for shard in ("shard-00001", "shard-00004"):
+            proxy.fail(shard, fault, times=2)
+        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        check_like_local(remote, served / "a", world=1)
+        assert proxy.count("shard-00001") == 3  # two failures, then the good copy
+        assert proxy.count("shard-00000") == 1
+
+
+@pytest.mark.parametrize("fault", ["slowdown", "corrupt", "truncate"])
+def test_faults_survived_over_s3(s3: Any, served: Path, tmp_path: Path, fault: str) -> None:
+    s3.make_bucket("data")
+    s3.filesystem().put(str(served / "a"), "data/a", recursive=True)
+    with FaultProxy(upstream=s3.endpoint) as proxy:
+        proxy.fail("shard-00002", fault, times=1)
+        remote = RemoteArchive(
+            "s3://data/a",
+            cache_dir=tmp_path / "c",
+            storage_options={"endpoint_url": proxy.url},
+            retry=FAST,
+        )
+        check_like_local(remote, served / "a", world=1)
+        assert proxy.count("shard-00002") >= 2
+
+
+def test_persistent_corruption_names_the_shard(served: Path, tmp_path: Path) -> None:
+    with FaultProxy(root=served) as proxy:
+        proxy.fail("shard-00003", "corrupt", times=None)
+        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        with pytest.raises(LoaderError, match=r"shard 3 \(shard-00003\.dlop\).*CRC-32"):
+            epoch_batches(Loader(remote, batch_size=4, shuffle=False), 0)
+        assert proxy.count("shard-00003") == FAST.attempts
+        assert not list((tmp_path / "c").rglob("shard-00003.dlop"))  # nothing corrupt cached
+
+
+def test_budget_is_a_hard_ceiling(served: Path, tmp_path: Path) -> None:
+    largest = max(p.stat().st_size for p in (served / "a").glob("shard-*"))
+    budget = 4 * largest + 4096  # three batches in flight, within windows of one shard
+    cache = tmp_path / "c"
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            seen.append(sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()))
+
+    with FaultProxy(root=served) as proxy:
+        remote = RemoteArchive(proxy.url + "/a", cache_dir=cache, cache_bytes=budget, retry=FAST)
+        watcher = threading.Thread(target=sample)
+        watcher.start()
+        try:
+            check_like_local(remote, served / "a", world=1, window_shards=1)  # 6 shards
+        finally:
+            stop.set()
+            watcher.join()
+        assert seen and max(seen) <= budget
+        assert proxy.count("shard-") > 6  # shards evicted and fetched again: data > budget
+
+
+def test_budget_below_a_shards_in_flight_is_refused(served: Path, tmp_path: Path) -> None:
+    with FaultProxy(root=served) as proxy, pytest.raises(UsageError, match=r"2 shards x 61440"):
+        RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=100_000)
+
+
+def test_shards_held_are_never_evicted(tmp_path: Path) -> None:
+    cache = CacheDir(tmp_path, max_bytes=250)
+    folder = cache.archive_dir("x")
+    a = cache.get(folder / "a", lambda: b"a" * 100)
+    b = cache.get(folder / "b", lambda: b"b" * 100)
+    cache.wait_s = 0.2
+    with pytest.raises(Exception, match="still hold"):
+        cache.get(folder / "c", lambda: b"c" * 100)  # a and b are held: no room
+    cache.let_go(a)
+    cache.get(folder / "c", lambda: b"c" * 100)  # a, unheld, goes
+    assert not (folder / "a").exists() and (folder / "b").exists()
+    cache.let_go(b)
+    assert cache.used_bytes() <= 250

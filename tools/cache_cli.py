@@ -1,0 +1,60 @@
+"""``dlop-inspect cache [DIR]``: what the node-local shard cache holds, for which
+archive, how much; ``--clear`` removes what no process holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from dlop.runtime.cache import CacheDir, default_cache_bytes, default_cache_dir, is_shard
+
+
+def summary(root: Path) -> list[dict[str, Any]]:
+    """One entry per archive folder: its id, source URL, cached shards and bytes."""
+    out = []
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        source = sub / "source.txt"
+        shards = [p for p in sub.iterdir() if p.is_file() and is_shard(p.name)]
+        out.append(
+            {
+                "archive": sub.name,
+                "source": source.read_text().strip() if source.is_file() else None,
+                "shards": len(shards),
+                "bytes": sum(p.stat().st_size for p in shards),
+            }
+        )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(args.dir) if args.dir else default_cache_dir()
+    if args.clear:
+        if not root.is_dir():
+            print(f"{root}: no cache here")
+            return 0
+        freed = CacheDir(root, max_bytes=default_cache_bytes()).clear()
+        print(f"{root}: freed {freed} bytes (shards other processes hold were kept)")
+        return 0
+    entries = summary(root)
+    if args.json:
+        print(json.dumps({"dir": str(root), "archives": entries}, indent=1))
+        return 0
+    print(f"{root}: {len(entries)} archive(s), {sum(e['bytes'] for e in entries)} bytes")
+    for e in entries:
+        print(f"  {e['archive']}  {e['shards']:5d} shards  {e['bytes']:14d} bytes  {e['source']}")
+    return 0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "cache", help="the node-local shard cache: what it holds, or --clear"
+    )
+    p.add_argument(
+        "dir", nargs="?", help="cache folder (default: DLOP_CACHE_DIR, else ~/.cache/dlop/shards)"
+    )
+    p.add_argument("--clear", action="store_true", help="remove every shard no process holds")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(run=run)
+    return p
