@@ -125,12 +125,6 @@ def _sources(run: _Run) -> list[Row]:
     return sources_bench.run(run.work / "sources", run.args)
 
 
-def _sources(run: _Run) -> list[Row]:
-    from . import sources_bench
-
-    return sources_bench.run(run.work / "sources", run.args)
-
-
 def _peers(run: _Run) -> list[Row]:
     from . import peer_rows, speech_peers
 
@@ -146,7 +140,6 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "runtime": _runtime,
     "vision": _vision,
     "select": _select,
-    "sources": _sources,
     "sources": _sources,
     "peers": _peers,
 }
