@@ -265,9 +265,19 @@ def open_archive(
     where: Mapping[str, Any] | None = None,
     indices: Sequence[int] | np.ndarray | None = None,
     allow_recipe_mismatch: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_bytes: int | None = None,
 ) -> Archive:
     """Opens an archive, or several with one schema read as one, as a map-style Dataset
-    of the samples ``where`` and ``indices`` choose (see Archive)."""
+    of the samples ``where`` and ``indices`` choose (see Archive). A URL (``s3://``,
+    ``https://``, any fsspec URL) is read through the node-local shard cache
+    (runtime.remote_archive: ``cache_dir``, ``cache_bytes``)."""
+    if isinstance(path, str) and "://" in path and not path.startswith("file://"):
+        from .remote_archive import open_remote
+
+        if where is not None or indices is not None:
+            raise UsageError(f"{path}: where= and indices= take local archives for now")
+        return open_remote(path, fields, pad_value, cache_dir, cache_bytes)
     return Archive(
         path,
         fields=fields,

@@ -179,3 +179,19 @@ def test_shards_held_are_never_evicted(tmp_path: Path) -> None:
     assert not (folder / "a").exists() and (folder / "b").exists()
     cache.let_go(b)
     assert cache.used_bytes() <= 250
+
+
+def test_open_archive_and_loader_take_urls(
+    served: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DLOP_CACHE_DIR", str(tmp_path / "env-cache"))
+    monkeypatch.setenv("DLOP_CACHE_BYTES", "1M")
+    with FaultProxy(root=served) as proxy:
+        url = proxy.url + "/z"
+        ds = open_archive(url, cache_dir=tmp_path / "c", cache_bytes=1 << 20)
+        assert isinstance(ds, RemoteArchive) and ds[5]["key"] == "k005"
+        assert list((tmp_path / "c").rglob("shard-*.dlop"))
+        want = epoch_batches(Loader(served / "z", batch_size=8, seed=2), 1)
+        got = epoch_batches(Loader(url, batch_size=8, seed=2), 1)  # cache from the environment
+        assert all(same(g, w) for g, w in zip(got, want, strict=True)) and len(got) == len(want)
+        assert list((tmp_path / "env-cache").rglob("shard-*.dlop"))
