@@ -6,7 +6,7 @@ fsspec test themselves. Nothing leaves the machine.
         fs = s3.filesystem()          # an s3fs.S3FileSystem against the server
         env = s3.environ              # AWS_* variables a child process needs
 
-Inside the ``with`` the process's environment points at the server too
+Each server starts empty. Inside the ``with`` the process's environment points at the server too
 (AWS_ENDPOINT_URL, dummy credentials, us-east-1), so code that builds its own
 client from the environment, as dlop does, reaches it.
 """
@@ -79,6 +79,7 @@ def s3_server() -> Iterator[S3Server]:
     server.start()
     host, port = server.get_host_and_port()
     s3 = S3Server(f"http://{host}:{port}")
+    s3.reset()  # moto keeps its buckets across server instances in one process
     saved = {k: os.environ.get(k) for k in s3.environ}
     os.environ.update(s3.environ)
     try:
