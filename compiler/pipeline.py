@@ -166,8 +166,7 @@ def compile_corpus(
 ) -> Index:
     """Compiles recipe.source into an archive at ``out``; returns its index.
 
-    ``unit_inputs``: inputs per work unit (default by media, UNIT_INPUTS; a multiple of
-    CHUNK_ITEMS). ``dask``: a scheduler address, or ``local:N`` for a LocalCluster of N
+    ``unit_inputs``: inputs per work unit (default by media, UNIT_INPUTS). ``dask``: a scheduler address, or ``local:N`` for a LocalCluster of N
     worker processes; None runs ``workers`` local processes.
     """
     corpus = open_corpus(
@@ -202,13 +201,11 @@ def compile_corpus(
 
 
 def _unit_size(unit_inputs: int | None, media: str) -> int:
+    # Chunks (the inputs featurized together) are cut from each unit's first input, so
+    # they never span two units whatever the unit size.
     size = UNIT_INPUTS[media] if unit_inputs is None else unit_inputs
-    step = CHUNK_ITEMS[media]
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % step:
-        raise CompileError(
-            f"--unit-inputs {size}: expected a positive multiple of {step} for {media} (inputs "
-            "are featurized in chunks of that many, and a chunk never spans two units)"
-        )
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise CompileError(f"--unit-inputs {size}: expected a positive number of inputs")
     return size
 
 

@@ -46,8 +46,8 @@ from .recipe import Recipe, build_recipe
 from .store import LocalStore, Store, open_store
 
 COMMIT_PREFIX = ".dlop-unit-"
-# Inputs featurized together as one task of a local pool, and a unit's multiple: a unit
-# starts on a chunk boundary, so chunks never cross units.
+# Inputs featurized together as one task of a local pool, cut from each unit's first
+# input (the bytes do not depend on the grouping, featurize_clips).
 CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 1}
 # Default inputs per unit, by media: a few minutes of one worker's time for typical inputs.
 UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256}

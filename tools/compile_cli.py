@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--unit-inputs",
         type=int,
-        help="inputs per work unit, a multiple of the media's chunk (default: by media, "
-        "8192 audio, 256 video or images; see docs/compile.md)",
+        help="inputs per work unit (default by media: 8192 audio, 256 video or images; "
+        "see docs/compile.md)",
     )
     o.add_argument(
         "--dask",

@@ -1,11 +1,13 @@
 """kill -9 at chosen moments, then --resume: the archive is byte-identical to an uninterrupted one.
 
 The compile runs as a subprocess and kills itself at an exact moment through the
-test-only DLOP_TEST_KILL_AT hook (start, input:N, shard:N, index: before any shard,
-inside the first or a later shard, right after a shard, before the index); the resume
+test-only DLOP_TEST_KILL_AT hook (start, input:N, shard:N, unit:N, index: before any
+shard, inside the first or a later shard, right after a shard, right after a unit's
+commit record, before the index); the resume
 runs in-process. Corpora: ESC-50 style clips (one sample per input), dense video
 clips (several samples per input, cut from one file) and image tiles (many
-samples per input), each with a tiny --shard-bytes so there are several shards.
+samples per input), each with a tiny --shard-bytes so there are several shards, and units of 2 to 4
+inputs so there are several units.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 from dlop.compiler.output import JOURNAL, LOCK
 from dlop.compiler.pipeline import TEST_KILL_AT, TEST_SIGNAL
+from dlop.compiler.units import COMMIT_PREFIX
 from dlop.formats import ArchiveReader, ArchiveWriter, Field
 from dlop.tools.compile_cli import main
 
@@ -35,7 +38,7 @@ EPOCH = "1700000000"
 def _clips(root: Path) -> list[str]:
     esc50_corpus(root, [("wav", 16000, 1)] * 7, seconds=0.5)
     (root / "audio" / "3-1002-A-2.wav").write_bytes(b"")  # one skipped input: errors.jsonl too
-    return [str(root), "--duration", "1", "--shard-bytes", "20KB"]
+    return [str(root), "--duration", "1", "--shard-bytes", "20KB", "--unit-inputs", "3"]
 
 
 def _segments(root: Path) -> list[str]:
@@ -52,6 +55,7 @@ def _segments(root: Path) -> list[str]:
         "--clip-frames",
         "4",
         *("--shard-bytes", "150KB"),
+        *("--unit-inputs", "4"),
     ]
 
 
@@ -62,7 +66,7 @@ def _tiles(root: Path) -> list[str]:
         write_image(root / "Maps1" / f"im{n}.png", rng.integers(0, 6, (64, 64), np.uint8))
     (root / "images" / "im9.png").write_bytes(b"")  # skipped
     # 16 tiles (about 17 KB) per image: a shard fills in the middle of an image
-    return [str(root), "--tile", "16", "--shard-bytes", "25KB"]
+    return [str(root), "--tile", "16", "--shard-bytes", "25KB", "--unit-inputs", "2"]
 
 
 CORPORA = {"clips": _clips, "segments": _segments, "tiles": _tiles}
@@ -73,7 +77,7 @@ INSIDE_SECOND_SHARD = {"clips": 4, "segments": 4, "tiles": 3}
 
 
 def files(out: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
 
 
 @pytest.fixture(scope="module", params=sorted(CORPORA))
@@ -98,12 +102,14 @@ def compile_until(args: list[str], out: Path, moment: str, sig: str = "KILL") ->
     return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
 
 
-def journal(out: Path) -> dict:
-    return json.loads((out / JOURNAL).read_text())
+def committed(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith(COMMIT_PREFIX))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", ["start", "input:1", "inside-shard:2", "shard:2", "index"])
+@pytest.mark.parametrize(
+    "moment", ["start", "input:1", "inside-shard:2", "shard:2", "unit:1", "unit:2", "index"]
+)
 def test_kill_9_then_resume_is_byte_identical(
     corpus: tuple[list[str], dict[str, bytes]],
     moment: str,
@@ -119,18 +125,17 @@ def test_kill_9_then_resume_is_byte_identical(
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, err.decode()
     assert not (out / "index.json").exists()
-    done = journal(out)  # the journal exists from the start
-    if moment in ("start", "input:1"):  # before the first shard; input:1 with one open
-        assert done["shards"] == [] and done["consumed"] == 0
+    assert json.loads((out / JOURNAL).read_text())["unit_inputs"]  # exists from the start
+    if moment in ("start", "input:1"):  # before the first unit's commit
+        assert committed(out) == []
     if request.node.callspec.params["moment"] == "inside-shard:2":
-        # the first shard closed with input 2; the second is open, holding what followed
-        assert len(done["shards"]) == 1 and done["consumed"] == 2
-        assert any(p.name.endswith(".spool") for p in out.iterdir())
-    if moment == "shard:2":
-        assert len(done["shards"]) == 2
+        # a shard is open in the staging folder, holding what followed the last one
+        assert any(p.name.endswith(".spool") for p in (out / ".dlop-staging").rglob("*"))
+    if moment.startswith("unit:"):
+        assert len(committed(out)) == int(moment[5:])
     if moment == "index":
-        # every shard closed, the index not yet written
-        assert len(done["shards"]) == len([n for n in whole if n.endswith(".dlop")])
+        # every unit committed, the index not yet written
+        assert len(committed(out)) == len(json.loads(whole["index.json"])["units"]["shards"])
         (out / ".index.json.tmp").write_bytes(b'{"half": ')  # as if killed inside the write
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
     assert main([*args, "-o", str(out), "--resume"]) == 0
