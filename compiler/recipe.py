@@ -20,8 +20,8 @@ from dlop.formats.files import loads_bounded, read_capped
 from .decode import DOWNMIX_POLICIES
 from .errors import CompileError
 from .features import FEATURES, PRESETS, FeatureConfig, feature_config, with_options
-from .resample import ResampleConfig
 from .layouts import source_path
+from .resample import ResampleConfig
 from .sources import LAYOUTS, MEDIA, detect_layout, layout_media
 from .vision import VisionConfig
 

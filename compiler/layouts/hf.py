@@ -30,11 +30,12 @@ from ..listing import (
     UrlPath,
     file_size,
     is_text,
+    is_url,
     name_bytes,
     name_key,
+    url_path,
     walk_files,
 )
-from ..urls import is_url, url_path
 
 NAME = "hf"
 MEDIA = ("audio", "image")

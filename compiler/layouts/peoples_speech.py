@@ -31,14 +31,15 @@ from ..listing import (
     I64,
     file_size,
     is_text,
+    is_url,
     key_name,
     lines,
     name_bytes,
     name_key,
+    url_path,
     utf8,
     walk_files,
 )
-from ..urls import is_url, url_path
 
 NAME = "peoples-speech"
 MEDIA = ("audio",)
