@@ -272,6 +272,16 @@ def _column_names(value: Any) -> tuple[str, ...] | None:
     return names
 
 
+def _check_columns(opts: dict[str, Any]) -> None:
+    expected = {"text_column": "a column name", "label_column": "a column name"}
+    expected["keep_columns"] = "column names: a list, or one string separated by commas"
+    for key, what in expected.items():
+        value = opts.get(key)
+        ok = _column_names(value) if key == "keep_columns" else isinstance(value, str) and value
+        if key in opts and not ok:
+            raise CompileError(f"recipe option {key}: expected {what}, got {value!r}")
+
+
 def check_options(opts: dict[str, Any]) -> None:
     """Names, types and ranges of the recipe's options, before any work.
 
@@ -300,13 +310,7 @@ def check_options(opts: dict[str, Any]) -> None:
     for key in ("codec", "images"):
         if key in opts and not isinstance(opts[key], str):
             raise bad(key, "a string")
-    for key in ("text_column", "label_column"):
-        if key in opts and (not isinstance(opts[key], str) or not opts[key]):
-            raise bad(key, "a column name")
-    if "keep_columns" in opts:
-        keep = opts["keep_columns"]
-        if not _column_names(keep):
-            raise bad("keep_columns", "column names: a list, or one string separated by commas")
+    _check_columns(opts)
     for key in ("resampler", "vision", "feature_codec"):
         if key in opts and not isinstance(opts[key], dict):
             raise bad(key, "a table of options")
@@ -415,7 +419,15 @@ def build_recipe(options: dict[str, Any]) -> Recipe:
         vision=vision,
         images=None if opts.get("images") is None else str(opts["images"]),
         masks=None if masks is None else tuple(str(m) for m in masks),
-        text_column=opts.get("text_column"),
-        label_column=opts.get("label_column"),
-        keep_columns=_column_names(opts.get("keep_columns", ())) or (),
+        **_columns(opts),
     )
+
+
+def _columns(opts: dict[str, Any]) -> dict[str, Any]:
+    """The hf column choices of checked options, as Recipe takes them."""
+    keep = _column_names(opts.get("keep_columns", ())) or ()
+    return {
+        "text_column": opts.get("text_column"),
+        "label_column": opts.get("label_column"),
+        "keep_columns": keep,
+    }
