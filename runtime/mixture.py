@@ -166,11 +166,11 @@ def pass_order(pool: np.ndarray, seed: int, source: int, p: int, count: int) -> 
     in_tail = np.zeros(n, bool)
     in_tail[prev_tail] = True
     flags = in_tail[order]
-    end = (
-        int(np.searchsorted(np.cumsum(~flags), count - t)) + 1
-    )  # shortest head with count - t others
+    # the shortest head holding count - t samples outside that tail
+    end = int(np.searchsorted(np.cumsum(~flags), count - t)) + 1
     head, head_flags = order[:end], flags[:end]
-    return pool[np.concatenate([head[~head_flags], head[head_flags], order[end:]])]
+    out: np.ndarray = pool[np.concatenate([head[~head_flags], head[head_flags], order[end:]])]
+    return out
 
 
 def stream_slice(
