@@ -91,12 +91,15 @@ def clip_times(info: VideoInfo, cfg: VisionConfig) -> list[list[float]]:
 
 
 def _frames(container: Any, stream: Any, name: str) -> Iterator[tuple[float, Any]]:
+    # float arithmetic, as probe's: a Fraction product per frame costs more than
+    # converting the frame's pixels
+    tb = float(stream.time_base)
     for frame in container.decode(stream):
         if frame.pts is None:
             raise InputError(name, "a decoded frame has no timestamp")
         if getattr(frame, "is_corrupt", False):
-            raise InputError(name, f"corrupt frame at {float(frame.time):.3f} s")
-        yield float(frame.pts * stream.time_base), frame
+            raise InputError(name, f"corrupt frame at {frame.pts * tb:.3f} s")
+        yield frame.pts * tb, frame
 
 
 def frames_at(container: Any, stream: Any, times: list[float], name: str) -> list[Any]:
