@@ -18,6 +18,7 @@ import torch
 
 from dlop.formats import Field
 
+from .corpus import input_source
 from .decode import decode_audio, downmix
 from .errors import InputError
 from .features import featurize_clips
@@ -300,7 +301,7 @@ def _audio(item: Item, recipe: Recipe, name: str) -> tuple[str, torch.Tensor]:
         name = f"{item.member[0]}:{item.key}.{item.member[1]}"
         source: Any = item.data[item.member[1]]
     else:
-        source = item.path
+        source = item.path if item.path is None else input_source(item, item.path)
     cfg = recipe.feature
     wave = _waveform(source, name, recipe, item.offset, item.duration)
     if recipe.duration is not None:
@@ -318,14 +319,14 @@ def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
 
     if item.path is None:  # video layouts list files on disk; tars hold audio only
         raise InputError(name, "video inputs must be files")
-    clips, info = decode_clips(item.path, name, recipe.vision)
+    clips, info = decode_clips(input_source(item, item.path), name, recipe.vision)
     samples: list[dict[str, Any]] = [
         {"frames": c.frames, "clip_start": c.start, "clip_end": c.end} for c in clips
     ]
     if recipe.vision.audio:
         cfg = recipe.feature
         if info.has_audio:
-            wave = _waveform(item.path, name, recipe)
+            wave = _waveform(input_source(item, item.path), name, recipe)
             spans = []
             for c in clips:
                 a = max(0, round((c.start - info.start) * cfg.sample_rate))
@@ -345,7 +346,7 @@ def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[di
     if item.path is None:
         raise InputError(name, "image inputs must be files")
     vision = recipe.vision
-    image = load_image(item.path, name, vision, draft=not shape.mask_names)
+    image = load_image(input_source(item, item.path), name, vision, draft=not shape.mask_names)
     masks: dict[str, Any] = {}
     present = []
     for mask_name in shape.mask_names:
@@ -356,7 +357,8 @@ def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[di
             masks[mask_name] = vision.mask_fill
             present.append(False)
             continue
-        masks[mask_name] = remap(load_mask(path, path, vision), vision.mask_remap, path)
+        mask = load_mask(input_source(item, path), path, vision)
+        masks[mask_name] = remap(mask, vision.mask_remap, path)
         present.append(True)
     try:
         patches = shape_sample(image, masks, vision)
