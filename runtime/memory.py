@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import functools
 import math
 import mmap
@@ -82,3 +83,37 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             madvise(start, end - start, _MADV_POPULATE_WRITE)
     return t
+
+
+@functools.cache
+def libc_errno() -> ctypes.CDLL | None:
+    """The C library with ``errno`` kept for ``ctypes.get_errno``, or None."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Faults a contiguous tensor's whole pages in at once; False when the system had no
+    page to give (a full ``/dev/shm``), where a later write would kill the process with
+    SIGBUS. True where the kernel lacks ``MADV_POPULATE_WRITE`` (nothing is known)."""
+    madvise = getattr(libc_errno(), "madvise", None)
+    nbytes = t.numel() * t.element_size()
+    start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (t.data_ptr() + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if madvise is None or end <= start:
+        return True
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    if madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
+        return True
+    return ctypes.get_errno() not in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC)
+
+
+def shared_buffer(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of shared memory (flat uint8), its pages faulted in now; None when the
+    system cannot hold them (see ``populate``)."""
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))  # type: ignore[no-untyped-call]  # unannotated in torch
+    t = torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+    return t if populate(t) else None

@@ -34,7 +34,7 @@ import torch
 from .batch import Batch
 from .dataset import Archive
 from .engine import CopyEngine
-from .memory import shared_empty
+from .memory import shared_buffer, shared_empty
 
 ALIGN = 64  # bytes: each tensor in a slot starts on a cache line
 MAX_SLOTS = 64  # slots per worker the table has room for
@@ -130,8 +130,8 @@ def slot_bytes(archive: Archive, batch_size: int) -> int:
 class Slot:
     """One slot's shared memory, handed out front to back within a batch."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.memory = shared_empty((max(nbytes, ALIGN),), torch.uint8)
+    def __init__(self, memory: torch.Tensor) -> None:
+        self.memory = memory
         self.used = 0
         self.wanted = 0  # bytes the latest batch asked for, overflow included
 
@@ -161,14 +161,22 @@ class Slot:
                     batch[name] = moved.copy_(value)
 
 
+def new_slot(nbytes: int) -> Slot | None:
+    """A slot of ``nbytes``, or None where shared memory cannot hold it (a full /dev/shm)."""
+    memory = shared_buffer(max(nbytes, ALIGN))
+    return None if memory is None else Slot(memory)
+
+
 class WorkerRing:
     """One worker's slots and its row of the release table (see the module docstring)."""
 
     def __init__(self, table: ReleaseTable, worker: int, nbytes: int, count: int) -> None:
         self.table, self.worker = table, worker
         self.row = table.tensor.numpy()[worker]  # this worker's cells, shared with the main process
-        self.slots = [Slot(nbytes) for _ in range(count)]
-        self.handed = [0] * count  # the number each slot was last handed out with (0: never)
+        self.slots: list[Slot] = []
+        while len(self.slots) < count and (slot := new_slot(nbytes)) is not None:
+            self.slots.append(slot)  # fewer where shared memory runs out: fresh batches then
+        self.handed = [0] * len(self.slots)  # each slot's latest hand-out number (0: never)
         self.number = time.monotonic_ns()  # hand-out numbers: see the module docstring
         # A worker process runs these finalizers on its way out (os._exit skips atexit).
         multiprocessing.util.Finalize(self, self.close, exitpriority=0)
@@ -192,7 +200,8 @@ class WorkerRing:
             return archive.gather(indices, shared_empty, engine)
         slot = self.slots[s]
         if slot.wanted > slot.memory.numel():  # the last batch overflowed it: grow
-            slot = self.slots[s] = Slot(max(slot.wanted, slot.memory.numel() * 5 // 4))
+            grown = new_slot(max(slot.wanted, slot.memory.numel() * 5 // 4))
+            slot = self.slots[s] = grown or slot
         slot.used = slot.wanted = 0
         batch = archive.gather(indices, slot.allocate, engine)
         slot.adopt(batch)

@@ -4,7 +4,9 @@ sample once per epoch in a new order, bucketing, and exact resume."""
 from __future__ import annotations
 
 import gc
+import mmap
 import os
+import platform
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,8 +16,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import IterableArchive, Loader
+from dlop.runtime import IterableArchive, Loader, shared_ring
 from dlop.runtime.errors import UsageError
+from dlop.runtime.memory import populate
 
 from .helpers import make_archive
 
@@ -371,3 +374,60 @@ def test_nothing_of_the_workers_shared_memory_is_left(many: Path, strategy: str)
         assert worker_shared_memory(pids.tolist()) == []
     finally:
         torch.multiprocessing.set_sharing_strategy(before)
+
+
+@pytest.mark.slow  # forkserver workers import torch afresh
+def test_slots_are_released_with_forkserver_workers(tmp_path: Path) -> None:
+    """The dataset reaches forkserver workers by pickle (Python 3.14's default on Linux)."""
+    path = make_archive(tmp_path / "a", n=90)
+    expected = loader_batches(path, **SLOTS_KW)
+    ds = IterableArchive(path, **SLOTS_KW)  # type: ignore[arg-type]
+    ds.set_epoch(1)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="forkserver")
+    for batch, want in zip(loader, expected, strict=True):
+        assert_same(batch, want)
+    assert ds.buffer_counts() == (30, 0)
+
+
+def test_worker_buffers_is_checked(archive: Path) -> None:
+    with pytest.raises(UsageError, match=r"worker_buffers must be 0\.\.64, got 65"):
+        IterableArchive(archive, 4, worker_buffers=65)
+    with pytest.raises(UsageError, match=r"worker_buffers must be 0\.\.64, got -1"):
+        IterableArchive(archive, 4, worker_buffers=-1)
+
+
+def kernel_at_least(major: int, minor: int) -> bool:
+    parts = platform.release().split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= (major, minor)
+    except (IndexError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(not kernel_at_least(5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14")
+def test_populate_reports_memory_the_system_cannot_back(tmp_path: Path) -> None:
+    """A full /dev/shm fails the same way as a mapping past a file's end: populating
+    says so, where writing would raise SIGBUS."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(3 * mmap.PAGESIZE))
+    with path.open("r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 3 * mmap.PAGESIZE)
+    os.truncate(path, mmap.PAGESIZE)  # pages 2 and 3 now lie past the end
+    t = torch.frombuffer(mapped, dtype=torch.uint8)
+    assert populate(t[: mmap.PAGESIZE])
+    assert not populate(t)
+    del t
+    mapped.close()
+
+
+def test_a_worker_without_room_for_slots_makes_fresh_batches(
+    many: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shared_ring, "shared_buffer", lambda nbytes: None)  # /dev/shm full
+    expected = loader_batches(many, **SLOTS_KW)
+    ds = IterableArchive(many, **SLOTS_KW)  # type: ignore[arg-type]
+    ds.set_epoch(1)
+    got = list(workers_loader(ds, 2))
+    for batch, want in zip(got, expected, strict=True):
+        assert_same(batch, want)
+    assert ds.buffer_counts() == (0, 30)
