@@ -253,12 +253,34 @@ def cmd_info(args: argparse.Namespace) -> int:
     with open_reader(args.path, args.storage_option) as reader:
         summary = archive_summary(reader, JSON_SKIPPED if args.json else SHOWN_SKIPPED)
         summary["path"] = _named(summary["path"], reader, args.path)
+        if args.where:
+            summary["where"] = _where_counts(reader, args.where)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()
     else:
         print_info(summary)
+        if args.where:
+            _print_where(args.where, summary["where"])
     return 0
+
+
+def _where_counts(reader: ArchiveReader, terms: list[str]) -> dict[str, Any]:
+    """What ``--where FIELD=V,...`` keeps: the counts a Loader(where=...) would read."""
+    from dlop.runtime.selection import count_selected, parse_where
+
+    counts = count_selected(str(reader.directory), parse_where(reader.fields, terms))
+    # JSON object keys are strings; values keep their order of first appearance.
+    counts["values"] = {
+        name: {str(v): c for v, c in found.items()} for name, found in counts["values"].items()
+    }
+    return counts
+
+
+def _print_where(terms: list[str], counts: dict[str, Any]) -> None:
+    print(f"where {' '.join(terms)}: {counts['selected']} of {counts['samples']} samples")
+    for name, found in counts["values"].items():
+        print(f"  {name}: " + ", ".join(f"{v}: {c}" for v, c in found.items()))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -332,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsspec option for a URL (endpoint_url=..., anon=true); repeatable",
     )
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    info.add_argument(
+        "--where",
+        nargs="+",
+        default=[],
+        metavar="FIELD=V[,V...]",
+        help="also count the samples these values select, as Loader(where=...) would "
+        "(e.g. fold=1,2,3,4 category=dog); several fields must all match",
+    )
     info.set_defaults(run=cmd_info)
     verify = sub.add_parser("verify", help="check every checksum and offset; exit 1 on any failure")
     verify.add_argument("path", help="archive folder or URL (s3://, gs://, https://)")

@@ -123,3 +123,25 @@ def test_show_draws_image_mask_overlay_and_frame_grid(
 def test_show_out_of_range(image_archive: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["show", str(image_archive), "7"]) == 1
     assert "out of range" in capsys.readouterr().err
+
+
+def test_info_where_counts_what_a_selection_keeps(
+    audio_archive: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # labels are i % 3 over 12 clips: 4 each
+    assert main(["info", str(audio_archive), "--where", "label=0,2"]) == 0
+    out = capsys.readouterr().out
+    assert "where label=0,2: 8 of 12 samples" in out
+    assert "label: 0: 4, 2: 4" in out
+    assert main(["info", str(audio_archive), "--json", "--where", "label=1"]) == 0
+    where = json.loads(capsys.readouterr().out)["where"]
+    assert where == {"samples": 12, "selected": 4, "values": {"label": {"1": 4}}}
+
+
+def test_info_where_names_a_bad_field(
+    audio_archive: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info", str(audio_archive), "--where", "logmel=1"]) != 0
+    assert "logmel" in capsys.readouterr().err
+    assert main(["info", str(audio_archive), "--where", "label=x"]) != 0
+    assert "label holds int values" in capsys.readouterr().err
