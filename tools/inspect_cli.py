@@ -26,6 +26,7 @@ from dlop.formats import ERRORS_NAME, INDEX_NAME, ArchiveReader, DlopError, Fiel
 from dlop.formats.archive import read_index
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
 
+from . import cache_cli
 from .render import as_float, render_sample
 
 # Skipped inputs listed by ``info`` (--json lists more); errors.jsonl holds them all.
@@ -386,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--png", type=Path, help="draw the sample (spectrogram, frame grid, image + masks)"
     )
     show.set_defaults(run=cmd_show)
+    cache_cli.add_parser(sub)
     return p
 
 

@@ -35,3 +35,17 @@ def test_lists_and_clears(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     cache.let_go(held)
     args.run(args)
     assert not folder.exists()
+
+
+def test_dlop_inspect_reaches_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dlop.tools import inspect_cli
+
+    cache = CacheDir(tmp_path, max_bytes=1000)
+    folder = cache.archive_dir("abc")
+    (folder / "source.txt").write_text("s3://b/a\n")
+    cache.let_go(cache.get(folder / "shard-00000.dlop", lambda: b"x" * 100))
+    assert inspect_cli.main(["cache", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["archives"]
+    assert listed == [{"archive": "abc", "source": "s3://b/a", "shards": 1, "bytes": 100}]
+    assert inspect_cli.main(["cache", str(tmp_path), "--clear"]) == 0
+    assert not folder.exists()
