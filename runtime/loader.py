@@ -16,6 +16,7 @@ The buffer contract is in runtime.ring.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
@@ -41,6 +42,7 @@ from .prefetch import (
     PrefetchIter,
     Production,
 )
+from .remote_archive import cache_options
 from .ring import Slot, allocate, slot_count
 from .threads import JobThread, at_exit
 from .transforms import Transform, TransformStage
@@ -89,7 +91,8 @@ class Loader:
     ``samples_per_epoch`` samples drawn by ``weights`` (default: the sources'
     sizes), each batch from one source with ``batch_per_source``; its batches
     name each sample's source in ``batch["source"]`` (an index into
-    ``loader.sources``).
+    ``loader.sources``). An archive URL (``s3://``, any fsspec URL) is read through
+    the node-local shard cache ``cache_dir`` within ``cache_bytes`` (runtime.remote_archive).
     """
 
     def __init__(
@@ -116,6 +119,8 @@ class Loader:
         weights: Mapping[str, float] | None = None,
         samples_per_epoch: int | None = None,
         batch_per_source: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
         self.prefetch = check_int("Loader prefetch", prefetch, low=0)
         self.choice = choose(
@@ -129,6 +134,7 @@ class Loader:
                 "weights": weights,
                 "samples_per_epoch": samples_per_epoch,
                 "batch_per_source": batch_per_source,
+                **cache_options(cache_dir, cache_bytes),
             },
             batch_size=check_int("Loader batch_size", batch_size, low=1),
             shuffle=shuffle,

@@ -221,6 +221,15 @@ def publish(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def cache_options(
+    cache_dir: str | os.PathLike[str] | None, cache_bytes: int | None
+) -> dict[str, Any]:
+    """The Loader's ``cache_dir``/``cache_bytes`` as options for open_archive: only
+    those given, so archives that take no cache (local paths, mixtures) see none."""
+    given = {"cache_dir": cache_dir, "cache_bytes": cache_bytes}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def open_remote(
     url: str,
     fields: Sequence[str] | str | None = None,

@@ -195,3 +195,16 @@ def test_open_archive_and_loader_take_urls(
         got = epoch_batches(Loader(url, batch_size=8, seed=2), 1)  # cache from the environment
         assert all(same(g, w) for g, w in zip(got, want, strict=True)) and len(got) == len(want)
         assert list((tmp_path / "env-cache").rglob("shard-*.dlop"))
+
+
+def test_loader_takes_cache_dir_and_cache_bytes(served: Path, tmp_path: Path) -> None:
+    with FaultProxy(root=served) as proxy:
+        url = proxy.url + "/a"
+        want = epoch_batches(Loader(served / "a", **SETTINGS), 0)
+        loader = Loader(url, cache_dir=tmp_path / "mine", cache_bytes=1 << 20, **SETTINGS)
+        got = epoch_batches(loader, 0)
+        loader.close()
+        assert all(same(g, w) for g, w in zip(got, want, strict=True)) and len(got) == len(want)
+        assert len(list((tmp_path / "mine").rglob("shard-*.dlop"))) == 6
+        with pytest.raises(UsageError, match="cache_bytes 1000 is below"):
+            Loader(url, cache_dir=tmp_path / "mine", cache_bytes=1000, **SETTINGS)
