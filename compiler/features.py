@@ -721,13 +721,24 @@ def _blocked_matmul(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return product.flatten(0, 1)[:rows]
 
 
-def apply_filterbank(power: torch.Tensor, bands: tuple[Band, ...]) -> torch.Tensor:
+def apply_filterbank(
+    power: torch.Tensor, bands: tuple[Band, ...], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(rows, bins) -> (rows, n_mels)``: the filterbank product, band by band, in fixed
-    ROW_BLOCK-row products (see _blocked_matmul)."""
-    out = power.new_zeros((power.shape[0], bands[-1][1]))
+    ROW_BLOCK-row products (see _blocked_matmul), written into ``out`` when given."""
+    rows = power.shape[0]
+    blocks = -(-rows // ROW_BLOCK)
+    if blocks * ROW_BLOCK != rows:
+        power = F.pad(power, (0, 0, 0, blocks * ROW_BLOCK - rows))
+    if out is None:
+        out = power.new_empty((rows, bands[-1][1]))
     for f0, f1, b0, b1, weights in bands:
-        if b1 > b0:
-            out[:, f0:f1] = _blocked_matmul(power[:, b0:b1], weights)
+        if b1 == b0:
+            out[:, f0:f1] = 0.0
+            continue
+        x = power[:, b0:b1].reshape(blocks, ROW_BLOCK, b1 - b0)
+        product = torch.bmm(x, weights.expand(blocks, *weights.shape))
+        out[:, f0:f1] = product.view(blocks * ROW_BLOCK, f1 - f0)[:rows]
     return out
 
 
@@ -823,7 +834,7 @@ def featurize_clips(
     for r0 in range(0, total, step):
         r1 = min(total, r0 + step)
         rows = _gather_rows(pieces, at, r0, r1, window)
-        mel[r0:r1] = apply_filterbank(power_of(rows, cfg), bands)
+        apply_filterbank(power_of(rows, cfg), bands, out=mel[r0:r1])
     del pieces, xs
     _log_(mel, cfg)
     for start, count in zip(starts, counts, strict=False):
