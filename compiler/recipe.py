@@ -360,11 +360,11 @@ def check_options(opts: dict[str, Any]) -> None:
             )
 
 
-def build_recipe(options: dict[str, Any]) -> Recipe:
+def build_recipe(options: dict[str, Any], storage_options: dict[str, Any] | None = None) -> Recipe:
     """Options (recipe file merged with command-line flags) -> Recipe; unknown keys are errors.
 
     Every option is checked (check_options, FeatureConfig, VisionConfig)
-    before the source is looked at.
+    before the source is looked at (a URL SOURCE through ``storage_options``).
     """
     # A key given as null (as a resolved recipe stores "duration": null) counts as given.
     explicit_duration = "duration" in options
@@ -395,7 +395,7 @@ def build_recipe(options: dict[str, Any]) -> Recipe:
     except (TypeError, ValueError) as e:
         raise CompileError(str(e)) from None
     resampler = opts.get("resampler")
-    source = source_path(str(opts["source"]))  # a local Path, or a UrlPath for a URL
+    source = source_path(str(opts["source"]), storage_options)  # a Path, or a UrlPath
     layout = opts.get("layout") or detect_layout(source)
     media = opts.get("media") or layout_media(layout, source)
     masks = opts.get("masks")
