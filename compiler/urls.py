@@ -34,37 +34,24 @@ import fnmatch
 import io
 import json
 import os
-import re
 import stat
 import tempfile
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path, PosixPath
 from typing import Any
 
+from dlop.formats import urls
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
+from dlop.formats.urls import is_url as is_url
+from dlop.formats.urls import scheme as scheme
 
 from .errors import CompileError
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
-# The extra that installs each protocol's fsspec backend.
-EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
 UNLISTABLE = ("http", "https")
 # Store.read refuses more than a journal could hold: an index plus its errors.jsonl.
 MAX_READ_BYTES = MAX_INDEX_BYTES + MAX_ERRORS_BYTES
 # One input fetched into a worker's memory; a larger one is a bad input.
 MAX_FETCH_BYTES = 4 << 30
-
-
-def scheme(text: str) -> str | None:
-    """The URL scheme of ``text`` (lowercase), None for a plain path."""
-    m = _SCHEME.match(text)
-    return m[1].lower() if m else None
-
-
-def is_url(text: str | os.PathLike[str]) -> bool:
-    """Whether ``text`` is a URL that goes through fsspec (any scheme but ``file``)."""
-    found = scheme(str(text)) if isinstance(text, str) else None
-    return found is not None and found != "file"
 
 
 def local_path(text: str) -> str:
@@ -91,33 +78,12 @@ def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     return options
 
 
-def _missing_extra(proto: str, e: BaseException) -> CompileError:
-    extra = EXTRAS.get(proto)
-    how = f"pip install 'dlop[{extra}]'" if extra else f"install the fsspec backend for {proto}://"
-    return CompileError(
-        f"{proto}:// URLs need an fsspec backend that is not installed ({e}); {how}"
-    )
-
-
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """(the fsspec filesystem, the path inside it) for ``url``."""
-    proto = scheme(url) or "file"
+    """(the fsspec filesystem, the path inside it) for ``url`` (formats.urls)."""
     try:
-        from fsspec.core import url_to_fs
-    except ImportError as e:
-        raise _missing_extra(proto, e) from None
-    try:
-        # A fresh instance: a cached one would keep the endpoint and credentials the
-        # environment held when it was made.
-        options = {"skip_instance_cache": True, **(storage_options or {})}
-        fs, path = url_to_fs(url, **options)
-    except ImportError as e:
-        raise _missing_extra(proto, e) from None
-    except ValueError as e:
-        raise CompileError(f"{url}: not a URL fsspec knows ({e})") from None
-    except TypeError as e:
-        raise CompileError(f"{url}: a --storage-option does not fit {proto}:// ({e})") from None
-    return fs, str(path)
+        return urls.filesystem(url, storage_options)
+    except urls.StorageError as e:
+        raise CompileError(str(e)) from None
 
 
 # -- the path the layouts list through -------------------------------------------------------

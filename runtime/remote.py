@@ -22,53 +22,30 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlop.formats import INDEX_NAME, DlopError
+from dlop.formats import INDEX_NAME, urls
 
 from .errors import LoaderError
 
-EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
 ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "FSSPEC_")
-_clients: dict[tuple[int, str, str], Any] = {}
+_clients: dict[tuple[int, str], tuple[Any, str]] = {}
 _clients_lock = threading.Lock()
 
 
-def is_url(path: object) -> bool:
-    """Whether ``path`` names remote storage (``scheme://``) rather than a local path."""
-    if not isinstance(path, str) or "://" not in path:
-        return False
-    return not path.startswith("file://")
-
-
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """This process's fsspec filesystem for ``url`` and the path within it."""
-    try:
-        import fsspec.core
-    except ImportError:
-        raise DlopError(
-            f"{url}: reading archives from URLs needs fsspec: pip install 'dlop[s3]'"
-        ) from None
-    protocol = url.split("://", 1)[0]
+    """This process's fsspec filesystem for ``url`` and the path within it (formats.urls),
+    made once per process, options and storage environment."""
     options = dict(storage_options or {})
     # Clients also read their settings from the environment (AWS_ENDPOINT_URL, ...).
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
-    key = (os.getpid(), protocol, json.dumps([options, env], sort_keys=True, default=repr))
-    path = fsspec.core.strip_protocol(url)
+    key = (os.getpid(), json.dumps([url, options, env], sort_keys=True, default=repr))
     with _clients_lock:
-        fs = _clients.get(key)
-        if fs is None:
+        got = _clients.get(key)
+        if got is None:
             try:
-                cls = fsspec.get_filesystem_class(protocol)
-            except (ImportError, ValueError) as e:
-                extra = EXTRAS.get(protocol, protocol)
-                raise DlopError(
-                    f"{url}: no filesystem for {protocol}:// ({e}); "
-                    f"install it with pip install 'dlop[{extra}]'"
-                ) from None
-            fs = cls(skip_instance_cache=True, **options)
-            _clients[key] = fs
-    # The path the filesystem's own calls take (http keeps the whole URL).
-    stripped: str = fs._strip_protocol(url)
-    return fs, stripped or path
+                got = _clients[key] = urls.filesystem(url, options)
+            except urls.StorageError as e:
+                raise LoaderError(str(e)) from None
+    return got
 
 
 @dataclass(frozen=True)
