@@ -17,9 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlop.formats import ERRORS_NAME, INDEX_NAME, Field, Index, UnitTable, encode_index, num_units
+from dlop.formats import (
+    ERRORS_NAME,
+    INDEX_NAME,
+    Field,
+    FormatError,
+    Index,
+    UnitTable,
+    encode_index,
+    num_units,
+)
 from dlop.formats.archive import now_utc
 from dlop.formats.constants import MAX_UNITS
+from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
 
 from .corpus import Corpus
@@ -99,6 +109,8 @@ def finish_run(run: Run, engine: Engine, *, resume: bool, overwrite: bool) -> In
     """Takes OUT (locked when local), then compiles every unit not yet committed."""
     from .urls import is_url
 
+    if not resume or run.unit_inputs_given:  # else the journal's unit size counts
+        check_unit_count(run)  # before OUT is touched
     if is_url(run.out):
         with _remote_output(run.store(), resume, overwrite):
             return _run_units(run, engine, resume, created_dir=False)
@@ -116,15 +128,10 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
     )
     committed: dict[int, UnitRecord] = {}
     if resume:
-        journal.load(store, run.unit_inputs_given)
-        run.unit_inputs = journal.unit_inputs
-        committed = committed_units(store, journal)
-        clear_for_resume(store, committed)
-    if run.num_units > MAX_UNITS:
-        raise CompileError(
-            f"{total} inputs make {run.num_units} units of {run.unit_inputs}; an archive lists "
-            f"at most {MAX_UNITS} units: raise --unit-inputs"
-        )
+        committed, finished = _take_over(run, store, journal)
+        if finished is not None:  # stopped after its index: only the tidying up was left
+            _tidy(store, committed)
+            return finished
     if not resume:
         journal.save(store)  # from the start, so that an interruption at any point can --resume
     run.test_point("start")
@@ -159,18 +166,72 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
             records.close()  # type: ignore[attr-defined]
         if run._bar is not None:
             run._bar.close()
+    run.test_point("tidy")
     _tidy(store, committed)
+    return index
+
+
+def check_unit_count(run: Run) -> None:
+    """Refuses a unit size that cuts the corpus into more units than an index lists."""
+    if run.num_units > MAX_UNITS:
+        raise CompileError(
+            f"--unit-inputs {run.unit_inputs}: the {len(run.corpus.items)} inputs make "
+            f"{run.num_units} units, and an archive lists at most {MAX_UNITS}; give "
+            f"--unit-inputs {-(-len(run.corpus.items) // MAX_UNITS)} or more"
+        )
+
+
+def _take_over(
+    run: Run, store: Store, journal: Journal
+) -> tuple[dict[int, UnitRecord], Index | None]:
+    """For --resume: the interrupted compile's committed units, everything else of it
+    deleted; and its index when it got as far as writing one that the records bear out
+    (then the index and errors.jsonl stay, and only the tidying up is left)."""
+    journal.load(store, run.unit_inputs_given)
+    run.unit_inputs = journal.unit_inputs
+    check_unit_count(run)
+    committed = committed_units(store, journal)
+    finished = _finished_index(run, store, committed)
+    clear_for_resume(store, committed, keep_archive=finished is not None)
+    return committed, finished
+
+
+def _finished_index(run: Run, store: Store, committed: dict[int, UnitRecord]) -> Index | None:
+    """The index in OUT when it is, byte for byte, the one these records make (with its
+    own creation time), with the errors.jsonl they make beside it; else None."""
+    data = store.read(INDEX_NAME) if len(committed) == run.num_units else None
+    if data is None:
+        return None
+    try:
+        provenance = loads_bounded(INDEX_NAME, data, "index").get("provenance")
+        created = provenance.get("created")
+    except (FormatError, AttributeError):
+        return None
+    if not isinstance(created, str):
+        return None
+    index, errors = _merged(run, committed, created)
+    if encode_index(index, INDEX_NAME) != data or store.read(ERRORS_NAME) != errors:
+        return None
     return index
 
 
 def _write_archive(run: Run, store: Store, committed: dict[int, UnitRecord]) -> Index:
     """errors.jsonl, then index.json last, both merged from the records in unit order."""
+    index, errors = _merged(run, committed, now_utc())
+    if errors is not None:
+        store.write(ERRORS_NAME, errors)
+    run.test_point("index")
+    store.write(INDEX_NAME, encode_index(index, f"{store.url}/{INDEX_NAME}"))
+    return index
+
+
+def _merged(run: Run, committed: dict[int, UnitRecord], created: str) -> tuple[Index, bytes | None]:
+    """The index and the errors.jsonl bytes (None when nothing was skipped) that the
+    records make, merged in unit order."""
     records = [committed[u] for u in range(run.num_units)]
     shards = tuple(s for r in records for s in r.shards)
     skipped = [s for r in records for s in r.skipped]
-    if skipped:
-        store.write(ERRORS_NAME, b"".join(encode_record(s, k) for k, s in enumerate(skipped)))
-    run.test_point("index")
+    errors = b"".join(encode_record(s, k) for k, s in enumerate(skipped)) if skipped else None
     from dlop import __version__
 
     corpus = run.corpus
@@ -185,7 +246,7 @@ def _write_archive(run: Run, store: Store, committed: dict[int, UnitRecord]) -> 
         shards,
         sum(s.num_samples for s in shards),
         run.recipe.to_json(),
-        {"dlop_version": __version__, "created": now_utc(), "source": source},
+        {"dlop_version": __version__, "created": created, "source": source},
         len(skipped),
         {**corpus.metadata, "feature_field": run.recipe.feature_name},
         UnitTable(
@@ -195,8 +256,7 @@ def _write_archive(run: Run, store: Store, committed: dict[int, UnitRecord]) -> 
             tuple(len(r.skipped) for r in records),
         ),
     )
-    store.write(INDEX_NAME, encode_index(index, f"{store.url}/{INDEX_NAME}"))
-    return index
+    return index, errors
 
 
 def _tidy(store: Store, committed: dict[int, UnitRecord]) -> None:
@@ -235,7 +295,7 @@ def _remote_output(store: Store, resume: bool, overwrite: bool) -> Iterator[None
     names = store.list()
     foreign = [n for n in names if not COMPILE_FILE.fullmatch(n)]
     has_index, has_journal = INDEX_NAME in names, JOURNAL in names
-    if resume and (has_index or not has_journal):
+    if resume and not has_journal:  # an index beside a journal: tidying up was left (resume)
         why = "already a complete archive" if has_index else f"no interrupted compile ({JOURNAL})"
         raise CompileError(f"{store.url}: {why}; nothing to resume")
     if foreign and (resume or names):

@@ -204,11 +204,12 @@ def _clear_output(out: Path, resume: bool, overwrite: bool) -> None:
     """Checks what OUT holds (under the lock); for --overwrite, deletes a previous archive.
 
     For --resume only the check: what may go is deleted once the journal is read
-    and the completed shards are verified (clear_for_resume)."""
+    and the completed shards are verified (clear_for_resume). An index beside the
+    journal is a compile stopped while tidying up after its index: --resume finishes it."""
     names = sorted(p.name for p in out.iterdir() if p.name != LOCK)
     has_index, has_journal = INDEX_NAME in names, JOURNAL in names
     if resume:
-        if has_index:
+        if has_index and not has_journal:
             raise CompileError(f"{out}: already a complete archive; nothing to resume")
         if not has_journal:
             raise CompileError(f"{out}: no interrupted compile to resume (no {JOURNAL})")
@@ -232,7 +233,7 @@ def _clear_output(out: Path, resume: bool, overwrite: bool) -> None:
     if not overwrite:
         what = (
             "an archive; choose a new path or --overwrite it"
-            if has_index
+            if has_index and not has_journal
             else "an interrupted compile; --resume it, --overwrite it, or choose a new path"
         )
         raise CompileError(f"{out}: already holds {what}")
@@ -308,23 +309,36 @@ class Journal:
             self._bad(e.problem)
         if not isinstance(obj, dict):
             self._bad(f"expected a JSON object, got {type(obj).__name__}")
-        if obj.get("recipe_digest") != self.digest:
-            raise CompileError(
-                f"{self.where}: --resume with a different recipe than the interrupted compile"
-            )
-        if obj.get("fingerprint") != self.fingerprint or obj.get("num_inputs") != self.num_inputs:
-            raise CompileError(
-                f"{self.where}: the corpus changed since the interrupted compile; compile afresh"
-            )
-        size = obj.get("unit_inputs")
+        digest, fingerprint = self._text(obj, "recipe_digest"), self._text(obj, "fingerprint")
+        num_inputs, size = obj.get("num_inputs"), obj.get("unit_inputs")
+        if not _is_int(num_inputs) or num_inputs < 1:
+            self._bad(f"'num_inputs' is {num_inputs!r:.40}, expected a positive integer")
         if not _is_int(size) or size < 1:
             self._bad(f"'unit_inputs' is {size!r:.40}, expected a positive integer")
+        if digest != self.digest:
+            raise CompileError(
+                f"{self.where}: --resume with a different recipe than the interrupted compile "
+                f"(its recipe digest {digest:.16}..., this one's {self.digest:.16}...); resume "
+                "with the same recipe and options, or compile afresh (--overwrite)"
+            )
+        if fingerprint != self.fingerprint or num_inputs != self.num_inputs:
+            raise CompileError(
+                f"{self.where}: the corpus changed since the interrupted compile (it listed "
+                f"{num_inputs} inputs, fingerprint {fingerprint:.16}...; now {self.num_inputs}, "
+                f"{self.fingerprint:.16}...); compile afresh (--overwrite)"
+            )
         if unit_inputs_given and size != self.unit_inputs:
             raise CompileError(
                 f"{self.where}: --resume with --unit-inputs {self.unit_inputs}, the interrupted "
                 f"compile used {size}; drop --unit-inputs or give {size}"
             )
         self.unit_inputs = size
+
+    def _text(self, obj: dict[str, object], key: str) -> str:
+        value = obj.get(key)
+        if not isinstance(value, str) or not value:
+            self._bad(f"{key!r} is {value!r:.40}, expected a non-empty string")
+        return value
 
     def _bad(self, problem: str) -> NoReturn:
         raise CompileError(
@@ -356,12 +370,17 @@ def committed_units(store: Store, journal: Journal) -> dict[int, UnitRecord]:
     return found
 
 
-def clear_for_resume(store: Store, committed: dict[int, UnitRecord]) -> None:
+def clear_for_resume(
+    store: Store, committed: dict[int, UnitRecord], keep_archive: bool = False
+) -> None:
     """Deletes what the interrupted compile left besides its journal, its lock and its
-    committed units: shards of unfinished units, records that do not count, temporary
-    and chunk files, the staging folder. For a local OUT, _clear_output has already
-    refused one holding anything a compile does not write."""
-    keep = {JOURNAL, LOCK}
+    committed units (and, with ``keep_archive``, its index and errors.jsonl): shards of
+    unfinished units, records that do not count, temporary and chunk files, the staging
+    folder. For a local OUT, _clear_output has already refused one holding anything a
+    compile does not write."""
+    keep = {JOURNAL, LOCK, *((INDEX_NAME, ERRORS_NAME) if keep_archive else ())}
+    if not keep_archive:
+        store.delete(INDEX_NAME)  # first: a crash never leaves a stale but valid-looking archive
     for record in committed.values():
         keep |= {commit_name(record.unit), *(s.file for s in record.shards)}
     root = store.root if isinstance(store, LocalStore) else None

@@ -48,6 +48,10 @@ class Store(Protocol):
         """Removes OUT/name; a missing name is fine."""
         ...
 
+    def size(self, name: str) -> int | None:
+        """OUT/name's size in bytes; None when it is not there as a file."""
+        ...
+
 
 class LocalStore:
     """A local OUT folder: put is a rename from the staging folder inside OUT (one file

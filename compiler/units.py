@@ -135,14 +135,13 @@ def _count(value: object, most: int) -> TypeGuard[int]:
 
 def shards_in_place(store: Store, record: UnitRecord, listed: set[str]) -> bool:
     """Whether every shard the record names is in OUT: by name in the listing (a store
-    publishes whole files only), and for a local OUT with the recorded size and CRC-32."""
+    publishes whole files only) and with the recorded size (Store.size: one request per
+    shard for a URL OUT); for a local OUT with the recorded CRC-32 too."""
     for s in record.shards:
-        if s.file not in listed:
+        if s.file not in listed or store.size(s.file) != s.bytes:
             return False
-        if isinstance(store, LocalStore):
-            path = store.root / s.file
-            if store.size(s.file) != s.bytes or _file_crc32(path) != s.crc32:
-                return False
+        if isinstance(store, LocalStore) and _file_crc32(store.root / s.file) != s.crc32:
+            return False
     return True
 
 

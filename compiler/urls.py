@@ -393,3 +393,14 @@ class FsspecStore:
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._full(name))
+
+    def size(self, name: str) -> int | None:
+        """OUT/name's size from one metadata request (a HEAD on S3); None when absent."""
+        try:
+            info = self.fs.info(self._full(name))
+        except FileNotFoundError:
+            return None
+        size = info.get("size")
+        if info.get("type") != "file" or isinstance(size, bool) or not isinstance(size, int):
+            return None
+        return size

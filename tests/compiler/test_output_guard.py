@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import fcntl
 import json
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
+from dlop.compiler import commit
 from dlop.compiler.errors import CompileError
 from dlop.compiler.output import JOURNAL, LOCK, OutputLock
 from dlop.formats import ArchiveWriter
@@ -85,7 +89,7 @@ def test_overwrite_replaces_only_a_dlop_archive(
     assert tree(out) == before
     (out / "README").unlink()
     assert main([str(corpus), "-o", str(out), "-q", "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-00000.dlop"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "unit-000000-0000.dlop"]
 
 
 def test_overwrite_replaces_an_interrupted_compile(
@@ -98,7 +102,7 @@ def test_overwrite_replaces_an_interrupted_compile(
     err = refused([str(corpus), "-o", str(out)], capsys)
     assert "already holds an interrupted compile" in err
     assert main([str(corpus), "-o", str(out), "-q", "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-00000.dlop"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "unit-000000-0000.dlop"]
 
 
 @pytest.mark.parametrize(
@@ -132,7 +136,11 @@ SMALL_SHARDS = ["--shard-bytes", "4KiB", "-q", "--workers", "1"]  # one clip a s
 
 
 def interrupted(
-    corpus: Path, out: Path, monkeypatch: pytest.MonkeyPatch, after_inputs: int = 2
+    corpus: Path,
+    out: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    after_inputs: int = 2,
+    extra: Sequence[str] = (),
 ) -> None:
     """A compile stopped by Ctrl-C while writing input after_inputs + 1 (one shard per input)."""
     calls = iter(range(1 << 30))
@@ -145,8 +153,9 @@ def interrupted(
 
     with monkeypatch.context() as mp:
         mp.setattr(ArchiveWriter, "write_group", write_group)
-        assert main([str(corpus), "-o", str(out), *SMALL_SHARDS]) == 130
-    assert len(json.loads((out / JOURNAL).read_text())["shards"]) == after_inputs
+        assert main([str(corpus), "-o", str(out), *SMALL_SHARDS, *extra]) == 130
+    # one shard per input, each put into OUT as it closes
+    assert len(list(out.glob("unit-*.dlop"))) == after_inputs
 
 
 @pytest.fixture
@@ -194,86 +203,250 @@ def test_overwrite_needs_a_dlop_index(
         assert tree(out) == before
 
 
-def _edit(obj: dict, how: str) -> object:
-    shards = obj["shards"]
-    if how == "no shards":
-        del obj["shards"]
-    elif how == "negative consumed":
-        obj["consumed"] = -1
-    elif how == "consumed past the inputs":
-        obj["consumed"] = 99
-    elif how == "consumed as text":
-        obj["consumed"] = "2"
-    elif how == "consumed as bool":
-        obj["consumed"] = True
-    elif how == "shards out of order":
-        shards.reverse()
-    elif how == "shard outside OUT":
-        shards[0]["file"] = "../shard-00000.dlop"
-    elif how == "negative num_samples":
-        shards[1]["num_samples"] = -1
-    elif how == "crc32 as float":
-        shards[0]["crc32"] = 1.5
-    elif how == "unknown shard key":
-        shards[0]["extra"] = 1
-    elif how == "shard missing a key":
-        del shards[0]["bytes"]
-    elif how == "shard not an object":
-        shards[0] = "shard-00000.dlop"
-    elif how == "shards an object":
-        obj["shards"] = {"file": "shard-00000.dlop"}
-    elif how == "skipped record not an object":
-        obj["skipped"] = ["a.wav"]
-    elif how == "not an object":
+# -- damaged journals and commit records ------------------------------------------------
+
+UNITS_OF_ONE = [*SMALL_SHARDS, "--unit-inputs", "1"]  # one clip a unit, one shard a unit
+RECORD0, SHARD0, SHARD1 = ".dlop-unit-000000.json", "unit-000000-0000.dlop", "unit-000001-0000.dlop"
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(corpus, its whole archive, a compile stopped by Ctrl-C in input 3 of 5 with units 0
+    and 1 committed): 5 clips, the fourth empty (skipped, so errors.jsonl is written)."""
+    root = tmp_path_factory.mktemp("stopped")
+    corpus = esc50_corpus(root / "corpus", [("wav", 16000, 1)] * 5, seconds=0.5)
+    empty = sorted((corpus / "audio").iterdir())[3]
+    empty.write_bytes(b"")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SOURCE_DATE_EPOCH", "1700000000")
+        assert main([str(corpus), "-o", str(root / "whole"), *UNITS_OF_ONE]) == 0
+        interrupted(corpus, root / "stopped", mp, extra=["--unit-inputs", "1"])
+    assert (root / "whole" / "errors.jsonl").exists()
+    assert sorted(p.name for p in (root / "stopped").glob(".dlop-unit-*")) == [
+        RECORD0,
+        ".dlop-unit-000001.json",
+    ]
+    return corpus, root / "whole", root / "stopped"
+
+
+def witness(path: Path, elsewhere: Path) -> Path:
+    """A hard link to ``path`` outside OUT: the same file while ``path`` is not replaced
+    (and its inode cannot be reused by a replacement meanwhile)."""
+    link = elsewhere / f"witness-{path.name}"
+    link.hardlink_to(path)
+    return link
+
+
+def copy_of(folder: Path, to: Path) -> Path:
+    shutil.copytree(folder, to, symlinks=True)
+    return to
+
+
+def _edit_journal(obj: dict, how: str) -> object:
+    key, _, value = how.partition("=")
+    if how == "not an object":
         return [obj]
+    if not value:
+        del obj[key]
+    else:
+        obj[key] = json.loads(value)
     return obj
 
 
 @pytest.mark.parametrize(
     ("how", "field"),
     [
-        ("no shards", "shards"),
-        ("negative consumed", "consumed"),
-        ("consumed past the inputs", "consumed"),
-        ("consumed as text", "consumed"),
-        ("consumed as bool", "consumed"),
-        ("shards out of order", "shards[0].file"),
-        ("shard outside OUT", "shards[0].file"),
-        ("negative num_samples", "shards[1].num_samples"),
-        ("crc32 as float", "shards[0].crc32"),
-        ("unknown shard key", "shards[0]"),
-        ("shard missing a key", "shards[0]"),
-        ("shard not an object", "shards[0]"),
-        ("shards an object", "shards"),
-        ("skipped record not an object", "skipped[0]"),
+        ("unit_inputs", "'unit_inputs'"),
+        ("unit_inputs=0", "'unit_inputs'"),
+        ("unit_inputs=-1", "'unit_inputs'"),
+        ('unit_inputs="1"', "'unit_inputs'"),
+        ("unit_inputs=true", "'unit_inputs'"),
+        ("unit_inputs=1.0", "'unit_inputs'"),
+        ("num_inputs", "'num_inputs'"),
+        ("num_inputs=-5", "'num_inputs'"),
+        ("num_inputs=[5]", "'num_inputs'"),
+        ("recipe_digest", "'recipe_digest'"),
+        ("recipe_digest=7", "'recipe_digest'"),
+        ("fingerprint", "'fingerprint'"),
+        ('fingerprint=""', "'fingerprint'"),
         ("not an object", "object"),
-        ("nested 200000 deep", "nests"),
+        ("nested 20000 deep", "nests"),
         ("not UTF-8", "UTF-8"),
+        ("over 64 KiB", "65536"),
     ],
 )
 def test_a_damaged_journal_is_a_clear_error(
-    clips: Path,
+    stopped: tuple[Path, Path, Path],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
     how: str,
     field: str,
 ) -> None:
-    out = tmp_path / "out"
-    interrupted(clips, out, monkeypatch)
-    capsys.readouterr()
-    if how == "nested 200000 deep":
-        text = b'{"shards": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    corpus, _, template = stopped
+    out = copy_of(template, tmp_path / "out")
+    if how == "nested 20000 deep":  # within the journal's 64 KiB
+        text = b'{"unit_inputs": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
     elif how == "not UTF-8":
         text = b'{"recipe_digest": "\xff"}'
+    elif how == "over 64 KiB":
+        text = b" " * (64 << 10) + (out / JOURNAL).read_bytes()
     else:
-        text = json.dumps(_edit(json.loads((out / JOURNAL).read_text()), how)).encode()
+        text = json.dumps(_edit_journal(json.loads((out / JOURNAL).read_text()), how)).encode()
     (out / JOURNAL).write_bytes(text)
     before = tree(out)
-    err = refused([str(clips), "-o", str(out), "--resume", *SMALL_SHARDS], capsys)
+    err = refused([str(corpus), "-o", str(out), "--resume", *UNITS_OF_ONE], capsys)
     assert JOURNAL in err and field in err and err.count("\n") == 1, err
-    assert "--overwrite" in err, err
+    assert "damaged" in err and "--overwrite" in err, err
     assert tree(out) == before
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("num_inputs=4", "the corpus changed"),
+        ('fingerprint="0123"', "the corpus changed"),
+        ('recipe_digest="0123"', "different recipe"),
+        ("--unit-inputs 2", "--unit-inputs 2, the interrupted compile used 1"),
+    ],
+)
+def test_a_journal_of_another_compile_is_refused(
+    stopped: tuple[Path, Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    how: str,
+    said: str,
+) -> None:
+    corpus, _, template = stopped
+    out = copy_of(template, tmp_path / "out")
+    args = [*SMALL_SHARDS, "--unit-inputs", "1"]
+    if how.startswith("--"):
+        args[-1] = how.split()[1]
+    else:
+        text = json.dumps(_edit_journal(json.loads((out / JOURNAL).read_text()), how))
+        (out / JOURNAL).write_text(text)
+    before = tree(out)
+    err = refused([str(corpus), "-o", str(out), "--resume", *args], capsys)
+    assert said in err and err.count("\n") == 1, err
+    assert tree(out) == before
+
+
+def _damage_unit_0(out: Path, how: str) -> None:
+    record = json.loads((out / RECORD0).read_text())
+    shard = record["shards"][0]
+    edits: dict[str, Callable[[], None]] = {
+        "other recipe": lambda: record.update(recipe_digest="0" * 64),
+        "other unit": lambda: record.update(unit=1),
+        "first_input off": lambda: record.update(first_input=1),
+        "num_inputs off": lambda: record.update(num_inputs=2),
+        "another unit's shard": lambda: shard.update(file=SHARD1),
+        "shard outside OUT": lambda: shard.update(file=f"../{SHARD0}"),
+        "negative num_samples": lambda: shard.update(num_samples=-1),
+        "bytes off by one": lambda: shard.update(bytes=shard["bytes"] + 1),
+        "wrong crc32": lambda: shard.update(crc32=shard["crc32"] ^ 1),
+        "crc32 as float": lambda: shard.update(crc32=1.5),
+        "shards an object": lambda: record.update(shards=shard),
+        "skipped record not an object": lambda: record.update(skipped=["a.wav"]),
+        "more skipped than inputs": lambda: record.update(skipped=[{"path": "a"}] * 2),
+    }
+    text = None
+    if how in edits:
+        edits[how]()
+        text = json.dumps(record).encode()
+    elif how == "not JSON":
+        text = b'{"unit": 0, '
+    elif how == "not UTF-8":
+        text = b'{"recipe_digest": "\xff"}'
+    elif how == "nested 200000 deep":
+        text = b'{"shards": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    elif how == "not an object":
+        text = json.dumps([record]).encode()
+    elif how == "shard missing":
+        (out / SHARD0).unlink()
+    elif how == "shard truncated":
+        data = (out / SHARD0).read_bytes()
+        (out / SHARD0).write_bytes(data[:-1])
+    elif how == "shard changed, same size":
+        data = bytearray((out / SHARD0).read_bytes())
+        data[-1] ^= 0xFF
+        (out / SHARD0).write_bytes(bytes(data))
+    if text is not None:
+        (out / RECORD0).write_bytes(text)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "other recipe",
+        "other unit",
+        "first_input off",
+        "num_inputs off",
+        "another unit's shard",
+        "shard outside OUT",
+        "negative num_samples",
+        "bytes off by one",
+        "wrong crc32",
+        "crc32 as float",
+        "shards an object",
+        "skipped record not an object",
+        "more skipped than inputs",
+        "not JSON",
+        "not UTF-8",
+        "nested 200000 deep",
+        "not an object",
+        "shard missing",
+        "shard truncated",
+        "shard changed, same size",
+    ],
+)
+def test_a_damaged_commit_record_has_its_unit_redone(
+    stopped: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    corpus, whole, template = stopped
+    out = copy_of(template, tmp_path / "out")
+    _damage_unit_0(out, how)
+    # a record for a unit the corpus does not have counts for nothing, and goes
+    (out / ".dlop-unit-000099.json").write_bytes((template / RECORD0).read_bytes())
+    kept = witness(out / SHARD1, tmp_path)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    assert main([str(corpus), "-o", str(out), "--resume", *UNITS_OF_ONE]) == 0
+    assert tree(out) == tree(whole)
+    assert (out / SHARD1).samefile(kept)  # unit 1 was not compiled again
+
+
+def stopped_after_index(corpus: Path, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resumes a stopped compile in OUT up to its index, then stops it before it removes
+    the commit records and the journal."""
+    with monkeypatch.context() as mp:
+        mp.setattr(commit, "_tidy", Mock(side_effect=KeyboardInterrupt))
+        assert main([str(corpus), "-o", str(out), "--resume", *UNITS_OF_ONE]) == 130
+    assert (out / "index.json").exists() and (out / JOURNAL).exists() and (out / RECORD0).exists()
+
+
+@pytest.mark.parametrize(
+    "how", ["as left", "index differs", "errors.jsonl missing", "a record already removed"]
+)
+def test_resume_after_the_index_finishes_the_tidying_up(
+    stopped: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    corpus, whole, template = stopped
+    out = copy_of(template, tmp_path / "out")
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    stopped_after_index(corpus, out, monkeypatch)
+    index = out / "index.json"
+    if how == "index differs":
+        obj = json.loads(index.read_text())
+        obj["shards"][0]["crc32"] ^= 1
+        index.write_text(json.dumps(obj, indent=1) + "\n")
+    elif how == "errors.jsonl missing":
+        (out / "errors.jsonl").unlink()
+    elif how == "a record already removed":  # stopped in the middle of the tidying up
+        (out / RECORD0).unlink()
+    kept = witness(index, tmp_path)
+    assert main([str(corpus), "-o", str(out), "--resume", *UNITS_OF_ONE]) == 0
+    assert tree(out) == tree(whole)
+    # the index the records bear out stays as it was; any other is written again
+    assert index.samefile(kept) == (how == "as left")
+    assert main([str(corpus), "-o", str(out), "--resume", *UNITS_OF_ONE]) == 1  # complete now
 
 
 def test_the_output_lock_has_one_holder_across_a_release(

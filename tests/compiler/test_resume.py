@@ -1,10 +1,10 @@
 """kill -9 at chosen moments, then --resume: the archive is byte-identical to an uninterrupted one.
 
 The compile runs as a subprocess and kills itself at an exact moment through the
-test-only DLOP_TEST_KILL_AT hook (start, input:N, shard:N, unit:N, index: before any
-shard, inside the first or a later shard, right after a shard, right after a unit's
-commit record, before the index); the resume
-runs in-process. Corpora: ESC-50 style clips (one sample per input), dense video
+test-only DLOP_TEST_KILL_AT hook (start, input:N, shard:N, unit:N, index, tidy: before
+any shard, inside the first or a later shard, right after a shard, right after a unit's
+commit record, before the index, after the index but before the commit records and the
+journal are removed); the resume runs in-process. Corpora: ESC-50 style clips (one sample per input), dense video
 clips (several samples per input, cut from one file) and image tiles (many
 samples per input), each with a tiny --shard-bytes so there are several shards, and units of 2 to 4
 inputs so there are several units.
@@ -108,7 +108,8 @@ def committed(out: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "moment", ["start", "input:1", "inside-shard:2", "shard:2", "unit:1", "unit:2", "index"]
+    "moment",
+    ["start", "input:1", "inside-shard:2", "shard:2", "unit:1", "unit:2", "index", "tidy"],
 )
 def test_kill_9_then_resume_is_byte_identical(
     corpus: tuple[list[str], dict[str, bytes]],
@@ -124,7 +125,7 @@ def test_kill_9_then_resume_is_byte_identical(
     proc = compile_until(args, out, moment)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, err.decode()
-    assert not (out / "index.json").exists()
+    assert (out / "index.json").exists() == (moment == "tidy")
     assert json.loads((out / JOURNAL).read_text())["unit_inputs"]  # exists from the start
     if moment in ("start", "input:1"):  # before the first unit's commit
         assert committed(out) == []
@@ -133,13 +134,17 @@ def test_kill_9_then_resume_is_byte_identical(
         assert any(p.name.endswith(".spool") for p in (out / ".dlop-staging").rglob("*"))
     if moment.startswith("unit:"):
         assert len(committed(out)) == int(moment[5:])
-    if moment == "index":
-        # every unit committed, the index not yet written
+    if moment in ("index", "tidy"):
+        # every unit committed; the index not yet written, or written and kept as it is
         assert len(committed(out)) == len(json.loads(whole["index.json"])["units"]["shards"])
+    if moment == "index":
         (out / ".index.json.tmp").write_bytes(b'{"half": ')  # as if killed inside the write
+    kept = (out / "index.json").stat().st_ino if moment == "tidy" else None
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
     assert main([*args, "-o", str(out), "--resume"]) == 0
     assert files(out) == whole
+    if kept is not None:  # the index the records bear out is kept, not written again
+        assert (out / "index.json").stat().st_ino == kept
 
 
 @pytest.mark.slow
