@@ -32,6 +32,7 @@ from dlop.compiler.features import (
 )
 from dlop.compiler.output import JOURNAL
 from dlop.compiler.pipeline import TEST_KILL_AT
+from dlop.compiler.units import COMMIT_PREFIX
 from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_row, write_audio, write_esc50_csv
@@ -128,7 +129,8 @@ def speech_corpus(root: Path) -> list[str]:
             write_audio(path, make_signal(rate, 0.2 + 0.17 * n, seed=n), rate)
         rows.append(esc50_row(name, n))
     write_esc50_csv(root, rows)
-    return [str(root), "--preset", "kaldi", "--shard-bytes", "12KB", "-q"]
+    # units of 7: chunks of 7 and 5 by default, other cuts with other chunk sizes
+    return [str(root), "--preset", "kaldi", "--shard-bytes", "12KB", "--unit-inputs", "7", "-q"]
 
 
 def files(out: Path) -> dict[str, bytes]:
@@ -157,12 +159,14 @@ def test_archive_bytes_do_not_depend_on_workers_groups_or_resume(
 
     # killed in the middle (2 workers), resumed in-process with other group sizes
     out = tmp_path / "resumed"
-    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, TEST_KILL_AT: "input:5"}
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, TEST_KILL_AT: "input:9"}
     cmd = [sys.executable, "-m", "dlop.tools.compile_cli", *args, "--workers", "2", "-o", str(out)]
     proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
-    consumed = json.loads((out / JOURNAL).read_text())["consumed"]
-    assert 0 < consumed <= 5 and consumed % 3  # resumes inside a chunk of either size
+    assert (out / JOURNAL).exists()
+    records = [json.loads(p.read_text()) for p in out.glob(f"{COMMIT_PREFIX}*.json")]
+    consumed = sum(r["num_inputs"] for r in records)
+    assert 0 < consumed <= 9 and consumed % 3  # unit 0 kept: 7 inputs, not whole chunks of 3
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
     monkeypatch.setitem(pipeline.CHUNK_ITEMS, "audio", 3)
     assert main([*args, "--workers", "1", "--resume", "-o", str(out)]) == 0
