@@ -16,9 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .batch import Batch
 from .dataset import Archive, check_bucket_by, open_for_loader
 from .distributed import rank_and_world
+from .engine import CopyEngine
 from .errors import UsageError, UsageTypeError, check_int
+from .gather import Allocate
 from .mixture import Mixture, check_weights, epoch_counts, mixture_draw
 from .order import BatchOrder, OrderSpec, selection_draw
 from .selection import digest, shard_counts
@@ -51,27 +54,41 @@ class Choice:
         found = np.searchsorted(self.source_starts, indices, side="right") - 1
         return torch.from_numpy(found.astype(np.int64))
 
+    def gather(
+        self, indices: torch.Tensor, out: Allocate | None = None, engine: CopyEngine | None = None
+    ) -> Batch:
+        """The batch of ascending sample numbers ``indices`` (Archive.gather); a mixture's
+        batch also names each sample's source (``batch["source"]``)."""
+        batch = self.archive.gather(indices, out, engine)
+        sources = self.sources_of(indices.numpy())
+        if sources is not None:
+            batch[SOURCE_KEY] = sources
+        return batch
 
-def choose(archive: Any, open_options: dict[str, Any], **order: Any) -> Choice:
+
+def choose(
+    archive: Any, open_options: dict[str, Any], owner: str = "Loader", **order: Any
+) -> Choice:
     """Opens ``archive`` with ``open_options`` (fields, pad_value, where, indices,
     allow_recipe_mismatch; plus weights, samples_per_epoch and batch_per_source for a
     mixture) and builds the order stage from ``order`` (OrderSpec's settings, rank and
-    world_size as the Loader takes them, bucket_by)."""
+    world_size as the Loader takes them, bucket_by); ``owner`` (Loader, IterableArchive)
+    is who errors name."""
     if order["mode"] not in ("global", "window"):
-        raise UsageError(f"Loader order must be 'global' or 'window', got {order['mode']!r}")
+        raise UsageError(f"{owner} order must be 'global' or 'window', got {order['mode']!r}")
     mixing = {k: open_options.pop(k) for k in ("weights", "samples_per_epoch", "batch_per_source")}
     rank, world = rank_and_world(order.pop("rank"), order.pop("world_size"))
-    world = check_int("Loader world_size", world, low=1)
-    order["rank"] = check_int("Loader rank", rank, low=0, high=world - 1)
+    world = check_int(f"{owner} world_size", world, low=1)
+    order["rank"] = check_int(f"{owner} rank", rank, low=0, high=world - 1)
     order["world_size"] = world
     bucket_by = order.pop("bucket_by")
     if isinstance(archive, Mapping):
-        return choose_mixture(archive, open_options, mixing, bucket_by, order)
+        return choose_mixture(archive, open_options, mixing, bucket_by, order, owner)
     given = [k for k, v in mixing.items() if v not in (None, False)]
     if given:
         raise UsageError(
-            f"Loader {given[0]}= is for mixtures: pass the archives as a dict of "
-            "source name -> path, e.g. Loader({'a': path_a, 'b': path_b}, weights=...)"
+            f"{owner} {given[0]}= is for mixtures: pass the archives as a dict of "
+            f"source name -> path, e.g. {owner}({{'a': path_a, 'b': path_b}}, weights=...)"
         )
     ds = open_for_loader(
         archive, open_options.pop("fields"), open_options.pop("pad_value"), **open_options
@@ -81,13 +98,16 @@ def choose(archive: Any, open_options: dict[str, Any], **order: Any) -> Choice:
     sizes = ds.shard_sizes if sel is None else shard_counts(sel, ds.shard_starts)
     spec = OrderSpec(num_samples=len(ds), shard_sizes=sizes, **order)
     lengths = ds.lengths(bucket_by) if bucket_by else None
-    return Choice(ds, spec, BatchOrder(spec, lengths, draw=selection_draw(spec, sel)))
+    order_stage = BatchOrder(spec, lengths, owner, draw=selection_draw(spec, sel))
+    return Choice(ds, spec, order_stage)
 
 
-def source_paths(name: object, source: object) -> tuple[list[Any], np.ndarray | None]:
+def source_paths(
+    name: object, source: object, owner: str = "Loader"
+) -> tuple[list[Any], np.ndarray | None]:
     """A mixture source's archive paths, and its own selection (an open Archive's)."""
     if not isinstance(name, str):
-        raise UsageTypeError(f"Loader mixture sources are named by str, got {name!r}")
+        raise UsageTypeError(f"{owner} mixture sources are named by str, got {name!r}")
     if isinstance(source, Archive):
         return list(source.paths), source.selection
     if isinstance(source, str | os.PathLike):
@@ -95,7 +115,7 @@ def source_paths(name: object, source: object) -> tuple[list[Any], np.ndarray | 
     if isinstance(source, Sequence) and source and not isinstance(source, bytes):
         return list(source), None
     raise UsageTypeError(
-        f"Loader mixture source {name!r} must be a path, a list of paths or an open "
+        f"{owner} mixture source {name!r} must be a path, a list of paths or an open "
         f"Archive, got {type(source).__name__}"
     )
 
@@ -106,15 +126,16 @@ def choose_mixture(
     mixing: dict[str, Any],
     bucket_by: str | None,
     order: dict[str, Any],
+    owner: str = "Loader",
 ) -> Choice:
     if not sources:
-        raise UsageError("Loader got an empty dict of sources; name at least one archive")
+        raise UsageError(f"{owner} got an empty dict of sources; name at least one archive")
     if open_options.get("indices") is not None:
-        raise UsageError("Loader indices= does not apply to a mixture; choose with where=")
+        raise UsageError(f"{owner} indices= does not apply to a mixture; choose with where=")
     if order["mode"] != "global":
-        raise UsageError("Loader order='window' does not apply to a mixture; use order='global'")
+        raise UsageError(f"{owner} order='window' does not apply to a mixture; use order='global'")
     names = list(sources)
-    parts = [source_paths(n, sources[n]) for n in names]
+    parts = [source_paths(n, sources[n], owner) for n in names]
     paths = [p for ps, _ in parts for p in ps]
     pad = open_options.pop("pad_value")
     ds = Archive(paths, pad_value=0.0 if pad is None else pad, **open_options)
@@ -138,11 +159,11 @@ def choose_mixture(
     weights = check_weights(names, mixing["weights"], [len(p) for p in pools])
     wanted = mixing["samples_per_epoch"]
     wanted = sum(map(len, pools)) if wanted is None else wanted
-    wanted = check_int("Loader samples_per_epoch", wanted, low=1)
+    wanted = check_int(f"{owner} samples_per_epoch", wanted, low=1)
     counts = epoch_counts(weights, wanted, batch_size, world, order["drop_last"], per_source)
     mix = Mixture(tuple(names), tuple(pools), tuple(weights), wanted, tuple(counts), per_source)
     spec = OrderSpec(num_samples=mix.epoch_size, **order)
     lengths = ds.lengths(bucket_by) if bucket_by else None
     draw = mixture_draw(mix, order["seed"], order["shuffle"])
     starts = reader_starts[firsts[:-1]]
-    return Choice(ds, spec, BatchOrder(spec, lengths, draw=draw), mix, starts)
+    return Choice(ds, spec, BatchOrder(spec, lengths, owner, draw=draw), mix, starts)

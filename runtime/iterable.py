@@ -15,6 +15,12 @@ serves batches ``n + w, n + w + W, ...``: the DataLoader asks worker 0 first,
 so batch n comes first. Each worker resumes once per state (its claim slot);
 later iterations start the epoch over.
 
+It takes what the Loader takes (runtime.choose): a path, a list of paths read
+as one, a URL (each worker reads through the node-local shard cache), a
+mixture (a dict of sources; batches name each sample's source), ``where`` and
+``indices``. Each worker opens the archive and computes the order itself; a
+state records the choice of samples and is refused by another.
+
 In a worker, batches are gathered into a few shared-memory slots reused from
 batch to batch (runtime.shared_ring), each refilled only once the main
 process no longer holds the batch that used it.
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,15 +38,20 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import Batch
-from .dataset import Archive, check_bucket_by
+from .choose import Choice, choose
+from .concat import ArchivePaths
+from .dataset import Archive
 from .distributed import rank_and_world
 from .errors import UsageError, UsageTypeError, check_int
-from .loader import STATE_SETTINGS
-from .order import BatchOrder, OrderSpec
+from .loader_state import check_settings, order_settings
+from .order import BatchOrder
+from .remote_archive import cache_options
 from .shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
 
 STATE_FORMAT = "dlop-iterable-state"
-STATE_VERSION = 2  # version 1 split batches among world_size * workers consumers
+# version 1 split batches among world_size * workers consumers; a version 2 state
+# without "selection" and "mixture" chose the whole archive
+STATE_VERSION = 2
 MAX_WORKERS = 256  # workers that can resume from a state (one claim slot each)
 _EPOCH, _DONE, _CLAIMS = 0, 1, 2
 
@@ -49,17 +60,18 @@ class IterableArchive(IterableDataset[Batch]):
     """Yields whole batches; use ``DataLoader(ds, batch_size=None, num_workers=k)``.
 
     Through the DataLoader, each rank gets exactly the Loader's batches in the
-    Loader's order (same seed and settings), whatever ``k`` is: worker ``w``
-    gathers every ``k``-th batch starting at ``w``. ``set_epoch`` and
-    ``load_state_dict`` reach persistent workers. Each worker reuses
-    ``worker_buffers`` shared-memory batch buffers (0: fresh memory for every
-    batch); the default covers DataLoader's default ``prefetch_factor=2`` with
-    the training loop holding a batch or two.
+    Loader's order (same archive argument, seed and settings), whatever ``k``
+    is: worker ``w`` gathers every ``k``-th batch starting at ``w``.
+    ``set_epoch`` and ``load_state_dict`` reach persistent workers. Each worker
+    reuses ``worker_buffers`` shared-memory batch buffers (0: fresh memory for
+    every batch); the default covers DataLoader's default ``prefetch_factor=2``
+    with the training loop holding a batch or two. The arguments after
+    ``worker_buffers`` are the Loader's (docs/choosing.md).
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths],
         batch_size: int,
         shuffle: bool = True,
         seed: int = 0,
@@ -67,43 +79,80 @@ class IterableArchive(IterableDataset[Batch]):
         rank: int | None = None,
         world_size: int | None = None,
         fields: Sequence[str] | str | None = None,
-        pad_value: float = 0.0,
+        pad_value: float | None = None,
         order: str = "global",
         window_shards: int = 8,
         bucket_by: str | None = None,
         bucket_window: int = 64,
         worker_buffers: int = 4,
+        where: Mapping[str, Any] | None = None,
+        indices: Sequence[int] | np.ndarray | None = None,
+        allow_recipe_mismatch: bool = False,
+        weights: Mapping[str, float] | None = None,
+        samples_per_epoch: int | None = None,
+        batch_per_source: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
-        self.path = str(path)
-        self.batch_size = check_int("IterableArchive batch_size", batch_size, low=1)
-        self.seed = check_int("IterableArchive seed", seed)
-        self.shuffle, self.drop_last = shuffle, drop_last
-        rank, world_size = rank_and_world(rank, world_size)
-        self.world_size = check_int("IterableArchive world_size", world_size, low=1)
-        self.rank = check_int("IterableArchive rank", rank, low=0, high=self.world_size - 1)
-        if order not in ("global", "window"):
-            raise UsageError(f"IterableArchive order must be 'global' or 'window', got {order!r}")
-        self.fields, self.pad_value, self.order = fields, pad_value, order
-        self.window_shards = check_int("IterableArchive window_shards", window_shards, low=1)
-        self.bucket_window = check_int("IterableArchive bucket_window", bucket_window, low=1)
-        self.bucket_by = bucket_by
+        self.path = path
+        rank, world_size = rank_and_world(rank, world_size)  # the parent's: workers have none
         self.worker_buffers = check_int(
             "IterableArchive worker_buffers", worker_buffers, low=0, high=MAX_SLOTS
         )
-        self._archive: Archive | None = None
+        self._open_options = {
+            "fields": fields,
+            "pad_value": pad_value,
+            "where": where,
+            "indices": None if indices is None else np.asarray(indices),
+            "allow_recipe_mismatch": allow_recipe_mismatch,
+            "weights": weights,
+            "samples_per_epoch": samples_per_epoch,
+            "batch_per_source": batch_per_source,
+            **cache_options(cache_dir, cache_bytes),
+        }
+        self._order_options = {
+            "batch_size": check_int("IterableArchive batch_size", batch_size, low=1),
+            "shuffle": shuffle,
+            "seed": check_int("IterableArchive seed", seed),
+            "drop_last": drop_last,
+            "rank": rank,
+            "world_size": world_size,
+            "mode": order,
+            "window_shards": check_int("IterableArchive window_shards", window_shards, low=1),
+            "bucket_by": bucket_by,
+            "bucket_window": check_int("IterableArchive bucket_window", bucket_window, low=1),
+        }
+        self.bucket_by = bucket_by
+        self._choice: Choice | None = None
+        self._share_with_workers()
+        self.choice()  # opens the archive and checks the settings here, not in a worker
+
+    def _share_with_workers(self) -> None:
+        """What the workers share with this process: epoch and resume point, slot releases."""
         shared = torch.zeros(_CLAIMS + MAX_WORKERS, dtype=torch.int64)
         self._shared = shared.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
-        self._order: BatchOrder | None = None
         self._handed_out = 0  # batch number reached by this process's latest iteration
         self._released = ReleaseTable(secrets.randbits(62), MAX_WORKERS, self.worker_buffers)
         self._ring: WorkerRing | None = None  # made in each worker process
-        check_bucket_by(self.archive(), bucket_by)
+
+    def choice(self) -> Choice:
+        """This process's archive and order stage (each worker opens the archive itself)."""
+        if self._choice is None:
+            options = dict(self._order_options)
+            self._choice = choose(
+                self.path, dict(self._open_options), owner="IterableArchive", **options
+            )
+        return self._choice
 
     def archive(self) -> Archive:
-        """This process's archive (each worker maps the shards itself)."""
-        if self._archive is None:
-            self._archive = Archive(self.path, fields=self.fields, pad_value=self.pad_value)
-        return self._archive
+        """This process's archive (for a mixture, its sources read as one)."""
+        return self.choice().archive
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """A mixture's source names, which ``batch["source"]`` indexes (empty otherwise)."""
+        mix = self.choice().mixture
+        return mix.names if mix is not None else ()
 
     @property
     def epoch(self) -> int:
@@ -129,24 +178,7 @@ class IterableArchive(IterableDataset[Batch]):
 
     def batch_order(self) -> BatchOrder:
         """This rank's order stage: the Loader's, for ``world_size`` ranks."""
-        if self._order is None:
-            archive = self.archive()
-            spec = OrderSpec(
-                len(archive),
-                self.batch_size,
-                self.shuffle,
-                self.seed,
-                self.drop_last,
-                rank=self.rank,
-                world_size=self.world_size,
-                mode=self.order,
-                shard_sizes=tuple(s.num_samples for s in archive.index.shards),
-                window_shards=self.window_shards,
-                bucket_window=self.bucket_window,
-            )
-            lengths = archive.lengths(self.bucket_by) if self.bucket_by else None
-            self._order = BatchOrder(spec, lengths, owner="IterableArchive")
-        return self._order
+        return self.choice().order
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """This rank's sample indices, batch by batch, for an epoch (default: the current one)."""
@@ -161,16 +193,16 @@ class IterableArchive(IterableDataset[Batch]):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         start = self._claim(worker)
         batches = self.batches()
-        archive = self.archive()
-        engine = archive.own_engine()
+        choice = self.choice()
+        engine = choice.archive.own_engine()
         ring = self._worker_ring(worker) if info is not None else None
         self._handed_out = start
         for j in range(start + worker, len(batches), workers):
             indices = torch.from_numpy(batches[j])
             if ring is not None:
-                batch = ring.gather(archive, indices, engine)
+                batch = ring.gather(choice, indices, engine)
             else:
-                batch = archive.gather(indices, None, engine)
+                batch = choice.gather(indices, None, engine)
             self._handed_out = j + 1  # with workers=1 (in process): batches yielded so far
             yield batch
 
@@ -178,7 +210,7 @@ class IterableArchive(IterableDataset[Batch]):
         """This worker's shared-memory slots, kept across iterations (persistent workers)."""
         if self._ring is None:
             count = self.worker_buffers if worker < MAX_WORKERS else 0
-            nbytes = slot_bytes(self.archive(), self.batch_size) if count else 0
+            nbytes = slot_bytes(self.archive(), self.batch_order().spec.batch_size) if count else 0
             self._ring = WorkerRing(self._released, worker % MAX_WORKERS, nbytes, count)
         return self._ring
 
@@ -218,26 +250,16 @@ class IterableArchive(IterableDataset[Batch]):
         }
 
     def _settings(self) -> dict[str, Any]:
-        """The settings that shape the order (the Loader's STATE_SETTINGS) and the rank."""
-        spec = self.batch_order().spec
-        return {
-            "seed": spec.seed,
-            "num_samples": spec.num_samples,
-            "batch_size": spec.batch_size,
-            "shuffle": spec.shuffle,
-            "drop_last": spec.drop_last,
-            "world_size": spec.world_size,
-            "order": spec.mode,
-            "window_shards": spec.window_shards,
-            "bucket_by": self.bucket_by,
-            "bucket_window": spec.bucket_window,
-            "rank": spec.rank,
-        }
+        """The settings that shape the order (the Loader's STATE_SETTINGS), the rank and
+        the choice of samples (CHOICE_SETTINGS: selection fingerprint, mixture)."""
+        choice = self.choice()
+        return order_settings(choice.spec, self.bucket_by, choice.settings())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next iteration continues after the state's batches, whatever the worker
         count was or is; later ones start their epoch at the beginning. A state saved
-        under other order settings (``STATE_SETTINGS``) or for another rank is refused."""
+        under other order settings (``STATE_SETTINGS``), with another choice of samples
+        (``CHOICE_SETTINGS``) or for another rank is refused."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise UsageTypeError(
                 f"IterableArchive.load_state_dict takes the dict its state_dict() returned, got {state!r:.80}"
@@ -248,21 +270,14 @@ class IterableArchive(IterableDataset[Batch]):
                 "states saved before the worker order was made the Loader's cannot resume; "
                 "start the epoch over"
             )
-        mine = self._settings()
-        for key in (*STATE_SETTINGS, "rank"):
-            if state.get(key) != mine[key]:
-                raise UsageError(
-                    f"iterable state was saved with {key}={state.get(key)!r}, "
-                    f"this dataset has {mine[key]!r}"
-                )
+        check_settings(state, self._settings(), "iterable")
         order = self.batch_order()
         order.reset(state, where="iterable state")
         self._publish(order.epoch, order.batches_done)
 
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
-        state["_archive"] = None  # each worker maps the shards itself
-        state["_order"] = None  # and computes the order itself
+        state["_choice"] = None  # each worker opens the archive and computes the order itself
         state["_ring"] = None  # and makes its own slots
         return state
 

@@ -33,14 +33,12 @@ STATE_SETTINGS = (
 CHOICE_SETTINGS = ("selection", "mixture")
 
 
-def loader_state(
-    spec: OrderSpec, position: dict[str, int], bucket_by: str | None, choice: dict[str, Any]
+def order_settings(
+    spec: OrderSpec, bucket_by: str | None, choice: dict[str, Any]
 ) -> dict[str, Any]:
-    """A Loader state: ``position`` (the order stage's) plus the settings."""
+    """The settings that shape an order (``STATE_SETTINGS``), the rank and the choice of
+    samples (``CHOICE_SETTINGS``); the Loader's and IterableArchive's states hold them."""
     return {
-        "format": STATE_FORMAT,
-        "version": STATE_VERSION,
-        **position,
         "seed": spec.seed,
         "num_samples": spec.num_samples,
         "batch_size": spec.batch_size,
@@ -56,6 +54,18 @@ def loader_state(
     }
 
 
+def loader_state(
+    spec: OrderSpec, position: dict[str, int], bucket_by: str | None, choice: dict[str, Any]
+) -> dict[str, Any]:
+    """A Loader state: ``position`` (the order stage's) plus the settings."""
+    return {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        **position,
+        **order_settings(spec, bucket_by, choice),
+    }
+
+
 def check_state(state: object, mine: dict[str, Any]) -> dict[str, Any]:
     """``state`` if this Loader (whose own state is ``mine``) can continue from it."""
     if not isinstance(state, dict):
@@ -67,14 +77,20 @@ def check_state(state: object, mine: dict[str, Any]) -> dict[str, Any]:
             f"not a dlop Loader state: format {state.get('format')!r} version "
             f"{state.get('version')!r}, expected {STATE_FORMAT!r} version {STATE_VERSION}"
         )
+    check_settings(state, mine, "loader")
+    return state
+
+
+def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> None:
+    """Refuses a ``what`` state saved under other order settings, another choice of
+    samples (a missing choice entry is the whole archive's) or for another rank."""
     for key in (*STATE_SETTINGS, *CHOICE_SETTINGS):
         if state.get(key) != mine[key]:
             raise UsageError(
-                f"loader state was saved with {key}={state.get(key)!r:.200}, this loader has "
+                f"{what} state was saved with {key}={state.get(key)!r:.200}, this {what} has "
                 f"{mine[key]!r:.200}; resume with the settings and samples it was saved with"
             )
     if state.get("rank") != mine["rank"]:
         raise UsageError(
-            f"loader state is rank {state.get('rank')}'s, this loader is rank {mine['rank']}"
+            f"{what} state is rank {state.get('rank')}'s, this {what} is rank {mine['rank']}"
         )
-    return state

@@ -26,7 +26,7 @@ from __future__ import annotations
 import multiprocessing.util
 import time
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ import torch
 from .batch import Batch
 from .dataset import Archive
 from .engine import CopyEngine
+from .gather import Allocate
 from .memory import shared_buffer, shared_empty
 
 ALIGN = 64  # bytes: each tensor in a slot starts on a cache line
@@ -42,6 +43,12 @@ _REUSED, _FRESH = 0, 1  # the table's counter columns, after the slots' cells
 
 # Release tables of this process by token: ``claim`` finds a batch's table here.
 _tables: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+class Gathers(Protocol):
+    """What a worker ring gathers from: an Archive, or the samples chosen from one."""
+
+    def gather(self, indices: torch.Tensor, out: Allocate, engine: CopyEngine) -> Batch: ...
 
 
 class Ticket(NamedTuple):
@@ -192,7 +199,7 @@ class WorkerRing:
                 return s
         return None
 
-    def gather(self, archive: Archive, indices: torch.Tensor, engine: CopyEngine) -> Batch:
+    def gather(self, archive: Gathers, indices: torch.Tensor, engine: CopyEngine) -> Batch:
         """Batch ``indices`` in a free slot, or in fresh shared memory while none is free."""
         s = self.free_slot()
         if s is None:

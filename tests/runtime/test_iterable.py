@@ -10,13 +10,15 @@ import platform
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import IterableArchive, Loader, shared_ring
+from dlop.runtime import IterableArchive, Loader, open_archive, shared_ring
 from dlop.runtime.errors import UsageError
 from dlop.runtime.memory import populate
 
@@ -431,3 +433,125 @@ def test_a_worker_without_room_for_slots_makes_fresh_batches(
     for batch, want in zip(got, expected, strict=True):
         assert_same(batch, want)
     assert ds.buffer_counts() == (0, 30)
+
+
+# -- what to train on: selections, archives read as one, mixtures, URLs -------------
+
+
+@pytest.fixture(scope="module")
+def folds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An ESC-50-shaped archive of 60 clips over small shards: label i, fold 1 + i % 5."""
+    path = tmp_path_factory.mktemp("folds") / "a"
+    fields = [Field("label", "i64", ()), Field("fold", "i64", ()), Field("logmel", "f16", (4, 3))]
+    with ArchiveWriter(path, fields, shard_bytes=600) as w:
+        for i in range(60):
+            w.write({"label": i, "fold": 1 + i % 5, "logmel": np.full((4, 3), i, np.float16)})
+    return path
+
+
+def epoch_labels(path: object, epoch: int, **kw: object) -> list[list[int]]:
+    loader = Loader(path, **kw)  # type: ignore[arg-type]
+    loader.set_epoch(epoch)
+    got = [b["label"].tolist() for b in loader]
+    loader.close()
+    return got
+
+
+def persistent(ds: IterableArchive) -> DataLoader[dict[str, torch.Tensor]]:
+    return DataLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context="fork"
+    )
+
+
+def test_five_fold_selections_through_workers_are_the_loaders_and_resume(folds: Path) -> None:
+    for fold in range(1, 6):
+        train = {"fold": [f for f in range(1, 6) if f != fold]}
+        kw = dict(batch_size=5, seed=fold, where=train)
+        ds = IterableArchive(folds, **kw)  # type: ignore[arg-type]
+        workers = persistent(ds)
+        epochs = []
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            got = labels(list(workers))
+            assert got == epoch_labels(folds, epoch, **kw)  # the Loader's batches, in its order
+            assert sorted(x for b in got for x in b) == [i for i in range(60) if 1 + i % 5 != fold]
+            epochs.append(got)
+        assert len({str(e) for e in epochs}) == 3
+        ds.set_epoch(1)
+        it = iter(workers)
+        taken = [next(it)["label"].tolist() for _ in range(3)]
+        del it
+        assert taken == epochs[1][:3]
+        state = ds.state_dict(batches_done=3)
+        fresh = IterableArchive(folds, **kw)  # type: ignore[arg-type]
+        fresh.load_state_dict(state)
+        fresh.set_epoch(1)
+        resumed = persistent(fresh)
+        assert labels(list(resumed)) == epochs[1][3:]
+        fresh.set_epoch(2)
+        assert labels(list(resumed)) == epochs[2]
+
+
+def test_a_state_of_another_selection_is_refused(folds: Path) -> None:
+    train = IterableArchive(folds, 4, seed=1, where={"fold": [1, 2, 3, 4]})
+    other = IterableArchive(folds, 4, seed=1, where={"fold": [2, 3, 4, 5]})  # as many samples
+    state = train.state_dict()
+    assert state["selection"] is not None and state["mixture"] is None
+    with pytest.raises(UsageError, match="iterable state was saved with selection="):
+        other.load_state_dict(state)
+    whole = IterableArchive(folds, 4, seed=1, indices=list(range(48)))
+    with pytest.raises(UsageError, match="selection"):
+        whole.load_state_dict({**state, "selection": None})
+    IterableArchive(folds, 4, seed=1, where={"fold": [4, 3, 2, 1]}).load_state_dict(state)
+    unselected = IterableArchive(folds, 4, seed=1).state_dict()
+    legacy = {k: v for k, v in unselected.items() if k not in ("selection", "mixture")}
+    IterableArchive(folds, 4, seed=1).load_state_dict(legacy)  # saved before selections
+
+
+def test_archives_as_one_with_indices_are_the_loaders(folds: Path, odd: Path) -> None:
+    kw = dict(batch_size=4, seed=2, fields=["label"], indices=[0, 5, 37, 40, 41, 50, 90, 96])
+    ds = IterableArchive([odd, folds], **kw)  # type: ignore[arg-type]
+    ds.set_epoch(1)
+    got = labels(list(workers_loader(ds, 2)))
+    assert got == epoch_labels([odd, folds], 1, **kw)
+    assert sorted(x for b in got for x in b) == [0, 0, 3, 4, 5, 13, 53, 59]
+
+
+def test_a_mixture_through_workers_is_the_loaders_with_its_sources(folds: Path, odd: Path) -> None:
+    kw = dict(
+        batch_size=6, seed=4, fields=["label"], weights={"a": 1, "b": 3}, samples_per_epoch=48
+    )
+    sources = {"a": odd, "b": folds}
+    loader = Loader(sources, **kw)  # type: ignore[arg-type]
+    loader.set_epoch(2)
+    want = [(b["label"].tolist(), b["source"].tolist()) for b in loader]
+    loader.close()
+    ds = IterableArchive(sources, **kw)  # type: ignore[arg-type]
+    assert ds.sources == ("a", "b")
+    ds.set_epoch(2)
+    got = [(b["label"].tolist(), b["source"].tolist()) for b in workers_loader(ds, 2)]
+    assert got == want and len(got) == 8
+    assert Counter(s for _, src in got for s in src) == {0: 12, 1: 36}
+    state = ds.state_dict(batches_done=5)
+    assert state["mixture"]["weights"] == [0.25, 0.75]
+    again = IterableArchive(sources, **kw)  # type: ignore[arg-type]
+    again.load_state_dict(state)
+    assert [b["label"].tolist() for b in again] == [x for x, _ in want[5:]]
+    reweighted = IterableArchive(sources, **{**kw, "weights": {"a": 1, "b": 1}})  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="mixture"):
+        reweighted.load_state_dict(state)
+    with pytest.raises(UsageError, match="IterableArchive order='window' does not apply"):
+        IterableArchive(sources, **kw, order="window")  # type: ignore[arg-type]
+
+
+def test_a_url_through_workers_reads_the_cache(s3: Any, tmp_path: Path) -> None:
+    local = make_archive(tmp_path / "site" / "a", n=37)
+    s3.make_bucket("iter")
+    s3.filesystem().put(str(local), "iter/a", recursive=True)
+    kw = dict(batch_size=4, seed=6)
+    cache = tmp_path / "cache"
+    ds = IterableArchive("s3://iter/a", **kw, cache_dir=cache, cache_bytes=1 << 20)  # type: ignore[arg-type]
+    ds.set_epoch(1)
+    got = labels(list(workers_loader(ds, 2)))
+    assert got == loader_labels(local, **kw)
+    assert len(list(cache.rglob("shard-*.dlop"))) == len(open_archive(local).shards)
