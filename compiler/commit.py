@@ -31,6 +31,7 @@ from dlop.formats.archive import now_utc
 from dlop.formats.constants import MAX_UNITS
 from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
+from dlop.formats.units import MAX_COUNT
 
 from .corpus import Corpus
 from .errors import CompileError
@@ -172,7 +173,12 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
 
 
 def check_unit_count(run: Run) -> None:
-    """Refuses a unit size that cuts the corpus into more units than an index lists."""
+    """Refuses a unit size an index cannot hold (SPEC.md §6.1, §8): larger than 2^64-1, or
+    cutting the corpus into more units than an index lists."""
+    if run.unit_inputs > MAX_COUNT:
+        raise CompileError(
+            f"--unit-inputs {run.unit_inputs}: an index holds at most 2^64-1 inputs per unit"
+        )
     if run.num_units > MAX_UNITS:
         raise CompileError(
             f"--unit-inputs {run.unit_inputs}: the {len(run.corpus.items)} inputs make "

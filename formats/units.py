@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from .constants import MAX_ERRORS_RECORDS, MAX_SHARDS, MAX_UNITS, SHARD_SUFFIX
+from .constants import MAX_ERRORS_RECORDS, MAX_UNITS, SHARD_SUFFIX
 from .errors import FormatError
 
+MAX_COUNT = (1 << 64) - 1  # SPEC.md §8: counts are 0 ... 2^64-1
 UNIT_SHARD = re.compile(rf"unit-(\d{{6,}})-(\d{{4,}}){re.escape(SHARD_SUFFIX)}")
 
 
@@ -63,10 +64,14 @@ class UnitTable:
         if not isinstance(obj, dict):
             raise bad(f"is {type(obj).__name__}, expected an object")
         size, total = obj.get("unit_inputs"), obj.get("num_inputs")
-        if not _count(size, MAX_SHARDS * MAX_UNITS) or size == 0:
-            raise bad(f"'unit_inputs' is {size!r:.40}, expected a positive integer")
-        if not _count(total, MAX_UNITS * size):
-            raise bad(f"'num_inputs' is {total!r:.40}, expected 0 ... {MAX_UNITS} units' inputs")
+        if not _count(size, MAX_COUNT) or size == 0:
+            raise bad(f"'unit_inputs' is {size!r:.40}, expected an integer 1 ... 2^64-1")
+        most = min(MAX_UNITS * size, MAX_COUNT)
+        if not _count(total, most):
+            raise bad(
+                f"'num_inputs' is {total!r:.40}, expected an integer 0 ... {most} (at most "
+                f"{MAX_UNITS} units of {size} inputs)"
+            )
         expected = num_units(total, size)
         lists = {k: obj.get(k) for k in ("shards", "skipped")}
         for key, value in lists.items():
@@ -78,16 +83,26 @@ class UnitTable:
             inputs = len(table.inputs_of(k))
             if not _count(table.shards[k], inputs):
                 raise bad(f"'shards[{k}]' is {table.shards[k]!r:.40}, expected 0 ... {inputs}")
-            if not _count(table.skipped[k], min(inputs, MAX_ERRORS_RECORDS)):
-                raise bad(f"'skipped[{k}]' is {table.skipped[k]!r:.40}, expected 0 ... {inputs}")
+            most = min(inputs, MAX_ERRORS_RECORDS)
+            if not _count(table.skipped[k], most):
+                raise bad(f"'skipped[{k}]' is {table.skipped[k]!r:.40}, expected 0 ... {most}")
         if sum(table.shards) != len(shard_files):
-            raise bad(f"count {sum(table.shards)} shards, the index lists {len(shard_files)}")
-        names = (unit_shard_name(k, j) for k, n in enumerate(table.shards) for j in range(n))
-        for i, (name, want) in enumerate(zip(shard_files, names, strict=True)):
-            if name != want:
-                raise bad(f"place shard entry #{i} in a unit as {want!r}, the index names {name!r}")
+            raise bad(
+                f"'shards' counts {sum(table.shards)} shards in all, the index lists "
+                f"{len(shard_files)}"
+            )
+        names = ((k, j) for k, n in enumerate(table.shards) for j in range(n))
+        for i, (name, (k, j)) in enumerate(zip(shard_files, names, strict=True)):
+            if name != unit_shard_name(k, j):
+                raise bad(
+                    f"'shards' makes shard entry #{i} shard {j} of unit {k}, named "
+                    f"{unit_shard_name(k, j)!r}; the index names it {name!r}"
+                )
         if sum(table.skipped) != skipped:
-            raise bad(f"count {sum(table.skipped)} skipped inputs, the index says {skipped}")
+            raise bad(
+                f"'skipped' counts {sum(table.skipped)} skipped inputs in all, 'skipped.count' "
+                f"is {skipped}"
+            )
         return table
 
 
