@@ -12,6 +12,7 @@ inputs so there are several units.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -224,3 +225,32 @@ def test_workers_die_with_a_killed_driver(
             break
         subprocess.run(["sleep", "0.1"], check=True)
     assert not left, f"worker processes outlived the killed compile: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corpus", ["clips"], indirect=True)
+def test_kill_9_of_a_dask_client_then_resume_is_byte_identical(
+    corpus: tuple[list[str], dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client of a --dask local:2 compile killed after its second unit's record; the
+    same command with --resume on the local engine finishes the identical archive."""
+    pytest.importorskip("distributed")
+    args, whole = corpus
+    out = tmp_path / "out"
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, TEST_KILL_AT: "unit:2"}
+    cmd = [sys.executable, "-m", "dlop.tools.compile_cli", *args, "--dask", "local:2"]
+    # a session of its own: the cluster's processes go with the killed client
+    proc = subprocess.Popen(
+        [*cmd, "-o", str(out)], env=env, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL, err.decode()
+    assert not (out / "index.json").exists() and (out / JOURNAL).exists()
+    assert len(committed(out)) >= 2
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    assert main([*args, "-o", str(out), "--resume"]) == 0
+    assert files(out) == whole
