@@ -50,8 +50,8 @@ from .units import CHUNK_ITEMS, UNIT_INPUTS, UnitRecord, UnitWriter, chunked
 
 __all__ = ["CHUNK_ITEMS", "JOURNAL", "TEST_KILL_AT", "TEST_SIGNAL", "UNIT_INPUTS", "compile_corpus"]
 
-# For the test suite only: DLOP_TEST_KILL_AT=start|input:N|shard:N|unit:N|index makes
-# the compile send itself DLOP_TEST_SIGNAL (KILL, or e.g. STOP) at that moment, so
+# For the test suite only: DLOP_TEST_KILL_AT=start|input:N|shard:N|unit:N|index|tidy
+# makes the compile send itself DLOP_TEST_SIGNAL (KILL, or e.g. STOP) at that moment, so
 # tests interrupt it at exact points (see docs/compile.md).
 TEST_KILL_AT = "DLOP_TEST_KILL_AT"
 TEST_SIGNAL = "DLOP_TEST_SIGNAL"
