@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .codecs import Raw
+from .constants import PREAMBLE
+from .errors import FormatError
+from .header import align, header_end_for, parse_header, read_preamble, required_regions
 from .reader import BlockCache, ShardReader
 from .schema import Field
 from .writer import ShardInfo, ShardWriter
@@ -40,3 +43,42 @@ def transcode_raw(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> S
                 writer.write(reader.sample(i))
             info = writer.close()
     return info
+
+
+# A number in a header is at most 20 digits: the raw header, with the same fields, may
+# outgrow the block-coded one by this much per region entry (offset, length, crc32).
+HEADER_GROWTH_PER_REGION = 64
+
+
+def header_span(head: bytes, path: object, file_size: int) -> int:
+    """Bytes from the start of a shard of ``file_size`` bytes through its JSON header,
+    read from its first bytes ``head`` (at least the preamble)."""
+    hlen, _ = read_preamble(path, head, file_size)
+    return PREAMBLE.size + hlen
+
+
+def raw_size_bound(head: bytes, path: object, file_size: int) -> int:
+    """At least the bytes ``transcode_raw`` writes for the shard whose first bytes are
+    ``head`` (preamble and whole header, ``header_span`` bytes), from the header's
+    declared sizes (SPEC.md §4): a fixed field's data is ``num_samples * prod(shape) *
+    itemsize`` raw, a ragged one's ``value_count * itemsize``; each region and the
+    header start on a 4096-byte boundary."""
+    hlen, crc = read_preamble(path, head, file_size)
+    if len(head) < PREAMBLE.size + hlen:
+        raise FormatError(
+            path, f"need the first {PREAMBLE.size + hlen} bytes for the header, got {len(head)}"
+        )
+    layout = parse_header(path, head[PREAMBLE.size : PREAMBLE.size + hlen], crc, file_size)
+    body = regions = 0
+    for fl in layout.fields:
+        f = fl.field
+        for name in required_regions(raw_fields((f,))[0]):
+            if name != "data":
+                length = fl.regions[name].length
+            elif f.ragged:
+                length = (fl.value_count or 0) * f.itemsize
+            else:
+                length = layout.num_samples * f.sample_bytes
+            body += align(length)
+            regions += 1
+    return header_end_for(hlen + HEADER_GROWTH_PER_REGION * (regions + 1)) + body

@@ -181,11 +181,37 @@ class CacheDir:
             raise CacheError(f"{path}: stored, then gone before it could be held")
         return held
 
-    def store(self, path: Path, data: bytes) -> None:
+    def prefetch(
+        self, path: Path, size: int, fetch: Callable[[], bytes], write: WriteFn | None = None
+    ) -> bool:
+        """Shard ``path`` (at most ``size`` bytes cached) fetched into the cache ahead of use
+        and not held (as ``get``), but only while no other process is fetching it and the
+        budget has room now (unheld shards evicted for it, nobody waited for); True if
+        it is cached after."""
+        if path.exists():
+            return True
+        fd = _open(path.with_name(path.name + LOCK_SUFFIX), os.O_RDWR | os.O_CREAT)
+        try:
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                return False  # being fetched by another process
+            if path.exists():
+                return True
+            with locked(self.root / BUDGET_LOCK):
+                if self.make_room(size) + size > self.max_bytes:
+                    return False
+            data = fetch()
+            return self.store(path, write(data) if write is not None else data, wait=False)
+        finally:
+            os.close(fd)
+
+    def store(self, path: Path, data: bytes, wait: bool = True) -> bool:
         """Writes ``data`` as ``path``: room made and the temporary file sized under the
-        budget lock, written, synced and renamed into place."""
+        budget lock, written, synced and renamed into place. Without ``wait``, False
+        (nothing written) when room cannot be made at once."""
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-        fd = self.reserve(tmp, len(data))
+        fd = self.reserve(tmp, len(data), wait)
+        if fd is None:
+            return False
         try:
             view = memoryview(data)
             done = 0
@@ -199,11 +225,12 @@ class CacheDir:
             raise
         finally:
             os.close(fd)
+        return True
 
-    def reserve(self, tmp: Path, size: int) -> int:
+    def reserve(self, tmp: Path, size: int, wait: bool = True) -> int | None:
         """Creates ``tmp`` at ``size`` bytes, locked, once the budget has room for it;
         evicts unheld shards (least recently used first) to make room, and waits
-        while the shards in the way are held."""
+        while the shards in the way are held (without ``wait``: None at once)."""
         if size > self.max_bytes:
             raise CacheError(
                 f"{tmp.parent}: a {size}-byte shard does not fit the cache budget of "
@@ -219,6 +246,8 @@ class CacheDir:
                     fcntl.flock(fd, fcntl.LOCK_EX)
                     os.ftruncate(fd, size)
                     return fd
+            if not wait:
+                return None
             if self.squeeze is not None and self.squeeze():
                 continue  # this process let go of shards it kept only in case
             if time.monotonic() > deadline:

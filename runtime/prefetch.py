@@ -66,12 +66,16 @@ STOPPED_MESSAGE = (
 class Asks:
     """The source stage's side of one epoch: batch j's shards asked for once, while
     batch j-1 is made (a remote source fetches them meanwhile), and let go of once:
-    when j has been copied, or by ``release_all`` when the epoch ends early."""
+    when j has been copied, or by ``release_all`` when the epoch ends early. A source
+    with ``ahead`` (a remote one) also hears, at each ask, the shards later batches
+    read first, in order, to fetch them ahead."""
 
     def __init__(self, archive: Archive, batches: list[np.ndarray]) -> None:
         self.archive = archive
         self.batches = batches
         self.out: dict[int, list[int]] = {}  # asked for, not yet let go of
+        self.ahead = getattr(archive.source, "ahead", None)
+        self.firsts: tuple[np.ndarray, np.ndarray] | None = None
 
     def ask_through(self, j: int) -> None:
         """Batch j (if not asked for yet) and the one after it."""
@@ -80,6 +84,20 @@ class Asks:
                 shards = self.archive.shards_of(torch.from_numpy(self.batches[k])).tolist()
                 self.archive.source.ask(shards)
                 self.out[k] = shards
+        if self.ahead is not None:
+            self.ahead(self.first_read_after(j + 1))
+
+    def first_read_after(self, j: int) -> np.ndarray:
+        """The shards that batches after j read and none up to j does, in first-read order."""
+        if self.firsts is None:
+            flat = np.concatenate(self.batches) if self.batches else np.zeros(0, np.int64)
+            batch_of = np.repeat(np.arange(len(self.batches)), [len(b) for b in self.batches])
+            of = self.archive.shards_of(torch.from_numpy(flat))
+            shards, first = np.unique(of, return_index=True)
+            by_use = np.argsort(first, kind="stable")
+            self.firsts = (shards[by_use], batch_of[first[by_use]])
+        shards, batch = self.firsts
+        return shards[np.searchsorted(batch, j, side="right") :]
 
     def release(self, j: int) -> None:
         shards = self.out.pop(j, None)

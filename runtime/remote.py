@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlop.formats import INDEX_NAME, urls
+from dlop.formats import INDEX_NAME, FormatError, urls
+from dlop.formats.transcode import header_span
 
 from .errors import LoaderError
 
@@ -66,6 +67,8 @@ class Retry:
 
 
 DEFAULT_RETRY = Retry()
+# A shard's first bytes fetched to read its header: most headers fit, longer ones take a second read.
+HEAD_BYTES = 64 << 10
 
 # Errors that retrying cannot fix: the object is not there, or we may not read it.
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
@@ -78,15 +81,20 @@ def fetch_bytes(
     check: Callable[[bytes], str | None],
     what: str,
     retry: Retry = DEFAULT_RETRY,
+    head: bool = False,
 ) -> bytes:
     """The object at ``path``, ``size`` bytes when known (then in ranged parts fetched in
-    parallel), accepted once ``check(data)`` returns None (else a reason); timeouts,
-    resets, 5xx, SlowDown, truncated or corrupt data are retried with backoff, and
-    LoaderError names ``what`` and the URL when every attempt failed."""
+    parallel), or with ``head`` its first ``size`` bytes (one ranged read); accepted once
+    ``check(data)`` returns None (else a reason); timeouts, resets, 5xx, SlowDown,
+    truncated or corrupt data are retried with backoff, and LoaderError names ``what``
+    and the URL when every attempt failed."""
     reasons: list[str] = []
     for attempt in range(retry.attempts):
         try:
-            data = fetch_once(fs, path, size, retry)
+            if head and size is not None:
+                data = bytes(fs.cat_file(path, start=0, end=size))
+            else:
+                data = fetch_once(fs, path, size, retry)
         except PERMANENT as e:
             raise LoaderError(f"{what}: cannot read {path}: {e}") from None
         except Exception as e:  # the storage client's own errors have no common base
@@ -127,6 +135,31 @@ def checker(size: int, crc32: int) -> Callable[[bytes], str | None]:
         return None
 
     return check
+
+
+def fetch_head(
+    fs: Any, path: str, file_size: int, what: str, retry: Retry = DEFAULT_RETRY
+) -> bytes:
+    """A shard's first bytes through its JSON header (SPEC.md §2): one ranged read of
+    ``HEAD_BYTES``, a second when the header is longer."""
+
+    def check_length(want: int) -> Callable[[bytes], str | None]:
+        def check(data: bytes) -> str | None:
+            if len(data) != want:
+                return f"got {len(data)} bytes of the shard's first {want} (truncated transfer?)"
+            return None
+
+        return check
+
+    first = min(file_size, HEAD_BYTES)
+    data = fetch_bytes(fs, path, first, check_length(first), what, retry, head=True)
+    try:
+        span = header_span(data, path, file_size)
+    except FormatError as e:
+        raise LoaderError(f"{what}: {e}") from None
+    if span > len(data):
+        data = fetch_bytes(fs, path, span, check_length(span), what, retry, head=True)
+    return data
 
 
 def fetch_index(

@@ -81,7 +81,6 @@ class RemoteArchive(Archive):
         publish(folder / "index.json", data)
         publish(folder / "source.txt", url.encode() + b"\n")
         self.reader = ArchiveReader(folder)  # the validated index; shards come from the source
-        self.check_budget(2)
         names = names_of(url, fields)
         stored = list(self.reader.fields) if names is None else names
         missing = [n for n in stored if n not in self.reader.fields]
@@ -93,6 +92,7 @@ class RemoteArchive(Archive):
         self.fields = {n: raw[n] for n in stored}
         self.pad_value = pad_value
         source = RemoteSource(url, self.reader.index, self.cache, folder, self.client, retry)
+        source.sizes.check_budget(2)
         self.source = source  # type: ignore[assignment]
         self.shards = []  # mapped per batch by the source, never all at once
         self.paths = (self.path,)
@@ -107,20 +107,6 @@ class RemoteArchive(Archive):
 
     def client(self) -> tuple[Any, str]:
         return filesystem(self.url, self.storage_options)
-
-    def check_budget(self, shards_in_flight: int) -> None:
-        """Refuses a cache budget below ``shards_in_flight`` times the largest shard:
-        the shards one rank holds at once could not all be cached."""
-        sizes = [s.bytes for s in self.reader.index.shards]
-        largest = max(sizes, default=0)
-        need = min(shards_in_flight, len(sizes)) * largest
-        if need > self.cache.max_bytes:
-            raise UsageError(
-                f"{self.url}: cache_bytes {self.cache.max_bytes} is below what reading needs "
-                f"in flight: {min(shards_in_flight, len(sizes))} shards x {largest} bytes "
-                f"(the largest) = {need}; raise cache_bytes (DLOP_CACHE_BYTES) to at least "
-                f"{need}, plus room for the ranks sharing {self.cache.root}"
-            )
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if isinstance(index, bool) or not hasattr(index, "__index__"):

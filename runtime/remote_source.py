@@ -6,12 +6,23 @@ moment it is mapped until no batch asks for it; only then may any process on
 the node evict it. Shards read without an ask (``ds[i]``, a DataLoader over the
 Dataset) stay held while they are among the ``loose_shards`` used last.
 
+Ahead of the asks, ``ahead`` hears which shards later batches read first, in
+order (runtime.prefetch.Asks): one background thread fetches the first
+``ahead_shards`` of them into the cache, not held, while the shards this
+process holds plus those ahead fit the budget, so a new window's shards are
+in place (a warm cache: only mapped) before its first batch asks for them.
+
+Budget checks count a shard at its size in the cache: for a block-coded (zstd)
+shard, the raw copy, bounded from its header (one small ranged read) before
+the shard itself is fetched.
+
 After a fork (DataLoader workers) the child starts afresh: it holds nothing its
 parent held, and makes its own threads and storage client.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import OrderedDict
@@ -28,6 +39,7 @@ from dlop.formats.transcode import needs_transcode, transcode_raw
 from .cache import CacheDir, Held
 from .errors import LoaderError, ShardChangedError, UsageError
 from .remote import DEFAULT_RETRY, Retry, checker, fetch_bytes, join
+from .remote_sizes import ShardSizes
 
 Filesystem = Callable[[], tuple[Any, str]]  # this process's (filesystem, archive path)
 
@@ -45,6 +57,7 @@ class RemoteSource:
         retry: Retry = DEFAULT_RETRY,
         loose_shards: int = 2,
         fetch_threads: int = 2,
+        ahead_shards: int = 16,
     ) -> None:
         self.url = url
         self.index = index
@@ -54,7 +67,9 @@ class RemoteSource:
         self.retry = retry
         self.loose_shards = loose_shards
         self.fetch_threads = fetch_threads
+        self.ahead_shards = ahead_shards
         self.transcode = needs_transcode(index.fields)
+        self.sizes = ShardSizes(url, index, cache.max_bytes, filesystem, retry)
         cache.squeeze = self.squeeze
         self.pid = -1
         self.fresh()
@@ -68,6 +83,12 @@ class RemoteSource:
         self.pending: dict[int, Future[ShardReader]] = {}
         self.loose: OrderedDict[int, None] = OrderedDict()
         self.pool: ThreadPoolExecutor | None = None
+        self.upcoming: list[int] = []  # shards later batches read first, in order
+        self.ahead_job: Future[None] | None = None
+        self.ahead_pool: ThreadPoolExecutor | None = None
+        self.ahead_skipped: set[int] = set()  # no room, or fetched elsewhere: try at the next ask
+        # A failed fetch ahead, raised by the batch that reads the shard: its attempts are spent.
+        self.ahead_errors: dict[int, Exception] = {}
 
     def mine(self) -> None:
         if self.pid != os.getpid():
@@ -106,6 +127,57 @@ class RemoteSource:
                 if self.refs[old] == 0:
                     self.drop(old)
 
+    def ahead(self, shards: Sequence[int] | np.ndarray) -> None:
+        """Shards later batches read first, in the order they do (none asked for yet):
+        the first ``ahead_shards`` are fetched into the cache in the background."""
+        self.mine()
+        upcoming = [int(k) for k in shards[: self.ahead_shards]]
+        with self.lock:
+            self.upcoming = upcoming
+            self.ahead_skipped.clear()
+            if upcoming and (self.ahead_job is None or self.ahead_job.done()):
+                if self.ahead_pool is None:
+                    self.ahead_pool = ThreadPoolExecutor(1, "dlop-ahead")
+                self.ahead_job = self.ahead_pool.submit(self.fetch_ahead)
+
+    def next_ahead(self) -> int | None:
+        """The first upcoming shard not cached yet whose fetch keeps what this process
+        holds plus the shards before it within the budget (called under the lock)."""
+        held = sum(1 for k, r in enumerate(self.refs) if r > 0 or k in self.open)
+        fit = self.cache.max_bytes // max(1, self.sizes.largest)
+        for i, k in enumerate(self.upcoming):
+            if held + i + 1 > fit:
+                return None
+            if k in self.open or k in self.pending or k in self.ahead_skipped:
+                continue
+            if k in self.ahead_errors:
+                continue
+            if not (self.folder / self.index.shards[k].file).exists():
+                return k
+        return None
+
+    def fetch_ahead(self) -> None:
+        """Fetches upcoming shards into the cache, one at a time, until none is left that
+        fits (runs on the ahead thread)."""
+        while True:
+            with self.lock:
+                k = self.next_ahead()
+            if k is None:
+                return
+            info = self.index.shards[k]
+            path = self.folder / info.file
+            what = f"{self.url}: shard {k} ({info.file})"
+            try:
+                fetch = functools.partial(self.fetch_ahead_one, k, what)
+                done = self.cache.prefetch(path, self.sizes.size(k), fetch, self.to_raw(path))
+            except Exception as e:
+                with self.lock:
+                    self.ahead_errors.setdefault(k, e)
+                continue
+            if not done:
+                with self.lock:
+                    self.ahead_skipped.add(k)
+
     def squeeze(self) -> bool:
         """Lets go of the shards kept only because they were read last; True if any."""
         with self.lock:
@@ -116,16 +188,7 @@ class RemoteSource:
 
     def check_in_flight(self) -> None:
         """Refuses holds that could never all be cached (called under the lock)."""
-        held = sum(1 for r in self.refs if r > 0)
-        largest = max((s.bytes for s in self.index.shards), default=0)
-        if held * largest > self.cache.max_bytes:
-            raise UsageError(
-                f"{self.url}: {held} shards are in flight at once (the batches being made "
-                f"and the next ones), up to {held} x {largest} bytes = {held * largest}, "
-                f"above cache_bytes {self.cache.max_bytes}; raise cache_bytes "
-                "(DLOP_CACHE_BYTES) to at least that, or use order='window' with "
-                "fewer window_shards"
-            )
+        self.sizes.check_in_flight(sum(1 for r in self.refs if r > 0))
 
     def shard(self, k: int) -> ShardReader:
         """Shard ``k`` mapped from the cache: fetched now, or waited for if under way.
@@ -160,6 +223,7 @@ class RemoteSource:
             except FormatError as e:
                 self.cache.let_go(held)
                 raise LoaderError(f"{what}: the cached copy does not read ({e})") from None
+            self.sizes.learn(k, held.bytes)
             with self.lock:
                 self.open[k] = (reader, held)
                 if self.refs[k] == 0 and k not in self.loose:
@@ -169,7 +233,25 @@ class RemoteSource:
             with self.lock:
                 self.pending.pop(k, None)
 
+    def fetch_ahead_one(self, k: int, what: str) -> bytes:
+        """``fetch`` for the ahead thread: a failure is noted under the shard's fetch lock,
+        so the batch that reads the shard next raises it instead of trying again."""
+        try:
+            return self.fetch(k, what)
+        except Exception as e:
+            with self.lock:
+                self.ahead_errors[k] = e
+            raise
+
     def fetch(self, k: int, what: str) -> bytes:
+        with self.lock:
+            failed = self.ahead_errors.pop(k, None)
+        if failed is not None:
+            raise failed
+        if self.transcode:  # its raw copy must fit beside what is held: known before the body
+            self.sizes.check_fits(k, what)
+            with self.lock:
+                self.check_in_flight()
         fs, base = self.filesystem()
         info = self.index.shards[k]
         check = checker(info.bytes, info.crc32)
@@ -234,6 +316,9 @@ class RemoteSource:
         with self.lock:
             for k in list(self.open):
                 self.drop(k)
-            pool, self.pool = self.pool, None
-        if pool is not None and self.pid == os.getpid():
-            pool.shutdown(wait=True, cancel_futures=True)
+            pools = [p for p in (self.pool, self.ahead_pool) if p is not None]
+            self.pool = self.ahead_pool = None
+            self.upcoming = []
+        if self.pid == os.getpid():
+            for pool in pools:
+                pool.shutdown(wait=True, cancel_futures=True)

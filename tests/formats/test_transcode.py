@@ -5,9 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from dlop.formats import ArchiveReader, ShardReader
-from dlop.formats.transcode import needs_transcode, raw_fields, transcode_raw
+from dlop.formats import ArchiveReader, ArchiveWriter, Field, FormatError, ShardReader, Zstd
+from dlop.formats.transcode import (
+    header_span,
+    needs_transcode,
+    raw_fields,
+    raw_size_bound,
+    transcode_raw,
+)
 from tests.runtime.helpers import make_archive
 
 
@@ -30,3 +37,24 @@ def test_transcode_keeps_every_sample(tmp_path: Path) -> None:
                     assert a[name] == b[name]
         assert raw.array("logmel").shape == (z.num_samples, 5, 4)  # zero-copy view
         assert not raw.verify()
+
+
+def test_raw_size_bound_from_the_header_alone(tmp_path: Path) -> None:
+    zeros = tmp_path / "zeros"
+    fields = [Field("x", "f32", (16384,), codec=Zstd()), Field("y", "u8", (None,), codec=Zstd())]
+    with ArchiveWriter(zeros, fields, shard_bytes=600_000) as w:
+        for i in range(12):
+            w.write({"x": np.zeros(16384, np.float32), "y": np.zeros(i * 100, np.uint8)})
+    ratios = []
+    for archive in (make_archive(tmp_path / "z", zstd=True), zeros):
+        for info in ArchiveReader(archive).index.shards:
+            data = (archive / info.file).read_bytes()
+            head = data[: header_span(data[:24], info.file, len(data))]
+            bound = raw_size_bound(head, info.file, len(data))
+            transcode_raw(archive / info.file, tmp_path / "raw.dlop")
+            raw = (tmp_path / "raw.dlop").stat().st_size
+            assert raw <= bound <= raw + 8192
+            ratios.append(bound / len(data))
+    assert max(ratios) > 10  # zeros: the raw copy is many times the compressed shard
+    with pytest.raises(FormatError, match="need the first"):
+        raw_size_bound(head[:-1], info.file, len(data))

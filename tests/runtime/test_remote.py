@@ -8,9 +8,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime.cache import CacheDir
 from dlop.runtime.errors import UsageError
@@ -144,9 +146,15 @@ def test_budget_is_a_hard_ceiling(served: Path, tmp_path: Path) -> None:
     seen: list[int] = []
     stop = threading.Event()
 
+    def size(p: Path) -> int:
+        try:
+            return p.stat().st_size if p.is_file() else 0
+        except FileNotFoundError:  # evicted while listed
+            return 0
+
     def sample() -> None:
         while not stop.is_set():
-            seen.append(sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()))
+            seen.append(sum(size(p) for p in cache.rglob("*")))
 
     with FaultProxy(root=served) as proxy:
         remote = RemoteArchive(proxy.url + "/a", cache_dir=cache, cache_bytes=budget, retry=FAST)
@@ -208,3 +216,85 @@ def test_loader_takes_cache_dir_and_cache_bytes(served: Path, tmp_path: Path) ->
         assert len(list((tmp_path / "mine").rglob("shard-*.dlop"))) == 6
         with pytest.raises(UsageError, match="cache_bytes 1000 is below"):
             Loader(url, cache_dir=tmp_path / "mine", cache_bytes=1000, **SETTINGS)
+
+
+def test_later_windows_are_fetched_ahead(served: Path, tmp_path: Path) -> None:
+    with FaultProxy(root=served) as proxy:
+        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        loader = Loader(remote, prefetch=0, **SETTINGS)  # windows of 2 of the 6 shards
+        it = iter(loader)
+        first = copied(next(it))
+        job = remote.source.ahead_job
+        assert job is not None
+        job.result(timeout=30)
+        # The shards of every later window are cached before a batch asks for them.
+        assert len(list((tmp_path / "c").rglob("shard-*.dlop"))) == 6
+        rest = [copied(b) for b in it]
+        loader.close()
+        want = epoch_batches(Loader(served / "a", **SETTINGS), 0)
+        got = [first, *rest]
+        assert all(same(g, w) for g, w in zip(got, want, strict=True)) and len(got) == len(want)
+        assert all(proxy.count(f"shard-0000{k}") == 1 for k in range(6))  # each fetched once
+
+
+def test_fetching_ahead_stays_within_the_budget(served: Path, tmp_path: Path) -> None:
+    largest = max(p.stat().st_size for p in (served / "a").glob("shard-*"))
+    with FaultProxy(root=served) as proxy:
+        remote = RemoteArchive(
+            proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=3 * largest, retry=FAST
+        )
+        loader = Loader(remote, prefetch=0, **{**SETTINGS, "window_shards": 1})
+        it = iter(loader)
+        next(it)
+        job = remote.source.ahead_job
+        assert job is not None
+        job.result(timeout=30)
+        # batch 0 and 1 hold a shard each (or one between them): one more fits, not all six
+        assert len(list((tmp_path / "c").rglob("shard-*.dlop"))) <= 3
+        loader.close()
+
+
+def compressible(path: Path) -> Path:
+    """Shard 0 holds noise (its raw copy the size it is stored), shard 1 a single sample
+    of zeros: small stored, 1 MiB raw."""
+    fields = [Field.str_("key"), Field("x", "f32", (None,), codec=Zstd())]
+    noise = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    with ArchiveWriter(path, fields, shard_bytes=60_000) as w:
+        for i in range(4):
+            w.write({"key": f"n{i}", "x": noise})
+        w.write({"key": "zeros", "x": np.zeros(1 << 18, np.float32)})
+    return path
+
+
+def test_a_zstd_budget_counts_raw_sizes(tmp_path: Path) -> None:
+    archive = tmp_path / "site" / "zeros"
+    with ArchiveWriter(archive, [Field("x", "f32", (None,), codec=Zstd())]) as w:
+        for _ in range(4):
+            w.write({"x": np.zeros(1 << 16, np.float32)})  # 1 MiB raw in one shard
+    (stored,) = [p.stat().st_size for p in archive.glob("shard-*")]
+    assert 10 * stored < 1 << 20
+    with FaultProxy(root=tmp_path / "site") as proxy:
+        url = proxy.url + "/zeros"
+        with pytest.raises(UsageError, match=r"1 shards x \d+ bytes \(the largest, cached raw"):
+            RemoteArchive(url, cache_dir=tmp_path / "c", cache_bytes=10 * stored)
+        assert proxy.count("shard-00000") == 1  # its header only
+        ds = RemoteArchive(url, cache_dir=tmp_path / "c", cache_bytes=2 << 20)
+        assert ds[3]["x"].shape == (1 << 16,)
+
+
+def test_a_shard_whose_raw_copy_exceeds_the_budget_is_refused_before_fetching(
+    tmp_path: Path,
+) -> None:
+    archive = compressible(tmp_path / "site" / "zeros")
+    stored = sorted(p.stat().st_size for p in archive.glob("shard-*"))
+    assert stored[-1] < 100_000  # every shard as stored fits the budget many times
+    with FaultProxy(root=tmp_path / "site") as proxy:
+        remote = RemoteArchive(
+            proxy.url + "/zeros", cache_dir=tmp_path / "c", cache_bytes=400_000, retry=FAST
+        )
+        last = f"shard-{remote.reader.num_shards - 1:05d}"
+        # refused by the shard's own check, or by the in-flight check once its size is known
+        with pytest.raises(UsageError, match="cached raw"):
+            epoch_batches(Loader(remote, batch_size=2, shuffle=False, prefetch=0), 0)
+        assert proxy.count(last) <= 2  # its header only (one ranged read, maybe two)
+        assert not list((tmp_path / "c").rglob(f"{last}*.dlop"))
