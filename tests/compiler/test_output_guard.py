@@ -7,6 +7,7 @@ import json
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 from unittest.mock import Mock
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from dlop.compiler import commit
 from dlop.compiler.errors import CompileError
 from dlop.compiler.output import JOURNAL, LOCK, OutputLock
+from dlop.compiler.store import open_store
 from dlop.formats import ArchiveWriter
 from dlop.tools.compile_cli import main
 
@@ -479,3 +481,39 @@ def test_a_lock_file_that_is_a_link_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CompileError, match="symbolic link"):
         OutputLock(tmp_path)
     assert (tmp_path / LOCK).is_symlink()
+
+
+# -- a URL OUT ------------------------------------------------------------------------------
+
+
+def test_a_url_store_gives_sizes_with_one_request(s3: Any) -> None:
+    store = open_store(f"{s3.make_bucket('sizes')}/out")
+    store.write("a.bin", b"12345")
+    store.write("sub/b.bin", b"")
+    assert (store.size("a.bin"), store.size("sub/b.bin")) == (5, 0)
+    assert store.size("missing.bin") is None and store.size("sub") is None
+
+
+def test_resume_into_a_url_redoes_a_unit_whose_shard_changed_size(
+    stopped: tuple[Path, Path, Path], s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corpus, whole, _ = stopped
+    url = f"{s3.make_bucket('resume')}/out"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    real, calls = ArchiveWriter.write_group, iter(range(3))
+
+    def write_group(self: ArchiveWriter, samples: object) -> None:
+        if next(calls, 2) == 2:
+            raise KeyboardInterrupt  # Ctrl-C in the third input
+        real(self, samples)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ArchiveWriter, "write_group", write_group)
+        assert main([str(corpus), "-o", url, *UNITS_OF_ONE]) == 130
+    fs = s3.filesystem()
+    path = url.removeprefix("s3://")
+    assert fs.exists(f"{path}/{RECORD0}") and fs.exists(f"{path}/.dlop-unit-000001.json")
+    fs.pipe_file(f"{path}/{SHARD0}", b"not the shard")  # same name, other size: redone
+    assert main([str(corpus), "-o", url, "--resume", *UNITS_OF_ONE]) == 0
+    got = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(path)}
+    assert got == tree(whole)
