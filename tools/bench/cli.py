@@ -125,6 +125,12 @@ def _sources(run: _Run) -> list[Row]:
     return sources_bench.run(run.work / "sources", run.args)
 
 
+def _remote(run: _Run) -> list[Row]:
+    from . import remote_bench
+
+    return remote_bench.run(run.work / "remote", run.args)
+
+
 def _peers(run: _Run) -> list[Row]:
     from . import peer_rows, speech_peers
 
@@ -141,6 +147,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "vision": _vision,
     "select": _select,
     "sources": _sources,
+    "remote": _remote,
     "peers": _peers,
 }
 # peers needs LitData, MosaicML Streaming, Lhotse and datasets, which only `make bench-peers` installs

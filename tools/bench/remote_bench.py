@@ -1,0 +1,169 @@
+"""Training from object storage: the Loader over an archive served by a local S3 server
+(moto on loopback) through the node-local shard cache, against the same archive on
+local disk; the first epoch with an empty cache (cold) and later ones (warm).
+
+Loopback has no network latency or bandwidth limit to speak of: the cold rows
+measure dlop's fetch, check and cache path plus moto's own serving, not a
+real network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from dlop.formats import ArchiveWriter, Field, Raw, Zstd
+from dlop.formats.urls import filesystem
+from dlop.runtime import Loader
+
+from .common import Row, interleaved, loader_epoch, rate_row
+from .format_bench import FRAMES, MELS, synthetic_logmel
+
+BATCH = 256
+SHARDS = 16
+WINDOW_SHARDS = 4
+BUCKET = "dlop-bench"
+CACHE_BYTES = 8 << 30
+
+
+def write(path: Path, n: int, zstd: bool) -> Path:
+    """An ESC-50-shaped archive in about ``SHARDS`` shards: logmel f16 [FRAMES, MELS], label."""
+    codec = Zstd(level=3) if zstd else Raw()
+    fields = [Field("logmel", "f16", (FRAMES, MELS), codec=codec), Field("label", "i64", ())]
+    block = synthetic_logmel(np.random.default_rng(0), 64)
+    shard_bytes = max(1, n * FRAMES * MELS * 2 // SHARDS)
+    with ArchiveWriter(path, fields, shard_bytes=shard_bytes, overwrite=True) as w:
+        for i in range(n):
+            w.write({"logmel": block[i % 64], "label": i % 50})
+    return path
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[str | None]:
+    """A moto S3 server on 127.0.0.1 with the AWS_* environment pointing at it, yielding
+    its endpoint; None when moto is not installed."""
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        yield None
+        return
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
+    urllib.request.urlopen(request).read()  # moto keeps buckets across servers in a process
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield endpoint
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def upload(local: Path) -> str:
+    """``local`` copied to the bucket; returns its URL."""
+    fs, _ = filesystem(f"s3://{BUCKET}")
+    if not fs.exists(BUCKET):
+        fs.mkdir(BUCKET)
+    fs.put(str(local), f"{BUCKET}/{local.name}", recursive=True)
+    return f"s3://{BUCKET}/{local.name}"
+
+
+def loader(archive: Path | str, cache: Path | None = None) -> Loader:
+    """The Loader of every row; ``cache`` (a URL's cache folder) holds the whole archive."""
+    return Loader(
+        archive,
+        BATCH,
+        seed=0,
+        order="window",
+        window_shards=WINDOW_SHARDS,
+        cache_dir=cache,
+        cache_bytes=None if cache is None else CACHE_BYTES,
+    )
+
+
+def cold_epoch_s(url: str, work: Path, rounds: int) -> float:
+    """Median seconds of a first epoch from an empty cache (open and index fetch included)."""
+    times = []
+    for r in range(max(1, rounds)):
+        cache = work / f"cold-cache-{r}"
+        t0 = time.perf_counter()
+        first = loader(url, cache)
+        loader_epoch(first)
+        times.append(time.perf_counter() - t0)
+        first.close()
+        shutil.rmtree(cache, ignore_errors=True)
+    return float(np.median(times))
+
+
+def rows_for(name: str, local: Path, url: str, work: Path, n: int, repeats: int) -> list[Row]:
+    """The local, warm and cold rows of one archive (raw or zstd)."""
+    size = FRAMES * MELS * 2
+    cold = cold_epoch_s(url, work, repeats)
+    near, far = loader(local), loader(url, work / f"cache-{name}")
+    epochs: dict[str, Callable[[], int]] = {
+        "local": lambda: loader_epoch(near),
+        "warm": lambda: loader_epoch(far),
+    }
+    took = interleaved(epochs, repeats)
+    near.close()
+    far.close()
+    wl = (
+        f"remote: ESC-50-shaped f16 [{FRAMES},{MELS}] x {n}, {name}, {SHARDS} shards, "
+        f"moto S3 on loopback, window order ({WINDOW_SHARDS} shards), batches of {BATCH}"
+    )
+    base = rate_row(wl, f"dlop Loader, local {name} archive", n, took["local"], size)
+    return [
+        base,
+        rate_row(
+            wl,
+            f"dlop Loader, s3:// {name} archive, warm cache"
+            + (" (cached raw)" if name == "zstd" else ""),
+            n,
+            took["warm"],
+            size,
+            base,
+            **({"target": ">=0.8x"} if name == "raw" else {}),
+        ),
+        rate_row(wl, f"dlop Loader, s3:// {name} archive, cold first epoch", n, cold, size, base),
+    ]
+
+
+def run(work: Path, args: argparse.Namespace) -> list[Row]:
+    n = max(args.clips, 2 * BATCH)
+    with moto_s3() as endpoint:
+        if endpoint is None:
+            print(
+                "remote: moto is not installed (pip install 'moto[server]'): not run",
+                file=sys.stderr,
+            )
+            return []
+        rows = []
+        for name in ("raw", "zstd"):
+            local = write(work / name, n, zstd=name == "zstd")
+            rows += rows_for(name, local, upload(local), work, n, args.repeats)
+        return rows
