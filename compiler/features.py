@@ -605,27 +605,34 @@ def _kaldi_frames(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
 
 
 def _kaldi_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """float32 ``(rows, frame_length) -> (rows, fft_length//2+1)``: Kaldi's scaling, DC
-    removal, pre-emphasis, window and |FFT|^2 per frame (``frames`` is modified).
+    """float32 ``(rows, frame_length or fft_length) -> (rows, fft_length//2+1)``: Kaldi's
+    scaling, DC removal, pre-emphasis, window and |FFT|^2 per frame (``frames`` is modified).
 
-    The time-domain steps round relative to the frame too, so they run in
-    cfg.fft_dtype along with the FFT.
+    Frames given ``fft_length`` wide (as featurize_clips gathers them) hold the
+    frame in their first ``frame_length`` samples and zeros after, the FFT's
+    padding. The time-domain steps round relative to the frame too, so they
+    run in cfg.fft_dtype along with the FFT.
     """
     size, _, padded = kaldi_frame_sizes(cfg)
     if frames.shape[-2] == 0:
         return frames.new_zeros((*frames.shape[:-1], padded // 2 + 1))
+    if frames.shape[-1] == size and padded > size:
+        frames = F.pad(frames, (0, padded - size))
     frames = frames.to(cfg.dtype)
+    frame = frames[..., :size]  # the samples; the rest stays zero
     if cfg.input_scale != 1.0:
-        frames.mul_(cfg.input_scale)
+        frame.mul_(cfg.input_scale)
     if cfg.remove_dc:
-        frames.sub_(frames.mean(dim=-1, keepdim=True))
+        frame.sub_(frame.mean(dim=-1, keepdim=True))
     if cfg.preemphasis:
-        previous = torch.cat([frames[..., :1], frames[..., :-1]], dim=-1)
-        frames.sub_(previous.mul_(cfg.preemphasis))
+        # x[i] - p * x[i - 1], and x[0] - p * x[0]: the products are taken first
+        previous = frame[..., :-1] * cfg.preemphasis
+        frame[..., :1].sub_(frame[..., :1] * cfg.preemphasis)
+        frame[..., 1:].sub_(previous)
         del previous
-    frames.mul_(make_window(cfg.window, size, frames.dtype))
-    spec = torch.fft.rfft(F.pad(frames, (0, padded - size)) if padded > size else frames)
-    del frames
+    frame.mul_(make_window(cfg.window, size, frames.dtype))
+    spec = torch.fft.rfft(frames)
+    del frames, frame
     if spec.dtype != torch.complex64:
         spec = spec.to(torch.complex64)
     power: torch.Tensor = spec.real.square()
@@ -751,12 +758,22 @@ def _gather_window(cfg: FeatureConfig) -> torch.Tensor | None:
 
 
 def _gather_rows(
-    pieces: list[torch.Tensor], at: list[int], r0: int, r1: int, window: torch.Tensor | None
+    pieces: list[torch.Tensor],
+    at: list[int],
+    r0: int,
+    r1: int,
+    window: torch.Tensor | None,
+    width: int = 0,
 ) -> torch.Tensor:
     """Rows ``r0:r1`` of the frames laid out as piece k from row at[k] (ascending), zero
-    rows wherever no piece lies: a new float32 ``(r1 - r0, frame_length)`` tensor, each
-    copied row multiplied by ``window`` when one is given."""
-    out = torch.empty((r1 - r0, pieces[0].shape[-1]), dtype=torch.float32)
+    rows wherever no piece lies: a new float32 ``(r1 - r0, max(width, frame_length))``
+    tensor, zero after each frame's samples, each copied row multiplied by ``window``
+    when one is given."""
+    frame = pieces[0].shape[-1]
+    full = torch.empty((r1 - r0, max(width, frame)), dtype=torch.float32)
+    if full.shape[1] > frame:
+        full[:, frame:] = 0.0
+    out = full[:, :frame]
     k = bisect.bisect_right(at, r0) - 1
     pos = r0
     while pos < r1:
@@ -775,7 +792,7 @@ def _gather_rows(
         if pos < end:
             out[pos - r0 : end - r0] = 0.0
             pos = end
-    return out
+    return full
 
 
 # Frame samples per featurizer step (2 MiB in float32): a step's frames,
@@ -811,8 +828,10 @@ def featurize_clips(
         xs.append(wave.to(torch.float32))
     if cfg.features == "waveform" or not xs:
         return xs
+    width = 0  # gathered rows as wide as the frames
     if cfg.features == "fbank":
         frames, power_of = [[_kaldi_frames(x, cfg)] for x in xs], _kaldi_power
+        width = kaldi_frame_sizes(cfg)[2]  # and zero-padded to Kaldi's FFT length
     else:
         frames, power_of = [_stft_frames(x, cfg) for x in xs], _stft_power
     counts = [sum(p.shape[-2] for p in clip) for clip in frames]
@@ -833,7 +852,7 @@ def featurize_clips(
     mel = torch.empty((total, cfg.n_mels), dtype=torch.float32)
     for r0 in range(0, total, step):
         r1 = min(total, r0 + step)
-        rows = _gather_rows(pieces, at, r0, r1, window)
+        rows = _gather_rows(pieces, at, r0, r1, window, width)
         apply_filterbank(power_of(rows, cfg), bands, out=mel[r0:r1])
     del pieces, xs
     _log_(mel, cfg)
