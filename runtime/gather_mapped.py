@@ -30,10 +30,9 @@ class FixedRawGather(FieldGather):
         steps: list[Step] = []
         rb = self.row_bytes
         if rb:
-            flat = flat_bytes(out)
+            flat, idx, first = flat_bytes(out), indices.numpy(), self.starts.numpy()
             for k, a, b in shard_groups(indices, self.starts):
-                local = indices[a:b] - self.starts[k] if k else indices[a:b]
-                rows = np.ascontiguousarray(local.numpy(), dtype=np.int64)
+                rows = np.ascontiguousarray(idx[a:b] - first[k] if k else idx[a:b], np.int64)
                 steps.append(Rows(flat[a * rb : b * rb], self.sources[k], rows))
         return {self.field.name: out}, steps
 

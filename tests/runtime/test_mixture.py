@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Loader, UsageError, UsageTypeError
@@ -171,3 +173,28 @@ def test_mixture_errors(corpora: dict[str, Path]) -> None:
         Loader(two, 4, order="window")
     with pytest.raises(UsageTypeError, match="must be a path"):
         Loader({"ls": 3}, 4)
+
+
+def test_a_mixed_batch_is_planned_without_torch_kernels_over_the_batch(
+    corpora: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch.searchsorted goes parallel over a batch of indices; waking its threads from
+    # the Loader's producer thread cost milliseconds per batch of a mixture.
+    loader = Loader(corpora, 64, fields=["label", "speech"], seed=2, prefetch=0)
+    sizes: list[int] = []
+    searchsorted = torch.searchsorted
+
+    def counted(sorted_sequence: torch.Tensor, values: Any, **kw: Any) -> torch.Tensor:
+        sizes.append(values.numel() if isinstance(values, torch.Tensor) else 1)
+        return searchsorted(sorted_sequence, values, **kw)
+
+    monkeypatch.setattr(torch, "searchsorted", counted)
+    got = [(b["label"].clone(), b["source"].clone()) for b in loader]
+    monkeypatch.undo()
+    assert max(sizes, default=0) <= 2  # a batch's first and last sample at most
+    again = Loader(corpora, 64, fields=["label", "speech"], seed=2, prefetch=0)
+    want = [(b["label"].clone(), b["source"].clone()) for b in again]
+    assert all(
+        torch.equal(x, y) and torch.equal(s, t) for (x, s), (y, t) in zip(got, want, strict=True)
+    )
+    assert sum(len(x) for x, _ in got) == sum(SIZES.values())
