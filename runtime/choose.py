@@ -90,6 +90,8 @@ def choose(
             f"{owner} {given[0]}= is for mixtures: pass the archives as a dict of "
             f"source name -> path, e.g. {owner}({{'a': path_a, 'b': path_b}}, weights=...)"
         )
+    if isinstance(archive, Sequence) and not isinstance(archive, str | bytes):
+        local_only(list(archive), f"{owner} got a list of archives", owner)
     ds = open_for_loader(
         archive, open_options.pop("fields"), open_options.pop("pad_value"), **open_options
     )
@@ -108,16 +110,30 @@ def source_paths(
     """A mixture source's archive paths, and its own selection (an open Archive's)."""
     if not isinstance(name, str):
         raise UsageTypeError(f"{owner} mixture sources are named by str, got {name!r}")
+    what = f"{owner} mixture source {name!r}"
     if isinstance(source, Archive):
-        return list(source.paths), source.selection
+        return local_only(list(source.paths), what, owner), source.selection
     if isinstance(source, str | os.PathLike):
-        return [source], None
+        return local_only([source], what, owner), None
     if isinstance(source, Sequence) and source and not isinstance(source, bytes):
-        return list(source), None
+        return local_only(list(source), what, owner), None
     raise UsageTypeError(
         f"{owner} mixture source {name!r} must be a path, a list of paths or an open "
         f"Archive, got {type(source).__name__}"
     )
+
+
+def local_only(paths: list[Any], what: str, owner: str) -> list[Any]:
+    """``paths``, refused when one is a URL: archives read as one and mixtures take
+    local archives for now (a URL is read alone, through the shard cache)."""
+    urls = [p for p in paths if isinstance(p, str) and "://" in p and not p.startswith("file://")]
+    if urls:
+        raise UsageError(
+            f"{what}: {urls[0]} is a URL, and several archives read as one or mixed take "
+            f"local paths for now; read the URL alone ({owner}(url, ...)) or copy the "
+            "archives to local disk"
+        )
+    return paths
 
 
 def choose_mixture(

@@ -555,3 +555,12 @@ def test_a_url_through_workers_reads_the_cache(s3: Any, tmp_path: Path) -> None:
     got = labels(list(workers_loader(ds, 2)))
     assert got == loader_labels(local, **kw)
     assert len(list(cache.rglob("shard-*.dlop"))) == len(open_archive(local).shards)
+
+
+def test_urls_where_local_archives_are_needed_are_refused(folds: Path) -> None:
+    with pytest.raises(UsageError, match="where= and indices= take local archives"):
+        IterableArchive("s3://bucket/a", 4, where={"fold": 1})
+    with pytest.raises(UsageError, match="mixture source 'b': s3://bucket/b is a URL"):
+        IterableArchive({"a": folds, "b": "s3://bucket/b"}, 4)
+    with pytest.raises(UsageError, match="list of archives: s3://bucket/b is a URL"):
+        Loader([folds, "s3://bucket/b"], 4)
