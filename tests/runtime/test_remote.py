@@ -298,3 +298,20 @@ def test_a_shard_whose_raw_copy_exceeds_the_budget_is_refused_before_fetching(
             epoch_batches(Loader(remote, batch_size=2, shuffle=False, prefetch=0), 0)
         assert proxy.count(last) <= 2  # its header only (one ranged read, maybe two)
         assert not list((tmp_path / "c").rglob(f"{last}*.dlop"))
+
+
+def test_dataloader_workers_read_a_url_through_iterable_archive(
+    served: Path, tmp_path: Path
+) -> None:
+    from torch.utils.data import DataLoader
+
+    from dlop.runtime import IterableArchive
+
+    with FaultProxy(root=served) as proxy:
+        ds = IterableArchive(
+            proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=1 << 20, **SETTINGS
+        )
+        got = [copied(b) for b in DataLoader(ds, batch_size=None, num_workers=2)]
+        want = epoch_batches(Loader(served / "a", **SETTINGS), 0)
+        assert [b["key"] for b in got] == [b["key"] for b in want]
+        assert all(proxy.count(f"shard-0000{k}") == 1 for k in range(6))  # one cache, shared
