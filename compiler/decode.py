@@ -102,6 +102,24 @@ def _mixed(block: np.ndarray, mix: str | None) -> np.ndarray:
     return block[:1] if mix == "first" else block.mean(axis=0, dtype=np.float32)[None]
 
 
+def _convert(raw: np.ndarray, dest: np.ndarray, mix: str | None) -> None:
+    """One block as read, ``[frames, channels]`` int16 (PCM_16, times 1/32768 in float32)
+    or float32, into ``dest`` (``[1 or channels, frames]`` float32), mixed when asked."""
+    scale = np.float32(1 / 32768)
+    if dest.shape[0] == raw.shape[1]:  # nothing to mix: converted straight into the output
+        if raw.dtype == np.int16:
+            np.multiply(raw.T, scale, out=dest)
+        else:
+            dest[:] = raw.T
+        return
+    block = np.empty(raw.shape[::-1], np.float32)  # C order: rows add as downmix's do
+    if raw.dtype == np.int16:
+        np.multiply(raw.T, scale, out=block)
+    else:
+        block[:] = raw.T
+    dest[:] = _mixed(block, mix)
+
+
 class _NonFinite:
     """Counts NaN and Inf samples block by block (a whole-recording mask would be 1 byte per sample)."""
 
@@ -307,7 +325,6 @@ def _read_blocks(
 
     pcm16 = subtype == "PCM_16"
     buf = np.empty((_BLOCK_FRAMES, channels), np.int16 if pcm16 else np.float32)
-    scale = np.float32(1 / 32768)
     out_channels = 1 if mix is not None else channels
     finite = _NonFinite()
     out = np.empty((out_channels, count if count is not None else _BLOCK_FRAMES), np.float32)
@@ -325,21 +342,9 @@ def _read_blocks(
                 parts.append(out[:, :filled])
                 out = np.empty((out_channels, max(out.shape[1] * 2, got)), np.float32)
                 filled = 0
-            dest = out[:, filled : filled + got]
             if not pcm16:
                 finite.add(raw)
-            if channels == out_channels:  # nothing to mix: converted straight into the output
-                if pcm16:
-                    np.multiply(raw.T, scale, out=dest)
-                else:
-                    dest[:] = raw.T
-            else:
-                block = np.empty((channels, got), np.float32)  # C order: rows add as downmix's do
-                if pcm16:
-                    np.multiply(raw.T, scale, out=block)
-                else:
-                    block[:] = raw.T
-                dest[:] = _mixed(block, mix)
+            _convert(raw, out[:, filled : filled + got], mix)
             filled += got
         pos += got
         if got < n:

@@ -795,6 +795,23 @@ def _gather_rows(
     return full
 
 
+def _row_layout(
+    frames: list[list[torch.Tensor]],
+) -> tuple[list[int], list[int], list[torch.Tensor], list[int]]:
+    """Each clip's frame pieces laid end to end, each clip from a ROW_BLOCK boundary:
+    (frames per clip, first row per clip (and the total), every piece, its first row)."""
+    counts = [sum(p.shape[-2] for p in clip) for clip in frames]
+    starts, pieces, at = [0], list[torch.Tensor](), list[int]()
+    for clip_pieces, count in zip(frames, counts, strict=True):
+        row = starts[-1]
+        for piece in clip_pieces:
+            pieces.append(piece)
+            at.append(row)
+            row += piece.shape[-2]
+        starts.append(starts[-1] + -(-count // ROW_BLOCK) * ROW_BLOCK)
+    return counts, starts, pieces, at
+
+
 # Frame samples per featurizer step (2 MiB in float32): a step's frames,
 # spectrum and power stay in a core's cache from framing to filterbank; steps
 # four times larger run up to three times slower, spilling each pass to memory.
@@ -828,21 +845,12 @@ def featurize_clips(
         xs.append(wave.to(torch.float32))
     if cfg.features == "waveform" or not xs:
         return xs
-    width = 0  # gathered rows as wide as the frames
-    if cfg.features == "fbank":
+    if cfg.features == "fbank":  # rows gathered zero-padded to Kaldi's FFT length
         frames, power_of = [[_kaldi_frames(x, cfg)] for x in xs], _kaldi_power
-        width = kaldi_frame_sizes(cfg)[2]  # and zero-padded to Kaldi's FFT length
+        width = kaldi_frame_sizes(cfg)[2]
     else:
-        frames, power_of = [_stft_frames(x, cfg) for x in xs], _stft_power
-    counts = [sum(p.shape[-2] for p in clip) for clip in frames]
-    starts, pieces, at = [0], list[torch.Tensor](), list[int]()
-    for clip_pieces, count in zip(frames, counts, strict=True):
-        row = starts[-1]
-        for piece in clip_pieces:
-            pieces.append(piece)
-            at.append(row)
-            row += piece.shape[-2]
-        starts.append(starts[-1] + -(-count // ROW_BLOCK) * ROW_BLOCK)
+        frames, power_of, width = [_stft_frames(x, cfg) for x in xs], _stft_power, 0
+    counts, starts, pieces, at = _row_layout(frames)
     del frames
     total = starts[-1]
     step = chunk_frames or CHUNK_SAMPLES // pieces[0].shape[-1]

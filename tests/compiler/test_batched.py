@@ -196,3 +196,20 @@ def test_frame_segments_are_the_centred_frames_in_pieces(
             pieces = frame_segments(x, frame, hop, center, pad_mode)
             got = torch.cat([p.reshape(-1, frame) for p in pieces])
             assert torch.equal(got, want.reshape(-1, frame)), (length, center)
+
+
+@pytest.mark.parametrize(("preset", "options"), [("kaldi", {}), ("ast", {"fft_dtype": "float64"})])
+def test_kaldi_power_of_frames_given_at_the_fft_length(
+    preset: str, options: dict[str, str]
+) -> None:
+    """Frames gathered zero-padded to the FFT length give the bytes of frames padded later."""
+    from dlop.compiler import features
+
+    cfg = feature_config(preset, "fbank", **options)
+    size, _, padded = features.kaldi_frame_sizes(cfg)
+    x = torch.from_numpy(make_signal(cfg.sample_rate, 0.3, seed=4).astype(np.float32))
+    frames = frame_signal(x, size, size // 2, center=False, pad_mode="constant")
+    narrow = features._kaldi_power(frames.clone(), cfg)
+    wide = features._kaldi_power(torch.nn.functional.pad(frames, (0, padded - size)), cfg)
+    assert narrow.shape == (frames.shape[0], padded // 2 + 1)
+    assert torch.equal(narrow, wide)
