@@ -133,7 +133,9 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
         if finished is not None:  # stopped after its index: only the tidying up was left
             _tidy(store, committed)
             return finished
-    if not resume:
+    # a URL OUT, unlocked: its journal names the compile running now (Journal.check_run)
+    remote = not isinstance(store, LocalStore)
+    if not resume or remote:
         journal.save(store)  # from the start, so that an interruption at any point can --resume
     run.test_point("start")
     pending = [u for u in range(run.num_units) if u not in committed]
@@ -146,6 +148,8 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
                 _discard(store, created_dir)
                 raise CompileError(record.failure)
             committed[record.unit] = record
+            if remote:
+                journal.check_run(store)
             if record.worker:
                 run.peak_rss[record.worker] = max(
                     run.peak_rss.get(record.worker, 0), record.peak_rss
@@ -153,6 +157,8 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
             if run._bar is not None:
                 run._bar.set_postfix_str(f"units {len(committed)}/{run.num_units}", refresh=False)
             run.test_point(f"unit:{n}")
+        if remote:
+            journal.check_run(store)
         index = _write_archive(run, store, committed)
     except BaseException as e:
         if _resumable(e):

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import re
+import secrets
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,10 +90,32 @@ def _source_folders(recipe: Recipe) -> list[tuple[Path, bool]]:
     return [(f.resolve(), w) for f, w in folders]
 
 
-def check_apart(out: Path, recipe: Recipe) -> None:
+def _source_urls(recipe: Recipe) -> list[str]:
+    """A URL SOURCE's prefixes for check_url_apart: SOURCE itself (a folder, read whole; or
+    a manifest, tar or brace pattern, whose folder an OUT may lie in but not be) and the
+    --images and --masks folders (relative ones below SOURCE)."""
+    from .urls import is_url
+
+    base = recipe.source.rstrip("/")
+    folders = [base]
+    for extra in (recipe.images, *(recipe.masks or ())):
+        if extra:
+            folders.append(extra if is_url(extra) else f"{base}/{extra.strip('/')}")
+    return folders
+
+
+def check_apart(out: str | os.PathLike[str], recipe: Recipe) -> None:
     """Refuses an OUT that is or holds a folder the corpus is read from, or lies inside
-    one that the layout lists (where the next compile would read the archive as input)."""
-    target = out.resolve()
+    one that the layout lists (where the next compile would read the archive as input).
+    A URL OUT is checked against a URL SOURCE's prefixes (urls.check_url_apart); a URL
+    and a local path never overlap."""
+    from .urls import check_url_apart, is_url
+
+    if is_url(out) or is_url(recipe.source):
+        if is_url(out):
+            check_url_apart(os.fspath(out), _source_urls(recipe))
+        return
+    target = Path(out).resolve()
     for folder, whole in _source_folders(recipe):
         if target == folder:
             how = "is the corpus folder"
@@ -276,7 +299,8 @@ class Journal:
     """What an unfinished compile compiles and how its inputs are cut into units.
 
     Written once, as soon as OUT is taken and before any work; each finished unit
-    then has its own commit record (units.py), so the journal never changes.
+    then has its own commit record (units.py), so the journal never changes (but for
+    its ``run``, which a resume of a URL OUT writes again: see check_run).
     """
 
     def __init__(
@@ -285,6 +309,9 @@ class Journal:
         self.where = where
         self.digest, self.fingerprint = digest, fingerprint
         self.unit_inputs, self.num_inputs = unit_inputs, num_inputs
+        # Names this compile in the journal: a URL OUT has no lock, so a compile checks
+        # that the journal still names it before it publishes more (check_run).
+        self.run = secrets.token_hex(8)
 
     def save(self, store: Store) -> None:
         obj = {
@@ -292,8 +319,26 @@ class Journal:
             "fingerprint": self.fingerprint,
             "unit_inputs": self.unit_inputs,
             "num_inputs": self.num_inputs,
+            "run": self.run,
         }
         store.write(JOURNAL, json.dumps(obj).encode())
+
+    def check_run(self, store: Store) -> None:
+        """Refuses to go on when the journal in OUT no longer names this compile: another
+        compile took OUT over (--overwrite, or --resume) while this one ran."""
+        data = store.read(JOURNAL)
+        found: object = None
+        if data is not None and len(data) <= MAX_JOURNAL_BYTES:
+            with contextlib.suppress(FormatError):
+                obj = loads_bounded(self.where, data, "the journal")
+                found = obj.get("run") if isinstance(obj, dict) else None
+        if found != self.run:
+            raise CompileError(
+                f"{self.where}: another compile took this output over while this one ran "
+                f"(the journal names run {found!r:.40}, this is run {self.run!r}); this one "
+                "stops without writing index.json. Run one compile per output prefix at a "
+                "time, then --resume or --overwrite it"
+            )
 
     def load(self, store: Store, unit_inputs_given: bool) -> None:
         """Reads and checks the journal of the interrupted compile in ``store``; takes its

@@ -23,9 +23,11 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -41,12 +43,13 @@ from dlop.formats import Index
 
 from .commit import Run, finish_run
 from .errors import CompileError
-from .items import CorpusShape, Outcome, process_items, schema_for
+from .items import CorpusShape, Outcome, schema_for
 from .layouts import stream_items
-from .output import JOURNAL, SPILL_PREFIX, close_inherited_locks
+from .output import JOURNAL, SPILL_PREFIX, check_apart, close_inherited_locks
 from .recipe import Recipe
 from .sources import Item, open_corpus
-from .units import CHUNK_ITEMS, UNIT_INPUTS, UnitRecord, UnitWriter, chunked
+from .units import CHUNK_ITEMS, UNIT_INPUTS, UnitRecord, UnitWriter, chunked, process_fetched
+from .urls import is_url
 
 __all__ = ["CHUNK_ITEMS", "JOURNAL", "TEST_KILL_AT", "TEST_SIGNAL", "UNIT_INPUTS", "compile_corpus"]
 
@@ -62,25 +65,41 @@ TEST_SIGNAL = "DLOP_TEST_SIGNAL"
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(recipe_json: dict[str, Any], shape: CorpusShape, spill_dir: str) -> None:
+def _init_worker(
+    recipe_json: dict[str, Any],
+    shape: CorpusShape,
+    spill_dir: str,
+    storage_options: dict[str, Any] | None = None,
+    driver: int = 0,
+) -> None:
     from .recipe import build_recipe
 
     torch.set_num_threads(1)
-    _die_with_driver()
+    _die_with_driver(driver)
     close_inherited_locks()  # a forked worker must not keep the output lock alive after the driver
     _WORKER.update(
-        recipe=build_recipe(recipe_json), shape=shape, spill_dir=spill_dir, chunks=itertools.count()
+        recipe=build_recipe(recipe_json),
+        shape=shape,
+        spill_dir=spill_dir,
+        chunks=itertools.count(),
+        storage_options=storage_options,
+        systems={},  # this compile's fsspec filesystems in this worker (units.process_fetched)
     )
 
 
-def _die_with_driver() -> None:
+def _die_with_driver(driver: int = 0) -> None:
     """Asks Linux to kill this worker when the driver dies (kill -9 included).
 
     Without it, workers of a killed compile keep decoding until their queue
-    drains, holding memory and CPU that a --resume run needs.
+    drains, holding memory and CPU that a --resume run needs. The parent of a
+    forkserver's worker is the fork server, which lives as long as any of its
+    workers does (each holds the server's keep-alive pipe, and its task queue's
+    both ends): such a worker watches the driver's pid, or neither would ever exit.
     """
     if not sys.platform.startswith("linux"):
         return
+    if driver and os.getppid() != driver:
+        threading.Thread(target=_exit_with, args=(driver,), daemon=True).start()
     import ctypes
 
     pr_set_pdeathsig = 1
@@ -89,6 +108,31 @@ def _die_with_driver() -> None:
         libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return  # best effort: the compile is correct either way
+
+
+def _exit_with(pid: int) -> None:
+    """Kills this process once process ``pid`` has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = -1  # gone already
+    except OSError:  # no pidfd (Linux before 5.3): poll
+        while _alive(pid):
+            time.sleep(1.0)
+        fd = -1
+    if fd >= 0:
+        select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process under that pid: alive
+    return True
 
 
 @dataclass(frozen=True)
@@ -108,7 +152,8 @@ def _run_chunk(items: list[Item]) -> tuple[list[Outcome], str | None]:
     writes, a context switch each); one file write per chunk, read back in
     one call, does not.
     """
-    outcomes = process_items(items, _WORKER["recipe"], _WORKER["shape"])
+    w = _WORKER
+    outcomes = process_fetched(items, w["recipe"], w["shape"], w["storage_options"], w["systems"])
     path = Path(_WORKER["spill_dir"]) / f"{SPILL_PREFIX}{os.getpid()}-{next(_WORKER['chunks'])}"
     offset = 0
     with open(path, "wb") as f:
@@ -169,8 +214,16 @@ def compile_corpus(
     ``unit_inputs``: inputs per work unit (default by media, UNIT_INPUTS). ``dask``: a scheduler address, or ``local:N`` for a LocalCluster of N
     worker processes; None runs ``workers`` local processes.
     """
+    if is_url(out):  # before the listing: a refused OUT costs no listing of the corpus
+        check_apart(os.fspath(out), recipe)
     corpus = open_corpus(
-        recipe.source, recipe.layout, recipe.media, recipe.images, recipe.masks, **recipe.columns()
+        recipe.source,
+        recipe.layout,
+        recipe.media,
+        recipe.images,
+        recipe.masks,
+        **recipe.columns(),
+        storage_options=storage_options,
     )
     if not corpus.items:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
@@ -225,7 +278,7 @@ def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitR
             stream_items(run.corpus, inputs.start, inputs.stop), CHUNK_ITEMS[run.corpus.media]
         )
     )
-    outcomes = _results(chunks, run.shape, run.recipe, workers, store.staging())
+    outcomes = _results(chunks, run, workers, store.staging())
     with contextlib.closing(outcomes):
         consumed = 0
         for unit, inputs in units:
@@ -248,18 +301,20 @@ def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitR
 
 def _results(
     chunks: Iterator[list[Item]],
-    shape: CorpusShape,
-    recipe: Recipe,
+    run: Run,
     workers: int,
     spill_dir: Path,
 ) -> Generator[Outcome, None, None]:
-    """Every input's outcome, in order, featurized in this process or a pool of ``workers``."""
+    """Every input's outcome, in order, featurized in this process or a pool of ``workers``
+    (each fetching its chunks' URL inputs itself)."""
+    shape, recipe, options = run.shape, run.recipe, run.storage_options
     if workers == 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
+            systems: dict[str, Any] = {}
             for chunk in chunks:
-                yield from process_items(chunk, recipe, shape)
+                yield from process_fetched(chunk, recipe, shape, options, systems)
         finally:
             torch.set_num_threads(threads)
         return
@@ -271,7 +326,7 @@ def _results(
                 workers,
                 mp_context=ctx,
                 initializer=_init_worker,
-                initargs=(recipe.to_json(), shape, str(spill_dir)),
+                initargs=(recipe.to_json(), shape, str(spill_dir), options, os.getpid()),
             ) as pool,
         ):
             pending: deque[Future[tuple[list[Outcome], str | None]]] = deque()

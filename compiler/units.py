@@ -44,6 +44,7 @@ from .layouts import stream_items
 from .listing import text_path
 from .recipe import Recipe, build_recipe
 from .store import LocalStore, Store, open_store
+from .urls import fetch_inputs
 
 COMMIT_PREFIX = ".dlop-unit-"
 # Inputs featurized together as one task of a local pool, cut from each unit's first
@@ -257,11 +258,12 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     store = open_store(task.out, task.storage_options)
     start = unit * task.unit_inputs
     writer = UnitWriter(task, store, unit, range(start, start + len(corpus.items)), recipe.on_error)
+    systems: dict[str, Any] = {}
     try:
         outcomes = (
             o
             for chunk in chunked(stream_items(corpus), CHUNK_ITEMS[corpus.media])
-            for o in process_items(chunk, recipe, task.shape)
+            for o in process_fetched(chunk, recipe, task.shape, task.storage_options, systems)
         )
         for n, outcome in enumerate(outcomes, 1):
             if not writer.add(outcome):
@@ -273,6 +275,23 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
         raise
     finally:
         torch.set_num_threads(threads)
+
+
+def process_fetched(
+    chunk: list[Item],
+    recipe: Recipe,
+    shape: CorpusShape,
+    storage_options: dict[str, Any] | None,
+    systems: dict[str, Any],
+) -> list[Outcome]:
+    """process_items on one chunk, the bytes of its URL inputs fetched first and let go
+    after it (a worker holds one chunk's input bytes at a time). An object that cannot be
+    read is a bad input, recorded with the reason. The items given are not changed.
+    ``systems``: the fsspec filesystems, by scheme, that one compile's worker reuses
+    across its chunks (a new S3 client costs more than a chunk's fetches)."""
+    copies = [replace(item) for item in chunk]
+    fetch_inputs(copies, storage_options, systems)
+    return process_items(copies, recipe, shape)
 
 
 def unit_corpus(corpus: Corpus, inputs: range) -> Corpus:

@@ -288,11 +288,17 @@ def fetch_bytes(fs: Any, url: str, cap: int = MAX_FETCH_BYTES) -> bytes:
     return data
 
 
-def fetch_inputs(items: Sequence[Any], storage_options: dict[str, Any] | None = None) -> None:
+def fetch_inputs(
+    items: Sequence[Any],
+    storage_options: dict[str, Any] | None = None,
+    systems: dict[str, Any] | None = None,
+) -> None:
     """Fills ``Item.fetched`` with the bytes of every URL an item reads (its input and its
     masks), so decode reads them from memory; a URL that cannot be read makes the item a
-    bad input naming why. Local items are left alone."""
-    systems: dict[str, Any] = {}
+    bad input naming why. Local items are left alone. ``systems`` (scheme -> filesystem)
+    is filled and reused across calls when given: a new S3 client costs more than a
+    chunk's fetches."""
+    systems = {} if systems is None else systems
     for item in items:
         if item.error is not None:
             continue

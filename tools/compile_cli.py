@@ -16,7 +16,7 @@ from typing import Any
 from dlop.compiler import features, vision
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import CHOICES, build_recipe, load_recipe_file
-from dlop.compiler.urls import parse_storage_options
+from dlop.compiler.urls import local_path, parse_storage_options
 from dlop.formats import DlopError
 
 
@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "source", nargs="?", help="corpus folder, manifest .jsonl, or .tar shard(s) / brace pattern"
     )
-    p.add_argument("-o", "--out", type=Path, help="archive directory to create")
+    p.add_argument(
+        "-o", "--out", help="archive directory to create, or a URL prefix (s3://bucket/archive)"
+    )
     p.add_argument(
         "--recipe", type=Path, help="TOML or JSON recipe, or an archive whose recipe to repeat"
     )
@@ -191,7 +193,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.recipe:
         options.update(load_recipe_file(args.recipe))
-    out = args.out
+    # OUT stays text: a URL (s3://b/x) goes to the object store; Path would make it s3:/b/x
+    out: str | None = None if args.out is None else local_path(args.out)
     if args.demo:
         from dlop.compiler.demo import DEMO_RECIPE, make_demo_corpus
 
@@ -200,7 +203,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(f"generating demo corpus in {corpus}", file=sys.stderr)
             make_demo_corpus(corpus)
         options.update(DEMO_RECIPE, source=str(corpus))
-        out = out or args.demo / "archive"
+        out = out or str(args.demo / "archive")
     given = {k: v for k, v in vars(args).items() if v is not None and k not in _NOT_RECIPE}
     options.update(given)
     if "source" not in options:
@@ -208,7 +211,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if out is None:
         parser.error("give -o OUT")
     workers = options.pop("workers", None)
-    recipe = build_recipe(options)
+    storage_options = parse_storage_options(args.storage_option)
+    recipe = build_recipe(options, storage_options)
     started = time.perf_counter()
     index = compile_corpus(
         recipe,
@@ -217,7 +221,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite or bool(args.demo),
         progress=not args.quiet,
-        storage_options=parse_storage_options(args.storage_option),
+        storage_options=storage_options,
         unit_inputs=args.unit_inputs,
         dask=args.dask,
     )
