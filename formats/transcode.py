@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,6 +44,16 @@ def transcode_raw(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> S
                 writer.write(reader.sample(i))
             info = writer.close()
     return info
+
+
+def transcode_bytes(data: bytes, name: str = "shard") -> bytes:
+    """``transcode_raw`` of the shard file ``data``, through two scratch files (named
+    after ``name``) in the temporary folder (``TMPDIR``), removed after."""
+    with tempfile.TemporaryDirectory(prefix=f"dlop-{name}-") as scratch:
+        src, dst = Path(scratch) / "coded", Path(scratch) / "raw"
+        src.write_bytes(data)
+        transcode_raw(src, dst)
+        return dst.read_bytes()
 
 
 # A number in a header is at most 20 digits: the raw header, with the same fields, may

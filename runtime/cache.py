@@ -20,6 +20,10 @@ that holds it, so a crash leaves nothing that blocks the next run.
 - The budget is a hard ceiling on the bytes of every file under ``root``:
   room is made and the new file created at its full size under one
   node-wide lock (``<root>/.budget.lock``), before any byte is written.
+- A process that waits for room stamps ``<root>/.wanted`` (its mtime); a
+  process that keeps shards mapped in case it reads them again (loose
+  shards, runtime.remote_source) looks at the stamp at each batch and lets
+  them go when it changed.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dlop.formats import DlopError
 TMP_MARK = ".tmp-"
 LOCK_SUFFIX = ".lock"
 BUDGET_LOCK = ".budget.lock"
+WANTED = ".wanted"
 
 
 class CacheError(DlopError):
@@ -98,6 +103,7 @@ class CacheDir:
         # Called when room runs out: lets go of holds kept only in case; True if any went.
         self.squeeze: Callable[[], bool] | None = None
         self.root.mkdir(parents=True, exist_ok=True)
+        self.wanted_path = str(self.root / WANTED)
         self.sweep()
 
     def files(self) -> Iterator[tuple[Path, os.stat_result]]:
@@ -133,6 +139,20 @@ class CacheDir:
             return True
         finally:
             os.close(fd)
+
+    def want_room(self) -> None:
+        """Stamps ``.wanted``: this process waits for room that shards held elsewhere take."""
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(self.wanted_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        now = time.time_ns()
+        os.utime(self.wanted_path, ns=(now, now))
+
+    def wanted_stamp(self) -> int:
+        """The ``.wanted`` stamp (0 before any); when it changes, a process waits for room."""
+        try:
+            return os.stat(self.wanted_path).st_mtime_ns
+        except FileNotFoundError:
+            return 0
 
     def archive_dir(self, archive_id: str) -> Path:
         d = self.root / archive_id
@@ -249,7 +269,8 @@ class CacheDir:
             if not wait:
                 return None
             if self.squeeze is not None and self.squeeze():
-                continue  # this process let go of shards it kept only in case
+                continue  # this process let go of a shard it kept only in case
+            self.want_room()  # others let go of theirs at their next batch
             if time.monotonic() > deadline:
                 raise CacheError(
                     f"{self.root}: {size} bytes needed, {used} of the {self.max_bytes}-byte "
@@ -269,9 +290,7 @@ class CacheDir:
         for p, st in sorted(entries, key=lambda e: e[1].st_mtime_ns):
             if used + size <= self.max_bytes:
                 break
-            if (is_tmp(p.name) and self._remove_if_free(p)) or (
-                is_shard(p.name) and self._remove_if_free(p)
-            ):
+            if (is_tmp(p.name) or is_shard(p.name)) and self._remove_if_free(p):
                 used -= st.st_size
         return used
 

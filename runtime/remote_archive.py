@@ -6,7 +6,9 @@ The index is fetched and validated first; it names the archive's cache folder
 (a hash of its bytes). Block-coded (zstd) shards are decoded once as they
 arrive and cached raw, so the gathers read them like raw shards: zero-copy
 views of the mapped file. A batch is planned over the shards it touches only,
-so shards the batch does not read need not be cached.
+so shards the batch does not read need not be cached; the gathers made for a
+set of shards are kept for the next batch over the same set while those
+shards stay mapped (a window's batches touch the same few shards).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -21,7 +24,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from dlop.formats import ArchiveReader, SchemaError
+from dlop.formats import ArchiveReader, SchemaError, ShardReader
 from dlop.formats.constants import MAX_INDEX_BYTES
 from dlop.formats.transcode import raw_fields
 
@@ -33,6 +36,42 @@ from .gather import Allocate, FieldGather
 from .plan import CopyPlan
 from .remote import DEFAULT_RETRY, Retry, fetch_index, filesystem
 from .remote_source import RemoteSource
+
+# Sets of shards whose gathers are kept (runtime.remote_archive.Planners).
+PLANNERS_KEPT = 64
+
+
+class Planners:
+    """The gathers for batches over a set of shards, kept while those shards stay
+    mapped: made anew per batch they cost more than the copies of a small batch.
+    ``forget(k)`` (shard k let go of) drops the gathers that read it, and with them
+    their views of its mapping."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.kept: dict[tuple[int, ...], tuple[list[ShardReader], dict[str, FieldGather]]] = {}
+
+    def get(
+        self, key: tuple[int, ...], readers: list[ShardReader]
+    ) -> dict[str, FieldGather] | None:
+        with self.lock:
+            got = self.kept.get(key)
+        if got is None or any(a is not b for a, b in zip(got[0], readers, strict=True)):
+            return None  # a shard was mapped again since: new views
+        return got[1]
+
+    def put(
+        self, key: tuple[int, ...], readers: list[ShardReader], gathers: dict[str, FieldGather]
+    ) -> None:
+        with self.lock:
+            self.kept[key] = (readers, gathers)
+            while len(self.kept) > PLANNERS_KEPT:
+                del self.kept[next(iter(self.kept))]
+
+    def forget(self, k: int) -> None:
+        with self.lock:
+            for key in [key for key in self.kept if k in key]:
+                del self.kept[key]
 
 
 class Sizing(FieldGather):
@@ -91,7 +130,9 @@ class RemoteArchive(Archive):
         raw = {f.name: f for f in raw_fields(self.reader.index.fields)}
         self.fields = {n: raw[n] for n in stored}
         self.pad_value = pad_value
+        self.planners = Planners()
         source = RemoteSource(url, self.reader.index, self.cache, folder, self.client, retry)
+        source.on_drop = self.planners.forget
         source.sizes.check_budget(2)
         self.source = source  # type: ignore[assignment]
         self.shards = []  # mapped per batch by the source, never all at once
@@ -141,7 +182,8 @@ class RemoteArchive(Archive):
         touched: np.ndarray,
         out: dict[str, torch.Tensor] | Allocate | None,
     ) -> tuple[Batch, CopyPlan]:
-        readers = [self.source.shard(int(k)) for k in touched.tolist()]
+        key = tuple(touched.tolist())
+        readers = [self.source.shard(k) for k in key]
         self.check_shards(touched)
         sizes = [r.num_samples for r in readers]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -149,10 +191,15 @@ class RemoteArchive(Archive):
             where = np.searchsorted(touched, per_index)
             local = indices.numpy() - self.shard_starts[per_index]
             indices = torch.from_numpy(starts[where] + local)
-        compact = torch.from_numpy(starts[:-1].copy())
+        gathers = self.planners.get(key, readers)
+        if gathers is None:
+            compact = torch.from_numpy(starts[:-1].copy())
+            gathers = {
+                n: gather_for(f, readers, compact, self.pad_value) for n, f in self.fields.items()
+            }
+            self.planners.put(key, readers, gathers)
         batch, steps = Batch(), []
-        for name, f in self.fields.items():
-            g = gather_for(f, readers, compact, self.pad_value)
+        for name, g in gathers.items():
             where_out = out.get(name) if isinstance(out, dict) else out
             entries, field_steps = g.plan(indices, where_out)
             batch.update(entries)

@@ -1,10 +1,15 @@
 """A remote archive's source stage: shards fetched into the node-local cache on ``ask``
 (in the background), held while batches read them, let go of on ``release``.
 
-A shard is held (a shared lock on its cached file, runtime.cache) from the
-moment it is mapped until no batch asks for it; only then may any process on
-the node evict it. Shards read without an ask (``ds[i]``, a DataLoader over the
-Dataset) stay held while they are among the ``loose_shards`` used last.
+A shard is held (a shared lock on its cached file, runtime.cache) for as long
+as it is mapped; no process on the node evicts a held shard. A shard no batch
+asks for any more stays mapped in case it is read again (a later window, the
+next epoch: then it costs nothing to ask for), as a loose shard: the loose
+shards used last stay while they take at most ``loose_bytes`` (by default half
+the budget; at least ``loose_shards`` of them stay). They are let go of, oldest
+first, when this process needs their room (a fetch, a fetch ahead) and all at
+once when another process on the node waits for room (it stamps the cache's
+``.wanted``, looked at in each ``ask``) or the source closes.
 
 Ahead of the asks, ``ahead`` hears which shards later batches read first, in
 order (runtime.prefetch.Asks): one background thread fetches the first
@@ -34,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from dlop.formats import FormatError, Index, ShardReader
-from dlop.formats.transcode import needs_transcode, transcode_raw
+from dlop.formats.transcode import needs_transcode, transcode_bytes
 
 from .cache import CacheDir, Held
 from .errors import LoaderError, ShardChangedError, UsageError
@@ -58,6 +63,7 @@ class RemoteSource:
         loose_shards: int = 2,
         fetch_threads: int = 2,
         ahead_shards: int = 16,
+        loose_bytes: int | None = None,
     ) -> None:
         self.url = url
         self.index = index
@@ -66,11 +72,13 @@ class RemoteSource:
         self.filesystem = filesystem
         self.retry = retry
         self.loose_shards = loose_shards
+        self.loose_bytes = cache.max_bytes // 2 if loose_bytes is None else loose_bytes
         self.fetch_threads = fetch_threads
         self.ahead_shards = ahead_shards
         self.transcode = needs_transcode(index.fields)
         self.sizes = ShardSizes(url, index, cache.max_bytes, filesystem, retry)
         cache.squeeze = self.squeeze
+        self.on_drop: Callable[[int], None] | None = None  # told when shard k is let go of
         self.pid = -1
         self.fresh()
 
@@ -79,9 +87,11 @@ class RemoteSource:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.refs = [0] * len(self.index.shards)
+        self.asked = 0  # shards with a hold (refs > 0)
         self.open: dict[int, tuple[ShardReader, Held]] = {}
         self.pending: dict[int, Future[ShardReader]] = {}
-        self.loose: OrderedDict[int, None] = OrderedDict()
+        self.loose: OrderedDict[int, None] = OrderedDict()  # oldest use first
+        self.wanted = self.cache.wanted_stamp()
         self.pool: ThreadPoolExecutor | None = None
         self.upcoming: list[int] = []  # shards later batches read first, in order
         self.ahead_job: Future[None] | None = None
@@ -97,14 +107,21 @@ class RemoteSource:
     def ask(self, shards: Sequence[int]) -> None:
         """Counts a hold on each shard and starts fetching those not cached here yet."""
         self.mine()
+        wanted = self.cache.wanted_stamp()
         with self.lock:
+            if wanted != self.wanted:  # another process waits for room
+                self.wanted = wanted
+                self.drop_loose()
             for k in sorted(set(shards)):
                 self.refs[k] += 1
+                self.asked += self.refs[k] == 1
+                self.loose.pop(k, None)
             try:
                 self.check_in_flight()
             except UsageError:
                 for k in set(shards):
                     self.refs[k] -= 1
+                    self.asked -= self.refs[k] == 0
                 raise
             for k in sorted(set(shards)):
                 if k not in self.open and k not in self.pending:
@@ -113,19 +130,34 @@ class RemoteSource:
                     self.pending[k] = self.pool.submit(self.load, k)
 
     def release(self, shards: Sequence[int]) -> None:
-        """Drops one hold on each shard. A shard no batch holds stays mapped while it is
-        among the ``loose_shards`` let go of last, then may be evicted."""
+        """Drops one hold on each shard. A shard no batch holds becomes loose: it stays
+        mapped while the loose shards fit ``loose_bytes`` (see the module docstring)."""
         self.mine()
         with self.lock:
             for k in sorted(set(shards)):
-                self.refs[k] = max(0, self.refs[k] - 1)
                 if self.refs[k] == 0:
+                    continue
+                self.refs[k] -= 1
+                if self.refs[k] == 0:
+                    self.asked -= 1
                     self.loose[k] = None
                     self.loose.move_to_end(k)
-            while len(self.loose) > self.loose_shards:
-                old, _ = self.loose.popitem(last=False)
-                if self.refs[old] == 0:
-                    self.drop(old)
+            self.trim_loose()
+
+    def trim_loose(self) -> None:
+        """Lets go of the oldest loose shards past ``loose_bytes`` (under the lock)."""
+        size = self.sizes.largest
+        while len(self.loose) > self.loose_shards and len(self.loose) * size > self.loose_bytes:
+            self.drop(next(iter(self.loose)))
+
+    def drop_loose(self, keep: int = 0) -> bool:
+        """Lets go of loose shards, oldest first, until ``keep`` are left (under the
+        lock); True if any went."""
+        gone = False
+        while len(self.loose) > keep:
+            self.drop(next(iter(self.loose)))
+            gone = True
+        return gone
 
     def ahead(self, shards: Sequence[int] | np.ndarray) -> None:
         """Shards later batches read first, in the order they do (none asked for yet):
@@ -141,9 +173,10 @@ class RemoteSource:
                 self.ahead_job = self.ahead_pool.submit(self.fetch_ahead)
 
     def next_ahead(self) -> int | None:
-        """The first upcoming shard not cached yet whose fetch keeps what this process
-        holds plus the shards before it within the budget (called under the lock)."""
-        held = sum(1 for k, r in enumerate(self.refs) if r > 0 or k in self.open)
+        """The first upcoming shard not cached yet whose fetch keeps what batches hold
+        plus the shards before it within the budget; loose shards not upcoming are let
+        go of, oldest first, to make that room (called under the lock)."""
+        held = self.asked + sum(1 for k in self.pending if self.refs[k] == 0)
         fit = self.cache.max_bytes // max(1, self.sizes.largest)
         for i, k in enumerate(self.upcoming):
             if held + i + 1 > fit:
@@ -153,6 +186,10 @@ class RemoteSource:
             if k in self.ahead_errors:
                 continue
             if not (self.folder / self.index.shards[k].file).exists():
+                soon = set(self.upcoming[: i + 1])
+                spare = [j for j in self.loose if j not in soon]
+                while spare and held + i + 1 + len(self.loose) > fit:
+                    self.drop(spare.pop(0))
                 return k
         return None
 
@@ -179,16 +216,13 @@ class RemoteSource:
                     self.ahead_skipped.add(k)
 
     def squeeze(self) -> bool:
-        """Lets go of the shards kept only because they were read last; True if any."""
+        """Lets go of the oldest loose shard (this process needs room); True if one went."""
         with self.lock:
-            loose = [k for k in self.loose if self.refs[k] == 0 and k in self.open]
-            for k in loose:
-                self.drop(k)
-        return bool(loose)
+            return self.drop_loose(keep=max(0, len(self.loose) - 1))
 
     def check_in_flight(self) -> None:
         """Refuses holds that could never all be cached (called under the lock)."""
-        self.sizes.check_in_flight(sum(1 for r in self.refs if r > 0))
+        self.sizes.check_in_flight(self.asked)
 
     def shard(self, k: int) -> ShardReader:
         """Shard ``k`` mapped from the cache: fetched now, or waited for if under way.
@@ -261,22 +295,8 @@ class RemoteSource:
         """Decodes a block-coded shard once, as it arrives: the cache keeps it raw."""
         if not self.transcode:
             return None
-
-        def write(data: bytes) -> bytes:
-            src = path.with_name(f"{path.name}.tmp-{os.getpid()}-zsrc")
-            dst = path.with_name(f"{path.name}.tmp-{os.getpid()}-raw")
-            # Outside the budget for a moment: these live in /tmp-like scratch, not the cache.
-            scratch = Path(os.environ.get("TMPDIR", "/tmp"))
-            src, dst = scratch / src.name, scratch / dst.name
-            try:
-                src.write_bytes(data)
-                transcode_raw(src, dst)
-                return dst.read_bytes()
-            finally:
-                src.unlink(missing_ok=True)
-                dst.unlink(missing_ok=True)
-
-        return write
+        # Outside the budget for a moment: the scratch copies live in TMPDIR, not the cache.
+        return functools.partial(transcode_bytes, name=path.name)
 
     def map(self, k: int, held: Held) -> ShardReader:
         info = self.index.shards[k]
@@ -293,6 +313,8 @@ class RemoteSource:
         self.loose.pop(k, None)
         got = self.open.pop(k, None)
         if got is not None:
+            if self.on_drop is not None:
+                self.on_drop(k)
             reader, held = got
             reader.close()  # views still in use keep the mapping; the file may go meanwhile
             self.cache.let_go(held)

@@ -1,0 +1,121 @@
+"""A remote source keeps the shards it read mapped (loose) while they fit its share of
+the budget, so warm epochs map nothing again; it lets them go when this process or
+another one on the node needs the room."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dlop.runtime import Loader
+from dlop.runtime.cache import CacheDir
+from dlop.runtime.remote import Retry
+from dlop.runtime.remote_archive import RemoteArchive
+from tests.faultproxy import FaultProxy
+from tests.runtime.helpers import make_archive
+
+FAST = Retry(attempts=4, backoff_s=0.001, max_backoff_s=0.01)
+SETTINGS: dict[str, Any] = {"batch_size": 4, "seed": 5, "order": "window", "window_shards": 2}
+
+
+def keys(loader: Loader, epoch: int) -> list[str]:
+    loader.set_epoch(epoch)
+    return [k for b in loader for k in b["key"]]
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    make_archive(tmp_path / "site" / "a")  # 37 samples in 6 shards of 61440 bytes
+    return tmp_path / "site"
+
+
+def test_warm_epochs_map_no_shard_again(site: Path, tmp_path: Path) -> None:
+    with FaultProxy(root=site) as proxy:
+        remote = RemoteArchive(
+            proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=1 << 20, retry=FAST
+        )
+        loader = Loader(remote, **SETTINGS)
+        keys(loader, 0)
+        assert sorted(remote.source.open) == list(range(6))  # all loose, still mapped
+        holds: list[Path] = []
+        hold = remote.cache.hold
+
+        def counted(path: Path) -> Any:
+            holds.append(path)
+            return hold(path)
+
+        remote.cache.hold = counted  # type: ignore[method-assign]
+        assert keys(loader, 1) == keys(Loader(site / "a", **SETTINGS), 1)
+        assert holds == []  # nothing opened, locked or mapped again
+        loader.close()
+        remote.close()
+        assert not remote.source.open and not remote.planners.kept
+
+
+def test_loose_shards_stay_within_their_bytes(site: Path, tmp_path: Path) -> None:
+    largest = max(p.stat().st_size for p in (site / "a").glob("shard-*"))
+    with FaultProxy(root=site) as proxy:
+        remote = RemoteArchive(
+            proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=8 * largest, retry=FAST
+        )
+        loader = Loader(remote, **SETTINGS)
+        assert keys(loader, 0) == keys(Loader(site / "a", **SETTINGS), 0)
+        assert remote.source.loose_bytes == 4 * largest  # half the budget by default
+        assert 2 <= len(remote.source.open) <= 4
+        loader.close()
+        remote.close()
+
+
+def test_another_process_waiting_for_room_gets_the_loose_shards(site: Path, tmp_path: Path) -> None:
+    with FaultProxy(root=site) as proxy:
+        remote = RemoteArchive(
+            proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=1 << 20, retry=FAST
+        )
+        keys(Loader(remote, **SETTINGS), 0)
+        assert len(remote.source.open) == 6
+        # Another cache on the same folder (its own descriptors: its locks conflict with
+        # ours as another process's would) whose budget has no room while ours are held.
+        other = CacheDir(tmp_path / "c", max_bytes=remote.cache.used_bytes() + 100_000)
+        before = other.wanted_stamp()
+        stored: list[Any] = []
+        writer = threading.Thread(
+            target=lambda: stored.append(
+                other.get(other.archive_dir("other") / "big", lambda: b"x" * 200_000)
+            )
+        )
+        writer.start()
+        try:
+            for _ in range(400):  # the writer stamps .wanted once it waits
+                if other.wanted_stamp() != before:
+                    break
+                writer.join(0.01)
+            assert other.wanted_stamp() != before and not stored
+            assert remote[0]["key"] == "k000"  # the next ask lets the loose shards go
+        finally:
+            writer.join(30)
+        assert stored and stored[0].bytes == 200_000
+        assert other.used_bytes() <= other.max_bytes
+        other.let_go(stored[0])
+        remote.close()
+
+
+def test_gathers_are_kept_per_set_of_shards_and_forgotten_with_them(
+    site: Path, tmp_path: Path
+) -> None:
+    with FaultProxy(root=site) as proxy:
+        remote = RemoteArchive(
+            proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=1 << 20, retry=FAST
+        )
+        first = remote.gather(torch.tensor([0, 1, 2]))
+        kept = dict(remote.planners.kept)
+        again = remote.gather(torch.tensor([3, 1]))  # the same shard: the same gathers
+        assert first["key"] == ["k000", "k001", "k002"] and again["key"] == ["k003", "k001"]
+        assert remote.planners.kept == kept and len(kept) == 1
+        assert remote.source.squeeze()  # shard 0, loose, let go of: its gathers go too
+        assert not remote.planners.kept
+        assert remote.gather(torch.tensor([4]))["key"] == ["k004"]
+        remote.close()
