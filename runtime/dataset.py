@@ -274,13 +274,22 @@ def open_archive(
     """Opens an archive, or several with one schema read as one, as a map-style Dataset
     of the samples ``where`` and ``indices`` choose (see Archive). A URL (``s3://``,
     ``https://``, any fsspec URL) is read through the node-local shard cache
-    (runtime.remote_archive: ``cache_dir``, ``cache_bytes``)."""
+    (runtime.remote_archive: ``cache_dir``, ``cache_bytes``), and so is a local
+    archive with zstd fields given a ``cache_dir`` (runtime.local_cache). With a cache,
+    ``cache_bytes`` is its byte budget; without, the local archive's decoded-block
+    cache (Archive's ``cache_bytes``)."""
     if isinstance(path, str) and "://" in path and not path.startswith("file://"):
         from .remote_archive import open_remote
 
         if where is not None or indices is not None:
             raise UsageError(f"{path}: where= and indices= take local archives for now")
         return open_remote(path, fields, pad_value, cache_dir, cache_bytes)
+    if cache_dir is not None:
+        from .local_cache import open_cached
+
+        cached = open_cached(path, fields, pad_value, cache_dir, cache_bytes, where, indices)
+        if cached is not None:
+            return cached
     return Archive(
         path,
         fields=fields,
@@ -288,6 +297,7 @@ def open_archive(
         where=where,
         indices=indices,
         allow_recipe_mismatch=allow_recipe_mismatch,
+        **({"cache_bytes": cache_bytes} if cache_bytes is not None and cache_dir is None else {}),
     )
 
 

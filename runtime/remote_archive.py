@@ -114,7 +114,7 @@ class RemoteArchive(Archive):
             default_cache_bytes() if cache_bytes is None else cache_bytes,
         )
         self.storage_options = dict(storage_options or {})
-        fs, base = filesystem(url, self.storage_options)
+        fs, base = self.client()
         data = fetch_index(fs, base, url, MAX_INDEX_BYTES, retry)
         folder = self.cache.archive_dir(hashlib.sha256(data).hexdigest()[:24])
         publish(folder / "index.json", data)
