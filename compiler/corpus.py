@@ -16,7 +16,7 @@ MAX_LABEL = 2**31 - 1  # largest single class index a corpus may give
 MAX_MULTI_LABELS = 1 << 16  # widest multi-hot ``labels`` vector (one byte per class per sample)
 
 
-@dataclass
+@dataclass(slots=True)  # no __dict__ per input: a listing of millions holds one Item each
 class Item:
     """One input: where its audio is, and what the corpus says about it."""
 

@@ -247,9 +247,14 @@ def lines(raw: bytes) -> Iterator[tuple[int, int, bytes]]:
     order mark at the start is dropped.
     """
     offset = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
-    for n, line in enumerate(raw[offset:].split(b"\n"), 1):
+    n = 0
+    while offset <= len(raw):  # one line at a time: no list of every line of a long manifest
+        end = raw.find(b"\n", offset)
+        end = len(raw) if end < 0 else end
+        line = raw[offset:end]
+        n += 1
         yield n, offset, line[:-1] if line.endswith(b"\r") else line
-        offset += len(line) + 1
+        offset = end + 1
 
 
 def utf8(line: bytes, where: str, offset: int) -> tuple[str, str | None]:
