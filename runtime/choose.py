@@ -174,9 +174,12 @@ def choose_mixture(
     per_source = bool(mixing["batch_per_source"])
     weights = check_weights(names, mixing["weights"], [len(p) for p in pools])
     wanted = mixing["samples_per_epoch"]
-    wanted = sum(map(len, pools)) if wanted is None else wanted
+    if wanted is None:  # the pools the weights draw from
+        wanted = sum(len(p) for p, w in zip(pools, weights, strict=True) if w > 0)
     wanted = check_int(f"{owner} samples_per_epoch", wanted, low=1)
-    counts = epoch_counts(weights, wanted, batch_size, world, order["drop_last"], per_source)
+    counts = epoch_counts(
+        weights, wanted, batch_size, world, order["drop_last"], per_source, bucket_by is not None
+    )
     mix = Mixture(tuple(names), tuple(pools), tuple(weights), wanted, tuple(counts), per_source)
     spec = OrderSpec(num_samples=mix.epoch_size, **order)
     lengths = ds.lengths(bucket_by) if bucket_by else None

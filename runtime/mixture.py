@@ -8,24 +8,27 @@ add up exactly, the same every epoch).
 
 Source ``s`` is read as an endless stream of passes over its pool, each pass
 a permutation seeded by (seed, pass, s): without replacement until the pool
-is used up, then the next pass, reshuffled (``pass_order``: an epoch that
-crosses into a new pass repeats no sample when the source holds at least
-twice its share of an epoch; a source smaller than its share repeats). Epoch ``e`` takes the stream's
-items ``e * counts[s]`` to ``(e + 1) * counts[s]``, so an epoch is a pure
-function of (seed, epoch) and a source's pass at the start of epoch ``e`` is
-``e * counts[s] // len(pool)``: resuming needs no index lists.
+is used up, then the next pass, reshuffled. An epoch that crosses into a new
+pass repeats no sample as long as the source holds at least its share of an
+epoch (``pass_order``); a source smaller than its share repeats. Epoch ``e``
+takes the stream's items ``e * counts[s]`` to ``(e + 1) * counts[s]``, so an
+epoch is a pure function of (seed, epoch): resuming needs no index lists.
 
 The epoch's draws are then shuffled together (seed, epoch), or, unshuffled,
 interleaved evenly by source. Its size is ``samples_per_epoch`` rounded so
 that every rank gets the same number of samples without repeating any (up to
 a multiple of the world size, down with drop_last); with
-``batch_per_source``, rounded to whole batches of one source, in a number
-that every rank gets alike.
+``batch_per_source`` or ``bucket_by``, to a multiple of ``batch_size`` times
+the world size, so that batches are whole and every rank gets as many
+(``batch_per_source`` also rounds each source's share to whole batches, by
+up to half a batch per source).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -50,13 +53,6 @@ class Mixture:
     @property
     def epoch_size(self) -> int:
         return sum(self.counts)
-
-    def passes(self, epoch: int) -> dict[str, int]:
-        """Each source's pass number at the start of ``epoch``."""
-        return {
-            name: epoch * c // len(pool) if len(pool) else 0
-            for name, pool, c in zip(self.names, self.pools, self.counts, strict=True)
-        }
 
     def settings(self) -> dict[str, object]:
         """What shapes the mixture's order, for loader states."""
@@ -133,44 +129,87 @@ def epoch_counts(
     world_size: int,
     drop_last: bool,
     batch_per_source: bool,
+    bucketing: bool = False,
 ) -> list[int]:
-    """Samples each source gives an epoch (see the module docstring for the rounding)."""
-    unit = batch_size * world_size if batch_per_source else world_size
+    """Samples each source gives an epoch (see the module docstring for the rounding).
+
+    Bucketing cuts each window of the epoch into batches and deals them to ranks:
+    an epoch of whole batches, as many for every rank, needs no batch repeated or
+    cut short (runtime.order.rank_batches)."""
+    whole = batch_per_source or bucketing
+    unit = batch_size * world_size if whole else world_size
     rounding = math.floor if drop_last else math.ceil
     total = int(rounding(samples_per_epoch / unit)) * unit
     if total == 0:
         raise UsageError(
             f"Loader samples_per_epoch={samples_per_epoch} with drop_last makes no whole "
-            f"{'batch' if batch_per_source else 'sample'} for each of {world_size} rank(s)"
+            f"{'batch' if whole else 'sample'} for each of {world_size} rank(s)"
         )
     if batch_per_source:
         return [k * batch_size for k in apportion(total // batch_size, weights)]
     return apportion(total, weights)
 
 
-def pass_order(pool: np.ndarray, seed: int, source: int, p: int, count: int) -> np.ndarray:
-    """Pass ``p`` of a source's stream, where each epoch takes ``count`` items.
+PASS_CACHE_ENTRIES = 8  # passes kept per process (each a permutation of a pool)
+_passes: OrderedDict[tuple[int, int, int, int, int], np.ndarray] = OrderedDict()
+_passes_lock = threading.Lock()
 
-    An epoch that crosses from pass p-1 into pass p takes the tail of p-1 and the
-    head of p; the head is rearranged so that it holds none of that tail's
-    samples (they follow right after it), so no epoch repeats a sample. The
-    rearranged head is shorter than ``count`` and the tail no longer, so with
-    ``2 * count <= len(pool)`` each pass's tail is its permutation's own.
+
+def pass_order(pool: np.ndarray, seed: int, source: int, p: int, count: int) -> np.ndarray:
+    """Pass ``p`` of a source's stream, where each epoch takes ``count`` items."""
+    return pool[pass_positions(seed, source, p, count, len(pool))]
+
+
+def pass_positions(seed: int, source: int, p: int, count: int, n: int) -> np.ndarray:
+    """Pass ``p`` as positions in a pool of ``n``.
+
+    An epoch that crosses from pass p-1 into pass p takes the last ``t`` items of
+    p-1 and the first ``count - t`` of p; p's head is rearranged so that those
+    hold none of the samples of p-1's actual tail (which depends on p-1's own
+    rearrangement, so passes are computed one after another from the latest one
+    kept). With ``count <= n`` there are always ``count - t`` samples outside that
+    tail, so no epoch repeats a sample; a source smaller than its share repeats.
     """
-    n = len(pool)
-    order = rng(seed, p, SOURCE_STREAM + source).permutation(n)
-    t = (p * n) % count  # items of pass p-1 that the crossing epoch takes
-    if p == 0 or t == 0 or 2 * count > n:
-        return pool[order]
-    prev_tail = rng(seed, p - 1, SOURCE_STREAM + source).permutation(n)[n - t :]
-    in_tail = np.zeros(n, bool)
-    in_tail[prev_tail] = True
+    if p == 0 or count > n:
+        return _permutation(seed, source, p, n)
+    with _passes_lock:
+        known = [q for (s, src, q, c, m) in _passes if (s, src, c, m) == (seed, source, count, n)]
+        below = [q for q in known if q <= p]
+        q = max(below) if below else 0
+        order = _passes[(seed, source, q, count, n)] if below else _permutation(seed, source, 0, n)
+    while q < p:
+        q += 1
+        order = _after(order, _permutation(seed, source, q, n), (q * n) % count, count)
+    with _passes_lock:
+        _passes[(seed, source, p, count, n)] = order
+        while len(_passes) > PASS_CACHE_ENTRIES:
+            _passes.popitem(last=False)
+    return order
+
+
+def clear_passes() -> None:
+    """Forgets the passes kept (they are recomputed, the same, when next asked for)."""
+    with _passes_lock:
+        _passes.clear()
+
+
+def _permutation(seed: int, source: int, p: int, n: int) -> np.ndarray:
+    out: np.ndarray = rng(seed, p, SOURCE_STREAM + source).permutation(n)
+    return out
+
+
+def _after(prev: np.ndarray, order: np.ndarray, t: int, count: int) -> np.ndarray:
+    """``order`` rearranged so that its first ``count - t`` items hold none of ``prev``'s
+    last ``t``: the shortest head holding that many others, those first, then the rest
+    of the head, then the remainder as it was."""
+    if t == 0:
+        return order
+    in_tail = np.zeros(len(order), bool)
+    in_tail[prev[len(prev) - t :]] = True
     flags = in_tail[order]
-    # the shortest head holding count - t samples outside that tail
     end = int(np.searchsorted(np.cumsum(~flags), count - t)) + 1
     head, head_flags = order[:end], flags[:end]
-    out: np.ndarray = pool[np.concatenate([head[~head_flags], head[head_flags], order[end:]])]
-    return out
+    return np.concatenate([head[~head_flags], head[head_flags], order[end:]])
 
 
 def stream_slice(

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import Loader, UsageError, UsageTypeError
+from dlop.runtime import Loader, UsageError, UsageTypeError, mixture
+from dlop.runtime.mixture import stream_slice
 
 SIZES = {"ls": 300, "ps": 500, "cv": 60}
 
@@ -112,6 +113,71 @@ def test_no_sample_twice_across_ranks(corpora: dict[str, Path], per_source: bool
         assert len(seen) == len(set(seen))
         unit = 8 * world if per_source else world
         assert len(seen) == -(-301 // unit) * unit  # rounded up to equal shares, no repeats
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bucketed_mixture_repeats_no_sample_across_ranks(
+    corpora: dict[str, Path], world: int
+) -> None:
+    seen: list[int] = []
+    batches = []
+    for rank in range(world):
+        loader = Loader(
+            {"cv": corpora["cv"], "ls": corpora["ls"]},
+            8,
+            weights={"cv": 1, "ls": 1},
+            samples_per_epoch=100,
+            bucket_by="speech",
+            bucket_window=2,
+            rank=rank,
+            world_size=world,
+            fields=["label", "speech"],
+            prefetch=0,
+        )
+        for epoch in range(2):
+            got = loader.batches(epoch)
+            assert all(len(b) == 8 for b in got)
+            if epoch == 1:
+                seen += np.concatenate(got).tolist()
+        batches.append(len(loader.batches(1)))
+    assert len(set(batches)) == 1  # as many batches on every rank
+    assert len(seen) == len(set(seen)) == -(-100 // (8 * world)) * 8 * world
+
+
+def test_a_source_between_one_and_two_shares_repeats_nothing_in_an_epoch(
+    corpora: dict[str, Path],
+) -> None:
+    # cv holds 60 and gives 40 a share: epochs cross passes at every offset
+    loader = Loader(
+        {"cv": corpora["cv"], "ls": corpora["ls"]},
+        10,
+        weights={"cv": 0.5, "ls": 0.5},
+        samples_per_epoch=80,
+        fields="key",
+        prefetch=0,
+    )
+    for epoch in range(6):
+        drawn = np.concatenate(loader.batches(epoch))
+        assert len(drawn) == 80 and len(np.unique(drawn)) == 80, epoch
+
+
+def test_every_pass_is_a_permutation_and_no_epoch_repeats() -> None:
+    gen = np.random.default_rng(0)
+    for _ in range(150):
+        n = int(gen.integers(2, 50))
+        count = int(gen.integers(1, n + 1))
+        pool = np.arange(n) * 3 + 1
+        epochs = [
+            stream_slice(pool, 5, 1, e * count, count, True) for e in range(3 * n // count + 3)
+        ]
+        assert all(len(np.unique(x)) == count for x in epochs), (n, count)
+        stream = np.concatenate(epochs)
+        for p in range(len(stream) // n):
+            assert sorted(stream[p * n : (p + 1) * n].tolist()) == pool.tolist(), (n, count, p)
+    # a pass is a pure function of (seed, pass): the same computed afresh or after others
+    late = stream_slice(np.arange(40), 3, 0, 7 * 30, 30, True)
+    mixture.clear_passes()
+    assert np.array_equal(stream_slice(np.arange(40), 3, 0, 7 * 30, 30, True), late)
 
 
 def test_resume_mid_epoch(corpora: dict[str, Path]) -> None:
