@@ -131,6 +131,12 @@ def _remote(run: _Run) -> list[Row]:
     return remote_bench.run(run.work / "remote", run.args)
 
 
+def _scaling(run: _Run) -> list[Row]:
+    from . import scaling_bench
+
+    return scaling_bench.run(run.work / "scaling", run.args)
+
+
 def _peers(run: _Run) -> list[Row]:
     from . import peer_rows, speech_peers
 
@@ -148,6 +154,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "select": _select,
     "sources": _sources,
     "remote": _remote,
+    "scaling": _scaling,
     "peers": _peers,
 }
 # peers needs LitData, MosaicML Streaming, Lhotse and datasets, which only `make bench-peers` installs
