@@ -17,13 +17,16 @@ class Batch(dict[str, Any]):
     passes it through untouched instead of re-stacking every row.
     """
 
+    # Set by IterableArchive: the batch's number in its epoch on this rank (0 first).
+    position: int | None = None
+
     def __getitem__(self, key: Any) -> Any:
         if key == 0 and not isinstance(key, str) and not dict.__contains__(self, key):
             return self
         return super().__getitem__(key)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Batch, (dict(self),))
+        return (Batch, (dict(self),), self.__dict__ or None)
 
 
 def _already_collated(batch: Any, *, collate_fn_map: Any = None) -> Any:

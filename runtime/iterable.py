@@ -9,11 +9,17 @@ but who gathers what.
 
 Epoch and resume reach persistent workers through a small shared-memory
 tensor made in the parent (``torch.Tensor.share_memory_``) and read by each
-worker when its iteration starts: ``[epoch, resume point, claimed by worker
-0, 1, ...]``. After a state of n batches, the next iteration's worker w
+worker when its iteration starts: ``[epoch, resume point, served by workers,
+claimed by worker 0, 1, ...]``. After a state of n batches, the next iteration's worker w
 serves batches ``n + w, n + w + W, ...``: the DataLoader asks worker 0 first,
 so batch n comes first. Each worker resumes once per state (its claim slot);
 later iterations start the epoch over.
+
+Each batch carries its number in the epoch (``batch.position``, counted from
+the epoch's start, the same after a resume), so the training loop saves
+``state_dict(after=batch)`` from the batch it holds. Batches gathered by
+workers are not counted in this process: there ``state_dict()`` with neither
+``after`` nor ``batches_done`` raises rather than record a wrong position.
 
 It takes what the Loader takes (runtime.choose): a path, a list of paths read
 as one, a URL (each worker reads through the node-local shard cache), a
@@ -53,7 +59,7 @@ STATE_FORMAT = "dlop-iterable-state"
 # without "selection" and "mixture" chose the whole archive
 STATE_VERSION = 2
 MAX_WORKERS = 256  # workers that can resume from a state (one claim slot each)
-_EPOCH, _DONE, _CLAIMS = 0, 1, 2
+_EPOCH, _DONE, _SERVED, _CLAIMS = 0, 1, 2, 3
 
 
 class IterableArchive(IterableDataset[Batch]):
@@ -172,6 +178,7 @@ class IterableArchive(IterableDataset[Batch]):
 
     def _publish(self, epoch: int, done: int) -> None:
         self._shared[_CLAIMS:] = 0
+        self._shared[_SERVED] = 0
         self._shared[_DONE] = done
         self._shared[_EPOCH] = epoch
         self._handed_out = done
@@ -203,6 +210,7 @@ class IterableArchive(IterableDataset[Batch]):
                 batch = ring.gather(choice, indices, engine)
             else:
                 batch = choice.gather(indices, None, engine)
+            batch.position = j
             self._handed_out = j + 1  # with workers=1 (in process): batches yielded so far
             yield batch
 
@@ -222,19 +230,45 @@ class IterableArchive(IterableDataset[Batch]):
     def _claim(self, worker: int) -> int:
         """The batch number this worker's iteration starts from: the loaded state's
         position, once per worker and state; 0 after that."""
+        if get_worker_info() is not None:
+            self._shared[_SERVED] = 1  # this process cannot count the batches the loop took
         done = int(self._shared[_DONE])
-        if not done or int(self._shared[_CLAIMS + worker]):
+        if not done:
             return 0
         if worker >= MAX_WORKERS:
-            raise UsageError(f"IterableArchive resumes with at most {MAX_WORKERS} workers")
+            raise UsageError(
+                f"IterableArchive resumes with at most {MAX_WORKERS} workers, this is worker "
+                f"{worker}; resume with fewer DataLoader workers"
+            )
+        if int(self._shared[_CLAIMS + worker]):
+            return 0
         self._shared[_CLAIMS + worker] = 1
         return done
 
-    def state_dict(self, batches_done: int | None = None) -> dict[str, Any]:
-        """The position after ``batches_done`` batches of the current epoch (the batches
-        the training loop took from the DataLoader, at most the epoch's batch count); by
-        default, the batches this process yielded itself (exact with ``num_workers=0``)."""
+    def state_dict(
+        self, batches_done: int | None = None, *, after: Batch | None = None
+    ) -> dict[str, Any]:
+        """The position after batch ``after`` (the latest batch the training loop took;
+        its ``position``), or after ``batches_done`` batches of the current epoch counted
+        from the epoch's start (a resumed epoch's earlier batches included). With
+        neither: the batches this process yielded itself, which it knows only with
+        ``num_workers=0``; after DataLoader workers served this epoch that raises."""
         done = self._handed_out if batches_done is None else batches_done
+        if after is not None:
+            if batches_done is not None or not isinstance(after.position, int):
+                raise UsageError(
+                    "IterableArchive.state_dict(after=batch) takes a batch this dataset "
+                    f"yielded (its position, got {getattr(after, 'position', None)!r}) and "
+                    "no batches_done"
+                )
+            done = after.position + 1
+        elif batches_done is None and int(self._shared[_SERVED]):
+            raise UsageError(
+                "IterableArchive.state_dict(): DataLoader workers served this epoch, so this "
+                "process does not know how many batches the training loop took; pass the "
+                "latest batch taken, state_dict(after=batch), or batches_done=N counted "
+                "from the epoch's start"
+            )
         count = len(self.batches())
         return {
             "format": STATE_FORMAT,

@@ -109,10 +109,12 @@ class SlotBatch(Batch):
         self.slot_memory, self.ticket = slot_memory, ticket
 
     def __copy__(self) -> SlotBatch:  # DataLoader's default_convert copies the batch
-        return SlotBatch(dict(self), self.slot_memory, self.ticket)
+        copied = SlotBatch(dict(self), self.slot_memory, self.ticket)
+        copied.position = self.position
+        return copied
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (claim, (dict(self), self.slot_memory, self.ticket))
+        return (claim, (dict(self), self.slot_memory, self.ticket), {"position": self.position})
 
 
 def align(nbytes: int) -> int:

@@ -133,6 +133,30 @@ def test_resume_with_any_worker_count_then_set_epoch(
     assert len(list(workers_loader(fresh, loaded_with))) == 10
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_state_with_workers_comes_from_the_batch_taken(odd: Path) -> None:
+    ds = IterableArchive(odd, batch_size=4, seed=3)
+    full = labels(list(workers_loader(ds, 0)))
+    it = iter(workers_loader(ds, 2))
+    taken = [next(it) for _ in range(7)]
+    with pytest.raises(UsageError, match=r"after=batch"):
+        ds.state_dict()  # the workers served the batches: this process counted none
+    assert [b.position for b in taken] == list(range(7))
+    state = ds.state_dict(after=taken[-1])
+    del it
+    assert state["batches_done"] == 7
+    fresh = IterableArchive(odd, batch_size=4, seed=3)
+    fresh.load_state_dict(state)
+    it = iter(workers_loader(fresh, 2))
+    resumed = next(it)
+    assert resumed["label"].tolist() == full[7] and resumed.position == 7  # from the epoch start
+    again = fresh.state_dict(after=resumed)
+    del it
+    assert again["batches_done"] == 8
+    with pytest.raises(UsageError, match="no batches_done"):
+        fresh.state_dict(3, after=resumed)
+
+
 def test_state_settings_mismatch_is_refused(odd: Path) -> None:
     state = IterableArchive(odd, 4, seed=3).state_dict()
     changed = {
