@@ -37,6 +37,7 @@ from .header import FieldLayout, Region, align, encode_header, header_end_for, r
 from .schema import Field, check_schema, footprint_bytes
 
 _COPY_CHUNK = 8 << 20
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class _Spool:
         self.crc = 0
         self.length = 0
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         self.file.write(data)
         self.crc = zlib.crc32(data, self.crc)
         self.length += len(data)
@@ -90,7 +91,7 @@ class _PlainSink:
     def num_blocks(self) -> int | None:
         return None
 
-    def add(self, payload: bytes, index: int) -> None:
+    def add(self, payload: bytes | memoryview, index: int) -> None:
         self.data.write(payload)
 
     def flush(self) -> None:
@@ -122,7 +123,7 @@ class _BlockSink:
     def num_blocks(self) -> int | None:
         return len(self.rows)
 
-    def add(self, payload: bytes, index: int) -> None:
+    def add(self, payload: bytes | memoryview, index: int) -> None:
         if len(payload) > MAX_BLOCK_RAW_BYTES:
             raise SchemaError(
                 f"sample {index} field {self.field.name!r}: {len(payload)} bytes exceed the "
@@ -161,7 +162,24 @@ class _BlockSink:
 class _FieldSink:
     def __init__(self, field: Field, spool: Path) -> None:
         self.field = field
+        self.name = field.name
         self.data = _Spool(spool)
+        self.want = field.np_dtype
+        # A fixed-shape array field whose shape passes the per-sample bounds takes arrays of
+        # exactly its dtype and shape as they are (encode); anything else goes through
+        # encode_value, which converts or names what is wrong.
+        self.fixed_shape: tuple[int, ...] | None = None
+        if field.kind == "array" and not field.ragged:
+            shape = tuple(int(d) for d in field.shape if d is not None)
+            try:
+                _check_sample_shape("", shape, field.itemsize)
+                # memoryview cannot cast an empty array's view to bytes
+                self.fixed_shape = None if 0 in shape else shape
+            except SchemaError:
+                pass
+        self.text = field.kind == "str"
+        self.max_text = min(MAX_DIM, MAX_SAMPLE_BYTES)
+        self.int64 = self.fixed_shape == () and self.want == np.dtype("<i8")
         self.offsets = array("q", [0]) if field.ragged else None
         self.shapes = array("q") if field.ragged else None
         # The one place the writer looks at the codec: how it stores values.
@@ -170,7 +188,27 @@ class _FieldSink:
             _PlainSink(self.data) if coder is None else _BlockSink(field, self.data, coder)
         )
 
-    def add(self, payload: bytes, shape: tuple[int, ...], index: int) -> None:
+    def encode(self, value: Any, index: int) -> tuple[bytes | memoryview, tuple[int, ...]]:
+        """``encode_value`` for this field; a C-contiguous array of the field's dtype and
+        shape is passed on as a view of its memory, not copied."""
+        shape = self.fixed_shape
+        if (
+            shape is not None
+            and type(value) is np.ndarray
+            and value.shape == shape
+            and value.dtype == self.want
+            and value.flags.c_contiguous
+        ):
+            return value.data.cast("B"), shape
+        if self.text and type(value) is str:
+            data = value.encode("utf-8")
+            if len(data) <= self.max_text:
+                return data, (len(data),)
+        if self.int64 and type(value) is int and _I64_MIN <= value <= _I64_MAX:
+            return value.to_bytes(8, "little", signed=True), ()
+        return encode_value(self.field, value, index)
+
+    def add(self, payload: bytes | memoryview, shape: tuple[int, ...], index: int) -> None:
         if self.offsets is not None and self.shapes is not None:
             self.offsets.append(self.offsets[-1] + len(payload) // self.field.itemsize)
             self.shapes.extend(shape)
@@ -205,6 +243,11 @@ class ShardWriter:
             for i, f in enumerate(self.fields.values())
         ]
         self._closed = False
+        # Samples a shard can take before some fixed field passes MAX_FIELD_BYTES.
+        self._field_room = min(
+            (MAX_FIELD_BYTES // f.footprint_bytes for f in self.fields.values() if not f.ragged),
+            default=MAX_SHARD_SAMPLES,
+        )
 
     @property
     def bytes_written(self) -> int:
@@ -214,7 +257,7 @@ class ShardWriter:
     def write(self, sample: Mapping[str, Any]) -> None:
         if self._closed:
             raise SchemaError(f"{self.path}: write after close")
-        if len(sample) != len(self.fields) or any(k not in sample for k in self.fields):
+        if sample.keys() != self.fields.keys():
             missing = sorted(set(self.fields) - set(sample))
             extra = sorted(set(sample) - set(self.fields))
             raise SchemaError(
@@ -224,18 +267,20 @@ class ShardWriter:
         n = self.num_samples + 1
         if n > MAX_SHARD_SAMPLES:
             raise SchemaError(f"{self.path}: a shard holds at most {MAX_SHARD_SAMPLES} samples")
+        if n > self._field_room:
+            self._check_field_room(n)
+        encoded = [s.encode(sample[s.name], self.num_samples) for s in self._sinks]
+        for sink, (payload, shape) in zip(self._sinks, encoded, strict=True):
+            sink.add(payload, shape, self.num_samples)
+        self.num_samples += 1
+
+    def _check_field_room(self, n: int) -> None:
         for f in self.fields.values():
             if not f.ragged and n * f.footprint_bytes > MAX_FIELD_BYTES:
                 raise SchemaError(
                     f"{self.path}: field {f.name!r} of shape {list(f.shape)} would exceed the "
                     f"{MAX_FIELD_BYTES}-byte field limit at sample {n - 1}; start a new shard"
                 )
-        encoded = [
-            encode_value(s.field, sample[s.field.name], self.num_samples) for s in self._sinks
-        ]
-        for sink, (payload, shape) in zip(self._sinks, encoded, strict=True):
-            sink.add(payload, shape, self.num_samples)
-        self.num_samples += 1
 
     def write_many(self, samples: Iterable[Mapping[str, Any]]) -> None:
         for s in samples:
