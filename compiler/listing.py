@@ -84,6 +84,8 @@ def text_path(path: str) -> str:
 
 def is_text(value: str) -> bool:
     """Whether a str holds only characters UTF-8 can store (no lone surrogates)."""
+    if value.isascii():  # a flag CPython keeps on the string: no pass over its characters
+        return True
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
