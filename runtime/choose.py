@@ -8,6 +8,7 @@ the order stage then orders the selection, or draws the mixture.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from dlop.formats.urls import is_url
 
 from .batch import Batch
 from .dataset import Archive, check_bucket_by, open_for_loader
@@ -40,11 +43,17 @@ class Choice:
     source_starts: np.ndarray | None = None  # each source's first sample number
 
     def settings(self) -> dict[str, Any]:
-        """What, besides the spec, shapes the order (for loader states)."""
+        """What, besides the spec, shapes the order (for loader states): the archives
+        read (``archive_identities``), the selection's fingerprint, the mixture."""
+        archives = archive_identities(self.archive)
         if self.mixture is not None:
             pools = np.concatenate(self.mixture.pools)
-            return {"selection": digest(pools), "mixture": self.mixture.settings()}
-        return {"selection": digest(self.archive.selection), "mixture": None}
+            return {
+                "archives": archives,
+                "selection": digest(pools),
+                "mixture": self.mixture.settings(),
+            }
+        return {"archives": archives, "selection": digest(self.archive.selection), "mixture": None}
 
     def sources_of(self, indices: np.ndarray) -> torch.Tensor | None:
         """Each sample's source number (``int64 [B]``, an index into the mixture's
@@ -64,6 +73,19 @@ class Choice:
         if sources is not None:
             batch[SOURCE_KEY] = sources
         return batch
+
+
+def archive_identities(archive: Archive) -> list[list[Any]]:
+    """Each archive read, in order, as ``[fingerprint, num_samples]``: the fingerprint
+    hashes its index's shard list (file, samples, CRC-32 of each shard), so another
+    archive, or the same ones in another order, gives other identities."""
+    out: list[list[Any]] = []
+    for reader in archive.readers:
+        h = hashlib.sha256()
+        for info in reader.index.shards:
+            h.update(f"{info.file}\0{info.num_samples}\0{info.crc32}\n".encode())
+        out.append([h.hexdigest()[:16], int(reader.num_samples)])
+    return out
 
 
 def choose(
@@ -126,7 +148,7 @@ def source_paths(
 def local_only(paths: list[Any], what: str, owner: str) -> list[Any]:
     """``paths``, refused when one is a URL: archives read as one and mixtures take
     local archives for now (a URL is read alone, through the shard cache)."""
-    urls = [p for p in paths if isinstance(p, str) and "://" in p and not p.startswith("file://")]
+    urls = [p for p in paths if is_url(p)]
     if urls:
         raise UsageError(
             f"{what}: {urls[0]} is a URL, and several archives read as one or mixed take "

@@ -27,8 +27,10 @@ RECIPE_STORAGE_KEYS = frozenset(
 )
 
 
-def archive_paths(path: object) -> tuple[Path, ...]:
-    """The archive folders ``path`` names: one path, or a list of them."""
+def archive_paths(path: object, distinct: bool = False) -> tuple[Path, ...]:
+    """The archive folders ``path`` names: one path, or a list of them; with
+    ``distinct``, a list that names one archive twice is refused (its samples would
+    be read twice an epoch; a mixture's sources may choose from one archive)."""
     if isinstance(path, str | os.PathLike):
         return (Path(path),)
     if isinstance(path, Sequence) and not isinstance(path, bytes):
@@ -39,8 +41,23 @@ def archive_paths(path: object) -> tuple[Path, ...]:
                 "archives are given as a path or a non-empty list of paths, got "
                 f"{'an empty list' if not paths else repr(bad[0])}"
             )
+        if distinct:
+            refuse_repeats(paths)
         return tuple(Path(p) for p in paths)
     raise UsageTypeError(f"an archive is a path or a list of paths, got {type(path).__name__}")
+
+
+def refuse_repeats(paths: Sequence[str | os.PathLike[str]]) -> None:
+    seen: dict[Path, object] = {}
+    for p in paths:
+        key = Path(p).resolve()
+        if key in seen:
+            raise UsageError(
+                f"the list of archives to read as one names {key} twice (as {seen[key]!s} "
+                f"and {p!s}): its samples would be read twice an epoch; name each archive "
+                "once (to read some samples more often, mix sources with weights)"
+            )
+        seen[key] = p
 
 
 def open_reader(path: Path, cache_bytes: int) -> ArchiveReader:
@@ -62,8 +79,8 @@ def check_compatible(
     first = readers[0]
     for other in readers[1:]:
         a, b = first.fields, other.fields
-        if names is None and list(a) != list(b):
-            only = [n for n in a if n not in b] or [n for n in b if n not in a] or list(b)
+        if names is None and set(a) != set(b):  # the same fields in another order read alike
+            only = [n for n in a if n not in b] or [n for n in b if n not in a]
             raise UsageError(
                 f"archives {first.directory} and {other.directory} cannot be read as one: "
                 f"fields {list(a)} and {list(b)} differ (field {only[0]!r}); open them "

@@ -290,6 +290,7 @@ def open_archive(
         cached = open_cached(path, fields, pad_value, cache_dir, cache_bytes, where, indices)
         if cached is not None:
             return cached
+    archive_paths(path, distinct=True)  # a list naming one archive twice is refused
     return Archive(
         path,
         fields=fields,

@@ -28,9 +28,11 @@ STATE_SETTINGS = (
     "bucket_by",
     "bucket_window",
 )
-# The samples chosen: a fingerprint of the selection (None: the whole archive) and a
-# mixture's sources, weights and sizes. A state without them chose the whole archive.
-CHOICE_SETTINGS = ("selection", "mixture")
+# The samples chosen: the archives read, in order (runtime.choose.archive_identities), a
+# fingerprint of the selection (None: the whole archive) and a mixture's sources, weights
+# and sizes. A state without selection and mixture chose the whole archive; one without
+# archives was saved before they were recorded and is refused.
+CHOICE_SETTINGS = ("archives", "selection", "mixture")
 
 
 def order_settings(

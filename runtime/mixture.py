@@ -157,7 +157,8 @@ _passes_lock = threading.Lock()
 
 def pass_order(pool: np.ndarray, seed: int, source: int, p: int, count: int) -> np.ndarray:
     """Pass ``p`` of a source's stream, where each epoch takes ``count`` items."""
-    return pool[pass_positions(seed, source, p, count, len(pool))]
+    out: np.ndarray = pool[pass_positions(seed, source, p, count, len(pool))]
+    return out
 
 
 def pass_positions(seed: int, source: int, p: int, count: int, n: int) -> np.ndarray:

@@ -78,7 +78,30 @@ def wanted_values(field: Field, value: object, where: str) -> list[Any]:
             f"{where}: where={{{field.name!r}: ...}} compares with a {field.kind} {field.dtype} "
             f"field, so its values must be {want}; got {wrong[0]!r} ({type(wrong[0]).__name__})"
         )
+    if field.kind != "str" and not boolean:
+        check_range(field, values, where)
     return values
+
+
+def check_range(field: Field, values: list[Any], where: str) -> None:
+    """Refuses a value that the field's dtype cannot hold (no sample could equal it)."""
+    dtype = np.dtype(field.np_dtype)
+    low: int | float
+    high: int | float
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        low, high = int(info.min), int(info.max)
+        out = [v for v in values if not low <= int(v) <= high]
+    else:
+        finfo = np.finfo(dtype)
+        low, high = float(finfo.min), float(finfo.max)
+        out = [v for v in values if np.isfinite(float(v)) and not low <= float(v) <= high]
+    if out:
+        raise UsageError(
+            f"{where}: where={{{field.name!r}: ...}} holds {out[0]!r}, which field "
+            f"{field.name!r} ({field.dtype}) cannot hold: its values are {low}..{high}; "
+            "check the value against dlop-inspect info"
+        )
 
 
 def column_mask(shard: ShardReader, field: Field, values: list[Any]) -> np.ndarray:

@@ -79,3 +79,49 @@ def test_recipes_that_differ_are_refused_unless_allowed(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="allow_recipe_mismatch=True"):
         Loader([a, b], 2)
     assert len(Loader([a, b], 2, allow_recipe_mismatch=True).batches(0)) == 5
+
+
+def test_a_state_loads_only_into_the_same_archives_in_the_same_order(tmp_path: Path) -> None:
+    a = write(tmp_path / "a", "a", 9)
+    b = write(tmp_path / "b", "b", 9)
+    c = write(tmp_path / "c", "c", 9, recipe={**RECIPE, "dtype": "float16"})
+    saved = Loader([a, b], 4, prefetch=0)
+    it = iter(saved)
+    next(it)
+    state = saved.state_dict()
+    del it
+    Loader([a, b], 4, prefetch=0).load_state_dict(state)
+    with pytest.raises(UsageError, match="archives="):
+        Loader([b, a], 4, prefetch=0).load_state_dict(state)
+    one = Loader(a, 4, prefetch=0).state_dict()
+    with pytest.raises(UsageError, match="archives="):
+        Loader(c, 4, prefetch=0).load_state_dict(one)  # as many samples, other archive
+    mixed = Loader({"x": a, "y": b}, 4, prefetch=0).state_dict()
+    with pytest.raises(UsageError, match="archives="):
+        Loader({"x": a, "y": c}, 4, prefetch=0, allow_recipe_mismatch=True).load_state_dict(mixed)
+
+
+def test_an_archive_named_twice_is_refused(tmp_path: Path) -> None:
+    a = write(tmp_path / "a", "a", 5)
+    with pytest.raises(UsageError, match=r"names .*/a twice"):
+        open_archive([a, tmp_path / "." / "a"])
+    with pytest.raises(UsageError, match="twice"):
+        Loader([str(a), a], 2)
+    # sources of a mixture that choose from one archive stay allowed
+    halves = {
+        "low": open_archive(a, indices=[0, 1]),
+        "high": open_archive(a, indices=[2, 3, 4]),
+    }
+    assert sum(len(x) for x in Loader(halves, 5, prefetch=0).batches(0)) == 5
+
+
+def test_the_same_fields_in_another_order_read_as_one(tmp_path: Path) -> None:
+    a = write(tmp_path / "a", "a", 5)
+    b = tmp_path / "b"
+    fields = [Field("x", "f32", (None, 3)), Field("label", "i64", ()), Field.str_("key")]
+    with ArchiveWriter(b, fields, shard_bytes=300, recipe=RECIPE) as w:
+        for i in range(3):
+            w.write({"key": f"b{i}", "label": i, "x": np.full((2, 3), i, np.float32)})
+    ds = open_archive([a, b])
+    assert [ds[i]["key"] for i in range(5, 8)] == ["b0", "b1", "b2"]
+    assert ds[7]["x"].tolist() == [[2.0] * 3] * 2

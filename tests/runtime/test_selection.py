@@ -163,9 +163,24 @@ def test_selection_errors(esc50: tuple[Path, list[dict[str, str]]]) -> None:
         Loader(path, 4, where={"fold": 9})
     with pytest.raises(UsageError, match="more than once"):
         open_archive(path, indices=[1, 1])
+    for value in (-(2**63) - 1, 2**63):
+        with pytest.raises(UsageError, match=r"'fold' \(i64\) cannot hold"):
+            open_archive(path, where={"fold": [1, value]})
     with pytest.raises(UsageError, match=r"outside 0\.\.59"):
         open_archive(path, indices=[60])
     with pytest.raises(UsageTypeError, match="integer sample numbers"):
         open_archive(path, indices=[0.5])
     with pytest.raises(UsageError, match="open Archive and where="):
         Loader(open_archive(path), 4, where={"fold": 1})
+
+
+def test_a_where_value_outside_the_dtype_is_refused(tmp_path: Path) -> None:
+    with ArchiveWriter(tmp_path / "u8", [Field("lab", "u8", ()), Field("w", "f16", ())]) as w:
+        for i in range(10):
+            w.write({"lab": np.uint8(i), "w": np.float16(i)})
+    for value in (300, -1):
+        with pytest.raises(UsageError, match=r"'lab' \(u8\) cannot hold: its values are 0\.\.255"):
+            open_archive(tmp_path / "u8", where={"lab": value})
+    with pytest.raises(UsageError, match=r"'w' \(f16\) cannot hold"):
+        open_archive(tmp_path / "u8", where={"w": 1e6})
+    assert len(open_archive(tmp_path / "u8", where={"lab": [3, 255], "w": [1.0, 3.0]})) == 1
