@@ -11,7 +11,6 @@ process's malloc behaviour; set ``DLOP_MALLOC_TUNING=0`` to leave it alone.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -22,6 +21,8 @@ import os
 import sys
 
 import torch
+
+from .errors import LoaderError
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once
 _M_TRIM_THRESHOLD = -1
@@ -34,9 +35,10 @@ _applied: bool | None = None
 
 @functools.cache
 def libc() -> ctypes.CDLL | None:
-    """The process's C library, or None where it cannot be loaded."""
+    """The process's C library (``errno`` kept for ``ctypes.get_errno``), or None where
+    it cannot be loaded."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
 
@@ -67,38 +69,29 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
     A DataLoader worker's batch goes to the main process through shared
     memory: a tensor already there is sent as a handle instead of being
-    copied into a fresh segment. Faulting the pages in with one
-    ``madvise(MADV_POPULATE_WRITE)`` costs far less than a fault per page as
-    the gather first writes them (where the kernel lacks it, the gather's
-    writes fault them as usual).
+    copied into a fresh segment. Faulting the pages in at once (``populate``)
+    costs far less than a fault per page as the gather first writes them, and
+    finds out now, rather than by SIGBUS in the gather, when ``/dev/shm``
+    cannot hold them: that raises ``LoaderError``.
     """
-    nbytes = math.prod(shape) * dtype.itemsize
-    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))  # type: ignore[no-untyped-call]  # unannotated in torch
-    t = torch.empty(0, dtype=dtype).set_(storage).view(-1)[: math.prod(shape)].view(shape)
-    madvise = getattr(libc(), "madvise", None)
-    if madvise is not None and nbytes >= mmap.PAGESIZE:
-        start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
-        end = (t.data_ptr() + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        with contextlib.suppress(Exception):
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            madvise(start, end - start, _MADV_POPULATE_WRITE)
-    return t
-
-
-@functools.cache
-def libc_errno() -> ctypes.CDLL | None:
-    """The C library with ``errno`` kept for ``ctypes.get_errno``, or None."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    flat = shared_buffer(nbytes)
+    if flat is None:
+        raise LoaderError(
+            f"/dev/shm has no room for a batch buffer of {nbytes} bytes ({list(shape)} "
+            f"{dtype}) in shared memory; give the workers fewer buffers to keep "
+            "(IterableArchive worker_buffers=, DataLoader prefetch_factor=), keep fewer "
+            "batches in the training loop, or enlarge /dev/shm (docker run --shm-size=...)"
+        )
+    return flat.view(dtype).view(shape)
 
 
 def populate(t: torch.Tensor) -> bool:
     """Faults a contiguous tensor's whole pages in at once; False when the system had no
     page to give (a full ``/dev/shm``), where a later write would kill the process with
     SIGBUS. True where the kernel lacks ``MADV_POPULATE_WRITE`` (nothing is known)."""
-    madvise = getattr(libc_errno(), "madvise", None)
+    madvise = getattr(libc(), "madvise", None)
     nbytes = t.numel() * t.element_size()
     start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (t.data_ptr() + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE

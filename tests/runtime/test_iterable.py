@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import IterableArchive, Loader, open_archive, shared_ring
+from dlop.runtime import IterableArchive, Loader, LoaderError, memory, open_archive, shared_ring
 from dlop.runtime.errors import UsageError
 from dlop.runtime.memory import populate
 
@@ -444,6 +444,20 @@ def test_populate_reports_memory_the_system_cannot_back(tmp_path: Path) -> None:
     assert not populate(t)
     del t
     mapped.close()
+
+
+def test_fresh_shared_memory_the_system_cannot_back_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    t = memory.shared_empty((3, 5), torch.float32)
+    assert (
+        t.shape == (3, 5)
+        and t.is_shared()
+        and memory.shared_empty((0, 2), torch.int64).numel() == 0
+    )
+    monkeypatch.setattr(memory, "populate", lambda t: False)  # /dev/shm full
+    with pytest.raises(LoaderError, match=r"/dev/shm has no room .* 4000 bytes.*--shm-size"):
+        memory.shared_empty((1000,), torch.float32)
 
 
 def test_a_worker_without_room_for_slots_makes_fresh_batches(
