@@ -18,20 +18,29 @@ import numpy as np
 
 from .decode import check_file
 from .errors import InputError
-from .vision import VisionConfig, shape_pil, tile_origins
+from .vision import VisionConfig, resized_hw, shape_pil, tile_origins
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".tif", ".tiff", ".bmp")
 
 Source = str | os.PathLike[str] | bytes
+# Image.info key: the scale an exact JPEG draft decoded at (the full size is the size times it).
+DRAFT_SCALE = "dlop.draft_scale"
 
 
-def _open(source: Source, name: str, cfg: VisionConfig, shrink_to: int | None = None) -> Any:
+def _open(
+    source: Source, name: str, cfg: VisionConfig, shrink_to: int | None = None, exact: bool = False
+) -> Any:
     """Opens, checks the pixel cap from the header, decodes and turns upright.
 
     ``shrink_to``: the short side a resize will bring the image to; a baseline
     JPEG then decodes at 1/2, 1/4 or 1/8 scale (never below that side) and only
     the pixels decoded count against the cap. Every other image (a progressive
     JPEG too) is held to the cap at its header's size.
+
+    ``exact``: draft only at a scale ``s`` that divides both sides, so the
+    decoded image is exactly the full size / ``s`` (the same field of view,
+    whichever way EXIF turns it), recorded as ``info[DRAFT_SCALE]``. The image
+    is then held to the cap at its full size, the size its masks are shaped at.
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -44,7 +53,7 @@ def _open(source: Source, name: str, cfg: VisionConfig, shrink_to: int | None = 
     # that a draft can shrink may pass the header check with up to 64x the cap
     # (a 1/8 draft) and is held to the cap at its drafted size below; anything
     # not drafted is held to the cap at its header's size there.
-    Image.MAX_IMAGE_PIXELS = cap * 64 if shrink_to else cap
+    Image.MAX_IMAGE_PIXELS = cap * 64 if shrink_to and not exact else cap
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "Truncated File Read": decoding below decides
@@ -61,7 +70,12 @@ def _open(source: Source, name: str, cfg: VisionConfig, shrink_to: int | None = 
                 and not image.info.get("progressive")
                 and not image.info.get("progression")
             ):
-                image.draft(None, (shrink_to, shrink_to))
+                scale = exact_scale(image.size, shrink_to) if exact else 0
+                if scale > 1:
+                    image.draft(None, (image.width // scale, image.height // scale))
+                    image.info[DRAFT_SCALE] = scale
+                elif not exact:
+                    image.draft(None, (shrink_to, shrink_to))
             if image.width * image.height > cap:
                 raise InputError(name, _over_cap(image.size, cap))
             image.load()
@@ -71,6 +85,21 @@ def _open(source: Source, name: str, cfg: VisionConfig, shrink_to: int | None = 
         raise InputError(name, f"cannot decode image: {e}") from None
     finally:
         Image.MAX_IMAGE_PIXELS = before
+
+
+def exact_scale(size: tuple[int, int], shrink_to: int) -> int:
+    """The largest JPEG draft scale (8, 4, 2, else 1) dividing both sides and keeping the short side >= ``shrink_to``."""
+    w, h = size
+    for s in (8, 4, 2):
+        if w % s == 0 and h % s == 0 and min(w, h) // s >= shrink_to:
+            return s
+    return 1
+
+
+def full_size(image: Any) -> tuple[int, int]:
+    """(width, height) of the image before an exact draft reduced it (its own size when none did)."""
+    scale = int(image.info.get(DRAFT_SCALE, 1))
+    return image.width * scale, image.height * scale
 
 
 def _header_size(handle: Any) -> tuple[int, int]:
@@ -94,18 +123,26 @@ def _over_cap(size: tuple[int, int], cap: int) -> str:
 
 
 def load_image(
-    source: Source, name: str, cfg: VisionConfig | None = None, *, draft: bool = True
+    source: Source,
+    name: str,
+    cfg: VisionConfig | None = None,
+    *,
+    draft: bool = True,
+    masked: bool = False,
 ) -> Any:
     """A Pillow RGB image, upright (kept as Pillow until it is resized: no full-size array copies).
 
-    With ``cfg.size`` and ``draft``, a JPEG decodes at the largest reduction
-    (1/2, 1/4 or 1/8, done in the DCT) that keeps its short side at least
-    ``cfg.size``: the resize then starts from far fewer pixels. Images with
-    masks are decoded at full size (``draft=False``) so that image and masks
-    are resized from the same grid.
+    With ``cfg.size``, ``cfg.jpeg_draft`` and ``draft``, a baseline JPEG
+    decodes at the largest reduction (1/2, 1/4 or 1/8, done in the DCT) that
+    keeps its short side at least ``cfg.size``: the resize then starts from far
+    fewer pixels. An image with masks (``masked``) is reduced only by a scale
+    that divides both its sides (see ``exact_scale``), else decoded at full
+    size, so that ``shape_sample`` resizes it and its full-size masks to the
+    same grid.
     """
     cfg = cfg or VisionConfig()
-    image = _open(source, name, cfg, cfg.size if draft else None)
+    shrink_to = cfg.size if draft and cfg.jpeg_draft else None
+    image = _open(source, name, cfg, shrink_to, exact=masked)
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
@@ -172,12 +209,15 @@ def shape_sample(image: Any, masks: dict[str, Any], cfg: VisionConfig) -> list[P
     """Resizes and crops a Pillow image and its ``L`` masks identically, then tiles them when asked.
 
     ``masks`` values may also be a fill value (int): a missing annotator's mask,
-    made at the output size directly.
+    made at the output size directly. The output grid comes from the image's
+    full size, so an image drafted exactly (``load_image(masked=True)``) and
+    its full-size masks are resized to the same grid a full decode would give.
     """
     from PIL import Image
 
-    size = (image.width, image.height)
-    img = shape_pil(image, cfg)  # ValueError when smaller than the crop
+    size = full_size(image)
+    grid = resized_hw(size[1], size[0], cfg.size)
+    img = shape_pil(image, cfg, grid=grid)  # ValueError when smaller than the crop
     shaped = {}
     for n, m in masks.items():
         if isinstance(m, int):
@@ -185,7 +225,7 @@ def shape_sample(image: Any, masks: dict[str, Any], cfg: VisionConfig) -> list[P
             continue
         if m.size != size:  # an annotator's mask at another size: align it first
             m = m.resize(size, Image.Resampling.NEAREST)
-        shaped[n] = shape_pil(m, cfg, nearest=True)
+        shaped[n] = shape_pil(m, cfg, nearest=True, grid=grid)
     if cfg.tile is None:
         return [Patch(img, shaped, (0, 0))]
     th, tw = cfg.tile

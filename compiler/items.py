@@ -346,7 +346,7 @@ def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[di
     if item.path is None:
         raise InputError(name, "image inputs must be files")
     vision = recipe.vision
-    image = load_image(input_source(item, item.path), name, vision, draft=not shape.mask_names)
+    image = load_image(input_source(item, item.path), name, vision, masked=bool(shape.mask_names))
     masks: dict[str, Any] = {}
     present = []
     for mask_name in shape.mask_names:

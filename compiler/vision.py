@@ -88,6 +88,9 @@ class VisionConfig:
     mask_remap: tuple[tuple[int, int], ...] | None = None
     consensus: bool = False  # add a per-pixel majority-vote mask
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # larger images (or masks) are bad inputs
+    # under size, a baseline JPEG decodes reduced in the DCT (with masks, only
+    # by a scale dividing both sides); False decodes every image at full size
+    jpeg_draft: bool = True
 
     def __post_init__(self) -> None:
         if self.size is not None and self.size <= 0:
@@ -110,6 +113,8 @@ class VisionConfig:
                 f"max_image_pixels {cap!r} must be a whole number of pixels written as an "
                 "integer (150000000, not 1.5e8)"
             )
+        if not isinstance(self.jpeg_draft, bool):
+            raise ValueError(f"jpeg_draft {self.jpeg_draft!r} must be true or false")
         if self.max_image_pixels <= 0:
             raise ValueError(
                 f"max_image_pixels {self.max_image_pixels} must be a positive number of pixels"
@@ -131,6 +136,7 @@ class VisionConfig:
             "mask_remap": [list(p) for p in self.mask_remap] if self.mask_remap else None,
             "consensus": self.consensus,
             "max_image_pixels": self.max_image_pixels,
+            "jpeg_draft": self.jpeg_draft,
         }
 
     @classmethod
@@ -150,6 +156,7 @@ class VisionConfig:
             mask_remap=parse_remap(opts.get("mask_remap")),
             consensus=bool(opts.get("consensus", False)),
             max_image_pixels=opts.get("max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
+            jpeg_draft=opts.get("jpeg_draft", True),
         )
 
     def output_hw(self) -> tuple[int, int] | None:
@@ -168,14 +175,23 @@ def resized_hw(height: int, width: int, size: int | None) -> tuple[int, int]:
     return max(1, round(height * size / width)), size
 
 
-def shape_pil(image: Any, cfg: VisionConfig, *, nearest: bool = False) -> np.ndarray:
+def shape_pil(
+    image: Any,
+    cfg: VisionConfig,
+    *,
+    nearest: bool = False,
+    grid: tuple[int, int] | None = None,
+) -> np.ndarray:
     """Resize (short side) then centre-crop a Pillow image; the result as an array.
 
-    Raises ValueError when the resized image is smaller than the crop.
+    ``grid``: the (height, width) to resize to, when it is worked out from
+    another size than the image's own (a reduced decode shaped like its
+    full-size masks). Raises ValueError when the resized image is smaller than
+    the crop.
     """
     from PIL import Image
 
-    h, w = resized_hw(image.height, image.width, cfg.size)
+    h, w = grid or resized_hw(image.height, image.width, cfg.size)
     if (h, w) != (image.height, image.width):
         method = Image.Resampling.NEAREST if nearest else Image.Resampling.BILINEAR
         image = image.resize((w, h), method)

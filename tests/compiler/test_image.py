@@ -177,3 +177,98 @@ def test_resolved_recipe_reproduces_an_image_archive(
     assert compile_main(["--recipe", str(a), "-o", str(b), "-q"]) == 0
     for p in sorted(a.iterdir()):
         assert p.read_bytes() == (b / p.name).read_bytes(), p.name
+
+
+def _disc_core(h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    """An upright ``[h, w, 3]`` image: a bright disc on a dark gradient, and the disc's 0/1 mask."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    inside = (y - h * 0.43) ** 2 + (x - w * 0.41) ** 2 < (min(h, w) * 0.29) ** 2
+    dark = np.stack([x * 90 / w, y * 90 / h, (x + y) * 60 / (w + h)], axis=-1)
+    image = np.where(inside[..., None], 235.0, dark).round().astype(np.uint8)
+    return image, inside.astype(np.uint8)
+
+
+def _write_core(root: Path, stem: str, h: int, w: int, *, turned: bool = False) -> np.ndarray:
+    """A Gleason-style JPEG core and its mask; ``turned`` stores it sideways with EXIF orientation 6."""
+    image, mask = _disc_core(h, w)
+    exif = Image.Exif()
+    if turned:  # orientation 6: turn the stored pixels 90 degrees clockwise to display them
+        exif[0x0112] = 6
+    stored = np.ascontiguousarray(np.rot90(image, 1)) if turned else image
+    write_image(root / "Train Imgs" / f"{stem}.jpg", stored, exif=exif, quality=95)
+    write_image(root / "Maps1_T" / f"{stem}_classimg_nonconvex.png", mask)
+    return mask
+
+
+def test_an_image_with_masks_drafts_only_by_a_scale_dividing_both_sides(tmp_path: Path) -> None:
+    from dlop.compiler.image import DRAFT_SCALE, full_size, load_image
+    from dlop.compiler.vision import VisionConfig
+
+    cfg = VisionConfig(size=64)
+    for (h, w), scale in {(384, 512): 4, (386, 516): 2, (384, 513): 1, (384, 520): 4}.items():
+        path = write_image(tmp_path / f"{w}x{h}.jpg", _disc_core(h, w)[0], quality=90)
+        image = load_image(path, path.name, cfg, masked=True)
+        assert image.size == (w // scale, h // scale), (w, h)
+        assert image.info.get(DRAFT_SCALE, 1) == scale and full_size(image) == (w, h)
+    # 1/8 would leave a 48-pixel short side, under --size 64: 1/4 is the most
+    assert load_image(tmp_path / "512x384.jpg", "a", VisionConfig(size=48), masked=True).size == (
+        64,
+        48,
+    )
+    # no --size, or jpeg_draft off: full size
+    for off in (VisionConfig(), VisionConfig(size=64, jpeg_draft=False)):
+        assert load_image(tmp_path / "512x384.jpg", "a", off, masked=True).size == (512, 384)
+
+
+def test_the_pixel_cap_counts_a_masked_image_at_its_full_size(tmp_path: Path) -> None:
+    from dlop.compiler.errors import InputError
+    from dlop.compiler.image import load_image
+    from dlop.compiler.vision import VisionConfig
+
+    path = write_image(tmp_path / "a.jpg", _disc_core(384, 512)[0], quality=90)
+    cfg = VisionConfig(size=64, max_image_pixels=512 * 384 - 1)
+    assert load_image(path, "a.jpg", cfg).size == (128, 96)  # no masks: drafted pixels count
+    with pytest.raises(InputError, match=r"512x384 image .* over the 196607 pixel cap"):
+        load_image(path, "a.jpg", cfg, masked=True)  # its masks are shaped at 512x384
+
+
+def _near_an_edge(mask: np.ndarray) -> np.ndarray:
+    """Pixels next to (8-neighbourhood) a pixel of another mask value: off by one pixel at most."""
+    p = np.pad(mask, 1, mode="edge")
+    h, w = mask.shape
+    return np.any(
+        [
+            p[1 + dy : 1 + dy + h, 1 + dx : 1 + dx + w] != mask
+            for dy in (-1, 0, 1)
+            for dx in (-1, 0, 1)
+        ],
+        axis=0,
+    )
+
+
+def test_a_drafted_image_and_its_full_size_masks_share_one_grid(tmp_path: Path) -> None:
+    """Pixels within a stated tolerance of a full decode; masks byte-identical; edges line up."""
+    root = tmp_path / "cores"
+    _write_core(root, "slide01_core001", 384, 512)
+    _write_core(root, "slide01_core002", 520, 392, turned=True)  # 392 x 520 stored, EXIF 6
+    _write_core(root, "slide01_core003", 384, 513)  # 513 is odd: decoded at full size
+    drafted, full = tmp_path / "d", tmp_path / "f"
+    args = ["-q", "--size", "64", "--crop", "60x60"]
+    assert compile_main([str(root), "-o", str(drafted), *args]) == 0
+    recipe = tmp_path / "full.json"
+    recipe.write_text(json.dumps({"source": str(root), "jpeg_draft": False}))
+    assert compile_main(["--recipe", str(recipe), "-o", str(full), *args]) == 0
+    with ArchiveReader(drafted) as r:
+        assert r.index.recipe["vision"]["jpeg_draft"] is True
+    a, b = _samples(drafted), _samples(full)
+    assert sorted(a) == sorted(b) and len(a) == 3
+    for key in a:
+        np.testing.assert_array_equal(a[key]["Maps1_T"], b[key]["Maps1_T"])
+        x, y = a[key]["image"].astype(np.int16), b[key]["image"].astype(np.int16)
+        assert x.shape == y.shape == (60, 60, 3)
+        diff = np.abs(x - y)
+        assert diff.mean() < 1.0 and np.percentile(diff, 99) <= 12, key
+        # the disc seen in the stored image lies on the stored mask's disc
+        mask = a[key]["Maps1_T"]
+        off = (x.mean(axis=-1) > 160) != (mask == 1)
+        assert not (off & ~_near_an_edge(mask)).any(), key
