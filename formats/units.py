@@ -43,6 +43,10 @@ class UnitTable:
         start = unit * self.unit_inputs
         return range(start, min(start + self.unit_inputs, self.num_inputs))
 
+    def count_of(self, unit: int) -> int:
+        """How many inputs unit ``unit`` holds (len(inputs_of) fails past sys.maxsize)."""
+        return max(0, min(self.unit_inputs, self.num_inputs - unit * self.unit_inputs))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "unit_inputs": self.unit_inputs,
@@ -80,7 +84,7 @@ class UnitTable:
                 raise bad(f"'{key}' is {got}, expected a list of {expected} counts, one per unit")
         table = cls(size, total, tuple(lists["shards"]), tuple(lists["skipped"]))  # type: ignore[arg-type]
         for k in range(expected):
-            inputs = len(table.inputs_of(k))
+            inputs = table.count_of(k)
             if not _count(table.shards[k], inputs):
                 raise bad(f"'shards[{k}]' is {table.shards[k]!r:.40}, expected 0 ... {inputs}")
             most = min(inputs, MAX_ERRORS_RECORDS)

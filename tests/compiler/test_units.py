@@ -93,6 +93,17 @@ def _units_edit(how: str) -> Callable[[dict], None]:
         ("skipped[1]=4", "'skipped[1]' is 4, expected 0 ... 3"),
         ("skipped[0]=1", "'skipped' counts 2 skipped inputs in all, 'skipped.count' is 1"),
         ("shards[1]=2", "'shards' counts 5 shards in all, the index lists 4"),
+        # counts past sys.maxsize: a unit's inputs are counted without len(range)
+        (
+            f'units={{"unit_inputs": {2**64 - 1}, "num_inputs": {2**64 - 1}, '
+            '"shards": [1], "skipped": [0]}',
+            "'shards' counts 1 shards in all, the index lists 4",
+        ),
+        (
+            f'units={{"unit_inputs": {2**63}, "num_inputs": {2**63 + 5}, '
+            '"shards": [0, 6], "skipped": [0, 0]}',
+            "'shards[1]' is 6, expected 0 ... 5",
+        ),
     ],
 )
 def test_the_reader_checks_units(archive: Path, tmp_path: Path, how: str, said: str) -> None:
