@@ -27,6 +27,7 @@ from .errors import UsageError, UsageTypeError, check_int
 from .gather import Allocate
 from .mixture import Mixture, check_weights, epoch_counts, mixture_draw
 from .order import BatchOrder, OrderSpec, selection_draw
+from .plan import CopyPlan
 from .selection import digest, shard_counts
 
 SOURCE_KEY = "source"  # the batch entry naming each sample's mixture source
@@ -66,10 +67,20 @@ class Choice:
     def gather(
         self, indices: torch.Tensor, out: Allocate | None = None, engine: CopyEngine | None = None
     ) -> Batch:
-        """The batch of ascending sample numbers ``indices`` (Archive.gather); a mixture's
-        batch also names each sample's source (``batch["source"]``)."""
-        batch = self.archive.gather(indices, out, engine)
-        sources = self.sources_of(indices.numpy())
+        """The batch of ascending sample numbers ``indices`` (Archive.gather), its
+        sources named (``name_sources``)."""
+        return self.name_sources(self.archive.gather(indices, out, engine), indices.numpy())
+
+    def plan(self, indices: np.ndarray, buffers: dict[str, torch.Tensor]) -> tuple[Batch, CopyPlan]:
+        """The gather stage's plan of a batch into ``buffers`` (Archive.plan), its
+        sources named (``name_sources``)."""
+        batch, plan = self.archive.plan(torch.from_numpy(indices), buffers)
+        return self.name_sources(batch, indices), plan
+
+    def name_sources(self, batch: Batch, indices: np.ndarray) -> Batch:
+        """``batch`` of samples ``indices``; a mixture's also names each sample's source
+        (``batch["source"]``, an index into the mixture's names)."""
+        sources = self.sources_of(indices)
         if sources is not None:
             batch[SOURCE_KEY] = sources
         return batch
@@ -104,6 +115,11 @@ def choose(
     order["rank"] = check_int(f"{owner} rank", rank, low=0, high=world - 1)
     order["world_size"] = world
     bucket_by = order.pop("bucket_by")
+    if not order["even_shares"] and order["drop_last"]:
+        raise UsageError(
+            f"{owner} even_shares=False reads every sample exactly once across ranks and "
+            "drop_last=True drops samples; pass one of them"
+        )
     if isinstance(archive, Mapping):
         return choose_mixture(archive, open_options, mixing, bucket_by, order, owner)
     given = [k for k, v in mixing.items() if v not in (None, False)]

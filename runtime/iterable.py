@@ -99,6 +99,7 @@ class IterableArchive(IterableDataset[Batch]):
         batch_per_source: bool = False,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_bytes: int | None = None,
+        even_shares: bool = True,
     ) -> None:
         self.path = path
         rank, world_size = rank_and_world(rank, world_size)  # the parent's: workers have none
@@ -127,6 +128,7 @@ class IterableArchive(IterableDataset[Batch]):
             "window_shards": check_int("IterableArchive window_shards", window_shards, low=1),
             "bucket_by": bucket_by,
             "bucket_window": check_int("IterableArchive bucket_window", bucket_window, low=1),
+            "even_shares": even_shares,
         }
         self.bucket_by = bucket_by
         self._choice: Choice | None = None

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .batch import Batch
-from .choose import SOURCE_KEY, choose
+from .choose import choose
 from .concat import ArchivePaths
 from .dataset import Archive
 from .device import DeviceStage
@@ -93,6 +93,7 @@ class Loader:
     name each sample's source in ``batch["source"]`` (an index into
     ``loader.sources``). An archive URL (``s3://``, any fsspec URL) is read through
     the node-local shard cache ``cache_dir`` within ``cache_bytes`` (runtime.remote_archive).
+    ``even_shares=False`` reads each sample once across ranks, shares uneven (runtime.order).
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class Loader:
         batch_per_source: bool = False,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_bytes: int | None = None,
+        even_shares: bool = True,
     ) -> None:
         self.prefetch = check_int("Loader prefetch", prefetch, low=0)
         self.choice = choose(
@@ -146,6 +148,7 @@ class Loader:
             window_shards=check_int("Loader window_shards", window_shards, low=1),
             bucket_by=bucket_by,
             bucket_window=check_int("Loader bucket_window", bucket_window, low=1),
+            even_shares=even_shares,
         )
         self.archive, self.spec = self.choice.archive, self.choice.spec
         self.order, self.bucket_by = self.choice.order, bucket_by
@@ -279,13 +282,9 @@ class Loader:
             asks.release_all()  # stopped early: the batch asked ahead, too
 
     def plan(self, indices: np.ndarray, buffers: dict[str, torch.Tensor]) -> tuple[Batch, CopyPlan]:
-        """The gather stage's plan of a batch into ``buffers``; a mixture's batches also
-        say each sample's source (``batch["source"]``)."""
-        batch, plan = self.archive.plan(torch.from_numpy(indices), buffers)
-        sources = self.choice.sources_of(indices)
-        if sources is not None:
-            batch[SOURCE_KEY] = sources
-        return batch, plan
+        """The gather stage's plan of a batch into ``buffers`` (runtime.choose.Choice.plan:
+        a mixture's batches also say each sample's source, ``batch["source"]``)."""
+        return self.choice.plan(indices, buffers)
 
     def _wrapped(self, e: BaseException, number: int, epoch: int, trace: str = "") -> BaseException:
         """What the training loop raises for batch ``number``'s error ``e``: a usage

@@ -27,7 +27,10 @@ STATE_SETTINGS = (
     "window_shards",
     "bucket_by",
     "bucket_window",
+    "even_shares",
 )
+# What a state saved before a setting was recorded had (it was the only choice then).
+SETTING_DEFAULTS: dict[str, Any] = {"even_shares": True}
 # The samples chosen: the archives read, in order (runtime.choose.archive_identities), a
 # fingerprint of the selection (None: the whole archive) and a mixture's sources, weights
 # and sizes. A state without selection and mixture chose the whole archive; one without
@@ -52,6 +55,7 @@ def order_settings(
         "window_shards": spec.window_shards,
         "bucket_by": bucket_by,
         "bucket_window": spec.bucket_window,
+        "even_shares": spec.even_shares,
         **choice,
     }
 
@@ -87,9 +91,10 @@ def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> No
     """Refuses a ``what`` state saved under other order settings, another choice of
     samples (a missing choice entry is the whole archive's) or for another rank."""
     for key in (*STATE_SETTINGS, *CHOICE_SETTINGS):
-        if state.get(key) != mine[key]:
+        saved = state.get(key, SETTING_DEFAULTS.get(key))
+        if saved != mine[key]:
             raise UsageError(
-                f"{what} state was saved with {key}={state.get(key)!r:.200}, this {what} has "
+                f"{what} state was saved with {key}={saved!r:.200}, this {what} has "
                 f"{mine[key]!r:.200}; resume with the settings and samples it was saved with"
             )
     if state.get("rank") != mine["rank"]:

@@ -20,6 +20,11 @@ Distribution (``torch.utils.data.DistributedSampler`` semantics)
   each rank gets floor(N / world) and the last incomplete batch is dropped
   too. Rank r takes every world-th sample starting at r. Every rank has the
   same number of batches.
+  even_shares=False (like Lightning's UnrepeatedDistributedSampler): nothing
+  is repeated or dropped; rank r takes every world-th sample starting at r
+  (every world-th batch with bucketing or groups), so ranks may have
+  different numbers of samples and batches. For evaluation: a DDP step with a
+  collective per batch would wait forever on the rank with fewer batches.
 
 Bucketing (``bucket_lengths``)
   The shuffled epoch is cut into windows of ``bucket_window`` batches per
@@ -59,6 +64,7 @@ class OrderSpec:
     shard_sizes: tuple[int, ...] = ()
     window_shards: int = 8
     bucket_window: int = 64
+    even_shares: bool = True  # False: no sample repeated or dropped, shares may differ
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -67,6 +73,8 @@ class OrderSpec:
             raise ValueError(f"rank {self.rank} is not in 0..world_size-1 ({self.world_size})")
         if self.mode not in ("global", "window"):
             raise ValueError(f"order {self.mode!r} must be global or window")
+        if not self.even_shares and self.drop_last:
+            raise ValueError("even_shares=False reads every sample once: it takes no drop_last")
 
 
 # An epoch -> its samples (archive sample numbers, in epoch order) and the group of each (or None).
@@ -108,9 +116,12 @@ def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
-def _even(seq: np.ndarray, world: int, drop_last: bool) -> np.ndarray:
-    """Pads (repeating from the start) or trims seq so that world divides its length."""
+def _even(seq: np.ndarray, world: int, drop_last: bool, even: bool = True) -> np.ndarray:
+    """Pads (repeating from the start) or trims seq so that world divides its length
+    (``even=False``: seq as it is)."""
     n = len(seq)
+    if not even:
+        return seq
     if drop_last:
         return seq[: n - n % world]
     total = math.ceil(n / world) * world
@@ -140,7 +151,7 @@ def rank_batches(
     order = epoch_order(spec, epoch) if samples is None else samples
     world, b = spec.world_size, spec.batch_size
     if bucket_lengths is None and groups is None:
-        mine = _even(order, world, spec.drop_last)[spec.rank :: world]
+        mine = _even(order, world, spec.drop_last, spec.even_shares)[spec.rank :: world]
         cuts = range(0, len(mine), b)
         batches = [mine[i : i + b] for i in cuts]
         if spec.drop_last and batches and len(batches[-1]) < b:
@@ -161,7 +172,8 @@ def rank_batches(
     if spec.shuffle:
         perm = rng(spec.seed, epoch, 1).permutation(len(batches))
         batches = [batches[i] for i in perm]
-    picked = _even(np.arange(len(batches)), world, spec.drop_last)[spec.rank :: world]
+    dealt = _even(np.arange(len(batches)), world, spec.drop_last, spec.even_shares)
+    picked = dealt[spec.rank :: world]
     return [np.sort(batches[i]) for i in picked]
 
 

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import IterableArchive, Loader, LoaderError, memory, open_archive, shared_ring
+from dlop.runtime.batch import Batch
 from dlop.runtime.errors import UsageError
 from dlop.runtime.memory import populate
 
@@ -602,3 +603,42 @@ def test_urls_where_local_archives_are_needed_are_refused(folds: Path) -> None:
         IterableArchive({"a": folds, "b": "s3://bucket/b"}, 4)
     with pytest.raises(UsageError, match="list of archives: s3://bucket/b is a URL"):
         Loader([folds, "s3://bucket/b"], 4)
+
+
+def test_uneven_shares_through_workers_are_the_loaders_and_resume(folds: Path) -> None:
+    kw = dict(batch_size=4, seed=3, indices=range(50), world_size=3, even_shares=False)
+    shares = []
+    for rank in range(3):  # 17, 17 and 16 samples: 5, 5 and 4 batches
+        ds = IterableArchive(folds, rank=rank, **kw)  # type: ignore[arg-type]
+        ds.set_epoch(1)
+        got = labels(list(workers_loader(ds, 2)))
+        assert got == epoch_labels(folds, 1, rank=rank, **kw)
+        shares.append(got)
+    assert [len(s) for s in shares] == [5, 5, 4]
+    assert sorted(x for s in shares for b in s for x in b) == list(range(50))
+    ds = IterableArchive(folds, rank=2, **kw)  # type: ignore[arg-type]
+    ds.set_epoch(2)
+    full = labels(list(ds))
+    state = ds.state_dict(batches_done=2)
+    assert state["even_shares"] is False
+    fresh = IterableArchive(folds, rank=2, **kw)  # type: ignore[arg-type]
+    fresh.load_state_dict(state)
+    fresh.set_epoch(2)
+    assert labels(list(workers_loader(fresh, 2))) == full[2:]
+    even = IterableArchive(folds, rank=2, **{**kw, "even_shares": True})  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="even_shares"):
+        even.load_state_dict(state)
+
+
+def test_a_slot_counts_an_overflowed_tensor_once() -> None:
+    slot = shared_ring.new_slot(2 * shared_ring.ALIGN)
+    assert slot is not None
+    fits = slot.allocate((8,), torch.uint8)
+    big = slot.allocate((4 * shared_ring.ALIGN,), torch.uint8)  # does not fit: fresh memory
+    lengths = torch.arange(3, dtype=torch.int64)  # made outside the slot, fits in it
+    batch = Batch({"fits": fits, "big": big, "lengths": lengths})
+    slot.adopt(batch)
+    assert batch["big"] is big and batch["lengths"].tolist() == [0, 1, 2]
+    assert batch["lengths"].untyped_storage().data_ptr() == slot.memory.untyped_storage().data_ptr()
+    expected = sum(shared_ring.align(n) for n in (8, 4 * shared_ring.ALIGN, 3 * 8))
+    assert slot.wanted == expected  # what a slot that holds the batch needs, big counted once

@@ -164,3 +164,30 @@ def test_set_epoch_after_reset_keeps_the_resume() -> None:
     order.reset({"epoch": 3, "batches_done": 3})
     order.set_epoch(4)  # another epoch drops the resume
     assert order.begin() == 0 and order.epoch == 4
+
+
+@pytest.mark.parametrize("n", [1, 10, 37, 400, 1600])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("how", ["global", "window", "bucket"])
+def test_uneven_shares_read_every_sample_exactly_once(n: int, world: int, how: str) -> None:
+    sizes = (n // 3, n - 2 * (n // 3), n // 3)
+    lengths = np.random.default_rng(1).integers(1, 50, n) if how == "bucket" else None
+    per_rank = []
+    for r in range(world):
+        spec = OrderSpec(
+            n, 16, seed=3, rank=r, world_size=world, even_shares=False,
+            mode="window" if how == "window" else "global", shard_sizes=sizes,
+            window_shards=1, bucket_window=2,
+        )  # fmt: skip
+        per_rank.append(rank_batches(spec, epoch=1, bucket_lengths=lengths))
+    seen = [int(i) for batches in per_rank for b in batches for i in b]
+    assert sorted(seen) == list(range(n))  # no repeat, no drop
+    counts = [sum(len(b) for b in batches) for batches in per_rank]
+    if how != "bucket":  # rank r: every world-th sample from r
+        assert counts == [len(range(r, n, world)) for r in range(world)]
+    assert max(len(b) for b in per_rank) - min(len(b) for b in per_rank) <= 1
+
+
+def test_uneven_shares_refuse_drop_last() -> None:
+    with pytest.raises(ValueError, match="no drop_last"):
+        OrderSpec(10, 4, drop_last=True, world_size=3, even_shares=False)

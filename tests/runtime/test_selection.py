@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Loader, UsageError, UsageTypeError, count_selected, open_archive
@@ -184,3 +185,81 @@ def test_a_where_value_outside_the_dtype_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"'w' \(f16\) cannot hold"):
         open_archive(tmp_path / "u8", where={"w": 1e6})
     assert len(open_archive(tmp_path / "u8", where={"lab": [3, 255], "w": [1.0, 3.0]})) == 1
+
+
+@pytest.fixture(scope="module")
+def folds2000(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2000 clips in 5 folds of 400, as ESC-50: folds of 1600 train / 400 test clips,
+    both 1 more than a multiple of 3."""
+    path = tmp_path_factory.mktemp("folds2000") / "a"
+    fields = [Field("clip", "i64", ()), Field("fold", "i64", ())]
+    with ArchiveWriter(path, fields, shard_bytes=4000) as w:
+        for i in range(2000):
+            w.write({"clip": i, "fold": 1 + i % 5})
+    return path
+
+
+def read_once(path: Path, world: int, **kw: object) -> list[list[int]]:
+    """Every rank's clips of an epoch, in the order read."""
+    got = []
+    for rank in range(world):
+        loader = Loader(path, 64, rank=rank, world_size=world, even_shares=False, **kw)  # type: ignore[arg-type]
+        loader.set_epoch(1)
+        got.append([c for b in loader for c in b["clip"].tolist()])
+        loader.close()
+    return got
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_uneven_shares_read_each_fold_once_per_epoch(folds2000: Path, world: int) -> None:
+    for where, count in (({"fold": [1, 2, 3, 4]}, 1600), ({"fold": 5}, 400)):
+        shares = read_once(folds2000, world, where=where, prefetch=0)
+        clips = sorted(c for share in shares for c in share)
+        selected = [i for i in range(2000) if i % 5 in ((0, 1, 2, 3) if count == 1600 else (4,))]
+        assert clips == selected  # each exactly once: no padding, nothing dropped
+        assert [len(s) for s in shares] == [len(range(r, count, world)) for r in range(world)]
+    window = read_once(folds2000, world, where={"fold": 5}, order="window", window_shards=2)
+    assert sorted(c for share in window for c in share) == list(range(4, 2000, 5))
+
+
+def test_uneven_shares_resume_exactly_and_states_keep_to_them(folds2000: Path) -> None:
+    kw = dict(seed=2, rank=2, world_size=3, where={"fold": 5}, even_shares=False)
+    full = read_once(folds2000, 3, where={"fold": 5}, seed=2)[2]  # rank 2: 133 of 400
+    loader = Loader(folds2000, 64, **kw)  # type: ignore[arg-type]
+    loader.set_epoch(1)
+    it = iter(loader)
+    head = [c for _, batch in zip(range(1), it, strict=False) for c in batch["clip"].tolist()]
+    state = loader.state_dict()
+    del it
+    resumed = Loader(folds2000, 64, **kw)  # type: ignore[arg-type]
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)
+    assert head + [c for b in resumed for c in b["clip"].tolist()] == full
+    even = Loader(folds2000, 64, **{**kw, "even_shares": True})  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="even_shares=False"):
+        even.load_state_dict(state)
+    with pytest.raises(UsageError, match="even_shares=True"):
+        resumed.load_state_dict(even.state_dict())
+    legacy = {k: v for k, v in even.state_dict().items() if k != "even_shares"}
+    even.load_state_dict(legacy)  # saved before the setting was recorded: even shares
+    with pytest.raises(UsageError, match="drop_last=True drops samples"):
+        Loader(folds2000, 64, **{**kw, "drop_last": True})  # type: ignore[arg-type]
+    for loader in (resumed, even):
+        loader.close()
+
+
+def test_plans_and_gathers_of_a_mixture_name_sources_alike(tmp_path: Path) -> None:
+    a, b = make_archive(tmp_path / "a", n=5), make_archive(tmp_path / "b", n=6)
+    loader = Loader({"a": a, "b": b}, 4, fields=["label"], prefetch=0)
+    indices = np.array([1, 4, 5, 10])  # two of each source
+    planned, _ = loader.choice.plan(indices, loader.buffers()[0])
+    gathered = loader.choice.gather(torch.from_numpy(indices))
+    assert planned["source"].tolist() == gathered["source"].tolist() == [0, 0, 1, 1]
+    assert loader.plan(indices, loader.buffers()[0])[0]["source"].tolist() == [0, 0, 1, 1]
+    loader.close()
+
+
+def test_a_local_path_holding_a_scheme_separator_is_no_url(tmp_path: Path) -> None:
+    make_archive(tmp_path / "x:" / "a", n=3)
+    ds = open_archive(f"{tmp_path}/x://a")  # no scheme at its start: a local path
+    assert len(ds) == 3
