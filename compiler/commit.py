@@ -48,7 +48,7 @@ from .output import (
 )
 from .recipe import Recipe
 from .store import LocalStore, Store, open_store
-from .units import UnitRecord, UnitTask, commit_name
+from .units import UnitRecord, UnitTask, commit_name, input_sizes
 
 Engine = Callable[[list[int]], Iterator[UnitRecord]]
 
@@ -203,6 +203,14 @@ def _take_over(
     run.unit_inputs = journal.unit_inputs
     check_unit_count(run)
     committed = committed_units(store, journal)
+    if run.corpus.unit_sizes:  # the fingerprint left the inputs' sizes to the units
+        items = run.corpus.items
+        committed = {
+            u: r
+            for u, r in committed.items()
+            if r.input_sizes
+            == input_sizes(run.corpus, items[r.first_input : r.first_input + r.num_inputs])
+        }
     finished = _finished_index(run, store, committed)
     clear_for_resume(store, committed, keep_archive=finished is not None)
     return committed, finished

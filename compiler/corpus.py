@@ -6,6 +6,7 @@ stages read it); a field that a media does not use stays at its default.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ def input_source(item: Item, path: str) -> str | bytes:
 class Corpus:
     layout: str
     root: str
-    items: list[Item]
+    items: Sequence[Item]  # a list, or a layout's compact listing that makes Items on demand
     has_label: bool
     has_text: bool
     extra_fields: dict[str, str]  # name -> "i64" | "str"
@@ -62,6 +63,10 @@ class Corpus:
     mask_names: tuple[str, ...] = ()
     # fsspec options for a URL SOURCE (credentials, endpoint): for reading inputs, never stored
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The fingerprint leaves out the inputs' sizes (it hashes a listing file that names
+    # them, a manifest): each work unit records its inputs' sizes as it starts, and a
+    # resume redoes a unit whose inputs' sizes have changed since.
+    unit_sizes: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class ListOptions:
     keep_columns: tuple[str, ...] = ()  # hf: scalar columns carried as fields
 
 
-def fingerprint(items: list[Item], extra: bytes = b"", root: Path | None = None) -> str:
+def fingerprint(items: Iterable[Item], extra: bytes = b"", root: Path | None = None) -> str:
     """sha256 over every input's key and size plus the corpus's listing files (``extra``);
     ``root`` is the SOURCE path, whose listing gives the sizes of URL inputs."""
     return listing.fingerprint(

@@ -285,3 +285,10 @@ def fingerprint(
         size = -1 if path is None else size_of(path, root or Path("."))
         h.update(name_bytes(key) + f"\0{size}\0{offset}\0{duration}\n".encode())
     return h.hexdigest()
+
+
+def bytes_fingerprint(raw: bytes, layout: str) -> str:
+    """sha256 of a listing file that names every input and all the corpus says of it (a
+    manifest): no input is asked its size here; work units record their inputs' sizes
+    instead (Corpus.unit_sizes)."""
+    return hashlib.sha256(f"dlop {layout}\0".encode() + raw).hexdigest()

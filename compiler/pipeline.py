@@ -44,11 +44,18 @@ from dlop.formats import Index
 from .commit import Run, finish_run
 from .errors import CompileError
 from .items import CorpusShape, Outcome, schema_for
-from .layouts import stream_items
 from .output import JOURNAL, SPILL_PREFIX, check_apart, close_inherited_locks
 from .recipe import Recipe
 from .sources import Item, open_corpus
-from .units import CHUNK_ITEMS, UNIT_INPUTS, UnitRecord, UnitWriter, chunked, process_fetched
+from .units import (
+    CHUNK_ITEMS,
+    UNIT_INPUTS,
+    UnitRecord,
+    UnitWriter,
+    chunked,
+    process_fetched,
+    unit_items,
+)
 from .urls import is_url
 
 __all__ = ["CHUNK_ITEMS", "JOURNAL", "TEST_KILL_AT", "TEST_SIGNAL", "UNIT_INPUTS", "compile_corpus"]
@@ -271,11 +278,12 @@ def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitR
         done[0] += 1
         test_point(f"shard:{done[0]}")
 
+    sizes: dict[int, str] = {}  # unit -> its inputs' sizes, taken as its inputs go out
     chunks = (
         chunk
-        for _, inputs in units
+        for unit, inputs in units
         for chunk in chunked(
-            stream_items(run.corpus, inputs.start, inputs.stop), CHUNK_ITEMS[run.corpus.media]
+            unit_items(run.corpus, unit, inputs, sizes), CHUNK_ITEMS[run.corpus.media]
         )
     )
     outcomes = _results(chunks, run, workers, store.staging())
@@ -290,6 +298,7 @@ def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitR
                         break
                     run.advance(1)
                     test_point(f"input:{consumed}")
+                writer.input_sizes = sizes.pop(unit, "")
                 record = writer.commit()
             except BaseException:
                 writer.discard()

@@ -38,7 +38,7 @@ from dlop.formats.constants import MAX_SHARD_SAMPLES
 from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
 
-from .corpus import Corpus, Item
+from .corpus import Corpus, Item, fingerprint
 from .items import CorpusShape, Outcome, process_items
 from .layouts import stream_items
 from .listing import text_path
@@ -75,6 +75,9 @@ class UnitRecord:
     failure: str | None = None  # the bad input that stopped an --on-error fail compile
     worker: str = ""
     peak_rss: int = 0  # bytes: the worker process's peak resident set so far
+    # sha256 of the inputs' sizes as the unit started (input_sizes), when the corpus's
+    # fingerprint leaves them out (Corpus.unit_sizes); "" otherwise
+    input_sizes: str = ""
 
     def to_json(self, digest: str) -> dict[str, Any]:
         return {
@@ -86,6 +89,7 @@ class UnitRecord:
             "skipped": list(self.skipped),
             "worker": self.worker,
             "peak_rss": self.peak_rss,
+            **({"input_sizes": self.input_sizes} if self.input_sizes else {}),
         }
 
 
@@ -118,7 +122,7 @@ def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitReco
             encode_record(r, k)
     except (FormatError, ValueError, TypeError):
         return None
-    worker, rss = obj.get("worker"), obj.get("peak_rss")
+    worker, rss, sizes = obj.get("worker"), obj.get("peak_rss"), obj.get("input_sizes", "")
     return UnitRecord(
         unit,
         inputs.start,
@@ -127,6 +131,7 @@ def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitReco
         tuple(skipped),
         worker=worker if isinstance(worker, str) else "",
         peak_rss=rss if _count(rss, 1 << 62) else 0,
+        input_sizes=sizes if isinstance(sizes, str) else "",
     )
 
 
@@ -183,6 +188,7 @@ class UnitWriter:
     on_error: str
     after_put: Callable[[ShardInfo], None] | None = None  # called once a shard is in OUT
     failure: str | None = None
+    input_sizes: str = ""  # UnitRecord.input_sizes, set before commit
 
     def __post_init__(self) -> None:
         self.staging = Path(tempfile.mkdtemp(prefix=f"u{self.unit}-", dir=self.store.staging()))
@@ -229,6 +235,7 @@ class UnitWriter:
                 tuple(self.writer.skipped),
                 worker=f"{socket.gethostname()}:{os.getpid()}",
                 peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                input_sizes=self.input_sizes,
             )
             data = json.dumps(record.to_json(self.task.digest)).encode()
             self.store.write(commit_name(self.unit), data)
@@ -258,17 +265,19 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     store = open_store(task.out, task.storage_options)
     start = unit * task.unit_inputs
     writer = UnitWriter(task, store, unit, range(start, start + len(corpus.items)), recipe.on_error)
+    sizes: dict[int, str] = {}
     systems: dict[str, Any] = {}
     try:
         outcomes = (
             o
-            for chunk in chunked(stream_items(corpus), CHUNK_ITEMS[corpus.media])
+            for chunk in chunked(unit_items(corpus, unit, None, sizes), CHUNK_ITEMS[corpus.media])
             for o in process_fetched(chunk, recipe, task.shape, task.storage_options, systems)
         )
         for n, outcome in enumerate(outcomes, 1):
             if not writer.add(outcome):
                 break
             _maybe_die(unit, n)
+        writer.input_sizes = sizes.get(unit, "")
         return writer.commit()
     except BaseException:
         writer.discard()
@@ -297,6 +306,30 @@ def process_fetched(
 def unit_corpus(corpus: Corpus, inputs: range) -> Corpus:
     """The corpus cut down to one unit's inputs (what a unit's task carries)."""
     return replace(corpus, items=corpus.items[inputs.start : inputs.stop])
+
+
+def input_sizes(corpus: Corpus, items: Iterable[Item]) -> str:
+    """sha256 over the inputs' (key, size, offset, duration): what a unit of a corpus whose
+    fingerprint leaves out its inputs' sizes (Corpus.unit_sizes) records as it starts,
+    and what a resume compares, redoing the unit when they differ."""
+    from .layouts import source_path
+
+    return fingerprint(items, b"", source_path(corpus.root, corpus.storage_options))
+
+
+def unit_items(
+    corpus: Corpus, unit: int, inputs: range | None, sizes: dict[int, str]
+) -> Iterator[Item]:
+    """The unit's inputs (``inputs`` of the corpus, or all of a unit's corpus when None), in
+    order; for a Corpus.unit_sizes corpus their sizes go into ``sizes[unit]`` before the
+    first is given out (so before any of them is read)."""
+    start, stop = (0, None) if inputs is None else (inputs.start, inputs.stop)
+    if not corpus.unit_sizes:
+        yield from stream_items(corpus, start, stop)
+        return
+    items = list(stream_items(corpus, start, stop))
+    sizes[unit] = input_sizes(corpus, items)
+    yield from items
 
 
 def chunked(items: Iterable[Item], size: int) -> Iterator[list[Item]]:

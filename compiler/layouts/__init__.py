@@ -161,6 +161,8 @@ def stream_items(corpus: Corpus, start: int = 0, stop: int | None = None) -> Ite
     layout = _REGISTRY.get(corpus.layout)
     if layout is not None and layout.stream is not None:
         return layout.stream(corpus, start, stop)
+    if not isinstance(corpus.items, list):  # a compact listing: made from ``start``, not 0
+        return iter(corpus.items[start:stop])
     return itertools.islice(corpus.items, start, stop)
 
 

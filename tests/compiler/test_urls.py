@@ -243,7 +243,8 @@ def test_a_manifest_over_http_lists_and_its_inputs_fetch(tmp_path: Path) -> None
             f"{base}/wav/long.wav",
             f"{base}/wav/b.flac",
         ]
-        urls.fetch_inputs(corpus.items[2:])
-        assert corpus.items[2].fetched == {
-            corpus.items[2].path: (manifest.parent / "wav" / "b.flac").read_bytes()
+        unit = corpus.items[2:]  # a unit's inputs: Items made from the listing
+        urls.fetch_inputs(unit)
+        assert unit[0].fetched == {
+            unit[0].path: (manifest.parent / "wav" / "b.flac").read_bytes()
         }
