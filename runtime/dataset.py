@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dlop.formats import Field, SchemaError, ShardReader
+from dlop.formats.urls import is_url
 
 from .batch import Batch
 from .concat import ArchivePaths, ConcatSource, archive_paths, check_compatible, open_reader
@@ -278,7 +279,7 @@ def open_archive(
     archive with zstd fields given a ``cache_dir`` (runtime.local_cache). With a cache,
     ``cache_bytes`` is its byte budget; without, the local archive's decoded-block
     cache (Archive's ``cache_bytes``)."""
-    if isinstance(path, str) and "://" in path and not path.startswith("file://"):
+    if isinstance(path, str) and is_url(path):
         from .remote_archive import open_remote
 
         if where is not None or indices is not None:

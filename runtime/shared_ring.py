@@ -143,6 +143,7 @@ class Slot:
         self.memory = memory
         self.used = 0
         self.wanted = 0  # bytes the latest batch asked for, overflow included
+        self.overflow: set[int] = set()  # storages made outside it, already in ``wanted``
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The next piece of the slot as a tensor, or None when it does not fit."""
@@ -157,14 +158,18 @@ class Slot:
         """The gathers' allocator (runtime.gather.Allocate): the next piece of the slot,
         or fresh shared memory once the slot is full."""
         t = self.take(shape, dtype)
-        return shared_empty(shape, dtype) if t is None else t
+        if t is None:
+            t = shared_empty(shape, dtype)
+            self.overflow.add(t.untyped_storage().data_ptr())
+        return t
 
     def adopt(self, batch: Batch) -> None:
         """Moves the batch's tensors made outside the slot (lengths) into it where they fit,
-        so that the batch travels as one segment."""
-        mine = self.memory.untyped_storage().data_ptr()
+        so that the batch travels as one segment; those that overflowed it stay where
+        they are (``wanted`` counts them once)."""
+        skip = {self.memory.untyped_storage().data_ptr(), *self.overflow}
         for name, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() != mine:
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in skip:
                 moved = self.take(tuple(value.shape), value.dtype)
                 if moved is not None:
                     batch[name] = moved.copy_(value)
@@ -212,6 +217,7 @@ class WorkerRing:
             grown = new_slot(max(slot.wanted, slot.memory.numel() * 5 // 4))
             slot = self.slots[s] = grown or slot
         slot.used = slot.wanted = 0
+        slot.overflow.clear()
         batch = archive.gather(indices, slot.allocate, engine)
         slot.adopt(batch)
         self.number += 1
