@@ -12,6 +12,7 @@ import contextlib
 import errno
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from dlop.formats import (
     UnitTable,
     encode_index,
     num_units,
+    read_index,
 )
 from dlop.formats.archive import now_utc
 from dlop.formats.constants import MAX_UNITS
@@ -48,7 +50,7 @@ from .output import (
 )
 from .recipe import Recipe
 from .store import LocalStore, Store, open_store
-from .units import UnitRecord, UnitTask, commit_name, input_sizes
+from .units import COMMIT_PREFIX, UnitRecord, UnitTask, input_sizes
 
 Engine = Callable[[list[int]], Iterator[UnitRecord]]
 
@@ -131,7 +133,7 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
     if resume:
         committed, finished = _take_over(run, store, journal)
         if finished is not None:  # stopped after its index: only the tidying up was left
-            _tidy(store, committed)
+            _tidy(run, store)
             return finished
     # a URL OUT, unlocked: its journal names the compile running now (Journal.check_run)
     remote = not isinstance(store, LocalStore)
@@ -174,7 +176,7 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
         if run._bar is not None:
             run._bar.close()
     run.test_point("tidy")
-    _tidy(store, committed)
+    _tidy(run, store)
     return index
 
 
@@ -212,8 +214,41 @@ def _take_over(
             == input_sizes(run.corpus, items[r.first_input : r.first_input + r.num_inputs])
         }
     finished = _finished_index(run, store, committed)
+    if finished is None and (finished := _intact_index(run, store)) is not None:
+        return committed, finished  # stopped while deleting the records: _tidy deletes the rest
     clear_for_resume(store, committed, keep_archive=finished is not None)
     return committed, finished
+
+
+def _intact_index(run: Run, store: Store) -> Index | None:
+    """The index in OUT when it reads cleanly as this compile's archive (same recipe, corpus
+    and units) and every shard it lists, and errors.jsonl when it counts skipped inputs, is
+    in OUT at its size: a compile stopped while _tidy deleted the commit records."""
+    data = store.read(INDEX_NAME)
+    if data is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, INDEX_NAME).write_bytes(data)
+        try:
+            index = read_index(tmp)  # the format's bounds and checks
+        except FormatError:
+            return None
+    source = index.provenance.get("source")
+    units = index.units
+    if (
+        index.recipe != run.recipe.to_json()
+        or not isinstance(source, dict)
+        or source.get("fingerprint") != run.corpus.fingerprint
+        or units is None
+        or (units.unit_inputs, units.num_inputs) != (run.unit_inputs, len(run.corpus.items))
+    ):
+        return None
+    listed = set(store.list())
+    if index.skipped_count and ERRORS_NAME not in listed:
+        return None
+    if any(s.file not in listed or store.size(s.file) != s.bytes for s in index.shards):
+        return None
+    return index
 
 
 def _finished_index(run: Run, store: Store, committed: dict[int, UnitRecord]) -> Index | None:
@@ -279,10 +314,14 @@ def _merged(run: Run, committed: dict[int, UnitRecord], created: str) -> tuple[I
     return index, errors
 
 
-def _tidy(store: Store, committed: dict[int, UnitRecord]) -> None:
+def _tidy(run: Run, store: Store) -> None:
     """After the index: the commit records go, the staging folder, and the journal last."""
-    for unit in committed:
-        store.delete(commit_name(unit))
+    # listed, not taken from ``committed``: after _intact_index, whatever records are left
+    records = [n for n in store.list(COMMIT_PREFIX) if COMPILE_FILE.fullmatch(n)]
+    for n, name in enumerate(records):
+        store.delete(name)
+        if n == 0:
+            run.test_point("tidying")
     if isinstance(store, LocalStore):
         store.clear_staging()
     store.delete(JOURNAL)
