@@ -38,6 +38,9 @@ class Item:
     unread: bool = False
     # a URL input's bytes (and its masks'), by URL, fetched by the worker (urls.fetch_inputs)
     fetched: dict[str, bytes] | None = None
+    # hf: the row in its Parquet file; webdataset: the sample's number in its tar (so any
+    # slice of the items streams from the right place)
+    position: int = -1
 
 
 def input_source(item: Item, path: str) -> str | bytes:

@@ -137,6 +137,10 @@ def _scalar_kind(arrow_type: Any) -> str | None:
     return None
 
 
+def _kind_of(schema: Any, column: str) -> str | None:
+    return _scalar_kind(schema.field(column).type)
+
+
 def _columns(path: Path, schema: Any, features: dict[str, Any], options: ListOptions) -> _Columns:
     names = list(schema.names)
     wanted = FEATURE_TYPES[options.media]
@@ -195,6 +199,13 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
     features = _features(schema)
     cols = _columns(files[0], schema, features, options)
     classes = _label_names(features, cols.label)
+    if cols.label is not None and not classes and _kind_of(schema, cols.label) == "str":
+        raise CompileError(
+            f"{files[0]}: the label column {cols.label!r} holds strings but the huggingface "
+            "schema metadata declares no ClassLabel names for it, so its values name no class "
+            "index; cast it to a ClassLabel (datasets: class_encode_column), or pass "
+            "--label-column with an integer column"
+        )
     h = hashlib.sha256(json.dumps(features, sort_keys=True).encode())
     items: list[Item] = []
     for path in files:
@@ -273,7 +284,7 @@ def _item(
     key = key if isinstance(key, str) and key and is_text(key) else where
     ext = Path(media_path or "").suffix.lower()
     known = ext in (AUDIO_EXTS if cols.media != "image" else IMAGE_EXTS)
-    item = Item(key=key, member=(str(path), ext[1:] if known else "bin"))
+    item = Item(key=key, member=(str(path), ext[1:] if known else "bin"), position=row)
     if cols.text is not None:
         text = data[cols.text][n]
         item.text = None if text is None else str(text)
@@ -286,8 +297,10 @@ def _item(
             value = classes.index(value) if value in classes else None
         if type(value) is bool:
             value = int(value)
-        if type(value) is not int or not 0 <= value <= MAX_LABEL:
-            item.error = f"{where}: label {value!r} is not a class index from 0 to {MAX_LABEL}"
+        top = len(classes) - 1 if classes else MAX_LABEL
+        if type(value) is not int or not 0 <= value <= top:
+            named = f" (the ClassLabel names {len(classes)} classes)" if classes else ""
+            item.error = f"{where}: label {value!r} is not a class index from 0 to {top}{named}"
         else:
             item.label = value
     if item.text is not None and not is_text(item.text):
@@ -295,44 +308,72 @@ def _item(
     return item
 
 
+# Rows read from a Parquet file at a time: a row group of any size is never held whole.
+STREAM_BATCH_ROWS = 16
+
+
+class _Files:
+    """A stream's files on one filesystem: URL files share one tree (one client, no listing)."""
+
+    def __init__(self, corpus: Corpus) -> None:
+        self.root_text = corpus.root
+        source = corpus.root
+        self.source = url_path(source, corpus.storage_options) if is_url(source) else Path(source)
+
+    def path(self, text: str) -> Path:
+        if isinstance(self.source, UrlPath) and is_url(text):
+            return self.source.with_url(text)
+        return Path(text)
+
+    def root(self, file: str) -> Path:
+        """What a relative media path is resolved against: SOURCE, or a SOURCE file's folder
+        (the file listed is SOURCE itself), told without asking the storage."""
+        return self.source.parent if file == self.root_text else self.source
+
+
 def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
-    """The registry's hook: items [start, stop), each with its media bytes (or path), read one
-    row group at a time. The corpus's own items stay light: each one yielded is a copy."""
-    stop = len(corpus.items) if stop is None else min(stop, len(corpus.items))
-    source = _path(corpus.root, corpus.storage_options)
-    root = source if source.is_dir() else source.parent
+    """The registry's hook: items [start, stop), each with its media bytes (or path), read a
+    few rows at a time from the row groups that hold them. Each item names its row, so any
+    slice of the items streams alike. The corpus's own items stay light: each one yielded
+    is a copy."""
+    files = _Files(corpus)
     column = corpus.metadata["hf"]["media_column"]
-    first = 0
-    for file, run in itertools.groupby(corpus.items, key=lambda it: (it.member or ("", ""))[0]):
+    items = corpus.items[start:stop]
+    for file, run in itertools.groupby(items, key=lambda it: (it.member or ("", ""))[0]):
         todo = list(run)
-        lo, hi = max(start, first), min(stop, first + len(todo))
-        if lo < hi:
-            with _opened(_path(file, corpus.storage_options)) as pf:
-                yield from _stream_file(pf, file, todo, lo - first, hi - first, root, column)
-        first += len(todo)
-        if first >= stop:
-            return
+        with _opened(files.path(file)) as pf:
+            yield from _stream_file(pf, file, todo, files.root(file), column)
 
 
-def _stream_file(
-    pf: Any, file: str, items: list[Item], lo: int, hi: int, root: Path, column: str
-) -> Iterator[Item]:
-    if pf.metadata.num_rows != len(items):
-        raise CompileError(
-            f"{file}: holds {pf.metadata.num_rows} rows, {len(items)} were listed; the file "
-            "changed during the compile"
-        )
-    group_start = 0
+def _row_groups(pf: Any, first: int, last: int) -> tuple[list[int], int]:
+    """The row groups holding rows first..last, and the number of the first one's first row."""
+    groups: list[int] = []
+    group_start = begin = 0
     for g in range(pf.metadata.num_row_groups):
         rows = pf.metadata.row_group(g).num_rows
-        a, b = max(lo, group_start), min(hi, group_start + rows)
-        if a < b:
-            media = pf.read_row_group(g, columns=[column]).column(0).combine_chunks()
-            for row in range(a, b):
-                cell = media[row - group_start].as_py()
-                yield _filled(items[row], cell, root, f"{name_key(Path(file).name)} row {row}")
+        if group_start <= last and first < group_start + rows:
+            begin = group_start if not groups else begin
+            groups.append(g)
         group_start += rows
-        if group_start >= hi:
+    return groups, begin
+
+
+def _stream_file(pf: Any, file: str, items: list[Item], root: Path, column: str) -> Iterator[Item]:
+    first, last, rows = items[0].position, items[-1].position, pf.metadata.num_rows
+    if first < 0 or last >= rows or last - first + 1 != len(items):
+        raise CompileError(
+            f"{file}: holds {rows} rows, rows {first} to {last} were listed; the file changed "
+            "during the compile"
+        )
+    groups, row = _row_groups(pf, first, last)
+    where = name_key(Path(file).name)
+    todo = iter(items)
+    for batch in pf.iter_batches(batch_size=STREAM_BATCH_ROWS, row_groups=groups, columns=[column]):
+        cells = batch.column(0)
+        for n in range(max(0, first - row), min(len(cells), last - row + 1)):
+            yield _filled(next(todo), cells[n].as_py(), root, f"{where} row {row + n}")
+        row += len(cells)
+        if row > last:
             return
 
 

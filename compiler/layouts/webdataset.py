@@ -6,6 +6,7 @@ is ever unpickled or executed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -68,11 +69,12 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
         if not tar.is_file():
             raise CompileError(f"{tar}: tar shard not found")
         h.update(name_bytes(tar.name) + f"\0{file_size(tar)}\n".encode())
-        for key, members, damage in _group_members(tar):
+        for position, (key, members, damage) in enumerate(_group_members(tar)):
             exts = [m[len(key) + 1 :].lower() for m in members]
             audio = [e for e in exts if f".{e}" in AUDIO_EXTS]
             # every item names its tar, so the stream reads each tar on its own
-            item = Item(key=name_key(key), member=(str(tar), audio[0] if len(audio) == 1 else ""))
+            member = (str(tar), audio[0] if len(audio) == 1 else "")
+            item = Item(key=name_key(key), member=member, position=position)
             if damage is not None:
                 item.error, item.unread = damage, True
             elif len(audio) != 1:
@@ -137,52 +139,65 @@ def _group_members(tar: Path) -> Iterator[tuple[str, list[str], str | None]]:
         yield current or "", group, None
 
 
-def stream_webdataset(corpus: Corpus, start: int = 0) -> Iterator[Item]:
-    """The corpus's items from ``start`` on, each with its members' bytes, read with webdataset.
+def stream_webdataset(corpus: Corpus, start: int = 0, stop: int | None = None) -> Iterator[Item]:
+    """The corpus's items [start, stop), each a copy with its members' bytes, read with
+    webdataset (the corpus's own items stay light).
 
     Samples come back as raw bytes: nothing is decoded here, so no member is
-    ever unpickled or executed. Each tar is read on its own; a sample the
-    listing found damaged is passed on as the bad input it is, and one the tar
-    stream cannot deliver becomes a bad input naming the stream's error.
+    ever unpickled or executed. Each tar is read on its own from the first
+    wanted sample (items name their place in the tar, so any slice of the
+    items streams alike); a sample the listing found damaged is passed on as
+    the bad input it is, and one the tar stream cannot deliver becomes a bad
+    input naming the stream's error.
     """
     import webdataset as wds
 
-    numbered = enumerate(corpus.items)
-    for tar, run in itertools.groupby(numbered, key=lambda p: (p[1].member or ("", ""))[0]):
+    items = corpus.items[start:stop]
+    for tar, run in itertools.groupby(items, key=lambda it: (it.member or ("", ""))[0]):
         todo = list(run)
-        if todo[-1][0] < start:
-            continue  # a tar wholly behind a resumed compile is not read again
         failures: list[BaseException] = []
 
-        def stop(e: BaseException, failures: list[BaseException] = failures) -> bool:
+        def halt(e: BaseException, failures: list[BaseException] = failures) -> bool:
             failures.append(e)
             return False  # stop reading this tar; its undelivered samples are bad inputs
 
-        stream = _tar_samples(wds, tar, stop, corpus.storage_options)
-        held: dict[str, Any] | None = None
-        for n, item in todo:
-            sample = held if held is not None else next(stream, None)
-            held = None
-            got = None if sample is None else name_key(str(sample.get("__key__")))
-            if got != item.key:
-                if item.unread:
-                    held = sample  # the damaged sample never came; this one is the next's
-                elif sample is None and failures:
-                    item.error = (
-                        f"{name_key(Path(tar).name)}: the tar stream stopped ({failures[0]})"
-                    )
-                else:
-                    raise CompileError(
-                        f"{tar}: tar stream gave sample {got!r} where {item.key!r} was listed"
-                    )
-            elif not item.unread:
-                item.data = {
-                    k: v
-                    for k, v in (sample or {}).items()
-                    if not k.startswith("__") and isinstance(v, bytes)
-                }
-            if n >= start:
+        samples = _tar_samples(wds, tar, halt, corpus.storage_options)
+        # samples before the first wanted one are passed over, not kept
+        yield from _matched(
+            itertools.islice(samples, max(0, todo[0].position), None), tar, todo, failures
+        )
+
+
+def _matched(
+    samples: Iterator[Any], tar: str, todo: list[Item], failures: list[BaseException]
+) -> Iterator[Item]:
+    """Each listed item with the tar stream's sample of its key, in order."""
+    held: dict[str, Any] | None = None
+    for item in todo:
+        sample = held if held is not None else next(samples, None)
+        held = None
+        got = None if sample is None else name_key(str(sample.get("__key__")))
+        if got != item.key:
+            if item.unread:
+                held = sample  # the damaged sample never came; this one is the next's
                 yield item
+            elif sample is None and failures:
+                why = f"{name_key(Path(tar).name)}: the tar stream stopped ({failures[0]})"
+                yield dataclasses.replace(item, error=why)
+            else:
+                raise CompileError(
+                    f"{tar}: tar stream gave sample {got!r} where {item.key!r} was listed; the "
+                    "tar changed during the compile"
+                )
+        elif item.unread:
+            yield item
+        else:
+            data = {
+                k: v
+                for k, v in (sample or {}).items()
+                if not k.startswith("__") and isinstance(v, bytes)
+            }
+            yield dataclasses.replace(item, data=data)
 
 
 def _tar_samples(
@@ -203,9 +218,7 @@ def _tar_samples(
 
 def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
     """The registry's hook: items [start, stop) with their members' bytes."""
-    return itertools.islice(
-        stream_webdataset(corpus, start), None if stop is None else stop - start
-    )
+    return stream_webdataset(corpus, start, stop)
 
 
 def webdataset_fields(item: Item) -> None:
