@@ -1,0 +1,41 @@
+"""Inputs a layout's listing must refuse or name as bad, and URL overlaps of OUT and SOURCE."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dlop.compiler.errors import CompileError
+from dlop.compiler.layouts import open_corpus
+
+from .fixtures import write_audio
+from .signals import make_signal
+from .test_layout_hf import CLASSES, write_parquet
+
+
+def clip_cells(root: Path, n: int) -> list[dict[str, object]]:
+    write_audio(root / "a.wav", make_signal(16000, 0.3), 16000)
+    return [{"bytes": (root / "a.wav").read_bytes(), "path": "a.wav"}] * n
+
+
+def test_hf_label_past_the_class_names_is_a_named_bad_input(tmp_path: Path) -> None:
+    from datasets import Audio, ClassLabel
+
+    columns = {"audio": clip_cells(tmp_path, 3), "label": [0, 2, 7]}
+    features = {"audio": Audio(), "label": ClassLabel(names=CLASSES)}
+    write_parquet(tmp_path / "x.parquet", columns, features)
+    corpus = open_corpus(str(tmp_path), "hf")
+    assert [it.label for it in corpus.items] == [0, 2, None]
+    assert [it.error for it in corpus.items][:2] == [None, None]
+    assert "x.parquet row 2: label 7 is not a class index from 0 to 2" in str(corpus.items[2].error)
+    assert "names 3 classes" in str(corpus.items[2].error)
+
+
+def test_hf_string_labels_without_class_names_are_refused(tmp_path: Path) -> None:
+    from datasets import Audio, Value
+
+    columns = {"audio": clip_cells(tmp_path, 2), "label": ["cat", "dog"]}
+    write_parquet(tmp_path / "x.parquet", columns, {"audio": Audio(), "label": Value("string")})
+    with pytest.raises(CompileError, match="label column 'label' holds strings .* no ClassLabel"):
+        open_corpus(str(tmp_path), "hf")
