@@ -325,10 +325,31 @@ def fetch_inputs(
 # -- where OUT may be -------------------------------------------------------------------------
 
 
+# Schemes that name one storage under two names, for when fsspec's backend for them (which
+# lists its names) is not installed.
+SCHEME_FAMILIES = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "adl": "az"}
+
+
+def _storage_of(url: str) -> tuple[str, str]:
+    """(the storage's family: one name for all of its schemes, the path inside it without
+    slashes at either end): ``s3a://b/x/`` and ``s3://b/x`` give ("s3", "b/x")."""
+    proto = scheme(url) or ""
+    family = SCHEME_FAMILIES.get(proto, proto)
+    try:
+        from fsspec import get_filesystem_class
+
+        names = get_filesystem_class(proto).protocol
+        family = names if isinstance(names, str) else names[0]
+    except (ImportError, ValueError):
+        pass  # backend missing or scheme unknown: the table above
+    return family, url[len(proto) + 3 :].strip("/")
+
+
 def url_inside(inner: str, outer: str) -> bool:
-    """Whether URL ``inner`` is ``outer`` or lies below it (same scheme, bucket and prefix)."""
-    a, b = inner.rstrip("/"), outer.rstrip("/")
-    return a == b or a.startswith(b + "/")
+    """Whether URL ``inner`` is ``outer`` or lies below it: the same storage (any of its
+    schemes, s3 and s3a alike), bucket and prefix."""
+    (fa, a), (fb, b) = _storage_of(inner), _storage_of(outer)
+    return fa == fb and (a == b or a.startswith(b + "/") or not b)
 
 
 def check_url_apart(out: str, source_folders: Sequence[str]) -> None:

@@ -37,5 +37,43 @@ def test_hf_string_labels_without_class_names_are_refused(tmp_path: Path) -> Non
 
     columns = {"audio": clip_cells(tmp_path, 2), "label": ["cat", "dog"]}
     write_parquet(tmp_path / "x.parquet", columns, {"audio": Audio(), "label": Value("string")})
-    with pytest.raises(CompileError, match="label column 'label' holds strings .* no ClassLabel"):
+    with pytest.raises(CompileError, match=r"label column 'label' holds strings .* no ClassLabel"):
         open_corpus(str(tmp_path), "hf")
+
+
+@pytest.mark.parametrize(
+    ("out", "source"),
+    [
+        ("s3a://b/corpus/out", "s3://b/corpus"),
+        ("s3://b/corpus/", "s3a://b/corpus"),
+        ("gs://b/corpus/out", "gcs://b/corpus"),
+        ("s3://b/x", "s3a://b/x/y/manifest.jsonl"),
+    ],
+)
+def test_a_url_out_overlapping_source_under_another_scheme_is_refused(
+    out: str, source: str
+) -> None:
+    from dlop.compiler.urls import check_url_apart
+
+    with pytest.raises(CompileError, match="overlaps the corpus prefix"):
+        check_url_apart(out, [source])
+
+
+def test_url_out_apart_from_source_passes() -> None:
+    from dlop.compiler.urls import check_url_apart
+
+    check_url_apart("s3://b/corpus-out", ["s3a://b/corpus"])
+    check_url_apart("s3://c/corpus/out", ["s3://b/corpus"])
+    check_url_apart("gs://b/corpus/out", ["s3://b/corpus"])
+
+
+def test_a_file_url_source_is_its_folder_for_the_output_check(tmp_path: Path) -> None:
+    from dlop.compiler.output import check_apart
+    from dlop.compiler.recipe import build_recipe
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    recipe = build_recipe({"source": f"file://{corpus}", "layout": "folder"})
+    with pytest.raises(CompileError, match="lies inside the corpus folder"):
+        check_apart(corpus / "out", recipe)
+    check_apart(tmp_path / "out", recipe)
