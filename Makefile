@@ -42,7 +42,7 @@ bench-peers:
 	$(PEERS)/bin/pip install -q torch==2.13.0
 	$(PEERS)/bin/pip install -q -e .
 	$(PEERS)/bin/pip install -q --no-deps litdata==0.2.76 mosaicml-streaming==0.13.0
-	$(PEERS)/bin/pip install -q filelock lightning-utilities requests urllib3 tifffile boto3 \
+	$(PEERS)/bin/pip install -q filelock lightning-utilities requests urllib3 tifffile boto3 's3fs>=2024.2' 'moto[server]' \
 		obstore 'numpy<2.2' 'xxhash<4' zstd Brotli python-snappy catalogue tqdm pillow \
 		transformers==5.23.0 lhotse==1.33.0 lilcom==1.8.2 datasets==5.2.0
 	# FFCV compiles against libturbojpeg and OpenCV; without them its row says it did not run.

@@ -12,6 +12,7 @@ log-mels: twice the bytes per sample.
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import shutil
 import time
@@ -46,23 +47,59 @@ def _timed(make: Callable[[], Any], repeats: int) -> tuple[float, float]:
     return best_of(lambda: loader_epoch(loader), repeats), first
 
 
+def _stored(out: Path) -> int:
+    return sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+
+
+def _litdata_write(archive: Path, out: Path, n: int, workers: int) -> float:
+    """LitData's chunks of the archive's samples in ``out``; returns the seconds taken.
+
+    ``optimize`` sets the process's multiprocessing start method to spawn; it is
+    put back after, so the DataLoader workers of later rows start as they would
+    in a training script (fork on Linux), not with a fresh interpreter each.
+    """
+    import litdata as ld
+
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    t0 = time.perf_counter()
+    try:
+        ld.optimize(
+            fn=functools.partial(_sample, str(archive)),
+            inputs=list(range(n)),
+            output_dir=str(out),
+            chunk_bytes="64MB",
+            num_workers=workers,
+            verbose=False,
+        )
+    finally:
+        multiprocessing.set_start_method(start_method, force=True)
+    return time.perf_counter() - t0
+
+
+def _streaming_write(archive: Path, out: Path, n: int) -> float:
+    """MosaicML Streaming's MDS shards of the archive's samples in ``out``; returns the
+    seconds taken."""
+    from streaming import MDSWriter
+
+    t0 = time.perf_counter()
+    columns = {"logmel": f"ndarray:float16:{FRAMES},{MELS}", "label": "int"}
+    with (
+        ArchiveReader(archive) as r,
+        MDSWriter(out=str(out), columns=columns, size_limit="64mb") as w,
+    ):
+        for i in range(n):
+            w.write({"logmel": np.array(r.get("logmel", i)), "label": int(r.get("label", i))})
+    return time.perf_counter() - t0
+
+
 def _litdata(
     archive: Path, work: Path, n: int, workers: int, repeats: int
 ) -> tuple[float, float, float, int]:
     import litdata as ld
 
     out = work / "litdata"
-    t0 = time.perf_counter()
-    ld.optimize(
-        fn=functools.partial(_sample, str(archive)),
-        inputs=list(range(n)),
-        output_dir=str(out),
-        chunk_bytes="64MB",
-        num_workers=workers,
-        verbose=False,
-    )
-    convert = time.perf_counter() - t0
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    convert = _litdata_write(archive, out, n, workers)
+    size = _stored(out)
 
     def make() -> Any:
         ds = ld.StreamingDataset(str(out), shuffle=True, seed=0)
@@ -76,20 +113,12 @@ def _litdata(
 def _streaming(
     archive: Path, work: Path, n: int, workers: int, repeats: int
 ) -> tuple[float, float, float, int]:
-    from streaming import MDSWriter, StreamingDataset
+    from streaming import StreamingDataset
     from torch.utils.data import DataLoader
 
     out = work / "mds"
-    t0 = time.perf_counter()
-    columns = {"logmel": f"ndarray:float16:{FRAMES},{MELS}", "label": "int"}
-    with (
-        ArchiveReader(archive) as r,
-        MDSWriter(out=str(out), columns=columns, size_limit="64mb") as w,
-    ):
-        for i in range(n):
-            w.write({"logmel": np.array(r.get("logmel", i)), "label": int(r.get("label", i))})
-    convert = time.perf_counter() - t0
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    convert = _streaming_write(archive, out, n)
+    size = _stored(out)
 
     def make() -> Any:
         ds = StreamingDataset(local=str(out), shuffle=True, batch_size=BATCH)
@@ -152,6 +181,122 @@ def _ffcv(
     return best_of(epoch, repeats), first, convert, out.stat().st_size
 
 
+S3_BUCKET = "dlop-peers"
+S3_CACHE_BYTES = 8 << 30  # every cache holds the whole dataset: warm epochs fetch nothing
+
+
+def s3_epochs(make: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Seconds of a loader's first epoch from an empty cache (cold: every shard or chunk
+    fetched; opening included) and the median of later ones (warm)."""
+    t0 = time.perf_counter()
+    loader = make()
+    loader_epoch(loader)
+    cold = time.perf_counter() - t0
+    warm = best_of(lambda: loader_epoch(loader), repeats)
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()  # the dlop Loader's threads; the peers' workers go with their loader
+    return cold, warm
+
+
+def dlop_s3(url: str, cache: Path, workers: int) -> Any:
+    """The dlop Loader over ``url`` through a cache folder that holds it all."""
+    return Loader(url, BATCH, seed=0, cache_dir=cache, cache_bytes=S3_CACHE_BYTES)
+
+
+def litdata_allow_http(worker_id: int = 0) -> None:
+    """Lets LitData's obstore client fetch from an ``http://`` endpoint (the loopback
+    server): LitData builds obstore's client with options of its own that leave out
+    ``allow_http`` (AWS_ALLOW_HTTP in the environment does not reach it). Run in the
+    loader's process and, as ``worker_init_fn``, in each worker: after ``optimize``
+    the workers are spawned, not forked, and import LitData afresh."""
+    from litdata.streaming import downloader
+
+    options = getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+    if isinstance(options, dict) and os.environ.get("AWS_ENDPOINT_URL", "").startswith("http:"):
+        downloader._OBSTORE_CLIENT_OPTIONS = {**options, "allow_http": True}
+
+
+def litdata_s3(url: str, cache: Path, workers: int) -> Any:
+    """LitData streaming ``url`` (its boto3 client reads AWS_ENDPOINT_URL) into ``cache``."""
+    import litdata as ld
+
+    litdata_allow_http()
+    ds = ld.StreamingDataset(
+        url, cache_dir=str(cache), shuffle=True, seed=0, max_cache_size=S3_CACHE_BYTES
+    )
+    return ld.StreamingDataLoader(
+        ds,
+        batch_size=BATCH,
+        num_workers=workers,
+        persistent_workers=True,
+        worker_init_fn=litdata_allow_http,
+    )
+
+
+def streaming_s3(url: str, cache: Path, workers: int) -> Any:
+    """MosaicML Streaming streaming ``url`` (its boto3 client reads S3_ENDPOINT_URL)
+    into ``cache``."""
+    from streaming import StreamingDataset
+    from torch.utils.data import DataLoader
+
+    ds = StreamingDataset(
+        remote=url, local=str(cache), shuffle=True, batch_size=BATCH, cache_limit=S3_CACHE_BYTES
+    )
+    return DataLoader(ds, batch_size=BATCH, num_workers=workers, persistent_workers=True)
+
+
+def s3_rows(archive: Path, work: Path, n: int, workers: int, repeats: int) -> list[Row]:
+    """dlop, LitData and MosaicML Streaming streaming the same samples from one local S3
+    server (moto on loopback), each through its own cache: warm and cold epochs."""
+    from . import remote_bench
+
+    size = FRAMES * MELS * 2
+    wl = (
+        f"peers over S3: ESC-50-shaped f16 [{FRAMES},{MELS}] x {n} with labels, moto S3 on "
+        f"loopback, each cache holds all, shuffled batches of {BATCH}, {workers} DataLoader "
+        "workers for the peers"
+    )
+    with remote_bench.moto_s3() as endpoint:
+        if endpoint is None:
+            return [Row(wl, "all: not run (moto is not installed; make bench-peers installs it)")]
+        cold, warm = s3_epochs(
+            lambda: dlop_s3(remote_bench.upload(archive, S3_BUCKET), work / "dlop-cache", 0),
+            repeats,
+        )
+        base = rate_row(wl, "dlop Loader over s3://, warm cache", n, warm, size)
+        base_cold = rate_row(wl, "dlop Loader over s3://, cold first epoch", n, cold, size)
+        rows = [base, base_cold]
+        peers: list[tuple[str, Callable[[Path], float], Callable[[str, Path, int], Any]]] = [
+            (
+                "LitData 0.2 StreamingDataset(s3://) + StreamingDataLoader",
+                lambda out: _litdata_write(archive, out, n, workers),
+                litdata_s3,
+            ),
+            (
+                "MosaicML Streaming StreamingDataset(remote=s3://, local=cache) + DataLoader",
+                lambda out: _streaming_write(archive, out, n),
+                streaming_s3,
+            ),
+        ]
+        for i, (name, write, make) in enumerate(peers):
+            out = work / f"s3-peer-{i}"
+            try:
+                write(out)
+                url = remote_bench.upload(out, S3_BUCKET)
+                opened = functools.partial(make, url, work / f"s3-cache-{i}", workers)
+                cold, warm = s3_epochs(opened, repeats)
+            except ImportError as e:
+                rows.append(Row(wl, f"{name}: not run ({e}; install with make bench-peers)"))
+                continue
+            except Exception as e:  # a peer that cannot read from the server: the row says why
+                rows.append(Row(wl, f"{name}: failed ({type(e).__name__}: {e})"[:400]))
+                continue
+            rows.append(rate_row(wl, f"{name}, warm cache", n, warm, size, base))
+            rows.append(rate_row(wl, f"{name}, cold first epoch", n, cold, size, base_cold))
+    return rows
+
+
 def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
     # Peers hand torch read-only numpy arrays; the warning repeats in every worker.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -187,7 +332,7 @@ def run(work: Path, samples: int, workers: int, repeats: int) -> list[Row]:
         "bare index_select",
         first_batch_ms=first,
     )
-    rows = [base, dlop]
+    rows = [base, dlop, *s3_rows(path, work, samples, workers, repeats)]
     for name, fn in (
         ("LitData 0.2 optimize + StreamingDataset/StreamingDataLoader", _litdata),
         ("MosaicML Streaming MDSWriter + StreamingDataset + DataLoader", _streaming),

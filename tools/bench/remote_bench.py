@@ -5,6 +5,11 @@ local disk; the first epoch with an empty cache (cold) and later ones (warm).
 Loopback has no network latency or bandwidth limit to speak of: the cold rows
 measure dlop's fetch, check and cache path plus moto's own serving, not a
 real network.
+
+Also, without moto: the same zstd archive on local disk read as it is (zstd
+blocks decoded per batch) against the Loader given a ``cache_dir``, which
+decodes each shard once into the shard cache and maps the raw copy (warm
+epochs, and the cold first epoch that decodes).
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def write(path: Path, n: int, zstd: bool) -> Path:
 
 @contextlib.contextmanager
 def moto_s3() -> Iterator[str | None]:
-    """A moto S3 server on 127.0.0.1 with the AWS_* environment pointing at it, yielding
-    its endpoint; None when moto is not installed."""
+    """A moto S3 server on 127.0.0.1 with the AWS_* environment pointing at it (and
+    S3_ENDPOINT_URL, which MosaicML Streaming reads), yielding its endpoint; None when
+    moto is not installed."""
     try:
         from moto.server import ThreadedMotoServer
     except ImportError:
@@ -66,6 +72,8 @@ def moto_s3() -> Iterator[str | None]:
     urllib.request.urlopen(request).read()  # moto keeps buckets across servers in a process
     env = {
         "AWS_ENDPOINT_URL": endpoint,
+        "S3_ENDPOINT_URL": endpoint,
+        "AWS_ALLOW_HTTP": "true",  # obstore (LitData) refuses an http:// endpoint otherwise
         "AWS_ACCESS_KEY_ID": "bench",
         "AWS_SECRET_ACCESS_KEY": "bench",
         "AWS_DEFAULT_REGION": "us-east-1",
@@ -84,13 +92,13 @@ def moto_s3() -> Iterator[str | None]:
         server.stop()
 
 
-def upload(local: Path) -> str:
-    """``local`` copied to the bucket; returns its URL."""
-    fs, _ = filesystem(f"s3://{BUCKET}")
-    if not fs.exists(BUCKET):
-        fs.mkdir(BUCKET)
-    fs.put(str(local), f"{BUCKET}/{local.name}", recursive=True)
-    return f"s3://{BUCKET}/{local.name}"
+def upload(local: Path, bucket: str = BUCKET) -> str:
+    """The folder ``local`` copied to ``bucket``; returns its URL."""
+    fs, _ = filesystem(f"s3://{bucket}")
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    fs.put(str(local), f"{bucket}/{local.name}", recursive=True)
+    return f"s3://{bucket}/{local.name}"
 
 
 def loader(archive: Path | str, cache: Path | None = None) -> Loader:
@@ -107,7 +115,8 @@ def loader(archive: Path | str, cache: Path | None = None) -> Loader:
 
 
 def cold_epoch_s(url: str, work: Path, rounds: int) -> float:
-    """Median seconds of a first epoch from an empty cache (open and index fetch included)."""
+    """Median seconds of a first epoch from an empty cache (open and index fetch included);
+    ``url`` may be a local path read through a cache_dir."""
     times = []
     for r in range(max(1, rounds)):
         cache = work / f"cold-cache-{r}"
@@ -118,6 +127,44 @@ def cold_epoch_s(url: str, work: Path, rounds: int) -> float:
         first.close()
         shutil.rmtree(cache, ignore_errors=True)
     return float(np.median(times))
+
+
+def local_zstd_rows(local: Path, work: Path, n: int, repeats: int) -> list[Row]:
+    """The local zstd archive read as it is against the same through a cache_dir."""
+    size = FRAMES * MELS * 2
+    cold = cold_epoch_s(str(local), work, repeats)
+    plain, cached = loader(local), loader(local, work / "cache-local-zstd")
+    took = interleaved(
+        {"plain": lambda: loader_epoch(plain), "cached": lambda: loader_epoch(cached)}, repeats
+    )
+    plain.close()
+    cached.close()
+    wl = (
+        f"local zstd: ESC-50-shaped f16 [{FRAMES},{MELS}] x {n}, zstd level 3, {SHARDS} "
+        f"shards on local disk, window order ({WINDOW_SHARDS} shards), batches of {BATCH}"
+    )
+    base = rate_row(
+        wl, "dlop Loader, local zstd archive (blocks decoded per batch)", n, took["plain"], size
+    )
+    return [
+        base,
+        rate_row(
+            wl,
+            "dlop Loader, local zstd archive, cache_dir warm (decoded once, mapped raw)",
+            n,
+            took["cached"],
+            size,
+            base,
+        ),
+        rate_row(
+            wl,
+            "dlop Loader, local zstd archive, cache_dir cold first epoch (decodes)",
+            n,
+            cold,
+            size,
+            base,
+        ),
+    ]
 
 
 def rows_for(name: str, local: Path, url: str, work: Path, n: int, repeats: int) -> list[Row]:
@@ -155,15 +202,15 @@ def rows_for(name: str, local: Path, url: str, work: Path, n: int, repeats: int)
 
 def run(work: Path, args: argparse.Namespace) -> list[Row]:
     n = max(args.clips, 2 * BATCH)
+    zstd = write(work / "zstd", n, zstd=True)
+    rows = local_zstd_rows(zstd, work, n, args.repeats)
     with moto_s3() as endpoint:
         if endpoint is None:
             print(
-                "remote: moto is not installed (pip install 'moto[server]'): not run",
+                "remote: moto is not installed (pip install 'moto[server]'): s3 rows not run",
                 file=sys.stderr,
             )
-            return []
-        rows = []
-        for name in ("raw", "zstd"):
-            local = write(work / name, n, zstd=name == "zstd")
-            rows += rows_for(name, local, upload(local), work, n, args.repeats)
+            return rows
+        for local in (write(work / "raw", n, zstd=False), zstd):
+            rows += rows_for(local.name, local, upload(local), work, n, args.repeats)
         return rows
