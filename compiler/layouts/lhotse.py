@@ -39,6 +39,8 @@ SIGNS = "Lhotse cuts or recordings + supervisions .jsonl(.gz)"
 KINDS = ("cuts", "supervisions", "recordings")
 EXTRA_FIELDS = {"speaker": "str", "language": "str"}
 MAX_MANIFEST_BYTES = 1 << 34  # a gzipped manifest inflating past 16 GiB is refused
+# A span may end this far past its recording's end (rounding in the manifest's seconds).
+END_TOLERANCE = 1e-3
 
 
 def _kind(path: Path) -> str | None:
@@ -138,6 +140,17 @@ def _seconds(obj: dict[str, Any], name: str, default: float | None = None) -> fl
     return float(value)
 
 
+def _recording_seconds(recording: dict[str, Any]) -> float | None:
+    """The recording's length: num_samples / sampling_rate, else its duration; None if neither."""
+    samples, rate = recording.get("num_samples"), recording.get("sampling_rate")
+    if type(samples) is int and type(rate) is int and samples >= 0 and rate > 0:
+        return samples / rate
+    try:
+        return _seconds(recording, "duration")
+    except ValueError:
+        return None
+
+
 def _audio_file(recording: dict[str, Any], channel: Any, base: Path) -> str:
     """The path of the source file holding ``channel`` (its first, when a list)."""
     if recording.get("transforms"):
@@ -171,6 +184,12 @@ def _sample(
     item.path = _audio_file(recording, span.get("channel"), base)
     item.offset = _seconds(span, "start", 0.0)
     item.duration = _seconds(span, "duration")
+    length = _recording_seconds(recording)
+    if length is not None and item.offset + item.duration > length + END_TOLERANCE:
+        raise ValueError(
+            f"spans {item.offset:g} s to {item.offset + item.duration:g} s, past the end of its "
+            f"recording {recording.get('id')!r} ({length:g} s); fix its start or duration"
+        )
     texts = [s.get("text") for s in sups if isinstance(s, dict)]
     if any(t is not None and (not isinstance(t, str) or not is_text(t)) for t in texts):
         raise ValueError("text is not a string of text")

@@ -77,3 +77,29 @@ def test_a_file_url_source_is_its_folder_for_the_output_check(tmp_path: Path) ->
     with pytest.raises(CompileError, match="lies inside the corpus folder"):
         check_apart(corpus / "out", recipe)
     check_apart(tmp_path / "out", recipe)
+
+
+def test_a_lhotse_supervision_past_its_recording_is_a_named_bad_input(tmp_path: Path) -> None:
+    import json
+
+    write_audio(tmp_path / "r.wav", make_signal(16000, 1.0), 16000)
+    rec = {
+        "id": "r",
+        "sources": [{"type": "file", "channels": [0], "source": "r.wav"}],
+        "sampling_rate": 16000,
+        "num_samples": 16000,
+        "duration": 1.0,
+        "channel_ids": [0],
+    }
+    (tmp_path / "recordings.jsonl").write_text(json.dumps(rec) + "\n")
+    spans = [("in", 0.0, 0.5), ("to_the_end", 0.75, 0.25), ("past_end", 0.75, 2.0)]
+    sups = [
+        {"id": i, "recording_id": "r", "start": a, "duration": d, "channel": 0, "text": i}
+        for i, a, d in spans
+    ]
+    (tmp_path / "supervisions.jsonl").write_text("".join(json.dumps(s) + "\n" for s in sups))
+    corpus = open_corpus(str(tmp_path / "supervisions.jsonl"), "lhotse")
+    assert [it.error for it in corpus.items][:2] == [None, None]
+    error = str(corpus.items[2].error)
+    assert "supervisions.jsonl line 3: 'past_end' spans 0.75 s to 2.75 s" in error
+    assert "past the end of its recording 'r' (1 s)" in error
