@@ -100,9 +100,17 @@ class _Labels:
         self.kind = array("b")
         self.value = array("q")
         self.codes: dict[str, int] = {}
+        self.absent = 0  # inputs before the first line with the field (not in has/first)
         self.decided: tuple[str, int] | None = None  # (kind, line deciding it)
 
     def add(self, values: list[Any] | None, n: int) -> None:
+        if values is None and not self.has:  # a field no line has so far costs nothing
+            self.absent += 1
+            return
+        if self.absent:
+            self.has.extend(bytes(self.absent))
+            self.first.extend(array("q", bytes(8 * self.absent)))
+            self.absent = 0
         self.first.append(len(self.kind))
         self.has.append(values is not None)
         for v in values or ():
@@ -119,8 +127,17 @@ class _Labels:
 
     def skip(self) -> None:
         """An input whose line does not parse."""
-        self.first.append(len(self.kind))
-        self.has.append(False)
+        self.add(None, 0)
+
+    def present(self) -> bool:
+        """Whether any line that parses has the field."""
+        return bool(self.has.count(1))
+
+    def finish(self) -> None:
+        """After the last line (only called when the field is present)."""
+        self.add([], 0)  # brings ``has`` and ``first`` up to every input
+        self.has.pop()
+        self.first.pop()
 
 
 class ManifestItems(Sequence[Item]):
@@ -199,7 +216,7 @@ def list_corpus(path: Path, options: ListOptions) -> Corpus:
         "manifest",
         str(path),
         items,
-        bool(fields["label"].has.count(1)),
+        fields["label"].present(),
         has_text,
         {},
         metadata,
@@ -281,7 +298,9 @@ def _classes(items: ManifestItems, fields: dict[str, _Labels]) -> tuple[dict[str
     num_labels)."""
     bad = np.zeros(len(items), bool)
     bad[list(items.bad)] = True
-    present = [f for f, labels in fields.items() if labels.has.count(1)]
+    present = [f for f, labels in fields.items() if labels.present()]
+    for field in present:
+        fields[field].finish()
     for field in present:
         _check(items, bad, field, fields[field])
     metadata: dict[str, Any] = {}

@@ -1,7 +1,7 @@
 """Compile scaling: inputs/s of the same compile on 1 and 2 local workers and on Dask
 (``--dask local:2``), in interleaved rounds of one run, with the peak RSS of every
-process of each compile; and the listing of a generated JSON-lines manifest of 10
-million lines: its time and peak RSS.
+process of each compile; and the listing of generated JSON-lines manifests of 1 and 10
+million lines: its time and peak RSS, and the time to make one unit's Items from it.
 
 Each compile runs in a fresh process and is timed from after its imports; the Dask
 row's time includes starting and stopping its LocalCluster. Peak RSS is each
@@ -25,7 +25,7 @@ from .common import Row, rate_row
 from .corpus import esc50_wavs
 from .procmem import PeakSampler, status_kib
 
-LISTING_LINES = 10_000_000  # args.listing_lines, when given, replaces it (tests use a few)
+LISTING_LINES = (1_000_000, 10_000_000)  # args.listing_lines, when given, replaces them
 ENGINES = {"1 worker": ("1", ""), "2 workers": ("2", ""), "dask local:2": ("2", "local:2")}
 
 _COMPILE = """
@@ -49,14 +49,20 @@ t0 = time.perf_counter()
 corpus = open_corpus(sys.argv[1], "manifest", "audio")
 took = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+mid = len(corpus.items) // 2
+unit = corpus.items[mid : mid + 8192]  # a unit's Items, made from the listing
+unit_s = time.perf_counter() - t0
 print(json.dumps({"seconds": took, "inputs": len(corpus.items), "base_kib": base,
-                  "peak_kib": peak}))
+                  "peak_kib": peak, "unit_seconds": unit_s, "unit_inputs": len(unit)}))
 """
 
 
 def run(work: Path, args: argparse.Namespace) -> list[Row]:
-    lines = int(getattr(args, "listing_lines", None) or LISTING_LINES)
-    return [*_compile_rows(work / "compile", args), _listing_row(work / "listing", lines)]
+    given = getattr(args, "listing_lines", None)
+    sizes = (int(given),) if given else LISTING_LINES
+    listing = [_listing_row(work / "listing", lines) for lines in sizes]
+    return [*_compile_rows(work / "compile", args), *listing]
 
 
 # -- compile on 1 and 2 workers and on Dask ---------------------------------------------
@@ -172,4 +178,6 @@ def _listing_row(work: Path, lines: int) -> Row:
         peak_rss_mib=round(got["peak_kib"] / 1024, 1),
         grown_mib=round(grown / 2**20, 1),
         bytes_per_input=round(grown / max(1, got["inputs"])),
+        unit_items_seconds=round(got["unit_seconds"], 3),
+        unit_inputs=got["unit_inputs"],
     )
