@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dlop.formats import read_index
-from dlop.runtime import Archive, Loader, open_archive, remote_source
+from dlop.runtime import Archive, Loader, LoaderError, open_archive, remote_source
 from dlop.runtime.errors import UsageError
 from dlop.runtime.local_cache import CachedArchive
 from tests.runtime.helpers import make_archive
@@ -106,3 +106,16 @@ def test_what_cache_dir_does_not_take_is_refused(zstd: Path, tmp_path: Path) -> 
     with pytest.raises(UsageError, match="got a list of 2 archives"):
         open_archive([zstd, other], cache_dir=tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def test_a_corrupt_shard_file_names_the_shard(zstd: Path, tmp_path: Path) -> None:
+    shard = read_index(zstd).shards[1]
+    path = zstd / shard.file
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    ds = open_archive(zstd, cache_dir=tmp_path / "c", cache_bytes=4 << 20)
+    with pytest.raises(LoaderError, match=rf"shard 1 \({shard.file}\).*CRC-32"):
+        batches(Loader(ds, batch_size=4, shuffle=False))
+    assert not list((tmp_path / "c").rglob(f"{shard.file}"))  # nothing corrupt cached
+    ds.close()
