@@ -260,10 +260,8 @@ def s3_rows(archive: Path, work: Path, n: int, workers: int, repeats: int) -> li
     with remote_bench.moto_s3() as endpoint:
         if endpoint is None:
             return [Row(wl, "all: not run (moto is not installed; make bench-peers installs it)")]
-        cold, warm = s3_epochs(
-            lambda: dlop_s3(remote_bench.upload(archive, S3_BUCKET), work / "dlop-cache", 0),
-            repeats,
-        )
+        url = remote_bench.upload(archive, S3_BUCKET)  # not timed, as the peers' uploads
+        cold, warm = s3_epochs(lambda: dlop_s3(url, work / "dlop-cache", 0), repeats)
         base = rate_row(wl, "dlop Loader over s3://, warm cache", n, warm, size)
         base_cold = rate_row(wl, "dlop Loader over s3://, cold first epoch", n, cold, size)
         rows = [base, base_cold]
