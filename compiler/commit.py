@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dlop.formats import (
     ERRORS_NAME,
@@ -30,7 +30,7 @@ from dlop.formats import (
     read_index,
 )
 from dlop.formats.archive import now_utc
-from dlop.formats.constants import MAX_UNITS
+from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_ERRORS_RECORDS, MAX_SHARDS, MAX_UNITS
 from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
 from dlop.formats.units import MAX_COUNT
@@ -72,6 +72,7 @@ class Run:
     test_point: Callable[[str], None]
     consumed: int = 0
     peak_rss: dict[str, int] = field(default_factory=dict)  # worker -> bytes, from records
+    journal_run: str = ""  # the journal's run token (Journal.run), once OUT is taken
     _store: Store | None = None
     _bar: Any = None
 
@@ -97,6 +98,7 @@ class Run:
             self.unit_inputs,
             self.out,
             self.storage_options,
+            self.journal_run,
         )
 
     def advance(self, inputs: int) -> None:
@@ -137,18 +139,23 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
             return finished
     # a URL OUT, unlocked: its journal names the compile running now (Journal.check_run)
     remote = not isinstance(store, LocalStore)
-    if not resume or remote:
+    if not resume:
         journal.save(store)  # from the start, so that an interruption at any point can --resume
+    run.journal_run = journal.run
     run.test_point("start")
     pending = [u for u in range(run.num_units) if u not in committed]
     run.consumed = sum(r.num_inputs for r in committed.values())
     run._bar = _progress_bar(total, run.consumed, run.num_units, len(committed), run.progress)
+    totals = Totals()
+    for record in sorted(committed.values(), key=lambda r: r.unit):
+        totals.add(record)
     records = engine(pending)
     try:
         for n, record in enumerate(records, 1):
             if record.failure is not None:
                 _discard(store, created_dir)
                 raise CompileError(record.failure)
+            totals.add(record)
             committed[record.unit] = record
             if remote:
                 journal.check_run(store)
@@ -180,6 +187,43 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
     return index
 
 
+@dataclass
+class Totals:
+    """The archive-wide counts of the records merged so far, held to the bounds of SPEC.md §8
+    as each record arrives: a compile stops at the first unit past one, not after its last."""
+
+    shards: int = 0
+    skipped: int = 0
+    errors_bytes: int = 0  # errors.jsonl
+
+    def add(self, record: UnitRecord) -> None:
+        self.shards += len(record.shards)
+        self.skipped += len(record.skipped)
+        self.errors_bytes += sum(len(encode_record(s, 0)) for s in record.skipped)
+        where = f"{self.shards} shards after unit {record.unit}"
+        if self.shards > MAX_SHARDS:
+            self._stop(f"{where}; an archive holds at most {MAX_SHARDS}", "a larger --shard-bytes")
+        if self.skipped > MAX_ERRORS_RECORDS:
+            self._stop(
+                f"{self.skipped} skipped inputs after unit {record.unit}; errors.jsonl holds at "
+                f"most {MAX_ERRORS_RECORDS}",
+                "the corpus and the decoders checked",
+            )
+        if self.errors_bytes > MAX_ERRORS_BYTES:
+            self._stop(
+                f"errors.jsonl would be {self.errors_bytes} bytes after unit {record.unit}; it "
+                f"holds at most {MAX_ERRORS_BYTES}",
+                "the corpus and the decoders checked",
+            )
+
+    @staticmethod
+    def _stop(problem: str, remedy: str) -> NoReturn:
+        raise CompileError(
+            f"{problem} (SPEC.md §8), so no index could list them; stopped here. Compile again "
+            f"with {remedy} (--overwrite)"
+        )
+
+
 def check_unit_count(run: Run) -> None:
     """Refuses a unit size an index cannot hold (SPEC.md §6.1, §8): larger than 2^64-1, or
     cutting the corpus into more units than an index lists."""
@@ -202,6 +246,9 @@ def _take_over(
     deleted; and its index when it got as far as writing one that the records bear out
     (then the index and errors.jsonl stay, and only the tidying up is left)."""
     journal.load(store, run.unit_inputs_given)
+    # names this run from now on: a unit task of the interrupted compile still running
+    # (on a Dask cluster) publishes nothing more (UnitWriter.check_run)
+    journal.save(store)
     run.unit_inputs = journal.unit_inputs
     check_unit_count(run)
     committed = committed_units(store, journal)
@@ -329,6 +376,7 @@ def _tidy(run: Run, store: Store) -> None:
 
 def _discard(store: Store, created_dir: bool) -> None:
     """After a bad input under --on-error fail: removes everything this compile wrote."""
+    store.delete(JOURNAL)  # first: a unit task still running publishes nothing more
     if isinstance(store, LocalStore):
         store.clear_staging()
         if created_dir:

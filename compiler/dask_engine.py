@@ -6,8 +6,8 @@ and returns only the small record, so no feature array travels through the
 scheduler. Tasks are pure and idempotent: a worker that dies mid-unit (its
 nanny starts a new one) costs only that unit, which the scheduler runs again,
 overwriting whatever the dead attempt had published. At most a few units per
-worker are submitted at a time, so the client holds a bounded slice of the
-listing in flight.
+worker are submitted at a time (the workers counted again before each
+submit), so the client holds a bounded slice of the listing in flight.
 """
 
 from __future__ import annotations
@@ -36,30 +36,37 @@ def dask_records(address: str, run: Run, pending: list[int]) -> Iterator[UnitRec
     distributed: Any = dd  # the package's annotations are partial
     with _client(distributed, address) as client:
         task = run.task()  # a few kilobytes: the recipe, schema and where OUT is
-        workers = max(1, len(client.scheduler_info().get("workers", {})))
         todo = iter(pending)
         running = distributed.as_completed()
         futures: dict[Any, int] = {}
 
-        def submit() -> None:
+        def top_up() -> None:
+            # the workers read again each time: they may join (or leave) while it runs
+            slots = (UNITS_PER_WORKER + 1) * max(1, len(client.nthreads()))
+            while len(futures) < slots and submit():
+                pass
+
+        def submit() -> bool:
             unit = next(todo, None)
             if unit is None:
-                return
+                return False
             inputs = run.inputs_of(unit)
             future = client.submit(
                 run_unit,
                 task,
                 unit,
                 unit_corpus(run.corpus, inputs),
-                key=f"dlop-unit-{run.recipe.digest()[:16]}-{unit}",
+                # a scheduler shares a task among clients by key: the run's own token
+                # keeps two compiles of one recipe (into any OUT) apart
+                key=f"dlop-unit-{task.run}-{unit}",
                 pure=False,
                 retries=2,  # an error in the task (a network hiccup); a dead worker retries anyway
             )
             futures[future] = unit
             running.add(future)
+            return True
 
-        for _ in range((UNITS_PER_WORKER + 1) * workers):
-            submit()
+        top_up()
         try:
             for future in running:
                 record: UnitRecord = future.result()
@@ -69,7 +76,7 @@ def dask_records(address: str, run: Run, pending: list[int]) -> Iterator[UnitRec
                 yield record
                 if record.failure is not None:
                     return
-                submit()
+                top_up()
         finally:
             client.cancel(list(futures))
 

@@ -173,6 +173,9 @@ class UnitTask:
     unit_inputs: int
     out: str
     storage_options: dict[str, Any] | None = None
+    # The journal's run token of the compile (Journal.run): names its Dask tasks, and a
+    # unit publishes only while OUT's journal still names it (UnitWriter.check_run).
+    run: str = ""
 
 
 @dataclass
@@ -200,7 +203,20 @@ class UnitWriter:
             on_shard=self._put,
         )
 
+    def check_run(self) -> None:
+        """Refuses to publish once OUT's journal no longer names this compile's run: OUT was
+        taken over (--overwrite, --resume) or discarded, and a task still running after its
+        client stopped (Dask cannot stop a running task) must write nothing more there."""
+        if not self.task.run:
+            return
+        from .output import Journal  # output imports this module
+
+        journal = Journal(self.store.url, self.task.digest, "", self.task.unit_inputs, 0)
+        journal.run = self.task.run
+        journal.check_run(self.store)
+
     def _put(self, info: ShardInfo) -> None:
+        self.check_run()
         self.store.put(self.staging / info.file, info.file)
         if self.after_put is not None:
             self.after_put(info)
@@ -238,6 +254,7 @@ class UnitWriter:
                 input_sizes=self.input_sizes,
             )
             data = json.dumps(record.to_json(self.task.digest)).encode()
+            self.check_run()
             self.store.write(commit_name(self.unit), data)
             return record
         finally:

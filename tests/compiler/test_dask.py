@@ -64,6 +64,68 @@ def test_a_worker_killed_mid_unit_costs_only_that_unit(
     assert files(tmp_path / "out") == whole
 
 
+@pytest.mark.slow
+def test_task_keys_differ_between_compiles_of_one_recipe(
+    clips: tuple[list[str], dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler reuses a task by its key across clients: two compiles of the same recipe
+    into different outputs (or the same one, again) must not share a key, or one would count
+    a unit the other wrote elsewhere."""
+    import distributed
+
+    args, whole = clips
+    keys: dict[str, list[str]] = {}
+    submit = distributed.Client.submit
+
+    def recording(self: distributed.Client, *a: object, **kw: object) -> object:
+        keys.setdefault(current, []).append(str(kw["key"]))
+        return submit(self, *a, **kw)
+
+    monkeypatch.setattr(distributed.Client, "submit", recording)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    for current in ("a", "b", "b2"):
+        out = tmp_path / current[0]
+        extra = ["--overwrite"] if current == "b2" else []
+        assert main([*args, "--dask", "local:1", "-o", str(out), *extra]) == 0
+        assert files(out) == whole
+    assert all(len(k) == 4 for k in keys.values()), keys
+    assert not set(keys["a"]) & set(keys["b"]) and not set(keys["b"]) & set(keys["b2"]), keys
+
+
+@pytest.mark.slow
+def test_units_in_flight_follow_workers_that_join(
+    clips: tuple[list[str], dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client reads the cluster's workers before each submit: as if two more workers
+    joined after it connected, it keeps more units in flight than one worker's share."""
+    import distributed
+
+    args, _ = clips
+    asked, flying, most = [0], [0], [0]
+    submit, result = distributed.Client.submit, distributed.Future.result
+
+    def nthreads(self: distributed.Client, *a: object, **kw: object) -> dict[str, int]:
+        asked[0] += 1
+        return {"tcp://a": 1} if asked[0] == 1 else {"tcp://a": 1, "tcp://b": 1, "tcp://c": 1}
+
+    def counting(self: distributed.Client, *a: object, **kw: object) -> object:
+        flying[0] += 1
+        most[0] = max(most[0], flying[0])
+        return submit(self, *a, **kw)
+
+    def done(self: distributed.Future, *a: object, **kw: object) -> object:
+        flying[0] -= 1
+        return result(self, *a, **kw)
+
+    monkeypatch.setattr(distributed.Client, "nthreads", nthreads)
+    monkeypatch.setattr(distributed.Client, "submit", counting)
+    monkeypatch.setattr(distributed.Future, "result", done)
+    out = tmp_path / "out"
+    # 15 units of 4 clips, on one real worker
+    assert main([*args, "--unit-inputs", "4", "--dask", "local:1", "-o", str(out)]) == 0
+    assert most[0] > 3, most  # one worker's share is 3 (UNITS_PER_WORKER + 1)
+
+
 def test_a_bad_dask_address_is_a_clear_error(
     clips: tuple[list[str], dict[str, bytes]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

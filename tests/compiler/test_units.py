@@ -243,3 +243,62 @@ def test_archive_bytes_do_not_depend_on_the_worker_count(
     out = tmp_path / "two"
     assert main(args(images, out, "--unit-inputs", "3", "--workers", "2")) == 0
     assert files(out) == files(archive)
+
+
+# -- a unit publishes only for the compile its journal names -------------------------
+
+
+@pytest.mark.parametrize("journal", ["taken over", "discarded"])
+def test_a_unit_publishes_nothing_once_out_is_not_its_compiles(
+    tmp_path: Path, journal: str
+) -> None:
+    """A Dask task may outlive its client: once OUT's journal names another run (or is gone),
+    its shards and record stay out of OUT."""
+    from dlop.compiler.errors import CompileError
+    from dlop.compiler.items import CorpusShape
+    from dlop.compiler.output import JOURNAL, Journal
+    from dlop.compiler.store import LocalStore
+    from dlop.compiler.units import UnitTask, UnitWriter, commit_name
+    from dlop.formats import Field
+
+    store = LocalStore(tmp_path)
+    ours = Journal(str(tmp_path), "d" * 64, "f" * 64, 4, 8)
+    ours.save(store)
+    shape = CorpusShape(False, False, {})
+    fields = (Field("x", "u8", (4,)),)
+    task = UnitTask(
+        {"shard_bytes": 1 << 20}, "d" * 64, shape, fields, 4, str(tmp_path), None, ours.run
+    )
+    first = UnitWriter(task, store, 0, range(4), "skip")
+    assert first.commit().unit == 0 and (tmp_path / commit_name(0)).exists()  # still ours
+    if journal == "discarded":
+        (tmp_path / JOURNAL).unlink()
+    else:
+        Journal(str(tmp_path), "d" * 64, "f" * 64, 4, 8).save(store)  # another run
+    second = UnitWriter(task, store, 1, range(4, 8), "skip")
+    second.writer.write_group([{"x": np.arange(4, dtype=np.uint8)}])
+    with pytest.raises(CompileError, match="another compile took this output over"):
+        second.commit()
+    assert not (tmp_path / commit_name(1)).exists()
+    assert not list(tmp_path.glob("unit-000001-*"))
+
+
+def test_archive_limits_stop_the_compile_at_the_first_unit_past_them(
+    images: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """As if the archive's 2^17 shards were 2: the compile stops at the unit that passes the
+    bound, not after the last unit."""
+    from dlop.compiler.units import commit_name
+    from dlop.formats import archive as archive_module
+
+    monkeypatch.setattr(commit, "MAX_SHARDS", 2)
+    monkeypatch.setattr(archive_module, "MAX_SHARDS", 2)
+    out = tmp_path / "out"
+    # units of 2 inputs, each 1 shard: the third unit's record passes the bound
+    assert main(args(images, out, "--unit-inputs", "2", "--workers", "1")) == 1
+    err = capsys.readouterr().err
+    assert "3 shards after unit 2" in err and "at most 2" in err and "--shard-bytes" in err, err
+    assert not (out / commit_name(3)).exists()
