@@ -405,7 +405,7 @@ def _remote_output(store: Store, resume: bool, overwrite: bool) -> Iterator[None
     if resume and not has_journal:  # an index beside a journal: tidying up was left (resume)
         why = "already a complete archive" if has_index else f"no interrupted compile ({JOURNAL})"
         raise CompileError(f"{store.url}: {why}; nothing to resume")
-    if foreign and (resume or names):
+    if foreign:
         raise CompileError(
             f"{store.url}: holds {', '.join(foreign[:5])} besides what a compile writes; nothing "
             "was deleted. Choose an empty prefix, or move them away"
