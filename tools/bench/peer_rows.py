@@ -210,11 +210,12 @@ def litdata_allow_http(worker_id: int = 0) -> None:
     ``allow_http`` (AWS_ALLOW_HTTP in the environment does not reach it). Run in the
     loader's process and, as ``worker_init_fn``, in each worker: after ``optimize``
     the workers are spawned, not forked, and import LitData afresh."""
-    from litdata.streaming import downloader
+    from litdata.streaming import downloader as fetching
 
-    options = getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+    name = "_OBSTORE_CLIENT_OPTIONS"  # LitData's own, read each time it builds a client
+    options = getattr(fetching, name, None)
     if isinstance(options, dict) and os.environ.get("AWS_ENDPOINT_URL", "").startswith("http:"):
-        downloader._OBSTORE_CLIENT_OPTIONS = {**options, "allow_http": True}
+        setattr(fetching, name, {**options, "allow_http": True})
 
 
 def litdata_s3(url: str, cache: Path, workers: int) -> Any:
