@@ -245,6 +245,4 @@ def test_a_manifest_over_http_lists_and_its_inputs_fetch(tmp_path: Path) -> None
         ]
         unit = corpus.items[2:]  # a unit's inputs: Items made from the listing
         urls.fetch_inputs(unit)
-        assert unit[0].fetched == {
-            unit[0].path: (manifest.parent / "wav" / "b.flac").read_bytes()
-        }
+        assert unit[0].fetched == {unit[0].path: (manifest.parent / "wav" / "b.flac").read_bytes()}
