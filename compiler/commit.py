@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import shutil
 import sys
 import tempfile
@@ -261,16 +262,19 @@ def _take_over(
             == input_sizes(run.corpus, items[r.first_input : r.first_input + r.num_inputs])
         }
     finished = _finished_index(run, store, committed)
-    if finished is None and (finished := _intact_index(run, store)) is not None:
-        return committed, finished  # stopped while deleting the records: _tidy deletes the rest
+    if finished is None and len(committed) < run.num_units:
+        finished = _intact_index(run, store, committed)
+        if finished is not None:  # stopped while deleting the records: _tidy deletes the rest
+            return committed, finished
     clear_for_resume(store, committed, keep_archive=finished is not None)
     return committed, finished
 
 
-def _intact_index(run: Run, store: Store) -> Index | None:
+def _intact_index(run: Run, store: Store, committed: dict[int, UnitRecord]) -> Index | None:
     """The index in OUT when it reads cleanly as this compile's archive (same recipe, corpus
-    and units) and every shard it lists, and errors.jsonl when it counts skipped inputs, is
-    in OUT at its size: a compile stopped while _tidy deleted the commit records."""
+    and units), agrees with the commit records left, and every shard it lists, and
+    errors.jsonl when it counts skipped inputs, is in OUT at its size: a compile stopped
+    while _tidy deleted the commit records."""
     data = store.read(INDEX_NAME)
     if data is None:
         return None
@@ -290,6 +294,10 @@ def _intact_index(run: Run, store: Store) -> Index | None:
         or (units.unit_inputs, units.num_inputs) != (run.unit_inputs, len(run.corpus.items))
     ):
         return None
+    first = list(itertools.accumulate(units.shards, initial=0))
+    for u, r in committed.items():
+        if index.shards[first[u] : first[u + 1]] != r.shards or units.skipped[u] != len(r.skipped):
+            return None
     listed = set(store.list())
     if index.skipped_count and ERRORS_NAME not in listed:
         return None
