@@ -41,6 +41,9 @@ BUCKET = "dlop-bench"
 CACHE_BYTES = 8 << 30
 
 
+RAW_NAME = "raw"  # the folder of the uncompressed archive, whose warm row has the target
+
+
 def write(path: Path, n: int, zstd: bool) -> Path:
     """An ESC-50-shaped archive in about ``SHARDS`` shards: logmel f16 [FRAMES, MELS], label."""
     codec = Zstd(level=3) if zstd else Raw()
@@ -184,17 +187,18 @@ def rows_for(name: str, local: Path, url: str, work: Path, n: int, repeats: int)
         f"moto S3 on loopback, window order ({WINDOW_SHARDS} shards), batches of {BATCH}"
     )
     base = rate_row(wl, f"dlop Loader, local {name} archive", n, took["local"], size)
+    # The raw archive's warm row carries the target; a compressed one is cached decoded.
+    primary = Path(local).name == RAW_NAME
     return [
         base,
         rate_row(
             wl,
-            f"dlop Loader, s3:// {name} archive, warm cache"
-            + (" (cached raw)" if name == "zstd" else ""),
+            f"dlop Loader, s3:// {name} archive, warm cache" + ("" if primary else " (cached raw)"),
             n,
             took["warm"],
             size,
             base,
-            **({"target": ">=0.8x"} if name == "raw" else {}),
+            **({"target": ">=0.8x"} if primary else {}),
         ),
         rate_row(wl, f"dlop Loader, s3:// {name} archive, cold first epoch", n, cold, size, base),
     ]
@@ -211,6 +215,6 @@ def run(work: Path, args: argparse.Namespace) -> list[Row]:
                 file=sys.stderr,
             )
             return rows
-        for local in (write(work / "raw", n, zstd=False), zstd):
+        for local in (write(work / RAW_NAME, n, zstd=False), zstd):
             rows += rows_for(local.name, local, upload(local), work, n, args.repeats)
         return rows
