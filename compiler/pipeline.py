@@ -78,9 +78,15 @@ def _init_worker(
     spill_dir: str,
     storage_options: dict[str, Any] | None = None,
     driver: int = 0,
+    environ: dict[str, str] | None = None,
 ) -> None:
     from .recipe import build_recipe
 
+    if environ is not None:
+        # A forkserver keeps the environment of the moment it started (once per process);
+        # workers take the compile's, as forked ones would (credentials, endpoints, test hooks).
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_num_threads(1)
     _die_with_driver(driver)
     close_inherited_locks()  # a forked worker must not keep the output lock alive after the driver
@@ -335,7 +341,14 @@ def _results(
                 workers,
                 mp_context=ctx,
                 initializer=_init_worker,
-                initargs=(recipe.to_json(), shape, str(spill_dir), options, os.getpid()),
+                initargs=(
+                    recipe.to_json(),
+                    shape,
+                    str(spill_dir),
+                    options,
+                    os.getpid(),
+                    dict(os.environ),
+                ),
             ) as pool,
         ):
             pending: deque[Future[tuple[list[Outcome], str | None]]] = deque()

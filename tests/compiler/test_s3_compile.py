@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from dlop.compiler.recipe import build_recipe
 from dlop.compiler.units import process_fetched
 from dlop.tools import inspect_cli
 from dlop.tools.compile_cli import main
+from tests.objectstore import s3_server
 
 from .fixtures import esc50_corpus
 from .media import write_image
@@ -233,3 +235,27 @@ def test_dask_from_s3_to_s3_is_the_local_archive(
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
     assert main(["s3://corpus/esc", *ARGS, "--dask", "local:2", "-o", "s3://out/d"]) == 0
     same_archive(download(in_s3, "out/d"), whole, "s3://corpus/esc", str(corpus))
+
+
+def test_workers_take_the_compiles_environment_not_an_older_forkservers(
+    tmp_path: Path, clips: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a second thread alive, workers come from a forkserver, which is started once per
+    process and keeps the environment of that moment. Credentials and endpoints set later
+    (here: the S3 server's) must still reach the workers of a later compile."""
+    corpus, whole = clips
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    hold = threading.Event()
+    thread = threading.Thread(target=hold.wait, daemon=True)
+    thread.start()
+    try:
+        assert main([str(corpus), *ARGS, "--workers", "2", "-o", str(tmp_path / "a")]) == 0
+        with s3_server() as s3:
+            s3.make_bucket("corpus")
+            s3.make_bucket("out")
+            fs = s3.filesystem()
+            upload(fs, corpus, "corpus/esc")
+            assert main(["s3://corpus/esc", *ARGS, "--workers", "2", "-o", "s3://out/e"]) == 0
+            same_archive(download(fs, "out/e"), whole, "s3://corpus/esc", str(corpus))
+    finally:
+        hold.set()
