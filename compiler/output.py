@@ -302,7 +302,8 @@ class Journal:
 
     Written once, as soon as OUT is taken and before any work; each finished unit
     then has its own commit record (units.py), so the journal never changes (but for
-    its ``run``, which a resume of a URL OUT writes again: see check_run).
+    its ``run``, which every resume writes again before it deletes anything, so that
+    units still running for the earlier run publish nothing more: see check_run).
     """
 
     def __init__(

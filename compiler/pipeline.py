@@ -60,7 +60,7 @@ from .urls import is_url
 
 __all__ = ["CHUNK_ITEMS", "JOURNAL", "TEST_KILL_AT", "TEST_SIGNAL", "UNIT_INPUTS", "compile_corpus"]
 
-# For the test suite only: DLOP_TEST_KILL_AT=start|input:N|shard:N|unit:N|index|tidy
+# For the test suite only: DLOP_TEST_KILL_AT=start|input:N|shard:N|unit:N|index|tidy|tidying
 # makes the compile send itself DLOP_TEST_SIGNAL (KILL, or e.g. STOP) at that moment, so
 # tests interrupt it at exact points (see docs/compile.md).
 TEST_KILL_AT = "DLOP_TEST_KILL_AT"
