@@ -343,10 +343,16 @@ def _video(item: Item, recipe: Recipe, name: str) -> list[dict[str, Any]]:
 def _image(item: Item, recipe: Recipe, shape: CorpusShape, name: str) -> list[dict[str, Any]]:
     from .image import consensus, load_image, load_mask, remap, shape_sample
 
-    if item.path is None:
-        raise InputError(name, "image inputs must be files")
+    source: Any
+    if item.data is not None and item.member is not None:  # bytes a layout read (Parquet rows)
+        name = f"{item.member[0]}:{item.key}.{item.member[1]}"
+        source = item.data[item.member[1]]
+    elif item.path is not None:
+        source = input_source(item, item.path)
+    else:
+        raise InputError(name, "the image input holds neither a file nor bytes")
     vision = recipe.vision
-    image = load_image(input_source(item, item.path), name, vision, masked=bool(shape.mask_names))
+    image = load_image(source, name, vision, masked=bool(shape.mask_names))
     masks: dict[str, Any] = {}
     present = []
     for mask_name in shape.mask_names:

@@ -235,3 +235,51 @@ def test_the_same_corpus_lists_streams_and_compiles_from_s3(s3: Any, tmp_path: P
     assert shards == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*.dlop"))
     for name in shards:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_an_image_column_compiles_from_embedded_bytes_as_from_paths(tmp_path: Path) -> None:
+    """The Image feature's struct: rows embedding their JPEG bytes give the samples that the
+    same files named by path give."""
+    from datasets import ClassLabel, Value
+    from datasets import Image as ImageFeature
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    names = []
+    for i in range(3):
+        name = f"pics/p{i}.jpg"
+        (tmp_path / "pics").mkdir(exist_ok=True)
+        pixels = rng.integers(0, 255, (48 + 8 * i, 64, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(tmp_path / name, quality=90)
+        names.append(name)
+    features = {"image": ImageFeature(), "label": ClassLabel(names=CLASSES), "id": Value("string")}
+    for form in ("bytes", "paths"):
+        cells = [
+            {"bytes": (tmp_path / n).read_bytes(), "path": Path(n).name}
+            if form == "bytes"
+            else {"bytes": None, "path": n}
+            for n in names
+        ]
+        columns = {"image": cells, "label": [0, 2, 1], "id": [f"img-{i}" for i in range(3)]}
+        write_parquet(tmp_path / form / "data" / "train.parquet", columns, features)
+        if form == "paths":
+            (tmp_path / form / "pics").symlink_to(tmp_path / "pics")
+        compile_ok(
+            str(tmp_path / form),
+            "--layout",
+            "hf",
+            "--media",
+            "image",
+            "--size",
+            "32",
+            "-o",
+            str(tmp_path / f"out-{form}"),
+        )
+    got = {}
+    for form in ("bytes", "paths"):
+        with ArchiveReader(tmp_path / f"out-{form}") as r:
+            assert len(r) == 3 and r.index.skipped_count == 0
+            got[form] = [r.sample(i) for i in range(3)]
+    for a, b in zip(got["bytes"], got["paths"], strict=True):
+        assert a["label"] == b["label"] and a["key"] == b["key"]
+        assert np.array_equal(a["image"], b["image"])
