@@ -6,7 +6,7 @@ million lines: its time and peak RSS, and the time to make one unit's Items from
 Each compile runs in a fresh process and is timed from after its imports; the Dask
 row's time includes starting and stopping its LocalCluster. Peak RSS is each
 process's own high-water mark (VmHWM in /proc), read while it runs. The listing runs
-alone in a child process, which reports its peak RSS (getrusage) before and after.
+alone in a child process, which reports its own VmHWM before and after.
 """
 
 from __future__ import annotations
@@ -42,13 +42,20 @@ print(time.perf_counter() - t0)
 """
 
 _LIST = """
-import json, resource, sys, time
+import json, sys, time
 from dlop.compiler.layouts import open_corpus
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def hwm_kib():
+    # VmHWM: this process's own peak (ru_maxrss also counts the peak of the process that
+    # started it, folded in at exec)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+base = hwm_kib()
 t0 = time.perf_counter()
 corpus = open_corpus(sys.argv[1], "manifest", "audio")
 took = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = hwm_kib()
 t0 = time.perf_counter()
 mid = len(corpus.items) // 2
 unit = corpus.items[mid : mid + 8192]  # a unit's Items, made from the listing
