@@ -283,3 +283,18 @@ def test_an_image_column_compiles_from_embedded_bytes_as_from_paths(tmp_path: Pa
     for a, b in zip(got["bytes"], got["paths"], strict=True):
         assert a["label"] == b["label"] and a["key"] == b["key"]
         assert np.array_equal(a["image"], b["image"])
+
+
+@pytest.mark.slow
+def test_rows_naming_files_compile_from_s3_to_the_same_archive(s3: Any, tmp_path: Path) -> None:
+    """Rows with relative paths (no bytes) read those files from the bucket."""
+    root = hf_corpus(tmp_path / "hf", embed=(False,) * 5)
+    s3.make_bucket("hfpaths")
+    s3.filesystem().put(str(root), "hfpaths/corpus", recursive=True)
+    compile_ok(str(root), "--layout", "hf", "-o", str(tmp_path / "a"))
+    compile_ok("s3://hfpaths/corpus", "--layout", "hf", "-o", str(tmp_path / "b"))
+    assert len(ArchiveReader(tmp_path / "b")) == 5
+    names = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.dlop"))
+    assert names == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*.dlop"))
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

@@ -183,3 +183,26 @@ def test_the_same_manifests_list_from_s3(
     assert [(it.key, it.text, it.extras, it.offset, it.duration) for it in remote.items] == fields
     for a, b in zip(local.items, remote.items, strict=True):
         assert b.path == url + (a.path or "")[len(str(root)) :]
+
+
+def same_shards(a: Path, b: Path) -> None:
+    names = sorted(p.relative_to(a) for p in a.rglob("*.dlop"))
+    assert names and names == sorted(p.relative_to(b) for p in b.rglob("*.dlop"))
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_the_same_manifests_compile_from_s3_to_the_same_archive(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recordings named by relative path: the workers fetch them from the bucket."""
+    root = lhotse_corpus(tmp_path / "lh", monkeypatch)
+    s3.make_bucket("lhdata")
+    s3.filesystem().put(str(root), "lhdata/corpus", recursive=True)
+    for form in ("demo_supervisions_dev.jsonl.gz", "cuts"):
+        local, remote = tmp_path / f"local-{form}", tmp_path / f"remote-{form}"
+        compile_ok(str(root / form), "--layout", "lhotse", "-o", str(local))
+        compile_ok(f"s3://lhdata/corpus/{form}", "--layout", "lhotse", "-o", str(remote))
+        assert len(ArchiveReader(remote)) == 4
+        same_shards(local, remote)
