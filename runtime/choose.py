@@ -62,7 +62,7 @@ class Choice:
         if self.source_starts is None:
             return None
         found = np.searchsorted(self.source_starts, indices, side="right") - 1
-        return torch.from_numpy(found.astype(np.int64))
+        return torch.from_numpy(found.astype(np.int64, copy=False))
 
     def gather(
         self, indices: torch.Tensor, out: Allocate | None = None, engine: CopyEngine | None = None

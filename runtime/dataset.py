@@ -18,7 +18,7 @@ from .batch import Batch
 from .concat import ArchivePaths, ConcatSource, archive_paths, check_compatible, open_reader
 from .engine import CopyEngine
 from .errors import SampleIndexError, UsageError, UsageTypeError
-from .gather import Allocate, FieldGather, as_tensor
+from .gather import Allocate, FieldGather, as_tensor, batch_groups
 from .gather_mapped import FixedRawGather, RaggedRowsGather
 from .gather_samples import PerSampleGather, TextGather
 from .indices import batch_indices, field_names
@@ -194,10 +194,11 @@ class Archive(Dataset[dict[str, Any]]):
         zstd blocks are decoded here.
         """
         self.check_shards(self.shards_of(indices))
+        groups = batch_groups(indices, self.starts)  # once for all fields
         batch, steps = Batch(), []
         for name, g in self.gathers.items():
             where = out.get(name) if isinstance(out, dict) else out
-            entries, field_steps = g.plan(indices, where)
+            entries, field_steps = g.plan_grouped(indices, groups, where)
             batch.update(entries)
             steps += field_steps
         return batch, CopyPlan(steps)

@@ -24,7 +24,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -135,6 +135,27 @@ def shard_groups(indices: torch.Tensor, starts: torch.Tensor) -> list[tuple[int,
     ]
 
 
+class Groups(NamedTuple):
+    """A batch's indices by shard, worked out once for all its fields (``batch_groups``)."""
+
+    runs: list[tuple[int, int, int]]  # (shard, begin, end) runs of positions, as shard_groups
+    rows: np.ndarray  # int64 [B], contiguous: each index's row within its shard
+
+
+def batch_groups(indices: torch.Tensor, starts: torch.Tensor) -> Groups:
+    """``shard_groups`` of ``indices``, with each one's row within its shard."""
+    idx = np.ascontiguousarray(indices.numpy(), np.int64)
+    runs = shard_groups(indices, starts)
+    if len(runs) != 1 or runs[0][0]:
+        first = starts.numpy()
+        if len(runs) == 1:
+            idx = idx - first[runs[0][0]]
+        elif runs:
+            shard, lens = zip(*((k, b - a) for k, a, b in runs), strict=True)
+            idx = idx - np.repeat(first[list(shard)], lens)
+    return Groups(runs, idx)
+
+
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a flat uint8 view."""
     return t.view(-1).view(torch.uint8)
@@ -185,3 +206,8 @@ class FieldGather:
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         """The field's batch entries and the copy steps that fill them."""
         raise NotImplementedError
+
+    def plan_grouped(self, indices: torch.Tensor, groups: Groups, out: Output) -> Planned:
+        """``plan``, given the batch's ``batch_groups`` (worked out once for all fields);
+        gathers that read by shard runs take them, the others plan as ``plan``."""
+        return self.plan(indices, out)

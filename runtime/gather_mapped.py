@@ -8,7 +8,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .gather import FieldGather, Output, Planned, as_bytes, flat_bytes, shard_groups
+from .gather import (
+    FieldGather,
+    Groups,
+    Output,
+    Planned,
+    as_bytes,
+    batch_groups,
+    flat_bytes,
+    shard_groups,
+)
 from .plan import Rows, Runs, Step, fill_runs
 
 
@@ -26,14 +35,16 @@ class FixedRawGather(FieldGather):
         return batch_size * math.prod(self.trail)
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
+        return self.plan_grouped(indices, batch_groups(indices, self.starts), out)
+
+    def plan_grouped(self, indices: torch.Tensor, groups: Groups, out: Output) -> Planned:
         out = self.output((len(indices), *self.trail), out)
         steps: list[Step] = []
         rb = self.row_bytes
         if rb:
-            flat, idx, first = flat_bytes(out), indices.numpy(), self.starts.numpy()
-            for k, a, b in shard_groups(indices, self.starts):
-                rows = np.ascontiguousarray(idx[a:b] - first[k] if k else idx[a:b], np.int64)
-                steps.append(Rows(flat[a * rb : b * rb], self.sources[k], rows))
+            flat, rows = flat_bytes(out), groups.rows
+            for k, a, b in groups.runs:
+                steps.append(Rows(flat[a * rb : b * rb], self.sources[k], rows[a:b]))
         return {self.field.name: out}, steps
 
 
@@ -67,9 +78,11 @@ class RaggedRowsGather(FieldGather):
         return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
+        return self.plan_grouped(indices, batch_groups(indices, self.starts), out)
+
+    def plan_grouped(self, indices: torch.Tensor, groups: Groups, out: Output) -> Planned:
         f = self.field
-        groups = shard_groups(indices, self.starts)
-        locals_ = [(k, (indices[a:b] - self.starts[k]).numpy()) for k, a, b in groups]
+        locals_ = [(k, groups.rows[a:b]) for k, a, b in groups.runs]
         lens = (
             np.concatenate([self.lengths[k][local] for k, local in locals_])
             if locals_

@@ -116,9 +116,10 @@ class CopyPlan:
         out: list[list[Step]] = [[] for _ in range(max(1, parts))]
         load = [0] * len(out)
         for step in self.steps:
-            if not step.nbytes:
+            nbytes = step.nbytes  # a property: read once per step
+            if not nbytes:
                 continue
-            if len(out) > 1 and step.nbytes >= min_split_bytes:
+            if len(out) > 1 and nbytes >= min_split_bytes:
                 pieces: list[Step] = list(step.split(step.cuts(len(out))))
                 for i, piece in enumerate(pieces):
                     out[i].append(piece)
@@ -126,7 +127,7 @@ class CopyPlan:
             else:
                 i = load.index(min(load))
                 out[i].append(step)
-                load[i] += step.nbytes
+                load[i] += nbytes
         return [share for share in out if share]
 
 
