@@ -190,15 +190,11 @@ class CacheDir:
             return held
         with locked(path.with_name(path.name + LOCK_SUFFIX)):
             held = self.hold(path)  # another process fetched it while we waited
-            if held is not None:
-                return held
-            data = fetch()
-            if write is not None:
-                data = write(data)
-            self.store(path, data)
-            held = self.hold(path)
-        if held is None:
-            raise CacheError(f"{path}: stored, then gone before it could be held")
+            if held is None:
+                data = fetch()
+                held = self.store(path, write(data) if write is not None else data, keep=True)
+        if held is None:  # reserve waits for room or raises: never here
+            raise CacheError(f"{path}: no room was made for the shard")
         return held
 
     def prefetch(
@@ -220,32 +216,37 @@ class CacheDir:
                 if self.make_room(size) + size > self.max_bytes:
                     return False
             data = fetch()
-            return self.store(path, write(data) if write is not None else data, wait=False)
+            data = write(data) if write is not None else data
+            return self.store(path, data, wait=False) is not None
         finally:
             os.close(fd)
 
-    def store(self, path: Path, data: bytes, wait: bool = True) -> bool:
-        """Writes ``data`` as ``path``: room made and the temporary file sized under the
-        budget lock, written, synced and renamed into place. Without ``wait``, False
-        (nothing written) when room cannot be made at once."""
+    def store(self, path: Path, data: bytes, wait: bool = True, keep: bool = False) -> Held | None:
+        """Writes ``data`` as ``path`` (room made under the budget lock; written, synced,
+        renamed into place under it too, so a ``keep`` lock turns shared, held, before any
+        eviction sees the file). Without ``wait``, None when there is no room at once."""
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
         fd = self.reserve(tmp, len(data), wait)
         if fd is None:
-            return False
+            return None
         try:
             view = memoryview(data)
             done = 0
             while done < len(view):
                 done += os.pwrite(fd, view[done:], done)
             os.fsync(fd)
-            os.replace(tmp, path)
+            with locked(self.root / BUDGET_LOCK):
+                os.replace(tmp, path)
+                if keep:
+                    fcntl.flock(fd, fcntl.LOCK_SH)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
-            raise
-        finally:
             os.close(fd)
-        return True
+            raise
+        if not keep:
+            os.close(fd)
+        return Held(path, fd if keep else -1, len(data))
 
     def reserve(self, tmp: Path, size: int, wait: bool = True) -> int | None:
         """Creates ``tmp`` at ``size`` bytes, locked, once the budget has room for it;
