@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -113,28 +114,15 @@ def _vision(run: _Run) -> list[Row]:
     )
 
 
-def _select(run: _Run) -> list[Row]:
-    from . import select_bench
+def _module(name: str) -> Callable[[_Run], list[Row]]:
+    """The section whose module ``<name>_bench`` has ``run(work, args) -> list[Row]``."""
 
-    return select_bench.run(run.work / "select", run.args)
+    def section(run: _Run) -> list[Row]:
+        module = importlib.import_module(f"{__package__}.{name}_bench")
+        rows: list[Row] = module.run(run.work / name, run.args)
+        return rows
 
-
-def _sources(run: _Run) -> list[Row]:
-    from . import sources_bench
-
-    return sources_bench.run(run.work / "sources", run.args)
-
-
-def _remote(run: _Run) -> list[Row]:
-    from . import remote_bench
-
-    return remote_bench.run(run.work / "remote", run.args)
-
-
-def _scaling(run: _Run) -> list[Row]:
-    from . import scaling_bench
-
-    return scaling_bench.run(run.work / "scaling", run.args)
+    return section
 
 
 def _peers(run: _Run) -> list[Row]:
@@ -151,10 +139,10 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "compile": _compile,
     "runtime": _runtime,
     "vision": _vision,
-    "select": _select,
-    "sources": _sources,
-    "remote": _remote,
-    "scaling": _scaling,
+    "select": _module("select"),
+    "sources": _module("sources"),
+    "remote": _module("remote"),
+    "scaling": _module("scaling"),
     "peers": _peers,
 }
 # peers needs LitData, MosaicML Streaming, Lhotse and datasets, which only `make bench-peers` installs
@@ -192,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=400,
         help="speech utterances (0.5-30 s) for Lhotse and datasets in the peers section",
+    )
+    p.add_argument(
+        "--listing-lines",
+        type=int,
+        action="append",
+        help="manifest lines the scaling section lists (repeatable; default: 1 and 10 million)",
     )
     p.add_argument("--videos", type=int, default=96, help="H.264 clips in the video workload")
     p.add_argument("--images", type=int, default=128, help="JPEG + 2 masks in the image workload")

@@ -25,7 +25,7 @@ from .common import Row, rate_row
 from .corpus import esc50_wavs
 from .procmem import PeakSampler, status_kib
 
-LISTING_LINES = (1_000_000, 10_000_000)  # args.listing_lines, when given, replaces them
+LISTING_LINES = (1_000_000, 10_000_000)  # --listing-lines, when given, replaces them
 ENGINES = {"1 worker": ("1", ""), "2 workers": ("2", ""), "dask local:2": ("2", "local:2")}
 
 _COMPILE = """
@@ -66,8 +66,7 @@ print(json.dumps({"seconds": took, "inputs": len(corpus.items), "base_kib": base
 
 
 def run(work: Path, args: argparse.Namespace) -> list[Row]:
-    given = getattr(args, "listing_lines", None)
-    sizes = (int(given),) if given else LISTING_LINES
+    sizes = args.listing_lines or LISTING_LINES
     listing = [_listing_row(work / "listing", lines) for lines in sizes]
     return [*_compile_rows(work / "compile", args), *listing]
 
