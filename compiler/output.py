@@ -18,7 +18,7 @@ import secrets
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn, TypeGuard
+from typing import NoReturn
 
 from dlop.formats import ERRORS_NAME, INDEX_NAME, FormatError
 from dlop.formats.constants import (
@@ -26,6 +26,7 @@ from dlop.formats.constants import (
     MAX_INDEX_BYTES,
 )
 from dlop.formats.files import loads_bounded, read_capped
+from dlop.formats.units import MAX_COUNT, is_count
 
 from .errors import CompileError
 from .recipe import Recipe
@@ -359,10 +360,10 @@ class Journal:
             self._bad(f"expected a JSON object, got {type(obj).__name__}")
         digest, fingerprint = self._text(obj, "recipe_digest"), self._text(obj, "fingerprint")
         num_inputs, size = obj.get("num_inputs"), obj.get("unit_inputs")
-        if not _is_int(num_inputs) or num_inputs < 1:
-            self._bad(f"'num_inputs' is {num_inputs!r:.40}, expected a positive integer")
-        if not _is_int(size) or size < 1:
-            self._bad(f"'unit_inputs' is {size!r:.40}, expected a positive integer")
+        if not is_count(num_inputs, MAX_COUNT) or num_inputs < 1:
+            self._bad(f"'num_inputs' is {num_inputs!r:.40}, expected an integer 1 ... 2^64-1")
+        if not is_count(size, MAX_COUNT) or size < 1:
+            self._bad(f"'unit_inputs' is {size!r:.40}, expected an integer 1 ... 2^64-1")
         if digest != self.digest:
             raise CompileError(
                 f"{self.where}: --resume with a different recipe than the interrupted compile "
@@ -393,10 +394,6 @@ class Journal:
             f"{self.where}/{JOURNAL}: the journal is damaged: {problem}; it cannot be resumed, "
             "compile afresh (--overwrite)"
         )
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def committed_units(store: Store, journal: Journal) -> dict[int, UnitRecord]:

@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 
@@ -37,6 +37,7 @@ from dlop.formats import ArchiveWriter, Field, FormatError, ShardInfo, unit_shar
 from dlop.formats.constants import MAX_SHARD_SAMPLES
 from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
+from dlop.formats.units import is_count
 
 from .corpus import Corpus, Item, fingerprint
 from .items import CorpusShape, Outcome, process_items
@@ -114,7 +115,7 @@ def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitReco
             return None
         nums = [s.get(k) for k in ("num_samples", "bytes", "crc32")]
         limits = (MAX_SHARD_SAMPLES, (1 << 64) - 1, 0xFFFFFFFF)
-        if not all(_count(v, most) for v, most in zip(nums, limits, strict=True)):
+        if not all(is_count(v, most) for v, most in zip(nums, limits, strict=True)):
             return None
         infos.append(ShardInfo(s["file"], s["num_samples"], s["bytes"], s["crc32"]))
     try:
@@ -130,13 +131,9 @@ def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitReco
         tuple(infos),
         tuple(skipped),
         worker=worker if isinstance(worker, str) else "",
-        peak_rss=rss if _count(rss, 1 << 62) else 0,
+        peak_rss=rss if is_count(rss, 1 << 62) else 0,
         input_sizes=sizes if isinstance(sizes, str) else "",
     )
-
-
-def _count(value: object, most: int) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most
 
 
 def shards_in_place(store: Store, record: UnitRecord, listed: set[str]) -> bool:

@@ -68,10 +68,10 @@ class UnitTable:
         if not isinstance(obj, dict):
             raise bad(f"is {type(obj).__name__}, expected an object")
         size, total = obj.get("unit_inputs"), obj.get("num_inputs")
-        if not _count(size, MAX_COUNT) or size == 0:
+        if not is_count(size, MAX_COUNT) or size == 0:
             raise bad(f"'unit_inputs' is {size!r:.40}, expected an integer 1 ... 2^64-1")
         most = min(MAX_UNITS * size, MAX_COUNT)
-        if not _count(total, most):
+        if not is_count(total, most):
             raise bad(
                 f"'num_inputs' is {total!r:.40}, expected an integer 0 ... {most} (at most "
                 f"{MAX_UNITS} units of {size} inputs)"
@@ -85,10 +85,10 @@ class UnitTable:
         table = cls(size, total, tuple(lists["shards"]), tuple(lists["skipped"]))  # type: ignore[arg-type]
         for k in range(expected):
             inputs = table.count_of(k)
-            if not _count(table.shards[k], inputs):
+            if not is_count(table.shards[k], inputs):
                 raise bad(f"'shards[{k}]' is {table.shards[k]!r:.40}, expected 0 ... {inputs}")
             most = min(inputs, MAX_ERRORS_RECORDS)
-            if not _count(table.skipped[k], most):
+            if not is_count(table.skipped[k], most):
                 raise bad(f"'skipped[{k}]' is {table.skipped[k]!r:.40}, expected 0 ... {most}")
         if sum(table.shards) != len(shard_files):
             raise bad(
@@ -110,5 +110,6 @@ class UnitTable:
         return table
 
 
-def _count(value: object, most: int) -> TypeGuard[int]:
+def is_count(value: object, most: int) -> TypeGuard[int]:
+    """Whether a parsed JSON value is an integer 0 ... ``most`` (a bool is not one)."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most

@@ -264,9 +264,11 @@ def _edit_journal(obj: dict, how: str) -> object:
         ('unit_inputs="1"', "'unit_inputs'"),
         ("unit_inputs=true", "'unit_inputs'"),
         ("unit_inputs=1.0", "'unit_inputs'"),
+        ("unit_inputs=18446744073709551616", "'unit_inputs'"),  # past 2^64-1: no index holds it
         ("num_inputs", "'num_inputs'"),
         ("num_inputs=-5", "'num_inputs'"),
         ("num_inputs=[5]", "'num_inputs'"),
+        ("num_inputs=18446744073709551616", "'num_inputs'"),
         ("recipe_digest", "'recipe_digest'"),
         ("recipe_digest=7", "'recipe_digest'"),
         ("fingerprint", "'fingerprint'"),
