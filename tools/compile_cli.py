@@ -42,7 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--demo", type=Path, metavar="OUT", help="generate the demo corpus under OUT and compile it"
     )
-    g = p.add_argument_group("corpus")
+    _corpus_options(p.add_argument_group("corpus"))
+    _vision_options(p.add_argument_group("video and images"))
+    _feature_options(p.add_argument_group("features"))
+    _output_options(p.add_argument_group("output"))
+    return p
+
+
+def _corpus_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--layout", choices=CHOICES["layout"], help="default: detected from SOURCE")
     g.add_argument(
         "--duration", type=float, help="crop or zero-pad every clip to SECONDS (0: native lengths)"
@@ -58,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--label-column", help="hf: the class column (default: label, or the first ClassLabel)"
     )
     g.add_argument("--keep-columns", help="hf: scalar columns carried as fields, e.g. speaker,age")
-    v = p.add_argument_group("video and images")
+
+
+def _vision_options(v: argparse._ArgumentGroup) -> None:
     v.add_argument("--size", type=int, help="resize so the short side is N pixels (antialiased)")
     v.add_argument("--crop", help="centre crop N or HxW after --size (default: keep all)")
     v.add_argument(
@@ -105,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="images or masks with more pixels are bad inputs (default 150000000)",
     )
-    f = p.add_argument_group("features")
+
+
+def _feature_options(f: argparse._ArgumentGroup) -> None:
     f.add_argument("--features", choices=features.CHOICES["features"])
     f.add_argument(
         "--preset", choices=CHOICES["preset"], help="feature convention (default librosa)"
@@ -133,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="FFT precision: float32 (default) as the references compute, float64 exact in deep bands",
     )
     f.add_argument("--dtype", choices=CHOICES["dtype"], help="stored dtype (default float16)")
-    o = p.add_argument_group("output")
+
+
+def _output_options(o: argparse._ArgumentGroup) -> None:
     o.add_argument("--codec", help="raw (default), zstd, zstd:LEVEL")
     o.add_argument(
         "--shard-bytes",
@@ -170,7 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsspec option for URL SOURCE and OUT (endpoint_url=..., anon=true); repeatable; "
         "credentials otherwise come from the environment",
     )
-    return p
 
 
 _NOT_RECIPE = {"out", "recipe", "demo", "resume", "overwrite", "quiet", "unit_inputs", "dask"}
