@@ -338,7 +338,12 @@ def check_options(opts: dict[str, Any]) -> None:
             isinstance(masks, list | tuple) and all(isinstance(m, str) for m in masks)
         ):
             raise bad("masks", "a folder name or a list of them")
-    for key, value in (opts.get("resampler") or {}).items():
+    _check_resampler(opts.get("resampler") or {})
+    _check_vision_types(opts)
+
+
+def _check_resampler(resampler: dict[str, Any]) -> None:
+    for key, value in resampler.items():
         if key not in _RESAMPLER:
             raise CompileError(
                 f"recipe option resampler.{key}: unknown; valid: {', '.join(_RESAMPLER)}"
@@ -350,6 +355,10 @@ def check_options(opts: dict[str, Any]) -> None:
                 f"recipe option resampler.{key}: expected {'an integer' if kind is int else 'a number'} "
                 f"from {lo:g} to {hi:g}, got {value!r}"
             )
+
+
+def _check_vision_types(opts: dict[str, Any]) -> None:
+    """The types of the plain vision options, given flat or in a ``vision`` table."""
     vision = {**(opts.get("vision") or {}), **{k: opts[k] for k in VISION_OPTIONS if k in opts}}
     for f in fields(VisionConfig):
         declared = str(f.type)
@@ -372,22 +381,7 @@ def build_recipe(options: dict[str, Any], storage_options: dict[str, Any] | None
     check_options(opts)
     if "source" not in opts:
         raise CompileError("no SOURCE: give the corpus path (or 'source' in the recipe)")
-    features = opts.get("features")
-    overrides = {k: opts[k] for k in FEATURE_OPTIONS if k in opts}
-    try:
-        if isinstance(features, dict):  # a resolved recipe from an index
-            cfg = FeatureConfig.from_json(features)
-            if opts.get("preset", cfg.preset) != cfg.preset:
-                raise ValueError(
-                    f"preset: {opts['preset']!r} differs from the resolved features' "
-                    f"{cfg.preset!r}; drop one of them"
-                )
-            if overrides:
-                cfg = with_options(cfg, overrides)
-        else:
-            cfg = feature_config(opts.get("preset", "librosa"), features, **overrides)
-    except (TypeError, ValueError) as e:
-        raise CompileError(f"recipe option {e}") from None
+    cfg = _feature_config(opts)
     vision_opts = dict(opts["vision"]) if isinstance(opts.get("vision"), dict) else {}
     vision_opts.update({k: opts[k] for k in VISION_OPTIONS if k in opts})
     try:
@@ -421,6 +415,24 @@ def build_recipe(options: dict[str, Any], storage_options: dict[str, Any] | None
         masks=None if masks is None else tuple(str(m) for m in masks),
         **_columns(opts),
     )
+
+
+def _feature_config(opts: dict[str, Any]) -> FeatureConfig:
+    """The features of checked options: a preset with overrides, or a resolved table."""
+    features = opts.get("features")
+    overrides = {k: opts[k] for k in FEATURE_OPTIONS if k in opts}
+    try:
+        if isinstance(features, dict):  # a resolved recipe from an index
+            cfg = FeatureConfig.from_json(features)
+            if opts.get("preset", cfg.preset) != cfg.preset:
+                raise ValueError(
+                    f"preset: {opts['preset']!r} differs from the resolved features' "
+                    f"{cfg.preset!r}; drop one of them"
+                )
+            return with_options(cfg, overrides) if overrides else cfg
+        return feature_config(opts.get("preset", "librosa"), features, **overrides)
+    except (TypeError, ValueError) as e:
+        raise CompileError(f"recipe option {e}") from None
 
 
 def _columns(opts: dict[str, Any]) -> dict[str, Any]:
