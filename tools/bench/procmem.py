@@ -19,8 +19,8 @@ def status_kib(field: str, pid: int | str = "self") -> int:
     return 0
 
 
-def tree_rss_kib(root: int) -> int:
-    """VmRSS summed over a process and all its descendants."""
+def descendants(root: int) -> list[int]:
+    """The pids of every process below ``root`` (children, their children, ...)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -30,12 +30,17 @@ def tree_rss_kib(root: int) -> int:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    total, stack = 0, [root]
+    found, stack = [], list(children.get(root, []))
     while stack:
         pid = stack.pop()
-        total += status_kib("VmRSS", pid)
+        found.append(pid)
         stack += children.get(pid, [])
-    return total
+    return found
+
+
+def tree_rss_kib(root: int) -> int:
+    """VmRSS summed over a process and all its descendants."""
+    return sum(status_kib("VmRSS", pid) for pid in [root, *descendants(root)])
 
 
 class PeakSampler:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -23,7 +22,7 @@ from typing import Any
 
 from .common import Row, rate_row
 from .corpus import esc50_wavs
-from .procmem import PeakSampler, status_kib
+from .procmem import PeakSampler, descendants, status_kib
 
 LISTING_LINES = (1_000_000, 10_000_000)  # --listing-lines, when given, replaces them
 ENGINES = {"1 worker": ("1", ""), "2 workers": ("2", ""), "dask local:2": ("2", "local:2")}
@@ -44,18 +43,15 @@ print(time.perf_counter() - t0)
 _LIST = """
 import json, sys, time
 from dlop.compiler.layouts import open_corpus
+from dlop.tools.bench.procmem import status_kib
 
-def hwm_kib():
-    # VmHWM: this process's own peak (ru_maxrss also counts the peak of the process that
-    # started it, folded in at exec)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-
-base = hwm_kib()
+# VmHWM: this process's own peak (ru_maxrss would also count the peak of the process
+# that started it, folded in at exec)
+base = status_kib("VmHWM")
 t0 = time.perf_counter()
 corpus = open_corpus(sys.argv[1], "manifest", "audio")
 took = time.perf_counter() - t0
-peak = hwm_kib()
+peak = status_kib("VmHWM")
 t0 = time.perf_counter()
 mid = len(corpus.items) // 2
 unit = corpus.items[mid : mid + 8192]  # a unit's Items, made from the listing
@@ -74,23 +70,6 @@ def run(work: Path, args: argparse.Namespace) -> list[Row]:
 # -- compile on 1 and 2 workers and on Dask ---------------------------------------------
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                continue
-    found, stack = [], list(children.get(root, []))
-    while stack:
-        pid = stack.pop()
-        found.append(pid)
-        stack += children.get(pid, [])
-    return found
-
-
 def _timed_compile(
     corpus: Path, out: Path, workers: str, dask: str, unit: int
 ) -> tuple[float, int, list[int]]:
@@ -100,7 +79,7 @@ def _timed_compile(
     peaks: dict[int, int] = {}
 
     def read() -> int:
-        for pid in [proc.pid, *_descendants(proc.pid)]:
+        for pid in [proc.pid, *descendants(proc.pid)]:
             peaks[pid] = max(peaks.get(pid, 0), status_kib("VmHWM", pid))
         return 0
 
