@@ -166,18 +166,27 @@ def pass_positions(seed: int, source: int, p: int, count: int, n: int) -> np.nda
 
     An epoch that crosses from pass p-1 into pass p takes the last ``t`` items of
     p-1 and the first ``count - t`` of p; p's head is rearranged so that those
-    hold none of the samples of p-1's actual tail (which depends on p-1's own
-    rearrangement, so passes are computed one after another from the latest one
-    kept). With ``count <= n`` there are always ``count - t`` samples outside that
-    tail, so no epoch repeats a sample; a source smaller than its share repeats.
+    hold none of the samples of p-1's actual tail. With ``count <= n`` there are
+    always ``count - t`` samples outside that tail, so no epoch repeats a sample;
+    a source smaller than its share repeats. p-1's actual tail depends on p-1's own
+    rearrangement, so passes are computed one after another, from the latest one
+    kept or the latest ``anchor`` (a pass that needs only p-1's own permutation):
+    a far epoch (a resumed run, a state's epoch) costs a few passes, not one per epoch.
     """
     if p == 0 or count > n:
         return _permutation(seed, source, p, n)
+    q = anchor(p, count, n)
     with _passes_lock:
-        known = [q for (s, src, q, c, m) in _passes if (s, src, c, m) == (seed, source, count, n)]
-        below = [q for q in known if q <= p]
-        q = max(below) if below else 0
-        order = _passes[(seed, source, q, count, n)] if below else _permutation(seed, source, 0, n)
+        known = [k for (s, src, k, c, m) in _passes if (s, src, c, m) == (seed, source, count, n)]
+        kept = [k for k in known if q <= k <= p]
+        if kept:
+            q = max(kept)
+            order = _passes[(seed, source, q, count, n)]
+    if not kept:
+        order = _permutation(seed, source, q, n)
+        if q:
+            prev = _permutation(seed, source, q - 1, n)
+            order = _after(prev, order, (q * n) % count, count)
     while q < p:
         q += 1
         order = _after(order, _permutation(seed, source, q, n), (q * n) % count, count)
@@ -186,6 +195,19 @@ def pass_positions(seed: int, source: int, p: int, count: int, n: int) -> np.nda
         while len(_passes) > PASS_CACHE_ENTRIES:
             _passes.popitem(last=False)
     return order
+
+
+def anchor(p: int, count: int, n: int) -> int:
+    """The latest pass ``q <= p`` whose rearrangement reads only pass q-1's own permutation.
+
+    ``_after`` moves items only within the first ``count`` positions of a pass, so
+    pass q-1's last ``t = q * n % count`` items are those of its permutation when
+    ``count + t <= n`` (and t = 0 reads nothing). ``t`` steps by ``n - count`` modulo
+    ``count``, so an anchor lies at most about ``count / (n - count)`` passes back."""
+    q = p
+    while q > 0 and (q * n) % count > n - count:
+        q -= 1
+    return q
 
 
 def clear_passes() -> None:

@@ -264,3 +264,48 @@ def test_a_mixed_batch_is_planned_without_torch_kernels_over_the_batch(
         torch.equal(x, y) and torch.equal(s, t) for (x, s), (y, t) in zip(got, want, strict=True)
     )
     assert sum(len(x) for x, _ in got) == sum(SIZES.values())
+
+
+def sequential_pass(seed: int, source: int, p: int, count: int, n: int) -> np.ndarray:
+    """Pass ``p`` computed from pass 0, one pass after another (the definition)."""
+    order = mixture._permutation(seed, source, 0, n)
+    for q in range(1, p + 1):
+        order = mixture._after(
+            order, mixture._permutation(seed, source, q, n), q * n % count, count
+        )
+    return order
+
+
+def test_a_far_pass_is_the_one_computed_pass_after_pass() -> None:
+    gen = np.random.default_rng(1)
+    for _ in range(60):
+        n = int(gen.integers(2, 40))
+        count = int(gen.integers(1, n + 1))
+        for p in sorted(gen.integers(0, 60, size=4).tolist()):
+            mixture.clear_passes()
+            want = sequential_pass(4, 2, p, count, n)
+            assert np.array_equal(mixture.pass_positions(4, 2, p, count, n), want), (n, count, p)
+
+
+def test_a_state_of_a_far_epoch_loads_without_computing_every_pass(
+    corpora: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pass p followed from pass 0 one at a time: a state's epoch of 2**62 (hostile, or
+    # a long run resumed in a fresh process) took a pass per epoch, forever
+    two = {"ls": corpora["ls"], "cv": corpora["cv"]}
+    kw: dict[str, Any] = {"weights": {"ls": 1, "cv": 1}, "samples_per_epoch": 100}
+    loader = Loader(two, 10, fields="key", prefetch=0, **kw)  # cv: 50 of 60 an epoch
+    state = {**loader.state_dict(), "epoch": 2**62}
+    made: list[int] = []
+    permutation = mixture._permutation
+
+    def counted(seed: int, source: int, p: int, n: int) -> np.ndarray:
+        made.append(p)
+        if len(made) > 1000:
+            raise AssertionError("a pass computed per epoch")
+        return permutation(seed, source, p, n)
+
+    monkeypatch.setattr(mixture, "_permutation", counted)
+    mixture.clear_passes()
+    loader.load_state_dict(state)
+    assert loader.epoch == 2**62 and len(loader.batches()) == len(loader.batches(0))
