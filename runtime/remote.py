@@ -165,14 +165,17 @@ def fetch_head(
 def fetch_index(
     fs: Any, base: str, url: str, max_bytes: int, retry: Retry = DEFAULT_RETRY
 ) -> bytes:
-    """``index.json`` of the archive at ``base`` (bytes, at most ``max_bytes``)."""
-
-    def check(data: bytes) -> str | None:
-        if len(data) > max_bytes:
-            return f"index.json is {len(data)} bytes, above its {max_bytes}-byte cap"
-        return None
-
-    return fetch_bytes(fs, join(base, INDEX_NAME), None, check, f"{url}: index.json", retry)
+    """``index.json`` of the archive at ``base`` (bytes, at most ``max_bytes``): one
+    ranged read of ``max_bytes + 1`` bytes, so an index over the cap is refused at once
+    without being read whole (a server that ignores Range still sends it all)."""
+    path = join(base, INDEX_NAME)
+    data = fetch_bytes(fs, path, max_bytes + 1, lambda _: None, f"{url}: index.json", retry, True)
+    if len(data) > max_bytes:
+        raise LoaderError(
+            f"{url}: index.json: {path} holds more than its {max_bytes}-byte cap "
+            "(SPEC.md §8); point the URL at an archive dlop wrote"
+        )
+    return data
 
 
 def join(base: str, name: str) -> str:

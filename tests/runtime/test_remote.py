@@ -16,7 +16,7 @@ from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime.cache import CacheDir
 from dlop.runtime.errors import UsageError
-from dlop.runtime.remote import Retry
+from dlop.runtime.remote import Retry, fetch_index, filesystem
 from dlop.runtime.remote_archive import RemoteArchive, open_remote
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive
@@ -315,3 +315,14 @@ def test_dataloader_workers_read_a_url_through_iterable_archive(
         want = epoch_batches(Loader(served / "a", **SETTINGS), 0)
         assert [b["key"] for b in got] == [b["key"] for b in want]
         assert all(proxy.count(f"shard-0000{k}") == 1 for k in range(6))  # one cache, shared
+
+
+def test_an_index_over_its_cap_is_refused_after_one_bounded_read(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "index.json").write_bytes(b" " * 50_000 + b"{}")
+    with FaultProxy(root=tmp_path) as proxy:
+        fs, base = filesystem(proxy.url + "/a")
+        with pytest.raises(LoaderError, match=r"index\.json holds more than its 1000-byte cap"):
+            fetch_index(fs, base, proxy.url + "/a", 1000, FAST)
+        assert proxy.ranges == ["bytes=0-1000"]  # not read whole, and not again
+        assert proxy.count("index.json") == 1
