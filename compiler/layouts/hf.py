@@ -79,12 +79,30 @@ def _path(text: str, storage_options: dict[str, Any]) -> Path:
     return url_path(text, storage_options) if is_url(text) else Path(text)
 
 
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What pyarrow raises on a damaged Parquet file (a bad footer, page or thrift header)."""
+    import pyarrow as pa
+
+    return (pa.ArrowException, OSError)
+
+
 @contextlib.contextmanager
 def _opened(path: Path) -> Iterator[Any]:
-    """A Parquet file's reader over the path's file object (a local file or an fsspec one)."""
+    """A Parquet file's reader over the path's file object (a local file or an fsspec one);
+    a file pyarrow cannot read, opening it or in the ``with`` body, is a CompileError naming it."""
     pq = _pq()
-    with path.open("rb") as f:
-        yield pq.ParquetFile(f)
+    try:
+        with path.open("rb") as f:
+            yield pq.ParquetFile(f)
+    except _read_errors() as e:
+        raise CompileError(
+            f"{path}: not a readable Parquet file ({_why(e)}); it may be truncated or "
+            "damaged: fetch or write it again"
+        ) from None
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def _features(schema: Any) -> dict[str, Any]:
@@ -368,13 +386,20 @@ def _stream_file(pf: Any, file: str, items: list[Item], root: Path, column: str)
     groups, row = _row_groups(pf, first, last)
     where = name_key(Path(file).name)
     todo = iter(items)
-    for batch in pf.iter_batches(batch_size=STREAM_BATCH_ROWS, row_groups=groups, columns=[column]):
-        cells = batch.column(0)
-        for n in range(max(0, first - row), min(len(cells), last - row + 1)):
-            yield _filled(next(todo), cells[n].as_py(), root, f"{where} row {row + n}")
-        row += len(cells)
-        if row > last:
-            return
+    problem = f"the file ends before this row, though its footer counts {rows} rows"
+    batches = pf.iter_batches(batch_size=STREAM_BATCH_ROWS, row_groups=groups, columns=[column])
+    try:
+        for batch in batches:
+            cells = batch.column(0)
+            for n in range(max(0, first - row), min(len(cells), last - row + 1)):
+                yield _filled(next(todo), cells[n].as_py(), root, f"{where} row {row + n}")
+            row += len(cells)
+            if row > last:
+                break
+    except _read_errors() as e:  # a damaged page: the rows not yet read are bad inputs
+        problem = f"the file could not be read ({_why(e)})"
+    for item in todo:
+        yield dataclasses.replace(item, error=f"{where} row {item.position}: {problem}")
 
 
 def _filled(item: Item, cell: dict[str, Any] | None, root: Path, where: str) -> Item:

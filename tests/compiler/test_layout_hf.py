@@ -157,6 +157,32 @@ def test_bad_rows_are_skipped_and_named(tmp_path: Path) -> None:
     assert main([str(root), "-o", str(out), "--on-error", "fail", "-q", "--workers", "1"]) == 1
 
 
+def test_a_truncated_or_damaged_parquet_file_is_a_named_error(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    root = hf_corpus(tmp_path / "hf")
+    data = root / "data" / "train-00000-of-00001.parquet"
+    whole = data.read_bytes()
+    for cut in (whole[: len(whole) // 2], whole[:-8] + (1 << 30).to_bytes(4, "little") + b"PAR1"):
+        data.write_bytes(cut)
+        with pytest.raises(CompileError, match=r"train-00000-of-00001\.parquet: not a readable"):
+            open_corpus(str(root), "hf")
+    # the footer intact, the page header of row group 1's media bytes overwritten: the rows
+    # not read before pyarrow met it (it reads ahead) are bad inputs naming their row
+    data.write_bytes(whole)
+    corpus = open_corpus(str(root), "hf")
+    offset = pq.ParquetFile(data).metadata.row_group(1).column(1).data_page_offset
+    data.write_bytes(whole[:offset] + b"\xff" * 12 + whole[offset + 12 :])
+    got = list(stream_items(corpus, 0, None))
+    assert [it.key for it in got] == [f"utt-{i}" for i in range(5)]
+    flags = [it.error is not None for it in got]
+    assert flags == sorted(flags) and sum(flags) >= 3  # the rows from the damage on
+    bad = [it.error for it in got if it.error is not None]
+    for row, error in zip(range(5 - len(bad), 5), bad, strict=True):
+        assert error.startswith(f"train-00000-of-00001.parquet row {row}: the file could not ")
+        assert "Deserializing page header failed" in error
+
+
 def test_column_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = hf_corpus(tmp_path / "hf", embed=(True, True))
     out = tmp_path / "a"
