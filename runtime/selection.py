@@ -25,6 +25,7 @@ from dlop.formats import Field, ShardReader
 from .errors import UsageError, UsageTypeError
 
 Where = Mapping[str, Any]
+COMPARE_BYTES = 1 << 22  # str values compared per step: its index array is 8x that
 
 
 def scalar_field(fields: Mapping[str, Field], name: object, where: str) -> Field:
@@ -107,23 +108,37 @@ def check_range(field: Field, values: list[Any], where: str) -> None:
 def column_mask(shard: ShardReader, field: Field, values: list[Any]) -> np.ndarray:
     """Which of the shard's samples hold one of ``values`` (bool ``[num_samples]``)."""
     n = shard.num_samples
-    if field.kind != "str":
-        col = shard.read_range(field.name, 0, n)
-        return np.isin(col, np.asarray(values, dtype=col.dtype)) if values else np.zeros(n, bool)
-    if not field.codec.mappable:
-        got = [shard.get(field.name, i) for i in range(n)]  # zstd text: decoded sample by sample
-        return np.isin(np.asarray(got, dtype=object), np.asarray(values, dtype=object))
-    data, offsets = shard.values(field.name), shard.offsets(field.name).astype(np.int64)
+    if field.kind == "str":
+        return text_codes(shard, field, values) >= 0
+    col = shard.read_range(field.name, 0, n)
+    return np.isin(col, np.asarray(values, dtype=col.dtype)) if values else np.zeros(n, bool)
+
+
+def text_codes(shard: ShardReader, field: Field, values: list[str]) -> np.ndarray:
+    """Which of ``values`` each of the shard's samples of str ``field`` holds (``int64
+    [num_samples]``, -1: none), compared as UTF-8 bytes, whole columns at once: a zstd
+    field's blocks are each decoded once, never sample by sample."""
+    name = field.name
+    offsets = shard.offsets(name).astype(np.int64)
+    if field.codec.mappable:
+        data = shard.values(name)
+    else:  # the blocks' values, one after another, are the column's (SPEC.md §4)
+        blocks = len(shard.block_table(name))
+        parts = [shard.decode_block(name, k, cached=False) for k in range(blocks)]
+        data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
     lengths = np.diff(offsets)
-    mask = np.zeros(n, bool)
-    for v in values:
+    codes = np.full(shard.num_samples, -1, np.int64)
+    for code, v in enumerate(values):
         b = np.frombuffer(v.encode("utf-8"), np.uint8)
         cand = np.flatnonzero(lengths == len(b))
-        if len(b) and len(cand):
-            same = (data[offsets[cand, None] + np.arange(len(b))] == b).all(axis=1)
-            cand = cand[same]
-        mask[cand] = True
-    return mask
+        step = max(1, COMPARE_BYTES // max(len(b), 1))  # bounds the index arrays made
+        for i in range(0, len(cand) if len(b) else 0, step):
+            part = cand[i : i + step]
+            same = (data[offsets[part, None] + np.arange(len(b))] == b).all(axis=1)
+            codes[part[same]] = code
+        if not len(b):
+            codes[cand] = code
+    return codes
 
 
 def select(
@@ -211,20 +226,18 @@ def count_selected(archive: Any, where: Where) -> dict[str, Any]:
     base = np.arange(ds.num_samples) if ds.selection is None else ds.selection
     kept = base[np.isin(base, chosen)] if chosen is not None else base
     values: dict[str, dict[Any, int]] = {}
-    for name in where:
+    for name, value in where.items():
         f = ds.reader.fields[name]
-        if f.kind == "str":
-            col = np.asarray(text_column(ds, name), object)
-        else:
-            col = np.concatenate([s.read_range(name, 0, s.num_samples) for s in ds.shards])
+        if f.kind == "str":  # the kept samples hold one of the values asked for
+            asked = sorted(set(wanted_values(f, value, str(ds.path))))
+            codes = np.concatenate([text_codes(s, f, asked) for s in ds.shards])
+            counts = np.bincount(codes[kept], minlength=len(asked))
+            values[name] = {v: int(c) for v, c in zip(asked, counts.tolist(), strict=True) if c}
+            continue
+        col = np.concatenate([s.read_range(name, 0, s.num_samples) for s in ds.shards])
         found, counts = np.unique(col[kept], return_counts=True)
         values[name] = {v: int(c) for v, c in zip(found.tolist(), counts.tolist(), strict=True)}
     return {"samples": len(base), "selected": len(kept), "values": values}
-
-
-def text_column(ds: Any, name: str) -> list[str]:
-    """A str field's values, sample by sample (for counting, not for training)."""
-    return [s.get(name, i) for s in ds.shards for i in range(s.num_samples)]
 
 
 def parse_where(fields: Mapping[str, Field], terms: Sequence[str]) -> dict[str, list[Any]]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.formats import ArchiveWriter, Field
+from dlop.formats import ArchiveWriter, Field, ShardReader, Zstd
 from dlop.runtime import Loader, UsageError, UsageTypeError, count_selected, open_archive
 from tests.compiler.fixtures import esc50_row, write_esc50_csv
 
@@ -148,6 +148,32 @@ def test_count_selected(esc50: tuple[Path, list[dict[str, str]]]) -> None:
     assert got["samples"] == CLIPS and got["selected"] == len(want)
     assert sum(got["values"]["fold"].values()) == len(want)
     assert got["values"]["category"] == {"class0": len(want)}
+
+
+def test_a_zstd_text_column_is_chosen_and_counted_block_by_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # where= on a zstd str field decoded it sample by sample at open (in every DataLoader
+    # worker too), and count_selected did so for every str field: 200x a raw column's time
+    fields = [Field.str_("cat", Zstd(block_bytes=64)), Field.str_("raw"), Field("i", "i64", ())]
+    with ArchiveWriter(tmp_path / "a", fields, shard_bytes=700) as w:
+        for i in range(300):
+            cat = ["dog", "cat", "", "dögs"][i % 4]
+            w.write({"cat": cat, "raw": cat, "i": i})
+
+    def per_sample(*args: object) -> None:
+        raise AssertionError("a str column read sample by sample")
+
+    monkeypatch.setattr(ShardReader, "get", per_sample)
+    where = {"cat": ["dögs", "", "cow"]}
+    ds = open_archive(tmp_path / "a", fields="i", where=where)
+    want = [i for i in range(300) if i % 4 in (2, 3)]
+    assert ds.selection is not None and ds.selection.tolist() == want
+    raw = open_archive(tmp_path / "a", fields="i", where={"raw": where["cat"]})
+    assert raw.selection is not None and raw.selection.tolist() == want
+    got = count_selected(tmp_path / "a", {"cat": ["dögs", "", "cow", ""], "i": list(range(100))})
+    assert got["selected"] == 50 and got["values"]["cat"] == {"": 25, "dögs": 25}
+    assert got["values"]["i"] == {i: 1 for i in want if i < 100}
 
 
 def test_selection_errors(esc50: tuple[Path, list[dict[str, str]]]) -> None:
