@@ -155,6 +155,22 @@ def _scalar_kind(arrow_type: Any) -> str | None:
     return None
 
 
+def _media_struct(arrow_type: Any) -> bool:
+    """An Audio or Image feature's storage: a struct of binary ``bytes`` and string ``path``."""
+    import pyarrow as pa
+
+    if not pa.types.is_struct(arrow_type):
+        return False
+    fields = {f.name: f.type for f in arrow_type}
+    data, path = fields.get("bytes"), fields.get("path")
+    return (
+        data is not None
+        and path is not None
+        and (pa.types.is_binary(data) or pa.types.is_large_binary(data))
+        and (pa.types.is_string(path) or pa.types.is_large_string(path))
+    )
+
+
 def _kind_of(schema: Any, column: str) -> str | None:
     return _scalar_kind(schema.field(column).type)
 
@@ -165,10 +181,11 @@ def _columns(path: Path, schema: Any, features: dict[str, Any], options: ListOpt
     media = next((c for c in names if _type_of(features, c) == wanted), None)
     if media is None and options.media in names:
         media = options.media
-    if media is None or not {"bytes", "path"} <= {f.name for f in schema.field(media).type}:
+    if media is None or not _media_struct(schema.field(media).type):
         raise CompileError(
-            f"{path}: no {wanted} column (a struct of bytes and path, declared in the "
-            f"huggingface schema metadata); columns: {names}"
+            f"{path}: no {wanted} column (a struct of binary bytes and string path, declared "
+            f"in the huggingface schema metadata); columns: {names}"
+            + (f"; {media!r} holds {schema.field(media).type}" if media is not None else "")
         )
 
     def pick(option: str, given: str | None, found: str | None) -> str | None:
@@ -407,6 +424,13 @@ def _filled(item: Item, cell: dict[str, Any] | None, root: Path, where: str) -> 
     data, path = (cell or {}).get("bytes"), (cell or {}).get("path")
     if item.error is not None:
         return item
+    if not isinstance(data, bytes | None) or not isinstance(path, str | None):
+        # a later file's media column of other types than the first file's
+        return dataclasses.replace(
+            item,
+            error=f"{where}: the media cell holds {type(data).__name__} bytes and "
+            f"{type(path).__name__} path, not binary bytes and a string path",
+        )
     if data:
         ext = (item.member or ("", "bin"))[1]
         return dataclasses.replace(item, data={ext: data})

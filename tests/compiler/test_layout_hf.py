@@ -183,6 +183,34 @@ def test_a_truncated_or_damaged_parquet_file_is_a_named_error(tmp_path: Path) ->
         assert "Deserializing page header failed" in error
 
 
+@pytest.mark.parametrize("bytes_type", ["string", "int64"])
+def test_a_media_struct_of_other_types_is_refused(tmp_path: Path, bytes_type: str) -> None:
+    """A ``bytes`` field holding a string is never taken for a path to open."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Audio
+
+    root = tmp_path / "odd"
+    root.mkdir()
+    write_audio(root / "ok.wav", make_signal(16000, 0.3), 16000)
+    struct = pa.struct([("bytes", pa.type_for_alias(bytes_type)), ("path", pa.string())])
+    value = str(root / "ok.wav") if bytes_type == "string" else 0
+    table = pa.table({"audio": pa.array([{"bytes": value, "path": "ok.wav"}], type=struct)})
+    features = {"audio": {"_type": "Audio"}}
+    meta = {b"huggingface": json.dumps({"info": {"features": features}}).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), root / "x.parquet")
+    with pytest.raises(CompileError, match=f"'audio' holds struct<bytes: {bytes_type}"):
+        open_corpus(str(root), "hf")
+    # a later file of the split with those types: its rows are bad inputs
+    good = {"bytes": (root / "ok.wav").read_bytes(), "path": "ok.wav"}
+    write_parquet(root / "a.parquet", {"audio": [good]}, {"audio": Audio()})
+    corpus = open_corpus(str(root), "hf")
+    got = list(stream_items(corpus, 0, None))
+    assert got[0].error is None and got[0].data is not None
+    assert got[1].error is not None and "not binary bytes and a string path" in got[1].error
+    assert got[1].data is None and got[1].path is None
+
+
 def test_column_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = hf_corpus(tmp_path / "hf", embed=(True, True))
     out = tmp_path / "a"
