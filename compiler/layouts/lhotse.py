@@ -158,7 +158,11 @@ def _audio_file(recording: dict[str, Any], channel: Any, base: Path) -> str:
     sources = recording.get("sources")
     if not isinstance(sources, list) or not sources:
         raise ValueError("has no audio sources")
-    wanted = channel[0] if isinstance(channel, list) and channel else channel
+    held = [c for s in sources if isinstance(s, dict) for c in s.get("channels") or []]
+    named = channel if isinstance(channel, list) else [channel]
+    if channel is not None and held and any(c not in held for c in named):
+        raise ValueError(f"names channel {channel!r}, but its recording holds channels {held}")
+    wanted = named[0] if named else None
     chosen = next(
         (s for s in sources if isinstance(s, dict) and wanted in (s.get("channels") or [])),
         sources[0],

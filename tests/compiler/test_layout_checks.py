@@ -103,3 +103,38 @@ def test_a_lhotse_supervision_past_its_recording_is_a_named_bad_input(tmp_path: 
     error = str(corpus.items[2].error)
     assert "supervisions.jsonl line 3: 'past_end' spans 0.75 s to 2.75 s" in error
     assert "past the end of its recording 'r' (1 s)" in error
+
+
+def test_a_lhotse_channel_its_recording_lacks_is_a_named_bad_input(tmp_path: Path) -> None:
+    """Not silently the first source's audio: Lhotse itself refuses such a channel."""
+    import json
+
+    for name in ("left", "right"):
+        write_audio(tmp_path / f"{name}.wav", make_signal(16000, 1.0), 16000)
+    rec = {
+        "id": "r",
+        "sources": [
+            {"type": "file", "channels": [0], "source": "left.wav"},
+            {"type": "file", "channels": [1], "source": "right.wav"},
+        ],
+        "sampling_rate": 16000,
+        "num_samples": 16000,
+        "duration": 1.0,
+    }
+    (tmp_path / "recordings.jsonl").write_text(json.dumps(rec) + "\n")
+    channels = [("right", 1), ("both", [0, 1]), ("five", 5), ("one_of_two_gone", [1, 7])]
+    sups = [
+        {"id": i, "recording_id": "r", "start": 0.0, "duration": 0.5, "channel": c}
+        for i, c in channels
+    ]
+    (tmp_path / "supervisions.jsonl").write_text("".join(json.dumps(s) + "\n" for s in sups))
+    items = open_corpus(str(tmp_path / "supervisions.jsonl"), "lhotse").items
+    assert [it.path for it in items[:2]] == [
+        str(tmp_path / "right.wav"),
+        str(tmp_path / "left.wav"),
+    ]
+    assert [it.error for it in items[:2]] == [None, None]
+    assert items[2].error == (
+        "supervisions.jsonl line 3: 'five' names channel 5, but its recording holds channels [0, 1]"
+    )
+    assert items[3].path is None and "names channel [1, 7]" in str(items[3].error)
