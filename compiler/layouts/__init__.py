@@ -160,10 +160,29 @@ def stream_items(corpus: Corpus, start: int = 0, stop: int | None = None) -> Ite
     where it has one (see the module docstring)."""
     layout = _REGISTRY.get(corpus.layout)
     if layout is not None and layout.stream is not None:
-        return layout.stream(corpus, start, stop)
+        want = len(range(len(corpus.items))[start:stop])
+        return _exactly(layout.stream(corpus, start, stop), want, layout.name, start)
     if not isinstance(corpus.items, list):  # a compact listing: made from ``start``, not 0
         return iter(corpus.items[start:stop])
     return itertools.islice(corpus.items, start, stop)
+
+
+def _exactly(items: Iterator[Item], want: int, layout: str, start: int) -> Iterator[Item]:
+    """A layout's stream, held to giving exactly the ``want`` items asked for: a work unit
+    takes its inputs by count, so one too few or too many would shift every later input
+    into the wrong place."""
+    got = 0
+    for item in items:
+        got += 1
+        if got > want:
+            break
+        yield item
+    if got != want:
+        raise CompileError(
+            f"layout {layout}: asked to stream {want} inputs from input {start}, it gave "
+            f"{'more' if got > want else got}; a layout's stream must give exactly the items "
+            "asked for"
+        )
 
 
 def source_path(source: str, storage_options: dict[str, Any] | None = None) -> Path:

@@ -302,3 +302,31 @@ def test_archive_limits_stop_the_compile_at_the_first_unit_past_them(
     err = capsys.readouterr().err
     assert "3 shards after unit 2" in err and "at most 2" in err and "--shard-bytes" in err, err
     assert not (out / commit_name(3)).exists()
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_a_layout_stream_giving_other_than_asked_is_an_error(extra: int) -> None:
+    """A unit takes its inputs from the stream by count: a layout's stream that gives one
+    too few or too many inputs would shift later inputs into other units unseen."""
+    from types import SimpleNamespace
+
+    from dlop.compiler import layouts
+    from dlop.compiler.corpus import Corpus, Item
+    from dlop.compiler.errors import CompileError
+
+    def stream(corpus: Corpus, start: int, stop: int | None) -> list[Item]:
+        items = list(corpus.items[start:stop])
+        return items[:extra] if extra < 0 else [*items, Item("one more")]
+
+    module = SimpleNamespace(
+        NAME="short-stream", MEDIA=("audio",), SIGNS="-", detect=lambda s: False
+    )
+    module.list_corpus, module.stream = None, stream  # type: ignore[attr-defined]
+    layouts.register(module)  # type: ignore[arg-type]
+    try:
+        items = [Item(f"k{i}") for i in range(6)]
+        corpus = Corpus("short-stream", "-", items, False, False, {}, {}, "f")
+        with pytest.raises(CompileError, match=r"stream 4 inputs from input 2, it gave"):
+            list(layouts.stream_items(corpus, 2))
+    finally:
+        layouts.unregister("short-stream")
