@@ -212,20 +212,14 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
 def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
     """The registry's hook: items [start, stop), tar members read in one pass per tar; each
     item yielded with bytes is a copy (the corpus's own items stay light)."""
-    stop = len(corpus.items) if stop is None else min(stop, len(corpus.items))
-    first = 0
-    for tar, run in itertools.groupby(corpus.items, key=lambda it: (it.member or ("", ""))[0]):
-        todo = list(run)
-        lo, hi = max(start, first), min(stop, first + len(todo))
-        if lo < hi:
-            if tar:
-                path = url_path(tar, corpus.storage_options) if is_url(tar) else Path(tar)
-                yield from _stream_tar(path, todo[lo - first : hi - first])
-            else:
-                yield from todo[lo - first : hi - first]
-        first += len(todo)
-        if first >= stop:
-            return
+    for tar, run in itertools.groupby(
+        corpus.items[start:stop], key=lambda it: (it.member or ("", ""))[0]
+    ):
+        if tar:
+            path = url_path(tar, corpus.storage_options) if is_url(tar) else Path(tar)
+            yield from _stream_tar(path, list(run))
+        else:
+            yield from run
 
 
 def _stream_tar(tar: Path, items: list[Item]) -> Iterator[Item]:
