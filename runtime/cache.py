@@ -17,13 +17,12 @@ that holds it, so a crash leaves nothing that blocks the next run.
 - Holders: a process reading a cached shard keeps a shared lock on it for as
   long as it holds the shard. Eviction takes an exclusive non-blocking lock,
   so it only ever removes shards no process holds, least recently used first.
-- The budget is a hard ceiling on the bytes of every file under ``root``:
+- The budget is a hard ceiling on the bytes of every regular file under ``root``:
   room is made and the new file created at its full size under one
   node-wide lock (``<root>/.budget.lock``), before any byte is written.
-- A process that waits for room stamps ``<root>/.wanted`` (its mtime); a
-  process that keeps shards mapped in case it reads them again (loose
-  shards, runtime.remote_source) looks at the stamp at each batch and lets
-  them go when it changed.
+- A process that waits for room stamps ``<root>/.wanted`` (its mtime); one that
+  keeps shards mapped in case it reads them again (loose shards,
+  runtime.remote_source) lets them go at its next batch when the stamp changed.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ import errno
 import fcntl
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +44,7 @@ TMP_MARK = ".tmp-"
 LOCK_SUFFIX = ".lock"
 BUDGET_LOCK = ".budget.lock"
 WANTED = ".wanted"
+FOREIGN = "the cache folder must be writable and hold only what dlop writes there"
 
 
 class CacheError(DlopError):
@@ -75,12 +76,17 @@ def _try_lock(fd: int, kind: int) -> bool:
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block."""
-    fd = _open(path, os.O_RDWR | os.O_CREAT)
+def locked(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block;
+    without ``wait``, only if free at once (the block gets False when it was not)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        fd = _open(path, os.O_RDWR | os.O_CREAT)
+    except OSError as e:  # a folder in its place, a cache folder we may not write...
+        raise CacheError(f"{path}: cannot open the lock file ({e}); {FOREIGN}") from None
+    try:
+        if wait:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield wait or _try_lock(fd, fcntl.LOCK_EX)
     finally:
         os.close(fd)  # releases the lock
 
@@ -107,24 +113,21 @@ class CacheDir:
         self.sweep()
 
     def files(self) -> Iterator[tuple[Path, os.stat_result]]:
-        """Every file under the root (one level of archive folders), with its stat."""
-        for sub in list(self.root.iterdir()):
-            if not sub.is_dir():
-                continue
+        """Every regular file under the root (one level of archive folders), with its
+        stat (a link or folder is not listed)."""
+        for sub in [d for d in self.root.iterdir() if d.is_dir()]:
             for p in list(sub.iterdir()):
                 with contextlib.suppress(FileNotFoundError):
-                    yield p, p.stat()
+                    st = p.lstat()
+                    if stat.S_ISREG(st.st_mode):
+                        yield p, st
 
     def used_bytes(self) -> int:
         return sum(st.st_size for _, st in self.files())
 
     def sweep(self) -> int:
         """Removes temporary files no live writer holds; returns how many."""
-        removed = 0
-        for p, _ in self.files():
-            if is_tmp(p.name) and self._remove_if_free(p):
-                removed += 1
-        return removed
+        return sum(is_tmp(p.name) and self._remove_if_free(p) for p, _ in self.files())
 
     def _remove_if_free(self, p: Path) -> bool:
         try:
@@ -161,16 +164,21 @@ class CacheDir:
 
     def hold(self, path: Path) -> Held | None:
         """The cached shard at ``path`` held (shared lock, LRU time refreshed), or None
-        when it is not there (or was evicted while we opened it)."""
+        when it is not there (or was evicted while we opened it); CacheError when a
+        link, a folder or anything but a file is in its place."""
         try:
-            fd = _open(path)
+            fd = _open(path, os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
+        except OSError as e:  # ELOOP: a symbolic link
+            raise CacheError(f"{path}: cannot open the cached shard ({e}); {FOREIGN}") from None
         fcntl.flock(fd, fcntl.LOCK_SH)
         st = os.fstat(fd)
-        if st.st_nlink == 0:  # evicted between our open and our lock
+        if st.st_nlink == 0 or not stat.S_ISREG(st.st_mode):  # nlink 0: evicted meanwhile
             os.close(fd)
-            return None
+            if st.st_nlink == 0:
+                return None
+            raise CacheError(f"{path}: not a regular file; remove it: {FOREIGN}")
         with contextlib.suppress(OSError):
             os.utime(path)
         return Held(path, fd, st.st_size)
@@ -180,11 +188,8 @@ class CacheDir:
 
     def get(self, path: Path, fetch: Callable[[], bytes], write: WriteFn | None = None) -> Held:
         """Shard ``path`` held: from the cache, or fetched once on this node and stored.
-
-        ``fetch`` returns the verified bytes; ``write`` (optional) turns them
-        into the file to cache (a raw copy of a compressed shard) and returns
-        its bytes.
-        """
+        ``fetch`` returns the verified bytes; ``write`` (optional) turns them into the
+        file to cache (a raw copy of a compressed shard)."""
         held = self.hold(path)
         if held is not None:
             return held
@@ -206,9 +211,8 @@ class CacheDir:
         it is cached after."""
         if path.exists():
             return True
-        fd = _open(path.with_name(path.name + LOCK_SUFFIX), os.O_RDWR | os.O_CREAT)
-        try:
-            if not _try_lock(fd, fcntl.LOCK_EX):
+        with locked(path.with_name(path.name + LOCK_SUFFIX), wait=False) as free:
+            if not free:
                 return False  # being fetched by another process
             if path.exists():
                 return True
@@ -218,8 +222,6 @@ class CacheDir:
             data = fetch()
             data = write(data) if write is not None else data
             return self.store(path, data, wait=False) is not None
-        finally:
-            os.close(fd)
 
     def store(self, path: Path, data: bytes, wait: bool = True, keep: bool = False) -> Held | None:
         """Writes ``data`` as ``path`` (room made under the budget lock; written, synced,
@@ -286,8 +288,6 @@ class CacheDir:
         the bytes in use after. Called under the budget lock."""
         entries = list(self.files())
         used = sum(st.st_size for _, st in entries)
-        if used + size <= self.max_bytes:
-            return used
         for p, st in sorted(entries, key=lambda e: e[1].st_mtime_ns):
             if used + size <= self.max_bytes:
                 break
@@ -342,9 +342,8 @@ def parse_bytes(text: str, where: str) -> int:
     try:
         value = int(float(digits) * scale)
     except ValueError:
-        raise CacheError(
-            f"{where}: {text!r} is not a byte count; write e.g. 50000000000 or 50G"
-        ) from None
+        msg = f"{where}: {text!r} is not a byte count; write e.g. 50000000000 or 50G"
+        raise CacheError(msg) from None
     if value < 1:
         raise CacheError(f"{where}: {text!r} must be a positive byte count")
     return value

@@ -14,7 +14,7 @@ import torch
 
 from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import Loader, LoaderError, open_archive
-from dlop.runtime.cache import CacheDir
+from dlop.runtime.cache import CacheDir, CacheError
 from dlop.runtime.errors import UsageError
 from dlop.runtime.remote import Retry, fetch_index, filesystem
 from dlop.runtime.remote_archive import RemoteArchive, open_remote
@@ -187,6 +187,28 @@ def test_shards_held_are_never_evicted(tmp_path: Path) -> None:
     assert not (folder / "a").exists() and (folder / "b").exists()
     cache.let_go(b)
     assert cache.used_bytes() <= 250
+
+
+def test_links_and_folders_in_the_cache_are_refused_not_followed_or_evicted(
+    tmp_path: Path,
+) -> None:
+    cache = CacheDir(tmp_path / "c", max_bytes=250)
+    folder = cache.archive_dir("x")
+    (folder / "junk").mkdir()  # put there by hand: under budget pressure, never "evicted"
+    (tmp_path / "big").write_bytes(b"x" * 1000)
+    (folder / "a").symlink_to(tmp_path / "big")
+    (folder / "b").mkdir()
+    (folder / "c.lock").mkdir()
+    assert cache.used_bytes() == 0  # neither the link's target nor the folders count
+    for k in range(4):
+        cache.let_go(cache.get(folder / f"s{k}", lambda: b"s" * 100))  # evicts s0, s1...
+    assert (folder / "junk").is_dir() and (folder / "a").is_symlink()
+    with pytest.raises(CacheError, match=r"/x/a: cannot open the cached shard .*only what dlop"):
+        cache.get(folder / "a", lambda: b"a" * 100)
+    with pytest.raises(CacheError, match=r"/x/b: not a regular file"):
+        cache.get(folder / "b", lambda: b"b" * 100)
+    with pytest.raises(CacheError, match=r"/x/c\.lock: cannot open the lock file"):
+        cache.get(folder / "c", lambda: b"c" * 100)
 
 
 def test_open_archive_and_loader_take_urls(
