@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import re
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,11 +119,9 @@ def _group_members(tar: Path) -> Iterator[tuple[str, list[str], str | None]]:
                 return
             if m is None:
                 break
-            if not m.isfile():
+            key = _sample_key(m.name) if m.isfile() else None
+            if key is None:
                 continue
-            slash = m.name.rfind("/")
-            dot = m.name.find(".", slash + 1)
-            key = m.name if dot < 0 else m.name[:dot]
             if key != current and group:
                 yield current or "", group, None
                 group = []
@@ -137,6 +136,22 @@ def _group_members(tar: Path) -> Iterator[tuple[str, list[str], str | None]]:
                 return
     if group:
         yield current or "", group, None
+
+
+# The members webdataset's tar reader passes over (its tar_file_iterator defaults).
+_META = re.compile(r"__[^/]*__($|/)")
+
+
+def _sample_key(name: str) -> str | None:
+    """The key webdataset groups a member under (everything before the first '.' of the
+    basename), or None for a member it passes over: a name with no '.' (a README) or a
+    ``__meta__`` name. The listing groups as the stream will."""
+    from webdataset.tariterators import base_plus_ext
+
+    if _META.match(name) or ("/" not in name and name.startswith("__") and name.endswith("__")):
+        return None
+    key: str | None = base_plus_ext(name)[0]
+    return key
 
 
 def stream_webdataset(corpus: Corpus, start: int = 0, stop: int | None = None) -> Iterator[Item]:

@@ -106,3 +106,27 @@ def test_small_units_on_dask_equal_the_plain_compile(tmp_path: Path) -> None:
     for layout, make in SOURCES.items():
         source, name = make(tmp_path / layout / "c")
         compile_in_units(source, name, tmp_path / layout, dask=True)
+
+
+def test_tar_members_webdataset_passes_over_are_not_listed(tmp_path: Path) -> None:
+    """A README or a ``__meta__`` member is no sample to webdataset's reader: listing it as
+    one threw the stream off (every compile of the tar failed, 'the tar changed')."""
+    import io
+    import tarfile
+
+    root = webdataset_corpus(tmp_path / "c", shards=1, per_shard=3)
+    tar = root / "train-000.tar"
+    with tarfile.open(tar) as tf:
+        members = [(m.name, tf.extractfile(m).read()) for m in tf]  # type: ignore[union-attr]
+    members[3:3] = [("README", b"about"), ("__index__", b"{}")]
+    with tarfile.open(tar, "w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    corpus = open_corpus(str(root), "webdataset")
+    assert [it.key for it in corpus.items] == ["s0_000", "s0_001", "s0_002"]
+    whole = list(stream_items(corpus))
+    assert [it.error for it in whole] == [None] * 3 and all(it.data for it in whole)
+    for a in range(3):
+        assert seen(list(stream_items(corpus, a, None))) == seen(whole[a:])
