@@ -14,23 +14,18 @@ client from the environment, as dlop does, reaches it.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 from collections.abc import Iterator
 from typing import Any
+
+from dlop.tools.bench.remote_bench import moto_environ, moto_server
 
 
 class S3Server:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self.environ = {
-            "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_SESSION_TOKEN": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_REGION": "us-east-1",
-        }
+        self.environ = moto_environ(endpoint)
+        self.key = self.environ["AWS_ACCESS_KEY_ID"]
+        self.secret = self.environ["AWS_SECRET_ACCESS_KEY"]
 
     def client(self) -> Any:
         import boto3
@@ -39,8 +34,8 @@ class S3Server:
             "s3",
             endpoint_url=self.endpoint,
             region_name="us-east-1",
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
         )
 
     def make_bucket(self, name: str) -> str:
@@ -54,8 +49,8 @@ class S3Server:
         import s3fs
 
         return s3fs.S3FileSystem(
-            key="testing",
-            secret="testing",
+            key=self.key,
+            secret=self.secret,
             client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"},
             use_listings_cache=False,
             skip_instance_cache=True,
@@ -72,22 +67,6 @@ class S3Server:
 
 @contextlib.contextmanager
 def s3_server() -> Iterator[S3Server]:
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    s3 = S3Server(f"http://{host}:{port}")
-    s3.reset()  # moto keeps its buckets across server instances in one process
-    saved = {k: os.environ.get(k) for k in s3.environ}
-    os.environ.update(s3.environ)
-    try:
-        yield s3
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
+    """The tool's moto server (dlop.tools.bench.remote_bench.moto_server) as an S3Server."""
+    with moto_server() as endpoint:
+        yield S3Server(endpoint)

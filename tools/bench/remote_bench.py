@@ -56,16 +56,26 @@ def write(path: Path, n: int, zstd: bool) -> Path:
     return path
 
 
+def moto_environ(endpoint: str) -> dict[str, str]:
+    """The environment that points S3 clients at ``endpoint``: boto3, s3fs and dlop
+    (AWS_*), MosaicML Streaming (S3_ENDPOINT_URL) and obstore, LitData's (AWS_ALLOW_HTTP)."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "S3_ENDPOINT_URL": endpoint,
+        "AWS_ALLOW_HTTP": "true",  # obstore refuses an http:// endpoint otherwise
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+    }
+
+
 @contextlib.contextmanager
-def moto_s3() -> Iterator[str | None]:
-    """A moto S3 server on 127.0.0.1 with the AWS_* environment pointing at it (and
-    S3_ENDPOINT_URL, which MosaicML Streaming reads), yielding its endpoint; None when
-    moto is not installed."""
-    try:
-        from moto.server import ThreadedMotoServer
-    except ImportError:
-        yield None
-        return
+def moto_server() -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1, started empty, with ``moto_environ`` set in this
+    process for the ``with`` block; yields its endpoint. ImportError without moto."""
+    from moto.server import ThreadedMotoServer
+
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -73,15 +83,7 @@ def moto_s3() -> Iterator[str | None]:
     endpoint = f"http://{host}:{port}"
     request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
     urllib.request.urlopen(request).read()  # moto keeps buckets across servers in a process
-    env = {
-        "AWS_ENDPOINT_URL": endpoint,
-        "S3_ENDPOINT_URL": endpoint,
-        "AWS_ALLOW_HTTP": "true",  # obstore (LitData) refuses an http:// endpoint otherwise
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_REGION": "us-east-1",
-    }
+    env = moto_environ(endpoint)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -93,6 +95,18 @@ def moto_s3() -> Iterator[str | None]:
             else:
                 os.environ[k] = v
         server.stop()
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[str | None]:
+    """``moto_server``'s endpoint, or None when moto is not installed."""
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
+        yield None
+        return
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 def upload(local: Path, bucket: str = BUCKET) -> str:
