@@ -298,10 +298,10 @@ def _intact_index(run: Run, store: Store, committed: dict[int, UnitRecord]) -> I
     for u, r in committed.items():
         if index.shards[first[u] : first[u + 1]] != r.shards or units.skipped[u] != len(r.skipped):
             return None
-    listed = set(store.list())
+    listed = store.sizes()  # one listing: no request per shard for a URL OUT
     if index.skipped_count and ERRORS_NAME not in listed:
         return None
-    if any(s.file not in listed or store.size(s.file) != s.bytes for s in index.shards):
+    if any(listed.get(s.file) != s.bytes for s in index.shards):
         return None
     return index
 

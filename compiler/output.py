@@ -399,7 +399,7 @@ class Journal:
 def committed_units(store: Store, journal: Journal) -> dict[int, UnitRecord]:
     """The units an interrupted compile finished: a commit record that parses as this
     compile's record of that unit, every shard it names in place. Others are redone."""
-    listed = set(store.list())
+    listed = store.sizes()  # one listing: no request per shard for a URL OUT
     found: dict[int, UnitRecord] = {}
     for name in sorted(n for n in listed if n.startswith(COMMIT_PREFIX)):
         digits = name[len(COMMIT_PREFIX) : -len(".json")]

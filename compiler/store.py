@@ -48,8 +48,9 @@ class Store(Protocol):
         """Removes OUT/name; a missing name is fine."""
         ...
 
-    def size(self, name: str) -> int | None:
-        """OUT/name's size in bytes; None when it is not there as a file."""
+    def sizes(self) -> dict[str, int]:
+        """Every file under OUT (names as ``list`` gives them) with its size in bytes, from
+        one listing: no request per file."""
         ...
 
 
@@ -96,12 +97,16 @@ class LocalStore:
     def delete(self, name: str) -> None:
         (self.root / name).unlink(missing_ok=True)
 
-    def size(self, name: str) -> int | None:
-        """OUT/name's size in bytes when it is a regular file, else None."""
-        path = self.root / name
-        if path.is_symlink() or not path.is_file():
-            return None
-        return path.stat().st_size
+    def sizes(self) -> dict[str, int]:
+        """The regular files in OUT (not links) with their sizes."""
+        if not self.root.is_dir():
+            return {}
+        with os.scandir(self.root) as entries:
+            return {
+                e.name: e.stat(follow_symlinks=False).st_size
+                for e in entries
+                if e.is_file(follow_symlinks=False)
+            }
 
     def clear_staging(self) -> None:
         """Removes the staging folder and whatever a stopped compile left in it."""

@@ -26,7 +26,7 @@ import socket
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -136,12 +136,12 @@ def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitReco
     )
 
 
-def shards_in_place(store: Store, record: UnitRecord, listed: set[str]) -> bool:
-    """Whether every shard the record names is in OUT: by name in the listing (a store
-    publishes whole files only) and with the recorded size (Store.size: one request per
-    shard for a URL OUT); for a local OUT with the recorded CRC-32 too."""
+def shards_in_place(store: Store, record: UnitRecord, listed: Mapping[str, int]) -> bool:
+    """Whether every shard the record names is in OUT with the recorded size, by the
+    listing ``listed`` (Store.sizes: a store publishes whole files only); for a local
+    OUT with the recorded CRC-32 too."""
     for s in record.shards:
-        if s.file not in listed or store.size(s.file) != s.bytes:
+        if listed.get(s.file) != s.bytes:
             return False
         if isinstance(store, LocalStore) and _file_crc32(store.root / s.file) != s.crc32:
             return False

@@ -421,13 +421,19 @@ class FsspecStore:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._full(name))
 
-    def size(self, name: str) -> int | None:
-        """OUT/name's size from one metadata request (a HEAD on S3); None when absent."""
+    def sizes(self) -> dict[str, int]:
+        """Every object under OUT with its size, from one (paginated) listing: a resume
+        checks each committed shard's size without a request per shard."""
+        self.fs.invalidate_cache()
         try:
-            info = self.fs.info(self._full(name))
+            found = self.fs.find(self.root, detail=True)
         except FileNotFoundError:
-            return None
-        size = info.get("size")
-        if info.get("type") != "file" or isinstance(size, bool) or not isinstance(size, int):
-            return None
-        return size
+            return {}
+        return {
+            p[len(self.root) + 1 :]: size
+            for p, info in found.items()
+            if p.startswith(self.root + "/")
+            and info.get("type") == "file"
+            and isinstance(size := info.get("size"), int)
+            and not isinstance(size, bool)
+        }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import shutil
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,10 @@ import pytest
 
 from dlop.compiler import commit
 from dlop.compiler.errors import CompileError
-from dlop.compiler.output import JOURNAL, LOCK, OutputLock
+from dlop.compiler.output import JOURNAL, LOCK, Journal, OutputLock, committed_units
 from dlop.compiler.store import open_store
-from dlop.formats import ArchiveWriter
+from dlop.compiler.units import UnitRecord, commit_name
+from dlop.formats import ArchiveWriter, ShardInfo, unit_shard_name
 from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_corpus, manifest_corpus
@@ -489,12 +491,41 @@ def test_a_lock_file_that_is_a_link_is_refused(tmp_path: Path) -> None:
 # -- a URL OUT ------------------------------------------------------------------------------
 
 
-def test_a_url_store_gives_sizes_with_one_request(s3: Any) -> None:
+def test_a_url_store_gives_sizes_with_one_listing(s3: Any) -> None:
     store = open_store(f"{s3.make_bucket('sizes')}/out")
+    assert store.sizes() == {}
     store.write("a.bin", b"12345")
     store.write("sub/b.bin", b"")
-    assert (store.size("a.bin"), store.size("sub/b.bin")) == (5, 0)
-    assert store.size("missing.bin") is None and store.size("sub") is None
+    assert store.sizes() == {"a.bin": 5, "sub/b.bin": 0}
+
+
+def test_a_local_store_gives_regular_files_sizes(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(b"12345")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.bin").symlink_to(tmp_path / "a.bin")
+    assert open_store(tmp_path).sizes() == {"a.bin": 5}
+    assert open_store(tmp_path / "missing").sizes() == {}
+
+
+def test_resume_of_a_url_out_asks_no_request_per_shard(s3: Any) -> None:
+    """committed_units checks every committed shard's size from one listing, not one
+    metadata request (a HEAD) per shard."""
+    store = open_store(f"{s3.make_bucket('heads')}/out")
+    journal = Journal(store.url, "d" * 64, "f" * 64, 4, 8)
+    shards = []
+    for unit, j in ((0, 0), (0, 1), (1, 0)):
+        name, data = unit_shard_name(unit, j), bytes(10 + unit + j)
+        store.write(name, data)
+        shards.append(ShardInfo(name, 1, len(data), zlib.crc32(data)))
+    for unit, mine in ((0, shards[:2]), (1, shards[2:])):
+        record = UnitRecord(unit, unit * 4, 4, tuple(mine))
+        store.write(commit_name(unit), json.dumps(record.to_json(journal.digest)).encode())
+    store.write(unit_shard_name(1, 0), b"other size")  # unit 1 is redone
+    info = Mock(wraps=store.fs.info)  # type: ignore[attr-defined]
+    store.fs.info = info  # type: ignore[attr-defined]
+    assert sorted(committed_units(store, journal)) == [0]
+    # (reading a commit record may ask its size: one request per unit, not per shard)
+    assert [c for c in info.call_args_list if str(c.args[0]).endswith(".dlop")] == []
 
 
 def test_resume_into_a_url_redoes_a_unit_whose_shard_changed_size(
