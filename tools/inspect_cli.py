@@ -174,23 +174,30 @@ def describe_value(name: str, value: Any, f: Field) -> str:
 # -- archives at URLs -------------------------------------------------------------------------
 
 
+FETCH_CHUNK = 8 << 20  # what one fetch holds in memory at a time
+
+
 def _fetch_into(
     fs: Any, base: str, name: str, folder: Path, cap: int, *, url: str, exact: bool = False
 ) -> None:
-    """OUT/name into folder/name, at most ``cap`` bytes. A shard (``exact``) is fetched up to
-    one byte more than its index entry says, so that a longer object fails verification
-    rather than filling memory or disk; a larger index or errors.jsonl is an error."""
+    """OUT/name into folder/name, copied in chunks, at most ``cap`` bytes. A shard
+    (``exact``) is fetched up to one byte more than its index entry says, so that a longer
+    object fails verification rather than filling memory or disk; a larger index or
+    errors.jsonl is an error."""
     try:
-        with fs.open(f"{base}/{name}", "rb") as f:
-            data = f.read(cap + 1)
+        with fs.open(f"{base}/{name}", "rb") as f, open(folder / name, "wb") as out:
+            left = cap + 1
+            while left > 0 and (chunk := f.read(min(FETCH_CHUNK, left))):
+                out.write(chunk)
+                left -= len(chunk)
     except FileNotFoundError:
+        (folder / name).unlink(missing_ok=True)
         return  # the reader reports the missing file where it needs it
-    if len(data) > cap and not exact:
+    if left <= 0 and not exact:
         raise DlopError(
             f"{url.rstrip('/')}/{name}: larger than its {cap}-byte cap (SPEC.md §8); not a "
             f"dlop archive's {name}"
         )
-    (folder / name).write_bytes(data)
 
 
 def fetch_archive(

@@ -92,3 +92,30 @@ def test_storage_options_reach_the_filesystem(
     good = ["--storage-option", f"endpoint_url={s3.endpoint}"]
     assert main(["verify", "-q", url, *good]) == 0
     assert f"OK {url}" in capsys.readouterr().out
+
+
+def test_a_fetched_shard_is_copied_in_chunks_not_read_whole(
+    in_s3: tuple[Any, str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What one fetch holds in memory is one chunk, whatever size the index gives a shard
+    (eight shards are fetched at once)."""
+    from dlop.tools import inspect_cli
+
+    fs, url, _ = in_s3
+    asked: list[int] = []
+    real_open = fs.open
+
+    def open_counting(path: str, mode: str = "rb", **kw: Any) -> Any:
+        f = real_open(path, mode, **kw)
+        real_read = f.read
+        f.read = lambda n=-1: (asked.append(n), real_read(n))[1]
+        return f
+
+    monkeypatch.setattr(inspect_cli, "FETCH_CHUNK", 64)
+    monkeypatch.setattr(inspect_cli, "filesystem", lambda u, o: (fs, u.split("://", 1)[1]))
+    monkeypatch.setattr(fs, "open", open_counting)
+    assert main(["verify", "-q", url]) == 0
+    assert f"OK {url}" in capsys.readouterr().out
+    assert asked and max(asked) == 64
