@@ -256,7 +256,10 @@ class RemoteSource:
                 reader = self.map(k, held)
             except FormatError as e:
                 self.cache.let_go(held)
-                raise LoaderError(f"{what}: the cached copy does not read ({e})") from None
+                raise LoaderError(
+                    f"{what}: the cached copy does not read ({e}); remove it, or run "
+                    "dlop-inspect cache --clear, and read again: it is fetched anew"
+                ) from None
             self.sizes.learn(k, held.bytes)
             with self.lock:
                 self.open[k] = (reader, held)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.formats import ArchiveWriter, Field, Zstd
+from dlop.formats import ArchiveWriter, Field, Zstd, read_index
 from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime.cache import CacheDir, CacheError
 from dlop.runtime.errors import UsageError
@@ -348,3 +348,18 @@ def test_an_index_over_its_cap_is_refused_after_one_bounded_read(tmp_path: Path)
             fetch_index(fs, base, proxy.url + "/a", 1000, FAST)
         assert proxy.ranges == ["bytes=0-1000"]  # not read whole, and not again
         assert proxy.count("index.json") == 1
+
+
+def test_a_truncated_cached_copy_says_how_to_recover(served: Path, tmp_path: Path) -> None:
+    with FaultProxy(root=served) as proxy:
+        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        remote.source.shard(1)
+        remote.close()
+        cached = next((tmp_path / "c").rglob("shard-00001.dlop"))
+        cached.write_bytes(cached.read_bytes()[:5000])
+        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        with pytest.raises(LoaderError, match=r"shard 1 .*truncated.*remove it.*fetched anew"):
+            remote.source.shard(1)
+        cached.unlink()
+        assert remote.source.shard(1).num_samples == read_index(served / "a").shards[1].num_samples
+        remote.close()
