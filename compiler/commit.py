@@ -13,7 +13,6 @@ import errno
 import itertools
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from dlop.formats import (
     UnitTable,
     encode_index,
     num_units,
-    read_index,
+    parse_index,
 )
 from dlop.formats.archive import now_utc
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_ERRORS_RECORDS, MAX_SHARDS, MAX_UNITS
@@ -278,12 +277,10 @@ def _intact_index(run: Run, store: Store, committed: dict[int, UnitRecord]) -> I
     data = store.read(INDEX_NAME)
     if data is None:
         return None
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, INDEX_NAME).write_bytes(data)
-        try:
-            index = read_index(tmp)  # the format's bounds and checks
-        except FormatError:
-            return None
+    try:
+        index = parse_index(f"{run.out}/{INDEX_NAME}", data)  # the format's bounds and checks
+    except FormatError:
+        return None
     source = index.provenance.get("source")
     units = index.units
     if (

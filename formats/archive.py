@@ -145,6 +145,14 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
         raise FormatError(
             path, "no index.json: not a dlop archive, or its compile did not finish"
         ) from None
+    return parse_index(path, data)
+
+
+def parse_index(path: str | os.PathLike[str], data: bytes) -> Index:
+    """``index.json``'s bytes validated as read_index does (``path`` names them in errors);
+    for an index held in memory, e.g. one fetched from object storage."""
+    if len(data) > MAX_INDEX_BYTES:
+        raise FormatError(path, f"index is {len(data)} bytes, above its {MAX_INDEX_BYTES}-byte cap")
     obj = loads_bounded(path, data, "index")
     if not isinstance(obj, dict):
         raise FormatError(path, "index is not a JSON object")
