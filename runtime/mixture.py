@@ -174,7 +174,7 @@ def pass_positions(seed: int, source: int, p: int, count: int, n: int) -> np.nda
     a far epoch (a resumed run, a state's epoch) costs a few passes, not one per epoch.
     """
     if p == 0 or count > n:
-        return _permutation(seed, source, p, n)
+        return pass_permutation(seed, source, p, n)
     q = anchor(p, count, n)
     with _passes_lock:
         known = [k for (s, src, k, c, m) in _passes if (s, src, c, m) == (seed, source, count, n)]
@@ -183,13 +183,13 @@ def pass_positions(seed: int, source: int, p: int, count: int, n: int) -> np.nda
             q = max(kept)
             order = _passes[(seed, source, q, count, n)]
     if not kept:
-        order = _permutation(seed, source, q, n)
+        order = pass_permutation(seed, source, q, n)
         if q:
-            prev = _permutation(seed, source, q - 1, n)
-            order = _after(prev, order, (q * n) % count, count)
+            prev = pass_permutation(seed, source, q - 1, n)
+            order = rearranged(prev, order, (q * n) % count, count)
     while q < p:
         q += 1
-        order = _after(order, _permutation(seed, source, q, n), (q * n) % count, count)
+        order = rearranged(order, pass_permutation(seed, source, q, n), (q * n) % count, count)
     with _passes_lock:
         _passes[(seed, source, p, count, n)] = order
         while len(_passes) > PASS_CACHE_ENTRIES:
@@ -200,7 +200,7 @@ def pass_positions(seed: int, source: int, p: int, count: int, n: int) -> np.nda
 def anchor(p: int, count: int, n: int) -> int:
     """The latest pass ``q <= p`` whose rearrangement reads only pass q-1's own permutation.
 
-    ``_after`` moves items only within the first ``count`` positions of a pass, so
+    ``rearranged`` moves items only within the first ``count`` positions of a pass, so
     pass q-1's last ``t = q * n % count`` items are those of its permutation when
     ``count + t <= n`` (and t = 0 reads nothing). ``t`` steps by ``n - count`` modulo
     ``count``, so an anchor lies at most about ``count / (n - count)`` passes back."""
@@ -216,12 +216,12 @@ def clear_passes() -> None:
         _passes.clear()
 
 
-def _permutation(seed: int, source: int, p: int, n: int) -> np.ndarray:
+def pass_permutation(seed: int, source: int, p: int, n: int) -> np.ndarray:
     out: np.ndarray = rng(seed, p, SOURCE_STREAM + source).permutation(n)
     return out
 
 
-def _after(prev: np.ndarray, order: np.ndarray, t: int, count: int) -> np.ndarray:
+def rearranged(prev: np.ndarray, order: np.ndarray, t: int, count: int) -> np.ndarray:
     """``order`` rearranged so that its first ``count - t`` items hold none of ``prev``'s
     last ``t``: the shortest head holding that many others, those first, then the rest
     of the head, then the remainder as it was."""

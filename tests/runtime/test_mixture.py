@@ -268,10 +268,10 @@ def test_a_mixed_batch_is_planned_without_torch_kernels_over_the_batch(
 
 def sequential_pass(seed: int, source: int, p: int, count: int, n: int) -> np.ndarray:
     """Pass ``p`` computed from pass 0, one pass after another (the definition)."""
-    order = mixture._permutation(seed, source, 0, n)
+    order = mixture.pass_permutation(seed, source, 0, n)
     for q in range(1, p + 1):
-        order = mixture._after(
-            order, mixture._permutation(seed, source, q, n), q * n % count, count
+        order = mixture.rearranged(
+            order, mixture.pass_permutation(seed, source, q, n), q * n % count, count
         )
     return order
 
@@ -297,7 +297,7 @@ def test_a_state_of_a_far_epoch_loads_without_computing_every_pass(
     loader = Loader(two, 10, fields="key", prefetch=0, **kw)  # cv: 50 of 60 an epoch
     state = {**loader.state_dict(), "epoch": 2**62}
     made: list[int] = []
-    permutation = mixture._permutation
+    permutation = mixture.pass_permutation
 
     def counted(seed: int, source: int, p: int, n: int) -> np.ndarray:
         made.append(p)
@@ -305,7 +305,7 @@ def test_a_state_of_a_far_epoch_loads_without_computing_every_pass(
             raise AssertionError("a pass computed per epoch")
         return permutation(seed, source, p, n)
 
-    monkeypatch.setattr(mixture, "_permutation", counted)
+    monkeypatch.setattr(mixture, "pass_permutation", counted)
     mixture.clear_passes()
     loader.load_state_dict(state)
     assert loader.epoch == 2**62 and len(loader.batches()) == len(loader.batches(0))
