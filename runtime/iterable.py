@@ -49,8 +49,8 @@ from .concat import ArchivePaths
 from .dataset import Archive
 from .distributed import rank_and_world
 from .errors import UsageError, UsageTypeError, check_int
-from .loader_state import check_settings, order_settings
-from .order import BatchOrder
+from .loader_state import check_settings, order_settings, same
+from .order import BatchOrder, check_epoch
 from .remote_archive import cache_options
 from .shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
 
@@ -169,7 +169,7 @@ class IterableArchive(IterableDataset[Batch]):
     def set_epoch(self, epoch: int) -> None:
         """Starts ``epoch`` at its beginning; a state just loaded for this same epoch
         is kept (the usual loop calls ``load_state_dict`` and then ``set_epoch``)."""
-        epoch = check_int("IterableArchive.set_epoch epoch", epoch, low=0)
+        epoch = check_epoch("IterableArchive.set_epoch epoch", epoch)
         if epoch == self.epoch and self._resume_pending():
             return
         self._publish(epoch, 0)
@@ -296,11 +296,11 @@ class IterableArchive(IterableDataset[Batch]):
         count was or is; later ones start their epoch at the beginning. A state saved
         under other order settings (``STATE_SETTINGS``), with another choice of samples
         (``CHOICE_SETTINGS``) or for another rank is refused."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        if not isinstance(state, dict) or not same(state.get("format"), STATE_FORMAT):
             raise UsageTypeError(
                 f"IterableArchive.load_state_dict takes the dict its state_dict() returned, got {state!r:.80}"
             )
-        if state.get("version") != STATE_VERSION:
+        if not same(state.get("version"), STATE_VERSION):
             raise UsageError(
                 f"iterable state version {state.get('version')!r} is not {STATE_VERSION}: "
                 "states saved before the worker order was made the Loader's cannot resume; "

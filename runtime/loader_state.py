@@ -78,7 +78,7 @@ def check_state(state: object, mine: dict[str, Any]) -> dict[str, Any]:
         raise UsageTypeError(
             f"Loader.load_state_dict takes the dict state_dict() returned, got {type(state).__name__}"
         )
-    if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+    if not same(state.get("format"), STATE_FORMAT) or not same(state.get("version"), STATE_VERSION):
         raise UsageError(
             f"not a dlop Loader state: format {state.get('format')!r} version "
             f"{state.get('version')!r}, expected {STATE_FORMAT!r} version {STATE_VERSION}"
@@ -92,12 +92,21 @@ def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> No
     samples (a missing choice entry is the whole archive's) or for another rank."""
     for key in (*STATE_SETTINGS, *CHOICE_SETTINGS):
         saved = state.get(key, SETTING_DEFAULTS.get(key))
-        if saved != mine[key]:
+        if not same(saved, mine[key]):
             raise UsageError(
                 f"{what} state was saved with {key}={saved!r:.200}, this {what} has "
                 f"{mine[key]!r:.200}; resume with the settings and samples it was saved with"
             )
-    if state.get("rank") != mine["rank"]:
+    if not same(state.get("rank"), mine["rank"]):
         raise UsageError(
             f"{what} state is rank {state.get('rank')}'s, this {what} is rank {mine['rank']}"
         )
+
+
+def same(saved: object, mine: object) -> bool:
+    """``saved == mine``, False where the comparison is no plain truth value (a state
+    holding an array where a number or list belongs)."""
+    try:
+        return bool(saved == mine)
+    except (ValueError, TypeError, RuntimeError):
+        return False

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import check_int
+from .errors import UsageError, check_int
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,17 @@ class OrderSpec:
             raise ValueError(f"order {self.mode!r} must be global or window")
         if not self.even_shares and self.drop_last:
             raise ValueError("even_shares=False reads every sample once: it takes no drop_last")
+
+
+MAX_EPOCH = 2**63 - 1  # an epoch number is an int64 (IterableArchive shares it with workers)
+
+
+def check_epoch(name: str, epoch: object) -> int:
+    """``epoch`` as an int in 0..MAX_EPOCH, or a Usage(Type)Error naming ``name``."""
+    n = check_int(name, epoch, low=0)
+    if n > MAX_EPOCH:
+        raise UsageError(f"{name} must be at most {MAX_EPOCH} (an int64), got {n}")
+    return n
 
 
 # An epoch -> its samples (archive sample numbers, in epoch order) and the group of each (or None).
@@ -217,7 +228,7 @@ class BatchOrder:
         """Starts ``epoch`` at its beginning, except that a state just loaded by
         ``reset`` for this same epoch is kept: the usual loop loads a state once,
         then calls ``set_epoch(epoch)`` at the top of every epoch."""
-        epoch = check_int(f"{self.owner}.set_epoch epoch", epoch, low=0)
+        epoch = check_epoch(f"{self.owner}.set_epoch epoch", epoch)
         if self._resume and epoch == self.epoch:
             return
         self.epoch = epoch
@@ -241,7 +252,7 @@ class BatchOrder:
     def reset(self, state: dict[str, object], where: str = "loader state") -> None:
         """Continues from ``state`` (checked: ``epoch`` at least 0, ``batches_done``
         within the epoch's batches)."""
-        epoch = check_int(f"{where} epoch", state.get("epoch"), low=0)
+        epoch = check_epoch(f"{where} epoch", state.get("epoch"))
         count = len(self.batches(epoch))
         done = check_int(
             f"{where} batches_done (epoch {epoch} has {count} batches)",

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import IterableArchive, Loader, LoaderError, memory, open_archive, shared_ring
 from dlop.runtime.batch import Batch
-from dlop.runtime.errors import UsageError
+from dlop.runtime.errors import UsageError, UsageTypeError
 from dlop.runtime.memory import populate
 
 from .helpers import make_archive
@@ -182,6 +182,24 @@ def test_state_settings_mismatch_is_refused(odd: Path) -> None:
         IterableArchive(odd, 4, seed=3).load_state_dict({**state, "version": 1})
     with pytest.raises(UsageError, match="batches_done"):
         IterableArchive(odd, 4, seed=3).load_state_dict({**state, "batches_done": 11})
+
+
+def test_a_state_holding_arrays_or_a_huge_epoch_is_refused_cleanly(odd: Path) -> None:
+    # an array compared with a setting raised numpy's "truth value is ambiguous", and an
+    # epoch past int64 overflowed the tensor shared with the workers
+    for ds in (IterableArchive(odd, 4, seed=3), Loader(odd, 4, seed=3, prefetch=0)):
+        state = ds.state_dict(0) if isinstance(ds, IterableArchive) else ds.state_dict()
+        for key in ("seed", "archives", "rank", "version"):
+            with pytest.raises(UsageError, match=key):
+                ds.load_state_dict({**state, key: np.arange(3)})
+        with pytest.raises((UsageError, UsageTypeError), match=r"format|takes the dict"):
+            ds.load_state_dict({**state, "format": np.arange(3)})
+        with pytest.raises(UsageError, match="epoch must be at most 9223372036854775807"):
+            ds.load_state_dict({**state, "epoch": 2**63})
+        with pytest.raises(UsageError, match="epoch must be at most"):
+            ds.set_epoch(2**63)
+        ds.load_state_dict({**state, "epoch": 2**63 - 1})
+        assert ds.epoch == 2**63 - 1
 
 
 def test_each_pass_counts_from_its_start(odd: Path) -> None:
