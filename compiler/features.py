@@ -10,9 +10,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from .filterbanks import dct_matrix, kaldi_filterbank, mel_filterbank
+
+_native: ModuleType | None
+try:  # the compiled spectrum-to-filterbank step (compiler/_kernels.c), built at install
+    _native = importlib.import_module("._kernels", __package__)
+except ImportError:  # built without a C compiler: torch products serve
+    _native = None
 
 KALDI_EPSILON = float(np.finfo(np.float32).eps)  # 1.1920928955078125e-07
 FEATURES = ("logmel", "fbank", "mfcc", "waveform")
@@ -563,8 +571,8 @@ def _stft_window(kind: str, win_length: int, n_fft: int, dtype: torch.dtype) -> 
     return F.pad(window, (left, n_fft - win_length - left)) if win_length < n_fft else window
 
 
-def _stft_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """float32 ``(rows, n_fft) -> (rows, n_fft//2+1)`` float32 |FFT|^power of the frames.
+def _stft_spectrum(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """float32 ``(rows, n_fft) -> (rows, n_fft//2+1)`` complex64 FFT of the frames.
 
     With fft_dtype float32 the frames arrive windowed (gather_window: the
     window multiplies them as they are gathered, one pass fewer). With
@@ -573,7 +581,7 @@ def _stft_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
     that bin alone (a float32 FFT's error is relative to the whole frame).
     """
     if frames.shape[-2] == 0:  # the FFT backend rejects empty batches
-        return frames.new_zeros((*frames.shape[:-1], cfg.n_fft // 2 + 1))
+        return frames.new_zeros((*frames.shape[:-1], cfg.n_fft // 2 + 1), dtype=torch.complex64)
     if cfg.dtype != torch.float32:
         # float64: a cast copy then an in-place multiply, about twice as fast as
         # letting the multiply promote float32 frames.
@@ -581,14 +589,23 @@ def _stft_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
         frames = frames.to(cfg.dtype).mul_(window)
     spec = torch.fft.rfft(frames)
     del frames
-    if spec.dtype != torch.complex64:
-        spec = spec.to(torch.complex64)
-    if cfg.power == 2.0:
+    spectrum: torch.Tensor = spec if spec.dtype == torch.complex64 else spec.to(torch.complex64)
+    return spectrum
+
+
+def _power(spec: torch.Tensor, exponent: float) -> torch.Tensor:
+    """complex64 -> float32 ``|spec| ** exponent`` (re^2 + im^2 for 2)."""
+    if exponent == 2.0:
         power: torch.Tensor = spec.real.square()
         power.addcmul_(spec.imag, spec.imag)
         return power
-    magnitude: torch.Tensor = spec.abs().pow(cfg.power)
+    magnitude: torch.Tensor = spec.abs().pow(exponent)
     return magnitude
+
+
+def _stft_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """float32 ``(rows, n_fft) -> (rows, n_fft//2+1)`` float32 |FFT|^power of the frames."""
+    return _power(_stft_spectrum(frames, cfg), cfg.power)
 
 
 def kaldi_frame_sizes(cfg: FeatureConfig) -> tuple[int, int, int]:
@@ -604,9 +621,10 @@ def _kaldi_frames(x: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
     return frame_signal(x, size, shift, center=False, pad_mode="constant")
 
 
-def _kaldi_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
-    """float32 ``(rows, frame_length or fft_length) -> (rows, fft_length//2+1)``: Kaldi's
-    scaling, DC removal, pre-emphasis, window and |FFT|^2 per frame (``frames`` is modified).
+def _kaldi_spectrum(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """float32 ``(rows, frame_length or fft_length) -> (rows, fft_length//2+1)`` complex64:
+    Kaldi's scaling, DC removal, pre-emphasis, window and FFT per frame (``frames`` is
+    modified).
 
     Frames given ``fft_length`` wide (as featurize_clips gathers them) hold the
     frame in their first ``frame_length`` samples and zeros after, the FFT's
@@ -615,7 +633,7 @@ def _kaldi_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
     """
     size, _, padded = kaldi_frame_sizes(cfg)
     if frames.shape[-2] == 0:
-        return frames.new_zeros((*frames.shape[:-1], padded // 2 + 1))
+        return frames.new_zeros((*frames.shape[:-1], padded // 2 + 1), dtype=torch.complex64)
     if frames.shape[-1] == size and padded > size:
         frames = F.pad(frames, (0, padded - size))
     frames = frames.to(cfg.dtype)
@@ -633,11 +651,14 @@ def _kaldi_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
     frame.mul_(make_window(cfg.window, size, frames.dtype))
     spec = torch.fft.rfft(frames)
     del frames, frame
-    if spec.dtype != torch.complex64:
-        spec = spec.to(torch.complex64)
-    power: torch.Tensor = spec.real.square()
-    power.addcmul_(spec.imag, spec.imag)
-    return power
+    spectrum: torch.Tensor = spec if spec.dtype == torch.complex64 else spec.to(torch.complex64)
+    return spectrum
+
+
+def _kaldi_power(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
+    """float32 ``(rows, frame_length or fft_length) -> (rows, fft_length//2+1)``: Kaldi's
+    |FFT|^2 per frame (_kaldi_spectrum; ``frames`` is modified)."""
+    return _power(_kaldi_spectrum(frames, cfg), 2.0)
 
 
 def _log_(x: torch.Tensor, cfg: FeatureConfig) -> None:
@@ -749,6 +770,77 @@ def apply_filterbank(
     return out
 
 
+@dataclass(frozen=True)
+class _FilterTable:
+    """The filterbank as the compiled kernel takes it: filter f weighs bins [lo[f], hi[f])
+    by weights[start[f] : start[f] + hi[f] - lo[f]]."""
+
+    bins: int
+    lo: torch.Tensor  # int32
+    hi: torch.Tensor  # int32
+    start: torch.Tensor  # int64
+    weights: torch.Tensor  # float32
+
+
+@functools.lru_cache(maxsize=32)
+def _filter_table(cfg: FeatureConfig) -> _FilterTable:
+    fb = _filterbank_tensor(cfg)
+    lo, hi, start, pieces, at = [], [], [], [], 0
+    for f in range(fb.shape[1]):
+        touched = torch.nonzero(fb[:, f]).flatten()
+        b0, b1 = (int(touched[0]), int(touched[-1]) + 1) if len(touched) else (0, 0)
+        lo.append(b0)
+        hi.append(b1)
+        start.append(at)
+        pieces.append(fb[b0:b1, f])
+        at += b1 - b0
+    return _FilterTable(
+        fb.shape[0],
+        torch.tensor(lo, dtype=torch.int32),
+        torch.tensor(hi, dtype=torch.int32),
+        torch.tensor(start, dtype=torch.int64),
+        torch.cat(pieces).contiguous() if pieces else torch.zeros(1),
+    )
+
+
+def _filterbank_into(
+    spec: torch.Tensor, exponent: float, cfg: FeatureConfig, out: torch.Tensor
+) -> None:
+    """complex64 ``(rows, bins)`` -> the filterbank of ``|spec| ** exponent`` in ``out``
+    ``(rows, n_mels)`` float32: by the compiled kernel when it was built (power and
+    filterbank in one pass over the spectrum), else by torch products."""
+    if _native is None or exponent not in (1.0, 2.0):
+        apply_filterbank(_power(spec, exponent), _filterbank_bands(cfg), out=out)
+        return
+    table = _filter_table(cfg)
+    rows, bins = spec.shape
+    if (
+        spec.dtype != torch.complex64
+        or bins != table.bins
+        or out.dtype != torch.float32
+        or tuple(out.shape) != (rows, table.lo.numel())
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"filterbank of a {tuple(spec.shape)} {spec.dtype} spectrum into a "
+            f"{tuple(out.shape)} {out.dtype} output: expected {table.bins} bins and a "
+            f"contiguous float32 ({rows}, {table.lo.numel()}) output"
+        )
+    spec = spec.contiguous()
+    _native.power_filterbank(
+        spec.data_ptr(),
+        rows,
+        bins,
+        out.data_ptr(),
+        table.lo.numel(),
+        table.lo.data_ptr(),
+        table.hi.data_ptr(),
+        table.start.data_ptr(),
+        table.weights.data_ptr(),
+        exponent == 1.0,
+    )
+
+
 def _gather_window(cfg: FeatureConfig) -> torch.Tensor | None:
     """The window _gather_rows multiplies the frames by: float32 STFT windows only (Kaldi
     windows after its time-domain steps, float64 after the cast)."""
@@ -846,22 +938,22 @@ def featurize_clips(
     if cfg.features == "waveform" or not xs:
         return xs
     if cfg.features == "fbank":  # rows gathered zero-padded to Kaldi's FFT length
-        frames, power_of = [[_kaldi_frames(x, cfg)] for x in xs], _kaldi_power
-        width = kaldi_frame_sizes(cfg)[2]
+        frames, spectrum_of = [[_kaldi_frames(x, cfg)] for x in xs], _kaldi_spectrum
+        width, exponent = kaldi_frame_sizes(cfg)[2], 2.0
     else:
-        frames, power_of, width = [_stft_frames(x, cfg) for x in xs], _stft_power, 0
+        frames, spectrum_of = [_stft_frames(x, cfg) for x in xs], _stft_spectrum
+        width, exponent = 0, cfg.power
     counts, starts, pieces, at = _row_layout(frames)
     del frames
     total = starts[-1]
     step = chunk_frames or CHUNK_SAMPLES // pieces[0].shape[-1]
     step = -(-step // ROW_BLOCK) * ROW_BLOCK  # whole blocks
-    bands = _filterbank_bands(cfg)
     window = _gather_window(cfg)
     mel = torch.empty((total, cfg.n_mels), dtype=torch.float32)
     for r0 in range(0, total, step):
         r1 = min(total, r0 + step)
         rows = _gather_rows(pieces, at, r0, r1, window, width)
-        apply_filterbank(power_of(rows, cfg), bands, out=mel[r0:r1])
+        _filterbank_into(spectrum_of(rows, cfg), exponent, cfg, mel[r0:r1])
     del pieces, xs
     _log_(mel, cfg)
     for start, count in zip(starts, counts, strict=False):

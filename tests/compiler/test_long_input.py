@@ -68,13 +68,13 @@ def test_clip_clamps_use_the_whole_clips_peak() -> None:
 def test_default_chunking_bounds_the_spectrogram(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a chunk size, the FFT runs on at most CHUNK_SAMPLES samples of frames at a time."""
     seen: list[int] = []
-    real = features._stft_power
+    real = features._stft_spectrum
 
     def spy(frames: torch.Tensor, cfg: features.FeatureConfig) -> torch.Tensor:
         seen.append(frames.shape[-2])
         return real(frames, cfg)
 
-    monkeypatch.setattr(features, "_stft_power", spy)
+    monkeypatch.setattr(features, "_stft_spectrum", spy)
     monkeypatch.setattr(features, "CHUNK_SAMPLES", 2048 * 2 * ROW_BLOCK)
     x = quiet_then_loud(22050, 5.0)
     out = featurize(x, feature_config("librosa"))
