@@ -4,10 +4,19 @@ Each field's values are spooled to a temporary file beside the shard while
 samples arrive (a block-coded field keeps only its current block in memory); closing
 lays out header and regions into a temporary file and renames it into place,
 so a shard file either is complete or does not exist.
+
+The first field's values, when they are its only region (a fixed-shape raw
+field: the bulk of most archives), go straight into that temporary shard file
+at their final offset, just past room reserved for the largest header the
+schema can have. They are never copied at close, and the kernel is asked to
+start writing them back as they arrive, so the final fsync waits only for the
+last few megabytes.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import zlib
 from array import array
@@ -37,6 +46,24 @@ from .header import FieldLayout, Region, align, encode_header, header_end_for, r
 from .schema import Field, check_schema, footprint_bytes
 
 _COPY_CHUNK = 8 << 20
+# Bytes written into the shard file between requests to start their writeback.
+WRITEBACK_BYTES = 16 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range, do not wait
+
+
+def _sync_file_range() -> Any:
+    """libc's sync_file_range (Linux), or None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_start_writeback = _sync_file_range()
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -59,22 +86,47 @@ class ShardInfo:
 
 
 class _Spool:
-    """One region's bytes in a temporary file, with a running CRC-32."""
+    """One region's bytes in a temporary file, with a running CRC-32.
 
-    def __init__(self, path: Path) -> None:
+    With ``base`` the file is the shard's own temporary file and the bytes are
+    written from that offset on, where the region will stay; writeback of
+    each WRITEBACK_BYTES is started as they are written.
+    """
+
+    def __init__(self, path: Path, base: int | None = None) -> None:
         self.path = path
         self.file: IO[bytes] = open(path, "w+b")  # noqa: SIM115 - closed in close()
+        self.base = base
         self.crc = 0
         self.length = 0
+        self._unsynced = 0
+        if base is not None:
+            self.file.seek(base)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.file.write(data)
         self.crc = zlib.crc32(data, self.crc)
         self.length += len(data)
+        if self.base is not None:
+            self._unsynced += len(data)
+            if self._unsynced >= WRITEBACK_BYTES:
+                self._writeback()
+
+    def _writeback(self) -> None:
+        """Asks the kernel to start writing the bytes written since the last request."""
+        if _start_writeback is None or self.base is None:
+            return
+        self.file.flush()
+        end = self.base + self.length
+        _start_writeback(
+            self.file.fileno(), end - self._unsynced, self._unsynced, _SYNC_FILE_RANGE_WRITE
+        )
+        self._unsynced = 0
 
     def close(self) -> None:
         self.file.close()
-        self.path.unlink(missing_ok=True)
+        if self.base is None:  # the shard's own file is renamed or removed by the writer
+            self.path.unlink(missing_ok=True)
 
 
 class _PlainSink:
@@ -160,10 +212,10 @@ class _BlockSink:
 
 
 class _FieldSink:
-    def __init__(self, field: Field, spool: Path) -> None:
+    def __init__(self, field: Field, spool: Path, base: int | None = None) -> None:
         self.field = field
         self.name = field.name
-        self.data = _Spool(spool)
+        self.data = _Spool(spool, base)
         self.want = field.np_dtype
         # A fixed-shape array field whose shape passes the per-sample bounds takes arrays of
         # exactly its dtype and shape as they are (encode); anything else goes through
@@ -238,9 +290,20 @@ class ShardWriter:
         self.fields = check_schema(fields)
         self.num_samples = 0
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
+        fields_ = list(self.fields.values())
+        # The first field's only region goes straight into the shard file, past the header.
+        self._base = (
+            reserved_header_end(fields_)
+            if fields_ and required_regions(fields_[0]) == ("data",)
+            else None
+        )
         self._sinks = [
-            _FieldSink(f, self.path.with_name(f".{self.path.name}.f{i}.spool"))
-            for i, f in enumerate(self.fields.values())
+            _FieldSink(
+                f,
+                self._tmp if i == 0 and self._base is not None else self._spool_path(i),
+                self._base if i == 0 else None,
+            )
+            for i, f in enumerate(fields_)
         ]
         self._closed = False
         # Samples a shard can take before some fixed field passes MAX_FIELD_BYTES.
@@ -315,13 +378,17 @@ class ShardWriter:
         else:
             self.abort()
 
+    def _spool_path(self, i: int) -> Path:
+        return self.path.with_name(f".{self.path.name}.f{i}.spool")
+
     def _assemble(self) -> ShardInfo:
         for s in self._sinks:
             s.values.flush()
         smalls = [s.small_regions() for s in self._sinks]
 
         def layout(header_end: int) -> tuple[list[FieldLayout], int]:
-            cursor = header_end
+            # a first region already in the shard file stays where it was written
+            cursor = header_end if self._base is None else self._base
             out = []
             for sink, small in zip(self._sinks, smalls, strict=True):
                 regions = {}
@@ -352,12 +419,19 @@ class ShardWriter:
             if header_end_for(len(head) - PREAMBLE.size) == header_end:
                 break
             header_end = header_end_for(len(head) - PREAMBLE.size)
+        if self._base is not None and header_end > self._base:
+            raise SchemaError(  # reserved_header_end bounds every header; never expected
+                f"{self.path}: the header ends at byte {header_end}, past the {self._base} "
+                "bytes reserved for it"
+            )
 
         # Small pieces are written and checksummed directly; data spools are
-        # copied by the kernel, and the file's CRC is composed from theirs.
+        # copied by the kernel, and the file's CRC is composed from theirs. A
+        # region already in place is passed over.
         crc = 0
         pos = 0
-        with open(self._tmp, "wb") as out:
+        in_place = self._sinks[0].data if self._base is not None else None
+        with open(self._tmp, "r+b" if in_place is not None else "wb") as out:
 
             def put(data: bytes) -> None:
                 nonlocal crc, pos
@@ -369,6 +443,8 @@ class ShardWriter:
                 if target > pos:
                     put(bytes(target - pos))
 
+            if in_place is not None:
+                in_place.file.flush()
             put(head)
             for sink, small, fl in zip(self._sinks, smalls, layouts, strict=True):
                 for rname, region in fl.regions.items():
@@ -376,19 +452,40 @@ class ShardWriter:
                     if rname != "data":
                         put(small[rname])
                         continue
-                    out.flush()
-                    sink.data.file.flush()
-                    _copy_file(sink.data.file.fileno(), out.fileno(), sink.data.length, pos)
+                    if sink.data is not in_place:
+                        out.flush()
+                        sink.data.file.flush()
+                        _copy_file(sink.data.file.fileno(), out.fileno(), sink.data.length, pos)
                     out.seek(pos + sink.data.length)
                     crc = crc32_combine(crc, sink.data.crc, sink.data.length)
                     pos += sink.data.length
             pad_to(file_bytes)
+            out.truncate(file_bytes)
             out.flush()
             os.fsync(out.fileno())
         for s in self._sinks:
             s.data.close()
         os.replace(self._tmp, self.path)
         return ShardInfo(self.path.name, self.num_samples, file_bytes, crc)
+
+
+def reserved_header_end(fields: Sequence[Field]) -> int:
+    """An aligned header end that no shard of these fields passes: the end of the header
+    with every count, offset, length and checksum at its largest."""
+    big = (1 << 63) - 1
+    layouts = []
+    for f in fields:
+        names = required_regions(f)
+        layouts.append(
+            FieldLayout(
+                f,
+                {name: Region(big, big, 0xFFFFFFFF) for name in names},
+                big if f.ragged else None,
+                big if "blocks" in names else None,
+            )
+        )
+    head = encode_header(MAX_SHARD_SAMPLES, big, layouts)
+    return header_end_for(len(head) - PREAMBLE.size)
 
 
 def _copy_file(src: int, dst: int, length: int, dst_offset: int) -> None:
