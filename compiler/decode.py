@@ -15,13 +15,14 @@ import contextlib
 import io
 import os
 import re
+import stat
 import struct
 import tempfile
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
+from . import wav
 from .errors import InputError
 
 Source = str | os.PathLike[str] | bytes
@@ -46,6 +47,11 @@ _BLOCK_FRAMES = (
 # estimate from the bit rate, as for raw ADTS AAC or MP3 without a Xing header).
 _PYAV_EXACT_LENGTH = {"mov", "mp4", "matroska", "webm", "flac", "wav", "aiff"}
 
+PLAIN_WAV_READER = True
+"""Read plain 16-bit PCM and 32-bit float WAVs (``wav.sample_format``, ``wav.WavLayout.plain``)
+without libsndfile: the same arrays, rate and errors, in a fraction of the time. Every other
+file, and every WAV this reader is unsure of, goes through libsndfile."""
+
 
 def check_file(source: Source, name: str) -> None:
     """InputError for a missing, unreadable or empty input (bytes from a tar, or a path)."""
@@ -54,7 +60,7 @@ def check_file(source: Source, name: str) -> None:
             raise InputError(name, "empty file (0 bytes)")
         return
     try:
-        size = Path(source).stat().st_size
+        size = os.stat(source).st_size
     except FileNotFoundError:
         raise InputError(name, "file not found") from None
     except OSError as e:
@@ -82,13 +88,83 @@ def decode_audio(
     if mix is not None and mix not in DOWNMIX_POLICIES:
         raise ValueError(f"downmix {mix!r} must be one of {', '.join(DOWNMIX_POLICIES)}")
     check_file(source, name)
-    decoded = _soundfile(source, name, offset, duration, mix)
+    decoded = _plain_wav(source, name, offset, duration, mix) if PLAIN_WAV_READER else None
+    if decoded is None:
+        decoded = _soundfile(source, name, offset, duration, mix)
     if decoded is None:
         decoded = _pyav(source, name, offset, duration, mix)
     audio, rate = decoded
     if audio.shape[1] == 0:
         raise InputError(name, "no audio samples" + (f" at offset {offset} s" if offset else ""))
     return audio, rate
+
+
+def _plain_wav(
+    source: Source, name: str, offset: float, duration: float | None, mix: str | None
+) -> tuple[np.ndarray, int] | None:
+    """``_soundfile``'s result for a plain 16-bit PCM or 32-bit float WAV, or None for any other file.
+
+    The samples are read straight from the data chunk: the frames present are
+    the data chunk's (at most the bytes the file holds, as libsndfile counts
+    them), and the declared length is ``_wav_declared_frames``'s.
+    """
+    try:
+        # unbuffered: the header is a few small reads, the samples one read into their array
+        with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb", 0) as r:
+            if isinstance(r, io.FileIO) and not stat.S_ISREG(os.fstat(r.fileno()).st_mode):
+                return None
+            layout = wav.read_layout(r)
+            if layout is None or not layout.plain or layout.data_bytes in (0, 0xFFFFFFFF):
+                return None
+            form = wav.sample_format(layout.fmt)
+            if form is None or layout.data_bytes % 2 or not wav.plain_tail(r, layout):
+                return None
+            dtype, channels, rate = form
+            r.seek(layout.data_offset)
+            if r.read(4) in (b"wvpk", b"OggS"):  # libsndfile refuses these data chunks
+                return None
+            start = round(offset * rate)
+            wanted = None if duration is None else round(duration * rate)
+            if start < 0 or (wanted is not None and wanted < 0):
+                return None
+            width = dtype.itemsize * channels
+            present = min(layout.data_bytes, layout.file_bytes - layout.data_offset) // width
+            count = present - min(start, present)
+            count = count if wanted is None else min(wanted, count)
+            r.seek(layout.data_offset + min(start, present) * width)
+            data = _read_frames(r, name, count, dtype, channels, mix)
+    except OSError:
+        return None  # libsndfile reads it again and reports its own error
+    if data is None:
+        return None
+    _check_length(name, data.shape[1], layout.data_bytes // width, start, wanted, 0)
+    return data, rate
+
+
+def _read_frames(
+    r: io.FileIO | io.BytesIO,
+    name: str,
+    count: int,
+    dtype: np.dtype[Any],
+    channels: int,
+    mix: str | None,
+) -> np.ndarray | None:
+    """``count`` interleaved frames from ``r``'s position as float32 ``[channels or 1, count]``,
+    converted and mixed as ``_read_blocks`` does; None when the file ends early (it changed)."""
+    out = np.empty((1 if mix is not None and channels > 1 else channels, count), np.float32)
+    buf = np.empty((min(count, _BLOCK_FRAMES), channels), dtype)
+    finite = _NonFinite()
+    pos = 0
+    while pos < count:
+        raw = buf[: min(_BLOCK_FRAMES, count - pos)]
+        if r.readinto(raw.data.cast("B")) != raw.nbytes:
+            return None
+        if dtype.kind == "f":
+            finite.add(raw)
+        _convert(raw, out[:, pos : pos + raw.shape[0]], mix)
+        pos += raw.shape[0]
+    finite.check(name)
+    return out
 
 
 def _mixed(block: np.ndarray, mix: str | None) -> np.ndarray:
@@ -105,19 +181,20 @@ def _mixed(block: np.ndarray, mix: str | None) -> np.ndarray:
 def _convert(raw: np.ndarray, dest: np.ndarray, mix: str | None) -> None:
     """One block as read, ``[frames, channels]`` int16 (PCM_16, times 1/32768 in float32)
     or float32, into ``dest`` (``[1 or channels, frames]`` float32), mixed when asked."""
-    scale = np.float32(1 / 32768)
     if dest.shape[0] == raw.shape[1]:  # nothing to mix: converted straight into the output
-        if raw.dtype == np.int16:
-            np.multiply(raw.T, scale, out=dest)
-        else:
-            dest[:] = raw.T
+        _scale_into(raw, dest)
         return
     block = np.empty(raw.shape[::-1], np.float32)  # C order: rows add as downmix's do
-    if raw.dtype == np.int16:
-        np.multiply(raw.T, scale, out=block)
-    else:
-        block[:] = raw.T
+    _scale_into(raw, block)
     dest[:] = _mixed(block, mix)
+
+
+def _scale_into(raw: np.ndarray, dest: np.ndarray) -> None:
+    # A cast, then a multiply in place, is faster than one mixed-type multiply; both are
+    # exact (x / 32768 is a float32 for every int16 x), so the bits are the same.
+    np.copyto(dest, raw.T, casting="unsafe")
+    if raw.dtype == np.int16:
+        np.multiply(dest, np.float32(1 / 32768), out=dest)
 
 
 class _NonFinite:
@@ -355,7 +432,7 @@ def _read_blocks(
     return out if filled == out.shape[1] else np.ascontiguousarray(out[:, :filled])
 
 
-def _reader(source: Source) -> IO[bytes]:
+def _reader(source: Source) -> io.BufferedReader | io.BytesIO:
     return io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")
 
 
@@ -366,32 +443,16 @@ def _wav_declared_frames(source: Source, name: str, fallback: int | None) -> int
     frames' worth of bytes that are not RIFF chunks: a header that understates the length.
     """
     with _reader(source) as r:
-        head = r.read(12)
-        if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-            return fallback  # RIFX, RF64, W64: libsndfile's count stands
-        pos, block_align = 12, 0
-        while True:
-            r.seek(pos)
-            chunk = r.read(8)
-            if len(chunk) < 8:
-                return fallback
-            cid, size = chunk[:4], int(struct.unpack("<I", chunk[4:])[0])
-            if cid == b"fmt ":
-                fmt = r.read(min(size, 16))
-                block_align = struct.unpack("<H", fmt[12:14])[0] if len(fmt) >= 14 else 0
-            elif cid == b"data":
-                break
-            pos += 8 + size + (size & 1)
+        layout = wav.read_layout(r)
+        if layout is None:
+            return fallback  # RIFX, RF64, W64, no data chunk: libsndfile's count stands
+        size, block_align = layout.data_bytes, layout.block_align
         if size in (0, 0xFFFFFFFF) or not block_align:
             return None  # streamed WAVs leave the length unset: no declared length to hold it to
         declared = size // block_align
-        end = r.seek(0, io.SEEK_END)
-        pos += 8 + size + (size & 1)
-        while pos + 8 <= end:
-            r.seek(pos)
-            chunk = r.read(8)
-            if not all(0x20 <= c <= 0x7E for c in chunk[:4]):
-                junk = end - pos
+        for cid, pos, _ in wav.chunks(r, layout.data_end):
+            if not all(0x20 <= c <= 0x7E for c in cid):
+                junk = layout.file_bytes - pos
                 if junk > LENGTH_TOLERANCE_FRAMES * block_align:
                     raise InputError(
                         name,
@@ -400,8 +461,6 @@ def _wav_declared_frames(source: Source, name: str, fallback: int | None) -> int
                         "frames): the header understates the length; rewrite the file",
                     )
                 break
-            size = int(struct.unpack("<I", chunk[4:])[0])
-            pos += 8 + size + (size & 1)
     return declared
 
 
