@@ -5,10 +5,10 @@ samples arrive (a block-coded field keeps only its current block in memory); clo
 lays out header and regions into a temporary file and renames it into place,
 so a shard file either is complete or does not exist.
 
-The first field's values, when they are its only region (a fixed-shape raw
-field: the bulk of most archives), go straight into that temporary shard file
-at their final offset, just past room reserved for the largest header the
-schema can have. They are never copied at close, and the kernel is asked to
+The values of the largest field stored as one plain region (a fixed-shape
+raw field: the bulk of most archives) go straight into that temporary shard
+file at their final offset, the file's first region, just past room reserved
+for the largest header the schema can have. They are never copied at close, and the kernel is asked to
 start writing them back as they arrive, so the final fsync waits only for the
 last few megabytes.
 """
@@ -291,18 +291,15 @@ class ShardWriter:
         self.num_samples = 0
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         fields_ = list(self.fields.values())
-        # The first field's only region goes straight into the shard file, past the header.
-        self._base = (
-            reserved_header_end(fields_)
-            if fields_ and required_regions(fields_[0]) == ("data",)
-            else None
-        )
+        # The values of the largest field stored as one plain region go straight into
+        # the shard file, past room for the largest header: the file's first region.
+        plain = [i for i, f in enumerate(fields_) if required_regions(f) == ("data",)]
+        self._in_place = max(plain, key=lambda i: fields_[i].footprint_bytes, default=None)
+        self._base = reserved_header_end(fields_) if self._in_place is not None else None
         self._sinks = [
-            _FieldSink(
-                f,
-                self._tmp if i == 0 and self._base is not None else self._spool_path(i),
-                self._base if i == 0 else None,
-            )
+            _FieldSink(f, self._tmp, self._base)
+            if i == self._in_place
+            else _FieldSink(f, self.path.with_name(f".{self.path.name}.f{i}.spool"))
             for i, f in enumerate(fields_)
         ]
         self._closed = False
@@ -378,43 +375,53 @@ class ShardWriter:
         else:
             self.abort()
 
-    def _spool_path(self, i: int) -> Path:
-        return self.path.with_name(f".{self.path.name}.f{i}.spool")
+    def _file_order(self) -> list[int]:
+        """The fields in the order their regions lie in the file: the one written in
+        place first, then the others in schema order."""
+        order = list(range(len(self._sinks)))
+        if self._in_place is not None:
+            order.remove(self._in_place)
+            order.insert(0, self._in_place)
+        return order
+
+    def _layout(
+        self, header_end: int, smalls: list[dict[str, bytes]]
+    ) -> tuple[list[FieldLayout], int]:
+        """Every field's regions (schema order) laid out from header_end, or from the
+        reserved end when one field's values are already in place; the file's size."""
+        cursor = header_end if self._base is None else self._base
+        regions: dict[int, dict[str, Region]] = {}
+        for i in self._file_order():
+            sink, small = self._sinks[i], smalls[i]
+            regions[i] = {}
+            for rname in required_regions(sink.field):
+                if rname == "data":
+                    length, crc = sink.data.length, sink.data.crc
+                else:
+                    length, crc = len(small[rname]), zlib.crc32(small[rname])
+                cursor = align(cursor)
+                regions[i][rname] = Region(cursor, length, crc)
+                cursor += length
+        layouts = [
+            FieldLayout(
+                sink.field,
+                regions[i],
+                sink.offsets[-1] if sink.offsets is not None else None,
+                sink.values.num_blocks,
+            )
+            for i, sink in enumerate(self._sinks)
+        ]
+        return layouts, align(cursor)
 
     def _assemble(self) -> ShardInfo:
         for s in self._sinks:
             s.values.flush()
         smalls = [s.small_regions() for s in self._sinks]
-
-        def layout(header_end: int) -> tuple[list[FieldLayout], int]:
-            # a first region already in the shard file stays where it was written
-            cursor = header_end if self._base is None else self._base
-            out = []
-            for sink, small in zip(self._sinks, smalls, strict=True):
-                regions = {}
-                for rname in required_regions(sink.field):
-                    if rname == "data":
-                        length, crc = sink.data.length, sink.data.crc
-                    else:
-                        length, crc = len(small[rname]), zlib.crc32(small[rname])
-                    cursor = align(cursor)
-                    regions[rname] = Region(cursor, length, crc)
-                    cursor += length
-                out.append(
-                    FieldLayout(
-                        sink.field,
-                        regions,
-                        sink.offsets[-1] if sink.offsets is not None else None,
-                        sink.values.num_blocks,
-                    )
-                )
-            return out, align(cursor)
-
         # The header's length and the region offsets depend on each other: iterate
         # until the aligned header end stops moving (two rounds in practice).
         header_end = header_end_for(0)
         while True:
-            layouts, file_bytes = layout(header_end)
+            layouts, file_bytes = self._layout(header_end, smalls)
             head = encode_header(self.num_samples, file_bytes, layouts)
             if header_end_for(len(head) - PREAMBLE.size) == header_end:
                 break
@@ -424,13 +431,29 @@ class ShardWriter:
                 f"{self.path}: the header ends at byte {header_end}, past the {self._base} "
                 "bytes reserved for it"
             )
+        crc = self._write_file(head, layouts, smalls, file_bytes)
+        for s in self._sinks:
+            s.data.close()
+        os.replace(self._tmp, self.path)
+        return ShardInfo(self.path.name, self.num_samples, file_bytes, crc)
 
-        # Small pieces are written and checksummed directly; data spools are
-        # copied by the kernel, and the file's CRC is composed from theirs. A
-        # region already in place is passed over.
-        crc = 0
-        pos = 0
-        in_place = self._sinks[0].data if self._base is not None else None
+    def _write_file(
+        self,
+        head: bytes,
+        layouts: list[FieldLayout],
+        smalls: list[dict[str, bytes]],
+        file_bytes: int,
+    ) -> int:
+        """Writes the temporary shard file in file order, fsyncs it; returns its CRC-32.
+
+        Small pieces are written and checksummed directly; data spools are copied
+        by the kernel, and the file's CRC is composed from theirs. Values already
+        in place are passed over.
+        """
+        crc = pos = 0
+        in_place = self._sinks[self._in_place].data if self._in_place is not None else None
+        if in_place is not None:
+            in_place.file.flush()
         with open(self._tmp, "r+b" if in_place is not None else "wb") as out:
 
             def put(data: bytes) -> None:
@@ -443,14 +466,13 @@ class ShardWriter:
                 if target > pos:
                     put(bytes(target - pos))
 
-            if in_place is not None:
-                in_place.file.flush()
             put(head)
-            for sink, small, fl in zip(self._sinks, smalls, layouts, strict=True):
-                for rname, region in fl.regions.items():
+            for i in self._file_order():
+                sink = self._sinks[i]
+                for rname, region in layouts[i].regions.items():
                     pad_to(region.offset)
                     if rname != "data":
-                        put(small[rname])
+                        put(smalls[i][rname])
                         continue
                     if sink.data is not in_place:
                         out.flush()
@@ -463,10 +485,7 @@ class ShardWriter:
             out.truncate(file_bytes)
             out.flush()
             os.fsync(out.fileno())
-        for s in self._sinks:
-            s.data.close()
-        os.replace(self._tmp, self.path)
-        return ShardInfo(self.path.name, self.num_samples, file_bytes, crc)
+        return crc
 
 
 def reserved_header_end(fields: Sequence[Field]) -> int:

@@ -1,4 +1,4 @@
-"""The first field's values go straight into the shard file at their final offset.
+"""The largest plain field's values go straight into the shard file at their final offset.
 
 They are not spooled and copied at close; the kernel is asked to start their
 writeback as they arrive; the header fits the room reserved for it whatever
@@ -56,7 +56,7 @@ def test_the_first_fixed_raw_field_is_written_in_place(tmp_path: Path) -> None:
     [Field("wave", "f32", (None,)), Field("z", "f16", (64, 32), codec=Zstd(level=1))],
     ids=["ragged", "zstd"],
 )
-def test_a_first_field_with_more_regions_is_spooled(tmp_path: Path, first: Field) -> None:
+def test_a_field_with_more_regions_is_spooled(tmp_path: Path, first: Field) -> None:
     assert required_regions(first) != ("data",)
     w = ShardWriter(tmp_path / "s.dlop", [first, Field("label", "i64", ())])
     value = np.ones(7, np.float32) if first.ragged else np.ones((64, 32), np.float16)
@@ -119,3 +119,21 @@ def test_an_aborted_shard_leaves_nothing(tmp_path: Path) -> None:
     w.write(sample(0))
     w.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_largest_plain_field_comes_first_in_the_file(tmp_path: Path) -> None:
+    """A string key first in the schema (as compiled archives have it): the features,
+    the largest plain field, are written in place and lie first; the rest follow."""
+    fields = [Field.str_("key"), Field("label", "i64", ()), Field("feat", "f16", (64, 32))]
+    with ShardWriter(tmp_path / "s.dlop", fields) as w:
+        for i in range(3):
+            w.write({"key": f"k{i}", "label": i, "feat": np.full((64, 32), i, np.float16)})
+        assert not (tmp_path / ".s.dlop.f2.spool").exists()
+    r = ShardReader(tmp_path / "s.dlop")
+    base = writer_module.reserved_header_end(fields)
+    offsets = {f.field.name: min(x.offset for x in f.regions.values()) for f in r.layout.fields}
+    assert offsets["feat"] == base < offsets["key"] < offsets["label"]
+    assert [f.field.name for f in r.layout.fields] == ["key", "label", "feat"]  # schema order
+    assert not r.verify()
+    assert [r.sample(i)["key"] for i in range(3)] == ["k0", "k1", "k2"]
+    assert float(r.sample(2)["feat"][5, 5]) == 2.0
