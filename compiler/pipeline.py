@@ -52,6 +52,7 @@ from .units import (
     UNIT_INPUTS,
     UnitRecord,
     UnitWriter,
+    chunk_items,
     chunked,
     process_fetched,
     unit_items,
@@ -65,6 +66,17 @@ __all__ = ["CHUNK_ITEMS", "JOURNAL", "TEST_KILL_AT", "TEST_SIGNAL", "UNIT_INPUTS
 # tests interrupt it at exact points (see docs/compile.md).
 TEST_KILL_AT = "DLOP_TEST_KILL_AT"
 TEST_SIGNAL = "DLOP_TEST_SIGNAL"
+# What the fork server imports once, besides this module, so that each compile's
+# workers start with the decoders loaded instead of importing them on their first
+# input (a tenth of a second or more each, every compile). Missing ones are passed over.
+FORKSERVER_PRELOAD = (
+    "dlop.compiler.video",
+    "dlop.compiler.image",
+    "av",
+    "PIL.Image",
+    "PIL.JpegImagePlugin",
+    "PIL.PngImagePlugin",
+)
 
 
 # -- worker side -------------------------------------------------------------------
@@ -79,8 +91,10 @@ def _init_worker(
     storage_options: dict[str, Any] | None = None,
     driver: int = 0,
     environ: dict[str, str] | None = None,
+    decode_threads: int = 0,
 ) -> None:
     from .recipe import build_recipe
+    from .video import set_decode_threads
 
     if environ is not None:
         # A forkserver keeps the environment of the moment it started (once per process);
@@ -88,6 +102,7 @@ def _init_worker(
         os.environ.clear()
         os.environ.update(environ)
     torch.set_num_threads(1)
+    set_decode_threads(decode_threads)
     _die_with_driver(driver)
     close_inherited_locks()  # a forked worker must not keep the output lock alive after the driver
     _WORKER.update(
@@ -289,7 +304,7 @@ def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitR
         chunk
         for unit, inputs in units
         for chunk in chunked(
-            unit_items(run.corpus, unit, inputs, sizes), CHUNK_ITEMS[run.corpus.media]
+            unit_items(run.corpus, unit, inputs, sizes), chunk_items(run.recipe, run.corpus.media)
         )
     )
     outcomes = _results(chunks, run, workers, store.staging())
@@ -348,6 +363,7 @@ def _results(
                     options,
                     os.getpid(),
                     dict(os.environ),
+                    worker_decode_threads(workers),
                 ),
             ) as pool,
         ):
@@ -372,6 +388,16 @@ def _results(
             leftover.unlink(missing_ok=True)
 
 
+def worker_decode_threads(workers: int) -> int:
+    """The threads each of ``workers`` pool workers decodes a video with: the cores
+    this process may use, shared out (at least one each)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, workers))
+
+
 def _worker_context() -> multiprocessing.context.BaseContext:
     """fork when this process runs a single thread (workers start at once, torch
     already imported); otherwise forkserver, since forking a threaded process can
@@ -379,7 +405,7 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     if sys.platform == "linux" and threading.active_count() == 1:
         return multiprocessing.get_context("fork")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload([__name__, *FORKSERVER_PRELOAD])
     return ctx
 
 

@@ -50,7 +50,7 @@ from .urls import fetch_inputs
 COMMIT_PREFIX = ".dlop-unit-"
 # Inputs featurized together as one task of a local pool, cut from each unit's first
 # input (the bytes do not depend on the grouping, featurize_clips).
-CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 1}
+CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 4}
 # Default inputs per unit, by media: a few minutes of one worker's time for typical inputs.
 UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256}
 # For the test suite only: DLOP_TEST_UNIT_DELAY="UNIT:SECONDS,..." delays those units'
@@ -284,7 +284,9 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     try:
         outcomes = (
             o
-            for chunk in chunked(unit_items(corpus, unit, None, sizes), CHUNK_ITEMS[corpus.media])
+            for chunk in chunked(
+                unit_items(corpus, unit, None, sizes), chunk_items(recipe, corpus.media)
+            )
             for o in process_fetched(chunk, recipe, task.shape, task.storage_options, systems)
         )
         for n, outcome in enumerate(outcomes, 1):
@@ -344,6 +346,17 @@ def unit_items(
     items = list(stream_items(corpus, start, stop))
     sizes[unit] = input_sizes(corpus, items)
     yield from items
+
+
+def chunk_items(recipe: Recipe, media: str) -> int:
+    """Inputs per chunk (CHUNK_ITEMS): an image compile that keeps whole images (no crop,
+    or tiles covering the image) goes one image at a time, since a worker holds a whole
+    chunk's samples at once; a cropped image's samples are small, and a few to a chunk
+    save the pool's per-chunk round trip."""
+    vision = recipe.vision
+    if media == "image" and (vision.crop is None or vision.tile is not None):
+        return 1
+    return CHUNK_ITEMS[media]
 
 
 def chunked(items: Iterable[Item], size: int) -> Iterator[list[Item]]:
