@@ -6,6 +6,14 @@ past the end), so variable frame rate clips sample correctly. Decoding runs
 forward; a target further ahead than ``SEEK_AHEAD_S`` seeks back to the
 keyframe before it instead of decoding the gap. Rotation metadata (the display
 matrix) is applied to every frame. Containers are always closed.
+
+Frames that no sampled frame needs are not decoded when the decoder can tell
+(FFmpeg's non-reference skip): the packets' timestamps, read by the probe, say
+which frames the sample times pick, and every other packet is decoded only if
+later frames depend on it. The frames picked are then checked against those
+timestamps; any disagreement decodes the video again in full, so the pixels
+are always those of a full decode. Damage in a frame that nothing sampled
+depends on goes unnoticed, as it does after the last sampled frame.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class VideoInfo:
     duration: float  # seconds
     rate: float  # average frames per second (for dense sampling's default fps)
     has_audio: bool  # the container also holds an audio stream
+    pts: tuple[int, ...] = ()  # every packet's timestamp, ascending; () when one has none
 
 
 def _open(source: str | os.PathLike[str] | bytes) -> Any:
@@ -81,20 +90,36 @@ def probe(container: Any, stream: Any, name: str) -> VideoInfo:
     tb = float(stream.time_base)
     first: float | None = None
     end = 0.0
-    count = 0
+    pts: list[int] = []
+    untimed = False
     for packet in container.demux(stream):
         if packet.pts is None:
+            untimed = untimed or packet.size > 0  # the final flush packet has neither
             continue
         t = packet.pts * tb
         first = t if first is None else min(first, t)
         end = max(end, t + (packet.duration or 0) * tb)
-        count += 1
+        pts.append(packet.pts)
     if first is None:
         raise InputError(name, "no video frames")
     duration = max(end - first, _EPS)
-    rate = float(stream.average_rate or stream.guessed_rate or 0) or count / duration
+    rate = float(stream.average_rate or stream.guessed_rate or 0) or len(pts) / duration
     container.seek(0)
-    return VideoInfo(first, duration, rate, bool(container.streams.audio))
+    shown = () if untimed else tuple(sorted(pts))
+    return VideoInfo(first, duration, rate, bool(container.streams.audio), shown)
+
+
+def picked_pts(info: VideoInfo, tb: float, times: list[float]) -> list[int] | None:
+    """The timestamp of the frame shown at each of the ascending ``times`` (as
+    frames_at picks them), from the probe's packet timestamps; None when unknown."""
+    if not info.pts:
+        return None
+    out, k = [], 0
+    for t in times:
+        while k + 1 < len(info.pts) and info.pts[k + 1] * tb <= t + _EPS:
+            k += 1
+        out.append(info.pts[k])
+    return out
 
 
 def clip_times(info: VideoInfo, cfg: VisionConfig) -> list[list[float]]:
@@ -110,20 +135,39 @@ def clip_times(info: VideoInfo, cfg: VisionConfig) -> list[list[float]]:
     return [[s + i * step for i in range(n)] for s in starts]
 
 
-def _frames(container: Any, stream: Any, name: str) -> Iterator[tuple[float, Any]]:
+def _frames(
+    container: Any, stream: Any, name: str, needed: frozenset[int] | None = None
+) -> Iterator[tuple[float, Any]]:
+    """(seconds, frame) of the decoded frames; with ``needed``, packets of other
+    timestamps are decoded only when they are reference frames."""
     # float arithmetic, as probe's: a Fraction product per frame costs more than
     # converting the frame's pixels
     tb = float(stream.time_base)
-    for frame in container.decode(stream):
-        if frame.pts is None:
-            raise InputError(name, "a decoded frame has no timestamp")
-        if getattr(frame, "is_corrupt", False):
-            raise InputError(name, f"corrupt frame at {frame.pts * tb:.3f} s")
-        yield frame.pts * tb, frame
+    ctx = stream.codec_context
+    try:
+        for packet in container.demux(stream):
+            if needed is not None:
+                ctx.skip_frame = "DEFAULT" if packet.pts in needed else "NONREF"
+            for frame in packet.decode():
+                if frame.pts is None:
+                    raise InputError(name, "a decoded frame has no timestamp")
+                if getattr(frame, "is_corrupt", False):
+                    raise InputError(name, f"corrupt frame at {frame.pts * tb:.3f} s")
+                yield frame.pts * tb, frame
+    finally:
+        if needed is not None:
+            ctx.skip_frame = "DEFAULT"
 
 
-def frames_at(container: Any, stream: Any, times: list[float], name: str) -> list[Any]:
-    """The decoded frame shown at each of the ascending ``times``."""
+def frames_at(
+    container: Any,
+    stream: Any,
+    times: list[float],
+    name: str,
+    needed: frozenset[int] | None = None,
+) -> list[Any]:
+    """The decoded frame shown at each of the ascending ``times`` (decoding only the
+    frames ``needed`` ones depend on, when given)."""
     tb = float(stream.time_base)
     out: list[Any] = []
     it: Iterator[tuple[float, Any]] | None = None
@@ -133,15 +177,15 @@ def frames_at(container: Any, stream: Any, times: list[float], name: str) -> lis
         if it is not None and ahead is not None and t - ahead[0] > SEEK_AHEAD_S:
             # Seek back to the keyframe before t; if the demuxer lands past t, decode from the top.
             container.seek(int(t / tb), stream=stream, backward=True, any_frame=False)
-            it, shown, ahead = _frames(container, stream, name), None, None
+            it, shown, ahead = _frames(container, stream, name, needed), None, None
             first = next(it, None)
             if first is None or first[0] > t + _EPS:
                 container.seek(0)
-                it = _frames(container, stream, name)
+                it = _frames(container, stream, name, needed)
             else:
                 ahead = first
         if it is None:
-            it = _frames(container, stream, name)
+            it = _frames(container, stream, name, needed)
         while True:
             if ahead is None:
                 ahead = next(it, None)
@@ -157,6 +201,21 @@ def frames_at(container: Any, stream: Any, times: list[float], name: str) -> lis
             raise InputError(name, "no video frames decoded")
         out.append(shown[1])
     return out
+
+
+def _picked_frames(
+    container: Any, stream: Any, info: VideoInfo, wanted: list[float], name: str
+) -> list[Any]:
+    """frames_at, decoding only the frames the picked ones depend on when the probe's
+    timestamps say which those are; a decode whose frames disagree with them is
+    done again in full."""
+    picks = picked_pts(info, float(stream.time_base), wanted)
+    if picks is not None:
+        decoded = frames_at(container, stream, wanted, name, frozenset(picks))
+        if [f.pts for f in decoded] == picks:
+            return decoded
+        container.seek(0)
+    return frames_at(container, stream, wanted, name)
 
 
 def to_rgb(frame: Any) -> np.ndarray:
@@ -178,7 +237,7 @@ def decode_clips(
             info = probe(container, stream, name)
             clips = clip_times(info, cfg)
             wanted = sorted({t for times in clips for t in times})
-            decoded = frames_at(container, stream, wanted, name)
+            decoded = _picked_frames(container, stream, info, wanted, name)
             by_time: dict[float, np.ndarray] = {}
             converted: dict[int, np.ndarray] = {}
             for t, frame in zip(wanted, decoded, strict=True):

@@ -160,8 +160,8 @@ def test_long_video_seeks_to_keyframes_and_still_matches(
         def __getattr__(self, name):  # type: ignore[no-untyped-def]
             return getattr(self.container, name)
 
-    def counting(container, stream, times, name):  # type: ignore[no-untyped-def]
-        return real(Counting(container), stream, times, name)
+    def counting(container, stream, times, name, *rest):  # type: ignore[no-untyped-def]
+        return real(Counting(container), stream, times, name, *rest)
 
     monkeypatch.setattr(video, "frames_at", counting)
     cfg = VisionConfig(clip="dense", clip_frames=3, clip_stride=2, clips=4)
@@ -173,3 +173,66 @@ def test_long_video_seeks_to_keyframes_and_still_matches(
         step = (c.end - c.start) / 3
         for i, got in enumerate(c.frames):
             np.testing.assert_array_equal(got, frame_at(frames, c.start + i * step))
+
+
+@pytest.mark.parametrize(
+    ("codec", "vfr", "frames", "clip_frames"),
+    [("libx264", False, 90, 16), ("libx264", True, 60, 7), ("mpeg4", False, 45, 5)],
+)
+def test_frames_nothing_sampled_needs_are_skipped_and_the_pixels_stay(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    codec: str,
+    vfr: bool,
+    frames: int,
+    clip_frames: int,
+) -> None:
+    """Non-reference frames between the sampled ones are not decoded; the clips are the
+    bytes a full decode gives (the decode with no probe timestamps to go by)."""
+    from dlop.compiler import video
+
+    path = write_video(tmp_path / "a" / "v.mp4", codec=codec, frames=frames, vfr=vfr, size=(64, 48))
+    cfg = VisionConfig(clip="uniform", clip_frames=clip_frames)
+    decoded: list[int] = []
+    real = video._frames
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        for item in real(*args, **kwargs):
+            decoded.append(item[1].pts)
+            yield item
+
+    monkeypatch.setattr(video, "_frames", counting)
+    skipped, info = video.decode_clips(path, "v.mp4", cfg)
+    partial = len(decoded)
+    decoded.clear()
+    monkeypatch.setattr(video, "picked_pts", lambda *a: None)  # no timestamps: decode all
+    full, _ = video.decode_clips(path, "v.mp4", cfg)
+    assert [c.frames.tobytes() for c in skipped] == [c.frames.tobytes() for c in full]
+    assert [(c.start, c.end) for c in skipped] == [(c.start, c.end) for c in full]
+    if codec == "libx264":  # B-frames that nothing references: skipped
+        assert partial < len(decoded)
+    assert len(info.pts) == frames
+
+
+def test_a_decode_that_disagrees_with_the_probe_is_done_again_in_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlop.compiler import video
+
+    path = write_video(tmp_path / "a" / "v.mp4", frames=60, size=(64, 48))
+    cfg = VisionConfig(clip="uniform", clip_frames=8)
+    want, _ = video.decode_clips(path, "v.mp4", cfg)
+    real = video.picked_pts
+    # timestamps off by one: the frames decoded are not the ones picked, so all are decoded
+    monkeypatch.setattr(video, "picked_pts", lambda *a: [p + 1 for p in real(*a)])
+    calls: list[object] = []
+    real_frames_at = video.frames_at
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[4] if len(args) > 4 else None)
+        return real_frames_at(*args, **kwargs)
+
+    monkeypatch.setattr(video, "frames_at", spy)
+    got, _ = video.decode_clips(path, "v.mp4", cfg)
+    assert len(calls) == 2 and calls[0] is not None and calls[1] is None
+    assert [c.frames.tobytes() for c in got] == [c.frames.tobytes() for c in want]
