@@ -10,6 +10,7 @@ RSS; and compile memory at 10x scale.
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import soundfile as sf
 import torch
@@ -49,28 +51,36 @@ class Made:
 
 
 _COMPILE = """
-import sys, time
-from dlop.compiler.demo import DEMO_RECIPE
+import json, sys, time
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
-corpus, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
-recipe = build_recipe({**DEMO_RECIPE, "source": corpus, "shard_bytes": "4GiB"})
+options, out, workers = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+recipe = build_recipe(options)
 t0 = time.perf_counter()
-compile_corpus(recipe, out, workers=workers, progress=False, overwrite=True)
-print(time.perf_counter() - t0)
+index = compile_corpus(recipe, out, workers=workers, progress=False, overwrite=True)
+print(index.num_samples, time.perf_counter() - t0)
 """
 
 
-def _timed_compile(corpus: Path, out: Path, workers: int) -> tuple[float, int]:
-    """(seconds, peak RSS in KiB of the compile and its workers): DEMO_RECIPE compiled in a
-    fresh process, timed from after its imports."""
-    cmd = [sys.executable, "-c", _COMPILE, str(corpus), str(out), str(workers)]
+def timed_compile(options: dict[str, Any], out: Path, workers: int) -> tuple[float, int, int]:
+    """(seconds, peak RSS in KiB of the compile and its workers, samples): the recipe
+    ``options`` compiled in a fresh process, as dlop-compile runs, timed from after
+    its imports."""
+    cmd = [sys.executable, "-c", _COMPILE, json.dumps(options), str(out), str(workers)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     with PeakSampler(lambda: tree_rss_kib(proc.pid), 0.1) as peak:
         stdout, _ = proc.communicate()
     if proc.returncode:
-        raise RuntimeError(f"compile of {corpus} failed with exit status {proc.returncode}")
-    return float(stdout.split()[-1]), peak.peak
+        raise RuntimeError(f"compile into {out} failed with exit status {proc.returncode}")
+    samples, seconds = stdout.split()[-2:]
+    return float(seconds), peak.peak, int(samples)
+
+
+def _timed_compile(corpus: Path, out: Path, workers: int) -> tuple[float, int]:
+    """(seconds, peak RSS in KiB): DEMO_RECIPE compiled in a fresh process."""
+    options = {**DEMO_RECIPE, "source": str(corpus), "shard_bytes": "4GiB"}
+    took, peak, _ = timed_compile(options, out, workers)
+    return took, peak
 
 
 def _decode_rate(files: list[Path]) -> float:
