@@ -7,6 +7,7 @@ the schema, and a shard with room left over reads and verifies like any other.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 from dlop.formats import Field, ShardReader, ShardWriter, Zstd
 from dlop.formats import writer as writer_module
-from dlop.formats.header import header_end_for, required_regions
+from dlop.formats.header import required_regions
 
 
 def sample(i: int) -> dict[str, object]:
@@ -106,7 +107,7 @@ def test_writeback_is_started_for_each_stretch_written(
     base = writer_module.reserved_header_end(FIELDS)
     assert calls and all(flags == 2 for _, _, flags in calls)
     assert calls[0][0] == base
-    for (o1, n1, _), (o2, _, _) in zip(calls, calls[1:], strict=False):
+    for (o1, n1, _), (o2, _, _) in itertools.pairwise(calls):
         assert o2 == o1 + n1  # contiguous stretches, each requested once
     assert calls[-1][0] + calls[-1][1] <= base + 20 * 4096
     assert all(n >= 10_000 for _, n, _ in calls)
