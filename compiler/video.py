@@ -203,19 +203,41 @@ def frames_at(
     return out
 
 
-def _picked_frames(
+# Decoders that read skip_frame for every packet; others (libdav1d) read it once, as
+# they open, and are always decoded in full.
+SKIP_DECODERS = frozenset({"h264", "hevc", "mpeg4", "mpeg2video", "vp8", "vp9"})
+
+
+def _skipping_frames(
     container: Any, stream: Any, info: VideoInfo, wanted: list[float], name: str
-) -> list[Any]:
-    """frames_at, decoding only the frames the picked ones depend on when the probe's
-    timestamps say which those are; a decode whose frames disagree with them is
-    done again in full."""
+) -> list[Any] | None:
+    """frames_at, decoding only the frames the picked ones depend on, when the decoder
+    allows it and the probe's timestamps say which those are; None when it cannot be
+    used or its frames disagree with those timestamps (or it fails): the caller then
+    decodes in full, on a new decoder."""
+    import av
+
+    if stream.codec_context.name not in SKIP_DECODERS:
+        return None
     picks = picked_pts(info, float(stream.time_base), wanted)
-    if picks is not None:
+    if picks is None:
+        return None
+    try:
         decoded = frames_at(container, stream, wanted, name, frozenset(picks))
-        if [f.pts for f in decoded] == picks:
-            return decoded
-        container.seek(0)
-    return frames_at(container, stream, wanted, name)
+    except (InputError, av.FFmpegError, ValueError, OSError):
+        return None  # the full decode says what is wrong
+    return decoded if [f.pts for f in decoded] == picks else None
+
+
+def _shaped(wanted: list[float], decoded: list[Any], cfg: VisionConfig) -> dict[float, np.ndarray]:
+    """Each sample time's frame, rotated and shaped (a frame shown at several times once)."""
+    by_time: dict[float, np.ndarray] = {}
+    converted: dict[int, np.ndarray] = {}
+    for t, frame in zip(wanted, decoded, strict=True):
+        if id(frame) not in converted:
+            converted[id(frame)] = shape_image(to_rgb(frame), cfg)
+        by_time[t] = converted[id(frame)]
+    return by_time
 
 
 def to_rgb(frame: Any) -> np.ndarray:
@@ -237,13 +259,12 @@ def decode_clips(
             info = probe(container, stream, name)
             clips = clip_times(info, cfg)
             wanted = sorted({t for times in clips for t in times})
-            decoded = _picked_frames(container, stream, info, wanted, name)
-            by_time: dict[float, np.ndarray] = {}
-            converted: dict[int, np.ndarray] = {}
-            for t, frame in zip(wanted, decoded, strict=True):
-                if id(frame) not in converted:  # a frame shown at several times is shaped once
-                    converted[id(frame)] = shape_image(to_rgb(frame), cfg)
-                by_time[t] = converted[id(frame)]
+            decoded = _skipping_frames(container, stream, info, wanted, name)
+            by_time = _shaped(wanted, decoded, cfg) if decoded is not None else None
+        if by_time is None:  # in full, on a new decoder: no setting of the first lingers
+            with _open(source) as container:
+                stream = _video_stream(container, name)
+                by_time = _shaped(wanted, frames_at(container, stream, wanted, name), cfg)
     except InputError:
         raise
     except (av.FFmpegError, ValueError, OSError) as e:

@@ -177,7 +177,12 @@ def test_long_video_seeks_to_keyframes_and_still_matches(
 
 @pytest.mark.parametrize(
     ("codec", "vfr", "frames", "clip_frames"),
-    [("libx264", False, 90, 16), ("libx264", True, 60, 7), ("mpeg4", False, 45, 5)],
+    [
+        ("libx264", False, 90, 16),
+        ("libx264", True, 60, 7),
+        ("mpeg4", False, 45, 5),
+        ("libsvtav1", False, 60, 7),  # libdav1d reads skip_frame once: always decoded in full
+    ],
 )
 def test_frames_nothing_sampled_needs_are_skipped_and_the_pixels_stay(
     tmp_path: Path,
@@ -235,4 +240,25 @@ def test_a_decode_that_disagrees_with_the_probe_is_done_again_in_full(
     monkeypatch.setattr(video, "frames_at", spy)
     got, _ = video.decode_clips(path, "v.mp4", cfg)
     assert len(calls) == 2 and calls[0] is not None and calls[1] is None
+    assert [c.frames.tobytes() for c in got] == [c.frames.tobytes() for c in want]
+
+
+def test_a_skip_pass_that_fails_leaves_the_verdict_to_a_full_decode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlop.compiler import video
+    from dlop.compiler.errors import InputError
+
+    path = write_video(tmp_path / "a" / "v.mp4", frames=60, size=(64, 48))
+    cfg = VisionConfig(clip="uniform", clip_frames=8)
+    want, _ = video.decode_clips(path, "v.mp4", cfg)
+    real = video.frames_at
+
+    def failing(container, stream, times, name, needed=None):  # type: ignore[no-untyped-def]
+        if needed is not None:
+            raise InputError(name, "corrupt frame at 0.500 s")
+        return real(container, stream, times, name)
+
+    monkeypatch.setattr(video, "frames_at", failing)
+    got, _ = video.decode_clips(path, "v.mp4", cfg)
     assert [c.frames.tobytes() for c in got] == [c.frames.tobytes() for c in want]
