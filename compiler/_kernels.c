@@ -71,27 +71,28 @@ static void block_power(const float *const *row, Py_ssize_t bins, int magnitude,
             power[b * BLOCK + k] = bin_power(row[k] + 2 * b, magnitude);
 }
 
-/* acc[k] = the filter's weights w[b] times power[b * BLOCK + k] over b in [lo, hi),
- * summed as two running sums, one over the even steps from lo and one over the odd,
- * added at the end: two independent chains of additions per lane. */
+/* acc[k] = the filter's weights w[j] times power[(lo + j) * BLOCK + k] over j < hi - lo,
+ * summed as two running sums, one over the even steps and one over the odd, added
+ * at the end: two independent chains of additions per lane. */
 static inline void filter_sum(const float *w, int32_t lo, int32_t hi, const float *power,
                               float *acc)
 {
-    int32_t b = lo;
+    const float *p = power + (Py_ssize_t)lo * BLOCK;
+    int32_t n = hi - lo, j = 0;
 #if defined(__SSE2__)
     __m128 e0 = _mm_setzero_ps(), e1 = _mm_setzero_ps();
     __m128 o0 = _mm_setzero_ps(), o1 = _mm_setzero_ps();
-    for (; b + 2 <= hi; b += 2) {
-        const float *pe = power + (Py_ssize_t)b * BLOCK;
-        __m128 we = _mm_set1_ps(w[b]), wo = _mm_set1_ps(w[b + 1]);
+    for (; j + 2 <= n; j += 2) {
+        const float *pe = p + (Py_ssize_t)j * BLOCK;
+        __m128 we = _mm_set1_ps(w[j]), wo = _mm_set1_ps(w[j + 1]);
         e0 = _mm_add_ps(e0, _mm_mul_ps(we, _mm_loadu_ps(pe)));
         e1 = _mm_add_ps(e1, _mm_mul_ps(we, _mm_loadu_ps(pe + 4)));
         o0 = _mm_add_ps(o0, _mm_mul_ps(wo, _mm_loadu_ps(pe + BLOCK)));
         o1 = _mm_add_ps(o1, _mm_mul_ps(wo, _mm_loadu_ps(pe + BLOCK + 4)));
     }
-    if (b < hi) {
-        const float *pe = power + (Py_ssize_t)b * BLOCK;
-        __m128 we = _mm_set1_ps(w[b]);
+    if (j < n) {
+        const float *pe = p + (Py_ssize_t)j * BLOCK;
+        __m128 we = _mm_set1_ps(w[j]);
         e0 = _mm_add_ps(e0, _mm_mul_ps(we, _mm_loadu_ps(pe)));
         e1 = _mm_add_ps(e1, _mm_mul_ps(we, _mm_loadu_ps(pe + 4)));
     }
@@ -99,14 +100,14 @@ static inline void filter_sum(const float *w, int32_t lo, int32_t hi, const floa
     _mm_storeu_ps(acc + 4, _mm_add_ps(e1, o1));
 #else
     float even[BLOCK] = {0}, odd[BLOCK] = {0};
-    for (; b + 2 <= hi; b += 2)
+    for (; j + 2 <= n; j += 2)
         for (int k = 0; k < BLOCK; k++) {
-            even[k] += w[b] * power[(Py_ssize_t)b * BLOCK + k];
-            odd[k] += w[b + 1] * power[(Py_ssize_t)(b + 1) * BLOCK + k];
+            even[k] += w[j] * p[(Py_ssize_t)j * BLOCK + k];
+            odd[k] += w[j + 1] * p[(Py_ssize_t)(j + 1) * BLOCK + k];
         }
-    if (b < hi)
+    if (j < n)
         for (int k = 0; k < BLOCK; k++)
-            even[k] += w[b] * power[(Py_ssize_t)b * BLOCK + k];
+            even[k] += w[j] * p[(Py_ssize_t)j * BLOCK + k];
     for (int k = 0; k < BLOCK; k++)
         acc[k] = even[k] + odd[k];
 #endif
@@ -125,7 +126,7 @@ static void filterbank_rows(const float *spec, Py_ssize_t rows, Py_ssize_t bins,
         block_power(row, bins, magnitude, power);
         for (Py_ssize_t f = 0; f < n_filters; f++) {
             float acc[BLOCK];
-            filter_sum(weights + start[f] - lo[f], lo[f], hi[f], power, acc);
+            filter_sum(weights + start[f], lo[f], hi[f], power, acc);
             for (Py_ssize_t k = 0; k < n; k++)
                 out[(r0 + k) * n_filters + f] = acc[k];
         }
