@@ -76,6 +76,9 @@ class Asks:
         self.out: dict[int, list[int]] = {}  # asked for, not yet let go of
         self.ahead = getattr(archive.source, "ahead", None)
         self.firsts: tuple[np.ndarray, np.ndarray] | None = None
+        forget = getattr(archive.source, "forget_failures", None)
+        if forget is not None:  # a new epoch's batches try failed shards again
+            forget()
 
     def ask_through(self, j: int) -> None:
         """Batch j (if not asked for yet) and the one after it."""

@@ -19,10 +19,10 @@ in place (a warm cache: only mapped) before its first batch asks for them.
 
 Budget checks count a shard at its size in the cache: for a block-coded (zstd)
 shard, the raw copy, bounded from its header (one small ranged read) before
-the shard itself is fetched.
-
-After a fork (DataLoader workers) the child starts afresh: it holds nothing its
-parent held, and makes its own threads and storage client.
+the shard itself is fetched. A shard whose fetch failed (retries spent) fails
+every batch that reads it until the next epoch. After a fork (DataLoader
+workers) the child starts afresh: it holds nothing its parent held, and makes
+its own threads and storage client.
 """
 
 from __future__ import annotations
@@ -97,8 +97,7 @@ class RemoteSource:
         self.ahead_job: Future[None] | None = None
         self.ahead_pool: ThreadPoolExecutor | None = None
         self.ahead_skipped: set[int] = set()  # no room, or fetched elsewhere: try at the next ask
-        # A failed fetch ahead, raised by the batch that reads the shard: its attempts are spent.
-        self.ahead_errors: dict[int, Exception] = {}
+        self.ahead_errors: dict[int, Exception] = {}  # failed fetches, attempts spent
 
     def mine(self) -> None:
         if self.pid != os.getpid():
@@ -151,8 +150,7 @@ class RemoteSource:
             self.drop(next(iter(self.loose)))
 
     def drop_loose(self, keep: int = 0) -> bool:
-        """Lets go of loose shards, oldest first, until ``keep`` are left (under the
-        lock); True if any went."""
+        """Lets go of loose shards, oldest first, until ``keep`` are left (locked); True if any went."""
         gone = False
         while len(self.loose) > keep:
             self.drop(next(iter(self.loose)))
@@ -205,7 +203,7 @@ class RemoteSource:
             path = self.folder / info.file
             what = f"{self.url}: shard {k} ({info.file})"
             try:
-                fetch = functools.partial(self.fetch_ahead_one, k, what)
+                fetch = functools.partial(self.fetch, k, what)
                 done = self.cache.prefetch(path, self.sizes.size(k), fetch, self.to_raw(path))
             except Exception as e:
                 with self.lock:
@@ -214,6 +212,10 @@ class RemoteSource:
             if not done:
                 with self.lock:
                     self.ahead_skipped.add(k)
+
+    def forget_failures(self) -> None:  # a new epoch: shards that failed are tried again
+        with self.lock:
+            self.ahead_errors.clear()
 
     def squeeze(self) -> bool:
         """Lets go of the oldest loose shard (this process needs room); True if one went."""
@@ -270,21 +272,20 @@ class RemoteSource:
             with self.lock:
                 self.pending.pop(k, None)
 
-    def fetch_ahead_one(self, k: int, what: str) -> bytes:
-        """``fetch`` for the ahead thread: a failure is noted under the shard's fetch lock,
-        so the batch that reads the shard next raises it instead of trying again."""
+    def fetch(self, k: int, what: str) -> bytes:
+        """Shard k's verified bytes; a failure is noted under its fetch lock and raised
+        again, not retried, by every read of it until forget_failures."""
+        with self.lock:
+            if (failed := self.ahead_errors.get(k)) is not None:
+                raise failed
         try:
-            return self.fetch(k, what)
+            return self.fetch_checked(k, what)
         except Exception as e:
             with self.lock:
                 self.ahead_errors[k] = e
             raise
 
-    def fetch(self, k: int, what: str) -> bytes:
-        with self.lock:
-            failed = self.ahead_errors.pop(k, None)
-        if failed is not None:
-            raise failed
+    def fetch_checked(self, k: int, what: str) -> bytes:
         if self.transcode:  # its raw copy must fit beside what is held: known before the body
             self.sizes.check_fits(k, what)
             with self.lock:

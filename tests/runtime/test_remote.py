@@ -363,3 +363,21 @@ def test_a_truncated_cached_copy_says_how_to_recover(served: Path, tmp_path: Pat
         cached.unlink()
         assert remote.source.shard(1).num_samples == read_index(served / "a").shards[1].num_samples
         remote.close()
+
+
+def test_a_failed_shard_is_not_fetched_again_until_the_next_epoch(
+    served: Path, tmp_path: Path
+) -> None:
+    """Batches of one epoch that read a shard whose retries are spent raise its failure
+    (no second round of fetches, whichever thread asks); the next epoch tries again."""
+    with FaultProxy(root=served) as proxy:
+        proxy.fail("shard-00003", "corrupt", times=FAST.attempts)
+        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        loader = Loader(remote, batch_size=2, shuffle=False, prefetch=4)
+        with pytest.raises(LoaderError, match=r"shard 3 \(shard-00003\.dlop\)"):
+            epoch_batches(loader, 0)  # batches 2 samples wide: several read shard 3
+        assert proxy.count("shard-00003") == FAST.attempts
+        got = epoch_batches(Loader(remote, batch_size=2, shuffle=False), 1)
+        assert proxy.count("shard-00003") == FAST.attempts + 1  # a new epoch: fetched again
+        want = epoch_batches(Loader(served / "a", batch_size=2, shuffle=False), 1)
+        assert all(torch.equal(a["logmel"], b["logmel"]) for a, b in zip(got, want, strict=True))
