@@ -36,7 +36,7 @@ from .reader import BlockCache, Problem, ShardReader, Value
 from .schema import Field, check_schema
 from .skipped import encode_record, read_skipped
 from .units import UnitTable
-from .writer import ShardInfo, ShardWriter
+from .writer import IN_PLACE_SHARD_BYTES, ShardInfo, ShardWriter
 
 # How ArchiveReader.verify runs its per-shard check: ``map`` or a pool's ``map``.
 ShardMap = Callable[[Callable[[int], list[Problem]], Iterable[int]], Iterable[list[Problem]]]
@@ -315,7 +315,9 @@ class ArchiveWriter:
                         f"(SPEC.md §8); raise shard_bytes (now {self.shard_bytes})"
                     )
                 self._current = ShardWriter(
-                    self.directory / self.name_shard(len(self.shards)), self.fields
+                    self.directory / self.name_shard(len(self.shards)),
+                    self.fields,
+                    in_place=self.shard_bytes >= IN_PLACE_SHARD_BYTES,
                 )
             self._current.write(sample)
         if self._current is not None and self._current.bytes_written >= self.shard_bytes:

@@ -5,10 +5,11 @@ samples arrive (a block-coded field keeps only its current block in memory); clo
 lays out header and regions into a temporary file and renames it into place,
 so a shard file either is complete or does not exist.
 
-The values of the largest field stored as one plain region (a fixed-shape
-raw field: the bulk of most archives) go straight into that temporary shard
-file at their final offset, the file's first region, just past room reserved
-for the largest header the schema can have. They are never copied at close, and the kernel is asked to
+With ``in_place`` (ArchiveWriter asks for it for shards of IN_PLACE_SHARD_BYTES
+or more), the values of the largest field stored as one plain region (a
+fixed-shape raw field: the bulk of most archives) go straight into that
+temporary shard file at their final offset, the file's first region, just past
+room reserved for the largest header the schema can have. They are never copied at close, and the kernel is asked to
 start writing them back as they arrive, so the final fsync waits only for the
 last few megabytes.
 """
@@ -48,6 +49,9 @@ from .schema import Field, check_schema, footprint_bytes
 _COPY_CHUNK = 8 << 20
 # Bytes written into the shard file between requests to start their writeback.
 WRITEBACK_BYTES = 16 << 20
+# Shards an ArchiveWriter rotates at this size or more write their largest plain
+# field in place (smaller ones spool every field and stay as compact as can be).
+IN_PLACE_SHARD_BYTES = 16 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range, do not wait
 
 
@@ -285,15 +289,18 @@ class ShardWriter:
     or ``abort()`` (leaves nothing behind).
     """
 
-    def __init__(self, path: str | os.PathLike[str], fields: Sequence[Field]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], fields: Sequence[Field], in_place: bool = False
+    ) -> None:
         self.path = Path(path)
         self.fields = check_schema(fields)
         self.num_samples = 0
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         fields_ = list(self.fields.values())
-        # The values of the largest field stored as one plain region go straight into
-        # the shard file, past room for the largest header: the file's first region.
-        plain = [i for i, f in enumerate(fields_) if required_regions(f) == ("data",)]
+        # in_place: the values of the largest field stored as one plain region go
+        # straight into the shard file, past room for the largest header: the file's
+        # first region (worth its few KiB of room in large shards).
+        plain = [i for i, f in enumerate(fields_) if in_place and required_regions(f) == ("data",)]
         self._in_place = max(plain, key=lambda i: fields_[i].footprint_bytes, default=None)
         self._base = reserved_header_end(fields_) if self._in_place is not None else None
         self._sinks = [

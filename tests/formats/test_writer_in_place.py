@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlop.formats import Field, ShardReader, ShardWriter, Zstd
+from dlop.formats import ArchiveReader, ArchiveWriter, Field, ShardReader, ShardWriter, Zstd
 from dlop.formats import writer as writer_module
 from dlop.formats.header import required_regions
 
@@ -32,7 +32,7 @@ FIELDS = [Field("feat", "f16", (64, 32)), Field("label", "i64", ()), Field.str_(
 
 def test_the_first_fixed_raw_field_is_written_in_place(tmp_path: Path) -> None:
     path = tmp_path / "s.dlop"
-    w = ShardWriter(path, FIELDS)
+    w = ShardWriter(path, FIELDS, in_place=True)
     for i in range(5):
         w.write(sample(i))
     tmp = path.with_name(f".{path.name}.tmp")
@@ -59,7 +59,7 @@ def test_the_first_fixed_raw_field_is_written_in_place(tmp_path: Path) -> None:
 )
 def test_a_field_with_more_regions_is_spooled(tmp_path: Path, first: Field) -> None:
     assert required_regions(first) != ("data",)
-    w = ShardWriter(tmp_path / "s.dlop", [first, Field("label", "i64", ())])
+    w = ShardWriter(tmp_path / "s.dlop", [first, Field("label", "i64", ())], in_place=True)
     value = np.ones(7, np.float32) if first.ragged else np.ones((64, 32), np.float16)
     w.write({first.name: value, "label": 1})
     assert (tmp_path / ".s.dlop.f0.spool").exists()
@@ -73,7 +73,7 @@ def test_a_header_shorter_than_its_room_leaves_zero_pages(tmp_path: Path) -> Non
     for n in range(1, 400):
         fields = [Field("feat", "u8", (3,))] + [Field(f"extra_{k:03d}", "u8", ()) for k in range(n)]
         reserved = writer_module.reserved_header_end(fields)
-        with ShardWriter(tmp_path / "s.dlop", fields) as w:
+        with ShardWriter(tmp_path / "s.dlop", fields, in_place=True) as w:
             w.write(
                 {f.name: np.arange(3, dtype=np.uint8) if f.shape else np.uint8(1) for f in fields}
             )
@@ -101,7 +101,7 @@ def test_writeback_is_started_for_each_stretch_written(
         "_start_writeback",
         lambda fd, offset, nbytes, flags: calls.append((offset, nbytes, flags)) or 0,
     )
-    w = ShardWriter(tmp_path / "s.dlop", FIELDS)
+    w = ShardWriter(tmp_path / "s.dlop", FIELDS, in_place=True)
     for i in range(20):  # 4096 bytes each
         w.write(sample(i))
     base = writer_module.reserved_header_end(FIELDS)
@@ -116,7 +116,7 @@ def test_writeback_is_started_for_each_stretch_written(
 
 
 def test_an_aborted_shard_leaves_nothing(tmp_path: Path) -> None:
-    w = ShardWriter(tmp_path / "s.dlop", FIELDS)
+    w = ShardWriter(tmp_path / "s.dlop", FIELDS, in_place=True)
     w.write(sample(0))
     w.abort()
     assert list(tmp_path.iterdir()) == []
@@ -126,7 +126,7 @@ def test_the_largest_plain_field_comes_first_in_the_file(tmp_path: Path) -> None
     """A string key first in the schema (as compiled archives have it): the features,
     the largest plain field, are written in place and lie first; the rest follow."""
     fields = [Field.str_("key"), Field("label", "i64", ()), Field("feat", "f16", (64, 32))]
-    with ShardWriter(tmp_path / "s.dlop", fields) as w:
+    with ShardWriter(tmp_path / "s.dlop", fields, in_place=True) as w:
         for i in range(3):
             w.write({"key": f"k{i}", "label": i, "feat": np.full((64, 32), i, np.float16)})
         assert not (tmp_path / ".s.dlop.f2.spool").exists()
@@ -138,3 +138,31 @@ def test_the_largest_plain_field_comes_first_in_the_file(tmp_path: Path) -> None
     assert not r.verify()
     assert [r.sample(i)["key"] for i in range(3)] == ["k0", "k1", "k2"]
     assert float(r.sample(2)["feat"][5, 5]) == 2.0
+
+
+@pytest.mark.parametrize("shard_bytes", [1 << 10, writer_module.IN_PLACE_SHARD_BYTES])
+def test_archives_write_in_place_only_in_large_shards(tmp_path: Path, shard_bytes: int) -> None:
+    """Small shards spool every field and keep the compact layout (the header's own
+    page, regions in schema order); large ones write their largest plain field in place."""
+    with ArchiveWriter(tmp_path / "a", FIELDS, shard_bytes=shard_bytes) as w:
+        for i in range(3):
+            w.write(sample(i))
+    with ArchiveReader(tmp_path / "a") as r:
+        assert [r.sample(i)["key"] for i in range(3)] == ["k0", "k1", "k2"]
+    shard = ShardReader(next((tmp_path / "a").glob("*.dlop")))
+    first = min(shard.layout.fields, key=lambda f: f.regions["data"].offset)
+    large = shard_bytes >= writer_module.IN_PLACE_SHARD_BYTES
+    assert first.field.name == "feat"  # first in FIELDS too
+    want = writer_module.reserved_header_end(FIELDS) if large else shard.layout.header_end
+    assert first.regions["data"].offset == want
+
+
+def test_a_shard_writer_spools_every_field_unless_asked(tmp_path: Path) -> None:
+    fields = [Field.str_("key"), Field("feat", "f16", (64, 32))]
+    w = ShardWriter(tmp_path / "s.dlop", fields)
+    w.write({"key": "k", "feat": np.zeros((64, 32), np.float16)})
+    assert (tmp_path / ".s.dlop.f1.spool").exists()
+    w.close()
+    r = ShardReader(tmp_path / "s.dlop")
+    key, feat = r.layout.fields
+    assert key.regions["data"].offset < feat.regions["data"].offset  # schema order
