@@ -168,13 +168,19 @@ def test_a_folder_must_hold_one_manifest_to_compile(
         open_corpus(str(root / "demo_supervisions_dev.jsonl.gz"), "lhotse")
 
 
+def corpus_in_bucket(s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The Lhotse corpus, also copied to s3://lhdata/corpus; its local root."""
+    root = lhotse_corpus(tmp_path / "lh", monkeypatch)
+    s3.make_bucket("lhdata")
+    s3.filesystem().put(str(root), "lhdata/corpus", recursive=True)
+    return root
+
+
 @pytest.mark.slow
 def test_the_same_manifests_list_from_s3(
     s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root = lhotse_corpus(tmp_path / "lh", monkeypatch)
-    s3.make_bucket("lhdata")
-    s3.filesystem().put(str(root), "lhdata/corpus", recursive=True)
+    root = corpus_in_bucket(s3, tmp_path, monkeypatch)
     url = "s3://lhdata/corpus"
     local = open_corpus(str(root / "demo_supervisions_dev.jsonl.gz"), None)
     remote = open_corpus(f"{url}/demo_supervisions_dev.jsonl.gz", None)
@@ -197,9 +203,7 @@ def test_the_same_manifests_compile_from_s3_to_the_same_archive(
     s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Recordings named by relative path: the workers fetch them from the bucket."""
-    root = lhotse_corpus(tmp_path / "lh", monkeypatch)
-    s3.make_bucket("lhdata")
-    s3.filesystem().put(str(root), "lhdata/corpus", recursive=True)
+    root = corpus_in_bucket(s3, tmp_path, monkeypatch)
     for form in ("demo_supervisions_dev.jsonl.gz", "cuts"):
         local, remote = tmp_path / f"local-{form}", tmp_path / f"remote-{form}"
         compile_ok(str(root / form), "--layout", "lhotse", "-o", str(local))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -219,14 +220,21 @@ def test_frames_nothing_sampled_needs_are_skipped_and_the_pixels_stay(
     assert len(info.pts) == frames
 
 
+def full_decode(tmp_path: Path) -> tuple[Path, VisionConfig, list[Any]]:
+    """A 60-frame H.264 clip, an 8-frame uniform config, and the clips decode_clips gives."""
+    from dlop.compiler import video
+
+    path = write_video(tmp_path / "a" / "v.mp4", frames=60, size=(64, 48))
+    cfg = VisionConfig(clip="uniform", clip_frames=8)
+    return path, cfg, video.decode_clips(path, "v.mp4", cfg)[0]
+
+
 def test_a_decode_that_disagrees_with_the_probe_is_done_again_in_full(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from dlop.compiler import video
 
-    path = write_video(tmp_path / "a" / "v.mp4", frames=60, size=(64, 48))
-    cfg = VisionConfig(clip="uniform", clip_frames=8)
-    want, _ = video.decode_clips(path, "v.mp4", cfg)
+    path, cfg, want = full_decode(tmp_path)
     real = video.picked_pts
     # timestamps off by one: the frames decoded are not the ones picked, so all are decoded
     monkeypatch.setattr(video, "picked_pts", lambda *a: [p + 1 for p in real(*a)])
@@ -249,9 +257,7 @@ def test_a_skip_pass_that_fails_leaves_the_verdict_to_a_full_decode(
     from dlop.compiler import video
     from dlop.compiler.errors import InputError
 
-    path = write_video(tmp_path / "a" / "v.mp4", frames=60, size=(64, 48))
-    cfg = VisionConfig(clip="uniform", clip_frames=8)
-    want, _ = video.decode_clips(path, "v.mp4", cfg)
+    path, cfg, want = full_decode(tmp_path)
     real = video.frames_at
 
     def failing(container, stream, times, name, needed=None):  # type: ignore[no-untyped-def]
