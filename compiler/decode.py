@@ -18,6 +18,7 @@ import re
 import stat
 import struct
 import tempfile
+from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
@@ -132,39 +133,20 @@ def _plain_wav(
             count = present - min(start, present)
             count = count if wanted is None else min(wanted, count)
             r.seek(layout.data_offset + min(start, present) * width)
-            data = _read_frames(r, name, count, dtype, channels, mix)
+            data = _read_blocks(
+                lambda buf: r.readinto(buf.data.cast("B")) // width,
+                name,
+                count,
+                dtype,
+                channels,
+                mix,
+            )
     except OSError:
         return None  # libsndfile reads it again and reports its own error
-    if data is None:
-        return None
+    if data.shape[1] != count:
+        return None  # the file ended early (it changed): libsndfile reads it again
     _check_length(name, data.shape[1], layout.data_bytes // width, start, wanted, 0)
     return data, rate
-
-
-def _read_frames(
-    r: io.FileIO | io.BytesIO,
-    name: str,
-    count: int,
-    dtype: np.dtype[Any],
-    channels: int,
-    mix: str | None,
-) -> np.ndarray | None:
-    """``count`` interleaved frames from ``r``'s position as float32 ``[channels or 1, count]``,
-    converted and mixed as ``_read_blocks`` does; None when the file ends early (it changed)."""
-    out = np.empty((1 if mix is not None and channels > 1 else channels, count), np.float32)
-    buf = np.empty((min(count, _BLOCK_FRAMES), channels), dtype)
-    finite = _NonFinite()
-    pos = 0
-    while pos < count:
-        raw = buf[: min(_BLOCK_FRAMES, count - pos)]
-        if r.readinto(raw.data.cast("B")) != raw.nbytes:
-            return None
-        if dtype.kind == "f":
-            finite.add(raw)
-        _convert(raw, out[:, pos : pos + raw.shape[0]], mix)
-        pos += raw.shape[0]
-    finite.check(name)
-    return out
 
 
 def _mixed(block: np.ndarray, mix: str | None) -> np.ndarray:
@@ -362,8 +344,24 @@ def _soundfile_read(
     if declared is not None:
         left = max(0, f.frames - f.tell())
         count = left if count is None else min(count, left)
+    done = 0
+
+    def read(buf: np.ndarray) -> int:
+        nonlocal done
+        try:
+            got = int(f.read(out=buf).shape[0])
+        except (sf.LibsndfileError, RuntimeError) as e:
+            stop = start + done + len(buf)
+            of = f" of {declared} declared" if declared is not None else ""
+            raise InputError(
+                name, f"cannot decode frames {start + done}-{stop}{of}: {_sf_reason(e)}"
+            ) from None
+        done += got
+        return got
+
+    dtype = np.dtype(np.int16 if subtype == "PCM_16" else np.float32)
     try:
-        data = _read_blocks(f, name, count, channels, subtype, start, declared, mix)
+        data = _read_blocks(read, name, count, dtype, channels, mix)
     except InputError:
         if declared is not None:
             raise
@@ -377,49 +375,39 @@ def _soundfile_read(
 
 
 def _read_blocks(
-    f: Any,
+    read: Callable[[np.ndarray], int],
     name: str,
     count: int | None,
+    dtype: np.dtype[Any],
     channels: int,
-    subtype: str,
-    start: int,
-    declared: int | None,
     mix: str | None,
 ) -> np.ndarray:
     """Up to ``count`` frames (all that follow when None) as float32 ``[channels, frames]``.
 
-    Read block by block into one reused buffer and converted into the output
-    as they come: the file's samples are never held whole in a second form.
-    PCM_16 is read as int16 and scaled by 1/32768 in float32, the same values
-    as libsndfile's own conversion (x / 32768 is exact) in a third of the time.
+    ``read(buf)`` fills the leading frames of ``buf`` (``[frames, channels]`` of ``dtype``:
+    int16 for PCM_16, else float32) and returns how many; fewer than asked ends the
+    stream. Read block by block into one reused buffer and converted into the output
+    as they come: the file's samples are never held whole in a second form. int16 is
+    scaled by 1/32768 in float32, the same values as libsndfile's own conversion
+    (x / 32768 is exact) in a third of the time; float samples are checked finite.
     """
-    import soundfile as sf
-
-    def fail(at: int, e: BaseException) -> InputError:
-        stop = at + _BLOCK_FRAMES if count is None else min(at + _BLOCK_FRAMES, start + count)
-        of = f" of {declared} declared" if declared is not None else ""
-        return InputError(name, f"cannot decode frames {at}-{stop}{of}: {_sf_reason(e)}")
-
-    pcm16 = subtype == "PCM_16"
-    buf = np.empty((_BLOCK_FRAMES, channels), np.int16 if pcm16 else np.float32)
+    block = _BLOCK_FRAMES if count is None else max(1, min(count, _BLOCK_FRAMES))
+    buf = np.empty((block, channels), dtype)
     out_channels = 1 if mix is not None else channels
     finite = _NonFinite()
     out = np.empty((out_channels, count if count is not None else _BLOCK_FRAMES), np.float32)
     parts: list[np.ndarray] = []  # full outputs, when the length is not known ahead
     pos = filled = 0
     while count is None or pos < count:
-        n = _BLOCK_FRAMES if count is None else min(_BLOCK_FRAMES, count - pos)
-        try:
-            got = f.read(out=buf[:n]).shape[0]
-        except (sf.LibsndfileError, RuntimeError) as e:
-            raise fail(start + pos, e) from None
+        n = block if count is None else min(block, count - pos)
+        got = read(buf[:n])
         if got:
             raw = buf[:got]
             if count is None and filled + got > out.shape[1]:
                 parts.append(out[:, :filled])
                 out = np.empty((out_channels, max(out.shape[1] * 2, got)), np.float32)
                 filled = 0
-            if not pcm16:
+            if dtype.kind == "f":
                 finite.add(raw)
             _convert(raw, out[:, filled : filled + got], mix)
             filled += got
