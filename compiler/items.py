@@ -275,11 +275,12 @@ def _stored(feat: torch.Tensor, recipe: Recipe, name: str) -> np.ndarray:
     """float32 features in the recipe's stored dtype, refused when they would not be finite."""
     dtype = getattr(torch, recipe.dtype)
     if feat.numel():
-        # One float32 reduction says whether the stored values will be finite:
-        # NaN propagates through amax, and anything beyond the stored type's
-        # largest value would round to infinity.
-        peak = float(feat.abs().amax())
-        if not peak <= torch.finfo(dtype).max:
+        # One float32 pass (no temporary) says whether the stored values will be
+        # finite: NaN propagates through aminmax, and anything beyond the stored
+        # type's largest value would round to infinity.
+        low, high = torch.aminmax(feat)
+        largest = torch.finfo(dtype).max
+        if not -largest <= float(low) <= float(high) <= largest:
             raise InputError(name, f"features are not finite in {recipe.dtype}")
     return _store(feat.to(dtype))
 

@@ -20,6 +20,7 @@ exactly the units without one.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import multiprocessing
 import os
@@ -113,6 +114,7 @@ def _init_worker(
         storage_options=storage_options,
         systems={},  # this compile's fsspec filesystems in this worker (units.process_fetched)
     )
+    gc.freeze()  # what the worker starts with is never garbage; see _heap_frozen
 
 
 def _die_with_driver(driver: int = 0) -> None:
@@ -242,6 +244,50 @@ def compile_corpus(
     ``unit_inputs``: inputs per work unit (default by media, UNIT_INPUTS). ``dask``: a scheduler address, or ``local:N`` for a LocalCluster of N
     worker processes; None runs ``workers`` local processes.
     """
+    with _heap_frozen():
+        return _compile(
+            recipe,
+            out,
+            workers,
+            resume,
+            overwrite,
+            progress,
+            on_progress,
+            unit_inputs,
+            dask,
+            storage_options,
+        )
+
+
+@contextlib.contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """The objects that exist when a compile starts (the caller's, torch's: a few hundred
+    thousand) are left out of the cyclic garbage collector's scans until it ends: each full
+    scan of them cost about 65 ms, a few percent of a one-worker compile of 2,000 clips,
+    while nothing the compile makes can free them. Objects made during the compile are
+    collected as usual. A caller that froze its own heap keeps it frozen."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _compile(
+    recipe: Recipe,
+    out: str | os.PathLike[str],
+    workers: int | None,
+    resume: bool,
+    overwrite: bool,
+    progress: bool,
+    on_progress: Callable[[int], None] | None,
+    unit_inputs: int | None,
+    dask: str | None,
+    storage_options: dict[str, Any] | None,
+) -> Index:
     if is_url(out):  # before the listing: a refused OUT costs no listing of the corpus
         check_apart(os.fspath(out), recipe)
     corpus = open_corpus(

@@ -1,0 +1,62 @@
+"""Features refused when the stored dtype cannot hold them; the caller's heap during a compile."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from dlop.compiler import pipeline
+from dlop.compiler.errors import InputError
+from dlop.compiler.items import _stored
+from dlop.compiler.recipe import build_recipe
+
+from .fixtures import esc50_corpus
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), float("-inf"), 65520.0, -65520.0, 1e30]
+)
+def test_values_float16_cannot_hold_are_refused(value: float) -> None:
+    feat = torch.zeros(4, 3)
+    feat[2, 1] = value
+    recipe = SimpleNamespace(dtype="float16")
+    with pytest.raises(InputError, match="features are not finite in float16"):
+        _stored(feat, recipe, "clip.wav")  # type: ignore[arg-type]
+
+
+def test_largest_float16_values_are_kept() -> None:
+    feat = torch.tensor([[65504.0, -65504.0], [0.5, -3.0]])
+    out = _stored(feat, SimpleNamespace(dtype="float16"), "clip.wav")  # type: ignore[arg-type]
+    assert out.dtype == np.float16
+    assert out.tolist() == [[65504.0, -65504.0], [0.5, -3.0]]
+    wide = _stored(feat * 1e6, SimpleNamespace(dtype="float32"), "c")  # type: ignore[arg-type]
+    assert wide.dtype == np.float32 and np.isfinite(wide).all()
+
+
+def test_compile_leaves_the_callers_heap_as_it_found_it(tmp_path: Path) -> None:
+    corpus = esc50_corpus(tmp_path / "esc", [("wav", 22050, 1)] * 4)
+    recipe = build_recipe({"preset": "librosa", "source": str(corpus), "layout": "esc50"})
+    seen: list[int] = []
+    real = pipeline._compile
+
+    def spy(*args: object) -> object:
+        seen.append(gc.get_freeze_count())
+        return real(*args)  # type: ignore[arg-type]
+
+    pipeline._compile = spy  # type: ignore[assignment]
+    try:
+        assert gc.get_freeze_count() == 0
+        pipeline.compile_corpus(recipe, tmp_path / "a", workers=1, progress=False)
+        assert seen[-1] > 0 and gc.get_freeze_count() == 0  # frozen while it ran, not after
+        gc.freeze()  # a caller that froze its heap keeps it frozen
+        frozen = gc.get_freeze_count()
+        pipeline.compile_corpus(recipe, tmp_path / "b", workers=1, progress=False)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        pipeline._compile = real  # type: ignore[assignment]
+        gc.unfreeze()
