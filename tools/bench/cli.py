@@ -73,7 +73,9 @@ class _Run:
             from . import compile_bench
 
             a = self.args
-            self._compiled = compile_bench.run(self.work / "compile", a.clips, a.scale, a.workers)
+            self._compiled = compile_bench.run(
+                self.work / "compile", a.clips, a.scale, a.workers, a.repeats
+            )
         return self._compiled
 
 

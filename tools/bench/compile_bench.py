@@ -1,11 +1,15 @@
 """dlop-compile against its own limit and one epoch of the naive per-sample DataLoader.
 
-In one run, per core: decode-only samples/s (the corpus's files through
-soundfile.read and through the compiler's own decode), featurize-only
-samples/s on pre-decoded audio (batched as the compiler does), their combined
-limit 1 / (1/decode + 1/featurize) with the faster decode, and the compile's
-samples/s at 1 and N workers as a fraction of N x that limit, with its peak
-RSS; and compile memory at 10x scale.
+Per core: decode-only samples/s (the corpus's files through soundfile.read and
+through the compiler's own decode), featurize-only samples/s on pre-decoded
+audio (batched as the compiler does), their combined limit
+1 / (1/decode + 1/featurize) with the faster decode, and the compile's samples/s
+at 1 and N workers as a fraction of N x that limit, with its peak RSS and CPU
+time; and compile memory at 10x scale. The naive epoch, the limit's parts and
+the compiles are timed in interleaved rounds (each in turn, ``repeats`` times):
+rates are medians, and each ratio is the median of its rounds' ratios, with
+their range, so that a slow spell of the machine falls on a round's baseline
+and its compile alike.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dlop.compiler.features import feature_config, featurize_clips
 from dlop.compiler.items import GROUP_SAMPLES
 from dlop.compiler.pipeline import CHUNK_ITEMS
 
-from .common import Row, rate_row
+from .common import Row
 from .corpus import esc50_wavs, replicate
 from .naive import epoch, naive_loader
 from .procmem import PeakSampler, tree_rss_kib
@@ -56,31 +60,36 @@ from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
 options, out, workers = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 recipe = build_recipe(options)
-t0 = time.perf_counter()
+c0, t0 = time.process_time(), time.perf_counter()
 index = compile_corpus(recipe, out, workers=workers, progress=False, overwrite=True)
-print(index.num_samples, time.perf_counter() - t0)
+print(index.num_samples, time.perf_counter() - t0, time.process_time() - c0)
 """
 
 
-def timed_compile(options: dict[str, Any], out: Path, workers: int) -> tuple[float, int, int]:
-    """(seconds, peak RSS in KiB of the compile and its workers, samples): the recipe
-    ``options`` compiled in a fresh process, as dlop-compile runs, timed from after
-    its imports."""
+@dataclass(frozen=True)
+class Timed:
+    """One compile in a fresh process."""
+
+    seconds: float  # from after its imports to the index written
+    peak_kib: int  # peak RSS of the compile and its workers together
+    samples: int
+    cpu_s: float  # user + system CPU time of the compiling process itself (not its workers)
+
+
+def timed_compile(options: dict[str, Any], out: Path, workers: int) -> Timed:
+    """The recipe ``options`` compiled in a fresh process, as dlop-compile runs."""
     cmd = [sys.executable, "-c", _COMPILE, json.dumps(options), str(out), str(workers)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     with PeakSampler(lambda: tree_rss_kib(proc.pid), 0.1) as peak:
         stdout, _ = proc.communicate()
     if proc.returncode:
         raise RuntimeError(f"compile into {out} failed with exit status {proc.returncode}")
-    samples, seconds = stdout.split()[-2:]
-    return float(seconds), peak.peak, int(samples)
+    samples, seconds, cpu = stdout.split()[-3:]
+    return Timed(float(seconds), peak.peak, int(samples), float(cpu))
 
 
-def _timed_compile(corpus: Path, out: Path, workers: int) -> tuple[float, int]:
-    """(seconds, peak RSS in KiB): DEMO_RECIPE compiled in a fresh process."""
-    options = {**DEMO_RECIPE, "source": str(corpus), "shard_bytes": "4GiB"}
-    took, peak, _ = timed_compile(options, out, workers)
-    return took, peak
+def _esc_options(corpus: Path) -> dict[str, Any]:
+    return {**DEMO_RECIPE, "source": str(corpus), "shard_bytes": "4GiB"}
 
 
 def _decode_rate(files: list[Path]) -> float:
@@ -101,9 +110,10 @@ def _dlop_decode_rate(files: list[Path]) -> float:
     return len(files) / (time.perf_counter() - t0)
 
 
-def _featurize_rate(files: list[Path], repeats: int = 3) -> float:
+def _featurize_rate(waves: list[torch.Tensor], min_s: float = 0.5) -> float:
     """Clips/s of featurization alone on pre-decoded audio, one torch thread, grouped as
-    a worker groups its inputs, float16 output included (median of repeats)."""
+    a worker groups its inputs, float16 output included: passes over ``waves`` for at
+    least ``min_s`` seconds."""
     cfg = feature_config(
         str(DEMO_RECIPE["preset"]),
         sample_rate=DEMO_RECIPE["sample_rate"],
@@ -111,14 +121,13 @@ def _featurize_rate(files: list[Path], repeats: int = 3) -> float:
         hop_length=DEMO_RECIPE["hop_length"],
         n_mels=DEMO_RECIPE["n_mels"],
     )
-    waves = [torch.from_numpy(sf.read(f, dtype="float32")[0]) for f in files]
     size = CHUNK_ITEMS["audio"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    times = []
+    done = 0
     try:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        while not done or time.perf_counter() - t0 < min_s:
             for g in range(0, len(waves), size):
                 group = waves[g : g + size]
                 held = sum(w.numel() for w in group)
@@ -126,63 +135,102 @@ def _featurize_rate(files: list[Path], repeats: int = 3) -> float:
                 for k in range(0, len(group), step):
                     for feat in featurize_clips(group[k : k + step], cfg):
                         feat.to(torch.float16)
-            times.append(time.perf_counter() - t0)
+            done += len(waves)
+        return done / (time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-    return len(waves) / statistics.median(times)
 
 
-def run(work: Path, clips: int, scale: int, workers: int) -> tuple[list[Row], Made]:
+def _spread(values: list[float]) -> list[float]:
+    """A ratio's rounds, low to high, as the rows give them."""
+    return sorted(round(v, 2) for v in values)
+
+
+def run(
+    work: Path, clips: int, scale: int, workers: int, repeats: int = 3
+) -> tuple[list[Row], Made]:
     corpus = esc50_wavs(work / "esc", clips)
     raw = corpus_bytes(corpus)
     files = sorted((corpus / "audio").iterdir())
+    waves = [torch.from_numpy(sf.read(f, dtype="float32")[0]) for f in files[:FEATURIZE_CLIPS]]
     wl = (
         f"compile: ESC-50-shaped {clips} clips, 5 s 44.1 kHz WAV ({raw / 2**20:.0f} MiB) "
         "-> 128-mel log-mel"
     )
-    t0 = time.perf_counter()
-    n = epoch(naive_loader(corpus, batch_size=64, workers=workers))
-    t_naive = time.perf_counter() - t0
-    naive = rate_row(
-        wl, f"naive DataLoader epoch ({workers} workers)", n, t_naive, seconds=round(t_naive, 2)
+    counts = sorted({1, workers})
+    naive_rates: list[float] = []
+    sf_rates: list[float] = []
+    own_rates: list[float] = []
+    feat_rates: list[float] = []
+    limits: list[float] = []
+    compiles: dict[int, list[Timed]] = {w: [] for w in counts}
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        n = epoch(naive_loader(corpus, batch_size=64, workers=workers))
+        naive_rates.append(n / (time.perf_counter() - t0))
+        # the limit, per core: decode alone and featurize alone, in this round
+        sf_rates.append(_decode_rate(files))
+        own_rates.append(_dlop_decode_rate(files))
+        feat_rates.append(_featurize_rate(waves))
+        limits.append(1 / (1 / max(sf_rates[-1], own_rates[-1]) + 1 / feat_rates[-1]))
+        for w in counts:
+            compiles[w].append(timed_compile(_esc_options(corpus), work / f"esc-{w}", w))
+    median = statistics.median
+    naive_rate = median(naive_rates)
+    naive = Row(
+        wl, f"naive DataLoader epoch ({workers} workers)", naive_rate, extra={"rounds": repeats}
     )
-    naive_rate = naive.samples_per_s or 0.0
-    rows = [naive]
-    # the limit, per core: decode alone and featurize alone, in this run
-    sf_decode = _decode_rate(files)
-    own_decode = _dlop_decode_rate(files)
-    decode = max(sf_decode, own_decode)
-    featurize = _featurize_rate(files[:FEATURIZE_CLIPS])
-    limit = 1 / (1 / decode + 1 / featurize)
     per_core = "1 core"
-    rows.append(Row(wl, f"decode only: soundfile.read ({per_core})", sf_decode))
-    rows.append(Row(wl, f"decode only: dlop decode_audio ({per_core})", own_decode))
-    rows.append(
+    rows = [
+        naive,
+        Row(wl, f"decode only: soundfile.read ({per_core})", median(sf_rates)),
+        Row(wl, f"decode only: dlop decode_audio ({per_core})", median(own_rates)),
         Row(
             wl,
             f"featurize only: pre-decoded, groups of {CHUNK_ITEMS['audio']} ({per_core})",
-            featurize,
-        )
-    )
-    rows.append(Row(wl, f"limit: 1 / (1/faster decode + 1/featurize) ({per_core})", limit))
+            median(feat_rates),
+        ),
+        Row(
+            wl,
+            f"limit: 1 / (1/faster decode + 1/featurize) ({per_core})",
+            median(limits),
+            extra={"rounds": _spread(limits)},
+        ),
+    ]
     archive = work / "esc-archive"
-    for w in sorted({1, workers}):
-        out = work / f"esc-{w}"
-        took, peak = _timed_compile(corpus, out, w)
+    for w in counts:
+        timed = compiles[w]
+        rates = [t.samples / t.seconds for t in timed]
+        of_limit = [r / (w * lim) for r, lim in zip(rates, limits, strict=True)]
+        per_worker = [r / w / (nr / workers) for r, nr in zip(rates, naive_rates, strict=True)]
         rows.append(
-            rate_row(
+            Row(
                 wl,
                 f"dlop-compile ({w} worker{'s' if w > 1 else ''})",
-                clips,
-                took,
-                base=naive,
-                base_name="naive epoch",
-                of_limit=round(clips / took / (w * limit), 2),
-                vs_naive_per_worker=round(clips / took / w / (naive_rate / workers), 2),
-                peak_rss_MiB=round(peak / 1024),
-                seconds=round(took, 2),
+                median(rates),
+                vs_baseline=median(r / nr for r, nr in zip(rates, naive_rates, strict=True)),
+                baseline="naive epoch",
+                extra={
+                    "of_limit": round(median(of_limit), 2),
+                    "of_limit_rounds": _spread(of_limit),
+                    "vs_naive_per_worker": round(median(per_worker), 2),
+                    "vs_naive_per_worker_rounds": _spread(per_worker),
+                    "peak_rss_MiB": round(max(t.peak_kib for t in timed) / 1024),
+                    "seconds": round(median(t.seconds for t in timed), 2),
+                },
             )
         )
+        if w == 1:
+            # CPU time per clip against the limit's, where all the work is in one process:
+            # what share of a core's work is decode and featurize, whatever the machine's
+            # other load did to the wall clock
+            cpu = [t.samples / t.cpu_s / lim for t, lim in zip(timed, limits, strict=True)]
+            rows[-1].extra.update(
+                cpu_s=round(median(t.cpu_s for t in timed), 2),
+                cpu_of_limit=round(median(cpu), 2),
+                cpu_of_limit_rounds=_spread(cpu),
+            )
+        out = work / f"esc-{w}"
         if w == workers:
             out.rename(archive)
             size = sum(p.stat().st_size for p in archive.glob("*.dlop"))
@@ -193,13 +241,16 @@ def run(work: Path, clips: int, scale: int, workers: int) -> tuple[list[Row], Ma
             shutil.rmtree(out, ignore_errors=True)
     big = replicate(corpus, work / "esc-x", scale)
     out = work / "esc-x-archive"
-    took, peak = _timed_compile(big, out, workers)
+    timed_big = timed_compile(_esc_options(big), out, workers)
     rows.append(
         Row(
             f"compile memory: {clips * scale} clips ({scale}x, {raw * scale / 2**30:.1f} GiB of WAV)",
             f"dlop-compile, {workers} workers, peak RSS of all processes",
-            clips * scale / took,
-            extra={"peak_rss_MiB": round(peak / 1024), "seconds": round(took, 1)},
+            clips * scale / timed_big.seconds,
+            extra={
+                "peak_rss_MiB": round(timed_big.peak_kib / 1024),
+                "seconds": round(timed_big.seconds, 1),
+            },
         )
     )
     shutil.rmtree(out, ignore_errors=True)

@@ -267,8 +267,9 @@ def _workload(
     compiled, naive_rates = [], []
     samples = 0
     for _ in range(repeats):
-        took, _, samples = timed_compile({"source": str(corpus), **options}, archive, workers)
-        compiled.append(samples / took)
+        timed = timed_compile({"source": str(corpus), **options}, archive, workers)
+        samples = timed.samples
+        compiled.append(samples / timed.seconds)
         naive_rates.append(_naive_rate(dataset, naive_batch, workers)[0])
     rate, naive_rate = statistics.median(compiled), statistics.median(naive_rates)
     ratios = sorted(c / n for c, n in zip(compiled, naive_rates, strict=True))
