@@ -88,9 +88,9 @@ def decode_audio(
     """
     if mix is not None and mix not in DOWNMIX_POLICIES:
         raise ValueError(f"downmix {mix!r} must be one of {', '.join(DOWNMIX_POLICIES)}")
-    check_file(source, name)
     decoded = _plain_wav(source, name, offset, duration, mix) if PLAIN_WAV_READER else None
     if decoded is None:
+        check_file(source, name)  # a file the plain reader took exists and is not empty
         decoded = _soundfile(source, name, offset, duration, mix)
     if decoded is None:
         decoded = _pyav(source, name, offset, duration, mix)
@@ -110,10 +110,17 @@ def _plain_wav(
     them), and the declared length is ``_wav_declared_frames``'s.
     """
     try:
-        # unbuffered: the header is a few small reads, the samples one read into their array
-        with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb", 0) as r:
-            if isinstance(r, io.FileIO) and not stat.S_ISREG(os.fstat(r.fileno()).st_mode):
-                return None
+        # unbuffered: the header comes from one read of the first 4 KiB (wav.HeadFirst), the
+        # samples from one read into their array
+        with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb", 0) as f:
+            if isinstance(source, bytes):
+                head, size = source[: wav.HEAD_BYTES], len(source)
+            else:
+                status = os.fstat(f.fileno())
+                if not stat.S_ISREG(status.st_mode):
+                    return None
+                head, size = os.pread(f.fileno(), wav.HEAD_BYTES, 0), status.st_size
+            r = wav.HeadFirst(f, head, size)
             layout = wav.read_layout(r)
             if layout is None or not layout.plain or layout.data_bytes in (0, 0xFFFFFFFF):
                 return None
@@ -132,9 +139,9 @@ def _plain_wav(
             present = min(layout.data_bytes, layout.file_bytes - layout.data_offset) // width
             count = present - min(start, present)
             count = count if wanted is None else min(wanted, count)
-            r.seek(layout.data_offset + min(start, present) * width)
+            f.seek(layout.data_offset + min(start, present) * width)
             data = _read_blocks(
-                lambda buf: r.readinto(buf.data.cast("B")) // width,
+                lambda buf: f.readinto(buf.data.cast("B")) // width,
                 name,
                 count,
                 dtype,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO
+from typing import Protocol
 
 import numpy as np
 
@@ -29,7 +29,39 @@ _LIST_TEXT |= {b"ISBJ", b"ISRC"}
 _LIST_TEXT_MAX = 1024
 
 
-def chunks(r: IO[bytes], pos: int) -> Iterator[tuple[bytes, int, int]]:
+HEAD_BYTES = 4096  # what one read takes from a WAV's start: every header of a common file
+
+
+class Readable(Protocol):
+    def seek(self, pos: int, whence: int = 0, /) -> int: ...
+    def read(self, n: int = -1, /) -> bytes: ...
+
+
+class HeadFirst:
+    """A file's first ``len(head)`` bytes, read in one call, behind the seek and read the
+    chunk walker uses: a plain WAV's header is parsed without a system call per chunk.
+    A read reaching past them goes to the file itself."""
+
+    def __init__(self, raw: Readable, head: bytes, size: int) -> None:
+        self._raw, self._head, self._pos, self._size = raw, head, 0, size
+
+    def seek(self, pos: int, whence: int = 0, /) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + pos
+        return self._pos
+
+    def read(self, n: int = -1, /) -> bytes:
+        end = self._pos + n
+        if n >= 0 and end <= len(self._head):
+            data = self._head[self._pos : end]
+        else:
+            self._raw.seek(self._pos)
+            data = self._raw.read(n)
+        self._pos += len(data)
+        return data
+
+
+def chunks(r: Readable, pos: int) -> Iterator[tuple[bytes, int, int]]:
     """``(id, header offset, declared size)`` of each RIFF chunk from byte ``pos`` on.
 
     Each chunk starts after the previous one's size and pad byte; the walk
@@ -70,7 +102,7 @@ class WavLayout:
         return int(struct.unpack("<H", self.fmt[12:14])[0]) if len(self.fmt) >= 14 else 0
 
 
-def read_layout(r: IO[bytes]) -> WavLayout | None:
+def read_layout(r: Readable) -> WavLayout | None:
     """The layout of a little-endian RIFF/WAVE file, or None (RIFX, RF64, W64, no data chunk)."""
     file_bytes = r.seek(0, 2)
     r.seek(0)
@@ -89,7 +121,7 @@ def read_layout(r: IO[bytes]) -> WavLayout | None:
     return None
 
 
-def plain_tail(r: IO[bytes], layout: WavLayout) -> bool:
+def plain_tail(r: Readable, layout: WavLayout) -> bool:
     """Whether only chunks libsndfile steps over follow the data chunk, ending at the file's end."""
     if layout.data_end >= layout.file_bytes:
         return True
@@ -124,7 +156,7 @@ def sample_format(fmt: bytes) -> tuple[np.dtype[np.generic], int, int] | None:
     return None
 
 
-def _steps_over(r: IO[bytes], cid: bytes, pos: int, size: int, fmt: bytes) -> bool:
+def _steps_over(r: Readable, cid: bytes, pos: int, size: int, fmt: bytes) -> bool:
     """Whether libsndfile's header parser leaves this chunk exactly at its end, without error."""
     if size % 2:
         return False  # libsndfile does not skip the pad byte after most chunks

@@ -23,6 +23,7 @@ import soundfile as sf
 from dlop.compiler import decode
 from dlop.compiler.decode import DOWNMIX_POLICIES, decode_audio
 from dlop.compiler.errors import InputError
+from dlop.compiler.wav import HeadFirst
 
 RATE = 8000
 SPANS = [(0.0, None), (0.01, 0.05), (0.0, 10.0), (0.1, None), (5.0, 1.0), (0.124, 0.01)]
@@ -285,3 +286,27 @@ def test_a_header_that_understates_the_length(
     data = set_u32(data, data_at(data) + 4, 2000)
     kinds = check_same(monkeypatch, data, tmp_path, spans=SPANS[:2], mixes=(None,))
     assert any("the header understates the length" in k for k in kinds)
+
+
+@pytest.mark.parametrize("head_len", [0, 3, 40, 4096])
+def test_head_first_reads_as_the_file_does(head_len: int) -> None:
+    """Seeks and reads inside the head, across its end and past the file's end give the
+    file's own bytes and positions."""
+    data = np.random.default_rng(head_len).integers(0, 256, 300, dtype=np.uint8).tobytes()
+    plain = io.BytesIO(data)
+    r = HeadFirst(io.BytesIO(data), data[:head_len], len(data))
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        step = int(rng.integers(0, 4))
+        if step == 0:
+            pos = int(rng.integers(0, 320))
+            assert r.seek(pos) == plain.seek(pos)
+        elif step == 1:
+            pos = -int(rng.integers(0, 300))
+            assert r.seek(pos, 2) == plain.seek(pos, 2)
+        elif step == 2:
+            pos = int(rng.integers(-plain.tell(), 40))
+            assert r.seek(pos, 1) == plain.seek(pos, 1)
+        else:
+            n = int(rng.integers(-1, 60))
+            assert r.read(n) == plain.read(n)
