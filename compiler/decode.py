@@ -112,7 +112,7 @@ def _plain_wav(
     try:
         # unbuffered: the header comes from one read of the first 4 KiB (wav.HeadFirst), the
         # samples from one read into their array
-        with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb", 0) as f:
+        with io.BytesIO(source) if isinstance(source, bytes) else _open_unbuffered(source) as f:
             if isinstance(source, bytes):
                 head, size = source[: wav.HEAD_BYTES], len(source)
             else:
@@ -154,6 +154,17 @@ def _plain_wav(
         return None  # the file ended early (it changed): libsndfile reads it again
     _check_length(name, data.shape[1], layout.data_bytes // width, start, wanted, 0)
     return data, rate
+
+
+def _open_unbuffered(path: str | os.PathLike[str]) -> io.FileIO:
+    """The file for reading, opened without blocking: opening a FIFO with no writer would
+    wait for one forever (check_file then reports it as an empty file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        return io.FileIO(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _mixed(block: np.ndarray, mix: str | None) -> np.ndarray:

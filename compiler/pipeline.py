@@ -265,7 +265,9 @@ def _heap_frozen() -> Iterator[None]:
     thousand) are left out of the cyclic garbage collector's scans until it ends: each full
     scan of them cost about 65 ms, a few percent of a one-worker compile of 2,000 clips,
     while nothing the compile makes can free them. Objects made during the compile are
-    collected as usual. A caller that froze its own heap keeps it frozen."""
+    collected as usual. A caller that froze its own heap keeps it frozen; anything frozen
+    while the compile runs (by another thread, or an on_progress callback) is unfrozen
+    with the rest when it ends."""
     if gc.get_freeze_count():
         yield
         return

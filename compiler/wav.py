@@ -47,12 +47,16 @@ class HeadFirst:
 
     def seek(self, pos: int, whence: int = 0, /) -> int:
         base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        if base + pos < 0:
+            raise OSError(f"seek to a negative position ({base + pos})")
         self._pos = base + pos
         return self._pos
 
     def read(self, n: int = -1, /) -> bytes:
+        left = max(0, self._size - self._pos)  # a chunk's declared size may be far beyond it
+        n = left if n < 0 else min(n, left)
         end = self._pos + n
-        if n >= 0 and end <= len(self._head):
+        if end <= len(self._head):
             data = self._head[self._pos : end]
         else:
             self._raw.seek(self._pos)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -334,3 +336,26 @@ def test_pyav_keeps_only_the_span_and_mixes_the_same(tmp_path: Path) -> None:
     np.testing.assert_array_equal(span, full[:, 8000:28000])
     mixed, _ = decode_audio(path, "a.mka", offset=0.5, duration=1.25, mix="mean")
     np.testing.assert_array_equal(mixed[0], downmix(full[:, 8000:28000], "mean"))
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.wav"
+    os.mkfifo(fifo)
+    outcome: list[BaseException | None] = []
+
+    def decode() -> None:
+        try:
+            decode_audio(fifo, "pipe.wav")
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=decode, daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():  # blocked opening the FIFO: let it go before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("decoding a FIFO waited for a writer")
+    assert isinstance(outcome[0], InputError)
+    assert "pipe.wav: empty file (0 bytes)" in str(outcome[0])

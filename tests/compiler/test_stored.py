@@ -36,6 +36,15 @@ def test_largest_float16_values_are_kept() -> None:
     assert out.tolist() == [[65504.0, -65504.0], [0.5, -3.0]]
     wide = _stored(feat * 1e6, SimpleNamespace(dtype="float32"), "c")  # type: ignore[arg-type]
     assert wide.dtype == np.float32 and np.isfinite(wide).all()
+    brain = _stored(feat * 1e30, SimpleNamespace(dtype="bfloat16"), "c")  # type: ignore[arg-type]
+    assert brain.dtype == np.uint16  # bfloat16 travels as its bit pattern
+
+
+@pytest.mark.parametrize("value", [-3.4e38, 3.4e38, float("nan")])
+def test_values_bfloat16_cannot_hold_are_refused(value: float) -> None:
+    feat = torch.tensor([[1.0, value], [-2.0, 2.0]])
+    with pytest.raises(InputError, match="features are not finite in bfloat16"):
+        _stored(feat, SimpleNamespace(dtype="bfloat16"), "c")  # type: ignore[arg-type]
 
 
 def test_compile_leaves_the_callers_heap_as_it_found_it(tmp_path: Path) -> None:

@@ -164,7 +164,8 @@ def run(
     feat_rates: list[float] = []
     limits: list[float] = []
     compiles: dict[int, list[Timed]] = {w: [] for w in counts}
-    for _ in range(max(1, repeats)):
+    repeats = max(1, repeats)
+    for _ in range(repeats):
         t0 = time.perf_counter()
         n = epoch(naive_loader(corpus, batch_size=64, workers=workers))
         naive_rates.append(n / (time.perf_counter() - t0))
@@ -174,7 +175,9 @@ def run(
         feat_rates.append(_featurize_rate(waves))
         limits.append(1 / (1 / max(sf_rates[-1], own_rates[-1]) + 1 / feat_rates[-1]))
         for w in counts:
+            shutil.rmtree(work / f"esc-{w}", ignore_errors=True)  # every round compiles afresh
             compiles[w].append(timed_compile(_esc_options(corpus), work / f"esc-{w}", w))
+    del waves
     median = statistics.median
     naive_rate = median(naive_rates)
     naive = Row(
