@@ -197,7 +197,7 @@ def run(
             wl,
             f"limit: 1 / (1/faster decode + 1/featurize) ({per_core})",
             median(limits),
-            extra={"rounds": _spread(limits)},
+            extra={"rounds": sorted(round(v) for v in limits)},
         ),
     ]
     archive = work / "esc-archive"
