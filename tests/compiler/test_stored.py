@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +14,7 @@ import torch
 
 from dlop.compiler import pipeline
 from dlop.compiler.errors import InputError
-from dlop.compiler.items import _stored
+from dlop.compiler.items import CorpusShape, _stored
 from dlop.compiler.recipe import build_recipe
 
 from .fixtures import esc50_corpus
@@ -69,3 +71,16 @@ def test_compile_leaves_the_callers_heap_as_it_found_it(tmp_path: Path) -> None:
     finally:
         pipeline._compile = real  # type: ignore[assignment]
         gc.unfreeze()
+
+
+def test_pool_workers_start_with_their_heap_frozen(tmp_path: Path) -> None:
+    recipe = build_recipe({"preset": "librosa", "source": str(tmp_path), "layout": "esc50"})
+    shape = CorpusShape(has_label=True, has_text=False, extra={})
+    initargs = (recipe.to_json(), shape, str(tmp_path), None, os.getpid(), dict(os.environ), 1)
+    with ProcessPoolExecutor(
+        1,
+        mp_context=pipeline._worker_context(),
+        initializer=pipeline._init_worker,
+        initargs=initargs,
+    ) as pool:
+        assert pool.submit(gc.get_freeze_count).result(timeout=120) > 0
