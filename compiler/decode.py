@@ -107,64 +107,83 @@ def _plain_wav(
 
     The samples are read straight from the data chunk: the frames present are
     the data chunk's (at most the bytes the file holds, as libsndfile counts
-    them), and the declared length is ``_wav_declared_frames``'s.
+    them), and the declared length is ``_wav_declared_frames``'s. Reads are
+    positioned: the header comes from one read of the first 4 KiB
+    (wav.HeadFirst), the samples from one read into their array.
     """
     try:
-        # unbuffered: the header comes from one read of the first 4 KiB (wav.HeadFirst), the
-        # samples from one read into their array
-        with io.BytesIO(source) if isinstance(source, bytes) else _open_unbuffered(source) as f:
-            if isinstance(source, bytes):
-                head, size = source[: wav.HEAD_BYTES], len(source)
-            else:
-                status = os.fstat(f.fileno())
-                if not stat.S_ISREG(status.st_mode):
-                    return None
-                head, size = os.pread(f.fileno(), wav.HEAD_BYTES, 0), status.st_size
-            r = wav.HeadFirst(f, head, size)
-            layout = wav.read_layout(r)
-            if layout is None or not layout.plain or layout.data_bytes in (0, 0xFFFFFFFF):
-                return None
-            form = wav.sample_format(layout.fmt)
-            if form is None or layout.data_bytes % 2 or not wav.plain_tail(r, layout):
-                return None
-            dtype, channels, rate = form
-            r.seek(layout.data_offset)
-            if r.read(4) in (b"wvpk", b"OggS"):  # libsndfile refuses these data chunks
-                return None
-            start = round(offset * rate)
-            wanted = None if duration is None else round(duration * rate)
-            if start < 0 or (wanted is not None and wanted < 0):
-                return None
-            width = dtype.itemsize * channels
-            present = min(layout.data_bytes, layout.file_bytes - layout.data_offset) // width
-            count = present - min(start, present)
-            count = count if wanted is None else min(wanted, count)
-            f.seek(layout.data_offset + min(start, present) * width)
-            data = _read_blocks(
-                lambda buf: f.readinto(buf.data.cast("B")) // width,
-                name,
-                count,
-                dtype,
-                channels,
-                mix,
-            )
+        if isinstance(source, bytes):
+            held = memoryview(source)
+
+            def bytes_into(buf: memoryview, at: int) -> int:
+                part = held[at : at + len(buf)]
+                buf[: len(part)] = part
+                return len(part)
+
+            head = wav.HeadFirst(lambda n, at: source[at : at + n], source, len(source))
+            return _plain_samples(head, bytes_into, name, offset, duration, mix)
+        # not blocking: opening a FIFO with no writer would wait for one forever
+        # (check_file then reports it as an empty file)
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None  # libsndfile reads it again and reports its own error
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            return None
+        head = wav.HeadFirst(
+            lambda n, at: os.pread(fd, n, at), os.pread(fd, wav.HEAD_BYTES, 0), status.st_size
+        )
+        return _plain_samples(
+            head, lambda buf, at: os.preadv(fd, [buf], at), name, offset, duration, mix
+        )
+    except OSError:
+        return None  # libsndfile reads it again and reports its own error
+    finally:
+        os.close(fd)
+
+
+def _plain_samples(
+    r: wav.HeadFirst,
+    read_at: Callable[[memoryview, int], int],
+    name: str,
+    offset: float,
+    duration: float | None,
+    mix: str | None,
+) -> tuple[np.ndarray, int] | None:
+    """_plain_wav's work on an opened file: ``r`` serves the header, ``read_at(buf, at)``
+    fills ``buf`` from byte ``at`` and returns how many bytes it read."""
+    layout = wav.read_layout(r)
+    if layout is None or not layout.plain or layout.data_bytes in (0, 0xFFFFFFFF):
+        return None
+    form = wav.sample_format(layout.fmt)
+    if form is None or layout.data_bytes % 2 or not wav.plain_tail(r, layout):
+        return None
+    dtype, channels, rate = form
+    r.seek(layout.data_offset)
+    if r.read(4) in (b"wvpk", b"OggS"):  # libsndfile refuses these data chunks
+        return None
+    start = round(offset * rate)
+    wanted = None if duration is None else round(duration * rate)
+    if start < 0 or (wanted is not None and wanted < 0):
+        return None
+    width = dtype.itemsize * channels
+    present = min(layout.data_bytes, layout.file_bytes - layout.data_offset) // width
+    count = present - min(start, present)
+    count = count if wanted is None else min(wanted, count)
+    at = layout.data_offset + min(start, present) * width
+
+    def read(buf: np.ndarray) -> int:
+        nonlocal at
+        got = read_at(buf.data.cast("B"), at)
+        at += got
+        return got // width
+
+    data = _read_blocks(read, name, count, dtype, channels, mix)
     if data.shape[1] != count:
         return None  # the file ended early (it changed): libsndfile reads it again
     _check_length(name, data.shape[1], layout.data_bytes // width, start, wanted, 0)
     return data, rate
-
-
-def _open_unbuffered(path: str | os.PathLike[str]) -> io.FileIO:
-    """The file for reading, opened without blocking: opening a FIFO with no writer would
-    wait for one forever (check_file then reports it as an empty file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        return io.FileIO(fd, "rb", closefd=True)
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _mixed(block: np.ndarray, mix: str | None) -> np.ndarray:

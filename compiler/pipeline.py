@@ -226,39 +226,6 @@ def test_point(moment: str) -> None:
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(TEST_SIGNAL, "KILL")))
 
 
-def compile_corpus(
-    recipe: Recipe,
-    out: str | os.PathLike[str],
-    *,
-    workers: int | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-    on_progress: Callable[[int], None] | None = None,
-    unit_inputs: int | None = None,
-    dask: str | None = None,
-    storage_options: dict[str, Any] | None = None,
-) -> Index:
-    """Compiles recipe.source into an archive at ``out``; returns its index.
-
-    ``unit_inputs``: inputs per work unit (default by media, UNIT_INPUTS). ``dask``: a scheduler address, or ``local:N`` for a LocalCluster of N
-    worker processes; None runs ``workers`` local processes.
-    """
-    with _heap_frozen():
-        return _compile(
-            recipe,
-            out,
-            workers,
-            resume,
-            overwrite,
-            progress,
-            on_progress,
-            unit_inputs,
-            dask,
-            storage_options,
-        )
-
-
 @contextlib.contextmanager
 def _heap_frozen() -> Iterator[None]:
     """The objects that exist when a compile starts (the caller's, torch's: a few hundred
@@ -278,18 +245,25 @@ def _heap_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _compile(
+@_heap_frozen()
+def compile_corpus(
     recipe: Recipe,
     out: str | os.PathLike[str],
-    workers: int | None,
-    resume: bool,
-    overwrite: bool,
-    progress: bool,
-    on_progress: Callable[[int], None] | None,
-    unit_inputs: int | None,
-    dask: str | None,
-    storage_options: dict[str, Any] | None,
+    *,
+    workers: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    on_progress: Callable[[int], None] | None = None,
+    unit_inputs: int | None = None,
+    dask: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Index:
+    """Compiles recipe.source into an archive at ``out``; returns its index.
+
+    ``unit_inputs``: inputs per work unit (default by media, UNIT_INPUTS). ``dask``: a scheduler address, or ``local:N`` for a LocalCluster of N
+    worker processes; None runs ``workers`` local processes.
+    """
     if is_url(out):  # before the listing: a refused OUT costs no listing of the corpus
         check_apart(os.fspath(out), recipe)
     corpus = open_corpus(

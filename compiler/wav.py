@@ -11,7 +11,7 @@ that the fast reader and libsndfile always agree on where the samples are.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,10 +40,10 @@ class Readable(Protocol):
 class HeadFirst:
     """A file's first ``len(head)`` bytes, read in one call, behind the seek and read the
     chunk walker uses: a plain WAV's header is parsed without a system call per chunk.
-    A read reaching past them goes to the file itself."""
+    A read reaching past them goes to the file: ``pread(n, at)``, n bytes from byte at."""
 
-    def __init__(self, raw: Readable, head: bytes, size: int) -> None:
-        self._raw, self._head, self._pos, self._size = raw, head, 0, size
+    def __init__(self, pread: Callable[[int, int], bytes], head: bytes, size: int) -> None:
+        self._pread, self._head, self._pos, self._size = pread, head, 0, size
 
     def seek(self, pos: int, whence: int = 0, /) -> int:
         base = {0: 0, 1: self._pos, 2: self._size}[whence]
@@ -56,11 +56,10 @@ class HeadFirst:
         left = max(0, self._size - self._pos)  # a chunk's declared size may be far beyond it
         n = left if n < 0 else min(n, left)
         end = self._pos + n
-        if end <= len(self._head):
+        if n == 0 or end <= len(self._head):
             data = self._head[self._pos : end]
         else:
-            self._raw.seek(self._pos)
-            data = self._raw.read(n)
+            data = self._pread(n, self._pos)
         self._pos += len(data)
         return data
 

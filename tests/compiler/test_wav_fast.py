@@ -291,10 +291,17 @@ def test_a_header_that_understates_the_length(
 @pytest.mark.parametrize("head_len", [0, 3, 40, 4096])
 def test_head_first_reads_as_the_file_does(head_len: int) -> None:
     """Seeks and reads inside the head, across its end and past the file's end give the
-    file's own bytes and positions."""
+    file's own bytes and positions; only reads past the head reach the file, never for
+    more than it holds, and a negative position is refused as a file refuses it."""
     data = np.random.default_rng(head_len).integers(0, 256, 300, dtype=np.uint8).tobytes()
     plain = io.BytesIO(data)
-    r = HeadFirst(io.BytesIO(data), data[:head_len], len(data))
+    asked: list[tuple[int, int]] = []
+
+    def pread(n: int, at: int) -> bytes:
+        asked.append((n, at))
+        return data[at : at + n]
+
+    r = HeadFirst(pread, data[:head_len], len(data))
     rng = np.random.default_rng(7)
     for _ in range(400):
         step = int(rng.integers(0, 4))
@@ -310,3 +317,9 @@ def test_head_first_reads_as_the_file_does(head_len: int) -> None:
         else:
             n = int(rng.integers(-1, 60))
             assert r.read(n) == plain.read(n)
+    assert all(n > 0 and head_len < at + n <= len(data) for n, at in asked), asked
+    assert bool(asked) == (head_len < len(data))
+    with pytest.raises(OSError):
+        r.seek(-1, 0)
+    with pytest.raises(OSError):
+        r.seek(-(len(data) + 1), 2)
