@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dlop.formats import Field
+from dlop.formats.heap import keep_freed_memory
 
 from .corpus import input_source
 from .decode import decode_audio, downmix
@@ -186,8 +187,10 @@ def process_items(items: Sequence[Item], recipe: Recipe, shape: CorpusShape) -> 
     Audio inputs are decoded one at a time and featurized in groups of about
     GROUP_SAMPLES decoded samples, so the FFT, filterbank and log run on
     large tensors; featurize_clips makes each input's bytes the same as
-    featurizing it alone, so groups may be cut anywhere.
+    featurizing it alone, so groups may be cut anywhere. The process keeps the
+    memory a group frees for the next one (dlop.formats.heap).
     """
+    keep_freed_memory()
     outcomes: list[Outcome | None] = [None] * len(items)
     group: list[tuple[int, str, torch.Tensor, dict[str, Any]]] = []
     held = 0

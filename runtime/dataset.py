@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dlop.formats import Field, SchemaError, ShardReader
+from dlop.formats.heap import keep_freed_memory
 from dlop.formats.urls import is_url
 
 from .batch import Batch
@@ -22,7 +23,6 @@ from .gather import Allocate, FieldGather, as_tensor, batch_groups
 from .gather_mapped import FixedRawGather, RaggedRowsGather
 from .gather_samples import PerSampleGather, TextGather
 from .indices import batch_indices, field_names
-from .memory import keep_batch_memory
 from .plan import CopyPlan
 from .selection import select
 from .source import LocalSource
@@ -144,7 +144,7 @@ class Archive(Dataset[dict[str, Any]]):
 
     def __getitems__(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         """A collated batch, rows in the order of ``indices``."""
-        keep_batch_memory()  # fresh batches reuse freed ones instead of faulting in new pages
+        keep_freed_memory()  # fresh batches reuse freed ones instead of faulting in new pages
         idx = batch_indices(self.path, indices, len(self))
         if self.selection is not None:
             idx = torch.from_numpy(self.selection[idx.numpy()])

@@ -22,6 +22,9 @@ def archive(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return make_archive(tmp_path_factory.mktemp("a") / "a", zstd=request.param)
 
 
+GLIBC = (getattr(os, "confstr", lambda _: "")("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+
+
 def test_item_is_zero_copy_for_raw_fields(tmp_path: Path) -> None:
     ds = open_archive(make_archive(tmp_path / "a"))
     item = ds[3]
@@ -119,14 +122,30 @@ def test_ragged_span_plan_agrees_with_a_row_gather(tmp_path: Path) -> None:
         assert bool((spans["f"][j, :n] == i % 50).all()) and bool((spans["f"][j, n:] == 0).all())
 
 
-def test_batch_memory_settings_apply_once_and_can_be_declined() -> None:
-    code = "from dlop.runtime.memory import keep_batch_memory as k; print(k(), k())"
-    env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.stdout.split() == ["True", "True"], out.stderr
-    env["DLOP_MALLOC_TUNING"] = "0"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.stdout.split() == ["False", "False"], out.stderr
+def test_a_batch_read_keeps_freed_memory_for_the_next(tmp_path: Path) -> None:
+    from dlop.formats import ArchiveWriter, Field
+
+    with ArchiveWriter(tmp_path / "a", [Field("x", "f32", (4,))]) as w:
+        for i in range(8):
+            w.write({"x": np.full(4, i, np.float32)})
+    code = (
+        "import sys\n"
+        "from dlop.formats import heap\n"
+        "from dlop.runtime import Archive\n"
+        "a = Archive(sys.argv[1])\n"
+        "before = 'kept' in heap._state\n"
+        "a.__getitems__([3, 1])\n"
+        "print(before, heap._state['kept'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "DLOP_MALLOC"))}
+    for tuning, kept in (("1", GLIBC), ("0", False)):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "a")],
+            capture_output=True,
+            text=True,
+            env={**env, "DLOP_MALLOC_TUNING": tuning},
+        )
+        assert out.stdout.split() == ["False", str(kept)], out.stderr
 
 
 def test_padding_of_several_varying_dimensions(tmp_path: Path) -> None:

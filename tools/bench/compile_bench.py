@@ -2,7 +2,8 @@
 
 Per core: decode-only samples/s (the corpus's files through soundfile.read and
 through the compiler's own decode), featurize-only samples/s on pre-decoded
-audio (batched as the compiler does), their combined limit
+audio (batched as the compiler does), measured in a fresh process whose heap is
+set as a compiling process's is, their combined limit
 1 / (1/decode + 1/featurize) with the faster decode, and the compile's samples/s
 at 1 and N workers as a fraction of N x that limit, with its peak RSS and CPU
 time; and compile memory at 10x scale. The naive epoch, the limit's parts and
@@ -32,6 +33,7 @@ from dlop.compiler.demo import DEMO_RECIPE
 from dlop.compiler.features import feature_config, featurize_clips
 from dlop.compiler.items import GROUP_SAMPLES
 from dlop.compiler.pipeline import CHUNK_ITEMS
+from dlop.formats.heap import keep_freed_memory
 
 from .common import Row
 from .corpus import esc50_wavs, replicate
@@ -141,6 +143,38 @@ def _featurize_rate(waves: list[torch.Tensor], min_s: float = 0.5) -> float:
         torch.set_num_threads(threads)
 
 
+_LIMIT = """
+import json, sys
+from pathlib import Path
+from dlop.tools.bench.compile_bench import measure_limit
+print(json.dumps(measure_limit(Path(sys.argv[1]))))
+"""
+
+
+def measure_limit(corpus: Path) -> dict[str, float]:
+    """Clips/s of each part of the limit, one core each, in this process: decode alone
+    (soundfile.read and dlop's own) over the corpus, featurize alone over its first
+    FEATURIZE_CLIPS clips, pre-decoded. The process's heap is set as a compiling
+    process sets its own (dlop.formats.heap), so the limit's parts run under the
+    allocator the compile runs under."""
+    keep_freed_memory()
+    files = sorted((corpus / "audio").iterdir())
+    waves = [torch.from_numpy(sf.read(f, dtype="float32")[0]) for f in files[:FEATURIZE_CLIPS]]
+    return {
+        "soundfile": _decode_rate(files),
+        "dlop": _dlop_decode_rate(files),
+        "featurize": _featurize_rate(waves),
+    }
+
+
+def limit_rates(corpus: Path) -> dict[str, float]:
+    """measure_limit in a fresh process, as each compile runs in one."""
+    cmd = [sys.executable, "-c", _LIMIT, str(corpus)]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
+    rates: dict[str, float] = json.loads(out.splitlines()[-1])
+    return rates
+
+
 def _spread(values: list[float]) -> list[float]:
     """A ratio's rounds, low to high, as the rows give them."""
     return sorted(round(v, 2) for v in values)
@@ -151,8 +185,6 @@ def run(
 ) -> tuple[list[Row], Made]:
     corpus = esc50_wavs(work / "esc", clips)
     raw = corpus_bytes(corpus)
-    files = sorted((corpus / "audio").iterdir())
-    waves = [torch.from_numpy(sf.read(f, dtype="float32")[0]) for f in files[:FEATURIZE_CLIPS]]
     wl = (
         f"compile: ESC-50-shaped {clips} clips, 5 s 44.1 kHz WAV ({raw / 2**20:.0f} MiB) "
         "-> 128-mel log-mel"
@@ -170,14 +202,14 @@ def run(
         n = epoch(naive_loader(corpus, batch_size=64, workers=workers))
         naive_rates.append(n / (time.perf_counter() - t0))
         # the limit, per core: decode alone and featurize alone, in this round
-        sf_rates.append(_decode_rate(files))
-        own_rates.append(_dlop_decode_rate(files))
-        feat_rates.append(_featurize_rate(waves))
+        limit = limit_rates(corpus)
+        sf_rates.append(limit["soundfile"])
+        own_rates.append(limit["dlop"])
+        feat_rates.append(limit["featurize"])
         limits.append(1 / (1 / max(sf_rates[-1], own_rates[-1]) + 1 / feat_rates[-1]))
         for w in counts:
             shutil.rmtree(work / f"esc-{w}", ignore_errors=True)  # every round compiles afresh
             compiles[w].append(timed_compile(_esc_options(corpus), work / f"esc-{w}", w))
-    del waves
     median = statistics.median
     naive_rate = median(naive_rates)
     naive = Row(

@@ -1,0 +1,75 @@
+"""A process that turns memory over in large blocks keeps what it frees (formats/heap.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+GLIBC = (getattr(os, "confstr", lambda _: "")("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+
+# A compile's turnover in one process: 40 blocks of 1 MiB (a group's decoded clips)
+# written, all freed, and again; the page faults of the second and third rounds.
+_TURNOVER = """
+import json, resource, sys
+import numpy as np
+from dlop.formats import heap
+first = heap.keep_freed_memory() if sys.argv[1] == "keep" else False
+again = heap.keep_freed_memory() if sys.argv[1] == "keep" else False
+faults = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [np.ones(1 << 18, np.float32) for _ in range(40)]
+    del blocks
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"kept": [first, again], "faults": faults[1:]}))
+"""
+
+PAGES = 40 * (1 << 20) // 4096  # what one round touches
+
+
+def turnover(mode: str, **env: str) -> dict[str, list[int]]:
+    """_TURNOVER in a fresh process whose environment sets nothing of malloc's but ``env``."""
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "DLOP_MALLOC"))
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _TURNOVER, mode],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    result: dict[str, list[int]] = json.loads(out)
+    return result
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc's thresholds are glibc's")
+def test_freed_memory_is_reused_without_page_faults() -> None:
+    plain = turnover("plain")
+    kept = turnover("keep")
+    assert kept["kept"] == [True, True]
+    # glibc's adaptive thresholds give each round's 40 MiB back and fault it in again
+    assert all(f >= PAGES // 2 for f in plain["faults"]), plain
+    assert all(f < PAGES // 20 for f in kept["faults"]), kept
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc's thresholds are glibc's")
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"DLOP_MALLOC_TUNING": "0"},
+        {"MALLOC_TRIM_THRESHOLD_": "131072"},
+        {"MALLOC_MMAP_THRESHOLD_": "131072"},
+        {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"},
+    ],
+)
+def test_malloc_is_left_alone_when_the_environment_says_so(env: dict[str, str]) -> None:
+    result = turnover("keep", **env)
+    assert result["kept"] == [False, False]
+    assert all(f >= PAGES // 2 for f in result["faults"]), result
