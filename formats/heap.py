@@ -11,15 +11,17 @@ its pages in afresh (a one-worker compile of 2,000 ESC-50 clips took about 180
 page faults per clip, 1.1 s of its 3.7 s in the kernel; the DataLoader path
 paid 3 ms per 28 MB batch, half its time).
 
-keep_freed_memory() sets both thresholds once per process: blocks up to
+keep_freed_memory() sets both thresholds once per process: blocks below
 MMAP_BELOW come from the heap, and up to KEEP_BYTES of freed heap stays with
 the process, which then reuses the same pages. glibc has no way back to its
 adaptive thresholds, so the setting outlives the compile or loader that made
 it; keeping up to KEEP_BYTES that the process no longer uses is its cost.
 ``DLOP_MALLOC_TUNING=0`` in the environment leaves malloc alone, as does an
 environment that sets malloc's thresholds itself (MALLOC_TRIM_THRESHOLD_,
-MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_, GLIBC_TUNABLES naming glibc.malloc),
-and a C library other than glibc.
+MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_, MALLOC_MMAP_MAX_, or the same
+glibc.malloc tunables in GLIBC_TUNABLES), and a C library other than glibc.
+An allocator preloaded in glibc's place (jemalloc, tcmalloc) keeps its own
+behaviour whatever mallopt reports.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ OPT_OUT = "DLOP_MALLOC_TUNING"  # "0": leave malloc alone
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+# What the environment may set of the same thresholds: glibc's variables and tunables
+_USER_SETTINGS = (
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_MMAP_MAX_",
+)
+_USER_TUNABLES = ("trim_threshold", "mmap_threshold", "top_pad", "mmap_max")
 
 _state: dict[str, bool] = {}  # "kept": whether this process applied the thresholds
 
@@ -42,9 +51,10 @@ def left_alone() -> bool:
     """Whether the environment asks dlop to leave malloc alone, or sets it itself."""
     if os.environ.get(OPT_OUT, "").strip() == "0":
         return True
-    return any(v in os.environ for v in _USER_SETTINGS) or "glibc.malloc." in os.environ.get(
-        "GLIBC_TUNABLES", ""
-    )
+    if any(v in os.environ for v in _USER_SETTINGS):
+        return True
+    tunables = os.environ.get("GLIBC_TUNABLES", "").replace(":", "=").split("=")
+    return any(f"glibc.malloc.{t}" in tunables for t in _USER_TUNABLES)
 
 
 def keep_freed_memory() -> bool:
@@ -67,7 +77,8 @@ def _apply() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    # mallopt returns 1 on success; the mmap threshold first, so that once the heap
-    # keeps what it frees no block of that size is mapped and unmapped instead
+    # mallopt returns 1 on success. Either call freezes glibc's adaptive thresholds, so
+    # the mmap threshold goes first: where it is refused (a 32-bit system), the trim
+    # threshold is never set and malloc stays as it was.
     mapped: int = mallopt(_M_MMAP_THRESHOLD, MMAP_BELOW)
     return mapped == 1 and int(mallopt(_M_TRIM_THRESHOLD, KEEP_BYTES)) == 1

@@ -28,3 +28,12 @@ def s3():  # type: ignore[no-untyped-def]
 
     with s3_server() as server:
         yield server
+
+
+@pytest.fixture
+def malloc_env() -> dict[str, str]:
+    """This process's environment without anything that sets or replaces malloc (dlop's
+    opt-out, glibc's variables and tunables, a preloaded allocator): for subprocesses
+    that test dlop.formats.heap."""
+    drop = ("MALLOC_", "DLOP_MALLOC", "GLIBC_TUNABLES", "LD_PRELOAD")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}

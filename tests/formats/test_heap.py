@@ -14,7 +14,9 @@ GLIBC = (getattr(os, "confstr", lambda _: "")("CS_GNU_LIBC_VERSION") or "").star
 # A compile's turnover in one process: 40 blocks of 1 MiB (a group's decoded clips)
 # written, all freed, and again; the page faults of the second and third rounds.
 _TURNOVER = """
-import json, resource, sys
+import ctypes, json, resource, sys
+# 4 KiB pages only, so that faults count pages whatever the host's transparent huge pages
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
 import numpy as np
 from dlop.formats import heap
 first = heap.keep_freed_memory() if sys.argv[1] == "keep" else False
@@ -31,28 +33,24 @@ print(json.dumps({"kept": [first, again], "faults": faults[1:]}))
 PAGES = 40 * (1 << 20) // 4096  # what one round touches
 
 
-def turnover(mode: str, **env: str) -> dict[str, list[int]]:
-    """_TURNOVER in a fresh process whose environment sets nothing of malloc's but ``env``."""
-    environ = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "DLOP_MALLOC"))
-    }
+def turnover(mode: str, env: dict[str, str]) -> dict[str, list[int]]:
+    """_TURNOVER in a fresh process with environment ``env``."""
     out = subprocess.run(
-        [sys.executable, "-c", _TURNOVER, mode],
-        env={**environ, **env},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    result: dict[str, list[int]] = json.loads(out)
+        [sys.executable, "-c", _TURNOVER, mode], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict[str, list[int]] = json.loads(out.stdout)
     return result
 
 
 @pytest.mark.skipif(not GLIBC, reason="malloc's thresholds are glibc's")
-def test_freed_memory_is_reused_without_page_faults() -> None:
-    plain = turnover("plain")
-    kept = turnover("keep")
+@pytest.mark.parametrize("tunables", ["", "glibc.malloc.tcache_count=0"])
+def test_freed_memory_is_reused_without_page_faults(
+    malloc_env: dict[str, str], tunables: str
+) -> None:
+    env = {**malloc_env, "GLIBC_TUNABLES": tunables}  # tunables of other things: still kept
+    plain = turnover("plain", env)
+    kept = turnover("keep", env)
     assert kept["kept"] == [True, True]
     # glibc's adaptive thresholds give each round's 40 MiB back and fault it in again
     assert all(f >= PAGES // 2 for f in plain["faults"]), plain
@@ -66,10 +64,14 @@ def test_freed_memory_is_reused_without_page_faults() -> None:
         {"DLOP_MALLOC_TUNING": "0"},
         {"MALLOC_TRIM_THRESHOLD_": "131072"},
         {"MALLOC_MMAP_THRESHOLD_": "131072"},
-        {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"},
+        {"MALLOC_TOP_PAD_": "0"},
+        {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.trim_threshold=131072"},
+        {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"},
     ],
 )
-def test_malloc_is_left_alone_when_the_environment_says_so(env: dict[str, str]) -> None:
-    result = turnover("keep", **env)
+def test_malloc_is_left_alone_when_the_environment_says_so(
+    malloc_env: dict[str, str], env: dict[str, str]
+) -> None:
+    result = turnover("keep", {**malloc_env, **env})
     assert result["kept"] == [False, False]
     assert all(f >= PAGES // 2 for f in result["faults"]), result

@@ -122,7 +122,9 @@ def test_ragged_span_plan_agrees_with_a_row_gather(tmp_path: Path) -> None:
         assert bool((spans["f"][j, :n] == i % 50).all()) and bool((spans["f"][j, n:] == 0).all())
 
 
-def test_a_batch_read_keeps_freed_memory_for_the_next(tmp_path: Path) -> None:
+def test_a_batch_read_keeps_freed_memory_for_the_next(
+    tmp_path: Path, malloc_env: dict[str, str]
+) -> None:
     from dlop.formats import ArchiveWriter, Field
 
     with ArchiveWriter(tmp_path / "a", [Field("x", "f32", (4,))]) as w:
@@ -137,13 +139,12 @@ def test_a_batch_read_keeps_freed_memory_for_the_next(tmp_path: Path) -> None:
         "a.__getitems__([3, 1])\n"
         "print(before, heap._state['kept'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "DLOP_MALLOC"))}
     for tuning, kept in (("1", GLIBC), ("0", False)):
         out = subprocess.run(
             [sys.executable, "-c", code, str(tmp_path / "a")],
             capture_output=True,
             text=True,
-            env={**env, "DLOP_MALLOC_TUNING": tuning},
+            env={**malloc_env, "DLOP_MALLOC_TUNING": tuning},
         )
         assert out.stdout.split() == ["False", str(kept)], out.stderr
 
