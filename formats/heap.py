@@ -27,6 +27,8 @@ behaviour whatever mallopt reports.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import functools
 import os
 
 MMAP_BELOW = 32 << 20  # glibc's largest accepted mmap threshold on 64-bit systems
@@ -44,7 +46,23 @@ _USER_SETTINGS = (
 )
 _USER_TUNABLES = ("trim_threshold", "mmap_threshold", "top_pad", "mmap_max")
 
-_state: dict[str, bool] = {}  # "kept": whether this process applied the thresholds
+
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The process's C library (``errno`` kept for ``ctypes.get_errno``), or None where
+    it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+def is_glibc() -> bool:
+    """Whether this process runs on the GNU C library."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # no confstr, or not a GNU C library
+        return False
 
 
 def left_alone() -> bool:
@@ -57,23 +75,11 @@ def left_alone() -> bool:
     return any(f"glibc.malloc.{t}" in tunables for t in _USER_TUNABLES)
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Applies the thresholds once per process; returns whether they are in force."""
-    if "kept" not in _state:
-        _state["kept"] = _apply()
-    return _state["kept"]
-
-
-def _apply() -> bool:
-    try:
-        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (AttributeError, ValueError, OSError):  # not a GNU C library
-        libc = ""
-    if not libc.startswith("glibc") or left_alone():
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(libc(), "mallopt", None) if is_glibc() and not left_alone() else None
+    if mallopt is None:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from .memory import libc
+from dlop.formats.heap import libc
+
 from .plan import CopyPlan, Rows, Step
 from .threads import JobThread, at_exit
 

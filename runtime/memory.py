@@ -1,32 +1,22 @@
-"""The runtime's memory helpers: the C library, shared-memory batch buffers faulted in
-at once. Keeping freed batches for the next one (glibc's malloc thresholds) is
-dlop.formats.heap's, which the compiler shares.
+"""The runtime's memory helpers: shared-memory batch buffers faulted in at once.
+Keeping freed batches for the next one (glibc's malloc thresholds) and loading the
+C library are dlop.formats.heap's, which the compiler shares.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
-import functools
 import math
 import mmap
 
 import torch
 
+from dlop.formats.heap import libc
+
 from .errors import LoaderError
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in at once
-
-
-@functools.cache
-def libc() -> ctypes.CDLL | None:
-    """The process's C library (``errno`` kept for ``ctypes.get_errno``), or None where
-    it cannot be loaded."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

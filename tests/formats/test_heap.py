@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-GLIBC = (getattr(os, "confstr", lambda _: "")("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+from dlop.formats.heap import is_glibc
+
+GLIBC = is_glibc()
 
 # A compile's turnover in one process: 40 blocks of 1 MiB (a group's decoded clips)
 # written, all freed, and again; the page faults of the second and third rounds.

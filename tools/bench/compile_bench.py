@@ -154,9 +154,9 @@ print(json.dumps(measure_limit(Path(sys.argv[1]))))
 def measure_limit(corpus: Path) -> dict[str, float]:
     """Clips/s of each part of the limit, one core each, in this process: decode alone
     (soundfile.read and dlop's own) over the corpus, featurize alone over its first
-    FEATURIZE_CLIPS clips, pre-decoded, each after an untimed warm-up. The process's heap is set as a compiling
-    process sets its own (dlop.formats.heap), so the limit's parts run under the
-    allocator the compile runs under."""
+    FEATURIZE_CLIPS clips, pre-decoded, each after an untimed warm-up. The process's
+    heap is set as a compiling process sets its own (dlop.formats.heap), so the
+    limit's parts run under the allocator the compile runs under."""
     keep_freed_memory()
     files = sorted((corpus / "audio").iterdir())
     waves = [torch.from_numpy(sf.read(f, dtype="float32")[0]) for f in files[:FEATURIZE_CLIPS]]
