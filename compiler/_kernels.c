@@ -1,5 +1,6 @@
 /*
- * dlop.compiler._kernels: the featurizer's spectrum-to-filterbank step, without the GIL.
+ * dlop.compiler._kernels: the featurizer's framing gather and spectrum-to-filterbank step,
+ * without the GIL.
  *
  * power_filterbank(spec, rows, bins, out, n_filters, lo, hi, start, weights, magnitude)
  * turns rows of a complex64 spectrum into filterbank rows in one pass:
@@ -20,6 +21,16 @@
  * running sums, see filter_sum); the build disables contraction into fused
  * multiply-adds, and the SSE2 path and the portable one do the same
  * operations in the same order, so every build rounds alike.
+ *
+ * pcm16_rows(src, step, rows, frame, window, out, out_step) writes
+ *
+ *     out[r * out_step + j] = (float)src[r * step + j] * window[j]
+ *
+ * for r < rows and j < frame: the framing gather's windowed copy of int16
+ * rows (16-bit PCM; the window carries its 1/32768) that overlap in the clip,
+ * step being the hop. Each product is one float32 multiply of exact operands,
+ * rounded once, as torch.mul rounds it; torch's own mixed int16-by-float32
+ * multiply takes twice as long.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -178,15 +189,50 @@ static PyObject *power_filterbank(PyObject *Py_UNUSED(self), PyObject *args)
     Py_RETURN_NONE;
 }
 
+static void windowed_i16(const int16_t *src, Py_ssize_t step, Py_ssize_t rows,
+                         Py_ssize_t frame, const float *w, float *out, Py_ssize_t out_step)
+{
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const int16_t *s = src + r * step;
+        float *o = out + r * out_step;
+        for (Py_ssize_t j = 0; j < frame; j++)
+            o[j] = (float)s[j] * w[j];
+    }
+}
+
+static PyObject *pcm16_rows(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    PyObject *src_o, *w_o, *out_o;
+    Py_ssize_t step, rows, frame, out_step;
+    if (!PyArg_ParseTuple(args, "OnnnOOn", &src_o, &step, &rows, &frame, &w_o, &out_o,
+                          &out_step))
+        return NULL;
+    void *src, *w, *out;
+    if (!address(src_o, &src) || !address(w_o, &w) || !address(out_o, &out))
+        return NULL;
+    if (step < 0 || rows < 0 || frame < 0 || out_step < frame) {
+        PyErr_SetString(PyExc_ValueError, "negative size, or output rows that overlap");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    windowed_i16((const int16_t *)src, step, rows, frame, (const float *)w, (float *)out,
+                 out_step);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"power_filterbank", power_filterbank, METH_VARARGS,
      "power_filterbank(spec, rows, bins, out, n_filters, lo, hi, start, weights, magnitude): "
      "filterbank rows of |spec|^2 (or |spec|), row by row"},
+    {"pcm16_rows", pcm16_rows, METH_VARARGS,
+     "pcm16_rows(src, step, rows, frame, window, out, out_step): "
+     "out rows = int16 source rows times a float32 window"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_kernels", "The featurizer's compiled spectrum-to-filterbank step.",
+    PyModuleDef_HEAD_INIT, "_kernels", "The featurizer's compiled framing gather and spectrum-to-filterbank step.",
     -1, methods,
 };
 

@@ -1,6 +1,8 @@
 """Audio decoding: soundfile for the formats it knows (WAV, FLAC, OGG, MP3), PyAV for the rest.
 
-Returns float32 ``[channels, samples]`` in [-1, 1] and the file's sample rate.
+Returns float32 ``[channels, samples]`` in [-1, 1] and the file's sample rate; with
+``pcm16``, 16-bit PCM that needs no channel mix comes back as read, in int16 (see
+``decode_audio``).
 
 A file soundfile recognizes is decoded by soundfile only: any error while
 reading it is the file's error, not a reason to try another decoder that
@@ -77,6 +79,7 @@ def decode_audio(
     duration: float | None = None,
     *,
     mix: str | None = None,
+    pcm16: bool = False,
 ) -> tuple[np.ndarray, int]:
     """Decodes ``[offset, offset + duration)`` seconds; raises InputError naming ``name``.
 
@@ -85,13 +88,19 @@ def decode_audio(
     ``mix`` (a ``DOWNMIX_POLICIES`` word) mixes the channels block by block as
     they are decoded: ``[1, samples]``, equal to ``downmix`` of the full
     decode, without ever holding every channel of a long recording.
+
+    With ``pcm16``, 16-bit PCM read through libsndfile or the plain WAV reader
+    (``PLAIN_WAV_READER``) that needs no mean of channels (one channel, ``mix``
+    None or ``"first"``) is returned as read: int16, half the bytes, each value x standing for
+    x / 32768, so that ``result * np.float32(1 / 32768)`` is exactly the
+    float32 result. Everything else is float32 as without it.
     """
     if mix is not None and mix not in DOWNMIX_POLICIES:
         raise ValueError(f"downmix {mix!r} must be one of {', '.join(DOWNMIX_POLICIES)}")
-    decoded = _plain_wav(source, name, offset, duration, mix) if PLAIN_WAV_READER else None
+    decoded = _plain_wav(source, name, offset, duration, mix, pcm16) if PLAIN_WAV_READER else None
     if decoded is None:
         check_file(source, name)  # a file the plain reader took exists and is not empty
-        decoded = _soundfile(source, name, offset, duration, mix)
+        decoded = _soundfile(source, name, offset, duration, mix, pcm16)
     if decoded is None:
         decoded = _pyav(source, name, offset, duration, mix)
     audio, rate = decoded
@@ -101,7 +110,12 @@ def decode_audio(
 
 
 def _plain_wav(
-    source: Source, name: str, offset: float, duration: float | None, mix: str | None
+    source: Source,
+    name: str,
+    offset: float,
+    duration: float | None,
+    mix: str | None,
+    pcm16: bool = False,
 ) -> tuple[np.ndarray, int] | None:
     """``_soundfile``'s result for a plain 16-bit PCM or 32-bit float WAV, or None for any other file.
 
@@ -121,7 +135,7 @@ def _plain_wav(
                 return len(part)
 
             head = wav.HeadFirst(lambda n, at: source[at : at + n], source, len(source))
-            return _plain_samples(head, bytes_into, name, offset, duration, mix)
+            return _plain_samples(head, bytes_into, name, offset, duration, mix, pcm16)
         # not blocking: opening a FIFO with no writer would wait for one forever
         # (check_file then reports it as an empty file)
         fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -135,7 +149,7 @@ def _plain_wav(
             lambda n, at: os.pread(fd, n, at), os.pread(fd, wav.HEAD_BYTES, 0), status.st_size
         )
         return _plain_samples(
-            head, lambda buf, at: os.preadv(fd, [buf], at), name, offset, duration, mix
+            head, lambda buf, at: os.preadv(fd, [buf], at), name, offset, duration, mix, pcm16
         )
     except OSError:
         return None  # libsndfile reads it again and reports its own error
@@ -150,6 +164,7 @@ def _plain_samples(
     offset: float,
     duration: float | None,
     mix: str | None,
+    pcm16: bool,
 ) -> tuple[np.ndarray, int] | None:
     """_plain_wav's work on an opened file: ``r`` serves the header, ``read_at(buf, at)``
     fills ``buf`` from byte ``at`` and returns how many bytes it read."""
@@ -179,7 +194,7 @@ def _plain_samples(
         at += got
         return got // width
 
-    data = _read_blocks(read, name, count, dtype, channels, mix)
+    data = _read_blocks(read, name, count, dtype, channels, mix, pcm16)
     if data.shape[1] != count:
         return None  # the file ended early (it changed): libsndfile reads it again
     _check_length(name, data.shape[1], layout.data_bytes // width, start, wanted, 0)
@@ -199,7 +214,11 @@ def _mixed(block: np.ndarray, mix: str | None) -> np.ndarray:
 
 def _convert(raw: np.ndarray, dest: np.ndarray, mix: str | None) -> None:
     """One block as read, ``[frames, channels]`` int16 (PCM_16, times 1/32768 in float32)
-    or float32, into ``dest`` (``[1 or channels, frames]`` float32), mixed when asked."""
+    or float32, into ``dest`` (``[1 or channels, frames]`` float32), mixed when asked;
+    an int16 ``dest`` takes the block's leading channels as read (nothing to mix)."""
+    if dest.dtype == np.int16:
+        np.copyto(dest, raw.T[: dest.shape[0]])
+        return
     if dest.shape[0] == raw.shape[1]:  # nothing to mix: converted straight into the output
         _scale_into(raw, dest)
         return
@@ -264,7 +283,12 @@ def _check_length(
 
 
 def _soundfile(
-    source: Source, name: str, offset: float, duration: float | None, mix: str | None
+    source: Source,
+    name: str,
+    offset: float,
+    duration: float | None,
+    mix: str | None,
+    pcm16: bool = False,
 ) -> tuple[np.ndarray, int] | None:
     """Decoded audio, or None when soundfile does not recognize the file."""
     import soundfile as sf
@@ -292,7 +316,7 @@ def _soundfile(
                     return None
                 raise InputError(name, f"cannot decode: {_sf_reason(e2)}") from None
         with f:
-            return _soundfile_read(f, source, name, offset, duration, mix)
+            return _soundfile_read(f, source, name, offset, duration, mix, pcm16)
 
 
 _SAMPLE_BYTES = {
@@ -349,7 +373,13 @@ def _header_declared_frames(f: Any, name: str) -> int | None:
 
 
 def _soundfile_read(
-    f: Any, source: Source, name: str, offset: float, duration: float | None, mix: str | None
+    f: Any,
+    source: Source,
+    name: str,
+    offset: float,
+    duration: float | None,
+    mix: str | None,
+    pcm16: bool,
 ) -> tuple[np.ndarray, int] | None:
     import soundfile as sf
 
@@ -398,7 +428,7 @@ def _soundfile_read(
 
     dtype = np.dtype(np.int16 if subtype == "PCM_16" else np.float32)
     try:
-        data = _read_blocks(read, name, count, dtype, channels, mix)
+        data = _read_blocks(read, name, count, dtype, channels, mix, pcm16)
     except InputError:
         if declared is not None:
             raise
@@ -418,6 +448,7 @@ def _read_blocks(
     dtype: np.dtype[Any],
     channels: int,
     mix: str | None,
+    pcm16: bool = False,
 ) -> np.ndarray:
     """Up to ``count`` frames (all that follow when None) as float32 ``[channels, frames]``.
 
@@ -427,22 +458,31 @@ def _read_blocks(
     as they come: the file's samples are never held whole in a second form. int16 is
     scaled by 1/32768 in float32, the same values as libsndfile's own conversion
     (x / 32768 is exact) in a third of the time; float samples are checked finite.
+    With ``pcm16``, int16 that needs no mix stays int16 (decode_audio), read straight
+    into the output when it is one channel of a known length.
     """
+    keep = pcm16 and dtype == np.int16 and (channels == 1 or mix != "mean")
+    out_dtype = np.int16 if keep else np.float32
     block = _BLOCK_FRAMES if count is None else max(1, min(count, _BLOCK_FRAMES))
-    buf = np.empty((block, channels), dtype)
     out_channels = 1 if mix is not None else channels
+    out = np.empty((out_channels, count if count is not None else _BLOCK_FRAMES), out_dtype)
+    direct = keep and channels == 1 and count is not None  # no buffer: the output is one
+    buf = np.empty((0 if direct else block, channels), dtype)
     finite = _NonFinite()
-    out = np.empty((out_channels, count if count is not None else _BLOCK_FRAMES), np.float32)
     parts: list[np.ndarray] = []  # full outputs, when the length is not known ahead
     pos = filled = 0
     while count is None or pos < count:
         n = block if count is None else min(block, count - pos)
-        got = read(buf[:n])
-        if got:
+        if direct:
+            got = read(out[0, filled : filled + n].reshape(n, 1))
+            filled += got
+        else:
+            got = read(buf[:n])
+        if got and not direct:
             raw = buf[:got]
             if count is None and filled + got > out.shape[1]:
                 parts.append(out[:, :filled])
-                out = np.empty((out_channels, max(out.shape[1] * 2, got)), np.float32)
+                out = np.empty((out_channels, max(out.shape[1] * 2, got)), out_dtype)
                 filled = 0
             if dtype.kind == "f":
                 finite.add(raw)

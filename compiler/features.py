@@ -841,12 +841,43 @@ def _filterbank_into(
     )
 
 
-def _gather_window(cfg: FeatureConfig) -> torch.Tensor | None:
+PCM16_SCALE = 2.0**-15
+"""What one step of 16-bit PCM stands for: an int16 waveform's value x is x / 32768
+(decode_audio's ``pcm16``)."""
+
+
+def as_float(wave: torch.Tensor) -> torch.Tensor:
+    """A waveform in float32: int16 (16-bit PCM as read) times PCM16_SCALE, which is exact."""
+    if wave.dtype == torch.int16:
+        return wave.to(torch.float32).mul_(PCM16_SCALE)
+    return wave.to(torch.float32)
+
+
+def takes_pcm16(cfg: FeatureConfig) -> bool:
+    """Whether featurize_clips frames int16 clips as they are, the 1/32768 folded into the
+    window it multiplies frames by as it gathers them (float32 STFT features): no
+    float32 copy of the clip is made. Elsewhere it converts them first (as_float)."""
+    return cfg.features != "waveform" and _gather_window(cfg) is not None
+
+
+def _gather_window(cfg: FeatureConfig, pcm16: bool = False) -> torch.Tensor | None:
     """The window _gather_rows multiplies the frames by: float32 STFT windows only (Kaldi
-    windows after its time-domain steps, float64 after the cast)."""
+    windows after its time-domain steps, float64 after the cast); for int16 frames, that
+    window times PCM16_SCALE."""
     if cfg.features == "fbank" or cfg.dtype != torch.float32:
         return None
-    return _stft_window(cfg.window, cfg.win_length or cfg.n_fft, cfg.n_fft, torch.float32)
+    size = cfg.win_length or cfg.n_fft
+    if pcm16:
+        return _pcm16_window(cfg.window, size, cfg.n_fft)
+    return _stft_window(cfg.window, size, cfg.n_fft, torch.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def _pcm16_window(kind: str, win_length: int, n_fft: int) -> torch.Tensor:
+    """The float32 STFT window times 2**-15. Scaling by a power of two is exact, so
+    int16 x times it rounds once to the float32 nearest x * 2**-15 * w, which is
+    (x * 2**-15) times the window: the bits float32 input gives."""
+    return _stft_window(kind, win_length, n_fft, torch.float32) * PCM16_SCALE
 
 
 def _gather_rows(
@@ -856,11 +887,12 @@ def _gather_rows(
     r1: int,
     window: torch.Tensor | None,
     width: int = 0,
+    pcm16_window: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows ``r0:r1`` of the frames laid out as piece k from row at[k] (ascending), zero
     rows wherever no piece lies: a new float32 ``(r1 - r0, max(width, frame_length))``
     tensor, zero after each frame's samples, each copied row multiplied by ``window``
-    when one is given."""
+    when one is given (rows of int16 pieces by ``pcm16_window``)."""
     frame = pieces[0].shape[-1]
     full = torch.empty((r1 - r0, max(width, frame)), dtype=torch.float32)
     if full.shape[1] > frame:
@@ -874,7 +906,11 @@ def _gather_rows(
             end = min(start + pieces[k].shape[-2], r1)
             if pos < end:
                 src, dst = pieces[k][pos - start : end - start], out[pos - r0 : end - r0]
-                if window is None:
+                if src.dtype == torch.int16:
+                    if pcm16_window is None:
+                        raise ValueError("int16 frames need the window scaled for 16-bit PCM")
+                    _pcm16_windowed(src, pcm16_window, dst)
+                elif window is None:
                     dst.copy_(src)
                 else:
                     torch.mul(src, window, out=dst)
@@ -885,6 +921,29 @@ def _gather_rows(
             out[pos - r0 : end - r0] = 0.0
             pos = end
     return full
+
+
+def _pcm16_windowed(src: torch.Tensor, window: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst = src * window``, int16 rows (16-bit PCM) by a float32 window: by the compiled
+    kernel when it was built and each row is contiguous, as framing lays them out, else by
+    torch (twice as slow); both round each product once, alike."""
+    if (
+        _native is None
+        or src.dtype != torch.int16
+        or src.stride(-1) != 1
+        or dst.stride(-1) != 1
+        or window.dtype != torch.float32
+        or not window.is_contiguous()
+        or window.shape != src.shape[-1:]
+        or dst.shape != src.shape
+        or dst.dtype != torch.float32
+    ):
+        torch.mul(src, window, out=dst)
+        return
+    rows, frame = src.shape
+    _native.pcm16_rows(
+        src.data_ptr(), src.stride(0), rows, frame, window.data_ptr(), dst.data_ptr(), dst.stride(0)
+    )
 
 
 def _row_layout(
@@ -915,6 +974,9 @@ def featurize_clips(
 ) -> list[torch.Tensor]:
     """Each ``(time,)`` clip at cfg.sample_rate -> float32 ``(frames, bins)`` (``(time,)`` for waveform).
 
+    A clip is float (float32 or wider) or int16, 16-bit PCM as read (PCM16_SCALE):
+    an int16 clip's features are byte-identical to those of its float32 form.
+
     The clips' frames are laid end to end, each clip starting on a ROW_BLOCK
     boundary (zero rows fill the rest of its last block), and go through the
     FFT and filterbank ``chunk_frames`` rows at a time (default: about
@@ -928,13 +990,14 @@ def featurize_clips(
     """
     if chunk_frames is not None and chunk_frames < 1:
         raise ValueError(f"chunk_frames must be positive, got {chunk_frames}")
+    framed_pcm16 = takes_pcm16(cfg)
     xs = []
     for n, wave in enumerate(waves):
         if wave.ndim != 1:
             raise ValueError(
                 f"clip {n}: expected a (time,) waveform, got shape {tuple(wave.shape)}"
             )
-        xs.append(wave.to(torch.float32))
+        xs.append(wave if framed_pcm16 and wave.dtype == torch.int16 else as_float(wave))
     if cfg.features == "waveform" or not xs:
         return xs
     if cfg.features == "fbank":  # rows gathered zero-padded to Kaldi's FFT length
@@ -948,11 +1011,11 @@ def featurize_clips(
     total = starts[-1]
     step = chunk_frames or CHUNK_SAMPLES // pieces[0].shape[-1]
     step = -(-step // ROW_BLOCK) * ROW_BLOCK  # whole blocks
-    window = _gather_window(cfg)
+    window, pcm16_window = _gather_window(cfg), _gather_window(cfg, pcm16=True)
     mel = torch.empty((total, cfg.n_mels), dtype=torch.float32)
     for r0 in range(0, total, step):
         r1 = min(total, r0 + step)
-        rows = _gather_rows(pieces, at, r0, r1, window, width)
+        rows = _gather_rows(pieces, at, r0, r1, window, width, pcm16_window)
         _filterbank_into(spectrum_of(rows, cfg), exponent, cfg, mel[r0:r1])
     del pieces, xs
     _log_(mel, cfg)
@@ -983,13 +1046,15 @@ def featurize(
     """``(..., time)`` at cfg.sample_rate -> float32 ``(..., frames, bins)`` (``(..., time)`` for waveform).
 
     Each leading index is a clip of its own (featurize_clips), so the result
-    is byte-identical to featurizing the clips one by one.
+    is byte-identical to featurizing the clips one by one. int16 is 16-bit PCM
+    (PCM16_SCALE).
     """
-    x = waveform.to(torch.float32)
+    if cfg.features == "waveform" or waveform.dtype != torch.int16:
+        waveform = as_float(waveform)
     if cfg.features == "waveform":
-        return x
-    lead, length = x.shape[:-1], x.shape[-1]
-    clips = featurize_clips(list(x.reshape(math.prod(lead), length)), cfg, chunk_frames)
+        return waveform
+    lead, length = waveform.shape[:-1], waveform.shape[-1]
+    clips = featurize_clips(list(waveform.reshape(math.prod(lead), length)), cfg, chunk_frames)
     if not clips:
-        return x.new_zeros((*lead, cfg.num_output_frames(length), cfg.bins))
+        return torch.zeros((*lead, cfg.num_output_frames(length), cfg.bins))
     return torch.stack(clips).reshape(*lead, *clips[0].shape)

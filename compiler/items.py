@@ -22,7 +22,7 @@ from dlop.formats.heap import keep_freed_memory
 from .corpus import input_source
 from .decode import decode_audio, downmix
 from .errors import InputError
-from .features import featurize_clips
+from .features import as_float, featurize_clips, takes_pcm16
 from .recipe import DTYPES, Recipe
 from .resample import resample
 from .sources import MAX_LABEL, Corpus, Item, webdataset_fields
@@ -289,14 +289,23 @@ def _stored(feat: torch.Tensor, recipe: Recipe, name: str) -> np.ndarray:
 
 
 def _waveform(
-    source: Any, name: str, recipe: Recipe, offset: float = 0.0, duration: float | None = None
+    source: Any,
+    name: str,
+    recipe: Recipe,
+    offset: float = 0.0,
+    duration: float | None = None,
+    *,
+    pcm16: bool = False,
 ) -> torch.Tensor:
-    """Decoded, downmixed and resampled to the recipe's rate: [time] float32."""
+    """Decoded, downmixed and resampled to the recipe's rate: [time] float32, or with
+    ``pcm16`` int16 where 16-bit PCM is already at that rate (decode_audio's contract)."""
     # mixed block by block as decoded: all channels of a long recording are never held
-    audio, rate = decode_audio(source, name, offset, duration, mix=recipe.downmix)
+    audio, rate = decode_audio(source, name, offset, duration, mix=recipe.downmix, pcm16=pcm16)
     wave = torch.from_numpy(downmix(audio, recipe.downmix))
     del audio  # the channels, once mixed (a long recording holds no second copy)
-    return resample(wave, rate, recipe.feature.sample_rate, recipe.resampler)
+    if rate == recipe.feature.sample_rate:
+        return wave
+    return resample(as_float(wave), rate, recipe.feature.sample_rate, recipe.resampler)
 
 
 def _audio(item: Item, recipe: Recipe, name: str) -> tuple[str, torch.Tensor]:
@@ -307,7 +316,8 @@ def _audio(item: Item, recipe: Recipe, name: str) -> tuple[str, torch.Tensor]:
     else:
         source = item.path if item.path is None else input_source(item, item.path)
     cfg = recipe.feature
-    wave = _waveform(source, name, recipe, item.offset, item.duration)
+    # 16-bit PCM stays int16 to the featurizer where it folds the 1/32768 into its window
+    wave = _waveform(source, name, recipe, item.offset, item.duration, pcm16=takes_pcm16(cfg))
     if recipe.duration is not None:
         n = round(recipe.duration * cfg.sample_rate)
         wave = (
