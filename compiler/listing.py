@@ -141,9 +141,11 @@ def walk_files(root: Path, exts: tuple[str, ...] | frozenset[str] | None = None)
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if not is_archive(here / d)]
-        for f in filenames:
+        for f in filenames:  # the extension first: a Path and a stat only for a match
+            if exts is not None and os.path.splitext(f)[1].lower() not in exts:
+                continue
             path = here / f
-            if (exts is None or path.suffix.lower() in exts) and path.is_file():
+            if path.is_file():
                 yield path
 
 

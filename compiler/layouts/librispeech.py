@@ -14,7 +14,8 @@ SIGNS = "*.trans.txt"
 
 
 def detect(source: Path) -> bool:
-    return any(f.name.endswith(".trans.txt") for f in walk_files(source))
+    # by extension first: only .txt files are asked whether they are files
+    return any(f.name.endswith(".trans.txt") for f in walk_files(source, (".txt",)))
 
 
 def list_corpus(root: Path, options: ListOptions) -> Corpus:
