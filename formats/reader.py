@@ -14,7 +14,6 @@ import itertools
 import mmap
 import os
 import threading
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from .constants import (
     SHAPE_DTYPE,
     ZSTD_MAX_RATIO,
 )
+from .crc import crc32
 from .errors import ChecksumError, FormatError, SchemaError
 from .files import open_regular
 from .header import FieldLayout, Region, parse_header, read_preamble
@@ -630,11 +630,11 @@ _BLOCKS = _Blocks()
 
 
 def _crc(buf: np.ndarray | memoryview) -> int:
-    """CRC-32 of a buffer, in chunks (zlib releases the GIL on each)."""
+    """CRC-32 of a buffer, in chunks (each without the GIL)."""
     mv = (
         memoryview(buf).cast("B") if isinstance(buf, memoryview) else np.ascontiguousarray(buf).data
     )
     crc = 0
     for start in range(0, len(mv), _CRC_CHUNK):
-        crc = zlib.crc32(mv[start : start + _CRC_CHUNK], crc)
+        crc = crc32(mv[start : start + _CRC_CHUNK], crc)
     return crc

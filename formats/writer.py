@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import zlib
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from .constants import (
     PREAMBLE,
     SHAPE_DTYPE,
 )
-from .crc import crc32_combine
+from .crc import crc32, crc32_combine
 from .errors import SchemaError
 from .header import FieldLayout, Region, align, encode_header, header_end_for, required_regions
 from .schema import Field, check_schema, footprint_bytes
@@ -109,7 +108,7 @@ class _Spool:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.file.write(data)
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
         self.length += len(data)
         if self.base is not None:
             self._unsynced += len(data)
@@ -204,7 +203,7 @@ class _BlockSink:
             "comp_length": len(frame),
             "first_sample": self.block_first,
             "raw_length": len(self.block),
-            "crc32": zlib.crc32(frame),
+            "crc32": crc32(frame),
         }
         self.rows.append(tuple(row[c] for c in BLOCK_COLUMNS))
         self.data.write(frame)
@@ -405,7 +404,7 @@ class ShardWriter:
                 if rname == "data":
                     length, crc = sink.data.length, sink.data.crc
                 else:
-                    length, crc = len(small[rname]), zlib.crc32(small[rname])
+                    length, crc = len(small[rname]), crc32(small[rname])
                 cursor = align(cursor)
                 regions[i][rname] = Region(cursor, length, crc)
                 cursor += length
@@ -466,7 +465,7 @@ class ShardWriter:
             def put(data: bytes) -> None:
                 nonlocal crc, pos
                 out.write(data)
-                crc = zlib.crc32(data, crc)
+                crc = crc32(data, crc)
                 pos += len(data)
 
             def pad_to(target: int) -> None:
