@@ -814,9 +814,18 @@ DOWNMIX_POLICIES = ("mean", "first")
 
 
 def downmix(audio: np.ndarray, policy: str) -> np.ndarray:
-    """``[channels, samples] -> [samples]``: ``mean`` of channels, or the ``first``."""
+    """``[channels, samples] -> [samples]``: ``mean`` of channels, or the ``first``.
+
+    int16 (decode_audio's ``pcm16``) stays int16 where nothing is mixed; a mean of
+    its channels is float32, of the channels scaled by 1/32768 as decoding scales them.
+    """
     if policy == "mean":
-        mean: np.ndarray = audio.mean(axis=0, dtype=np.float32) if audio.shape[0] > 1 else audio[0]
+        if audio.shape[0] == 1:
+            one: np.ndarray = audio[0]
+            return one
+        if audio.dtype == np.int16:
+            audio = np.multiply(audio, np.float32(1 / 32768), dtype=np.float32)
+        mean: np.ndarray = audio.mean(axis=0, dtype=np.float32)
         return mean
     if policy == "first":
         first: np.ndarray = audio[0]

@@ -1056,5 +1056,5 @@ def featurize(
     lead, length = waveform.shape[:-1], waveform.shape[-1]
     clips = featurize_clips(list(waveform.reshape(math.prod(lead), length)), cfg, chunk_frames)
     if not clips:
-        return torch.zeros((*lead, cfg.num_output_frames(length), cfg.bins))
+        return torch.zeros((*lead, cfg.num_output_frames(length), cfg.bins), dtype=torch.float32)
     return torch.stack(clips).reshape(*lead, *clips[0].shape)

@@ -141,7 +141,9 @@ def walk_files(root: Path, exts: tuple[str, ...] | frozenset[str] | None = None)
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if not is_archive(here / d)]
-        for f in filenames:  # the extension first: a Path and a stat only for a match
+        # the extension first (os.path.splitext's, which is Path.suffix's for every name
+        # but dots before an extension): a Path and a stat only for a match
+        for f in filenames:
             if exts is not None and os.path.splitext(f)[1].lower() not in exts:
                 continue
             path = here / f

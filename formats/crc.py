@@ -2,7 +2,8 @@
 
 ``crc32`` is zlib.crc32 (the same values), by carry-less multiplication where
 the format layer's compiled module was built and the CPU has PCLMULQDQ (about
-3.5x zlib 1.2's speed on 110 KB payloads), else zlib's own.
+3.5x zlib 1.2's speed on 110 KB payloads), else zlib's own (zlib-ng's folds
+already).
 
 ``crc32_combine`` gives the CRC of A+B from crc(A), crc(B) and len(B). It lets
 a writer checksum a whole shard from the checksums of its parts without
@@ -29,7 +30,13 @@ try:
 except ImportError:  # built without a C compiler
     _folding = None
 
-crc32: _Crc32 = _folding.crc32 if _folding is not None and _folding.accelerated else zlib.crc32
+# zlib-ng (some distributions' zlib) folds with carry-less multiplication itself
+_ZLIB_FOLDS = "ng" in zlib.ZLIB_RUNTIME_VERSION
+crc32: _Crc32 = (
+    _folding.crc32
+    if _folding is not None and _folding.accelerated and not _ZLIB_FOLDS
+    else zlib.crc32
+)
 """``crc32(data, crc)``: zlib.crc32's value, by the fastest way this machine has."""
 
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial (SPEC.md section 5)

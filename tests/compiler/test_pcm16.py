@@ -18,7 +18,7 @@ import soundfile as sf
 import torch
 
 from dlop.compiler import decode, features, items
-from dlop.compiler.decode import decode_audio
+from dlop.compiler.decode import decode_audio, downmix
 from dlop.compiler.features import (
     PCM16_SCALE,
     ROW_BLOCK,
@@ -84,10 +84,23 @@ def test_int16_clips_give_the_bytes_of_their_float32_form(
     compiled: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    calls = [0]
     if not compiled:
         monkeypatch.setattr(features, "_native", None)
     elif features._native is None:
         pytest.skip("the compiled kernels were not built")
+    else:
+        native = features._native
+
+        class Counted:
+            power_filterbank = native.power_filterbank
+
+            @staticmethod
+            def pcm16_rows(*args: object) -> None:
+                calls[0] += 1
+                native.pcm16_rows(*args)
+
+        monkeypatch.setattr(features, "_native", Counted)
     cfg = feature_config(preset, kind, **options)
     assert takes_pcm16(cfg) is framed
     ints = pcm16_clips(cfg.sample_rate)
@@ -99,6 +112,8 @@ def test_int16_clips_give_the_bytes_of_their_float32_form(
     assert as_bytes(featurize_clips(mixed, cfg, chunk_frames=ROW_BLOCK)) == want
     for got in featurize_clips(ints, cfg):
         assert got.dtype == torch.float32
+    # the compiled gather framed the int16 clips (the torch one did otherwise)
+    assert (calls[0] > 0) is (compiled and framed)
 
 
 def test_featurize_takes_int16_as_pcm() -> None:
@@ -153,6 +168,35 @@ def test_decode_keeps_the_first_channel_and_mixes_the_mean_in_float(tmp_path: Pa
     assert np.array_equal(mean, decode_audio(path, "s", mix="mean")[0])
     both, _ = decode_audio(path, "s", pcm16=True)  # no mix asked: channels as read
     assert both.dtype == np.int16 and np.array_equal(both, raw)
+
+
+@pytest.mark.parametrize(("channels", "mix"), [(1, None), (2, "first"), (2, None)])
+def test_int16_output_grows_for_a_stream_of_unknown_length(channels: int, mix: str | None) -> None:
+    """A stream that does not state its length is read block by block into an output
+    that grows (past the first 262144 frames); int16 stays int16 through it."""
+    rng = np.random.default_rng(2)
+    frames = rng.integers(-32768, 32768, size=(600_001, channels)).astype(np.int16)
+    at = [0]
+
+    def read(buf: np.ndarray) -> int:
+        n = min(len(buf), len(frames) - at[0])  # fewer than asked: the stream's end
+        buf[:n] = frames[at[0] : at[0] + n]
+        at[0] += n
+        return n
+
+    got = decode._read_blocks(read, "s", None, np.dtype(np.int16), channels, mix, pcm16=True)
+    want = frames.T if mix is None else frames.T[:1]
+    assert got.dtype == np.int16 and np.array_equal(got, want)
+
+
+def test_downmix_of_int16_means_the_scaled_channels(tmp_path: Path) -> None:
+    path = pcm(tmp_path / "stereo.wav", channels=2)
+    ints, _ = decode_audio(path, "s", pcm16=True)
+    floats, _ = decode_audio(path, "s")
+    assert downmix(ints, "mean").dtype == np.float32
+    assert np.array_equal(downmix(ints, "mean"), downmix(floats, "mean"))
+    assert np.array_equal(downmix(ints, "first"), ints[0])
+    assert np.array_equal(downmix(ints[:1], "mean"), ints[0])
 
 
 @pytest.mark.parametrize(("ext", "subtype"), [("wav", "FLOAT"), ("wav", "PCM_24"), ("ogg", None)])
