@@ -16,13 +16,13 @@ import os
 import random
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from dlop.formats import INDEX_NAME, FormatError, urls
+from dlop.formats.crc import crc32 as crc_of
 from dlop.formats.transcode import header_span
 
 from .errors import LoaderError
@@ -129,7 +129,7 @@ def checker(size: int, crc32: int) -> Callable[[bytes], str | None]:
     def check(data: bytes) -> str | None:
         if len(data) != size:
             return f"got {len(data)} bytes, index.json says {size} (truncated transfer?)"
-        crc = zlib.crc32(data)
+        crc = crc_of(data)
         if crc != crc32:
             return f"CRC-32 {crc:#010x}, index.json says {crc32:#010x} (corrupted transfer?)"
         return None
