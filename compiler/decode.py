@@ -1,7 +1,7 @@
 """Audio decoding: soundfile for the formats it knows (WAV, FLAC, OGG, MP3), PyAV for the rest.
 
 Returns float32 ``[channels, samples]`` in [-1, 1] and the file's sample rate; with
-``pcm16``, 16-bit PCM that needs no channel mix comes back as read, in int16 (see
+``pcm16``, one channel of 16-bit PCM comes back as read, in int16 (see
 ``decode_audio``).
 
 A file soundfile recognizes is decoded by soundfile only: any error while
@@ -21,6 +21,7 @@ import stat
 import struct
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 import numpy as np
@@ -49,6 +50,27 @@ _BLOCK_FRAMES = (
 # Containers whose headers state the stream length the muxer wrote (not an
 # estimate from the bit rate, as for raw ADTS AAC or MP3 without a Xing header).
 _PYAV_EXACT_LENGTH = {"mov", "mp4", "matroska", "webm", "flac", "wav", "aiff"}
+
+PCM16_SCALE = np.float32(1 / 32768)
+"""What one step of 16-bit PCM stands for (exact in float32): libsndfile's scale, and the
+meaning of the int16 samples decode_audio's ``pcm16`` returns."""
+
+
+@dataclass(frozen=True)
+class _Span:
+    """What decode_audio was asked for, as every decoder takes it: the seconds
+    ``[offset, offset + duration)``, the channel mix, and whether 16-bit PCM may stay int16."""
+
+    offset: float
+    duration: float | None
+    mix: str | None
+    pcm16: bool = False
+
+    def frames(self, rate: int) -> tuple[int, int | None]:
+        """The span at ``rate``: its first frame and its frame count (None: to the end)."""
+        wanted = None if self.duration is None else round(self.duration * rate)
+        return round(self.offset * rate), wanted
+
 
 PLAIN_WAV_READER = True
 """Read plain 16-bit PCM and 32-bit float WAVs (``wav.sample_format``, ``wav.WavLayout.plain``)
@@ -90,33 +112,27 @@ def decode_audio(
     decode, without ever holding every channel of a long recording.
 
     With ``pcm16``, 16-bit PCM read through libsndfile or the plain WAV reader
-    (``PLAIN_WAV_READER``) that needs no mean of channels (one channel, ``mix``
-    None or ``"first"``) is returned as read: int16, half the bytes, each value x standing for
-    x / 32768, so that ``result * np.float32(1 / 32768)`` is exactly the
-    float32 result. Everything else is float32 as without it.
+    (``PLAIN_WAV_READER``) that comes out as one channel as read (a mono file, or
+    ``mix="first"``) is returned in int16: half the bytes, each value x standing
+    for x / 32768, so that ``result * PCM16_SCALE`` is exactly the float32 result.
+    Everything else is float32 as without it.
     """
     if mix is not None and mix not in DOWNMIX_POLICIES:
         raise ValueError(f"downmix {mix!r} must be one of {', '.join(DOWNMIX_POLICIES)}")
-    decoded = _plain_wav(source, name, offset, duration, mix, pcm16) if PLAIN_WAV_READER else None
+    span = _Span(offset, duration, mix, pcm16)
+    decoded = _plain_wav(source, name, span) if PLAIN_WAV_READER else None
     if decoded is None:
         check_file(source, name)  # a file the plain reader took exists and is not empty
-        decoded = _soundfile(source, name, offset, duration, mix, pcm16)
+        decoded = _soundfile(source, name, span)
     if decoded is None:
-        decoded = _pyav(source, name, offset, duration, mix)
+        decoded = _pyav(source, name, span)
     audio, rate = decoded
     if audio.shape[1] == 0:
         raise InputError(name, "no audio samples" + (f" at offset {offset} s" if offset else ""))
     return audio, rate
 
 
-def _plain_wav(
-    source: Source,
-    name: str,
-    offset: float,
-    duration: float | None,
-    mix: str | None,
-    pcm16: bool = False,
-) -> tuple[np.ndarray, int] | None:
+def _plain_wav(source: Source, name: str, span: _Span) -> tuple[np.ndarray, int] | None:
     """``_soundfile``'s result for a plain 16-bit PCM or 32-bit float WAV, or None for any other file.
 
     The samples are read straight from the data chunk: the frames present are
@@ -135,7 +151,7 @@ def _plain_wav(
                 return len(part)
 
             head = wav.HeadFirst(lambda n, at: source[at : at + n], source, len(source))
-            return _plain_samples(head, bytes_into, name, offset, duration, mix, pcm16)
+            return _plain_samples(head, bytes_into, name, span)
         # not blocking: opening a FIFO with no writer would wait for one forever
         # (check_file then reports it as an empty file)
         fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -148,9 +164,7 @@ def _plain_wav(
         head = wav.HeadFirst(
             lambda n, at: os.pread(fd, n, at), os.pread(fd, wav.HEAD_BYTES, 0), status.st_size
         )
-        return _plain_samples(
-            head, lambda buf, at: os.preadv(fd, [buf], at), name, offset, duration, mix, pcm16
-        )
+        return _plain_samples(head, lambda buf, at: os.preadv(fd, [buf], at), name, span)
     except OSError:
         return None  # libsndfile reads it again and reports its own error
     finally:
@@ -161,10 +175,7 @@ def _plain_samples(
     r: wav.HeadFirst,
     read_at: Callable[[memoryview, int], int],
     name: str,
-    offset: float,
-    duration: float | None,
-    mix: str | None,
-    pcm16: bool,
+    span: _Span,
 ) -> tuple[np.ndarray, int] | None:
     """_plain_wav's work on an opened file: ``r`` serves the header, ``read_at(buf, at)``
     fills ``buf`` from byte ``at`` and returns how many bytes it read."""
@@ -178,8 +189,7 @@ def _plain_samples(
     r.seek(layout.data_offset)
     if r.read(4) in (b"wvpk", b"OggS"):  # libsndfile refuses these data chunks
         return None
-    start = round(offset * rate)
-    wanted = None if duration is None else round(duration * rate)
+    start, wanted = span.frames(rate)
     if start < 0 or (wanted is not None and wanted < 0):
         return None
     width = dtype.itemsize * channels
@@ -194,7 +204,7 @@ def _plain_samples(
         at += got
         return got // width
 
-    data = _read_blocks(read, name, count, dtype, channels, mix, pcm16)
+    data = _read_blocks(read, name, count, dtype, channels, span.mix, span.pcm16)
     if data.shape[1] != count:
         return None  # the file ended early (it changed): libsndfile reads it again
     _check_length(name, data.shape[1], layout.data_bytes // width, start, wanted, 0)
@@ -215,9 +225,9 @@ def _mixed(block: np.ndarray, mix: str | None) -> np.ndarray:
 def _convert(raw: np.ndarray, dest: np.ndarray, mix: str | None) -> None:
     """One block as read, ``[frames, channels]`` int16 (PCM_16, times 1/32768 in float32)
     or float32, into ``dest`` (``[1 or channels, frames]`` float32), mixed when asked;
-    an int16 ``dest`` takes the block's leading channels as read (nothing to mix)."""
+    an int16 ``dest`` (``[1, frames]``) takes the first channel as read."""
     if dest.dtype == np.int16:
-        np.copyto(dest, raw.T[: dest.shape[0]])
+        np.copyto(dest, raw.T[:1])
         return
     if dest.shape[0] == raw.shape[1]:  # nothing to mix: converted straight into the output
         _scale_into(raw, dest)
@@ -232,7 +242,7 @@ def _scale_into(raw: np.ndarray, dest: np.ndarray) -> None:
     # exact (x / 32768 is a float32 for every int16 x), so the bits are the same.
     np.copyto(dest, raw.T, casting="unsafe")
     if raw.dtype == np.int16:
-        np.multiply(dest, np.float32(1 / 32768), out=dest)
+        np.multiply(dest, PCM16_SCALE, out=dest)
 
 
 class _NonFinite:
@@ -282,14 +292,7 @@ def _check_length(
     )
 
 
-def _soundfile(
-    source: Source,
-    name: str,
-    offset: float,
-    duration: float | None,
-    mix: str | None,
-    pcm16: bool = False,
-) -> tuple[np.ndarray, int] | None:
+def _soundfile(source: Source, name: str, span: _Span) -> tuple[np.ndarray, int] | None:
     """Decoded audio, or None when soundfile does not recognize the file."""
     import soundfile as sf
 
@@ -316,7 +319,7 @@ def _soundfile(
                     return None
                 raise InputError(name, f"cannot decode: {_sf_reason(e2)}") from None
         with f:
-            return _soundfile_read(f, source, name, offset, duration, mix, pcm16)
+            return _soundfile_read(f, source, name, span)
 
 
 _SAMPLE_BYTES = {
@@ -373,13 +376,7 @@ def _header_declared_frames(f: Any, name: str) -> int | None:
 
 
 def _soundfile_read(
-    f: Any,
-    source: Source,
-    name: str,
-    offset: float,
-    duration: float | None,
-    mix: str | None,
-    pcm16: bool,
+    f: Any, source: Source, name: str, span: _Span
 ) -> tuple[np.ndarray, int] | None:
     import soundfile as sf
 
@@ -400,8 +397,7 @@ def _soundfile_read(
             # stops reading there (a variable-rate file would lose its end); PyAV
             # decodes every frame, and the end check above holds it to whole frames.
             return None
-    start = round(offset * rate)
-    wanted = None if duration is None else round(duration * rate)
+    start, wanted = span.frames(rate)
     if start:
         try:
             f.seek(start if declared is None else min(start, f.frames))
@@ -428,7 +424,7 @@ def _soundfile_read(
 
     dtype = np.dtype(np.int16 if subtype == "PCM_16" else np.float32)
     try:
-        data = _read_blocks(read, name, count, dtype, channels, mix, pcm16)
+        data = _read_blocks(read, name, count, dtype, channels, span.mix, span.pcm16)
     except InputError:
         if declared is not None:
             raise
@@ -458,10 +454,11 @@ def _read_blocks(
     as they come: the file's samples are never held whole in a second form. int16 is
     scaled by 1/32768 in float32, the same values as libsndfile's own conversion
     (x / 32768 is exact) in a third of the time; float samples are checked finite.
-    With ``pcm16``, int16 that needs no mix stays int16 (decode_audio), read straight
-    into the output when it is one channel of a known length.
+    With ``pcm16``, int16 that comes out as one channel as read stays int16
+    (decode_audio), read straight into the output when the file has one channel and
+    the length is known.
     """
-    keep = pcm16 and dtype == np.int16 and (channels == 1 or mix != "mean")
+    keep = pcm16 and dtype == np.int16 and (channels == 1 or mix == "first")
     out_dtype = np.int16 if keep else np.float32
     block = _BLOCK_FRAMES if count is None else max(1, min(count, _BLOCK_FRAMES))
     out_channels = 1 if mix is not None else channels
@@ -476,9 +473,7 @@ def _read_blocks(
         if direct:
             got = read(out[0, filled : filled + n].reshape(n, 1))
             filled += got
-        else:
-            got = read(buf[:n])
-        if got and not direct:
+        elif got := read(buf[:n]):
             raw = buf[:got]
             if count is None and filled + got > out.shape[1]:
                 parts.append(out[:, :filled])
@@ -734,9 +729,7 @@ class _Collector:
         return self.out if self.filled == self.out.shape[1] else np.ascontiguousarray(last)
 
 
-def _pyav(
-    source: Source, name: str, offset: float, duration: float | None, mix: str | None
-) -> tuple[np.ndarray, int]:
+def _pyav(source: Source, name: str, span: _Span) -> tuple[np.ndarray, int]:
     import av
 
     handle = io.BytesIO(source) if isinstance(source, bytes) else str(source)
@@ -757,12 +750,12 @@ def _pyav(
             for frame in container.decode(stream):
                 if kept is None:
                     rate = frame.sample_rate or rate
-                    start = round(offset * rate)
-                    stop = None if duration is None else start + round(duration * rate)
-                    span = None if declared is None else max(0, declared - start)
-                    if span is not None and stop is not None:
-                        span = min(span, stop - start)
-                    expected = None if span is None else span + LENGTH_TOLERANCE_FRAMES
+                    start, wanted = span.frames(rate)
+                    stop = None if wanted is None else start + wanted
+                    left = None if declared is None else max(0, declared - start)
+                    if left is not None and stop is not None:
+                        left = min(left, stop - start)
+                    expected = None if left is None else left + LENGTH_TOLERANCE_FRAMES
                     kept = _Collector(start, stop, expected)
                 arr = frame.to_ndarray()
                 fmt = frame.format.name
@@ -774,7 +767,7 @@ def _pyav(
                     arr -= 128
                 arr *= _SCALE.get(fmt, 1.0)
                 finite.add(arr)
-                kept.add(_mixed(arr, mix))
+                kept.add(_mixed(arr, span.mix))
                 decoded += arr.shape[1]
                 if kept.stop is not None and kept.seen >= kept.stop:
                     break  # the requested span is decoded: the rest of the file is not needed
@@ -791,8 +784,7 @@ def _pyav(
         raise InputError(name, "no audio frames decoded")
     finite.check(name)
     out = kept.result()
-    start = round(offset * rate)
-    wanted = None if duration is None else round(duration * rate)
+    start, wanted = span.frames(rate)
     _check_length(name, out.shape[1], declared, start, wanted, LENGTH_TOLERANCE_FRAMES)
     return out, rate
 
@@ -814,18 +806,9 @@ DOWNMIX_POLICIES = ("mean", "first")
 
 
 def downmix(audio: np.ndarray, policy: str) -> np.ndarray:
-    """``[channels, samples] -> [samples]``: ``mean`` of channels, or the ``first``.
-
-    int16 (decode_audio's ``pcm16``) stays int16 where nothing is mixed; a mean of
-    its channels is float32, of the channels scaled by 1/32768 as decoding scales them.
-    """
+    """``[channels, samples] -> [samples]``: ``mean`` of channels, or the ``first``."""
     if policy == "mean":
-        if audio.shape[0] == 1:
-            one: np.ndarray = audio[0]
-            return one
-        if audio.dtype == np.int16:
-            audio = np.multiply(audio, np.float32(1 / 32768), dtype=np.float32)
-        mean: np.ndarray = audio.mean(axis=0, dtype=np.float32)
+        mean: np.ndarray = audio.mean(axis=0, dtype=np.float32) if audio.shape[0] > 1 else audio[0]
         return mean
     if policy == "first":
         first: np.ndarray = audio[0]

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .decode import PCM16_SCALE
 from .filterbanks import dct_matrix, kaldi_filterbank, mel_filterbank
 
 _native: ModuleType | None
@@ -841,15 +842,10 @@ def _filterbank_into(
     )
 
 
-PCM16_SCALE = 2.0**-15
-"""What one step of 16-bit PCM stands for: an int16 waveform's value x is x / 32768
-(decode_audio's ``pcm16``)."""
-
-
 def as_float(wave: torch.Tensor) -> torch.Tensor:
     """A waveform in float32: int16 (16-bit PCM as read) times PCM16_SCALE, which is exact."""
     if wave.dtype == torch.int16:
-        return wave.to(torch.float32).mul_(PCM16_SCALE)
+        return wave.to(torch.float32).mul_(float(PCM16_SCALE))
     return wave.to(torch.float32)
 
 
@@ -877,7 +873,7 @@ def _pcm16_window(kind: str, win_length: int, n_fft: int) -> torch.Tensor:
     """The float32 STFT window times 2**-15. Scaling by a power of two is exact, so
     int16 x times it rounds once to the float32 nearest x * 2**-15 * w, which is
     (x * 2**-15) times the window: the bits float32 input gives."""
-    return _stft_window(kind, win_length, n_fft, torch.float32) * PCM16_SCALE
+    return _stft_window(kind, win_length, n_fft, torch.float32) * float(PCM16_SCALE)
 
 
 def _gather_rows(
@@ -1049,10 +1045,8 @@ def featurize(
     is byte-identical to featurizing the clips one by one. int16 is 16-bit PCM
     (PCM16_SCALE).
     """
-    if cfg.features == "waveform" or waveform.dtype != torch.int16:
-        waveform = as_float(waveform)
     if cfg.features == "waveform":
-        return waveform
+        return as_float(waveform)
     lead, length = waveform.shape[:-1], waveform.shape[-1]
     clips = featurize_clips(list(waveform.reshape(math.prod(lead), length)), cfg, chunk_frames)
     if not clips:

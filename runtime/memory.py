@@ -1,4 +1,5 @@
 """The runtime's memory helpers: shared-memory batch buffers faulted in at once.
+
 Keeping freed batches for the next one (glibc's malloc thresholds) and loading the
 C library are dlop.formats.heap's, which the compiler shares.
 """

@@ -18,9 +18,9 @@ import soundfile as sf
 import torch
 
 from dlop.compiler import decode, features, items
-from dlop.compiler.decode import decode_audio, downmix
+from dlop.compiler.decode import PCM16_SCALE, decode_audio, downmix
+from dlop.compiler.errors import InputError
 from dlop.compiler.features import (
-    PCM16_SCALE,
     ROW_BLOCK,
     as_float,
     feature_config,
@@ -32,6 +32,7 @@ from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_row, write_audio, write_esc50_csv
 from .signals import make_signal
+from .test_decode_errors import encoded, flac_with_total_samples, wav_with_data_size
 
 KINDS = [
     ("librosa", "logmel", {}, True),
@@ -158,22 +159,29 @@ def test_decode_keeps_mono_pcm16_as_read(
     assert np.array_equal(part, got[:, 1600 : 1600 + 4000])
 
 
-def test_decode_keeps_the_first_channel_and_mixes_the_mean_in_float(tmp_path: Path) -> None:
+@pytest.mark.parametrize("plain", [True, False], ids=["plain-reader", "libsndfile"])
+def test_decode_keeps_the_first_channel_and_gives_float32_for_several(
+    tmp_path: Path, plain: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int16 comes out as one channel only: a mean, or every channel, is float32 as
+    without ``pcm16`` (so downmix never meets int16 channels to mix)."""
+    monkeypatch.setattr(decode, "PLAIN_WAV_READER", plain)
     path = pcm(tmp_path / "stereo.wav", channels=2)
     raw = sf.read(path, dtype="int16", always_2d=True)[0].T
     first, _ = decode_audio(path, "s", mix="first", pcm16=True)
     assert first.dtype == np.int16 and np.array_equal(first, raw[:1])
-    mean, _ = decode_audio(path, "s", mix="mean", pcm16=True)
-    assert mean.dtype == np.float32
-    assert np.array_equal(mean, decode_audio(path, "s", mix="mean")[0])
-    both, _ = decode_audio(path, "s", pcm16=True)  # no mix asked: channels as read
-    assert both.dtype == np.int16 and np.array_equal(both, raw)
+    assert np.array_equal(downmix(first, "first"), raw[0])
+    for mix in ("mean", None):
+        got, _ = decode_audio(path, "s", mix=mix, pcm16=True)
+        assert got.dtype == np.float32
+        assert np.array_equal(got, decode_audio(path, "s", mix=mix)[0])
 
 
 @pytest.mark.parametrize(("channels", "mix"), [(1, None), (2, "first"), (2, None)])
 def test_int16_output_grows_for_a_stream_of_unknown_length(channels: int, mix: str | None) -> None:
     """A stream that does not state its length is read block by block into an output
-    that grows (past the first 262144 frames); int16 stays int16 through it."""
+    that grows (past the first 262144 frames); one channel stays int16 through it,
+    several become float32."""
     rng = np.random.default_rng(2)
     frames = rng.integers(-32768, 32768, size=(600_001, channels)).astype(np.int16)
     at = [0]
@@ -186,17 +194,69 @@ def test_int16_output_grows_for_a_stream_of_unknown_length(channels: int, mix: s
 
     got = decode._read_blocks(read, "s", None, np.dtype(np.int16), channels, mix, pcm16=True)
     want = frames.T if mix is None else frames.T[:1]
-    assert got.dtype == np.int16 and np.array_equal(got, want)
+    if channels > 1 and mix is None:
+        assert got.dtype == np.float32 and np.array_equal(got, want * PCM16_SCALE)
+    else:
+        assert got.dtype == np.int16 and np.array_equal(got, want)
 
 
-def test_downmix_of_int16_means_the_scaled_channels(tmp_path: Path) -> None:
-    path = pcm(tmp_path / "stereo.wav", channels=2)
-    ints, _ = decode_audio(path, "s", pcm16=True)
-    floats, _ = decode_audio(path, "s")
-    assert downmix(ints, "mean").dtype == np.float32
-    assert np.array_equal(downmix(ints, "mean"), downmix(floats, "mean"))
-    assert np.array_equal(downmix(ints, "first"), ints[0])
-    assert np.array_equal(downmix(ints[:1], "mean"), ints[0])
+@pytest.mark.parametrize("channels", [1, 2])
+def test_a_short_read_ends_the_int16_output_where_the_stream_ended(channels: int) -> None:
+    """Fewer frames than the length said (a file cut while it is read): the output is the
+    frames that came, read straight into it (one channel) or through the buffer."""
+    frames = np.arange(-300, 300, dtype=np.int16).reshape(-1, 1).repeat(channels, axis=1)
+    at = [0]
+
+    def read(buf: np.ndarray) -> int:
+        n = min(len(buf), len(frames) - at[0])
+        buf[:n] = frames[at[0] : at[0] + n]
+        at[0] += n
+        return n
+
+    got = decode._read_blocks(read, "s", 1000, np.dtype(np.int16), channels, "first", True)
+    assert got.dtype == np.int16 and got.shape == (1, 600)
+    assert np.array_equal(got[0], frames[:, 0])
+
+
+def reason(source: bytes, name: str, pcm16: bool) -> str:
+    with pytest.raises(InputError) as e:
+        decode_audio(source, name, pcm16=pcm16)
+    assert e.value.path == name
+    return e.value.reason
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain-reader", "libsndfile"])
+def test_truncated_and_misstated_16_bit_files_fail_as_they_do_in_float32(
+    plain: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The int16 reads (straight into the output, or block by block) stop where the
+    float32 reads stop, with the same error; a header that understates the length
+    gives the same frames."""
+    monkeypatch.setattr(decode, "PLAIN_WAV_READER", plain)
+    wav, flac = encoded("WAV", "PCM_16"), encoded("FLAC", "PCM_16")
+    bad = {
+        "half.wav": wav[: len(wav) // 2],
+        "odd.wav": wav[: len(wav) * 4 // 5 + 1],  # cut inside a sample
+        "more.wav": wav_with_data_size(wav, 2.0),
+        "half.flac": flac[: len(flac) // 2],
+        "more.flac": flac_with_total_samples(flac, 96000),
+        "header.wav": wav[:30],
+    }
+    for name, data in bad.items():
+        want = reason(data, name, pcm16=False)
+        assert reason(data, name, pcm16=True) == want, name
+        assert "truncated" in want or "cannot decode" in want, (name, want)
+    for name, data in {
+        "fewer.flac": flac_with_total_samples(flac, 24000),
+        "fewer.wav": wav_with_data_size(wav, 0.5),
+    }.items():
+        try:
+            floats, _ = decode_audio(data, name)
+        except InputError as e:
+            assert reason(data, name, pcm16=True) == e.reason, name
+            continue
+        ints, _ = decode_audio(data, name, pcm16=True)
+        assert ints.dtype == np.int16 and np.array_equal(ints * PCM16_SCALE, floats), name
 
 
 @pytest.mark.parametrize(("ext", "subtype"), [("wav", "FLOAT"), ("wav", "PCM_24"), ("ogg", None)])
