@@ -1,8 +1,10 @@
 """Random augmentations on the batch's device, per sample, from the Loader's seeded generator.
 
 Each is a callable ``(batch, generator) -> batch`` for ``Loader(transforms=...)``;
-every random number comes from the generator, so a resumed epoch repeats its
-augmentations exactly. Ragged features use ``<field>_lengths``: masks and crops
+every random number comes from the generator, drawn on the host (runtime.transforms),
+so a resumed epoch repeats its augmentations exactly, on the CPU and on a GPU
+alike: what the device computes from the draws is exact arithmetic (products,
+sums, comparisons, truncation), the same bits on either. Ragged features use ``<field>_lengths``: masks and crops
 stay inside each sample's valid frames.
 """
 
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from .batch import Batch
+from .transforms import draw, to_device
 
 
 def _lengths(batch: Batch, field: str, x: torch.Tensor) -> torch.Tensor:
@@ -31,10 +34,11 @@ def _spans(
     dev = limit.device
     pos = torch.arange(size, device=dev)
     mask = torch.zeros(b, size, dtype=torch.bool, device=dev)
-    for _ in range(count):
-        width = (torch.rand(b, generator=gen, device=dev) * (max_width + 1)).long()
+    u = draw(gen, (count, 2, b), dev)
+    for i in range(count):
+        width = (u[i, 0] * (max_width + 1)).long()
         width = torch.minimum(width, limit)
-        start = (torch.rand(b, generator=gen, device=dev) * (limit - width + 1)).long()
+        start = (u[i, 1] * (limit - width + 1)).long()
         mask |= (pos[None, :] >= start[:, None]) & (pos[None, :] < (start + width)[:, None])
     return mask
 
@@ -77,14 +81,15 @@ class RandomTimeCrop:
         b, _, *rest = x.shape
         lengths = _lengths(batch, self.field, x)
         room = (lengths - self.frames).clamp_min(0)
-        start = (torch.rand(b, generator=gen, device=x.device) * (room + 1)).long()
+        u = draw(gen, (2, b), x.device)
+        start = (u[0] * (room + 1)).long()
         steps = torch.arange(self.frames, device=x.device)
         pos = start[:, None] + steps[None, :]
         valid = pos < lengths[:, None]
         if self.reverse > 0:
             count = torch.minimum(lengths, torch.full_like(lengths, self.frames))
             backwards = start[:, None] + count[:, None] - 1 - steps[None, :]
-            flip = torch.rand(b, generator=gen, device=x.device) < self.reverse
+            flip = u[1] < self.reverse
             pos = torch.where(flip[:, None] & valid, backwards, pos)
         pos = pos.clamp_max(max(x.shape[1] - 1, 0))
         index = pos.view(b, self.frames, *([1] * len(rest))).expand(b, self.frames, *rest)
@@ -114,11 +119,11 @@ class Mixup:
     def __call__(self, batch: Batch, gen: torch.Generator) -> Batch:
         first = batch[self.fields[0]]
         b, dev = first.shape[0], first.device
-        # torch's Beta sampler takes no generator: draw lam on the host from a seed the generator gives.
-        seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=dev).item())
+        # torch's Beta sampler takes no generator: lam comes from a seed the generator gives.
+        seed = int(torch.randint(0, 2**62, (1,), generator=gen).item())
         lam_np = np.random.default_rng(seed).beta(self.alpha, self.alpha, size=b).astype(np.float32)
-        lam = torch.from_numpy(lam_np).to(dev)
-        perm = torch.randperm(b, generator=gen, device=dev)
+        lam = to_device(torch.from_numpy(lam_np), dev)
+        perm = to_device(torch.randperm(b, generator=gen), dev)
         for name in self.fields:
             x = batch[name]
             w = lam.view(b, *([1] * (x.ndim - 1))).to(x.dtype)

@@ -1,4 +1,10 @@
-"""The transform stage: callables ``(batch, generator) -> batch`` with reproducible randomness."""
+"""The transform stage: callables ``(batch, generator) -> batch`` with reproducible randomness.
+
+The generator is a host (CPU) generator on every device. Transforms draw their
+random numbers with it on the host and move the few numbers they need to the
+batch's device (``draw``): the same seed gives the same augmentations on the
+CPU and on any GPU, and drawing never waits for the device.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,29 @@ from .batch import Batch
 Transform = Callable[[Batch, torch.Generator], Batch]
 
 
+def draw(
+    gen: torch.Generator,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Uniform [0, 1) numbers of ``shape`` drawn on the host from ``gen``, on ``device``.
+
+    The copy to a GPU is queued without waiting (a small staged copy), so a
+    transform that draws never synchronizes the training loop with the device.
+    """
+    return to_device(torch.rand(shape, generator=gen, dtype=dtype), device)
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, copied without waiting for the device."""
+    return x if x.device == device else x.to(device, non_blocking=True)
+
+
 class TransformStage:
-    """Runs the transforms on the batch's device, with generators seeded from (seed,
-    epoch, batch number): a resumed epoch repeats its augmentations exactly."""
+    """Runs the transforms on the batch's device, with a host generator seeded from
+    (seed, epoch, batch number): a resumed epoch repeats its augmentations exactly,
+    on whichever device it runs."""
 
     def __init__(self, transforms: Sequence[Transform], seed: int, device: torch.device) -> None:
         self.transforms = tuple(transforms)
@@ -24,7 +50,7 @@ class TransformStage:
     def __call__(self, batch: Batch, epoch: int, number: int) -> Batch:
         if not self.transforms:
             return batch
-        gen = torch.Generator(device=self.device)
+        gen = torch.Generator()
         seed = np.random.SeedSequence([self.seed, epoch, number, 0x5EED]).generate_state(1)
         for i, transform in enumerate(self.transforms):
             gen.manual_seed(int(seed[0]) + i)

@@ -1,7 +1,11 @@
 """Image and clip augmentations on the batch's device, per sample, from the Loader's generator.
 
 Layouts: images ``[B, H, W, C]``, clips ``[B, T, H, W, C]`` and masks
-``[B, H, W]``, as archives store them. Geometry drawn once per sample applies
+``[B, H, W]``, as archives store them. Random numbers are drawn on the host
+(runtime.transforms) and what the device computes from them is exact
+arithmetic in float64 (products, quotients, square roots, rounding) and, for
+bilinear resizing, float32 products and sums each rounded once: the same seed
+gives the same bytes on the CPU and on a GPU. Geometry drawn once per sample applies
 identically to an image, its clip frames and all its masks. Variable-size
 images arrive padded with ``<field>_lengths`` ``[B, 2]`` (height, width):
 crops and flips stay inside each sample's own pixels.
@@ -16,6 +20,7 @@ import torch
 
 from .augment import RandomTimeCrop
 from .batch import Batch
+from .transforms import draw, to_device
 
 __all__ = ["Normalize", "RandomHorizontalFlip", "RandomResizedCrop", "RandomTemporalCrop"]
 
@@ -39,7 +44,7 @@ def _valid_hw(
 
 
 def _flip_draw(p: float, b: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    return torch.rand(b, generator=gen, device=device) < p
+    return draw(gen, (b,), device) < p
 
 
 @dataclass(frozen=True)
@@ -72,13 +77,12 @@ class RandomResizedCrop:
         area = (height * width).double()[:, None]
         target = area * (
             self.scale[0]
-            + (self.scale[1] - self.scale[0])
-            * torch.rand(b, tries, generator=gen, device=dev, dtype=torch.float64)
+            + (self.scale[1] - self.scale[0]) * draw(gen, (b, tries), dev, torch.float64)
         )
         lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-        aspect = torch.exp(
-            lo + (hi - lo) * torch.rand(b, tries, generator=gen, device=dev, dtype=torch.float64)
-        )
+        # exp on the host: a device's exp may round its last bit otherwise
+        log_aspect = torch.rand(b, tries, generator=gen, dtype=torch.float64)
+        aspect = to_device(torch.exp(lo + (hi - lo) * log_aspect), dev)
         w = torch.sqrt(target * aspect).round().long()
         h = torch.sqrt(target / aspect).round().long()
         ok = (w > 0) & (h > 0) & (w <= width[:, None]) & (h <= height[:, None])
@@ -96,7 +100,7 @@ class RandomResizedCrop:
         )
         bw = torch.where(found, pick_w, fw).clamp(1)
         bh = torch.where(found, pick_h, fh).clamp(1)
-        u = torch.rand(b, 2, generator=gen, device=dev, dtype=torch.float64)
+        u = draw(gen, (b, 2), dev, torch.float64)
         top = (u[:, 0] * (height - bh + 1).double()).floor().long()
         left = (u[:, 1] * (width - bw + 1).double()).floor().long()
         return top, left, bh, bw
@@ -123,16 +127,28 @@ def _axis(
     start: torch.Tensor,
     extent: torch.Tensor,
     valid: torch.Tensor,
-    padded: int,
     flip: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Normalised sample positions [B, n] over a box (align_corners=False), kept inside valid pixels."""
+    """Source pixel positions, float64 [B, n], of ``n`` samples over a box (pixel
+    centres, as ``align_corners=False``), kept inside each sample's valid pixels."""
     steps = torch.arange(n, device=start.device, dtype=torch.float64)
     if flip is not None:
         steps = torch.where(flip[:, None], (n - 1) - steps, steps)
     pixel = start[:, None].double() + (steps + 0.5) * extent[:, None].double() / n - 0.5
-    pixel = torch.minimum(pixel.clamp_min(0.0), (valid[:, None] - 1).double())
-    return ((pixel + 0.5) * 2.0 / padded - 1.0).float()
+    return torch.minimum(pixel.clamp_min(0.0), (valid[:, None] - 1).double())
+
+
+def _taps(
+    pixel: torch.Tensor, valid: torch.Tensor, mode: str, work: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The source pixels each output reads and their weights: one tap, weight None,
+    for nearest (round half to even); two for bilinear."""
+    if mode == "nearest":
+        return [(pixel.round().long(), None)]
+    low = pixel.floor()
+    frac = pixel - low
+    high = torch.minimum(low.long() + 1, valid[:, None] - 1)
+    return [(low.long(), (1.0 - frac).to(work)), (high, frac.to(work))]
 
 
 def _crop_resize(
@@ -148,34 +164,44 @@ def _crop_resize(
     mode: str,
     is_mask: bool,
 ) -> torch.Tensor:
+    """Each sample's box resized to ``out_hw`` by gathering its source pixels.
+
+    Bilinear output is ``(v00 w0 + v01 w1) h0 + (v10 w0 + v11 w1) h1`` with every
+    product and sum a rounding of its own (no fused multiply-add), so a CPU and
+    a GPU give the same bits.
+    """
+    if mode not in ("nearest", "bilinear"):
+        raise ValueError(f"interpolation must be 'nearest' or 'bilinear', not {mode!r}")
     b = x.shape[0]
-    if is_mask:  # [B, H, W]
-        lead: tuple[int, ...] = ()
-        planes = x[:, None]
-    else:  # [B, (T,) H, W, C] -> [B, (T *) C, H, W]
-        lead = tuple(x.shape[1:-3])
-        c = x.shape[-1]
-        planes = x.movedim(-1, -3).reshape(b, -1, x.shape[-3], x.shape[-2])
-    padded_h, padded_w = planes.shape[-2:]
-    work = torch.float32 if not planes.is_floating_point() else planes.dtype
-    gy = _axis(out_hw[0], top, bh, height, padded_h, None)
-    gx = _axis(out_hw[1], left, bw, width, padded_w, flip)
-    grid = torch.stack(
-        [
-            gx[:, None, :].expand(b, out_hw[0], out_hw[1]),
-            gy[:, :, None].expand(b, out_hw[0], out_hw[1]),
-        ],
-        dim=-1,
-    ).to(work)
-    out = torch.nn.functional.grid_sample(
-        planes.to(work), grid, mode=mode, padding_mode="border", align_corners=False
-    )
-    if not x.is_floating_point():
+    if is_mask:  # [B, H, W] -> [B, H, W, 1]
+        v = x[..., None]
+    else:  # images [B, H, W, C]; clips [B, T, H, W, C] -> [B, H, W, T * C]
+        v = x if x.ndim == 4 else x.movedim(1, -2).reshape(b, *x.shape[-3:-1], -1)
+    work = v.dtype if v.is_floating_point() else torch.float32
+    rows = _taps(_axis(out_hw[0], top, bh, height, None), height, mode, work)
+    cols = _taps(_axis(out_hw[1], left, bw, width, flip), width, mode, work)
+    samples = torch.arange(b, device=x.device)[:, None, None]
+    out: torch.Tensor | None = None
+    for y, wy in rows:
+        line: torch.Tensor | None = None
+        for xs, wx in cols:
+            tap = v[samples, y[:, :, None], xs[:, None, :]]  # [B, oh, ow, R]
+            if wx is not None:
+                tap = tap.to(work) * wx[:, None, :, None]
+            line = tap if line is None else line + tap
+        assert line is not None
+        if wy is not None:
+            line = line * wy[:, :, None, None]
+        out = line if out is None else out + line
+    assert out is not None
+    if not x.is_floating_point() and out.is_floating_point():
         info = torch.iinfo(x.dtype)
         out = out.round_().clamp_(info.min, info.max).to(x.dtype)
     if is_mask:
-        return out[:, 0]
-    return out.reshape(b, *lead, c, *out_hw).movedim(-3, -1).contiguous()
+        return out[..., 0]
+    if x.ndim == 4:
+        return out
+    return out.reshape(b, *out_hw, x.shape[1], x.shape[-1]).movedim(-2, 1).contiguous()
 
 
 @dataclass(frozen=True)
@@ -233,8 +259,9 @@ class Normalize:
 
     def __call__(self, batch: Batch, gen: torch.Generator) -> Batch:
         x = batch[self.field]
-        mean = torch.tensor(self.mean, dtype=self.dtype, device=x.device)
-        inv_std = 1.0 / torch.tensor(self.std, dtype=self.dtype, device=x.device)
+        # made on the host and queued to the device: torch.tensor(device=...) would wait for it
+        mean = to_device(torch.tensor(self.mean, dtype=self.dtype), x.device)
+        inv_std = 1.0 / to_device(torch.tensor(self.std, dtype=self.dtype), x.device)
         out = (x.to(self.dtype) * self.scale - mean) * inv_std
         batch[self.field] = out.movedim(-1, 1) if self.channels_first else out
         return batch
