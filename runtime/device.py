@@ -28,16 +28,31 @@ class DeviceStage:
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch.cuda ships no annotations
         return self._stream
 
+    @staticmethod
+    def staged(batch: Batch) -> Batch:
+        """The batch with every tensor in pinned memory, where an asynchronous copy
+        can read it. Fields gathered into the ring are pinned already; the rest
+        (``<field>_lengths``, fields ragged in several axes, which are gathered
+        into tensors of their own) are copied into pinned memory from torch's
+        caching host allocator, which keeps each block until its copy is done."""
+        return Batch(
+            {
+                k: v.pin_memory() if isinstance(v, torch.Tensor) and not v.is_pinned() else v
+                for k, v in batch.items()
+            }
+        )
+
     def copy(self, batch: Batch) -> tuple[Batch, Any]:
         """The batch on the device and the event after its copies (None on the CPU)."""
         if not self.cuda:
             return batch, None
         stream = self.stream()
+        staged = self.staged(batch)
         with torch.cuda.stream(stream):
             moved = Batch(
                 {
                     k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                    for k, v in batch.items()
+                    for k, v in staged.items()
                 }
             )
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch

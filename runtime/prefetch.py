@@ -8,7 +8,11 @@ the device and hands j over. At most two batches are in flight.
 Back-pressure: the producer takes a free ring slot for each batch. While none
 is free it finishes and hands over the oldest batch in flight only if the
 training loop is waiting for it; otherwise the copies queued on the helpers
-keep them busy while the producer waits for a slot to come back.
+keep them busy while the producer waits for a slot to come back. On a CUDA
+device a slot comes back as soon as its copy to the device is done, so there
+the producer also waits while ``len(slots) - 1`` device batches are ready and
+not yet taken: the batches on the device ahead of the training loop stay that
+many, whatever the loop's speed.
 
 One producer thread serves a Loader for its lifetime (``Prefetcher``);
 starting an epoch costs a queue put, not a thread start.
@@ -146,6 +150,9 @@ class Production:
         self.numbers = numbers
         self.free = FreeSlots(slots, lifo=not device.cuda)
         self.consumer_waiting = False  # guarded by free.cond
+        # Device batches handed over and not yet taken, and how many may be (CUDA only).
+        self.untaken = 0  # guarded by free.cond
+        self.ahead = max(1, len(slots) - 1) if device.cuda else None
         self.ready: queue.Queue[Any] = queue.Queue()
         self.held: Slot | None = None
         self.stop = threading.Event()
@@ -202,7 +209,9 @@ class Production:
             batch, event = self.device.copy(batch)
             if self.device.cuda:
                 slot.event = event
-                self.release(slot)  # refilled only after its event completes
+                with self.free.cond:
+                    self.untaken += 1
+                    self.free.put(slot)  # refilled only after its event completes
             self.ready.put(Ready(j, batch, None if self.device.cuda else slot, event))
             return True
         except BaseException as e:
@@ -214,7 +223,7 @@ class Production:
         while True:
             with self.free.cond:
                 while not self.stop.is_set():
-                    slot = self.free.pop()
+                    slot = self._free_slot()
                     if slot is not None:
                         return slot
                     if self.in_flight and self.consumer_waiting:
@@ -225,9 +234,19 @@ class Production:
             if not self._publish():
                 return None
 
-    def release(self, slot: Slot) -> None:
-        with self.free.cond:
-            self.free.put(slot)
+    def _free_slot(self) -> Slot | None:
+        """A free slot, unless the device batches not yet taken are at their bound;
+        call with ``free.cond`` held."""
+        if self.ahead is not None and self.untaken >= self.ahead:
+            return None
+        return self.free.pop()
+
+    def taken(self) -> None:
+        """The training loop took a device batch: the producer may make another."""
+        if self.ahead is not None:
+            with self.free.cond:
+                self.untaken -= 1
+                self.free.cond.notify()
 
     def halt(self) -> None:
         """Asks the producer to stop (it finishes the copies it started)."""
@@ -279,6 +298,8 @@ class PrefetchIter:
             if item is _DONE:
                 raise StopIteration
             raise LoaderError(STOPPED_MESSAGE)
+        if item.batch is not None:
+            p.taken()
         if item.error is not None:
             self.close()
             error = self.fail(item)
