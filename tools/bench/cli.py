@@ -8,10 +8,10 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .common import Row, machine, markdown_table, peak_rss_mib, print_table, write_json
 
@@ -26,37 +26,35 @@ def _cuda() -> bool:
 
 
 def _train(work: Path, args: argparse.Namespace) -> list[Row]:
-    from dlop.compiler.demo import DEMO_RECIPE
-    from dlop.compiler.pipeline import compile_corpus
-    from dlop.compiler.recipe import build_recipe
     from dlop.runtime import Loader
 
-    from .corpus import esc50_wavs
     from .naive import naive_loader
-    from .train import train_rows
+    from .train import prepare, train_rows
 
     print("== train", file=sys.stderr, flush=True)
-    clips = max(args.train_batch * (args.train_steps + 1), 200)
-    corpus = esc50_wavs(work / "esc", clips)
-    recipe = build_recipe({**DEMO_RECIPE, "source": str(corpus)})
-    compile_corpus(recipe, work / "archive", workers=args.workers, progress=False)
-    sources = {
+    cuda = args.device.startswith("cuda")
+    clips = max(args.train_batch * 8, 200)
+    corpus, archive = prepare(work, clips, args.workers)
+    sources: dict[str, Callable[[], Iterable[Any]]] = {
         f"naive DataLoader ({args.workers} workers)": lambda: naive_loader(
-            corpus, args.train_batch, args.workers
+            corpus, args.train_batch, args.workers, persistent=True, pin_memory=cuda, drop_last=True
         ),
         "dlop Loader": lambda: Loader(
-            work / "archive",
+            archive,
             args.train_batch,
             seed=0,
+            drop_last=True,
             fields=["logmel", "label"],
-            device=args.device if args.device.startswith("cuda") else None,
+            device=args.device if cuda else None,
         ),
     }
     workload = (
-        f"train: ResNet18-style CNN on [431, 128] log-mels, batch {args.train_batch}, {args.device}"
-        f"{' (channels-last, bf16 autocast)' if args.device.startswith('cuda') else ''}"
+        f"train: ResNet18 on [431, 128] log-mels, batch {args.train_batch}, {args.device}"
+        f"{' (channels-last, bf16 autocast)' if cuda else ''}"
     )
-    return train_rows(workload, sources, args.train_steps, args.device, num_classes=5)
+    return train_rows(
+        workload, sources, args.train_steps, args.device, num_classes=5, warmup=args.train_warmup
+    )
 
 
 class _Run:
@@ -202,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: train a ResNet18-style CNN fed naively and by dlop; report samples/s and data wait",
     )
-    p.add_argument("--train-steps", type=int, default=8)
+    p.add_argument("--train-steps", type=int, default=8, help="timed training steps per source")
+    p.add_argument("--train-warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--train-batch", type=int, default=32)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     return p

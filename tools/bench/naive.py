@@ -66,14 +66,28 @@ class NaiveLogmel(Dataset[tuple[torch.Tensor, int]]):
 
 
 def naive_loader(
-    corpus: Path, batch_size: int = 64, workers: int = 2, **kw: Any
+    corpus: Path,
+    batch_size: int = 64,
+    workers: int = 2,
+    *,
+    persistent: bool = False,
+    pin_memory: bool = False,
+    drop_last: bool = False,
+    **kw: Any,
 ) -> DataLoader[Any]:
+    """The DataLoader a training script writes (``persistent`` and ``pin_memory`` as a
+    GPU training sets them). Once CUDA is initialized its workers start by forkserver:
+    a forked worker that frees an inherited CUDA tensor aborts."""
+    cuda_started = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     return DataLoader(
         NaiveLogmel(corpus, **kw),
         batch_size=batch_size,
         shuffle=True,
         num_workers=workers,
-        persistent_workers=False,
+        persistent_workers=persistent and workers > 0,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        multiprocessing_context="forkserver" if cuda_started and workers > 0 else None,
     )
 
 
