@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.dlop-installed
 
-.PHONY: demo test bench bench-peers lint env clean fuzz
+.PHONY: demo test bench bench-peers lint env clean fuzz gpu-proof
 
 env: $(STAMP)
 
@@ -51,6 +51,11 @@ bench-peers:
 	$(PEERS)/bin/python -c "import torchvision" 2>/dev/null || \
 		echo "$(CURDIR)/tools/bench/peers-env" > "$$($(PEERS)/bin/python -c 'import site; print(site.getsitepackages()[0])')/dlop-bench-stubs.pth"
 	$(PEERS)/bin/dlop-bench --only peers --out bench-out/peers
+
+# On a CUDA machine: the GPU path measured (pinned copies, side-stream overlap, GPU
+# augmentations against the CPU, ResNet18 training naive vs dlop), report in gpu-proof-out/.
+gpu-proof: env
+	$(PY) -m dlop.tools.gpu_proof --out gpu-proof-out
 
 # The archive fuzzer for longer: hypothesis mutations of index.json, shard headers and
 # file kinds, in a child process with a memory cap (DLOP_FUZZ_EXAMPLES to change).
