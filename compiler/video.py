@@ -240,9 +240,16 @@ def _shaped(wanted: list[float], decoded: list[Any], cfg: VisionConfig) -> dict[
     return by_time
 
 
+# swscale's flags for the conversion to RGB: SWS_BILINEAR | SWS_ACCURATE_RND | SWS_BITEXACT,
+# FFmpeg's exact C conversion. Without them swscale takes vector code chosen by the CPU,
+# which need not round as the C code does: the same video would give other pixels on
+# another machine.
+RGB_CONVERSION = 0x2 | 0x40000 | 0x80000
+
+
 def to_rgb(frame: Any) -> np.ndarray:
     """One decoded frame -> ``[H, W, 3]`` uint8 RGB with its display rotation applied."""
-    rgb = frame.to_ndarray(format="rgb24")
+    rgb = frame.reformat(format="rgb24", interpolation=RGB_CONVERSION).to_ndarray()
     return rotate(rgb, float(getattr(frame, "rotation", 0) or 0))
 
 

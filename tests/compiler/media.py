@@ -76,11 +76,13 @@ def decode_all(path: Path) -> list[tuple[float, np.ndarray]]:
     """Every frame (time in seconds, upright RGB), decoded plainly from the start, no threads."""
     import av
 
+    from dlop.compiler.video import RGB_CONVERSION
+
     out = []
     with av.open(str(path)) as c:
         s = c.streams.video[0]
         for f in c.decode(s):
-            rgb = f.to_ndarray(format="rgb24")
+            rgb = f.reformat(format="rgb24", interpolation=RGB_CONVERSION).to_ndarray()
             quarter = round((getattr(f, "rotation", 0) or 0) / 90) % 4
             out.append((float(f.pts * s.time_base), np.ascontiguousarray(np.rot90(rgb, quarter))))
     return out
