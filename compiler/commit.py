@@ -35,6 +35,7 @@ from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
 from dlop.formats.units import MAX_COUNT
 
+from . import numerics
 from .corpus import Corpus
 from .errors import CompileError
 from .items import CorpusShape
@@ -99,6 +100,7 @@ class Run:
             self.out,
             self.storage_options,
             self.journal_run,
+            numerics.resume_key(numerics.target()),
         )
 
     def advance(self, inputs: int) -> None:
@@ -129,7 +131,12 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
     store = run.store()
     total = len(run.corpus.items)
     journal = Journal(
-        store.url, run.recipe.digest(), run.corpus.fingerprint, run.unit_inputs, total
+        store.url,
+        run.recipe.digest(),
+        run.corpus.fingerprint,
+        run.unit_inputs,
+        total,
+        numerics.resume_key(numerics.target()),
     )
     committed: dict[int, UnitRecord] = {}
     if resume:
@@ -353,7 +360,12 @@ def _merged(run: Run, committed: dict[int, UnitRecord], created: str) -> tuple[I
         shards,
         sum(s.num_samples for s in shards),
         run.recipe.to_json(),
-        {"dlop_version": __version__, "created": created, "source": source},
+        {
+            "dlop_version": __version__,
+            "created": created,
+            "source": source,
+            "numerics": numerics.target(),
+        },
         len(skipped),
         {**corpus.metadata, "feature_field": run.recipe.feature_name},
         UnitTable(

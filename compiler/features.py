@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import numerics
 from .decode import PCM16_SCALE
 from .filterbanks import dct_matrix, kaldi_filterbank, mel_filterbank
 
@@ -29,6 +30,16 @@ try:  # the compiled spectrum-to-filterbank step (compiler/_kernels.c), built at
     _native = importlib.import_module("._kernels", __package__)
 except ImportError:  # built without a C compiler: torch products serve
     _native = None
+
+
+# MKL's CPU-independent code path, asked for before anything here runs MKL (compiler.numerics)
+numerics.prefer()
+
+
+def native_kernels() -> ModuleType | None:
+    """The compiled kernels, or None where the install built none."""
+    return _native
+
 
 KALDI_EPSILON = float(np.finfo(np.float32).eps)  # 1.1920928955078125e-07
 FEATURES = ("logmel", "fbank", "mfcc", "waveform")
@@ -642,7 +653,10 @@ def _kaldi_spectrum(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
     if cfg.input_scale != 1.0:
         frame.mul_(cfg.input_scale)
     if cfg.remove_dc:
-        frame.sub_(frame.mean(dim=-1, keepdim=True))
+        # The mean as a matrix product (MKL, the same path on every CPU: compiler.numerics),
+        # not torch's mean, whose summation order follows the CPU's vector width.
+        ones = torch.full((size, 1), 1.0 / size, dtype=frame.dtype)
+        frame.sub_(torch.matmul(frame, ones))
     if cfg.preemphasis:
         # x[i] - p * x[i - 1], and x[0] - p * x[0]: the products are taken first
         previous = frame[..., :-1] * cfg.preemphasis

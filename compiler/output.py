@@ -18,7 +18,7 @@ import secrets
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dlop.formats import ERRORS_NAME, INDEX_NAME, FormatError
 from dlop.formats.constants import (
@@ -308,10 +308,18 @@ class Journal:
     """
 
     def __init__(
-        self, where: str, digest: str, fingerprint: str, unit_inputs: int, num_inputs: int
+        self,
+        where: str,
+        digest: str,
+        fingerprint: str,
+        unit_inputs: int,
+        num_inputs: int,
+        numerics: dict[str, Any] | None = None,
     ) -> None:
         self.where = where
         self.digest, self.fingerprint = digest, fingerprint
+        # compiler.numerics.resume_key of the compile: a resume must write with the same
+        self.numerics = numerics or {}
         self.unit_inputs, self.num_inputs = unit_inputs, num_inputs
         # Names this compile in the journal: a URL OUT has no lock, so a compile checks
         # that the journal still names it before it publishes more (check_run).
@@ -324,6 +332,7 @@ class Journal:
             "unit_inputs": self.unit_inputs,
             "num_inputs": self.num_inputs,
             "run": self.run,
+            "numerics": self.numerics,
         }
         store.write(JOURNAL, json.dumps(obj).encode())
 
@@ -375,6 +384,25 @@ class Journal:
                 f"{self.where}: the corpus changed since the interrupted compile (it listed "
                 f"{num_inputs} inputs, fingerprint {fingerprint:.16}...; now {self.num_inputs}, "
                 f"{self.fingerprint:.16}...); compile afresh (--overwrite)"
+            )
+        theirs = obj.get("numerics")
+        if not isinstance(theirs, dict):
+            raise CompileError(
+                f"{self.where}: the interrupted compile recorded no numeric environment (an "
+                "older dlop wrote it), so its shards may round differently from this one's; "
+                "compile afresh (--overwrite)"
+            )
+        changed = [
+            f"{k} {theirs.get(k)!r} -> {v!r}"
+            for k, v in self.numerics.items()
+            if theirs.get(k) != v
+        ]
+        if changed:
+            raise CompileError(
+                f"{self.where}: --resume in another numeric environment than the interrupted "
+                f"compile ({'; '.join(changed)}): the two would round features differently "
+                "within one archive; resume with the install that started it, or compile "
+                "afresh (--overwrite). Another CPU alone is no difference (docs/compile.md)"
             )
         if unit_inputs_given and size != self.unit_inputs:
             raise CompileError(

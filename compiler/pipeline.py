@@ -42,6 +42,7 @@ import torch
 
 from dlop.formats import Index
 
+from . import numerics
 from .commit import Run, finish_run
 from .errors import CompileError
 from .items import CorpusShape, Outcome, schema_for
@@ -102,6 +103,7 @@ def _init_worker(
         # workers take the compile's, as forked ones would (credentials, endpoints, test hooks).
         os.environ.clear()
         os.environ.update(environ)
+    numerics.require()
     torch.set_num_threads(1)
     set_decode_threads(decode_threads)
     _die_with_driver(driver)
@@ -361,6 +363,7 @@ def _results(
     (each fetching its chunks' URL inputs itself)."""
     shape, recipe, options = run.shape, run.recipe, run.storage_options
     if workers == 1:
+        numerics.require()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

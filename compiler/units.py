@@ -27,7 +27,7 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,9 @@ from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
 from dlop.formats.units import is_count
 
+from . import numerics
 from .corpus import Corpus, Item, fingerprint
+from .errors import CompileError
 from .items import CorpusShape, Outcome, process_items
 from .layouts import stream_items
 from .listing import text_path
@@ -173,6 +175,8 @@ class UnitTask:
     # The journal's run token of the compile (Journal.run): names its Dask tasks, and a
     # unit publishes only while OUT's journal still names it (UnitWriter.check_run).
     run: str = ""
+    # numerics.resume_key of the driver: every worker must write with the same
+    numerics: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -274,6 +278,15 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     recipe = _RECIPES.get(task.digest)
     if recipe is None:
         recipe = _RECIPES[task.digest] = build_recipe(task.recipe)
+    numerics.require()
+    here = numerics.resume_key(numerics.environment())
+    if here != task.numerics:
+        raise CompileError(
+            f"unit {unit}: this worker's numeric environment differs from the compile's "
+            f"({'; '.join(numerics.differences(task.numerics, here))}): "
+            "its bytes would differ from other workers'; give every worker the same torch, "
+            "numpy and dlop install"
+        )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread per worker: the bytes do not depend on it
     store = open_store(task.out, task.storage_options)
