@@ -60,6 +60,8 @@ STATE_FORMAT = "dlop-iterable-state"
 STATE_VERSION = 2
 MAX_WORKERS = 256  # workers that can resume from a state (one claim slot each)
 _EPOCH, _DONE, _SERVED, _CLAIMS = 0, 1, 2, 3
+# Per worker: iterations begun since set_epoch or load_state_dict (the epoch moves on with each).
+_PASSES = _CLAIMS + MAX_WORKERS
 
 
 class IterableArchive(IterableDataset[Batch]):
@@ -137,7 +139,7 @@ class IterableArchive(IterableDataset[Batch]):
 
     def _share_with_workers(self) -> None:
         """What the workers share with this process: epoch and resume point, slot releases."""
-        shared = torch.zeros(_CLAIMS + MAX_WORKERS, dtype=torch.int64)
+        shared = torch.zeros(_PASSES + MAX_WORKERS, dtype=torch.int64)
         self._shared = shared.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
         self._handed_out = 0  # batch number reached by this process's latest iteration
         self._released = ReleaseTable(secrets.randbits(62), MAX_WORKERS, self.worker_buffers)
@@ -164,7 +166,10 @@ class IterableArchive(IterableDataset[Batch]):
 
     @property
     def epoch(self) -> int:
-        return int(self._shared[_EPOCH])
+        """The epoch set (``set_epoch``, ``load_state_dict``), plus one for each iteration
+        begun since, after the first: the epoch of the latest iteration."""
+        passes = int(self._shared[_PASSES:].max())
+        return int(self._shared[_EPOCH]) + max(passes - 1, 0)
 
     def set_epoch(self, epoch: int) -> None:
         """Starts ``epoch`` at its beginning; a state just loaded for this same epoch
@@ -176,10 +181,10 @@ class IterableArchive(IterableDataset[Batch]):
 
     def _resume_pending(self) -> bool:
         """A loaded state that no worker has started from yet."""
-        return int(self._shared[_DONE]) > 0 and not bool(self._shared[_CLAIMS:].any())
+        return int(self._shared[_DONE]) > 0 and not bool(self._shared[_CLAIMS:_PASSES].any())
 
     def _publish(self, epoch: int, done: int) -> None:
-        self._shared[_CLAIMS:] = 0
+        self._shared[_CLAIMS:] = 0  # the claims and the iteration counts
         self._shared[_SERVED] = 0
         self._shared[_DONE] = done
         self._shared[_EPOCH] = epoch
@@ -200,8 +205,13 @@ class IterableArchive(IterableDataset[Batch]):
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        start = self._claim(worker)
-        batches = self.batches()
+        # Every worker of a DataLoader begins each pass once: counting its own passes,
+        # each one reaches the same epoch without asking the others.
+        slot = _PASSES + worker % MAX_WORKERS
+        passes = int(self._shared[slot])
+        self._shared[slot] = passes + 1
+        start = self._claim(worker) if passes == 0 else 0
+        batches = self.batch_order().batches(int(self._shared[_EPOCH]) + passes)
         choice = self.choice()
         engine = choice.archive.own_engine()
         ring = self._worker_ring(worker) if info is not None else None

@@ -195,8 +195,8 @@ class BatchOrder:
     State: ``{"epoch", "batches_done"}``; with the spec (seed, sizes, rank,
     world size, bucketing, window) that is all it takes to continue exactly.
     ``reset(state)`` makes the next iteration start after ``batches_done``
-    (``set_epoch`` of the same epoch keeps that); later iterations start at
-    the epoch's beginning.
+    (``set_epoch`` of the same epoch keeps that). An iteration begun without a
+    ``set_epoch`` since the previous one runs the next epoch.
     """
 
     def __init__(
@@ -213,6 +213,8 @@ class BatchOrder:
         self.epoch = 0
         self.batches_done = 0
         self._resume = False
+        # Iterations begun since set_epoch or reset: a second one moves to the next epoch.
+        self._passes = 0
         self._cached: tuple[int, list[np.ndarray]] | None = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
@@ -234,11 +236,20 @@ class BatchOrder:
         self.epoch = epoch
         self.batches_done = 0
         self._resume = False
+        self._passes = 0
 
     def begin(self) -> int:
-        """Starts an iteration of the current epoch; returns its first batch number."""
-        start = self.batches_done if self._resume else 0
+        """Starts an iteration; returns its first batch number. The first iteration after
+        ``set_epoch`` (or ``reset``) runs that epoch; each later one without a
+        ``set_epoch`` between runs the next epoch, as a DataLoader reshuffles every pass."""
+        if self._resume:
+            start = self.batches_done
+        else:
+            if self._passes:
+                self.epoch += 1
+            start = 0
         self._resume = False
+        self._passes += 1
         self.batches_done = start
         return start
 
@@ -261,3 +272,4 @@ class BatchOrder:
             high=count,
         )
         self.epoch, self.batches_done, self._resume = epoch, done, True
+        self._passes = 0
