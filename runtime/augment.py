@@ -20,10 +20,33 @@ from .transforms import draw, to_device
 
 
 def _lengths(batch: Batch, field: str, x: torch.Tensor) -> torch.Tensor:
+    """Each sample's valid length along axis 1 (frames), ``[B]``.
+
+    ``<field>_lengths`` is ``[B]`` when axis 1 alone varies, and ``[B, k]`` when k
+    axes do: then axis 1 is its first column if every axis but the last (channels)
+    varies, and otherwise does not vary (a clip of a fixed number of frames whose
+    height and width vary has ``[B, 2]``: height and width, as images have).
+    """
     lengths: torch.Tensor | None = batch.get(f"{field}_lengths")
+    if lengths is not None and lengths.ndim == 2:
+        lengths = lengths[:, 0] if lengths.shape[1] == x.ndim - 2 else None
     if lengths is None:
         return torch.full((x.shape[0],), x.shape[1], dtype=torch.int64, device=x.device)
     return lengths.to(x.device)
+
+
+def _set_lengths(batch: Batch, field: str, lengths: torch.Tensor, x: torch.Tensor) -> None:
+    """Writes back axis 1's lengths where ``<field>_lengths`` holds them (``_lengths``)."""
+    key = f"{field}_lengths"
+    held: torch.Tensor | None = batch.get(key)
+    if held is None:
+        return
+    if held.ndim == 1:
+        batch[key] = lengths.to(held.device)
+    elif held.shape[1] == x.ndim - 2:
+        held = held.clone()
+        held[:, 0] = lengths.to(held.device)
+        batch[key] = held
 
 
 def _spans(
@@ -96,10 +119,9 @@ class RandomTimeCrop:
         out = torch.gather(x, 1, index) if x.shape[1] else x.new_zeros((b, self.frames, *rest))
         out.masked_fill_(~valid.view(b, self.frames, *([1] * len(rest))), self.pad_value)
         batch[self.field] = out
-        if f"{self.field}_lengths" in batch:
-            batch[f"{self.field}_lengths"] = torch.minimum(
-                lengths, torch.full_like(lengths, self.frames)
-            )
+        _set_lengths(
+            batch, self.field, torch.minimum(lengths, torch.full_like(lengths, self.frames)), x
+        )
         return batch
 
 

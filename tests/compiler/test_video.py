@@ -268,3 +268,27 @@ def test_a_skip_pass_that_fails_leaves_the_verdict_to_a_full_decode(
     monkeypatch.setattr(video, "frames_at", failing)
     got, _ = video.decode_clips(path, "v.mp4", cfg)
     assert [c.frames.tobytes() for c in got] == [c.frames.tobytes() for c in want]
+
+
+def test_the_documented_clip_pipeline_on_clips_compiled_without_crop(
+    charades: Path, tmp_path: Path
+) -> None:
+    """docs/vision.md's video Loader on clips whose height and width vary per video."""
+    from dlop.runtime import Loader, Normalize, RandomResizedCrop, RandomTemporalCrop
+
+    out = tmp_path / "clips"
+    assert compile_main([str(charades), "-o", str(out), "-q", "--clip-frames", "4"]) == 0
+    loader = Loader(
+        out,
+        3,
+        transforms=(
+            RandomTemporalCrop(frames=2, reverse=0.0),
+            RandomResizedCrop(24, fields=("frames",)),
+            Normalize(field="frames"),
+        ),
+    )
+    try:
+        shapes = {tuple(b["frames"].shape[1:]) for b in loader}
+    finally:
+        loader.close()
+    assert shapes == {(3, 2, 24, 24)}
