@@ -77,6 +77,9 @@ class SpecAugment:
     time_width: int = 40
     mask_value: float = 0.0
 
+    def needed_fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
     def __call__(self, batch: Batch, gen: torch.Generator) -> Batch:
         x = batch[self.field]
         lengths = _lengths(batch, self.field, x)
@@ -98,6 +101,9 @@ class RandomTimeCrop:
     frames: int = 400
     pad_value: float = 0.0
     reverse: float = 0.0
+
+    def needed_fields(self) -> tuple[str, ...]:
+        return (self.field,)
 
     def __call__(self, batch: Batch, gen: torch.Generator) -> Batch:
         x = batch[self.field]
@@ -137,6 +143,9 @@ class Mixup:
     fields: tuple[str, ...] = ("logmel",)
     label: str = "label"
     num_classes: int | None = None
+
+    def needed_fields(self) -> tuple[str, ...]:
+        return (*self.fields, self.label) if self.num_classes is not None else self.fields
 
     def __call__(self, batch: Batch, gen: torch.Generator) -> Batch:
         first = batch[self.fields[0]]

@@ -25,6 +25,9 @@ class Batch(dict[str, Any]):
             return self
         return super().__getitem__(key)
 
+    def __missing__(self, key: Any) -> Any:
+        raise KeyError(f"{key!r}: the batch has no such field; it has {', '.join(sorted(self))}")
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (Batch, (dict(self),), self.__dict__ or None)
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .batch import Batch
+from .errors import UsageError
 
 Transform = Callable[[Batch, torch.Generator], Batch]
 
@@ -35,6 +36,36 @@ def draw(
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``, copied without waiting for the device."""
     return x if x.device == device else x.to(device, non_blocking=True)
+
+
+def needs(transform: Transform) -> tuple[str, ...]:
+    """The batch fields a transform reads: its ``needed_fields()`` where it says (the
+    built-in augmentations do), none otherwise."""
+    needed = getattr(transform, "needed_fields", None)
+    return tuple(needed()) if callable(needed) else ()
+
+
+def check_transforms(
+    transforms: Sequence[Transform], fields: Sequence[str], classes: int | None, where: str
+) -> None:
+    """Refuses, when the Loader is made, transforms that would fail on its first batch:
+    a field its batches do not have, or ``Mixup(num_classes)`` below the archive's
+    class count (``classes``, from its metadata, where it says)."""
+    have = set(fields) | {f"{f}_lengths" for f in fields}
+    for t in transforms:
+        missing = [f for f in needs(t) if f not in have]
+        if missing:
+            raise UsageError(
+                f"{where}: transform {t!r} reads field {missing[0]!r}, which this Loader's "
+                f"batches do not have; they have {', '.join(sorted(fields))}"
+            )
+        num_classes = getattr(t, "num_classes", None)
+        if isinstance(num_classes, int) and classes is not None and num_classes < classes:
+            raise UsageError(
+                f"{where}: transform {t!r} makes one-hot targets of {num_classes} classes, "
+                f"but the archive has {classes} (its metadata's 'classes'); give "
+                f"num_classes={classes}"
+            )
 
 
 class TransformStage:

@@ -69,6 +69,9 @@ class RandomResizedCrop:
     flip: float = 0.5
     interpolation: str = "bilinear"
 
+    def needed_fields(self) -> tuple[str, ...]:
+        return (*self.fields, *self.masks)
+
     def boxes(
         self, height: torch.Tensor, width: torch.Tensor, gen: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -212,6 +215,9 @@ class RandomHorizontalFlip:
     masks: tuple[str, ...] = ()
     p: float = 0.5
 
+    def needed_fields(self) -> tuple[str, ...]:
+        return (*self.fields, *self.masks)
+
     def __call__(self, batch: Batch, gen: torch.Generator) -> Batch:
         names = [*self.fields, *self.masks]
         first = batch[names[0]]
@@ -256,6 +262,9 @@ class Normalize:
     scale: float = 1 / 255
     channels_first: bool = True
     dtype: torch.dtype = torch.float32
+
+    def needed_fields(self) -> tuple[str, ...]:
+        return (self.field,)
 
     def __call__(self, batch: Batch, gen: torch.Generator) -> Batch:
         x = batch[self.field]
