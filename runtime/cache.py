@@ -31,6 +31,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import secrets
 import stat
 import time
@@ -44,6 +45,13 @@ TMP_MARK = ".tmp-"
 LOCK_SUFFIX = ".lock"
 BUDGET_LOCK = ".budget.lock"
 WANTED = ".wanted"
+# The mark that makes a folder a dlop cache: written when dlop makes the cache, in a new
+# or empty folder (or one holding only what an earlier dlop wrote there); a folder
+# holding anything else is never adopted, so eviction never meets a user's files.
+MARK = ".dlop-cache"
+MARK_TEXT = b"dlop node-local shard cache: dlop removes what it wrote here\n"
+ARCHIVE_ID = re.compile(r"[0-9a-f]{24}")  # an archive folder's name (runtime.remote_archive)
+OWN_FILES = (BUDGET_LOCK, WANTED, MARK)
 FOREIGN = "the cache folder must be writable and hold only what dlop writes there"
 
 
@@ -108,14 +116,19 @@ class CacheDir:
         self.wait_s = wait_s
         # Called when room runs out: lets go of holds kept only in case; True if any went.
         self.squeeze: Callable[[], bool] | None = None
-        self.root.mkdir(parents=True, exist_ok=True)
+        claim(self.root)
         self.wanted_path = str(self.root / WANTED)
         self.sweep()
 
+    def archive_dirs(self) -> list[Path]:
+        """The archive folders dlop made under the root: named by an archive id, and
+        folders, not links to one."""
+        return archive_dirs(self.root)
+
     def files(self) -> Iterator[tuple[Path, os.stat_result]]:
-        """Every regular file under the root (one level of archive folders), with its
-        stat (a link or folder is not listed)."""
-        for sub in [d for d in self.root.iterdir() if d.is_dir()]:
+        """Every regular file in the archive folders, with its stat (a link, a folder or
+        any name outside dlop's archive folders is not listed, so never removed)."""
+        for sub in self.archive_dirs():
             for p in list(sub.iterdir()):
                 with contextlib.suppress(FileNotFoundError):
                     st = p.lstat()
@@ -158,6 +171,10 @@ class CacheDir:
             return 0
 
     def archive_dir(self, archive_id: str) -> Path:
+        """The folder of one archive's shards, named by its id (24 hex digits: the only
+        names under the root that the cache lists, evicts or clears)."""
+        if not ARCHIVE_ID.fullmatch(archive_id):
+            raise ValueError(f"an archive id is 24 lowercase hex digits, not {archive_id!r}")
         d = self.root / archive_id
         d.mkdir(exist_ok=True)
         return d
@@ -303,15 +320,78 @@ class CacheDir:
             for p, st in list(self.files()):
                 if (is_shard(p.name) or is_tmp(p.name)) and self._remove_if_free(p):
                     freed += st.st_size
-            for sub in list(self.root.iterdir()):
-                if sub.is_dir() and not any(is_shard(p.name) for p in sub.iterdir()):
+            for sub in self.archive_dirs():
+                if not any(is_shard(p.name) for p in sub.iterdir()):
                     for p in sub.iterdir():
                         with contextlib.suppress(FileNotFoundError):
-                            freed += p.stat().st_size
-                            p.unlink()
+                            st = p.lstat()
+                            if stat.S_ISREG(st.st_mode):
+                                p.unlink()
+                                freed += st.st_size
                     with contextlib.suppress(OSError):
                         sub.rmdir()
         return freed
+
+
+def archive_dirs(root: Path) -> list[Path]:
+    """The folders under ``root`` named by an archive id that are folders, not links."""
+    try:
+        with os.scandir(root) as entries:
+            return sorted(
+                Path(e.path)
+                for e in entries
+                if ARCHIVE_ID.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+            )
+    except FileNotFoundError:
+        return []
+
+
+def is_cache(root: Path) -> bool:
+    """Whether ``root`` carries dlop's cache mark."""
+    try:
+        return stat.S_ISREG(os.lstat(root / MARK).st_mode)
+    except OSError:
+        return False
+
+
+def claim(root: Path) -> None:
+    """Makes ``root`` a dlop cache, or refuses: a folder is adopted only when it is new,
+    empty, already marked, or holds nothing but what dlop writes in a cache."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CacheError(f"{root}: cannot make the cache folder: {e.strerror or e}") from None
+    if not root.is_dir():
+        raise CacheError(f"{root}: the cache folder is not a folder: {FOREIGN}")
+    if is_cache(root):
+        return
+    with os.scandir(root) as entries:
+        foreign = sorted(
+            e.name
+            for e in entries
+            if not (
+                (e.name in OWN_FILES and e.is_file(follow_symlinks=False))
+                or (ARCHIVE_ID.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+            )
+        )
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise CacheError(
+            f"{root}: not a dlop shard cache (no {MARK} mark) and it holds {foreign[0]!r}"
+            f"{more}: dlop evicts and sweeps what is in its cache, so it takes only a "
+            "folder of its own; give cache_dir (DLOP_CACHE_DIR, dlop-inspect cache DIR) a "
+            "new or empty folder"
+        )
+    try:
+        fd = os.open(root / MARK, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except FileExistsError:
+        return
+    except OSError as e:
+        raise CacheError(f"{root}: cannot mark the cache folder: {e.strerror or e}") from None
+    try:
+        os.write(fd, MARK_TEXT)
+    finally:
+        os.close(fd)
 
 
 WriteFn = Callable[[bytes], bytes]
@@ -341,9 +421,21 @@ def parse_bytes(text: str, where: str) -> int:
     digits = t[:-1] if t[-1:] in units else t
     try:
         value = int(float(digits) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):
         msg = f"{where}: {text!r} is not a byte count; write e.g. 50000000000 or 50G"
         raise CacheError(msg) from None
     if value < 1:
         raise CacheError(f"{where}: {text!r} must be a positive byte count")
+    return value
+
+
+def byte_budget(value: object, where: str) -> int:
+    """A cache budget as given: a positive int, or a size with units as the command
+    line takes them ("100MB", "50G")."""
+    if isinstance(value, str):
+        return parse_bytes(value, where)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CacheError(
+            f"{where}: {value!r} is not a byte budget; give a positive int or a size such as '50G'"
+        )
     return value

@@ -95,16 +95,19 @@ def check_weights(names: Sequence[str], weights: object, sizes: Sequence[int]) -
                 f"Loader weights[{wrong[0]!r}] is {weights[wrong[0]]!r}; weights must be "
                 "finite and at least 0"
             )
-    total = sum(raw)
-    if not total > 0:
+    top = max(raw, default=0.0)
+    if not top > 0:
         raise UsageError(f"Loader weights {raw} add up to 0; give some source a positive weight")
+    # weights near the float maximum add up to inf: then scaled to the largest first
+    scaled = raw if math.isfinite(sum(raw)) else [w / top for w in raw]
+    total = sum(scaled)
     empty = [n for n, w, k in zip(names, raw, sizes, strict=True) if w > 0 and k == 0]
     if empty:
         raise UsageError(
             f"Loader source {empty[0]!r} has weight {raw[list(names).index(empty[0])]} "
             "but no samples (after where=); give it weight 0 or choose samples it holds"
         )
-    return [w / total for w in raw]
+    return [w / total for w in scaled]
 
 
 def _is_number(x: object) -> bool:

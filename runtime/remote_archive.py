@@ -29,7 +29,7 @@ from dlop.formats.constants import MAX_INDEX_BYTES
 from dlop.formats.transcode import raw_fields
 
 from .batch import Batch
-from .cache import CacheDir, default_cache_bytes, default_cache_dir
+from .cache import CacheDir, byte_budget, default_cache_bytes, default_cache_dir
 from .dataset import Archive, gather_for
 from .errors import SampleIndexError, UsageError, UsageTypeError
 from .gather import Allocate, FieldGather
@@ -111,7 +111,9 @@ class RemoteArchive(Archive):
         }
         self.cache = CacheDir(
             default_cache_dir() if cache_dir is None else cache_dir,
-            default_cache_bytes() if cache_bytes is None else cache_bytes,
+            default_cache_bytes()
+            if cache_bytes is None
+            else byte_budget(cache_bytes, "cache_bytes"),
         )
         self.storage_options = dict(storage_options or {})
         fs, base = self.client()

@@ -8,13 +8,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dlop.runtime.cache import CacheDir, default_cache_bytes, default_cache_dir, is_shard
+from dlop.runtime.cache import (
+    MARK,
+    CacheDir,
+    archive_dirs,
+    default_cache_bytes,
+    default_cache_dir,
+    is_cache,
+    is_shard,
+)
 
 
 def summary(root: Path) -> list[dict[str, Any]]:
     """One entry per archive folder: its id, source URL, cached shards and bytes."""
     out = []
-    for sub in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+    for sub in archive_dirs(root):
         source = sub / "source.txt"
         shards = [p for p in sub.iterdir() if p.is_file() and is_shard(p.name)]
         out.append(
@@ -30,6 +38,9 @@ def summary(root: Path) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     root = Path(args.dir) if args.dir else default_cache_dir()
+    if root.is_dir() and any(root.iterdir()) and not is_cache(root) and not archive_dirs(root):
+        print(f"{root}: not a dlop shard cache (no {MARK} mark); nothing here is dlop's")
+        return 1
     if args.clear:
         if not root.is_dir():
             print(f"{root}: no cache here")

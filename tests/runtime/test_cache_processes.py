@@ -73,7 +73,7 @@ from pathlib import Path
 from dlop.runtime import Loader
 from dlop.runtime.cache import CacheDir
 cache = CacheDir(sys.argv[1], max_bytes=1 << 20)
-cache.reserve(cache.archive_dir("x") / "shard.dlop.tmp-dead", 1000)
+cache.reserve(cache.archive_dir("0000000000000000000000aa") / "shard.dlop.tmp-dead", 1000)
 print("ready", flush=True)
 time.sleep(60)
 """
@@ -88,7 +88,7 @@ def test_killed_writer_leaves_nothing_behind(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
-    tmp = tmp_path / "c" / "x" / "shard.dlop.tmp-dead"
+    tmp = tmp_path / "c" / "0000000000000000000000aa" / "shard.dlop.tmp-dead"
     assert tmp.exists()
     CacheDir(tmp_path / "c", max_bytes=1 << 20)
     assert tmp.exists()  # its writer is alive: kept

@@ -309,3 +309,10 @@ def test_a_state_of_a_far_epoch_loads_without_computing_every_pass(
     mixture.clear_passes()
     loader.load_state_dict(state)
     assert loader.epoch == 2**62 and len(loader.batches()) == len(loader.batches(0))
+
+
+def test_weights_near_the_float_maximum_keep_their_ratio() -> None:
+    from dlop.runtime.mixture import check_weights
+
+    assert check_weights(["a", "b"], {"a": 1e308, "b": 1e308}, [10, 10]) == [0.5, 0.5]
+    assert check_weights(["a", "b"], {"a": 1.0, "b": 3.0}, [10, 10]) == [0.25, 0.75]

@@ -20,14 +20,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_lists_and_clears(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cache = CacheDir(tmp_path, max_bytes=1000)
-    folder = cache.archive_dir("abc")
+    folder = cache.archive_dir("abc0000000000000000000ab")
     (folder / "source.txt").write_text("s3://b/a\n")
     held = cache.get(folder / "shard-00000.dlop", lambda: b"x" * 100)
     cache.let_go(cache.get(folder / "shard-00001.dlop", lambda: b"y" * 50))
     args = parse(["cache", str(tmp_path), "--json"])
     assert args.run(args) == 0
     listed = json.loads(capsys.readouterr().out)["archives"]
-    assert listed == [{"archive": "abc", "source": "s3://b/a", "shards": 2, "bytes": 150}]
+    assert listed == [
+        {"archive": "abc0000000000000000000ab", "source": "s3://b/a", "shards": 2, "bytes": 150}
+    ]
     args = parse(["cache", str(tmp_path), "--clear"])
     assert args.run(args) == 0
     assert (folder / "shard-00000.dlop").exists()  # held: kept
@@ -41,11 +43,13 @@ def test_dlop_inspect_reaches_cache(tmp_path: Path, capsys: pytest.CaptureFixtur
     from dlop.tools import inspect_cli
 
     cache = CacheDir(tmp_path, max_bytes=1000)
-    folder = cache.archive_dir("abc")
+    folder = cache.archive_dir("abc0000000000000000000ab")
     (folder / "source.txt").write_text("s3://b/a\n")
     cache.let_go(cache.get(folder / "shard-00000.dlop", lambda: b"x" * 100))
     assert inspect_cli.main(["cache", str(tmp_path), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)["archives"]
-    assert listed == [{"archive": "abc", "source": "s3://b/a", "shards": 1, "bytes": 100}]
+    assert listed == [
+        {"archive": "abc0000000000000000000ab", "source": "s3://b/a", "shards": 1, "bytes": 100}
+    ]
     assert inspect_cli.main(["cache", str(tmp_path), "--clear"]) == 0
     assert not folder.exists()
