@@ -36,6 +36,7 @@ import json
 import os
 import stat
 import tempfile
+import weakref
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path, PosixPath
 from typing import Any
@@ -368,6 +369,16 @@ def check_url_apart(out: str, source_folders: Sequence[str]) -> None:
 # -- the output store for a URL OUT ---------------------------------------------------------------
 
 
+def _remove_if_empty(folder: Path) -> None:
+    """Removes ``folder`` and the empty folders in it; anything else in it stays."""
+    with contextlib.suppress(OSError):
+        for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if sub.is_dir() and not sub.is_symlink():
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+        folder.rmdir()
+
+
 class FsspecStore:
     """The Store (compiler.store) of a URL OUT: shards are written in a local staging
     folder and uploaded whole (an S3 object appears only once its PUT completes); small
@@ -385,6 +396,9 @@ class FsspecStore:
     def staging(self) -> Path:
         if self._staging is None or not self._staging.is_dir():
             self._staging = Path(tempfile.mkdtemp(prefix="dlop-staging-"))
+            # removed once empty when this store goes (or the process exits): every file
+            # staged in it is published (put) or discarded by its unit
+            weakref.finalize(self, _remove_if_empty, self._staging)
         return self._staging
 
     def put(self, local: Path, name: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import http.server
 import threading
 from collections.abc import Iterator
@@ -199,6 +200,11 @@ def test_fsspec_store_publishes_reads_lists_and_deletes(s3: Any, tmp_path: Path)
     store.delete("units/u00000.json")
     store.delete("units/never-written.json")
     assert store.list("units/") == ["units/u00000/shard-00000.dlop"]
+    folder = staged.parent
+    (folder / "unit").mkdir()  # a unit's staging folder, emptied by its unit
+    del store
+    gc.collect()
+    assert not folder.exists()  # no empty staging folder left behind
 
 
 def test_fsspec_store_reads_small_files_within_a_cap(
