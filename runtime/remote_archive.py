@@ -29,7 +29,14 @@ from dlop.formats.constants import MAX_INDEX_BYTES
 from dlop.formats.transcode import raw_fields
 
 from .batch import Batch
-from .cache import CacheDir, byte_budget, default_cache_bytes, default_cache_dir
+from .cache import (
+    CacheDir,
+    CacheError,
+    byte_budget,
+    default_cache_bytes,
+    default_cache_dir,
+    is_shard,
+)
 from .dataset import Archive, gather_for
 from .errors import SampleIndexError, UsageError, UsageTypeError
 from .gather import Allocate, FieldGather
@@ -122,6 +129,13 @@ class RemoteArchive(Archive):
         publish(folder / "index.json", data)
         publish(folder / "source.txt", url.encode() + b"\n")
         self.reader = ArchiveReader(folder)  # the validated index; shards come from the source
+        for shard in self.reader.index.shards:
+            if not is_shard(shard.file):
+                raise CacheError(
+                    f"{url}: shard {shard.file!r} has the name of a file the shard cache keeps "
+                    "beside the shards (index.json, source.txt, *.lock, *.tmp-*); such an "
+                    "archive cannot be read through the cache"
+                )
         names = names_of(url, fields)
         stored = list(self.reader.fields) if names is None else names
         missing = [n for n in stored if n not in self.reader.fields]

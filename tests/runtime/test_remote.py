@@ -381,3 +381,18 @@ def test_a_failed_shard_is_not_fetched_again_until_the_next_epoch(
         assert proxy.count("shard-00003") == FAST.attempts + 1  # a new epoch: fetched again
         want = epoch_batches(Loader(served / "a", batch_size=2, shuffle=False), 1)
         assert all(torch.equal(a["logmel"], b["logmel"]) for a, b in zip(got, want, strict=True))
+
+
+def test_a_shard_named_like_the_caches_own_files_is_refused(served: Path, tmp_path: Path) -> None:
+    import json
+
+    from dlop.runtime.cache import CacheError
+
+    site = served / "a"
+    index = json.loads((site / "index.json").read_text())
+    first = index["shards"][0]["file"]
+    (site / first).rename(site / "source.txt")
+    index["shards"][0]["file"] = "source.txt"
+    (site / "index.json").write_text(json.dumps(index))
+    with FaultProxy(root=served) as proxy, pytest.raises(CacheError, match="'source.txt'"):
+        RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c")
