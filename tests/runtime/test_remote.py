@@ -394,5 +394,5 @@ def test_a_shard_named_like_the_caches_own_files_is_refused(served: Path, tmp_pa
     (site / first).rename(site / "source.txt")
     index["shards"][0]["file"] = "source.txt"
     (site / "index.json").write_text(json.dumps(index))
-    with FaultProxy(root=served) as proxy, pytest.raises(CacheError, match="'source.txt'"):
+    with FaultProxy(root=served) as proxy, pytest.raises(CacheError, match=r"'source\.txt'"):
         RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c")
