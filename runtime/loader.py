@@ -152,26 +152,10 @@ class Loader:
         )
         self.archive, self.spec = self.choice.archive, self.choice.spec
         self.order, self.bucket_by = self.choice.order, bucket_by
-        self._check_first_batches(transforms)
+        check_transforms(transforms, self.archive, self.choice.mixture is not None)
+        self.order.refuse_empty(str(self.archive.path))
         self._later_stages(device, transforms, seed)
         _live.add(self)
-
-    def _check_first_batches(self, transforms: Sequence[Transform]) -> None:
-        """Refuses what would fail or yield nothing at the first batch: transforms that
-        read fields the batches lack, and drop_last leaving no batch."""
-        fields = list(self.archive.gathers)
-        if self.choice.mixture is not None:
-            fields.append("source")
-        metadata = getattr(getattr(self.archive, "index", None), "metadata", None) or {}
-        classes = metadata.get("classes")
-        count = len(classes) if isinstance(classes, list) else None
-        check_transforms(transforms, fields, count, f"{self.archive.path}")
-        if self.spec.drop_last and self.spec.num_samples and not self.order.batches(0):
-            raise UsageError(
-                f"{self.archive.path}: batch_size={self.spec.batch_size} with drop_last=True "
-                f"leaves no batch: each rank's share of the {self.spec.num_samples} samples "
-                "is smaller; lower batch_size or drop drop_last"
-            )
 
     def _later_stages(
         self, device: str | torch.device | None, transforms: Sequence[Transform], seed: int

@@ -257,6 +257,15 @@ class BatchOrder:
         """``count`` batches of the current epoch have reached the consumer."""
         self.batches_done = count
 
+    def refuse_empty(self, where: str) -> None:
+        """Refuses a batch size that, with drop_last, leaves this rank no batch at all."""
+        if self.spec.drop_last and self.spec.num_samples and not self.batches(0):
+            raise UsageError(
+                f"{where}: batch_size={self.spec.batch_size} with drop_last=True leaves no "
+                f"batch: each rank's share of the {self.spec.num_samples} samples is smaller; "
+                "lower batch_size or drop drop_last"
+            )
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batches_done": self.batches_done}
 

@@ -29,14 +29,8 @@ from dlop.formats.constants import MAX_INDEX_BYTES
 from dlop.formats.transcode import raw_fields
 
 from .batch import Batch
-from .cache import (
-    CacheDir,
-    CacheError,
-    byte_budget,
-    default_cache_bytes,
-    default_cache_dir,
-    is_shard,
-)
+from .cache import CacheDir, is_shard
+from .cache_folder import CacheError, byte_budget, default_cache_bytes, default_cache_dir
 from .dataset import Archive, gather_for
 from .errors import SampleIndexError, UsageError, UsageTypeError
 from .gather import Allocate, FieldGather
@@ -129,13 +123,7 @@ class RemoteArchive(Archive):
         publish(folder / "index.json", data)
         publish(folder / "source.txt", url.encode() + b"\n")
         self.reader = ArchiveReader(folder)  # the validated index; shards come from the source
-        for shard in self.reader.index.shards:
-            if not is_shard(shard.file):
-                raise CacheError(
-                    f"{url}: shard {shard.file!r} has the name of a file the shard cache keeps "
-                    "beside the shards (index.json, source.txt, *.lock, *.tmp-*); such an "
-                    "archive cannot be read through the cache"
-                )
+        check_shard_names(url, [s.file for s in self.reader.index.shards])
         names = names_of(url, fields)
         stored = list(self.reader.fields) if names is None else names
         missing = [n for n in stored if n not in self.reader.fields]
@@ -268,6 +256,17 @@ def publish(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def check_shard_names(url: str, names: list[str]) -> None:
+    """Refuses shard names that are the cache's own files beside the shards."""
+    for name in names:
+        if not is_shard(name):
+            raise CacheError(
+                f"{url}: shard {name!r} has the name of a file the shard cache keeps beside "
+                "the shards (index.json, source.txt, *.lock, *.tmp-*); such an archive "
+                "cannot be read through the cache"
+            )
 
 
 def cache_options(

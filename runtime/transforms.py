@@ -9,6 +9,7 @@ CPU and on any GPU, and drawing never waits for the device.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,12 +46,15 @@ def needs(transform: Transform) -> tuple[str, ...]:
     return tuple(needed()) if callable(needed) else ()
 
 
-def check_transforms(
-    transforms: Sequence[Transform], fields: Sequence[str], classes: int | None, where: str
-) -> None:
+def check_transforms(transforms: Sequence[Transform], archive: Any, mixture: bool) -> None:
     """Refuses, when the Loader is made, transforms that would fail on its first batch:
-    a field its batches do not have, or ``Mixup(num_classes)`` below the archive's
-    class count (``classes``, from its metadata, where it says)."""
+    a field the archive's batches do not have (a mixture's add ``source``), or
+    ``Mixup(num_classes)`` below the class count of the archive's metadata."""
+    where = str(archive.path)
+    fields = [*archive.gathers, *(["source"] if mixture else [])]
+    metadata = getattr(getattr(archive, "index", None), "metadata", None) or {}
+    listed = metadata.get("classes")
+    classes = len(listed) if isinstance(listed, list) else None
     have = set(fields) | {f"{f}_lengths" for f in fields}
     for t in transforms:
         missing = [f for f in needs(t) if f not in have]

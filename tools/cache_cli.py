@@ -8,14 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dlop.runtime.cache import (
+from dlop.runtime.cache import CacheDir, is_shard
+from dlop.runtime.cache_folder import (
     MARK,
-    CacheDir,
     archive_dirs,
     default_cache_bytes,
     default_cache_dir,
     is_cache,
-    is_shard,
 )
 
 

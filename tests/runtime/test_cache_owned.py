@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dlop.runtime.cache import MARK, CacheDir, CacheError
+from dlop.runtime.cache import CacheDir
+from dlop.runtime.cache_folder import MARK, CacheError
 from dlop.tools.inspect_cli import main as inspect_main
 
 ARCHIVE = "0123456789abcdef01234567"  # an archive folder's name: 24 hex digits
@@ -73,7 +74,7 @@ def test_a_cache_folder_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_budgets_with_units_and_overflowing_sizes(tmp_path: Path) -> None:
-    from dlop.runtime.cache import byte_budget, parse_bytes
+    from dlop.runtime.cache_folder import byte_budget, parse_bytes
 
     assert byte_budget("100MB", "cache_bytes") == 100 << 20
     assert byte_budget(5, "cache_bytes") == 5

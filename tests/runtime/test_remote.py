@@ -14,7 +14,8 @@ import torch
 
 from dlop.formats import ArchiveWriter, Field, Zstd, read_index
 from dlop.runtime import Loader, LoaderError, open_archive
-from dlop.runtime.cache import CacheDir, CacheError
+from dlop.runtime.cache import CacheDir
+from dlop.runtime.cache_folder import CacheError
 from dlop.runtime.errors import UsageError
 from dlop.runtime.remote import Retry, fetch_index, filesystem
 from dlop.runtime.remote_archive import RemoteArchive, open_remote
@@ -176,7 +177,7 @@ def test_budget_below_a_shards_in_flight_is_refused(served: Path, tmp_path: Path
 
 def test_shards_held_are_never_evicted(tmp_path: Path) -> None:
     cache = CacheDir(tmp_path, max_bytes=250)
-    folder = cache.archive_dir("x")
+    folder = cache.archive_dir("0000000000000000000000bb")
     a = cache.get(folder / "a", lambda: b"a" * 100)
     b = cache.get(folder / "b", lambda: b"b" * 100)
     cache.wait_s = 0.2
@@ -193,7 +194,7 @@ def test_links_and_folders_in_the_cache_are_refused_not_followed_or_evicted(
     tmp_path: Path,
 ) -> None:
     cache = CacheDir(tmp_path / "c", max_bytes=250)
-    folder = cache.archive_dir("x")
+    folder = cache.archive_dir("0000000000000000000000bb")
     (folder / "junk").mkdir()  # put there by hand: under budget pressure, never "evicted"
     (tmp_path / "big").write_bytes(b"x" * 1000)
     (folder / "a").symlink_to(tmp_path / "big")
@@ -203,11 +204,16 @@ def test_links_and_folders_in_the_cache_are_refused_not_followed_or_evicted(
     for k in range(4):
         cache.let_go(cache.get(folder / f"s{k}", lambda: b"s" * 100))  # evicts s0, s1...
     assert (folder / "junk").is_dir() and (folder / "a").is_symlink()
-    with pytest.raises(CacheError, match=r"/x/a: cannot open the cached shard .*only what dlop"):
+    with pytest.raises(
+        CacheError,
+        match=r"/0000000000000000000000bb/a: cannot open the cached shard .*only what dlop",
+    ):
         cache.get(folder / "a", lambda: b"a" * 100)
-    with pytest.raises(CacheError, match=r"/x/b: not a regular file"):
+    with pytest.raises(CacheError, match=r"/0000000000000000000000bb/b: not a regular file"):
         cache.get(folder / "b", lambda: b"b" * 100)
-    with pytest.raises(CacheError, match=r"/x/c\.lock: cannot open the lock file"):
+    with pytest.raises(
+        CacheError, match=r"/0000000000000000000000bb/c\.lock: cannot open the lock file"
+    ):
         cache.get(folder / "c", lambda: b"c" * 100)
 
 
@@ -385,8 +391,6 @@ def test_a_failed_shard_is_not_fetched_again_until_the_next_epoch(
 
 def test_a_shard_named_like_the_caches_own_files_is_refused(served: Path, tmp_path: Path) -> None:
     import json
-
-    from dlop.runtime.cache import CacheError
 
     site = served / "a"
     index = json.loads((site / "index.json").read_text())

@@ -84,7 +84,9 @@ def test_another_process_waiting_for_room_gets_the_loose_shards(site: Path, tmp_
         stored: list[Any] = []
         writer = threading.Thread(
             target=lambda: stored.append(
-                other.get(other.archive_dir("other") / "big", lambda: b"x" * 200_000)
+                other.get(
+                    other.archive_dir("0000000000000000000000cc") / "big", lambda: b"x" * 200_000
+                )
             )
         )
         writer.start()
