@@ -10,11 +10,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -24,21 +22,10 @@ import torch.nn.functional as F
 from . import numerics
 from .decode import PCM16_SCALE
 from .filterbanks import dct_matrix, kaldi_filterbank, mel_filterbank
-
-_native: ModuleType | None
-try:  # the compiled spectrum-to-filterbank step (compiler/_kernels.c), built at install
-    _native = importlib.import_module("._kernels", __package__)
-except ImportError:  # built without a C compiler: torch products serve
-    _native = None
-
+from .kernels import native as _native  # None: torch products serve
 
 # MKL's CPU-independent code path, asked for before anything here runs MKL (compiler.numerics)
 numerics.prefer()
-
-
-def native_kernels() -> ModuleType | None:
-    """The compiled kernels, or None where the install built none."""
-    return _native
 
 
 KALDI_EPSILON = float(np.finfo(np.float32).eps)  # 1.1920928955078125e-07

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import kernels
 from .errors import CompileError
 
 # mkl_cbwr_set / mkl_cbwr_get (MKL's C API, exported by libtorch_cpu under mkl_serv_*)
@@ -141,13 +142,6 @@ def _mkl_version() -> str | None:
     return buf.value.decode(errors="replace").strip()
 
 
-def kernels_built() -> bool:
-    """Whether the compiler's C kernels (compiler/_kernels.c) are built in this install."""
-    from . import features
-
-    return features.native_kernels() is not None
-
-
 def environment() -> dict[str, Any]:
     """The numeric environment of this process, as a compile records it."""
     return {
@@ -157,7 +151,7 @@ def environment() -> dict[str, Any]:
         "fft": "mkl" if has_mkl() else "pocketfft",
         "mkl": _mkl_version(),
         "mkl_cbwr": mkl_mode(),
-        "compiled_kernels": kernels_built(),
+        "compiled_kernels": kernels.native is not None,
         # the vector unit torch's own kernels use here: recorded, not part of resume_key
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
