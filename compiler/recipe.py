@@ -6,14 +6,13 @@ import hashlib
 import json
 import math
 import os
-import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
-from dlop.formats import INDEX_NAME, Codec, FormatError, SchemaError, parse_codec
+from dlop.formats import INDEX_NAME, Codec, FormatError, SchemaError, parse_codec, sizes
 from dlop.formats.constants import ARCHIVE_FORMAT, MAX_INDEX_BYTES
 from dlop.formats.files import loads_bounded, read_capped
 
@@ -28,34 +27,14 @@ from .vision import VisionConfig
 DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 FEATURE_OPTIONS = {f.name for f in fields(FeatureConfig)} - {"preset", "features"}
 VISION_OPTIONS = {f.name for f in fields(VisionConfig)}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 
 def parse_size(text: str | int) -> int:
-    """``1000``, ``256MiB``, ``1.5GB`` -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = _SIZE.match(str(text))
-        if not m:
-            raise CompileError(
-                f"size {text!r} is not a number of bytes with an optional KB/MB/GB or KiB/MiB/GiB suffix"
-            )
-        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-    if value <= 0:
-        raise CompileError(f"size {text!r} must be positive")
-    return value
+    """``1000``, ``256MiB``, ``1.5GB`` -> bytes (dlop.formats.sizes)."""
+    try:
+        return sizes.parse_size(text)
+    except ValueError as e:
+        raise CompileError(f"size {e}") from None
 
 
 @dataclass(frozen=True)

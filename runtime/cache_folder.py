@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 
 from dlop.formats import DlopError
+from dlop.formats.sizes import parse_size
 
 BUDGET_LOCK = ".budget.lock"
 WANTED = ".wanted"
@@ -109,18 +110,11 @@ def default_cache_bytes() -> int:
 
 
 def parse_bytes(text: str, where: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = units.get(t[-1:], 1)
-    digits = t[:-1] if t[-1:] in units else t
+    """``text`` in bytes, as every size dlop takes is written (dlop.formats.sizes)."""
     try:
-        value = int(float(digits) * scale)
-    except (ValueError, OverflowError):
-        msg = f"{where}: {text!r} is not a byte count; write e.g. 50000000000 or 50G"
-        raise CacheError(msg) from None
-    if value < 1:
-        raise CacheError(f"{where}: {text!r} must be a positive byte count")
-    return value
+        return parse_size(text)
+    except ValueError as e:
+        raise CacheError(f"{where}: {e}; write e.g. 50000000000 or 50G") from None
 
 
 def byte_budget(value: object, where: str) -> int:

@@ -76,9 +76,12 @@ def test_a_cache_folder_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_budgets_with_units_and_overflowing_sizes(tmp_path: Path) -> None:
     from dlop.runtime.cache_folder import byte_budget, parse_bytes
 
-    assert byte_budget("100MB", "cache_bytes") == 100 << 20
+    assert byte_budget("100MB", "cache_bytes") == 100 * 10**6  # as dlop-compile reads it
+    assert byte_budget("50G", "cache_bytes") == 50 << 30
     assert byte_budget(5, "cache_bytes") == 5
     with pytest.raises(CacheError, match="not a byte budget"):
         byte_budget(True, "cache_bytes")
-    with pytest.raises(CacheError, match="is not a byte count"):
+    with pytest.raises(CacheError, match=r"DLOP_CACHE_BYTES: '1e400' is not a number of bytes"):
         parse_bytes("1e400", "DLOP_CACHE_BYTES")
+    with pytest.raises(CacheError, match="too large a number of bytes"):
+        parse_bytes("9" * 400, "DLOP_CACHE_BYTES")
