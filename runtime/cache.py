@@ -113,15 +113,10 @@ class CacheDir:
         self.wanted_path = str(self.root / WANTED)
         self.sweep()
 
-    def archive_dirs(self) -> list[Path]:
-        """The archive folders dlop made under the root: named by an archive id, and
-        folders, not links to one."""
-        return archive_dirs(self.root)
-
     def files(self) -> Iterator[tuple[Path, os.stat_result]]:
         """Every regular file in the archive folders, with its stat (a link, a folder or
         any name outside dlop's archive folders is not listed, so never removed)."""
-        for sub in self.archive_dirs():
+        for sub in archive_dirs(self.root):
             for p in list(sub.iterdir()):
                 with contextlib.suppress(FileNotFoundError):
                     st = p.lstat()
@@ -313,7 +308,7 @@ class CacheDir:
             for p, st in list(self.files()):
                 if (is_shard(p.name) or is_tmp(p.name)) and self._remove_if_free(p):
                     freed += st.st_size
-            for sub in self.archive_dirs():
+            for sub in archive_dirs(self.root):
                 if not any(is_shard(p.name) for p in sub.iterdir()):
                     for p in sub.iterdir():
                         with contextlib.suppress(FileNotFoundError):
