@@ -60,8 +60,10 @@ STATE_FORMAT = "dlop-iterable-state"
 STATE_VERSION = 2
 MAX_WORKERS = 256  # workers that can resume from a state (one claim slot each)
 _EPOCH, _DONE, _SERVED, _CLAIMS = 0, 1, 2, 3
-# Per worker: iterations begun since set_epoch or load_state_dict (the epoch moves on with each).
+# Per worker: iterations begun since set_epoch or load_state_dict (the epoch moves on with each);
+# then 1 + the worker count those iterations ran with (0: none yet).
 _PASSES = _CLAIMS + MAX_WORKERS
+_WORKER_COUNT = _PASSES + MAX_WORKERS
 
 
 class IterableArchive(IterableDataset[Batch]):
@@ -139,7 +141,7 @@ class IterableArchive(IterableDataset[Batch]):
 
     def _share_with_workers(self) -> None:
         """What the workers share with this process: epoch and resume point, slot releases."""
-        shared = torch.zeros(_PASSES + MAX_WORKERS, dtype=torch.int64)
+        shared = torch.zeros(_WORKER_COUNT + 1, dtype=torch.int64)
         self._shared = shared.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
         self._handed_out = 0  # batch number reached by this process's latest iteration
         self._released = ReleaseTable(secrets.randbits(62), MAX_WORKERS, self.worker_buffers)
@@ -168,7 +170,7 @@ class IterableArchive(IterableDataset[Batch]):
     def epoch(self) -> int:
         """The epoch set (``set_epoch``, ``load_state_dict``), plus one for each iteration
         begun since, after the first: the epoch of the latest iteration."""
-        passes = int(self._shared[_PASSES:].max())
+        passes = int(self._shared[_PASSES:_WORKER_COUNT].max())
         return int(self._shared[_EPOCH]) + max(passes - 1, 0)
 
     def set_epoch(self, epoch: int) -> None:
@@ -184,7 +186,7 @@ class IterableArchive(IterableDataset[Batch]):
         return int(self._shared[_DONE]) > 0 and not bool(self._shared[_CLAIMS:_PASSES].any())
 
     def _publish(self, epoch: int, done: int) -> None:
-        self._shared[_CLAIMS:] = 0  # the claims and the iteration counts
+        self._shared[_CLAIMS:] = 0  # the claims, the iteration counts, the worker count
         self._shared[_SERVED] = 0
         self._shared[_DONE] = done
         self._shared[_EPOCH] = epoch
@@ -206,7 +208,17 @@ class IterableArchive(IterableDataset[Batch]):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         # Every worker of a DataLoader begins each pass once: counting its own passes,
-        # each one reaches the same epoch without asking the others.
+        # each one reaches the same epoch without asking the others. That holds while
+        # the worker count stays; a pass with another count needs set_epoch first.
+        seen = int(self._shared[_WORKER_COUNT])
+        if seen and seen != workers + 1:
+            raise UsageError(
+                f"IterableArchive: this pass runs {workers} worker(s), the passes since the "
+                f"last set_epoch ran {seen - 1}; each worker counts the passes it served to "
+                "find the epoch, so call set_epoch(epoch) before a pass with another worker "
+                "count (or before every epoch)"
+            )
+        self._shared[_WORKER_COUNT] = workers + 1
         slot = _PASSES + worker % MAX_WORKERS
         passes = int(self._shared[slot])
         self._shared[slot] = passes + 1

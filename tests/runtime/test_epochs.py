@@ -98,3 +98,17 @@ def test_temporal_crop_of_clips_whose_height_and_width_vary() -> None:
     )
     assert out["frames_lengths"][:, 0].tolist() == [3, 2, 3, 1]
     assert out["frames_lengths"][:, 1:].tolist() == lengths3[:, 1:].tolist()
+
+
+def test_another_worker_count_without_set_epoch_is_refused(archive: Path) -> None:
+    """Workers find the epoch by counting the passes each served: a pass with another
+    worker count could mix two epochs, so it needs set_epoch."""
+    ds = IterableArchive(archive, 4, seed=3)
+    two = DataLoader(ds, batch_size=None, num_workers=2)
+    assert len(list(two)) == 11
+    with pytest.raises(Exception, match="this pass runs 1 worker"):
+        list(DataLoader(ds, batch_size=None, num_workers=0))
+    ds.set_epoch(1)
+    assert labels(sorted(DataLoader(ds, batch_size=None), key=lambda b: b.position)) == (
+        reference(archive, 1)
+    )
