@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -52,9 +52,8 @@ from dlop.runtime.vision import (
     RandomTemporalCrop,
 )
 
-from .bench.train import ResNet18, prepare, train_rows
+from .bench.train import FIELDS, ResNet18, dlop_source, prepare, sources, train_rows, workload
 
-FIELDS = ["logmel", "label"]
 # The figures the GPU path must reach (docs/gpu-proof.md).
 LOADER_OF_BARE_GOAL = 0.8
 TRAIN_GOAL = 11_060  # samples/s: the seed's throughput on 8 A100s
@@ -463,29 +462,17 @@ def train(
     """The naive DataLoader and dlop's Loader feeding one ResNet18 at ``batch``, then
     dlop's Loader alone at twice the batch (the model, not the data, sets the pace
     when the data wait is small: a larger batch shows what the GPU does with it)."""
-    from .bench.naive import naive_loader
-
-    cuda = device.type == "cuda"
-
-    def dlop(size: int) -> Callable[[], Iterable[Any]]:
-        return lambda: Loader(
-            archive, size, seed=0, drop_last=True, fields=FIELDS, device=device if cuda else None
-        )
-
-    def workload(size: int) -> str:
-        return f"ResNet18, [431, 128] log-mels, batch {size}, {device}" + (
-            ", channels-last, bf16 autocast" if cuda else ""
-        )
-
-    sources: dict[str, Callable[[], Iterable[Any]]] = {
-        f"naive DataLoader ({workers} workers)": lambda: naive_loader(
-            corpus, batch, workers, persistent=True, pin_memory=cuda, drop_last=True
-        ),
-        "dlop Loader": dlop(batch),
-    }
-    made = train_rows(workload(batch), sources, steps, str(device), 5, warmup=10)
+    dev = str(device)
+    made = train_rows(
+        workload(batch, dev), sources(corpus, archive, batch, workers, dev), steps, dev, 5, 10
+    )
     made += train_rows(
-        workload(2 * batch), {"dlop Loader": dlop(2 * batch)}, steps, str(device), 5, warmup=10
+        workload(2 * batch, dev),
+        {"dlop Loader": dlop_source(archive, 2 * batch, dev)},
+        steps,
+        dev,
+        5,
+        10,
     )
     rows = [asdict(r) for r in made]
     naive = rows[0]

@@ -8,10 +8,10 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .common import Row, machine, markdown_table, peak_rss_mib, print_table, write_json
 
@@ -26,34 +26,17 @@ def _cuda() -> bool:
 
 
 def _train(work: Path, args: argparse.Namespace) -> list[Row]:
-    from dlop.runtime import Loader
-
-    from .naive import naive_loader
-    from .train import prepare, train_rows
+    from .train import prepare, sources, train_rows, workload
 
     print("== train", file=sys.stderr, flush=True)
-    cuda = args.device.startswith("cuda")
-    clips = max(args.train_batch * 8, 200)
-    corpus, archive = prepare(work, clips, args.workers)
-    sources: dict[str, Callable[[], Iterable[Any]]] = {
-        f"naive DataLoader ({args.workers} workers)": lambda: naive_loader(
-            corpus, args.train_batch, args.workers, persistent=True, pin_memory=cuda, drop_last=True
-        ),
-        "dlop Loader": lambda: Loader(
-            archive,
-            args.train_batch,
-            seed=0,
-            drop_last=True,
-            fields=["logmel", "label"],
-            device=args.device if cuda else None,
-        ),
-    }
-    workload = (
-        f"train: ResNet18 on [431, 128] log-mels, batch {args.train_batch}, {args.device}"
-        f"{' (channels-last, bf16 autocast)' if cuda else ''}"
-    )
+    corpus, archive = prepare(work, max(args.train_batch * 8, 200), args.workers)
     return train_rows(
-        workload, sources, args.train_steps, args.device, num_classes=5, warmup=args.train_warmup
+        workload(args.train_batch, args.device),
+        sources(corpus, archive, args.train_batch, args.workers, args.device),
+        args.train_steps,
+        args.device,
+        num_classes=5,
+        warmup=args.train_warmup,
     )
 
 

@@ -87,6 +87,42 @@ def prepare(work: Path, clips: int, workers: int, distinct: int = 256) -> tuple[
     return corpus, work / "archive"
 
 
+FIELDS = ["logmel", "label"]
+
+
+def dlop_source(archive: Path, batch: int, device: str) -> Callable[[], Iterable[Any]]:
+    """dlop's Loader as a training script makes it (batches onto ``device`` on CUDA)."""
+    from dlop.runtime import Loader
+
+    cuda = device.startswith("cuda")
+    return lambda: Loader(
+        archive, batch, seed=0, drop_last=True, fields=FIELDS, device=device if cuda else None
+    )
+
+
+def sources(
+    corpus: Path, archive: Path, batch: int, workers: int, device: str
+) -> dict[str, Callable[[], Iterable[Any]]]:
+    """The naive DataLoader over the corpus (pinned and persistent, as a GPU training
+    sets it) and dlop's Loader over its archive, by name."""
+    from .naive import naive_loader
+
+    cuda = device.startswith("cuda")
+    return {
+        f"naive DataLoader ({workers} workers)": lambda: naive_loader(
+            corpus, batch, workers, persistent=True, pin_memory=cuda, drop_last=True
+        ),
+        "dlop Loader": dlop_source(archive, batch, device),
+    }
+
+
+def workload(batch: int, device: str) -> str:
+    cuda = device.startswith("cuda")
+    return f"train: ResNet18 on [431, 128] log-mels, batch {batch}, {device}" + (
+        " (channels-last, bf16 autocast)" if cuda else ""
+    )
+
+
 def _pairs(batches: Iterable[Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     for b in batches:
         if isinstance(b, dict):
