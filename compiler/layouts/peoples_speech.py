@@ -11,6 +11,10 @@ extracted to disk; members are bytes only, never unpickled or executed.
 
 Corpus order: segments in tars by shard name then member order (so each tar is
 read once, front to back), then the other segments in manifest order.
+
+A segment is one sample: a name given again (on another line, or twice in one
+line's lists) is a bad input for the repeat alone, recorded with where the name
+was first given; the first keeps its place and every other segment is compiled.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ def _tar_index(tars: list[Path]) -> tuple[dict[str, tuple[int, int]], list[str]]
 class _Segment:
     item: Item
     name: str  # the segment's path in the audio folder ("" for a bad line)
+    where: str = ""  # the manifest line and segment that named it
 
 
 def _line_segments(obj: Any, where: str) -> list[tuple[str, Any, Any]]:
@@ -156,7 +161,8 @@ def _read_manifest(manifest: Path, rel: str) -> tuple[bytes, list[_Segment]]:
                 item.error = f"{where} segment {i}: {why}"
             else:
                 item.extras = {"duration_ms": duration, "audio_document_id": str(doc)}
-            segments.append(_Segment(item, _member_name(name) if why is None else ""))
+            name = _member_name(name) if why is None else ""
+            segments.append(_Segment(item, name, f"{where} segment {i}"))
     return raw, segments
 
 
@@ -171,10 +177,12 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
     h = hashlib.sha256()
     in_tars: list[tuple[tuple[int, int, int], Item]] = []
     rest: list[Item] = []
+    first: dict[tuple[str, str], str] = {}  # (audio folder, segment name) -> where first named
     for m, manifest in enumerate(manifests):
         raw, segments = _read_manifest(manifest, name_key(manifest.name))
         h.update(hashlib.sha256(raw).digest())
         audio = _audio_dir(manifest)
+        _mark_repeats(segments, str(audio), first)
         tars = sorted(walk_files(audio, (".tar",)))
         index, damaged = _tar_index(tars)
         for tar in tars:
@@ -207,6 +215,23 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
         {},
         fingerprint(items, h.digest(), source),
     )
+
+
+def _mark_repeats(segments: list[_Segment], audio: str, first: dict[tuple[str, str], str]) -> None:
+    """Makes each segment whose name was given before a bad input of its own; the first
+    keeps its place (reading one tar member twice in a pass is not possible, and two samples
+    under one key could not be told apart)."""
+    for seg in segments:
+        if seg.item.error is not None or not seg.name:
+            continue
+        was = first.setdefault((audio, seg.name), seg.where)
+        if was != seg.where:
+            seg.item.error = (
+                f"{seg.where}: segment {seg.item.key!r} was already named at {was}; "
+                "each segment is compiled once"
+            )
+            seg.item.text, seg.item.extras = None, {}
+            seg.name = ""
 
 
 def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:

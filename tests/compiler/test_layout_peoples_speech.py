@@ -178,3 +178,36 @@ def test_the_same_corpus_lists_streams_and_compiles_from_s3(s3: Any, tmp_path: P
     assert shards == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*.dlop"))
     for name in shards:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_a_repeated_segment_is_skipped_alone(tmp_path: Path) -> None:
+    source = ps_corpus(tmp_path / "ps")
+    manifest = source / "clean.json"
+    first = seg_name("gov_DOT_a", 0)
+    again = {  # a second line naming the first document's first segment
+        "audio_document_id": "again.mp3",
+        "training_data": {"duration_ms": [300], "label": ["again"], "name": [first]},
+    }
+    twice = {  # one line naming a segment twice
+        "audio_document_id": "twice.mp3",
+        "training_data": {
+            "duration_ms": [500, 500],
+            "label": ["x", "y"],
+            "name": [seg_name("org_DOT_b", 1)] * 2,
+        },
+    }
+    with manifest.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(again) + "\n" + json.dumps(twice) + "\n")
+    compile_ok(str(source), "-o", str(tmp_path / "a"))
+    compile_ok(str(ps_corpus(tmp_path / "clean")), "-o", str(tmp_path / "b"))
+    a, b = ArchiveReader(tmp_path / "a"), ArchiveReader(tmp_path / "b")
+    assert len(a) == len(b) == 5 and a.index.skipped_count == 3
+    feature = a.index.metadata["feature_field"]
+    for n in range(5):  # every segment, with its first line's transcript
+        sa, sb = a.sample(n), b.sample(n)
+        assert (sa["key"], sa["text"]) == (sb["key"], sb["text"])
+        assert np.array_equal(sa[feature], sb[feature])
+    reasons = [e["reason"] for e in a.errors()]
+    assert sum(f"{first!r} was already named at clean.json line 1 segment 0" in r for r in reasons)
+    assert sum("was already named at clean.json line 2 segment 1" in r for r in reasons) == 2
+    assert not any("changed since the listing" in r for r in reasons)
