@@ -21,9 +21,19 @@
  * is refilled while still cached (one reused slot) is better written through
  * the cache: streaming is the caller's choice. Elsewhere it falls back to
  * memcpy.
+ *
+ * Sources are memory-mapped shard files. A file that shrinks under its mapping
+ * (truncated by something other than dlop) makes a read past its new end fault
+ * with SIGBUS, which would kill the process. While a copy runs, its thread
+ * catches that fault (a SIGBUS handler, chained to the one installed before,
+ * and a per-thread jump buffer): the call stops and raises MappingFault with
+ * the faulting address instead. A SIGBUS outside a copy goes to the previous
+ * handler, or ends the process as it would have.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -113,6 +123,58 @@ static void copy_one(char *dst, const char *src, size_t nbytes, const char *next
     memcpy(dst, src, nbytes);
 }
 
+static PyObject *MappingFault;
+static _Thread_local sigjmp_buf *copy_jump; /* set while this thread copies */
+static _Thread_local void *fault_address;
+static struct sigaction previous_bus;
+
+static void on_sigbus(int sig, siginfo_t *info, void *context)
+{
+    if (copy_jump != NULL) {
+        fault_address = info->si_addr;
+        siglongjmp(*copy_jump, 1);
+    }
+    if (previous_bus.sa_flags & SA_SIGINFO) {
+        if (previous_bus.sa_sigaction != NULL) {
+            previous_bus.sa_sigaction(sig, info, context);
+            return;
+        }
+    } else if (previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN) {
+        previous_bus.sa_handler(sig);
+        return;
+    }
+    signal(sig, SIG_DFL); /* as if no handler had been there: the fault ends the process */
+    raise(sig);
+}
+
+/* Installs on_sigbus unless it is the handler now (another library may have set its
+ * own since: that one becomes the previous handler). Called with the GIL held. */
+static int catch_bus_faults(void)
+{
+    struct sigaction now;
+    if (sigaction(SIGBUS, NULL, &now) != 0)
+        return -1;
+    if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus)
+        return 0;
+    struct sigaction mine;
+    memset(&mine, 0, sizeof mine);
+    mine.sa_sigaction = on_sigbus;
+    mine.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&mine.sa_mask);
+    if (sigaction(SIGBUS, &mine, &previous_bus) != 0)
+        return -1;
+    return 0;
+}
+
+static PyObject *fault_error(void)
+{
+    PyErr_Format(MappingFault,
+                 "a read from a mapped file faulted at address %p (SIGBUS): the file "
+                 "shrank under its mapping while a batch was copied from it",
+                 fault_address);
+    return NULL;
+}
+
 static PyObject *copy_runs(PyObject *self, PyObject *args)
 {
     unsigned long long dst_addr, src_addr, nbytes_addr;
@@ -129,15 +191,28 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
     const int64_t *dst = (const int64_t *)(uintptr_t)dst_addr;
     const int64_t *src = (const int64_t *)(uintptr_t)src_addr;
     const int64_t *nbytes = (const int64_t *)(uintptr_t)nbytes_addr;
+    if (catch_bus_faults() != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    int faulted = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++)
-        copy_one((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], (size_t)nbytes[i],
-                 i + 1 < count ? (const char *)(uintptr_t)src[i + 1] : NULL, streaming);
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 1) == 0) {
+        copy_jump = &jump;
+        for (Py_ssize_t i = 0; i < count; i++)
+            copy_one((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i],
+                     (size_t)nbytes[i], i + 1 < count ? (const char *)(uintptr_t)src[i + 1] : NULL,
+                     streaming);
+    } else {
+        faulted = 1;
+    }
+    copy_jump = NULL;
 #if DLOP_STREAMING
     if (streaming)
         _mm_sfence(); /* the streamed stores are visible before the batch is handed on */
 #endif
     Py_END_ALLOW_THREADS
+    if (faulted)
+        return fault_error();
     Py_RETURN_NONE;
 }
 
@@ -165,15 +240,27 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     char *dst = (char *)(uintptr_t)dst_addr;
     const char *src = (const char *)(uintptr_t)src_addr;
     size_t row = (size_t)row_bytes;
+    if (catch_bus_faults() != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    int faulted = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++)
-        copy_one(dst + (size_t)i * row, src + (size_t)rows[i] * row, row,
-                 i + 1 < count ? src + (size_t)rows[i + 1] * row : NULL, streaming);
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 1) == 0) {
+        copy_jump = &jump;
+        for (Py_ssize_t i = 0; i < count; i++)
+            copy_one(dst + (size_t)i * row, src + (size_t)rows[i] * row, row,
+                     i + 1 < count ? src + (size_t)rows[i + 1] * row : NULL, streaming);
+    } else {
+        faulted = 1;
+    }
+    copy_jump = NULL;
 #if DLOP_STREAMING
     if (streaming)
         _mm_sfence();
 #endif
     Py_END_ALLOW_THREADS
+    if (faulted)
+        return fault_error();
     Py_RETURN_NONE;
 }
 
@@ -210,6 +297,15 @@ PyMODINIT_FUNC PyInit__copy(void)
     }
 #endif
     if (PyModule_AddStringConstant(m, "STREAMING", kind) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    MappingFault = PyErr_NewExceptionWithDoc(
+        "dlop.runtime._copy.MappingFault",
+        "A copy read past the end of a file that shrank under its mapping (SIGBUS).",
+        PyExc_OSError, NULL);
+    if (MappingFault == NULL || PyModule_AddObjectRef(m, "MappingFault", MappingFault) < 0) {
+        Py_XDECREF(MappingFault);
         Py_DECREF(m);
         return NULL;
     }

@@ -39,6 +39,7 @@ import torch
 
 from dlop.formats.heap import libc
 
+from .errors import ShardChangedError
 from .plan import CopyPlan, Rows, Step
 from .threads import JobThread, at_exit
 
@@ -91,8 +92,23 @@ def default_threads() -> int:
 
 
 def execute_step(step: Step, streaming: bool) -> None:
-    """Copies one step, with the compiled copier where it is on."""
+    """Copies one step, with the compiled copier where it is on: a read past the end of a
+    shard file that shrank under its mapping is then ShardChangedError, not SIGBUS."""
     lib = compiled()
+    if lib is None:
+        _execute(step, streaming, None)
+        return
+    try:
+        _execute(step, streaming, lib)
+    except lib.MappingFault as e:
+        raise ShardChangedError(
+            f"{e}; a shard file was truncated while it was read: nothing but dlop should "
+            "write shards or the files in its cache (rewrite a shard as a new file, then "
+            "os.replace it)"
+        ) from None
+
+
+def _execute(step: Step, streaming: bool, lib: ModuleType | None) -> None:
     if isinstance(step, Rows):
         if not len(step.rows):
             return

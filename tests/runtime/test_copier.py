@@ -363,3 +363,71 @@ def test_the_calling_threads_own_copy_error_is_the_one_raised(
         assert len(c.helpers()) == 1  # a helper took the other share
     finally:
         c.close()
+
+
+_FAULT = textwrap.dedent(
+    """
+    import ctypes, mmap, os, sys, tempfile
+    import numpy as np
+    from dlop.runtime import _copy
+
+    path = os.path.join(tempfile.mkdtemp(), "shard")
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * 64)  # 4 pages
+    fd = os.open(path, os.O_RDONLY)
+    view = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    src_base = np.frombuffer(view, np.uint8).ctypes.data
+    os.truncate(path, 4096)  # the file shrinks to one page under its mapping
+    dst = np.zeros(16384, np.uint8)
+    for streaming in (False, True):
+        try:
+            runs = [np.array(v, np.int64) for v in ([dst.ctypes.data], [src_base], [16384])]
+            _copy.copy_runs(runs[0].ctypes.data, runs[1].ctypes.data, runs[2].ctypes.data,
+                            1, streaming)
+        except _copy.MappingFault as e:
+            print("runs", streaming, "caught:", e)
+        rows = np.array([0, 3], np.int64)
+        try:
+            _copy.copy_rows(dst.ctypes.data, src_base, rows.ctypes.data, 2, 4096, 4, streaming)
+        except _copy.MappingFault as e:
+            print("rows", streaming, "caught:", e)
+    sys.stdout.flush()
+    if sys.argv[1] == "outside":  # a fault outside a copy still ends the process
+        ctypes.string_at(src_base + 8192, 16)
+    print("done")
+    """
+)
+
+
+@needs_native
+@pytest.mark.parametrize("then", ["stop", "outside"])
+def test_a_shard_that_shrinks_under_a_copy_is_an_error_not_a_crash(then: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAULT, then], capture_output=True, text=True, timeout=60
+    )
+    caught = [line for line in proc.stdout.splitlines() if "caught:" in line]
+    assert len(caught) == 4, proc.stdout + proc.stderr
+    assert all("(SIGBUS): the file shrank under its mapping" in line for line in caught)
+    if then == "stop":
+        assert proc.returncode == 0 and proc.stdout.endswith("done\n")
+    else:
+        assert proc.returncode == -7 and "done" not in proc.stdout  # SIGBUS, as before
+
+
+def test_a_shard_truncated_after_its_check_raises_shard_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if compiled() is None:
+        pytest.skip("compiled copier not built")
+    from dlop.runtime import ShardChangedError
+    from dlop.runtime.source import LocalSource
+
+    with ArchiveWriter(tmp_path / "a", [Field("x", "u8", (8192,))], shard_bytes=1 << 20) as w:
+        for i in range(64):
+            w.write({"x": np.full(8192, i, np.uint8)})
+    ds = open_archive(tmp_path / "a")
+    monkeypatch.setattr(LocalSource, "check", lambda self, shards: None)  # the race's window
+    (shard,) = (tmp_path / "a").glob("shard-*")
+    os.truncate(shard, 4096)
+    with pytest.raises(ShardChangedError, match=r"SIGBUS.*a shard file was truncated"):
+        ds.__getitems__(list(range(40, 64)))
