@@ -25,7 +25,14 @@ from .distributed import rank_and_world
 from .engine import CopyEngine
 from .errors import UsageError, UsageTypeError, check_int
 from .gather import Allocate
-from .mixture import Mixture, check_weights, epoch_counts, mixture_draw
+from .mixture import (
+    MAX_EPOCH_SAMPLES,
+    Mixture,
+    check_passes,
+    check_weights,
+    epoch_counts,
+    mixture_draw,
+)
 from .order import BatchOrder, OrderSpec, selection_draw
 from .plan import CopyPlan
 from .selection import digest, shard_counts
@@ -214,10 +221,11 @@ def choose_mixture(
     wanted = mixing["samples_per_epoch"]
     if wanted is None:  # the pools the weights draw from
         wanted = sum(len(p) for p, w in zip(pools, weights, strict=True) if w > 0)
-    wanted = check_int(f"{owner} samples_per_epoch", wanted, low=1)
+    wanted = check_int(f"{owner} samples_per_epoch", wanted, low=1, high=MAX_EPOCH_SAMPLES)
     counts = epoch_counts(
         weights, wanted, batch_size, world, order["drop_last"], per_source, bucket_by is not None
     )
+    check_passes(owner, names, pools, counts)
     mix = Mixture(tuple(names), tuple(pools), tuple(weights), wanted, tuple(counts), per_source)
     spec = OrderSpec(num_samples=mix.epoch_size, **order)
     lengths = ds.lengths(bucket_by) if bucket_by else None

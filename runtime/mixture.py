@@ -39,6 +39,11 @@ from .order import Draw, rng
 
 SOURCE_STREAM = 1000  # random stream of source s's passes: SOURCE_STREAM + s
 MIX_STREAM = 2  # random stream that shuffles an epoch's draws together
+# An epoch's order is made whole at its start (about 24 bytes a sample), and a source
+# smaller than its share is drawn pass by pass: samples_per_epoch and the passes a source
+# makes in one epoch are bounded, so a mistyped size is refused instead of hanging.
+MAX_EPOCH_SAMPLES = 1 << 28
+MAX_PASSES_PER_EPOCH = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,19 @@ def check_weights(names: Sequence[str], weights: object, sizes: Sequence[int]) -
 
 def _is_number(x: object) -> bool:
     return isinstance(x, int | float | np.integer | np.floating)
+
+
+def check_passes(
+    owner: str, names: Sequence[str], pools: Sequence[np.ndarray], counts: Sequence[int]
+) -> None:
+    """Refuses an epoch that draws some source more than MAX_PASSES_PER_EPOCH times over."""
+    for name, pool, count in zip(names, pools, counts, strict=True):
+        if len(pool) and count / len(pool) > MAX_PASSES_PER_EPOCH:
+            raise UsageError(
+                f"{owner} samples_per_epoch draws {count} samples from source {name!r} of "
+                f"{len(pool)}, each {count // len(pool)} times an epoch (at most "
+                f"{MAX_PASSES_PER_EPOCH}); give it a smaller weight or the epoch fewer samples"
+            )
 
 
 def apportion(total: int, weights: Sequence[float]) -> list[int]:

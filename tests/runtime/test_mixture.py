@@ -316,3 +316,18 @@ def test_weights_near_the_float_maximum_keep_their_ratio() -> None:
 
     assert check_weights(["a", "b"], {"a": 1e308, "b": 1e308}, [10, 10]) == [0.5, 0.5]
     assert check_weights(["a", "b"], {"a": 1.0, "b": 3.0}, [10, 10]) == [0.25, 0.75]
+
+
+@pytest.mark.parametrize("asked", [10**12, 2**28 + 1])
+def test_an_epoch_too_large_to_plan_is_refused_at_once(
+    corpora: dict[str, Path], asked: int
+) -> None:
+    with pytest.raises(UsageError, match=r"samples_per_epoch must be 1\.\.268435456"):
+        Loader(corpora, 16, samples_per_epoch=asked)
+
+
+def test_a_source_drawn_too_many_times_over_is_refused(corpora: dict[str, Path]) -> None:
+    weights = {"ls": 0, "ps": 0, "cv": 1}  # cv holds 60 samples
+    with pytest.raises(UsageError, match=r"from source 'cv' of 60, each 166666 times"):
+        Loader(corpora, 16, weights=weights, samples_per_epoch=10**7)
+    Loader(corpora, 16, weights=weights, samples_per_epoch=60 * 1000)  # 1000 times over is fine
