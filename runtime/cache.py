@@ -9,6 +9,11 @@ Only files, renames and ``flock`` are used: every lock dies with the process
 that holds it, so a crash leaves nothing that blocks the next run.
 
 - A shard becomes visible by rename only, after its checksum was verified;
+  what was verified (inode, size, modification time) is then written into its
+  ``<name>.lock``, and a shard whose file no longer matches that stamp (changed
+  in place, replaced, or cached by a version that wrote none) is fetched again
+  instead of served. Use refreshes a shard's access time only, which orders
+  eviction, so the modification time stays the content's;
   it is written under ``<name>.tmp-<pid>-<random>`` while its writer holds an
   exclusive lock on it. A temporary file nobody holds is a crashed writer's:
   it is removed when a cache opens (and before eviction gives up).
@@ -50,6 +55,7 @@ from .cache_folder import (
 
 TMP_MARK = ".tmp-"
 LOCK_SUFFIX = ".lock"
+STAMP_BYTES = 64  # room kept with each shard for its stamp in <name>.lock (at most 63 bytes)
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,8 @@ def locked(path: Path, wait: bool = True) -> Iterator[bool]:
     """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block;
     without ``wait``, only if free at once (the block gets False when it was not)."""
     try:
-        fd = _open(path, os.O_RDWR | os.O_CREAT)
-    except OSError as e:  # a folder in its place, a cache folder we may not write...
+        fd = _open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)
+    except OSError as e:  # a folder or a link in its place, a cache folder we may not write...
         raise CacheError(f"{path}: cannot open the lock file ({e}); {FOREIGN}") from None
     try:
         if wait:
@@ -125,6 +131,10 @@ class CacheDir:
 
     def used_bytes(self) -> int:
         return sum(st.st_size for _, st in self.files())
+
+    def fixed_bytes(self) -> int:
+        """Bytes of the files eviction never removes (indexes, sources, locks)."""
+        return sum(st.st_size for p, st in self.files() if not (is_shard(p.name) or is_tmp(p.name)))
 
     def sweep(self) -> int:
         """Removes temporary files no live writer holds; returns how many."""
@@ -184,8 +194,11 @@ class CacheDir:
             if st.st_nlink == 0:
                 return None
             raise CacheError(f"{path}: not a regular file; remove it: {FOREIGN}")
-        with contextlib.suppress(OSError):
-            os.utime(path)
+        if _stamp(st) != _read_stamp(path):  # changed since it was verified: fetch again
+            os.close(fd)
+            return None
+        with contextlib.suppress(OSError):  # the use, for eviction; the content's time kept
+            os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
         return Held(path, fd, st.st_size)
 
     def let_go(self, held: Held) -> None:
@@ -222,7 +235,7 @@ class CacheDir:
             if path.exists():
                 return True
             with locked(self.root / BUDGET_LOCK):
-                if self.make_room(size) + size > self.max_bytes:
+                if self.make_room(size + STAMP_BYTES) + size + STAMP_BYTES > self.max_bytes:
                     return False
             data = fetch()
             data = write(data) if write is not None else data
@@ -242,6 +255,7 @@ class CacheDir:
             while done < len(view):
                 done += os.pwrite(fd, view[done:], done)
             os.fsync(fd)
+            _write_stamp(path, os.fstat(fd))
             with locked(self.root / BUDGET_LOCK):
                 os.replace(tmp, path)
                 if keep:
@@ -268,12 +282,21 @@ class CacheDir:
         deadline = time.monotonic() + self.wait_s
         while True:
             with locked(self.root / BUDGET_LOCK):
-                used = self.make_room(size)
-                if used + size <= self.max_bytes:
+                used = self.make_room(size + STAMP_BYTES)
+                if used + size + STAMP_BYTES <= self.max_bytes:
                     fd = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
                     fcntl.flock(fd, fcntl.LOCK_EX)
                     os.ftruncate(fd, size)
                     return fd
+                fixed = self.fixed_bytes()
+            if fixed + size + STAMP_BYTES > self.max_bytes:  # nothing evicted makes room
+                raise CacheError(
+                    f"{self.root}: a {size}-byte shard does not fit beside the cache's own "
+                    f"files ({fixed} bytes: each archive's index.json, source.txt and locks, "
+                    f"which are not evicted) under the {self.max_bytes}-byte budget; raise "
+                    "cache_bytes (DLOP_CACHE_BYTES), or clear archives no longer read "
+                    "(dlop-inspect cache --clear)"
+                )
             if not wait:
                 return None
             if self.squeeze is not None and self.squeeze():
@@ -293,11 +316,11 @@ class CacheDir:
         the bytes in use after. Called under the budget lock."""
         entries = list(self.files())
         used = sum(st.st_size for _, st in entries)
-        for p, st in sorted(entries, key=lambda e: e[1].st_mtime_ns):
+        for p, st in sorted(entries, key=lambda e: e[1].st_atime_ns):
             if used + size <= self.max_bytes:
                 break
             if (is_tmp(p.name) or is_shard(p.name)) and self._remove_if_free(p):
-                used -= st.st_size
+                used -= st.st_size + (_drop_stamp(p) if is_shard(p.name) else 0)
         return used
 
     def clear(self) -> int:
@@ -307,7 +330,7 @@ class CacheDir:
         with locked(self.root / BUDGET_LOCK):
             for p, st in list(self.files()):
                 if (is_shard(p.name) or is_tmp(p.name)) and self._remove_if_free(p):
-                    freed += st.st_size
+                    freed += st.st_size + (_drop_stamp(p) if is_shard(p.name) else 0)
             for sub in archive_dirs(self.root):
                 if not any(is_shard(p.name) for p in sub.iterdir()):
                     for p in sub.iterdir():
@@ -322,3 +345,45 @@ class CacheDir:
 
 
 WriteFn = Callable[[bytes], bytes]
+
+
+def _stamp(st: os.stat_result) -> bytes:
+    """What identifies a cached shard's content as the one verified: inode, size, mtime."""
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}\n".encode()
+
+
+def _write_stamp(path: Path, st: os.stat_result) -> None:
+    """Records the stamp of the verified shard about to be renamed to ``path`` in its
+    ``.lock`` file (whose lock, not content, serializes fetches)."""
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    fd = _open(lock, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
+    try:
+        os.write(fd, _stamp(st))
+    finally:
+        os.close(fd)
+
+
+def _drop_stamp(path: Path) -> int:
+    """Empties the stamp of the shard just removed from ``path`` (its lock file stays: other
+    processes may wait on it); returns the bytes freed."""
+    try:
+        fd = _open(path.with_name(path.name + LOCK_SUFFIX), os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError:
+        return 0
+    try:
+        size = os.fstat(fd).st_size
+        os.ftruncate(fd, 0)
+        return size
+    finally:
+        os.close(fd)
+
+
+def _read_stamp(path: Path) -> bytes:
+    try:
+        fd = _open(path.with_name(path.name + LOCK_SUFFIX), os.O_NOFOLLOW)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, 128)
+    finally:
+        os.close(fd)

@@ -61,6 +61,11 @@ def claim(root: Path) -> None:
         raise CacheError(f"{root}: cannot make the cache folder: {e.strerror or e}") from None
     if not root.is_dir():
         raise CacheError(f"{root}: the cache folder is not a folder: {FOREIGN}")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CacheError(
+            f"{root}: the cache folder is not writable by this process; give cache_dir "
+            "(DLOP_CACHE_DIR) a folder it may write in"
+        )
     if is_cache(root):
         return
     with os.scandir(root) as entries:

@@ -19,6 +19,10 @@ from dlop.formats.transcode import needs_transcode, raw_size_bound
 from .errors import LoaderError, UsageError
 from .remote import DEFAULT_RETRY, Retry, fetch_head, join
 
+# The largest shard read from storage (1 TiB, the largest --shard-bytes of a compile): an
+# index naming a larger one is damaged or not dlop's, and is refused before any plan.
+MAX_REMOTE_SHARD_BYTES = 1 << 40
+
 
 class ShardSizes:
     """Shard sizes in the cache of the archive at ``url`` under a ``max_bytes`` budget."""
@@ -31,6 +35,13 @@ class ShardSizes:
         filesystem: Callable[[], tuple[Any, str]],
         retry: Retry = DEFAULT_RETRY,
     ) -> None:
+        for k, s in enumerate(index.shards):
+            if s.bytes > MAX_REMOTE_SHARD_BYTES:
+                raise LoaderError(
+                    f"{url}: index.json says shard {k} ({s.file}) is {s.bytes} bytes; a shard "
+                    f"read from storage is at most {MAX_REMOTE_SHARD_BYTES} (1 TiB), so the "
+                    "index is damaged or not a dlop archive's"
+                )
         self.url = url
         self.index = index
         self.max_bytes = max_bytes

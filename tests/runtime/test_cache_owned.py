@@ -73,6 +73,22 @@ def test_a_cache_folder_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
         CacheDir(tmp_path / "f", max_bytes=1)
 
 
+def test_a_cache_folder_this_process_may_not_write_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    CacheDir(tmp_path / "c", max_bytes=1)  # a cache, marked
+    (tmp_path / "c").chmod(0o555)
+    if os.geteuid() == 0:  # root may write anywhere: answer as access(2) does for others
+        import dlop.runtime.cache_folder as folder
+
+        monkeypatch.setattr(folder.os, "access", lambda path, mode: False)
+    try:
+        with pytest.raises(CacheError, match="cache folder is not writable by this process"):
+            CacheDir(tmp_path / "c", max_bytes=1)
+    finally:
+        (tmp_path / "c").chmod(0o755)
+
+
 def test_budgets_with_units_and_overflowing_sizes(tmp_path: Path) -> None:
     from dlop.runtime.cache_folder import byte_budget, parse_bytes
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.formats import ArchiveWriter, Field, Zstd, read_index
+from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime.cache import CacheDir
 from dlop.runtime.cache_folder import CacheError
@@ -176,7 +176,7 @@ def test_budget_below_a_shards_in_flight_is_refused(served: Path, tmp_path: Path
 
 
 def test_shards_held_are_never_evicted(tmp_path: Path) -> None:
-    cache = CacheDir(tmp_path, max_bytes=250)
+    cache = CacheDir(tmp_path, max_bytes=340)  # two shards of 100 bytes and their stamps
     folder = cache.archive_dir("0000000000000000000000bb")
     a = cache.get(folder / "a", lambda: b"a" * 100)
     b = cache.get(folder / "b", lambda: b"b" * 100)
@@ -187,7 +187,7 @@ def test_shards_held_are_never_evicted(tmp_path: Path) -> None:
     cache.get(folder / "c", lambda: b"c" * 100)  # a, unheld, goes
     assert not (folder / "a").exists() and (folder / "b").exists()
     cache.let_go(b)
-    assert cache.used_bytes() <= 250
+    assert cache.used_bytes() <= 340
 
 
 def test_links_and_folders_in_the_cache_are_refused_not_followed_or_evicted(
@@ -356,18 +356,37 @@ def test_an_index_over_its_cap_is_refused_after_one_bounded_read(tmp_path: Path)
         assert proxy.count("index.json") == 1
 
 
-def test_a_truncated_cached_copy_says_how_to_recover(served: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("change", ["truncated", "flipped byte", "replaced"])
+def test_a_cached_copy_changed_after_it_was_verified_is_fetched_again(
+    served: Path, tmp_path: Path, change: str
+) -> None:
+    kw = {"cache_dir": tmp_path / "c", "retry": FAST}
     with FaultProxy(root=served) as proxy:
-        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
-        remote.source.shard(1)
+        remote = RemoteArchive(proxy.url + "/a", **kw)  # type: ignore[arg-type]
+        want = copied(remote.__getitems__(list(range(len(remote)))))
         remote.close()
         cached = next((tmp_path / "c").rglob("shard-00001.dlop"))
-        cached.write_bytes(cached.read_bytes()[:5000])
-        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
-        with pytest.raises(LoaderError, match=r"shard 1 .*truncated.*remove it.*fetched anew"):
-            remote.source.shard(1)
-        cached.unlink()
-        assert remote.source.shard(1).num_samples == read_index(served / "a").shards[1].num_samples
+        data = bytearray(cached.read_bytes())
+        fetched = proxy.count("shard-00001")
+        if change == "truncated":
+            cached.write_bytes(data[:5000])
+        elif change == "flipped byte":  # in place: same inode and size
+            with cached.open("r+b") as f:
+                f.seek(len(data) - 9)
+                f.write(bytes([data[-9] ^ 0xFF]))
+        else:  # another file renamed over it, same size
+            other = cached.with_name("other")
+            other.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+            other.replace(cached)
+        remote = RemoteArchive(proxy.url + "/a", **kw)  # type: ignore[arg-type]
+        assert same(copied(remote.__getitems__(list(range(len(remote))))), want)
+        assert proxy.count("shard-00001") > fetched  # fetched again, not served
+        assert cached.read_bytes() == data
+        fetched = proxy.count("shard-00001")
+        remote.close()
+        remote = RemoteArchive(proxy.url + "/a", **kw)  # type: ignore[arg-type]
+        assert same(copied(remote.__getitems__(list(range(len(remote))))), want)
+        assert proxy.count("shard-00001") == fetched  # the verified copy is served again
         remote.close()
 
 
@@ -400,3 +419,32 @@ def test_a_shard_named_like_the_caches_own_files_is_refused(served: Path, tmp_pa
     (site / "index.json").write_text(json.dumps(index))
     with FaultProxy(root=served) as proxy, pytest.raises(CacheError, match=r"'source\.txt'"):
         RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c")
+
+
+def test_an_index_declaring_a_huge_shard_is_refused_before_any_plan(
+    served: Path, tmp_path: Path
+) -> None:
+    import json
+
+    index = json.loads((served / "a" / "index.json").read_text())
+    index["shards"][1]["bytes"] = 2**63
+    (served / "a" / "index.json").write_text(json.dumps(index))
+    with (
+        FaultProxy(root=served) as proxy,
+        pytest.raises(LoaderError, match=r"shard 1 \(shard-00001\.dlop\) is 9223372036854775808"),
+    ):
+        Loader(proxy.url + "/a", 4, cache_dir=tmp_path / "c", cache_bytes=2**80)
+
+
+def test_a_budget_the_caches_own_files_fill_is_refused_without_waiting(tmp_path: Path) -> None:
+    cache = CacheDir(tmp_path / "c", max_bytes=400)
+    folder = cache.archive_dir("0000000000000000000000cc")
+    (folder / "index.json").write_bytes(b"{}" + b" " * 248)  # 250 bytes, never evicted
+
+    def waited() -> bool:
+        raise AssertionError("waited for room that no process holds")
+
+    cache.squeeze = waited
+    with pytest.raises(CacheError, match=r"a 100-byte shard does not fit beside the cache's own"):
+        cache.get(folder / "s", lambda: b"s" * 100)
+    cache.let_go(cache.get(folder / "t", lambda: b"t" * 40))  # what fits is cached
