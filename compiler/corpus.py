@@ -70,6 +70,8 @@ class Corpus:
     # them, a manifest): each work unit records its inputs' sizes as it starts, and a
     # resume redoes a unit whose inputs' sizes have changed since.
     unit_sizes: bool = False
+    # folders and URL prefixes outside SOURCE its paths may name (listing.confined)
+    allow_paths: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class ListOptions:
     text_column: str | None = None  # hf: the transcript column (default: text, sentence, ...)
     label_column: str | None = None  # hf: the class column (default: label, or a ClassLabel)
     keep_columns: tuple[str, ...] = ()  # hf: scalar columns carried as fields
+    # folders and URL prefixes outside SOURCE the corpus's paths may name (listing.confined)
+    allow_paths: tuple[str, ...] = ()
 
 
 def fingerprint(items: Iterable[Item], extra: bytes = b"", root: Path | None = None) -> str:

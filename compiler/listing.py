@@ -12,6 +12,7 @@ import csv
 import hashlib
 import io
 import os
+import posixpath
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -98,6 +99,58 @@ def name_bytes(name: str) -> bytes:
         return os.fsencode(name)
     except UnicodeEncodeError:  # a lone surrogate from a JSON escape, not from a file name
         return name.encode("utf-8", "surrogatepass")
+
+
+# -- where a corpus's own paths may lead ------------------------------------------------
+
+ALLOW_HINT = "pass --allow-path DIR (allow_paths in a recipe) to read from a folder outside it"
+
+
+def confined(root: Path, text: str, allowed: tuple[str, ...] = ()) -> str:
+    """The file a corpus's listing names by ``text``, resolved against ``root`` (its folder,
+    or its storage for a URL SOURCE). A path that leads outside ``root`` (absolute, climbing
+    with ``..``, through a link pointing out, or a URL) is refused with ValueError unless it
+    lies in one of the ``allowed`` folders or URL prefixes the user named. Nothing is read
+    before the check, and its message is the same whether the path exists or not."""
+    if isinstance(root, UrlPath) and is_url(text) and _url_within(text, str(root)):
+        return text  # a URL inside SOURCE's own storage folder
+    rooted = not (is_url(text) or posixpath.isabs(text) or os.path.isabs(text))
+    rel = posixpath.normpath(text.replace(os.sep, "/")) if rooted else ""
+    if rooted and rel != ".." and not rel.startswith("../"):
+        full = root / text
+        if isinstance(root, UrlPath) or _within(os.path.realpath(full), os.path.realpath(root)):
+            return str(full)
+        if _allowed(str(full), allowed):
+            return str(full)
+        raise ValueError(f"path {text!r} leads out of the corpus through a link; {ALLOW_HINT}")
+    target = text if not rooted or isinstance(root, UrlPath) else str(root / text)
+    if _allowed(target, allowed):
+        return target
+    raise ValueError(f"path {text!r} lies outside the corpus; {ALLOW_HINT}")
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _allowed(target: str, allowed: tuple[str, ...]) -> bool:
+    """Whether ``target`` (a local path or a URL) lies in an allowed folder or URL prefix; a
+    local one by where its links lead."""
+    for folder in allowed:
+        if is_url(folder) or is_url(target):
+            if is_url(folder) and is_url(target) and _url_within(target, folder):
+                return True
+            continue
+        if _within(os.path.realpath(target), os.path.realpath(folder)):
+            return True
+    return False
+
+
+def _url_within(url: str, prefix: str) -> bool:
+    """Whether ``url`` lies below the URL ``prefix`` once ``..`` and ``.`` are resolved."""
+    (scheme, _, rest), (want, _, base) = url.partition("://"), prefix.partition("://")
+    path, folder = posixpath.normpath("/" + rest), posixpath.normpath("/" + base)
+    return scheme == want and (path == folder or path.startswith(folder.rstrip("/") + "/"))
 
 
 # -- the corpus's files (archives are never input) -------------------------------------
@@ -246,19 +299,29 @@ def read_csv(path: Path, root: Path, need: set[str]) -> tuple[bytes, list[CsvRow
     return raw, rows
 
 
-def lines(raw: bytes) -> Iterator[tuple[int, int, bytes]]:
+MAX_LINE_BYTES = 64 << 20  # a manifest line (one input, or one document's segments)
+
+
+def lines(raw: bytes, path: object = "") -> Iterator[tuple[int, int, bytes]]:
     """(line number from 1, byte offset, line without its end) of a text file's bytes.
 
     Only \\n (and \\r\\n) end a line, as JSON lines and transcripts mean; a UTF-8 byte
-    order mark at the start is dropped.
+    order mark at the start is dropped. A line longer than MAX_LINE_BYTES is a
+    CompileError naming ``path``: a manifest line describes one input (or one
+    document), and parsing a longer one would take several times its size in memory.
     """
     offset = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
     n = 0
     while offset <= len(raw):  # one line at a time: no list of every line of a long manifest
         end = raw.find(b"\n", offset)
         end = len(raw) if end < 0 else end
-        line = raw[offset:end]
         n += 1
+        if end - offset > MAX_LINE_BYTES:
+            raise CompileError(
+                f"{path}: line {n} (byte {offset}) is longer than {MAX_LINE_BYTES} bytes; a "
+                "manifest line describes one input: the file is damaged or not a manifest"
+            )
+        line = raw[offset:end]
         yield n, offset, line[:-1] if line.endswith(b"\r") else line
         offset = end + 1
 

@@ -276,6 +276,7 @@ def compile_corpus(
         recipe.masks,
         **recipe.columns(),
         storage_options=storage_options,
+        allow_paths=recipe.allow_paths,
     )
     if not corpus.items:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")

@@ -22,6 +22,7 @@ from .features import FEATURES, PRESETS, FeatureConfig, feature_config, with_opt
 from .layouts import source_path
 from .resample import ResampleConfig
 from .sources import LAYOUTS, MEDIA, detect_layout, layout_media
+from .urls import is_url
 from .vision import VisionConfig
 
 DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -56,6 +57,8 @@ class Recipe:
     text_column: str | None = None  # hf: the transcript column (default: detected)
     label_column: str | None = None  # hf: the class column (default: detected)
     keep_columns: tuple[str, ...] = ()  # hf: scalar columns carried as fields
+    # folders and URL prefixes outside SOURCE that the corpus's own paths may name
+    allow_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.media not in MEDIA:
@@ -107,6 +110,8 @@ class Recipe:
         for name, value in self.columns().items():
             if value:
                 out[name] = list(value) if isinstance(value, tuple) else value
+        if self.allow_paths:  # recorded only when given, as the column choices are
+            out["allow_paths"] = list(self.allow_paths)
         if self.media == "audio" or (self.media == "video" and self.vision.audio):
             out["features"] = self.feature.to_json()
             out["dtype"] = self.dtype
@@ -196,6 +201,7 @@ RECIPE_OPTIONS = (
     "text_column",
     "label_column",
     "keep_columns",
+    "allow_paths",
 )
 MAX_DURATION_S = 24 * 3600.0
 MIN_SHARD_BYTES, MAX_SHARD_BYTES = 4 << 10, 1 << 40
@@ -317,6 +323,11 @@ def check_options(opts: dict[str, Any]) -> None:
             isinstance(masks, list | tuple) and all(isinstance(m, str) for m in masks)
         ):
             raise bad("masks", "a folder name or a list of them")
+    allow = opts.get("allow_paths")
+    if allow is not None and not (
+        isinstance(allow, list | tuple) and all(isinstance(a, str) and a for a in allow)
+    ):
+        raise bad("allow_paths", "a list of folders or URL prefixes")
     _check_resampler(opts.get("resampler") or {})
     _check_vision_types(opts)
 
@@ -374,6 +385,7 @@ def build_recipe(options: dict[str, Any], storage_options: dict[str, Any] | None
     masks = opts.get("masks")
     if isinstance(masks, str):
         masks = [masks]
+    allow: list[str] = opts.get("allow_paths") or []
     # ESC-50 defines 5 s clips, so its features are fixed-size unless told otherwise;
     # duration 0 asks for native lengths (ragged) explicitly.
     duration = opts.get("duration") if explicit_duration else (5.0 if layout == "esc50" else None)
@@ -392,6 +404,7 @@ def build_recipe(options: dict[str, Any], storage_options: dict[str, Any] | None
         vision=vision,
         images=None if opts.get("images") is None else str(opts["images"]),
         masks=None if masks is None else tuple(str(m) for m in masks),
+        allow_paths=tuple(a if is_url(a) else os.path.abspath(a) for a in allow or ()),
         **_columns(opts),
     )
 

@@ -65,6 +65,14 @@ def _corpus_options(g: argparse._ArgumentGroup) -> None:
         "--label-column", help="hf: the class column (default: label, or the first ClassLabel)"
     )
     g.add_argument("--keep-columns", help="hf: scalar columns carried as fields, e.g. speaker,age")
+    g.add_argument(
+        "--allow-path",
+        dest="allow_paths",
+        action="append",
+        metavar="DIR",
+        help="a folder or URL prefix outside SOURCE that the corpus's own paths (manifest "
+        "lines, table cells) may name; repeatable (default: only inside SOURCE)",
+    )
 
 
 def _vision_options(v: argparse._ArgumentGroup) -> None:

@@ -203,6 +203,7 @@ def open_corpus(
     label_column: str | None = None,
     keep_columns: tuple[str, ...] = (),
     storage_options: dict[str, Any] | None = None,
+    allow_paths: tuple[str, ...] = (),
 ) -> Corpus:
     """Lists ``source`` (a path or URL) with its layout (detected when None) into a Corpus,
     in corpus order; ``storage_options`` reach the filesystem of a URL (compiler.urls)."""
@@ -221,9 +222,11 @@ def open_corpus(
         text_column=text_column,
         label_column=label_column,
         keep_columns=keep_columns,
+        allow_paths=allow_paths,
     )
     corpus = chosen.list(path, options)
     corpus.storage_options = dict(storage_options or {})
+    corpus.allow_paths = allow_paths
     return corpus
 
 

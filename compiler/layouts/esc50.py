@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..corpus import Corpus, Item, ListOptions, fingerprint
 from ..errors import CompileError
-from ..listing import I64, name_key, read_csv
+from ..listing import I64, confined, name_key, read_csv
 
 NAME = "esc50"
 MEDIA = ("audio",)
@@ -57,6 +57,12 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
                 f"{where}: category {category!r} is target {target} here but {first_target} "
                 f"on line {line}"
             )
+        path = ""
+        if error is None:
+            try:
+                path = confined(root, f"audio/{name}", options.allow_paths)
+            except ValueError as e:
+                error = f"{where}: {e}"
         if error is not None:
             items.append(Item(key=key, error=error))
             continue
@@ -65,7 +71,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         items.append(
             Item(
                 key=key,
-                path=str(root / "audio" / name),
+                path=path,
                 label=target,
                 extras={"fold": fold, "category": category},
             )

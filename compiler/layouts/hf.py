@@ -28,6 +28,7 @@ from ..listing import (
     AUDIO_EXTS,
     IMAGE_EXTS,
     UrlPath,
+    confined,
     file_size,
     is_text,
     is_url,
@@ -301,7 +302,31 @@ def _list_file(pf: Any, path: Path, rel: str, cols: _Columns, classes: list[str]
         for n in range(batch.num_rows):
             items.append(_item(data, n, row, path, rel, cols, classes, paths[n]))
             row += 1
+    _refuse_large_groups(pf, items, rel, cols.media)
     return items
+
+
+def _refuse_large_groups(pf: Any, items: list[Item], rel: str, media: str) -> None:
+    """Makes the rows of a row group whose media column takes more than MAX_GROUP_BYTES
+    (uncompressed) bad inputs: the compile reads a row group's media column whole, so
+    one such group would take twice its size in memory."""
+    meta, start = pf.metadata, 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        size = sum(
+            group.column(c).total_uncompressed_size
+            for c in range(group.num_columns)
+            if group.column(c).path_in_schema.split(".")[0] == media
+        )
+        if size > MAX_GROUP_BYTES:
+            why = (
+                f"its row group {g} holds {size} bytes of column {media!r} (uncompressed), "
+                f"more than the {MAX_GROUP_BYTES} read at once; rewrite the file with smaller "
+                "row groups (pyarrow's row_group_size, datasets' to_parquet batch_size)"
+            )
+            for n in range(start, min(start + group.num_rows, len(items))):
+                items[n].error = f"{rel} row {n}: {why}"
+        start += group.num_rows
 
 
 def _item(
@@ -345,6 +370,7 @@ def _item(
 
 # Rows read from a Parquet file at a time: a row group of any size is never held whole.
 STREAM_BATCH_ROWS = 16
+MAX_GROUP_BYTES = 1 << 30  # a row group's media column read at once
 
 
 class _Files:
@@ -370,14 +396,18 @@ def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
     """The registry's hook: items [start, stop), each with its media bytes (or path), read a
     few rows at a time from the row groups that hold them. Each item names its row, so any
     slice of the items streams alike. The corpus's own items stay light: each one yielded
-    is a copy."""
+    is a copy. Items already known bad are passed on without reading their rows."""
     files = _Files(corpus)
     column = corpus.metadata["hf"]["media_column"]
     items = corpus.items[start:stop]
-    for file, run in itertools.groupby(items, key=lambda it: (it.member or ("", ""))[0]):
+    runs = itertools.groupby(items, key=lambda it: ((it.member or ("", ""))[0], it.error is None))
+    for (file, good), run in runs:
         todo = list(run)
+        if not good:
+            yield from todo
+            continue
         with _opened(files.path(file)) as pf:
-            yield from _stream_file(pf, file, todo, files.root(file), column)
+            yield from _stream_file(pf, file, todo, files.root(file), column, corpus.allow_paths)
 
 
 def _row_groups(pf: Any, first: int, last: int) -> tuple[list[int], int]:
@@ -393,7 +423,9 @@ def _row_groups(pf: Any, first: int, last: int) -> tuple[list[int], int]:
     return groups, begin
 
 
-def _stream_file(pf: Any, file: str, items: list[Item], root: Path, column: str) -> Iterator[Item]:
+def _stream_file(
+    pf: Any, file: str, items: list[Item], root: Path, column: str, allowed: tuple[str, ...]
+) -> Iterator[Item]:
     first, last, rows = items[0].position, items[-1].position, pf.metadata.num_rows
     if first < 0 or last >= rows or last - first + 1 != len(items):
         raise CompileError(
@@ -409,7 +441,8 @@ def _stream_file(pf: Any, file: str, items: list[Item], root: Path, column: str)
         for batch in batches:
             cells = batch.column(0)
             for n in range(max(0, first - row), min(len(cells), last - row + 1)):
-                yield _filled(next(todo), cells[n].as_py(), root, f"{where} row {row + n}")
+                cell = cells[n].as_py()
+                yield _filled(next(todo), cell, root, f"{where} row {row + n}", allowed)
             row += len(cells)
             if row > last:
                 break
@@ -419,7 +452,9 @@ def _stream_file(pf: Any, file: str, items: list[Item], root: Path, column: str)
         yield dataclasses.replace(item, error=f"{where} row {item.position}: {problem}")
 
 
-def _filled(item: Item, cell: dict[str, Any] | None, root: Path, where: str) -> Item:
+def _filled(
+    item: Item, cell: dict[str, Any] | None, root: Path, where: str, allowed: tuple[str, ...]
+) -> Item:
     """A copy of ``item`` with its media: the bytes in memory, else the resolved path."""
     data, path = (cell or {}).get("bytes"), (cell or {}).get("path")
     if item.error is not None:
@@ -435,8 +470,11 @@ def _filled(item: Item, cell: dict[str, Any] | None, root: Path, where: str) -> 
         ext = (item.member or ("", "bin"))[1]
         return dataclasses.replace(item, data={ext: data})
     if path:
-        full = Path(path) if Path(path).is_absolute() else root / path
-        return dataclasses.replace(item, path=str(full), member=None)
+        try:
+            full = confined(root, path, allowed)
+        except ValueError as e:
+            return dataclasses.replace(item, error=f"{where}: {e}")
+        return dataclasses.replace(item, path=full, member=None)
     why = "empty bytes and no path" if data is not None else "neither bytes nor a path"
     return dataclasses.replace(
         item, error=f"{where}: the media cell holds {why} (no media to decode)"

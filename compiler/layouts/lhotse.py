@@ -31,7 +31,7 @@ from typing import Any
 
 from ..corpus import Corpus, Item, ListOptions, fingerprint
 from ..errors import CompileError
-from ..listing import is_text, lines, name_key, utf8
+from ..listing import MAX_LINE_BYTES, confined, is_text, is_url, lines, name_key, utf8
 
 NAME = "lhotse"
 MEDIA = ("audio",)
@@ -39,6 +39,7 @@ SIGNS = "Lhotse cuts or recordings + supervisions .jsonl(.gz)"
 KINDS = ("cuts", "supervisions", "recordings")
 EXTRA_FIELDS = {"speaker": "str", "language": "str"}
 MAX_MANIFEST_BYTES = 1 << 34  # a gzipped manifest inflating past 16 GiB is refused
+INFLATE_CHUNK = 1 << 20
 # A span may end this far past its recording's end (rounding in the manifest's seconds).
 END_TOLERANCE = 1e-3
 
@@ -96,24 +97,39 @@ def _manifests(source: Path) -> tuple[Path, Path | None]:
 
 
 def _read(path: Path) -> bytes:
+    """The manifest's text bytes, inflated when gzipped: chunk by chunk, so a line longer
+    than MAX_LINE_BYTES or a whole past MAX_MANIFEST_BYTES stops it before either is
+    held (a small file of zeros inflates to gigabytes without a line end)."""
     with path.open("rb") as f:
         raw = f.read()
-    if path.name.endswith(".gz"):
-        try:
-            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as g:
-                raw = g.read(MAX_MANIFEST_BYTES + 1)
-        except (OSError, EOFError) as e:
-            raise CompileError(f"{path}: not a readable gzip file ({e})") from None
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise CompileError(f"{path}: inflates past {MAX_MANIFEST_BYTES} bytes")
-    return raw
+    if not path.name.endswith(".gz"):
+        return raw  # lines() bounds its lines
+    out, last = bytearray(), 0  # ``last``: the bytes of the line not ended yet
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as g:
+            while chunk := g.read(INFLATE_CHUNK):
+                out += chunk
+                end = chunk.rfind(b"\n")
+                last = last + len(chunk) if end < 0 else len(chunk) - end - 1
+                if last > MAX_LINE_BYTES:  # lines within one chunk are shorter than it
+                    line = out.count(b"\n") + 1
+                    raise CompileError(
+                        f"{path}: line {line} inflates past {MAX_LINE_BYTES} bytes; a "
+                        "manifest line describes one input: the file is damaged or not a "
+                        "manifest"
+                    )
+                if len(out) > MAX_MANIFEST_BYTES:
+                    raise CompileError(f"{path}: inflates past {MAX_MANIFEST_BYTES} bytes")
+    except (OSError, EOFError) as e:
+        raise CompileError(f"{path}: not a readable gzip file ({e})") from None
+    return bytes(out)
 
 
 def _objects(path: Path) -> tuple[bytes, list[tuple[str, dict[str, Any] | None, str | None]]]:
     """(the file's bytes, each line's (where, object or None, error))."""
     raw = _read(path)
     out: list[tuple[str, dict[str, Any] | None, str | None]] = []
-    for n, offset, data in lines(raw):
+    for n, offset, data in lines(raw, path):
         where = f"{name_key(path.name)} line {n}"
         text, error = utf8(data, where, offset)
         if not text.strip():
@@ -151,7 +167,9 @@ def _recording_seconds(recording: dict[str, Any]) -> float | None:
         return None
 
 
-def _audio_file(recording: dict[str, Any], channel: Any, base: Path) -> str:
+def _audio_file(
+    recording: dict[str, Any], channel: Any, base: Path, allowed: tuple[str, ...]
+) -> str:
     """The path of the source file holding ``channel`` (its first, when a list)."""
     if recording.get("transforms"):
         raise ValueError("has transforms (speed, volume, resampling), which dlop does not apply")
@@ -174,18 +192,25 @@ def _audio_file(recording: dict[str, Any], channel: Any, base: Path) -> str:
             f"audio source type {chosen.get('type')!r} is not read (only files; dlop never "
             "runs a command or fetches a url that a manifest names)"
         )
-    path = Path(chosen["source"])
-    if path.is_absolute() or (base / path).is_file():
-        return str(base / path)
-    return str(path.absolute())  # as Lhotse reads it: from the working directory
+    text = chosen["source"]
+    inside = confined(base, text, allowed)
+    if Path(text).is_absolute() or is_url(text) or (base / text).is_file():
+        return inside
+    # as Lhotse reads it: from the working directory, when that is an allowed folder
+    return confined(base, str(Path(text).absolute()), allowed)
 
 
 def _sample(
-    key: str, recording: dict[str, Any], span: dict[str, Any], sups: list[Any], base: Path
+    key: str,
+    recording: dict[str, Any],
+    span: dict[str, Any],
+    sups: list[Any],
+    base: Path,
+    allowed: tuple[str, ...],
 ) -> Item:
     """One sample: ``span`` (a supervision or a cut) over ``recording``, told by ``sups``."""
     item = Item(key=key)
-    item.path = _audio_file(recording, span.get("channel"), base)
+    item.path = _audio_file(recording, span.get("channel"), base, allowed)
     item.offset = _seconds(span, "start", 0.0)
     item.duration = _seconds(span, "duration")
     length = _recording_seconds(recording)
@@ -226,7 +251,7 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
             continue
         key = obj["id"] if is_text(obj["id"]) and obj["id"] else where
         try:
-            items.append(_listed(key, obj, recordings, recs_path, base))
+            items.append(_listed(key, obj, recordings, recs_path, base, options.allow_paths))
         except (ValueError, TypeError) as e:
             items.append(Item(key=key, error=f"{where}: {key!r} {e}"))
     if items and all(it.error is not None and it.path is None for it in items):
@@ -252,6 +277,7 @@ def _listed(
     recordings: dict[str, Any],
     recs_path: Path | None,
     base: Path,
+    allowed: tuple[str, ...],
 ) -> Item:
     if recs_path is None:  # a cut carries its recording and supervisions
         if obj.get("type", "MonoCut") != "MonoCut" or not isinstance(obj.get("recording"), dict):
@@ -259,10 +285,10 @@ def _listed(
         sups = obj.get("supervisions") or []
         if not isinstance(sups, list):
             raise ValueError("supervisions is not a list")
-        return _sample(key, obj["recording"], obj, sups, base)
+        return _sample(key, obj["recording"], obj, sups, base, allowed)
     recording = recordings.get(str(obj.get("recording_id")))
     if recording is None:
         raise ValueError(
             f"names recording {obj.get('recording_id')!r}, which {recs_path.name} does not hold"
         )
-    return _sample(key, recording, obj, [obj], base)
+    return _sample(key, recording, obj, [obj], base, allowed)

@@ -26,7 +26,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         raw = read_bytes(trans)
         meta.update(raw)
         rel = name_key(str(trans.relative_to(root)))
-        for n, offset, data in lines(raw):
+        for n, offset, data in lines(raw, rel):
             line, error = utf8(data, f"{rel} line {n}", offset)
             if not line.strip():
                 continue

@@ -14,7 +14,16 @@ import numpy as np
 
 from ..corpus import MAX_LABEL, MAX_MULTI_LABELS, Corpus, Item, ListOptions
 from ..errors import CompileError
-from ..listing import I64, bytes_fingerprint, is_text, is_url, lines, name_key, read_bytes, utf8
+from ..listing import (
+    I64,
+    bytes_fingerprint,
+    confined,
+    is_text,
+    lines,
+    name_key,
+    read_bytes,
+    utf8,
+)
 
 NAME = "manifest"
 MEDIA = ("audio", "video", "image")
@@ -146,8 +155,11 @@ class ManifestItems(Sequence[Item]):
     a few dozen bytes an input besides its bytes. Slices are lists of Items (what a work
     unit carries), so no task holds the whole listing."""
 
-    def __init__(self, raw: bytes, base: Path, path_key: str) -> None:
+    def __init__(
+        self, raw: bytes, base: Path, path_key: str, allow_paths: tuple[str, ...] = ()
+    ) -> None:
         self.raw, self.base, self.path_key = raw, base, path_key
+        self.allow_paths = allow_paths  # where paths outside the manifest's folder may lead
         self.starts = np.zeros(0, np.int64)  # per input: its line's byte offset
         self.offset = np.zeros(0, np.float64)  # seconds
         self.duration = np.zeros(0, np.float64)  # seconds; NaN: none given
@@ -186,7 +198,12 @@ class ManifestItems(Sequence[Item]):
             return Item(key=where, error=error)
         obj, audio, start, duration = _manifest_line(self.line(i), self.path_key)
         key = str(obj.get("id") or name_key(audio if not start else f"{audio}@{start:g}"))
-        media_path = audio if is_url(audio) else str(self.base / audio)  # a URL as written
+        media_path: str | None = None
+        if error is None:
+            try:
+                media_path = confined(self.base, audio, self.allow_paths)  # a URL as written
+            except ValueError as e:
+                error = f"{key}: {e}"
         item = Item(key=key, path=media_path, offset=start, duration=duration, error=error)
         if "text" in obj:
             item.text = str(obj["text"])
@@ -203,7 +220,7 @@ def list_corpus(path: Path, options: ListOptions) -> Corpus:
         raise CompileError(f"{path}: manifest file not found")
     raw = read_bytes(path)
     path_key = "video_filepath" if options.media == "video" else "audio_filepath"
-    items = ManifestItems(raw, path.parent, path_key)
+    items = ManifestItems(raw, path.parent, path_key, options.allow_paths)
     fields = {"label": _Labels(), "labels": _Labels()}
     has_text, first_error = _scan(items, path.name, fields)
     if first_error is not None and len(items.bad) == len(items):
@@ -232,7 +249,7 @@ def _scan(items: ManifestItems, name: str, fields: dict[str, _Labels]) -> tuple[
     its labels as met, and the lines that do not parse. Returns (has text, first error)."""
     starts, offsets, durations = array("q"), array("d"), array("d")
     has_text, first_error = False, None
-    for n, at, data in lines(items.raw):
+    for n, at, data in lines(items.raw, name):
         where = f"{name} line {n}"
         line, error = utf8(data, where, at)
         if not line.strip():

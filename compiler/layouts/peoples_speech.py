@@ -33,6 +33,7 @@ from ..errors import CompileError
 from ..listing import (
     AUDIO_EXTS,
     I64,
+    confined,
     file_size,
     is_text,
     is_url,
@@ -139,7 +140,7 @@ def _segment_error(name: Any, label: Any, duration: Any) -> str | None:
 def _read_manifest(manifest: Path, rel: str) -> tuple[bytes, list[_Segment]]:
     raw = manifest.read_bytes()
     segments: list[_Segment] = []
-    for n, offset, data in lines(raw):
+    for n, offset, data in lines(raw, manifest):
         where = f"{rel} line {n}"
         text, error = utf8(data, where, offset)
         if not text.strip():
@@ -196,7 +197,12 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
                 in_tars.append(((m, t, pos), item))
                 continue
             if item.error is None:
-                item.path = str(audio / seg.name)
+                try:
+                    item.path = confined(audio, seg.name, options.allow_paths)
+                except ValueError as e:
+                    item.error = f"{seg.where}: {e}"
+                    rest.append(item)
+                    continue
                 if tars and not (audio / seg.name).is_file():
                     item.error = (
                         f"{name_key(manifest.name)}: segment {item.key!r} is a member of none "

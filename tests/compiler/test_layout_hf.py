@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -316,8 +317,8 @@ def test_an_image_column_compiles_from_embedded_bytes_as_from_paths(tmp_path: Pa
         ]
         columns = {"image": cells, "label": [0, 2, 1], "id": [f"img-{i}" for i in range(3)]}
         write_parquet(tmp_path / form / "data" / "train.parquet", columns, features)
-        if form == "paths":
-            (tmp_path / form / "pics").symlink_to(tmp_path / "pics")
+        if form == "paths":  # the files inside the corpus (a link out of it is refused)
+            shutil.copytree(tmp_path / "pics", tmp_path / form / "pics")
         compile_ok(
             str(tmp_path / form),
             "--layout",
@@ -352,3 +353,18 @@ def test_rows_naming_files_compile_from_s3_to_the_same_archive(s3: Any, tmp_path
     assert names == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*.dlop"))
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_a_row_group_too_large_to_read_at_once_is_skipped_with_its_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hf, "MAX_GROUP_BYTES", 4000)  # the embedded clips' groups exceed it
+    root = hf_corpus(tmp_path / "ds", embed=(False, False, True, False, False))
+    compile_ok(str(root), "--layout", "hf", "-o", str(tmp_path / "a"))
+    r = ArchiveReader(tmp_path / "a")
+    assert len(r) == 3 and r.index.skipped_count == 2  # rows 2 and 3 share a group of 2
+    reasons = [e["reason"] for e in r.errors()]
+    assert all(
+        "its row group 1 holds" in x and "more than the 4000 read at once" in x for x in reasons
+    )
+    assert [s["key"] for s in (r.sample(i) for i in range(3))] == ["utt-0", "utt-1", "utt-4"]

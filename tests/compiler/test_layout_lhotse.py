@@ -105,7 +105,9 @@ def test_segments_compile_like_the_same_spans_of_plain_files(
     root = lhotse_corpus(tmp_path / "lh", monkeypatch)
     source = root / "demo_supervisions_dev.jsonl.gz" if form == "supervisions" else root / "cuts"
     assert detect_layout(source) == "lhotse"
-    compile_ok(str(source), "-o", str(tmp_path / "a"))
+    # cuts/ names its audio from the working directory (root), outside the cuts folder
+    allow = ["--allow-path", str(root)] if form == "cuts" else []
+    compile_ok(str(source), *allow, "-o", str(tmp_path / "a"))
     compile_ok(str(root / "plain.jsonl"), "-o", str(tmp_path / "b"))
     a, b = ArchiveReader(tmp_path / "a"), ArchiveReader(tmp_path / "b")
     assert len(a) == len(b) == 4 and a.index.skipped_count == 0
@@ -206,7 +208,40 @@ def test_the_same_manifests_compile_from_s3_to_the_same_archive(
     root = corpus_in_bucket(s3, tmp_path, monkeypatch)
     for form in ("demo_supervisions_dev.jsonl.gz", "cuts"):
         local, remote = tmp_path / f"local-{form}", tmp_path / f"remote-{form}"
-        compile_ok(str(root / form), "--layout", "lhotse", "-o", str(local))
-        compile_ok(f"s3://lhdata/corpus/{form}", "--layout", "lhotse", "-o", str(remote))
+        # cuts/ names its audio from the working directory (root): allowed by name
+        allow = ["--allow-path", str(root)] if form == "cuts" else []
+        compile_ok(str(root / form), *allow, "--layout", "lhotse", "-o", str(local))
+        compile_ok(f"s3://lhdata/corpus/{form}", *allow, "--layout", "lhotse", "-o", str(remote))
         assert len(ArchiveReader(remote)) == 4
         same_shards(local, remote)
+
+
+def test_a_manifest_line_too_long_to_parse_is_refused_before_it_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dlop.compiler import listing
+    from dlop.compiler.layouts import lhotse
+
+    bound = 1 << 20
+    monkeypatch.setattr(listing, "MAX_LINE_BYTES", bound)
+    monkeypatch.setattr(lhotse, "MAX_LINE_BYTES", bound)
+    zeros = tmp_path / "z" / "cuts.jsonl.gz"  # 40 MiB of zeros, no line end: 40 KiB of gzip
+    zeros.parent.mkdir()
+    with gzip.open(zeros, "wb") as f:
+        for _ in range(40):
+            f.write(bytes(1 << 20))
+    read = []
+    real = lhotse.gzip.GzipFile.read
+
+    def counted(self: Any, size: int = -1) -> bytes:
+        read.append(size)
+        return real(self, size)
+
+    monkeypatch.setattr(lhotse.gzip.GzipFile, "read", counted)
+    assert main([str(zeros), "-o", str(tmp_path / "a"), "-q"]) == 1
+    assert f"line 1 inflates past {bound} bytes" in capsys.readouterr().err
+    assert len(read) <= 3  # stopped at the bound, not after inflating it all
+    plain = tmp_path / "m.jsonl"
+    plain.write_bytes(b'{"audio_filepath": "a.wav"}\n' + b"0" * (bound + 1) + b"\n")
+    assert main([str(plain), "-o", str(tmp_path / "b"), "-q"]) == 1
+    assert f"m.jsonl: line 2 (byte 28) is longer than {bound} bytes" in capsys.readouterr().err
