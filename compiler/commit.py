@@ -32,6 +32,7 @@ from dlop.formats import (
 from dlop.formats.archive import now_utc
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_ERRORS_RECORDS, MAX_SHARDS, MAX_UNITS
 from dlop.formats.files import loads_bounded
+from dlop.formats.redact import redact
 from dlop.formats.skipped import encode_record
 from dlop.formats.units import MAX_COUNT
 
@@ -351,7 +352,7 @@ def _merged(run: Run, committed: dict[int, UnitRecord], created: str) -> tuple[I
     corpus = run.corpus
     source = {
         "layout": corpus.layout,
-        "path": corpus.root,
+        "path": redact(corpus.root),  # never a URL's credentials
         "num_inputs": len(corpus.items),
         "fingerprint": corpus.fingerprint,
     }

@@ -20,6 +20,7 @@ exactly the units without one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import multiprocessing
@@ -295,15 +296,17 @@ def compile_corpus(
         test_point,
     )
 
-    def engine(pending: list[int]) -> Iterator[UnitRecord]:
-        if dask is not None:
-            from .dask_engine import dask_records
+    if dask is None:
+        count = max(1, workers or os.cpu_count() or 1)
+        local = functools.partial(_local_records, run, workers=count)
+        return finish_run(run, local, resume=resume, overwrite=overwrite)
+    from .dask_engine import dask_client, dask_records
 
-            records: Iterator[UnitRecord] = dask_records(dask, run, pending)
-            return records
-        return _local_records(run, pending, max(1, workers or os.cpu_count() or 1))
-
-    return finish_run(run, engine, resume=resume, overwrite=overwrite)
+    # the cluster is reached before OUT is taken: a scheduler that does not answer
+    # leaves OUT as it was
+    with dask_client(dask) as client:
+        on_cluster = functools.partial(dask_records, client, run)
+        return finish_run(run, on_cluster, resume=resume, overwrite=overwrite)
 
 
 def _unit_size(unit_inputs: int | None, media: str) -> int:

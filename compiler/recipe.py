@@ -15,6 +15,7 @@ import tomllib
 from dlop.formats import INDEX_NAME, Codec, FormatError, SchemaError, parse_codec, sizes
 from dlop.formats.constants import ARCHIVE_FORMAT, MAX_INDEX_BYTES
 from dlop.formats.files import loads_bounded, read_capped
+from dlop.formats.redact import redact
 
 from .decode import DOWNMIX_POLICIES
 from .errors import CompileError
@@ -100,7 +101,9 @@ class Recipe:
         where audio is compiled: audio media, or video with its audio track;
         vision options only for video and images.
         """
-        out: dict[str, Any] = {"source": self.source, "layout": self.layout, "media": self.media}
+        # never a URL's credentials (its user, password and query values)
+        source = redact(self.source)
+        out: dict[str, Any] = {"source": source, "layout": self.layout, "media": self.media}
         if self.media != "audio":
             out["vision"] = self.vision.to_json()
         if self.media == "image":

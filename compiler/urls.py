@@ -37,9 +37,9 @@ import os
 import stat
 import tempfile
 import weakref
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path, PosixPath
-from typing import Any
+from typing import Any, TypeVar
 
 from dlop.formats import urls
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
@@ -87,6 +87,9 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
         raise CompileError(str(e)) from None
 
 
+T = TypeVar("T")
+
+
 # -- the path the layouts list through -------------------------------------------------------
 
 
@@ -104,6 +107,24 @@ class _Tree:
         text = PosixPath.__str__(path)[1:]  # "/bucket/key" -> "bucket/key"
         return f"{self.scheme}://{text}" if not self.listable else text
 
+    def url(self, p: str) -> str:
+        return p if not self.listable else f"{self.scheme}://{p}"
+
+    def ask(self, p: str, call: Callable[[], T]) -> T:
+        """``call()``, a request about ``p``: FileNotFoundError passes (the object is not
+        there); any other failure (a refused connection, a timeout, an unknown bucket, the
+        storage client's own errors) is a CompileError naming the URL."""
+        try:
+            return call()
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # the storage clients' errors share no base class
+            raise CompileError(
+                f"{self.url(p)}: the storage did not answer as asked ({type(e).__name__}: "
+                f"{e}); check the URL, the endpoint and the network (timeouts: "
+                "DLOP_CONNECT_TIMEOUT, DLOP_READ_TIMEOUT)"
+            ) from None
+
     def _covered(self, p: str) -> bool:
         return any(p == f or p.startswith(f + "/") for f in self.listed)
 
@@ -111,7 +132,10 @@ class _Tree:
         """Lists folder ``p`` whole (sizes included), once."""
         if not self.listable or self._covered(p):
             return
-        found = self.fs.find(p, withdirs=True, detail=True)
+        try:
+            found = self.ask(p, lambda: self.fs.find(p, withdirs=True, detail=True))
+        except FileNotFoundError:
+            found = {}
         for name, info in found.items():
             name = name.rstrip("/")
             kind = "directory" if info.get("type") == "directory" else "file"
@@ -126,9 +150,11 @@ class _Tree:
         if p in self.entries:
             return self.entries[p]
         try:
-            info = self.fs.info(p)
-        except (FileNotFoundError, OSError):
-            return None
+            info = self.ask(p, lambda: self.fs.info(p))
+        except FileNotFoundError:
+            if self.ask(p, lambda: urls.confirm_missing(self.fs, p)):
+                return None
+            info = {"type": "file", "size": 0}  # there, though its size was not told
         kind = "directory" if info.get("type") == "directory" else "file"
         got = {"type": kind, "size": int(info.get("size") or 0)}
         self.entries[p] = got
@@ -241,8 +267,9 @@ class UrlPath(PosixPath):
         return io.TextIOWrapper(handle, encoding=encoding, errors=errors, newline=newline)
 
     def read_bytes(self) -> bytes:
+        p = self.fs_path
         try:
-            data: bytes = self._tree.fs.cat_file(self.fs_path)
+            data: bytes = self._tree.ask(p, lambda: self._tree.fs.cat_file(p))
         except FileNotFoundError:
             raise FileNotFoundError(2, "no such object", str(self)) from None
         return data

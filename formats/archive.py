@@ -33,6 +33,7 @@ from .constants import (
 from .errors import DlopError, FormatError, SchemaError
 from .files import check_scan, loads_bounded, read_capped, scan_json
 from .reader import BlockCache, Problem, ShardReader, Value
+from .redact import redact
 from .schema import Field, check_schema
 from .skipped import encode_record, read_skipped
 from .units import UnitTable
@@ -333,7 +334,7 @@ class ArchiveWriter:
         """Records an input that was not compiled (written to errors.jsonl).
 
         ``extra`` values are strings, numbers, booleans or None (SPEC.md §8)."""
-        record = {"path": path, "reason": reason, **extra}
+        record = {"path": redact(path), "reason": redact(reason), **extra}
         encode_record(record, len(self.skipped))  # refused now rather than at close
         self.skipped.append(record)
 

@@ -1,15 +1,21 @@
 """The dlop error hierarchy; every package raises subclasses of DlopError."""
 
+from .redact import redact
+
 
 class DlopError(Exception):
-    """Root of every error dlop raises on purpose."""
+    """Root of every error dlop raises on purpose. A URL's credentials (user, password,
+    query values) never appear in its message: they are removed here (see redact)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class FormatError(DlopError, ValueError):
     """A shard or index breaks SPEC.md; the message names the file and the problem."""
 
     def __init__(self, path: object, problem: str) -> None:
-        self.path = str(path)
+        self.path = redact(str(path))
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
 

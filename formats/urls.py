@@ -5,10 +5,18 @@ Shared by the compiler (SOURCE and OUT, compiler.urls) and the runtime (archives
 read through the shard cache, runtime.remote); each turns ``StorageError`` into
 its own error type. Pure: fsspec is imported only when a filesystem is asked
 for, and nothing here starts threads or keeps clients.
+
+No network wait is endless: every filesystem made here has a connect timeout and
+a read timeout (a read that receives nothing for that long fails), CONNECT_S and
+READ_S unless ``DLOP_CONNECT_TIMEOUT`` / ``DLOP_READ_TIMEOUT`` (seconds) or the
+storage options' own timeout settings say otherwise. A timed-out request fails
+like any other: the runtime counts it as one failed attempt of its retry policy.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -20,8 +28,55 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
 
 
+CONNECT_S = 10.0  # seconds to open a connection
+READ_S = 30.0  # seconds a read may receive nothing
+TIMEOUT_ENV = {"connect": "DLOP_CONNECT_TIMEOUT", "read": "DLOP_READ_TIMEOUT"}
+
+
 class StorageError(DlopError):
     """A URL no installed fsspec backend opens, or storage options that do not fit it."""
+
+
+def timeouts() -> tuple[float, float]:
+    """(connect, read) seconds: CONNECT_S and READ_S, or the environment's settings."""
+    out = []
+    for kind, default in (("connect", CONNECT_S), ("read", READ_S)):
+        name = TIMEOUT_ENV[kind]
+        text = os.environ.get(name, "").strip()
+        try:
+            value = float(text) if text else default
+        except ValueError:
+            value = -1.0
+        if not (math.isfinite(value) and value > 0):
+            raise StorageError(f"{name}={text!r}: give the {kind} timeout in seconds, above 0")
+        out.append(value)
+    return out[0], out[1]
+
+
+def with_timeouts(proto: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` for a ``proto`` filesystem with the connect and read timeouts added,
+    where the options set none of their own (HTTP through aiohttp, S3 through botocore;
+    other backends keep their own defaults)."""
+    connect, read = timeouts()
+    out = dict(options)
+    if proto in ("http", "https"):
+        client = dict(out.get("client_kwargs") or {})
+        if "timeout" not in client:
+            import aiohttp
+
+            client["timeout"] = aiohttp.ClientTimeout(
+                total=None, connect=connect, sock_connect=connect, sock_read=read
+            )
+        out["client_kwargs"] = client
+    elif proto in ("s3", "s3a"):
+        config = dict(out.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", connect)
+        config.setdefault("read_timeout", read)
+        # one attempt per call at botocore's level: s3fs retries a call (5 attempts with
+        # backoff), the runtime's retry policy retries a fetch
+        config.setdefault("retries", {"total_max_attempts": 1})
+        out["config_kwargs"] = config
+    return out
 
 
 def scheme(text: str) -> str | None:
@@ -43,6 +98,21 @@ def missing_extra(proto: str, e: BaseException) -> str:
     return f"{proto}:// URLs need an fsspec backend that is not installed ({e}); {how}"
 
 
+def confirm_missing(fs: Any, path: str) -> bool:
+    """After ``fs`` said ``path`` is not there (FileNotFoundError): True when it is indeed
+    missing, False when it is there after all; the real failure is raised where the
+    backend reports every failure as missing (fsspec's HTTP info does, a refused
+    connection or a timeout included), found by asking for one byte of it."""
+    protocol = getattr(fs, "protocol", ())
+    if "http" not in (protocol if isinstance(protocol, tuple | list) else (protocol,)):
+        return True
+    try:
+        fs.cat_file(path, start=0, end=1)
+    except FileNotFoundError:
+        return True
+    return False
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
     """(a new fsspec filesystem, the path inside it) for ``url``; credentials and
     endpoints come from ``storage_options`` or the usual environment (for
@@ -57,7 +127,7 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         # A fresh instance: a cached one would keep the endpoint and credentials the
         # environment held when it was made.
         options = {"skip_instance_cache": True, **(storage_options or {})}
-        fs, path = url_to_fs(url, **options)
+        fs, path = url_to_fs(url, **with_timeouts(proto, options))
     except ImportError as e:
         raise StorageError(f"{url}: {missing_extra(proto, e)}") from None
     except ValueError as e:

@@ -26,6 +26,7 @@ import torch
 
 from dlop.formats import ArchiveReader, SchemaError, ShardReader
 from dlop.formats.constants import MAX_INDEX_BYTES
+from dlop.formats.redact import redact
 from dlop.formats.transcode import raw_fields
 
 from .batch import Batch
@@ -121,7 +122,7 @@ class RemoteArchive(Archive):
         data = fetch_index(fs, base, url, MAX_INDEX_BYTES, retry)
         folder = self.cache.archive_dir(hashlib.sha256(data).hexdigest()[:24])
         publish(folder / "index.json", data)
-        publish(folder / "source.txt", url.encode() + b"\n")
+        publish(folder / "source.txt", redact(url).encode() + b"\n")
         self.reader = ArchiveReader(folder)  # the validated index; shards come from the source
         check_shard_names(url, [s.file for s in self.reader.index.shards])
         names = names_of(url, fields)

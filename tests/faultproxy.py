@@ -11,7 +11,9 @@ Faults: ``drop`` (close the connection without a response), ``slowdown`` (503
 with S3's SlowDown body), ``truncate`` (the full Content-Length announced,
 half the body sent, connection closed), ``corrupt`` (one byte flipped),
 ``stall`` (half the body sent, then the connection held open until the
-proxy closes).
+proxy closes), ``hang`` (the request read, nothing ever answered until the
+proxy closes; HEAD requests too): ``proxy.fail("", "hang", times=None)`` makes
+a server that accepts connections and never answers.
 """
 
 from __future__ import annotations
@@ -53,10 +55,14 @@ class FaultProxy:
         with self.lock:
             return sum(n for path, n in self.gets.items() if match in path)
 
-    def take_fault(self, path: str) -> str | None:
+    def take_fault(self, path: str, head: bool = False) -> str | None:
+        """The fault for this request, if any (a HEAD request takes only ``hang``)."""
         with self.lock:
-            self.gets[path] += 1
+            if not head:
+                self.gets[path] += 1
             for f in self.faults:
+                if head and f[1] != "hang":
+                    continue
                 if f[0] in path and (f[2] is None or f[2] > 0):
                     if f[2] is not None:
                         f[2] -= 1
@@ -124,11 +130,17 @@ class FaultProxy:
                 self.close_connection = True
 
             def do_HEAD(self) -> None:
+                if proxy.take_fault(urlsplit(self.path).path, head=True) == "hang":
+                    proxy.closing.wait()
+                    return
                 status, headers, body = proxy.fetch(self)
                 self.respond(status, headers, len(body))  # the length, not the body
 
             def do_GET(self) -> None:
                 fault = proxy.take_fault(urlsplit(self.path).path)
+                if fault == "hang":
+                    proxy.closing.wait()
+                    return
                 if fault == "drop":
                     self.close_connection = True
                     return

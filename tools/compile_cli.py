@@ -18,6 +18,7 @@ from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import CHOICES, build_recipe, load_recipe_file
 from dlop.compiler.urls import local_path, parse_storage_options
 from dlop.formats import DlopError
+from dlop.tools.output import redacted_output
 
 
 def _none_or_float(text: str) -> float | None:
@@ -198,6 +199,11 @@ _NOT_RECIPE.add("storage_option")  # credentials and endpoints never go into the
 
 
 def main(argv: list[str] | None = None) -> int:
+    with redacted_output("dlop-compile"):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -25,8 +25,10 @@ from dlop.compiler.urls import filesystem, is_url, local_path, parse_storage_opt
 from dlop.formats import ERRORS_NAME, INDEX_NAME, ArchiveReader, DlopError, Field, codec_from_json
 from dlop.formats.archive import read_index
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
+from dlop.formats.urls import confirm_missing
 
 from . import cache_cli
+from .output import redacted_output
 from .render import as_float, render_sample
 
 # Skipped inputs listed by ``info`` (--json lists more); errors.jsonl holds them all.
@@ -184,15 +186,27 @@ def _fetch_into(
     (``exact``) is fetched up to one byte more than its index entry says, so that a longer
     object fails verification rather than filling memory or disk; a larger index or
     errors.jsonl is an error."""
+    where = f"{url.rstrip('/')}/{name}"
     try:
-        with fs.open(f"{base}/{name}", "rb") as f, open(folder / name, "wb") as out:
-            left = cap + 1
-            while left > 0 and (chunk := f.read(min(FETCH_CHUNK, left))):
-                out.write(chunk)
-                left -= len(chunk)
-    except FileNotFoundError:
-        (folder / name).unlink(missing_ok=True)
-        return  # the reader reports the missing file where it needs it
+        try:
+            with fs.open(f"{base}/{name}", "rb") as f, open(folder / name, "wb") as out:
+                left = cap + 1
+                while left > 0 and (chunk := f.read(min(FETCH_CHUNK, left))):
+                    out.write(chunk)
+                    left -= len(chunk)
+        except FileNotFoundError:
+            (folder / name).unlink(missing_ok=True)
+            if confirm_missing(fs, f"{base}/{name}"):
+                return  # the reader reports the missing file where it needs it
+            raise DlopError(f"{where}: the storage says it is missing, yet serves it") from None
+    except DlopError:
+        raise
+    except Exception as e:  # the storage clients' errors share no base class
+        raise DlopError(
+            f"{where}: the storage did not answer as asked ({type(e).__name__}: {e}); check "
+            "the URL, the endpoint and the network (timeouts: DLOP_CONNECT_TIMEOUT, "
+            "DLOP_READ_TIMEOUT)"
+        ) from None
     if left <= 0 and not exact:
         raise DlopError(
             f"{url.rstrip('/')}/{name}: larger than its {cap}-byte cap (SPEC.md §8); not a "
@@ -399,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with redacted_output("dlop-inspect"):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))

@@ -132,3 +132,30 @@ def test_a_bad_dask_address_is_a_clear_error(
     args, _ = clips
     assert main([*args, "--dask", "local:zero", "-o", str(tmp_path / "out")]) == 1
     assert "local:N" in capsys.readouterr().err
+
+
+_INTERRUPTED = """
+import os, signal, sys, threading
+from dlop.tools.compile_cli import main
+threading.Timer(float(sys.argv[3]), os.kill, (os.getpid(), signal.SIGINT)).start()
+sys.exit(main([sys.argv[1], "-o", sys.argv[2], "-q", "--dask", "local:1"]))
+"""
+
+
+def test_ctrl_c_while_the_cluster_starts_ends_cleanly(
+    clips: tuple[list[str], dict[str, bytes]], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    args, _ = clips
+    for delay in ("0.2", "1.0"):  # early in the cluster's start, and later
+        out = tmp_path / f"o{delay}"
+        proc = subprocess.run(
+            [sys.executable, "-c", _INTERRUPTED, args[0], str(out), delay],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 130, proc.stderr
+        assert "Traceback" not in proc.stderr and "AssertionError" not in proc.stderr
