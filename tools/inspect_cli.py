@@ -222,6 +222,11 @@ def fetch_archive(
     fs, base = filesystem(url, options)
     base = base.rstrip("/")
     _fetch_into(fs, base, INDEX_NAME, folder, MAX_INDEX_BYTES, url=url)
+    if not (folder / INDEX_NAME).exists():
+        raise DlopError(
+            f"{url.rstrip('/')}/{INDEX_NAME}: not found (its bucket or folder may not exist "
+            "either): no dlop archive there, or its compile did not finish"
+        )
     index = read_index(folder)  # the format's bounds, before any name in it is used
     if index.skipped_count:
         _fetch_into(fs, base, ERRORS_NAME, folder, MAX_ERRORS_BYTES, url=url)

@@ -69,7 +69,7 @@ def test_stalled_shards_end_the_loader_and_dataloader_workers(
 
 
 def test_an_s3_endpoint_that_never_answers(
-    silent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    silent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("s3fs")
     for name, value in {
@@ -81,6 +81,11 @@ def test_an_s3_endpoint_that_never_answers(
         monkeypatch.setenv(name, value)
     with pytest.raises(LoaderError, match="s3://bucket/a"):
         open_archive("s3://bucket/a", cache_dir=tmp_path / "c", cache_bytes="64MiB")
+    out = tmp_path / "out"
+    assert compile_cli.main(["s3://bucket/corpus", "-o", str(out), "-q"]) == 1
+    assert not out.exists() and "s3://bucket/corpus" in capsys.readouterr().err
+    assert inspect_cli.main(["info", "s3://bucket/a"]) == 1
+    assert "s3://bucket/a" in capsys.readouterr().err
 
 
 def test_compile_and_inspect_end_on_a_silent_server(
