@@ -16,6 +16,7 @@ from typing import Any
 from dlop.formats import FormatError, Index
 from dlop.formats.transcode import needs_transcode, raw_size_bound
 
+from .cache import STAMP_BYTES
 from .errors import LoaderError, UsageError
 from .remote import DEFAULT_RETRY, Retry, fetch_head, join
 
@@ -81,12 +82,13 @@ class ShardSizes:
 
     def check_in_flight(self, held: int) -> None:
         """Refuses ``held`` shards at once when they could not all be cached."""
-        need = held * self.largest
+        need = held * (self.largest + STAMP_BYTES)
         if need > self.max_bytes:
             raise UsageError(
                 f"{self.url}: {held} shards are in flight at once (the batches being made "
-                f"and the next ones), up to {held} x {self.largest} bytes{self.note()} = "
-                f"{need}, above cache_bytes {self.max_bytes}; raise cache_bytes "
+                f"and the next ones), up to {held} x ({self.largest} bytes{self.note()} + "
+                f"{STAMP_BYTES} for its stamp) = {need}, above cache_bytes {self.max_bytes}; "
+                "raise cache_bytes "
                 "(DLOP_CACHE_BYTES) to at least that, or use order='window' with fewer "
                 "window_shards"
             )
@@ -99,12 +101,13 @@ class ShardSizes:
         if self.transcode and stored:
             self.size(stored.index(max(stored)))
         n = min(shards_in_flight, len(stored))
-        need = n * self.largest
+        need = n * (self.largest + STAMP_BYTES)
         if need > self.max_bytes:
             raise UsageError(
                 f"{self.url}: cache_bytes {self.max_bytes} is below what reading needs "
-                f"in flight: {n} shards x {self.largest} bytes (the largest{self.note()}) = "
-                f"{need}; raise cache_bytes (DLOP_CACHE_BYTES) to at least {need}, plus "
+                f"in flight: {n} shards x ({self.largest} bytes, the largest{self.note()}, "
+                f"+ {STAMP_BYTES} for its stamp) = {need}; raise cache_bytes "
+                f"(DLOP_CACHE_BYTES) to at least {need}, plus "
                 "room for the ranks sharing the cache folder"
             )
 
