@@ -13,6 +13,7 @@ import errno
 import itertools
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,6 +179,9 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
             journal.check_run(store)
         index = _write_archive(run, store, committed)
     except BaseException as e:
+        if run._bar is not None:  # closed first: the bar's last frame would cover the message
+            run._bar.close()
+            run._bar = None
         if _resumable(e):
             print(
                 f"dlop-compile: stopped; run again with --resume to continue after {len(committed)} "
@@ -440,9 +444,51 @@ def _remote_output(store: Store, resume: bool, overwrite: bool) -> Iterator[None
     yield
 
 
+LOG_EVERY_S = 30.0  # a progress line this often when stderr is not a terminal
+
+
+class _LogProgress:
+    """Progress for a log file (stderr not a terminal): a whole line at most every
+    LOG_EVERY_S seconds and one at the end, never the carriage returns a bar draws with.
+    Offers the part of tqdm's interface the compile uses."""
+
+    def __init__(self, total: int, initial: int) -> None:
+        self.total, self.done, self.first = total, initial, initial
+        self.postfix = ""
+        self.started = self.shown = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if time.monotonic() - self.shown >= LOG_EVERY_S:
+            self.line()
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        self.postfix = text
+
+    def line(self) -> None:
+        self.shown = time.monotonic()
+        rate = (self.done - self.first) / max(self.shown - self.started, 1e-9)
+        left = (self.total - self.done) / rate if rate > 0 else float("nan")
+        eta = f", about {left:.0f} s left" if left == left else ""
+        print(
+            f"compiling: {self.done}/{self.total} inputs ({self.done / max(self.total, 1):.0%}), "
+            f"{self.postfix}, {rate:.0f} inputs/s{eta}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.done != self.first:
+            self.line()
+
+
 def _progress_bar(total: int, initial: int, units: int, units_done: int, enabled: bool) -> Any:
     if not enabled:
         return None
+    if not sys.stderr.isatty():
+        log = _LogProgress(total, initial)
+        log.set_postfix_str(f"units {units_done}/{units}")
+        return log
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0  # no monitor thread, so workers can be forked

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +47,14 @@ def synth(kind: str, rate: int, seconds: float, rng: np.random.Generator) -> np.
 
 
 def make_demo_corpus(
-    root: str | Path, clips_per_class: int = 40, seconds: float = 5.0, seed: int = 0
+    root: str | Path,
+    clips_per_class: int = 40,
+    seconds: float = 5.0,
+    seed: int = 0,
+    on_clip: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Writes ``root/audio/*`` and ``root/meta/esc50.csv``; returns root."""
+    """Writes ``root/audio/*`` and ``root/meta/esc50.csv``; returns root. ``on_clip(done,
+    total)`` is called after each clip written."""
     import soundfile as sf
 
     root = Path(root)
@@ -56,7 +62,8 @@ def make_demo_corpus(
     (root / "meta").mkdir(exist_ok=True)
     rng = np.random.default_rng(seed)
     rows = []
-    for n in range(clips_per_class * len(CLASSES)):
+    total = clips_per_class * len(CLASSES)
+    for n in range(total):
         target = n % len(CLASSES)
         ext, fmt, subtype, rate, channels = FORMATS[(n // len(CLASSES)) % len(FORMATS)]
         fold = 1 + n % 5
@@ -76,6 +83,8 @@ def make_demo_corpus(
                 "take": "A",
             }
         )
+        if on_clip is not None:
+            on_clip(n + 1, total)
     with open(root / "meta" / "esc50.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()

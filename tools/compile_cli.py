@@ -198,6 +198,12 @@ _NOT_RECIPE = {"out", "recipe", "demo", "resume", "overwrite", "quiet", "unit_in
 _NOT_RECIPE.add("storage_option")  # credentials and endpoints never go into the archive
 
 
+def demo_progress(done: int, total: int) -> None:
+    """A line every 100 clips while the demo corpus is generated (it takes a few seconds)."""
+    if done % 100 == 0 or done == total:
+        print(f"  {done}/{total} clips written", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     with redacted_output("dlop-compile"):
         return _main(argv)
@@ -227,7 +233,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         corpus = args.demo / "corpus"
         if not (corpus / "meta" / "esc50.csv").exists():
             print(f"generating demo corpus in {corpus}", file=sys.stderr)
-            make_demo_corpus(corpus)
+            make_demo_corpus(corpus, on_clip=None if args.quiet else demo_progress)
         options.update(DEMO_RECIPE, source=str(corpus))
         out = out or str(args.demo / "archive")
     given = {k: v for k, v in vars(args).items() if v is not None and k not in _NOT_RECIPE}

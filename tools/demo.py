@@ -17,6 +17,7 @@ import numpy as np
 from dlop.formats import ArchiveReader
 from dlop.runtime import Loader, open_archive
 
+from .compile_cli import demo_progress
 from .compile_cli import main as compile_main
 
 
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (corpus / "meta" / "esc50.csv").exists():
         from dlop.compiler.demo import make_demo_corpus
 
-        make_demo_corpus(corpus, clips_per_class=args.clips_per_class)
+        print(f"generating demo corpus in {corpus}", file=sys.stderr)
+        make_demo_corpus(corpus, clips_per_class=args.clips_per_class, on_clip=demo_progress)
     if compile_main(["--demo", str(args.out)]) != 0:
         return 1
 
