@@ -139,6 +139,7 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
         run.unit_inputs,
         total,
         numerics.resume_key(numerics.target()),
+        run.recipe.to_json(),
     )
     committed: dict[int, UnitRecord] = {}
     if resume:

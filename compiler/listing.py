@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlop.formats.constants import ARCHIVE_FORMAT, INDEX_NAME
+from dlop.formats.constants import ARCHIVE_FORMAT, INDEX_NAME, JOURNAL_NAME
 
 from .errors import CompileError
 
@@ -49,7 +49,7 @@ MEDIA = ("audio", "video", "image")
 MEDIA_EXTS = {"audio": AUDIO_EXTS, "video": VIDEO_EXTS, "image": IMAGE_EXTS}
 ALL_MEDIA_EXTS = frozenset(AUDIO_EXTS + VIDEO_EXTS + IMAGE_EXTS)
 # The progress journal of an interrupted compile (the pipeline's JOURNAL): its folder is output.
-PROGRESS_NAME = ".dlop-progress.json"
+PROGRESS_NAME = JOURNAL_NAME
 I64 = range(-(2**63), 2**63)
 
 # -- names ---------------------------------------------------------------------------

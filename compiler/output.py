@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from dlop.formats import ERRORS_NAME, INDEX_NAME, FormatError
 from dlop.formats.constants import (
     ARCHIVE_FORMAT,
+    LOCK_NAME,
     MAX_INDEX_BYTES,
 )
 from dlop.formats.files import loads_bounded, read_capped
@@ -35,7 +36,7 @@ from .store import STAGING, LocalStore, Store
 from .units import COMMIT_PREFIX, UnitRecord, commit_name, parse_record, shards_in_place
 
 JOURNAL = PROGRESS_NAME  # the listing skips folders holding one, so it is named there
-LOCK = ".dlop-lock"  # flock'ed for the whole compile; holds "pid N on HOST"
+LOCK = LOCK_NAME  # flock'ed for the whole compile; holds "pid N on HOST"
 SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the staging folder, removed as read
 MAX_JOURNAL_BYTES = 64 << 10
 
@@ -298,6 +299,18 @@ def _check_archive_index(path: Path) -> None:
 # -- the journal ---------------------------------------------------------------------
 
 
+def changed_options(before: dict[str, Any], now: dict[str, Any], at: str = "") -> list[str]:
+    """``option was -> is now`` for each recipe option (nested ones dotted) that differs."""
+    out: list[str] = []
+    for key in sorted(set(before) | set(now), key=str):
+        name, a, b = f"{at}{key}", before.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_options(a, b, f"{name}.")
+        elif a != b:
+            out.append(f"{name} {json.dumps(a)[:80]} -> {json.dumps(b)[:80]}")
+    return out or ["none by name (the digest differs)"]
+
+
 class Journal:
     """What an unfinished compile compiles and how its inputs are cut into units.
 
@@ -315,9 +328,11 @@ class Journal:
         unit_inputs: int,
         num_inputs: int,
         numerics: dict[str, Any] | None = None,
+        recipe: dict[str, Any] | None = None,
     ) -> None:
         self.where = where
         self.digest, self.fingerprint = digest, fingerprint
+        self.recipe = recipe or {}  # the options themselves: a resume names what changed
         # compiler.numerics.resume_key of the compile: a resume must write with the same
         self.numerics = numerics or {}
         self.unit_inputs, self.num_inputs = unit_inputs, num_inputs
@@ -333,6 +348,7 @@ class Journal:
             "num_inputs": self.num_inputs,
             "run": self.run,
             "numerics": self.numerics,
+            "recipe": self.recipe,
         }
         store.write(JOURNAL, json.dumps(obj).encode())
 
@@ -374,10 +390,16 @@ class Journal:
         if not is_count(size, MAX_COUNT) or size < 1:
             self._bad(f"'unit_inputs' is {size!r:.40}, expected an integer 1 ... 2^64-1")
         if digest != self.digest:
+            theirs_recipe = obj.get("recipe")
+            what = (
+                "options that differ: " + "; ".join(changed_options(theirs_recipe, self.recipe))
+                if isinstance(theirs_recipe, dict) and theirs_recipe
+                else f"its recipe digest {digest:.16}..., this one's {self.digest:.16}..."
+            )
             raise CompileError(
                 f"{self.where}: --resume with a different recipe than the interrupted compile "
-                f"(its recipe digest {digest:.16}..., this one's {self.digest:.16}...); resume "
-                "with the same recipe and options, or compile afresh (--overwrite)"
+                f"({what}); resume with the same recipe and options, or compile afresh "
+                "(--overwrite)"
             )
         if fingerprint != self.fingerprint or num_inputs != self.num_inputs:
             raise CompileError(

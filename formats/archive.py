@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import json
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ from .constants import (
     ERRORS_NAME,
     FORMAT_VERSION,
     INDEX_NAME,
+    JOURNAL_NAME,
+    LOCK_NAME,
     MAX_ARCHIVE_SAMPLES,
     MAX_ERRORS_RECORDS,
     MAX_INDEX_BYTES,
@@ -29,6 +33,7 @@ from .constants import (
     MAX_SHARDS,
     SHARD_SUFFIX,
     SUPPORTED_VERSIONS,
+    unsupported_version,
 )
 from .errors import DlopError, FormatError, SchemaError
 from .files import check_scan, loads_bounded, read_capped, scan_json
@@ -143,10 +148,35 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
     try:
         data = read_capped(path, MAX_INDEX_BYTES, root=Path(directory), what="index")
     except FileNotFoundError:
-        raise FormatError(
-            path, "no index.json: not a dlop archive, or its compile did not finish"
-        ) from None
+        raise FormatError(path, f"no index.json: {_why_no_index(Path(directory))}") from None
     return parse_index(path, data)
+
+
+def _why_no_index(folder: Path) -> str:
+    """What a folder without index.json is: missing, a compile running (its lock is held:
+    by whom), an interrupted compile, or not an archive."""
+    if not folder.is_dir():
+        return "no such folder" if not folder.exists() else "not a folder"
+    if not (folder / JOURNAL_NAME).is_file():
+        return "not a dlop archive"
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks
+    try:
+        fd = os.open(folder / LOCK_NAME, flags)
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:  # held: a compile is writing it now
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "pid unknown"
+            return f"it is being compiled now ({holder}); read it once that compile ends"
+        finally:
+            os.close(fd)
+    return (
+        "its compile did not finish (interrupted); run the same dlop-compile again with "
+        "--resume to finish it"
+    )
 
 
 def parse_index(path: str | os.PathLike[str], data: bytes) -> Index:
@@ -161,9 +191,7 @@ def parse_index(path: str | os.PathLike[str], data: bytes) -> Index:
         raise FormatError(path, f"'format' is {obj.get('format')!r}, expected {ARCHIVE_FORMAT!r}")
     version = obj.get("version")
     if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
-        raise FormatError(
-            path, f"archive version {version!r} is not supported (reads {SUPPORTED_VERSIONS})"
-        )
+        raise FormatError(path, unsupported_version(version, "archive"))
     schema = obj.get("schema")
     shards = obj.get("shards")
     if not isinstance(schema, list) or not isinstance(shards, list):

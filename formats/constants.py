@@ -8,6 +8,21 @@ MAGIC = b"DLOPSHRD"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 
+
+def unsupported_version(version: object, what: str) -> str:
+    """Why a ``what`` of format ``version`` is not read, and what to do about it."""
+    newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
+    advice = (
+        "it was written by a newer dlop: upgrade dlop (pip install -U dlop) to read it"
+        if newer
+        else "it is damaged or not a dlop archive's"
+    )
+    return (
+        f"{what} version {version!r} is not supported (this dlop reads {SUPPORTED_VERSIONS}); "
+        + advice
+    )
+
+
 # magic, version, header CRC-32, header length (SPEC.md §2)
 PREAMBLE = struct.Struct("<8sIIQ")
 ALIGNMENT = 4096
@@ -52,6 +67,11 @@ CHECKSUM_NAME = "crc32"
 
 INDEX_NAME = "index.json"
 ERRORS_NAME = "errors.jsonl"
+# What a compile in progress keeps in OUT: its journal, and a lock held for the whole compile
+# (holding "pid N on HOST"); an OUT with the journal and no index.json is still compiling
+# or was interrupted.
+JOURNAL_NAME = ".dlop-progress.json"
+LOCK_NAME = ".dlop-lock"
 SHARD_SUFFIX = ".dlop"
 
 # Dtype codes (SPEC.md §3.1). bf16 is carried as its uint16 bit pattern.

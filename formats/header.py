@@ -24,6 +24,7 @@ from .constants import (
     PREAMBLE,
     SHARD_FORMAT,
     SUPPORTED_VERSIONS,
+    unsupported_version,
 )
 from .errors import ChecksumError, FormatError, SchemaError
 from .files import loads_bounded
@@ -113,10 +114,7 @@ def read_preamble(path: object, head: bytes, file_size: int) -> tuple[int, int]:
     if magic != MAGIC:
         raise FormatError(path, f"not a dlop shard: magic {magic!r} at byte 0, expected {MAGIC!r}")
     if version not in SUPPORTED_VERSIONS:
-        raise FormatError(
-            path,
-            f"format version {version} at byte 8 is not supported (this reader reads {SUPPORTED_VERSIONS})",
-        )
+        raise FormatError(path, unsupported_version(version, "format") + " (byte 8)")
     if hlen > MAX_HEADER_BYTES:
         raise FormatError(
             path, f"header length {hlen} at byte 16 exceeds the {MAX_HEADER_BYTES}-byte cap"

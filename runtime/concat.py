@@ -88,8 +88,15 @@ def check_compatible(
             )
         for name in list(a) if names is None else names:
             fa, fb = a.get(name), b.get(name)
+            if fa is None and fb is None:
+                continue  # in neither: the archive's own check names the field
             if fa is None or fb is None:
-                continue  # the archive's own check names a missing field
+                has, lacks = (other, first) if fa is None else (first, other)
+                raise UsageError(
+                    f"archives {first.directory} and {other.directory} cannot be read as one: "
+                    f"field {name!r} is in {has.directory} but not in {lacks.directory}; read "
+                    "fields they share (fields=[...])"
+                )
             mine = (fa.kind, fa.dtype, fa.shape, fa.codec.mappable)
             theirs = (fb.kind, fb.dtype, fb.shape, fb.codec.mappable)
             if mine != theirs:

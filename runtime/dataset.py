@@ -78,13 +78,14 @@ class Archive(Dataset[dict[str, Any]]):
         self.readers = [open_reader(p, cache_bytes) for p in self.paths]
         self.reader = self.readers[0]
         names = list(self.reader.fields) if fields is None else list(fields)
+        # archives that differ first, naming both; then a field none of them holds
+        check_compatible(self.readers, fields, allow_recipe_mismatch)
         for reader in self.readers:
             missing = [n for n in names if n not in reader.fields]
             if missing:
                 raise SchemaError(
                     f"{reader.directory}: no field(s) {missing}; fields are {list(reader.fields)}"
                 )
-        check_compatible(self.readers, fields, allow_recipe_mismatch)
         self.fields: dict[str, Field] = {n: self.reader.fields[n] for n in names}
         self.pad_value = pad_value
         self.source = (

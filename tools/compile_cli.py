@@ -8,15 +8,17 @@ dlop-compile --demo OUT
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from dlop.compiler import features, vision
+from dlop.compiler.errors import CompileError
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import CHOICES, build_recipe, load_recipe_file
-from dlop.compiler.urls import local_path, parse_storage_options
+from dlop.compiler.urls import is_url, local_path, parse_storage_options
 from dlop.formats import DlopError
 from dlop.tools.output import redacted_output
 
@@ -246,17 +248,26 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     storage_options = parse_storage_options(args.storage_option)
     recipe = build_recipe(options, storage_options)
     started = time.perf_counter()
-    index = compile_corpus(
-        recipe,
-        out,
-        workers=workers,
-        resume=args.resume,
-        overwrite=args.overwrite or bool(args.demo),
-        progress=not args.quiet,
-        storage_options=storage_options,
-        unit_inputs=args.unit_inputs,
-        dask=args.dask,
-    )
+    try:
+        index = compile_corpus(
+            recipe,
+            out,
+            workers=workers,
+            resume=args.resume,
+            overwrite=args.overwrite or bool(args.demo),
+            progress=not args.quiet,
+            storage_options=storage_options,
+            unit_inputs=args.unit_inputs,
+            dask=args.dask,
+        )
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or e.filename:
+            raise
+        where = "its staging folder in TMPDIR" if is_url(out) else out  # shards are made there
+        raise CompileError(
+            f"{where}: {e.strerror or 'no space left'} while compiling into {out}; free some "
+            "space (or set the quota higher), then run the same command with --resume"
+        ) from None
     took = time.perf_counter() - started
     size = sum(s.bytes for s in index.shards)
     print(

@@ -130,8 +130,11 @@ def test_resume_is_advised_only_when_it_can_continue(
 
     monkeypatch.setattr(ArchiveWriter, "write_group", fail)
     main([str(corpus), "-o", str(tmp_path / "out"), "-q", "--workers", "1"])
-    assert ("run again with --resume" in capsys.readouterr().err) == advised
+    err = capsys.readouterr().err
+    assert ("run again with --resume" in err) == advised
     assert (tmp_path / "out" / JOURNAL).exists()  # the journal exists from the start
+    if isinstance(error, OSError) and error.errno == 28:  # a full disk names where
+        assert f"{tmp_path / 'out'}: No space left on device while compiling into" in err
 
 
 # -- --resume and --overwrite touch only what a compile wrote --------------------------
@@ -551,3 +554,25 @@ def test_resume_into_a_url_redoes_a_unit_whose_shard_changed_size(
     assert main([str(corpus), "-o", url, "--resume", *UNITS_OF_ONE]) == 0
     got = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(path)}
     assert got == tree(whole)
+
+
+def test_reading_an_unfinished_output_says_whether_it_is_compiling(tmp_path: Path) -> None:
+    from dlop.formats import FormatError, read_index
+
+    with pytest.raises(FormatError, match="no index.json: no such folder"):
+        read_index(tmp_path / "missing")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(FormatError, match="no index.json: not a dlop archive"):
+        read_index(tmp_path / "plain")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / JOURNAL).write_text("{}")
+    lock = OutputLock(out)  # a compile running now, in this process
+    try:
+        with pytest.raises(FormatError, match=r"being compiled now \(pid \d+ on .+\)"):
+            read_index(out)
+    finally:
+        lock.release()
+    (out / LOCK).write_text("pid 1 on elsewhere\n")  # a killed compile's lock: held by none
+    with pytest.raises(FormatError, match="did not finish .*again with --resume"):
+        read_index(out)

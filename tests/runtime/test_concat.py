@@ -125,3 +125,20 @@ def test_the_same_fields_in_another_order_read_as_one(tmp_path: Path) -> None:
     ds = open_archive([a, b])
     assert [ds[i]["key"] for i in range(5, 8)] == ["b0", "b1", "b2"]
     assert ds[7]["x"].tolist() == [[2.0] * 3] * 2
+
+
+def test_a_field_one_archive_lacks_is_named_with_both_in_either_order(tmp_path: Path) -> None:
+    a = write(tmp_path / "a", "a", 5)
+    b = tmp_path / "b"  # field y where a has x
+    fields = [Field.str_("key"), Field("label", "i64", ()), Field("y", "f32", (None, 3))]
+    with ArchiveWriter(b, fields, shard_bytes=300, recipe=RECIPE) as w:
+        for i in range(5):
+            w.write({"key": f"b{i}", "label": i % 3, "y": np.full((2, 3), i, np.float32)})
+    for first, second in ((a, b), (b, a)):
+        for fields in (None, ["x"], ["key", "y"]):
+            with pytest.raises(UsageError) as refused:
+                open_archive([first, second], fields=fields)
+            said = str(refused.value)
+            assert f"archives {first} and {second} cannot be read as one" in said
+    with pytest.raises(UsageError, match=rf"field 'x' is in {a} but not in {b}"):
+        open_archive([b, a], fields=["x"])
