@@ -31,6 +31,20 @@ def s3():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Points this process's S3 clients at an endpoint of the test's own (a fault proxy, a
+    closed port): ``s3_env(url)``. Skips where s3fs is not installed."""
+    pytest.importorskip("s3fs")
+    from dlop.tools.bench.remote_bench import moto_environ
+
+    def point(endpoint: str) -> None:
+        for name, value in moto_environ(endpoint).items():
+            monkeypatch.setenv(name, value)
+
+    return point
+
+
+@pytest.fixture
 def malloc_env() -> dict[str, str]:
     """This process's environment without anything that sets or replaces malloc (dlop's
     opt-out, glibc's variables and tunables, a preloaded allocator): for subprocesses

@@ -559,10 +559,10 @@ def test_resume_into_a_url_redoes_a_unit_whose_shard_changed_size(
 def test_reading_an_unfinished_output_says_whether_it_is_compiling(tmp_path: Path) -> None:
     from dlop.formats import FormatError, read_index
 
-    with pytest.raises(FormatError, match="no index.json: no such folder"):
+    with pytest.raises(FormatError, match=r"no index\.json: no such folder"):
         read_index(tmp_path / "missing")
     (tmp_path / "plain").mkdir()
-    with pytest.raises(FormatError, match="no index.json: not a dlop archive"):
+    with pytest.raises(FormatError, match=r"no index\.json: not a dlop archive"):
         read_index(tmp_path / "plain")
     out = tmp_path / "out"
     out.mkdir()
@@ -574,5 +574,5 @@ def test_reading_an_unfinished_output_says_whether_it_is_compiling(tmp_path: Pat
     finally:
         lock.release()
     (out / LOCK).write_text("pid 1 on elsewhere\n")  # a killed compile's lock: held by none
-    with pytest.raises(FormatError, match="did not finish .*again with --resume"):
+    with pytest.raises(FormatError, match=r"did not finish .*again with --resume"):
         read_index(out)

@@ -69,16 +69,9 @@ def test_stalled_shards_end_the_loader_and_dataloader_workers(
 
 
 def test_an_s3_endpoint_that_never_answers(
-    silent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    silent: str, tmp_path: Path, s3_env: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    pytest.importorskip("s3fs")
-    for name, value in {
-        "AWS_ENDPOINT_URL": silent,
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    s3_env(silent)
     with pytest.raises(LoaderError, match="s3://bucket/a"):
         open_archive("s3://bucket/a", cache_dir=tmp_path / "c", cache_bytes="64MiB")
     out = tmp_path / "out"

@@ -41,16 +41,9 @@ def test_a_refused_connection_is_named_not_missing(
 
 
 def test_an_s3_endpoint_where_nothing_listens(
-    nobody: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    nobody: str, tmp_path: Path, s3_env: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    pytest.importorskip("s3fs")
-    for name, value in {
-        "AWS_ENDPOINT_URL": nobody,
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    s3_env(nobody)
     assert compile_cli.main(["s3://bucket/corpus", "-o", str(tmp_path / "o"), "-q"]) == 1
     err = capsys.readouterr().err
     assert "s3://bucket/corpus: the storage did not answer as asked" in err
