@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,14 @@ from typing import Any
 from dlop.compiler import features, vision
 from dlop.compiler.errors import CompileError
 from dlop.compiler.pipeline import compile_corpus
-from dlop.compiler.recipe import CHOICES, build_recipe, load_recipe_file
+from dlop.compiler.recipe import (
+    CHOICES,
+    FEATURE_OPTIONS,
+    RECIPE_OPTIONS,
+    VISION_OPTIONS,
+    build_recipe,
+    load_recipe_file,
+)
 from dlop.compiler.urls import is_url, local_path, parse_storage_options
 from dlop.formats import DlopError
 from dlop.tools.output import redacted_output
@@ -49,7 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     _vision_options(p.add_argument_group("video and images"))
     _feature_options(p.add_argument_group("features"))
     _output_options(p.add_argument_group("output"))
+    p.epilog = textwrap.fill(
+        'Options only a recipe file sets (--recipe FILE.toml; docs/compile.md, "Recipe '
+        f'files"): {", ".join(recipe_only(p))}.',
+        width=78,
+    )
     return p
+
+
+def recipe_only(parser: argparse.ArgumentParser) -> list[str]:
+    """The recipe options no command-line flag sets."""
+    flags = {a.dest for a in parser._actions}
+    every = {*RECIPE_OPTIONS, *FEATURE_OPTIONS, *VISION_OPTIONS} - {"feature_codec", "vision"}
+    return sorted(every - flags)
 
 
 def _corpus_options(g: argparse._ArgumentGroup) -> None:
@@ -127,28 +147,43 @@ def _vision_options(v: argparse._ArgumentGroup) -> None:
     )
 
 
+# Feature flags without choices: (flag, type, help). A flag left out keeps the preset's value.
+_FEATURE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--sample-rate", int, "Hz every input is resampled to (default: the preset's)"),
+    ("--n-fft", int, "FFT size in samples (default: the preset's)"),
+    ("--hop-length", int, "samples between frames (default: the preset's)"),
+    ("--win-length", int, "window length in samples (default: n-fft)"),
+    ("--n-mels", int, "mel bands (default: the preset's)"),
+    ("--n-mfcc", int, "cepstral coefficients, with --features mfcc (default 20)"),
+    ("--f-min", float, "lowest filterbank frequency in Hz (default: the preset's)"),
+    ("--f-max", float, "highest filterbank frequency in Hz (default: Nyquist)"),
+    ("--input-scale", float, "multiply the waveform by this before featurizing (default 1)"),
+)
+
+
 def _feature_options(f: argparse._ArgumentGroup) -> None:
-    f.add_argument("--features", choices=features.CHOICES["features"])
+    f.add_argument(
+        "--features",
+        choices=features.CHOICES["features"],
+        help="what is stored (default: the preset's; waveform stores the resampled audio)",
+    )
     f.add_argument(
         "--preset", choices=CHOICES["preset"], help="feature convention (default librosa)"
     )
-    for flag, typ in (
-        ("--sample-rate", int),
-        ("--n-fft", int),
-        ("--hop-length", int),
-        ("--win-length", int),
-        ("--n-mels", int),
-        ("--n-mfcc", int),
-        ("--f-min", float),
-        ("--f-max", float),
-        ("--input-scale", float),
-    ):
-        f.add_argument(flag, type=typ)
+    for flag, typ, text in _FEATURE_FLAGS:
+        f.add_argument(flag, type=typ, help=text)
     f.add_argument("--top-db", type=_none_or_float, help="per-clip dynamic range in dB, or none")
-    f.add_argument("--mel-scale", choices=features.CHOICES["mel_scale"])
-    f.add_argument("--norm", choices=features.CHOICES["norm"])
-    f.add_argument("--center", action=argparse.BooleanOptionalAction, default=None)
-    f.add_argument("--pad-mode", choices=features.CHOICES["pad_mode"])
+    f.add_argument("--mel-scale", choices=features.CHOICES["mel_scale"], help="mel formula")
+    f.add_argument("--norm", choices=features.CHOICES["norm"], help="mel filter normalization")
+    f.add_argument(
+        "--center",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pad so frames are centred on their time (default: the preset's)",
+    )
+    f.add_argument(
+        "--pad-mode", choices=features.CHOICES["pad_mode"], help="how --center pads the ends"
+    )
     f.add_argument(
         "--fft-dtype",
         choices=features.CHOICES["fft_dtype"],
@@ -186,7 +221,9 @@ def _output_options(o: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="replace the dlop archive (or interrupted compile) in OUT; nothing else is deleted",
     )
-    o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    o.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress (the summary line is kept)"
+    )
     o.add_argument(
         "--storage-option",
         action="append",

@@ -31,3 +31,20 @@ def test_every_choice_comes_from_the_module_that_checks_it() -> None:
         "missing_mask": vision.MISSING_MASK_RULES,
     }
     assert _choices(build_parser()) == owners
+
+
+def test_help_explains_every_flag_and_names_the_recipe_only_options() -> None:
+    from dlop.compiler.recipe import FEATURE_OPTIONS, RECIPE_OPTIONS, VISION_OPTIONS
+    from dlop.tools.compile_cli import build_parser
+
+    parser = build_parser()
+    unexplained = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
+    assert unexplained == []
+    flags = {a.dest for a in parser._actions}
+    text = parser.format_help()
+    named = " ".join(text[text.index("Options only a recipe file sets") :].split())
+    for option in {*RECIPE_OPTIONS, *FEATURE_OPTIONS, *VISION_OPTIONS} - {
+        "feature_codec",
+        "vision",
+    }:
+        assert option in flags or f" {option}," in named or f" {option}." in named, option
