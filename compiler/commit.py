@@ -120,13 +120,31 @@ def finish_run(run: Run, engine: Engine, *, resume: bool, overwrite: bool) -> In
 
     if not resume or run.unit_inputs_given:  # else the journal's unit size counts
         check_unit_count(run)  # before OUT is touched
-    if is_url(run.out):
-        with _remote_output(run.store(), resume, overwrite):
-            return _run_units(run, engine, resume, created_dir=False)
-    out = Path(run.out)
-    check_apart(out, run.recipe)
-    with locked_output(out, resume, overwrite) as created_dir:
-        return _run_units(run, engine, resume, created_dir)
+    remote = is_url(run.out)
+    with _full_disk_named(run.out, remote):
+        if remote:
+            with _remote_output(run.store(), resume, overwrite):
+                return _run_units(run, engine, resume, created_dir=False)
+        out = Path(run.out)
+        check_apart(out, run.recipe)
+        with locked_output(out, resume, overwrite) as created_dir:
+            return _run_units(run, engine, resume, created_dir)
+
+
+@contextlib.contextmanager
+def _full_disk_named(out: str, remote: bool) -> Iterator[None]:
+    """A full disk or quota (an OSError naming no file) becomes a CompileError naming where
+    the compile wrote: OUT, or for a URL OUT the staging folder its shards are made in."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or e.filename:
+            raise
+        where = "its staging folder in TMPDIR" if remote else out
+        raise CompileError(
+            f"{where}: {e.strerror or 'no space left'} while compiling into {out}; free some "
+            "space (or set the quota higher), then run the same command with --resume"
+        ) from None
 
 
 def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Index:

@@ -8,7 +8,6 @@ dlop-compile --demo OUT
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
 import textwrap
 import time
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from dlop.compiler import features, vision
-from dlop.compiler.errors import CompileError
 from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import (
     CHOICES,
@@ -26,7 +24,7 @@ from dlop.compiler.recipe import (
     build_recipe,
     load_recipe_file,
 )
-from dlop.compiler.urls import is_url, local_path, parse_storage_options
+from dlop.compiler.urls import local_path, parse_storage_options
 from dlop.formats import DlopError
 from dlop.tools.output import redacted_output
 
@@ -114,12 +112,7 @@ def _vision_options(v: argparse._ArgumentGroup) -> None:
         "--clip-stride", type=int, help="dense: every Nth frame at --clip-fps (default 1)"
     )
     v.add_argument("--clips", type=int, help="dense: clips per video, spread evenly (default 1)")
-    v.add_argument(
-        "--audio",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="video: store the audio track's features beside the frames",
-    )
+    _switch(v, "--audio", "video: store the audio track's features beside the frames")
     v.add_argument("--images", help="segmentation: the images folder (default: detected)")
     v.add_argument("--masks", nargs="+", help="segmentation: mask folders (default: detected)")
     v.add_argument(
@@ -134,12 +127,7 @@ def _vision_options(v: argparse._ArgumentGroup) -> None:
         help="an image lacking some annotator's mask: store it filled (default) or skip the image",
     )
     v.add_argument("--mask-remap", help="mask label table, e.g. 0:0,1:1,3:2,4:3,5:4,6:5")
-    v.add_argument(
-        "--consensus",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="add a per-pixel majority-vote mask",
-    )
+    _switch(v, "--consensus", "add a per-pixel majority-vote mask")
     v.add_argument(
         "--max-image-pixels",
         type=int,
@@ -161,6 +149,11 @@ _FEATURE_FLAGS: tuple[tuple[str, type, str], ...] = (
 )
 
 
+def _switch(g: argparse._ArgumentGroup, flag: str, text: str) -> None:
+    """``--flag``/``--no-flag``; neither leaves the recipe's (or the default's) value."""
+    g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+
+
 def _feature_options(f: argparse._ArgumentGroup) -> None:
     f.add_argument(
         "--features",
@@ -175,12 +168,7 @@ def _feature_options(f: argparse._ArgumentGroup) -> None:
     f.add_argument("--top-db", type=_none_or_float, help="per-clip dynamic range in dB, or none")
     f.add_argument("--mel-scale", choices=features.CHOICES["mel_scale"], help="mel formula")
     f.add_argument("--norm", choices=features.CHOICES["norm"], help="mel filter normalization")
-    f.add_argument(
-        "--center",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="pad so frames are centred on their time (default: the preset's)",
-    )
+    _switch(f, "--center", "pad so frames are centred on their time (default: the preset's)")
     f.add_argument(
         "--pad-mode", choices=features.CHOICES["pad_mode"], help="how --center pads the ends"
     )
@@ -285,26 +273,17 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     storage_options = parse_storage_options(args.storage_option)
     recipe = build_recipe(options, storage_options)
     started = time.perf_counter()
-    try:
-        index = compile_corpus(
-            recipe,
-            out,
-            workers=workers,
-            resume=args.resume,
-            overwrite=args.overwrite or bool(args.demo),
-            progress=not args.quiet,
-            storage_options=storage_options,
-            unit_inputs=args.unit_inputs,
-            dask=args.dask,
-        )
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or e.filename:
-            raise
-        where = "its staging folder in TMPDIR" if is_url(out) else out  # shards are made there
-        raise CompileError(
-            f"{where}: {e.strerror or 'no space left'} while compiling into {out}; free some "
-            "space (or set the quota higher), then run the same command with --resume"
-        ) from None
+    index = compile_corpus(
+        recipe,
+        out,
+        workers=workers,
+        resume=args.resume,
+        overwrite=args.overwrite or bool(args.demo),
+        progress=not args.quiet,
+        storage_options=storage_options,
+        unit_inputs=args.unit_inputs,
+        dask=args.dask,
+    )
     took = time.perf_counter() - started
     size = sum(s.bytes for s in index.shards)
     print(

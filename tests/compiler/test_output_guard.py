@@ -576,3 +576,19 @@ def test_reading_an_unfinished_output_says_whether_it_is_compiling(tmp_path: Pat
     (out / LOCK).write_text("pid 1 on elsewhere\n")  # a killed compile's lock: held by none
     with pytest.raises(FormatError, match=r"did not finish .*again with --resume"):
         read_index(out)
+
+
+def test_a_full_disk_names_out_to_library_callers_too(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlop.compiler.pipeline import compile_corpus
+    from dlop.compiler.recipe import build_recipe
+
+    def full(self: ArchiveWriter, samples: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ArchiveWriter, "write_group", full)
+    out = tmp_path / "out"
+    recipe = build_recipe({"source": str(corpus), "layout": "esc50"})
+    with pytest.raises(CompileError, match=rf"{out}: No space left on device while compiling"):
+        compile_corpus(recipe, out, workers=1, progress=False)
