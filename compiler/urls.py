@@ -119,11 +119,7 @@ class _Tree:
         except FileNotFoundError:
             raise
         except Exception as e:  # the storage clients' errors share no base class
-            raise CompileError(
-                f"{self.url(p)}: the storage did not answer as asked ({type(e).__name__}: "
-                f"{e}); check the URL, the endpoint and the network (timeouts: "
-                "DLOP_CONNECT_TIMEOUT, DLOP_READ_TIMEOUT)"
-            ) from None
+            raise CompileError(urls.storage_failure(self.url(p), e)) from None
 
     def _covered(self, p: str) -> bool:
         return any(p == f or p.startswith(f + "/") for f in self.listed)

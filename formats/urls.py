@@ -98,6 +98,15 @@ def missing_extra(proto: str, e: BaseException) -> str:
     return f"{proto}:// URLs need an fsspec backend that is not installed ({e}); {how}"
 
 
+def storage_failure(url: str, e: BaseException) -> str:
+    """The message for a request about ``url`` that failed other than by a missing object
+    (refused, timed out, an unknown bucket, a storage client's own error)."""
+    return (
+        f"{url}: the storage did not answer as asked ({type(e).__name__}: {e}); check the "
+        "URL, the endpoint and the network (timeouts: DLOP_CONNECT_TIMEOUT, DLOP_READ_TIMEOUT)"
+    )
+
+
 def confirm_missing(fs: Any, path: str) -> bool:
     """After ``fs`` said ``path`` is not there (FileNotFoundError): True when it is indeed
     missing, False when it is there after all; the real failure is raised where the

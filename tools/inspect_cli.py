@@ -25,7 +25,7 @@ from dlop.compiler.urls import filesystem, is_url, local_path, parse_storage_opt
 from dlop.formats import ERRORS_NAME, INDEX_NAME, ArchiveReader, DlopError, Field, codec_from_json
 from dlop.formats.archive import read_index
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
-from dlop.formats.urls import confirm_missing
+from dlop.formats.urls import confirm_missing, storage_failure
 
 from . import cache_cli
 from .output import redacted_output
@@ -202,11 +202,7 @@ def _fetch_into(
     except DlopError:
         raise
     except Exception as e:  # the storage clients' errors share no base class
-        raise DlopError(
-            f"{where}: the storage did not answer as asked ({type(e).__name__}: {e}); check "
-            "the URL, the endpoint and the network (timeouts: DLOP_CONNECT_TIMEOUT, "
-            "DLOP_READ_TIMEOUT)"
-        ) from None
+        raise DlopError(storage_failure(where, e)) from None
     if left <= 0 and not exact:
         raise DlopError(
             f"{url.rstrip('/')}/{name}: larger than its {cap}-byte cap (SPEC.md §8); not a "
