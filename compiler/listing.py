@@ -9,6 +9,7 @@ a URL) is decided in one place.
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import io
 import os
@@ -118,7 +119,7 @@ def confined(root: Path, text: str, allowed: tuple[str, ...] = ()) -> str:
     rel = posixpath.normpath(text.replace(os.sep, "/")) if rooted else ""
     if rooted and rel != ".." and not rel.startswith("../"):
         full = root / text
-        if isinstance(root, UrlPath) or _within(os.path.realpath(full), os.path.realpath(root)):
+        if isinstance(root, UrlPath) or _within(os.path.realpath(full), _real_folder(str(root))):
             return str(full)
         if _allowed(str(full), allowed):
             return str(full)
@@ -127,6 +128,13 @@ def confined(root: Path, text: str, allowed: tuple[str, ...] = ()) -> str:
     if _allowed(target, allowed):
         return target
     raise ValueError(f"path {text!r} lies outside the corpus; {ALLOW_HINT}")
+
+
+@functools.lru_cache(maxsize=64)
+def _real_folder(folder: str) -> str:
+    """Where a corpus root or an allowed folder leads: asked once per folder, not once
+    for each of the millions of paths a manifest may name."""
+    return os.path.realpath(folder)
 
 
 def _within(path: str, folder: str) -> bool:
@@ -141,7 +149,7 @@ def _allowed(target: str, allowed: tuple[str, ...]) -> bool:
             if is_url(folder) and is_url(target) and _url_within(target, folder):
                 return True
             continue
-        if _within(os.path.realpath(target), os.path.realpath(folder)):
+        if _within(os.path.realpath(target), _real_folder(folder)):
             return True
     return False
 
