@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,3 +155,20 @@ def test_peoples_speech_and_lhotse_names_cannot_climb_out(
     assert main([str(cuts), "-q", "--workers", "1", "-o", str(tmp_path / "b")]) == 1
     allowed = compile_ok(str(cuts), "--allow-path", str(root), "-o", str(tmp_path / "c"))
     assert len(ArchiveReader(allowed)) == 4
+
+
+def test_the_roots_links_are_resolved_once_not_per_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "many"
+    root.mkdir()
+    real, asked = os.path.realpath, []
+
+    def counted(path: Any, *args: Any, **kwargs: Any) -> str:
+        asked.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os.path, "realpath", counted)
+    for n in range(100):
+        confined(root, f"a/{n}.wav")
+    assert asked.count(str(root)) <= 1 and len(asked) <= 101
