@@ -19,9 +19,15 @@ from dlop.formats.redact import redact
 
 from .decode import DOWNMIX_POLICIES
 from .errors import CompileError
-from .features import FEATURES, PRESETS, FeatureConfig, feature_config, with_options
+from .feature_options import (
+    FEATURES,
+    PRESETS,
+    FeatureConfig,
+    ResampleConfig,
+    feature_config,
+    with_options,
+)
 from .layouts import source_path
-from .resample import ResampleConfig
 from .sources import LAYOUTS, MEDIA, detect_layout, layout_media
 from .urls import is_url
 from .vision import VisionConfig

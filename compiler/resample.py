@@ -10,17 +10,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class ResampleConfig:
-    zero_crossings: int = 64
-    rolloff: float = 0.9475937167399596
-    beta: float = 14.769656459379492
+from .feature_options import ResampleConfig
 
 
 @functools.lru_cache(maxsize=16)

@@ -8,18 +8,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dlop.runtime.cache import CacheDir, is_shard
-from dlop.runtime.cache_folder import (
-    MARK,
-    archive_dirs,
-    default_cache_bytes,
-    default_cache_dir,
-    is_cache,
-)
+# The runtime (and with it torch) loads when a cache command runs, not when dlop-inspect
+# starts: `dlop-inspect info` and `--help` stay instant.
 
 
 def summary(root: Path) -> list[dict[str, Any]]:
     """One entry per archive folder: its id, source URL, cached shards and bytes."""
+    from dlop.runtime.cache import is_shard
+    from dlop.runtime.cache_folder import archive_dirs
+
     out = []
     for sub in archive_dirs(root):
         source = sub / "source.txt"
@@ -36,6 +33,15 @@ def summary(root: Path) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dlop.runtime.cache import CacheDir
+    from dlop.runtime.cache_folder import (
+        MARK,
+        archive_dirs,
+        default_cache_bytes,
+        default_cache_dir,
+        is_cache,
+    )
+
     root = Path(args.dir) if args.dir else default_cache_dir()
     if root.is_dir() and any(root.iterdir()) and not is_cache(root) and not archive_dirs(root):
         print(f"{root}: not a dlop shard cache (no {MARK} mark); nothing here is dlop's")

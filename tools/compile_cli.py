@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlop.compiler import features, vision
-from dlop.compiler.pipeline import compile_corpus
+from dlop.compiler import feature_options, vision
 from dlop.compiler.recipe import (
     CHOICES,
     FEATURE_OPTIONS,
@@ -157,7 +156,7 @@ def _switch(g: argparse._ArgumentGroup, flag: str, text: str) -> None:
 def _feature_options(f: argparse._ArgumentGroup) -> None:
     f.add_argument(
         "--features",
-        choices=features.CHOICES["features"],
+        choices=feature_options.CHOICES["features"],
         help="what is stored (default: the preset's; waveform stores the resampled audio)",
     )
     f.add_argument(
@@ -166,15 +165,17 @@ def _feature_options(f: argparse._ArgumentGroup) -> None:
     for flag, typ, text in _FEATURE_FLAGS:
         f.add_argument(flag, type=typ, help=text)
     f.add_argument("--top-db", type=_none_or_float, help="per-clip dynamic range in dB, or none")
-    f.add_argument("--mel-scale", choices=features.CHOICES["mel_scale"], help="mel formula")
-    f.add_argument("--norm", choices=features.CHOICES["norm"], help="mel filter normalization")
+    f.add_argument("--mel-scale", choices=feature_options.CHOICES["mel_scale"], help="mel formula")
+    f.add_argument(
+        "--norm", choices=feature_options.CHOICES["norm"], help="mel filter normalization"
+    )
     _switch(f, "--center", "pad so frames are centred on their time (default: the preset's)")
     f.add_argument(
-        "--pad-mode", choices=features.CHOICES["pad_mode"], help="how --center pads the ends"
+        "--pad-mode", choices=feature_options.CHOICES["pad_mode"], help="how --center pads the ends"
     )
     f.add_argument(
         "--fft-dtype",
-        choices=features.CHOICES["fft_dtype"],
+        choices=feature_options.CHOICES["fft_dtype"],
         help="FFT precision: float32 (default) as the references compute, float64 exact in deep bands",
     )
     f.add_argument("--dtype", choices=CHOICES["dtype"], help="stored dtype (default float16)")
@@ -272,6 +273,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     workers = options.pop("workers", None)
     storage_options = parse_storage_options(args.storage_option)
     recipe = build_recipe(options, storage_options)
+    # torch and the media libraries load here, not at start-up: --help stays instant
+    from dlop.compiler.pipeline import compile_corpus
+
     started = time.perf_counter()
     index = compile_corpus(
         recipe,

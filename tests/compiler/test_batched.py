@@ -19,12 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.compiler import features, items, pipeline
+from dlop.compiler import feature_options, features, items, pipeline
+from dlop.compiler.feature_options import PRESETS, FeatureConfig, feature_config
 from dlop.compiler.features import (
-    PRESETS,
     ROW_BLOCK,
-    FeatureConfig,
-    feature_config,
     featurize,
     featurize_clips,
     frame_segments,
@@ -211,7 +209,7 @@ def test_kaldi_power_of_frames_given_at_the_fft_length(
     from dlop.compiler import features
 
     cfg = feature_config(preset, "fbank", **options)
-    size, _, padded = features.kaldi_frame_sizes(cfg)
+    size, _, padded = feature_options.kaldi_frame_sizes(cfg)
     x = torch.from_numpy(make_signal(cfg.sample_rate, 0.3, seed=4).astype(np.float32))
     frames = frame_signal(x, size, size // 2, center=False, pad_mode="constant")
     narrow = features._kaldi_power(frames.clone(), cfg)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dlop.compiler import features
-from dlop.compiler.features import feature_config, featurize_clips
+from dlop.compiler.feature_options import feature_config
+from dlop.compiler.features import featurize_clips
 
 from .signals import make_signal
 

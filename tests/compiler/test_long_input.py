@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dlop.compiler import features
-from dlop.compiler.features import ROW_BLOCK, feature_config, featurize
+from dlop.compiler.feature_options import FeatureConfig, feature_config
+from dlop.compiler.features import ROW_BLOCK, featurize
 from dlop.compiler.resample import resample
 
 KINDS = [
@@ -70,7 +71,7 @@ def test_default_chunking_bounds_the_spectrogram(monkeypatch: pytest.MonkeyPatch
     seen: list[int] = []
     real = features._stft_spectrum
 
-    def spy(frames: torch.Tensor, cfg: features.FeatureConfig) -> torch.Tensor:
+    def spy(frames: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
         seen.append(frames.shape[-2])
         return real(frames, cfg)
 

@@ -20,14 +20,8 @@ import torch
 from dlop.compiler import decode, features, items
 from dlop.compiler.decode import PCM16_SCALE, decode_audio, downmix
 from dlop.compiler.errors import InputError
-from dlop.compiler.features import (
-    ROW_BLOCK,
-    as_float,
-    feature_config,
-    featurize,
-    featurize_clips,
-    takes_pcm16,
-)
+from dlop.compiler.feature_options import FeatureConfig, feature_config
+from dlop.compiler.features import ROW_BLOCK, as_float, featurize, featurize_clips, takes_pcm16
 from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_row, write_audio, write_esc50_csv
@@ -305,7 +299,7 @@ def test_an_archive_compiled_from_int16_is_the_float32_archive(
     seen: list[torch.dtype] = []
     featurize_clips_ = items.featurize_clips
 
-    def watched(waves: list[torch.Tensor], cfg: features.FeatureConfig) -> list[torch.Tensor]:
+    def watched(waves: list[torch.Tensor], cfg: FeatureConfig) -> list[torch.Tensor]:
         seen.extend(w.dtype for w in waves)
         return featurize_clips_(waves, cfg)
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.compiler.features import feature_config, featurize
+from dlop.compiler.feature_options import feature_config
+from dlop.compiler.features import featurize
 from dlop.compiler.resample import resample
 
 from .signals import make_signal

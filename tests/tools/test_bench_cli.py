@@ -67,3 +67,17 @@ def test_only_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--only", "nonsense"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_the_startup_section_measures_both_tools(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert cli.main(["--only", "startup", "--repeats", "1", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["pipeline"] for r in rows] == [
+        "python -c pass",
+        "dlop-compile --help",
+        "dlop-inspect info",
+    ]
+    assert all(r["extra"]["median_s"] > 0 for r in rows)
+    assert [r["extra"].get("goal_s") for r in rows] == [None, 0.5, 0.5]
+    assert not (out / "results.png").exists()  # no rates: no chart, and no failure either

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dlop.compiler import features, vision
+from dlop.compiler import feature_options, vision
 from dlop.compiler.recipe import CHOICES
 from dlop.tools.compile_cli import build_parser
 
@@ -24,7 +24,7 @@ def test_every_choice_comes_from_the_module_that_checks_it() -> None:
             for key in ("layout", "downmix", "media", "preset", "dtype", "on_error")
         },
         **{
-            key: features.CHOICES[key]
+            key: feature_options.CHOICES[key]
             for key in ("features", "mel_scale", "norm", "pad_mode", "fft_dtype")
         },
         "clip": vision.CLIP_MODES,

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from dlop.compiler import pipeline
 from dlop.compiler.errors import CompileError
 from dlop.formats.redact import redact
 from dlop.tools import compile_cli, inspect_cli
@@ -56,7 +57,7 @@ def test_tool_output_is_redacted_whatever_raised_it(
     def storage_failure(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(f"botocore said: s3://key:{SECRET}@bucket/x is not reachable")
 
-    monkeypatch.setattr(compile_cli, "compile_corpus", storage_failure)
+    monkeypatch.setattr(pipeline, "compile_corpus", storage_failure)
     with pytest.raises(SystemExit) as stopped:
         compile_cli.main([str(tmp_path), "--layout", "folder", "-o", str(tmp_path / "o")])
     assert stopped.value.code == 1

@@ -14,6 +14,8 @@ def draw(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r.get("samples_per_s")]
+    if not rows:  # only sections without rates ran (start-up times): the tables say it all
+        return
     workloads: list[str] = []
     for r in rows:
         if r["workload"] not in workloads:

@@ -126,6 +126,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "sources": _module("sources"),
     "remote": _module("remote"),
     "scaling": _module("scaling"),
+    "startup": _module("startup"),
     "peers": _peers,
 }
 # peers needs LitData, MosaicML Streaming, Lhotse and datasets, which only `make bench-peers` installs

@@ -33,7 +33,8 @@ import torch
 
 from dlop.compiler.decode import decode_audio
 from dlop.compiler.demo import DEMO_RECIPE
-from dlop.compiler.features import feature_config, featurize_clips
+from dlop.compiler.feature_options import feature_config
+from dlop.compiler.features import featurize_clips
 from dlop.compiler.items import GROUP_SAMPLES
 from dlop.compiler.pipeline import CHUNK_ITEMS
 from dlop.formats.heap import keep_freed_memory
