@@ -132,6 +132,30 @@ def decode_audio(
     return audio, rate
 
 
+def probe_rate(source: Source) -> int | None:
+    """The sample rate an audio file's header declares, reading nothing else; None when
+    it cannot be told (the decode that follows gives the reason, if there is one)."""
+    import soundfile as sf
+
+    handle: Any = io.BytesIO(source) if isinstance(source, bytes) else os.fsencode(source)
+    try:
+        return int(sf.info(handle).samplerate)
+    except Exception:  # not a file for libsndfile: ask PyAV's container header
+        pass
+    try:
+        import av
+
+        with av.open(
+            io.BytesIO(source) if isinstance(source, bytes) else str(source),
+            "r",
+            metadata_errors="ignore",
+        ) as container:
+            streams = container.streams.audio
+            return int(streams[0].rate) if streams and streams[0].rate else None
+    except Exception:
+        return None
+
+
 def _plain_wav(source: Source, name: str, span: _Span) -> tuple[np.ndarray, int] | None:
     """``_soundfile``'s result for a plain 16-bit PCM or 32-bit float WAV, or None for any other file.
 

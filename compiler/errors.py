@@ -14,3 +14,8 @@ class InputError(DlopError):
         self.path = path
         self.reason = reason
         super().__init__(f"{path}: {reason}")
+
+
+class CompileWarning(UserWarning):
+    """Something the compile chose that the user may not expect (a guessed sample rate that
+    drops most of the inputs' bandwidth); dlop-compile prints it as a warning line."""

@@ -194,34 +194,85 @@ def _walk_url(root: UrlPath, exts: tuple[str, ...] | frozenset[str] | None) -> I
             yield path
 
 
-def walk_files(root: Path, exts: tuple[str, ...] | frozenset[str] | None = None) -> Iterator[Path]:
-    """Files below ``root`` (by extension, any case), in no set order, never inside a dlop archive."""
+def walk_files(
+    root: Path,
+    exts: tuple[str, ...] | frozenset[str] | None = None,
+    *,
+    corpus: Path | None = None,
+    allowed: tuple[str, ...] | None = None,
+) -> Iterator[Path]:
+    """Files below ``root`` (by extension, any case), in no set order, never inside a dlop archive.
+
+    Links are followed where they lead inside ``corpus`` (the corpus's folder; ``root`` by
+    default), so a subset made of links to another folder of the corpus lists; a folder
+    reached twice (two links to it, or a loop) is walked once. A link that leads out of
+    the corpus is refused with CompileError, naming it, unless it leads into one of the
+    ``allowed`` folders (--allow-path); ``allowed=None`` is a probe (layout detection),
+    which passes such links over and leaves the refusal to the listing."""
     if isinstance(root, UrlPath):
         yield from _walk_url(root, exts)
         return
-    for dirpath, dirnames, filenames in os.walk(root):
+    inside = _real_folder(str(corpus if corpus is not None else root))
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         here = Path(dirpath)
-        dirnames[:] = [d for d in dirnames if not is_archive(here / d)]
+        real = os.path.realpath(here)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames.sort()  # the same first name for a folder reached twice, run after run
+        dirnames[:] = [
+            d for d in dirnames if _followed(here / d, inside, allowed) and not is_archive(here / d)
+        ]
         # the extension first (os.path.splitext's, which is Path.suffix's for every name
         # but dots before an extension): a Path and a stat only for a match
         for f in filenames:
             if exts is not None and os.path.splitext(f)[1].lower() not in exts:
                 continue
             path = here / f
-            if path.is_file():
+            if path.is_file() and _followed(path, inside, allowed):
                 yield path
 
 
-def files_below(root: Path, exts: tuple[str, ...] | frozenset[str] | None = None) -> list[Path]:
+def _followed(path: Path, inside: str, allowed: tuple[str, ...] | None) -> bool:
+    """Whether the walk goes on through ``path``: always unless it is a link out of the
+    corpus (``inside``, a real path), which a listing refuses and a probe passes over."""
+    if not path.is_symlink():
+        return True
+    target = os.path.realpath(path)
+    if _within(target, inside) or (allowed and _allowed(str(path), allowed)):
+        return True
+    if allowed is None:
+        return False
+    raise CompileError(f"{path}: a link that leads out of the corpus (to {target}); {ALLOW_HINT}")
+
+
+def files_below(
+    root: Path,
+    exts: tuple[str, ...] | frozenset[str] | None = None,
+    *,
+    corpus: Path | None = None,
+    allowed: tuple[str, ...] | None = None,
+) -> list[Path]:
     """walk_files in sorted path order."""
-    return sorted(walk_files(root, exts))
+    return sorted(walk_files(root, exts, corpus=corpus, allowed=allowed))
 
 
-def subfolders(root: Path) -> list[Path]:
-    """The folders directly inside ``root`` that are not dlop archives, sorted; none if no folder."""
+def subfolders(root: Path, allowed: tuple[str, ...] | None = None) -> list[Path]:
+    """The folders directly inside ``root`` that are not dlop archives, sorted; none if no
+    folder. A link to a folder counts where walk_files would follow it (inside ``root``,
+    or an ``allowed`` folder; refused otherwise, or passed over when ``allowed`` is None)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and not is_archive(p))
+    inside = _real_folder(str(root)) if not isinstance(root, UrlPath) else ""
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and (isinstance(root, UrlPath) or _followed(p, inside, allowed))
+        and not is_archive(p)
+    )
 
 
 def read_bytes(path: Path) -> bytes:

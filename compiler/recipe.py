@@ -66,6 +66,9 @@ class Recipe:
     keep_columns: tuple[str, ...] = ()  # hf: scalar columns carried as fields
     # folders and URL prefixes outside SOURCE that the corpus's own paths may name
     allow_paths: tuple[str, ...] = ()
+    # What the compile chose because the user did not ("layout": detected, "sample_rate":
+    # the preset's), for its messages; not an option (never stored, never compared).
+    guessed: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.media not in MEDIA:
@@ -87,6 +90,18 @@ class Recipe:
         if self.duration is not None and self.duration <= 0:
             raise CompileError(f"duration {self.duration} must be positive seconds")
         self.feature_codec()  # validates
+
+    def choices(self) -> str:
+        """What is compiled, in words: the layout (and whether it was detected), the media,
+        and for audio the features and their sample rate (and whether it is the preset's)."""
+        parts = [f"layout {self.layout}" + (" (detected)" if "layout" in self.guessed else "")]
+        parts.append(self.media)
+        if self.media == "audio":
+            rate = f"{self.feature.sample_rate} Hz"
+            if "sample_rate" in self.guessed:
+                rate += f" (the {self.feature.preset} preset's; --sample-rate to choose)"
+            parts.append(f"{self.feature.features} at {rate}")
+        return ", ".join(parts)
 
     @property
     def feature_name(self) -> str:
@@ -414,6 +429,15 @@ def build_recipe(options: dict[str, Any], storage_options: dict[str, Any] | None
         images=None if opts.get("images") is None else str(opts["images"]),
         masks=None if masks is None else tuple(str(m) for m in masks),
         allow_paths=tuple(a if is_url(a) else os.path.abspath(a) for a in allow or ()),
+        guessed=frozenset(
+            name
+            for name, given in (
+                ("layout", "layout" in opts),
+                # a resolved recipe (from an archive) states its rate
+                ("sample_rate", "sample_rate" in opts or isinstance(opts.get("features"), dict)),
+            )
+            if not given
+        ),
         **_columns(opts),
     )
 

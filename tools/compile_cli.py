@@ -11,10 +11,12 @@ import argparse
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from dlop.compiler import feature_options, vision
+from dlop.compiler.errors import CompileWarning
 from dlop.compiler.recipe import (
     CHOICES,
     FEATURE_OPTIONS,
@@ -241,12 +243,20 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return _run(parser, args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", CompileWarning)  # the tool's own: always a line
+            warnings.showwarning = _warning_line
+            return _run(parser, args)
     except KeyboardInterrupt:
         return 130
     except (DlopError, OSError) as e:
         print(f"dlop-compile: error: {e}", file=sys.stderr)
         return 1
+
+
+def _warning_line(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+    """A warning as one line of the tool's own (not Python's file:line form)."""
+    print(f"dlop-compile: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -273,6 +283,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     workers = options.pop("workers", None)
     storage_options = parse_storage_options(args.storage_option)
     recipe = build_recipe(options, storage_options)
+    if not args.quiet:
+        print(f"compiling {recipe.source}: {recipe.choices()}", file=sys.stderr, flush=True)
     # torch and the media libraries load here, not at start-up: --help stays instant
     from dlop.compiler.pipeline import compile_corpus
 
@@ -293,7 +305,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print(
         f"wrote {out}: {index.num_samples} samples in {len(index.shards)} shard(s), {size / 2**20:.1f} MiB, "
         f"{index.skipped_count} skipped{' (see errors.jsonl)' if index.skipped_count else ''}; "
-        f"{took:.1f} s, {(index.num_samples + index.skipped_count) / max(took, 1e-9):.0f} inputs/s"
+        f"{took:.1f} s, {(index.num_samples + index.skipped_count) / max(took, 1e-9):.0f} inputs/s; "
+        f"{recipe.choices()}"
     )
     return 0
 

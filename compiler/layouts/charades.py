@@ -27,7 +27,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
     if not csvs:
         raise CompileError(f"{root}: charades layout needs {' or '.join(CHARADES_CSVS)}")
     videos: dict[str, Path] = {}
-    for f in files_below(root, VIDEO_EXTS):
+    for f in files_below(root, VIDEO_EXTS, allowed=options.allow_paths):
         videos.setdefault(f.stem, f)  # the first by sorted path when one id has several files
     classes = [f"c{i:03d}" for i in range(CHARADES_CLASSES)]
     names_file = root / "Charades_v1_classes.txt"

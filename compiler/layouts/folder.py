@@ -23,12 +23,15 @@ SIGNS = "class subfolders holding media"
 FALLBACK = True  # any folder of folders of media looks like this; asked last
 
 
-def _class_folders(root: Path, exts: tuple[str, ...] | frozenset[str]) -> list[Path]:
+def _class_folders(
+    root: Path, exts: tuple[str, ...] | frozenset[str], allowed: tuple[str, ...] | None = None
+) -> list[Path]:
     """Subfolders that hold media (at any depth); hidden folders and archives are no classes."""
     return [
         p
-        for p in subfolders(root)
-        if not p.name.startswith(".") and next(walk_files(p, exts), None) is not None
+        for p in subfolders(root, allowed)
+        if not p.name.startswith(".")
+        and next(walk_files(p, exts, corpus=root, allowed=allowed), None) is not None
     ]
 
 
@@ -49,13 +52,13 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         raise CompileError(f"{root}: folder layout needs a folder")
     if is_archive(root):
         raise CompileError(f"{root}: is a dlop archive, not a corpus")
-    folders = _class_folders(root, MEDIA_EXTS[media])
+    folders = _class_folders(root, MEDIA_EXTS[media], options.allow_paths)
     if not folders:
         raise CompileError(f"{root}: folder layout needs one subfolder of {media} files per class")
     classes = [name_key(p.name) for p in folders]
     items = []
     for label, folder in enumerate(folders):
-        for f in files_below(folder, MEDIA_EXTS[media]):
+        for f in files_below(folder, MEDIA_EXTS[media], corpus=root, allowed=options.allow_paths):
             items.append(Item(key=name_key(str(f.relative_to(root))), path=str(f), label=label))
     return Corpus(
         "folder",

@@ -20,7 +20,7 @@ def detect(source: Path) -> bool:
 
 def list_corpus(root: Path, options: ListOptions) -> Corpus:
     items, meta = [], hashlib.sha256()
-    for trans in files_below(root):
+    for trans in files_below(root, allowed=options.allow_paths):
         if not trans.name.endswith(".trans.txt"):
             continue
         raw = read_bytes(trans)

@@ -184,7 +184,7 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
         h.update(hashlib.sha256(raw).digest())
         audio = _audio_dir(manifest)
         _mark_repeats(segments, str(audio), first)
-        tars = sorted(walk_files(audio, (".tar",)))
+        tars = sorted(walk_files(audio, (".tar",), corpus=root, allowed=options.allow_paths))
         index, damaged = _tar_index(tars)
         for tar in tars:
             h.update(name_bytes(str(tar.relative_to(root))) + f"\0{file_size(tar)}\n".encode())

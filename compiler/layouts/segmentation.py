@@ -27,8 +27,16 @@ def _images_dir(root: Path, images: str | None) -> Path | None:
     return next((root / n for n in IMAGE_DIRS if (root / n).is_dir()), None)
 
 
-def _image_files(folder: Path) -> list[Path]:
-    return files_below(folder, IMAGE_EXTS)
+def _image_files(
+    folder: Path, root: Path | None = None, allowed: tuple[str, ...] | None = None
+) -> list[Path]:
+    return files_below(folder, IMAGE_EXTS, corpus=root, allowed=allowed)
+
+
+def _home(folder: Path, root: Path) -> Path:
+    """What a folder's links may lead into: the corpus, or the folder itself when it was
+    named outside the corpus (--images, --masks)."""
+    return root if root in folder.parents or folder == root else folder
 
 
 def match_stem(stem: str, image_stems: set[str]) -> str | None:
@@ -43,10 +51,14 @@ def match_stem(stem: str, image_stems: set[str]) -> str | None:
         candidate = candidate[:cut]
 
 
-def _mask_dirs(root: Path, images_dir: Path, stems: set[str]) -> list[Path]:
+def _mask_dirs(
+    root: Path, images_dir: Path, stems: set[str], allowed: tuple[str, ...] | None = None
+) -> list[Path]:
     found = []
-    for d in subfolders(root):
-        if d != images_dir and any(match_stem(f.stem, stems) for f in _image_files(d)):
+    for d in subfolders(root, allowed):
+        if d != images_dir and any(
+            match_stem(f.stem, stems) for f in _image_files(d, root, allowed)
+        ):
             found.append(d)
     return found
 
@@ -73,7 +85,8 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         raise CompileError(
             f"{root}: no images folder (looked for {', '.join(IMAGE_DIRS)}); pass --images DIR"
         )
-    files = _image_files(images_dir)
+    allowed = options.allow_paths
+    files = _image_files(images_dir, _home(images_dir, root), allowed)
     by_stem: dict[str, Path] = {}
     for f in files:
         if f.stem in by_stem:
@@ -87,7 +100,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
             if not d.is_dir():
                 raise CompileError(f"{d}: mask folder not found")
     else:
-        dirs = _mask_dirs(root, images_dir, set(by_stem))
+        dirs = _mask_dirs(root, images_dir, set(by_stem), allowed)
     names = [field_name(d.name) for d in dirs]
     if len(set(names)) != len(names):
         raise CompileError(
@@ -95,7 +108,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         )
     found: dict[str, dict[str, Path]] = {n: {} for n in names}
     for name, d in zip(names, dirs, strict=True):
-        for f in _image_files(d):
+        for f in _image_files(d, _home(d, root), allowed):
             stem = match_stem(f.stem, set(by_stem))
             if stem is None:
                 continue
