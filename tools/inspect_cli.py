@@ -357,7 +357,12 @@ def _show(args: argparse.Namespace, reader: ArchiveReader) -> int:
             if isinstance(text := sample.get(key), str):
                 title += f" · {text[:80]}"
         drawn = render_sample(
-            sample, reader.fields, args.png, title=title, recipe=reader.index.recipe
+            sample,
+            reader.fields,
+            args.png,
+            title=title,
+            recipe=reader.index.recipe,
+            metadata=reader.index.metadata,
         )
         print(f"wrote {args.png} ({', '.join(drawn)})")
     return 0
