@@ -137,7 +137,9 @@ class IterableArchive(IterableDataset[Batch]):
         self.bucket_by = bucket_by
         self._choice: Choice | None = None
         self._share_with_workers()
-        self.choice()  # opens the archive and checks the settings here, not in a worker
+        # opens the archive and checks the settings here, not in a worker
+        chosen = self.choice()
+        chosen.order.refuse_empty(str(chosen.archive.path))
 
     def _share_with_workers(self) -> None:
         """What the workers share with this process: epoch and resume point, slot releases."""

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import Loader, Mixup, RandomResizedCrop, SpecAugment, UsageError
+from dlop.runtime import (
+    IterableArchive,
+    Loader,
+    Mixup,
+    RandomResizedCrop,
+    SpecAugment,
+    UsageError,
+)
 
 from .helpers import make_archive
 
@@ -42,6 +49,10 @@ def test_drop_last_leaving_no_batch_is_refused(archive: Path) -> None:
     with pytest.raises(UsageError, match=r"batch_size=16 with drop_last=True leaves no batch"):
         Loader(archive, 16, drop_last=True)
     Loader(archive, 16).close()  # without drop_last: one short batch
+    # the same for the DataLoader front end, in this process, before any worker starts
+    with pytest.raises(UsageError, match=r"batch_size=16 with drop_last=True leaves no batch"):
+        IterableArchive(archive, 16, drop_last=True)
+    assert len(list(IterableArchive(archive, 16))) == 1
 
 
 def test_a_missing_key_names_the_fields(archive: Path) -> None:
