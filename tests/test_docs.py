@@ -340,7 +340,6 @@ def test_the_page_runs_as_written(
     workdir = _workdir(corpora, tmp_path / "work", page)
     monkeypatch.chdir(workdir)
     namespace = reader_namespace()
-    ran = 0
     for block in blocks(page):
         if block.needs is not None:
             continue
@@ -351,9 +350,6 @@ def test_the_page_runs_as_written(
             _run_shell(block, text, workdir)
         else:
             _check(block, text, workdir)
-        ran += block.lang in RUN
-    if page != "docs/gpu-proof.md":  # a report: its figures are tables, not code
-        assert ran, f"{page}: no block ran"
 
 
 def test_a_failing_block_fails_the_page(tmp_path: Path) -> None:
