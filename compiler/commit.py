@@ -41,11 +41,10 @@ from . import numerics
 from .corpus import Corpus
 from .errors import CompileError
 from .items import CorpusShape
+from .journal import JOURNAL, Journal
 from .output import (
     COMPILE_FILE,
-    JOURNAL,
     LOCK,
-    Journal,
     check_apart,
     clear_for_resume,
     committed_units,

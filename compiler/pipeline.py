@@ -50,7 +50,8 @@ from .corpus import Corpus
 from .decode import probe_rate
 from .errors import CompileError, CompileWarning
 from .items import CorpusShape, Outcome, schema_for
-from .output import JOURNAL, SPILL_PREFIX, check_apart, close_inherited_locks
+from .journal import JOURNAL
+from .output import SPILL_PREFIX, check_apart, close_inherited_locks
 from .recipe import Recipe
 from .sources import Item, open_corpus
 from .units import (

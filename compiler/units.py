@@ -43,6 +43,7 @@ from . import numerics
 from .corpus import Corpus, Item, fingerprint
 from .errors import CompileError
 from .items import CorpusShape, Outcome, process_items
+from .journal import Journal
 from .layouts import stream_items
 from .listing import text_path
 from .recipe import Recipe, build_recipe
@@ -210,8 +211,6 @@ class UnitWriter:
         client stopped (Dask cannot stop a running task) must write nothing more there."""
         if not self.task.run:
             return
-        from .output import Journal  # output imports this module
-
         journal = Journal(self.store.url, self.task.digest, "", self.task.unit_inputs, 0)
         journal.run = self.task.run
         journal.check_run(self.store)

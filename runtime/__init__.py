@@ -9,7 +9,7 @@ samples (``where=``, ``indices=``); ``Loader`` also mixes sources by weight.
 
 from .augment import Mixup, RandomTimeCrop, SpecAugment
 from .batch import Batch
-from .dataset import Archive, open_archive
+from .dataset import Archive
 from .errors import (
     LoaderError,
     SampleIndexError,
@@ -19,8 +19,8 @@ from .errors import (
 )
 from .iterable import IterableArchive
 from .loader import Loader
+from .opening import count_selected, open_archive
 from .order import OrderSpec, epoch_order, rank_batches
-from .selection import count_selected
 from .vision import Normalize, RandomHorizontalFlip, RandomResizedCrop, RandomTemporalCrop
 
 __all__ = [

@@ -20,7 +20,7 @@ import torch
 from dlop.formats.urls import is_url
 
 from .batch import Batch
-from .dataset import Archive, check_bucket_by, open_for_loader
+from .dataset import Archive
 from .distributed import rank_and_world
 from .engine import CopyEngine
 from .errors import UsageError, UsageTypeError, check_int
@@ -33,6 +33,7 @@ from .mixture import (
     epoch_counts,
     mixture_draw,
 )
+from .opening import open_for_loader
 from .order import BatchOrder, OrderSpec, selection_draw
 from .plan import CopyPlan
 from .selection import digest, shard_counts
@@ -232,3 +233,15 @@ def choose_mixture(
     draw = mixture_draw(mix, order["seed"], order["shuffle"])
     starts = reader_starts[firsts[:-1]]
     return Choice(ds, spec, BatchOrder(spec, lengths, owner, draw=draw), mix, starts)
+
+
+def check_bucket_by(archive: Archive, bucket_by: object) -> None:
+    """Refuses a ``bucket_by`` that is not one of the archive's ragged fields."""
+    if bucket_by is None:
+        return
+    f = archive.fields.get(bucket_by) if isinstance(bucket_by, str) else None
+    if f is None or not f.ragged:
+        ragged = [n for n, g in archive.fields.items() if g.ragged]
+        raise UsageError(
+            f"{archive.path}: bucket_by must name a ragged field among {ragged}, got {bucket_by!r}"
+        )

@@ -13,12 +13,11 @@ from torch.utils.data import Dataset
 
 from dlop.formats import Field, SchemaError, ShardReader
 from dlop.formats.heap import keep_freed_memory
-from dlop.formats.urls import is_url
 
 from .batch import Batch
 from .concat import ArchivePaths, ConcatSource, archive_paths, check_compatible, open_reader
 from .engine import CopyEngine
-from .errors import SampleIndexError, UsageError, UsageTypeError
+from .errors import SampleIndexError, UsageTypeError
 from .gather import Allocate, FieldGather, as_tensor, batch_groups
 from .gather_mapped import FixedRawGather, RaggedRowsGather
 from .gather_samples import PerSampleGather, TextGather
@@ -261,91 +260,3 @@ def gather_for(
     if mapped and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
         return RaggedRowsGather(field, shards, starts, pad_value)
     return PerSampleGather(field, shards, starts, pad_value)
-
-
-def open_archive(
-    path: ArchivePaths,
-    fields: Sequence[str] | str | None = None,
-    pad_value: float = 0.0,
-    *,
-    where: Mapping[str, Any] | None = None,
-    indices: Sequence[int] | np.ndarray | None = None,
-    allow_recipe_mismatch: bool = False,
-    cache_dir: str | os.PathLike[str] | None = None,
-    cache_bytes: int | None = None,
-) -> Archive:
-    """Opens an archive, or several with one schema read as one, as a map-style Dataset
-    of the samples ``where`` and ``indices`` choose (see Archive). A URL (``s3://``,
-    ``https://``, any fsspec URL) is read through the node-local shard cache
-    (runtime.remote_archive: ``cache_dir``, ``cache_bytes``), and so is a local
-    archive with zstd fields given a ``cache_dir`` (runtime.local_cache). With a cache,
-    ``cache_bytes`` is its byte budget; without, the local archive's decoded-block
-    cache (Archive's ``cache_bytes``)."""
-    if isinstance(path, str) and is_url(path):
-        from .remote_archive import open_remote
-
-        if where is not None or indices is not None:
-            raise UsageError(f"{path}: where= and indices= take local archives for now")
-        return open_remote(path, fields, pad_value, cache_dir, cache_bytes)
-    if cache_dir is not None:
-        from .local_cache import open_cached
-
-        cached = open_cached(path, fields, pad_value, cache_dir, cache_bytes, where, indices)
-        if cached is not None:
-            return cached
-    archive_paths(path, distinct=True)  # a list naming one archive twice is refused
-    return Archive(
-        path,
-        fields=fields,
-        pad_value=pad_value,
-        where=where,
-        indices=indices,
-        allow_recipe_mismatch=allow_recipe_mismatch,
-        **({"cache_bytes": cache_bytes} if cache_bytes is not None and cache_dir is None else {}),
-    )
-
-
-def open_for_loader(
-    archive: Archive | ArchivePaths,
-    fields: Sequence[str] | str | None,
-    pad_value: float | None,
-    **options: Any,
-) -> Archive:
-    """The Loader's archive: ``archive`` opened with ``fields``, ``pad_value`` and
-    ``options`` (open_archive's keywords); an Archive already open is taken as it is
-    when they match it, refused when they do not."""
-    if not isinstance(archive, Archive):
-        pad = 0.0 if pad_value is None else pad_value
-        return open_archive(archive, fields, pad, **options)
-    given = [k for k, v in options.items() if v not in (None, False)]
-    if given:
-        raise UsageError(
-            f"{archive.path}: Loader got an open Archive and {given[0]}=; give it to "
-            f"open_archive(path, {given[0]}=...) instead, or pass the path"
-        )
-    if fields is not None:
-        names = field_names(archive.path, fields)
-        if names != list(archive.fields):
-            raise UsageError(
-                f"{archive.path}: Loader got an open Archive with fields {list(archive.fields)} "
-                f"and fields={names}; open it with those fields (open_archive(path, "
-                "fields=...)) or pass the path"
-            )
-    if pad_value is not None and pad_value != archive.pad_value:
-        raise UsageError(
-            f"{archive.path}: Loader got an open Archive padded with {archive.pad_value} and "
-            f"pad_value={pad_value}; open it with that pad_value or pass the path"
-        )
-    return archive
-
-
-def check_bucket_by(archive: Archive, bucket_by: object) -> None:
-    """Refuses a ``bucket_by`` that is not one of the archive's ragged fields."""
-    if bucket_by is None:
-        return
-    f = archive.fields.get(bucket_by) if isinstance(bucket_by, str) else None
-    if f is None or not f.ragged:
-        ragged = [n for n, g in archive.fields.items() if g.ragged]
-        raise UsageError(
-            f"{archive.path}: bucket_by must name a ragged field among {ragged}, got {bucket_by!r}"
-        )

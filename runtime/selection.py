@@ -215,31 +215,6 @@ def shard_counts(selection: np.ndarray, starts: np.ndarray) -> tuple[int, ...]:
     return tuple(np.diff(np.searchsorted(selection, starts)).tolist())
 
 
-def count_selected(archive: Any, where: Where) -> dict[str, Any]:
-    """What ``where`` keeps of ``archive`` (an open Archive, a path or a list of paths):
-    ``{"samples": all, "selected": kept, "values": {field: {value: kept count}}}``
-    (for ``dlop-inspect info --where``)."""
-    from .dataset import Archive
-
-    ds = archive if isinstance(archive, Archive) else Archive(archive, fields=[])
-    chosen = select(ds.reader.fields, ds.shards, where, None, str(ds.path))
-    base = np.arange(ds.num_samples) if ds.selection is None else ds.selection
-    kept = base[np.isin(base, chosen)] if chosen is not None else base
-    values: dict[str, dict[Any, int]] = {}
-    for name, value in where.items():
-        f = ds.reader.fields[name]
-        if f.kind == "str":  # the kept samples hold one of the values asked for
-            asked = sorted(set(wanted_values(f, value, str(ds.path))))
-            codes = np.concatenate([text_codes(s, f, asked) for s in ds.shards])
-            counts = np.bincount(codes[kept], minlength=len(asked))
-            values[name] = {v: int(c) for v, c in zip(asked, counts.tolist(), strict=True) if c}
-            continue
-        col = np.concatenate([s.read_range(name, 0, s.num_samples) for s in ds.shards])
-        found, counts = np.unique(col[kept], return_counts=True)
-        values[name] = {v: int(c) for v, c in zip(found.tolist(), counts.tolist(), strict=True)}
-    return {"samples": len(base), "selected": len(kept), "values": values}
-
-
 def parse_where(fields: Mapping[str, Field], terms: Sequence[str]) -> dict[str, list[Any]]:
     """``["fold=1,2,3", "category=dog"]`` (command-line terms) as a ``where`` dict, each
     value converted to its field's type."""

@@ -110,3 +110,96 @@ def test_the_thread_check_catches_a_pool(tmp_path: Path) -> None:
         "ThreadPoolExecutor(2)\nthreading.Thread(target=print)\n"
     )
     assert len(thread_starts(bad)) == 2
+
+
+# -- no import circles -------------------------------------------------------------
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """``dlop.<dotted name>`` -> file, for every module of the four packages under root."""
+    out = {}
+    for package in TOP_LEVEL:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(["dlop", *parts])] = path
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Which of the project's modules each module imports, anywhere in it: at the top,
+    inside functions (lazy imports) and under TYPE_CHECKING alike. ``from P import n``
+    counts as importing P, and P.n too where that is a module."""
+    files = module_files(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1])
+                    base = f"{base}.{node.module}" if node.module else base
+                else:
+                    base = node.module or ""
+                found |= {base, *(f"{base}.{a.name}" for a in node.names)}
+        graph[name] = {m for m in found if m in files and m != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or around a loop
+    (strongly connected components of more than one module)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_around_a_circle() -> None:
+    assert circles(import_graph(ROOT)) == []
+
+
+def test_the_circle_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    for package in TOP_LEVEL:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "runtime" / "a.py").write_text("from .b import thing\n")
+    (tmp_path / "runtime" / "b.py").write_text("def f():\n    from . import c\n")
+    (tmp_path / "runtime" / "c.py").write_text("import dlop.runtime.a\n")
+    (tmp_path / "formats" / "d.py").write_text("from dlop.formats import e\n")
+    (tmp_path / "formats" / "e.py").write_text("x = 1\n")
+    graph = import_graph(tmp_path)
+    assert graph["dlop.runtime.b"] == {"dlop.runtime", "dlop.runtime.c"}
+    assert circles(graph) == [["dlop.runtime.a", "dlop.runtime.b", "dlop.runtime.c"]]

@@ -28,7 +28,7 @@ from dlop.compiler.features import (
     frame_segments,
     frame_signal,
 )
-from dlop.compiler.output import JOURNAL
+from dlop.compiler.journal import JOURNAL
 from dlop.compiler.pipeline import TEST_KILL_AT
 from dlop.compiler.units import COMMIT_PREFIX
 from dlop.tools.compile_cli import main

@@ -14,7 +14,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from dlop.compiler.pipeline import JOURNAL
+from dlop.compiler.journal import JOURNAL
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 

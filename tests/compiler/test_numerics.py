@@ -15,7 +15,7 @@ import pytest
 
 from dlop.compiler import numerics
 from dlop.compiler.errors import CompileError
-from dlop.compiler.output import JOURNAL
+from dlop.compiler.journal import JOURNAL
 from dlop.compiler.pipeline import TEST_KILL_AT
 from dlop.tools.compile_cli import main
 

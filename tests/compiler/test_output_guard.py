@@ -15,7 +15,8 @@ import pytest
 
 from dlop.compiler import commit
 from dlop.compiler.errors import CompileError
-from dlop.compiler.output import JOURNAL, LOCK, Journal, OutputLock, committed_units
+from dlop.compiler.journal import JOURNAL, Journal
+from dlop.compiler.output import LOCK, OutputLock, committed_units
 from dlop.compiler.store import open_store
 from dlop.compiler.units import UnitRecord, commit_name
 from dlop.formats import ArchiveWriter, ShardInfo, unit_shard_name

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlop.compiler.output import JOURNAL, LOCK
+from dlop.compiler.journal import JOURNAL
+from dlop.compiler.output import LOCK
 from dlop.compiler.pipeline import TEST_KILL_AT, TEST_SIGNAL
 from dlop.compiler.units import COMMIT_PREFIX
 from dlop.formats import ArchiveReader, ArchiveWriter, Field

@@ -256,7 +256,7 @@ def test_a_unit_publishes_nothing_once_out_is_not_its_compiles(
     its shards and record stay out of OUT."""
     from dlop.compiler.errors import CompileError
     from dlop.compiler.items import CorpusShape
-    from dlop.compiler.output import JOURNAL, Journal
+    from dlop.compiler.journal import JOURNAL, Journal
     from dlop.compiler.store import LocalStore
     from dlop.compiler.units import UnitTask, UnitWriter, commit_name
     from dlop.formats import Field
