@@ -19,13 +19,13 @@ import torch
 from dlop.formats import Field
 from dlop.formats.heap import keep_freed_memory
 
-from .corpus import input_source
+from .corpus import MAX_LABEL, Corpus, Item, input_source
 from .decode import decode_audio, downmix
 from .errors import InputError
 from .features import as_float, featurize_clips, takes_pcm16
+from .layouts.webdataset import webdataset_fields
 from .recipe import DTYPES, Recipe
 from .resample import resample
-from .sources import MAX_LABEL, Corpus, Item, webdataset_fields
 
 
 @dataclass(frozen=True)

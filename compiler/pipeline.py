@@ -46,14 +46,14 @@ from dlop.formats import Index
 
 from . import numerics
 from .commit import Run, finish_run
-from .corpus import Corpus
+from .corpus import Corpus, Item
 from .decode import probe_rate
 from .errors import CompileError, CompileWarning
 from .items import CorpusShape, Outcome, schema_for
 from .journal import JOURNAL
+from .layouts import open_corpus
 from .output import SPILL_PREFIX, check_apart, close_inherited_locks
 from .recipe import Recipe
-from .sources import Item, open_corpus
 from .units import (
     CHUNK_ITEMS,
     UNIT_INPUTS,

@@ -27,11 +27,12 @@ from .feature_options import (
     feature_config,
     with_options,
 )
-from .layouts import source_path
-from .sources import LAYOUTS, MEDIA, detect_layout, layout_media
+from .layouts import detect_layout, layout_media, names, source_path
+from .listing import MEDIA
 from .urls import is_url
 from .vision import VisionConfig
 
+LAYOUTS = names()  # the built-in layouts, in detection order
 DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 FEATURE_OPTIONS = {f.name for f in fields(FeatureConfig)} - {"preset", "features"}
 VISION_OPTIONS = {f.name for f in fields(VisionConfig)}

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from dlop.compiler import layouts, sources
+from dlop.compiler import layouts, recipe
 from dlop.compiler.errors import CompileError
 
 from .fixtures import esc50_corpus
@@ -91,7 +91,7 @@ def fake_layout(tmp_path: Path) -> Iterator[ModuleType]:
 def test_the_registry_holds_every_layout_module() -> None:
     assert {p.stem.replace("_", "-") for p in LAYOUT_FILES} == BUILT_IN  # peoples_speech
     assert set(layouts.names()) == BUILT_IN
-    assert layouts.names() == sources.LAYOUTS
+    assert layouts.names() == recipe.LAYOUTS
     # detection order: the layouts that say yes or no in name order, then the fallbacks
     assert layouts.names() == (*sorted(BUILT_IN - {"folder"}), "folder")
     for name in BUILT_IN:
@@ -111,20 +111,20 @@ def test_a_new_layout_module_is_detected_and_listed(
     root.mkdir()
     (root / "items.lst").write_text("a.wav\nb.wav\n")
     assert "fakelist" in layouts.names()
-    assert sources.detect_layout(root) == "fakelist"
-    assert sources.layout_media("fakelist", root) == "audio"
-    corpus = sources.open_corpus(str(root), None)
+    assert layouts.detect_layout(root) == "fakelist"
+    assert layouts.layout_media("fakelist", root) == "audio"
+    corpus = layouts.open_corpus(str(root), None)
     assert corpus.layout == "fakelist"
     assert [it.key for it in corpus.items] == ["a.wav", "b.wav"]
     with pytest.raises(CompileError, match="holds audio, not video"):
-        sources.open_corpus(str(root), "fakelist", media="video")
+        layouts.open_corpus(str(root), "fakelist", media="video")
     # its signs join the message when nothing matches, and it can be ambiguous like any other
     with pytest.raises(CompileError, match=r"cannot tell the layout.*items\.lst"):
-        sources.detect_layout(tmp_path)
+        layouts.detect_layout(tmp_path)
     both = esc50_corpus(tmp_path / "esc", [("wav", 16000, 1)])
     (both / "items.lst").write_text("audio/x.wav\n")
     with pytest.raises(CompileError, match=r"ambiguous.*esc50 and fakelist"):
-        sources.detect_layout(both)
+        layouts.detect_layout(both)
 
 
 def test_a_layout_module_must_define_its_names() -> None:
@@ -142,9 +142,9 @@ def test_a_layout_refuses_media_it_cannot_hold(tmp_path: Path) -> None:
     root = tmp_path / "ch"
     root.mkdir()
     (root / "Charades_v1_train.csv").write_text("id,actions\nAB12,\n")
-    assert sources.open_corpus(str(root), None).media == "video"
+    assert layouts.open_corpus(str(root), None).media == "video"
     with pytest.raises(CompileError, match="layout charades holds video, not audio"):
-        sources.open_corpus(str(root), "charades", media="audio")
+        layouts.open_corpus(str(root), "charades", media="audio")
 
 
 def test_no_layout_module_imports_another() -> None:
@@ -154,9 +154,6 @@ def test_no_layout_module_imports_another() -> None:
         assert not (got & (others | {"layouts"})), f"{path.name} imports {got & others}"
         # only the shared listing, records and errors of the compiler
         assert {m.split(".")[0] for m in got} <= {"corpus", "listing", "errors"}, path.name
-    # the former pair no longer import each other: both lean on the registry's modules
-    assert not {"sources_vision"} & imported_modules(COMPILER / "sources.py")
-    assert not {"sources"} & imported_modules(COMPILER / "sources_vision.py")
 
 
 def test_the_import_check_sees_a_layout_importing_another(tmp_path: Path) -> None:

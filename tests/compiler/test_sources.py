@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from dlop.compiler.corpus import Item, ListOptions
 from dlop.compiler.errors import CompileError, InputError
 from dlop.compiler.items import CorpusShape, _labels
-from dlop.compiler.sources import Item, detect_layout, key_name, name_key, open_corpus
-from dlop.compiler.sources_vision import charades
+from dlop.compiler.layouts import charades, detect_layout, open_corpus
+from dlop.compiler.listing import key_name, name_key
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 
@@ -292,7 +293,7 @@ def test_short_charades_row_is_a_bad_input(tmp_path: Path) -> None:
     (root / "Charades_v1_train.csv").write_bytes(
         b"id,subject,scene,actions\nAB12,s,kitchen,c001 0.0 1.0\nCD34\nEF\xff56,s,x,\n"
     )
-    corpus = charades(root)
+    corpus = charades.list_corpus(root, ListOptions(media="video"))
     errors = [it.error or "" for it in corpus.items]
     assert "line 3" in errors[1] and "columns" in errors[1]
     assert "line 4" in errors[2] and "UTF-8" in errors[2]
