@@ -37,7 +37,7 @@ from dlop.formats.redact import redact
 from dlop.formats.skipped import encode_record
 from dlop.formats.units import MAX_COUNT
 
-from . import numerics
+from . import faults, numerics
 from .corpus import Corpus
 from .errors import CompileError
 from .items import CorpusShape
@@ -71,7 +71,6 @@ class Run:
     unit_inputs_given: bool
     progress: bool
     on_progress: Callable[[int], None] | None
-    test_point: Callable[[str], None]
     consumed: int = 0
     peak_rss: dict[str, int] = field(default_factory=dict)  # worker -> bytes, from records
     journal_run: str = ""  # the journal's run token (Journal.run), once OUT is taken
@@ -169,7 +168,7 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
     if not resume:
         journal.save(store)  # from the start, so that an interruption at any point can --resume
     run.journal_run = journal.run
-    run.test_point("start")
+    faults.at("start")
     pending = [u for u in range(run.num_units) if u not in committed]
     run.consumed = sum(r.num_inputs for r in committed.values())
     run._bar = _progress_bar(total, run.consumed, run.num_units, len(committed), run.progress)
@@ -192,7 +191,7 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
                 )
             if run._bar is not None:
                 run._bar.set_postfix_str(f"units {len(committed)}/{run.num_units}", refresh=False)
-            run.test_point(f"unit:{n}")
+            faults.at(f"unit:{n}")
         if remote:
             journal.check_run(store)
         index = _write_archive(run, store, committed)
@@ -212,7 +211,7 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
             records.close()  # type: ignore[attr-defined]
         if run._bar is not None:
             run._bar.close()
-    run.test_point("tidy")
+    faults.at("tidy")
     _tidy(run, store)
     return index
 
@@ -357,7 +356,7 @@ def _write_archive(run: Run, store: Store, committed: dict[int, UnitRecord]) -> 
     index, errors = _merged(run, committed, now_utc())
     if errors is not None:
         store.write(ERRORS_NAME, errors)
-    run.test_point("index")
+    faults.at("index")
     store.write(INDEX_NAME, encode_index(index, f"{store.url}/{INDEX_NAME}"))
     return index
 
@@ -408,7 +407,7 @@ def _tidy(run: Run, store: Store) -> None:
     for n, name in enumerate(records):
         store.delete(name)
         if n == 0:
-            run.test_point("tidying")
+            faults.at("tidying")
     if isinstance(store, LocalStore):
         store.clear_staging()
     store.delete(JOURNAL)

@@ -44,13 +44,12 @@ import torch
 
 from dlop.formats import Index
 
-from . import numerics
+from . import faults, numerics
 from .commit import Run, finish_run
 from .corpus import Corpus, Item
 from .decode import probe_rate
 from .errors import CompileError, CompileWarning
 from .items import CorpusShape, Outcome, schema_for
-from .journal import JOURNAL
 from .layouts import open_corpus
 from .output import SPILL_PREFIX, check_apart, close_inherited_locks
 from .recipe import Recipe
@@ -66,13 +65,8 @@ from .units import (
 )
 from .urls import is_url
 
-__all__ = ["CHUNK_ITEMS", "JOURNAL", "TEST_KILL_AT", "TEST_SIGNAL", "UNIT_INPUTS", "compile_corpus"]
+__all__ = ["CHUNK_ITEMS", "UNIT_INPUTS", "compile_corpus"]
 
-# For the test suite only: DLOP_TEST_KILL_AT=start|input:N|shard:N|unit:N|index|tidy|tidying
-# makes the compile send itself DLOP_TEST_SIGNAL (KILL, or e.g. STOP) at that moment, so
-# tests interrupt it at exact points (see docs/compile.md).
-TEST_KILL_AT = "DLOP_TEST_KILL_AT"
-TEST_SIGNAL = "DLOP_TEST_SIGNAL"
 # What the fork server imports once, besides this module, so that each compile's
 # workers start with the decoders loaded instead of importing them on their first
 # input (a tenth of a second or more each, every compile). Missing ones are passed over.
@@ -227,12 +221,6 @@ def _unspill(result: tuple[list[Outcome], str | None]) -> list[Outcome]:
 # -- driver --------------------------------------------------------------------------
 
 
-def test_point(moment: str) -> None:
-    """Signals this process when the test variable names this moment (see TEST_KILL_AT)."""
-    if os.environ.get(TEST_KILL_AT) == moment:
-        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(TEST_SIGNAL, "KILL")))
-
-
 @contextlib.contextmanager
 def _heap_frozen() -> Iterator[None]:
     """The objects that exist when a compile starts (the caller's, torch's: a few hundred
@@ -298,7 +286,6 @@ def compile_corpus(
         unit_inputs is not None,
         progress,
         on_progress,
-        test_point,
     )
 
     if dask is None:
@@ -367,7 +354,7 @@ def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitR
 
     def after_put(_: object) -> None:
         done[0] += 1
-        test_point(f"shard:{done[0]}")
+        faults.at(f"shard:{done[0]}")
 
     sizes: dict[int, str] = {}  # unit -> its inputs' sizes, taken as its inputs go out
     chunks = (
@@ -388,7 +375,7 @@ def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitR
                     if not writer.add(outcome):
                         break
                     run.advance(1)
-                    test_point(f"input:{consumed}")
+                    faults.at(f"input:{consumed}")
                 writer.input_sizes = sizes.pop(unit, "")
                 record = writer.commit()
             except BaseException:

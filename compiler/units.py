@@ -21,10 +21,8 @@ import json
 import os
 import resource
 import shutil
-import signal
 import socket
 import tempfile
-import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -39,7 +37,7 @@ from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
 from dlop.formats.units import is_count
 
-from . import numerics
+from . import faults, numerics
 from .corpus import Corpus, Item, fingerprint
 from .errors import CompileError
 from .items import CorpusShape, Outcome, process_items
@@ -56,11 +54,6 @@ COMMIT_PREFIX = ".dlop-unit-"
 CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 4}
 # Default inputs per unit, by media: a few minutes of one worker's time for typical inputs.
 UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256}
-# For the test suite only: DLOP_TEST_UNIT_DELAY="UNIT:SECONDS,..." delays those units'
-# start; DLOP_TEST_KILL_WORKER="UNIT:INPUT:MARKER" kills the process running that unit
-# after its INPUT-th input, once (whoever creates the MARKER file first).
-TEST_UNIT_DELAY = "DLOP_TEST_UNIT_DELAY"
-TEST_KILL_WORKER = "DLOP_TEST_KILL_WORKER"
 
 
 def commit_name(unit: int) -> str:
@@ -273,7 +266,7 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     """Compiles one unit, whose inputs are ``corpus.items`` (a corpus holding only this
     unit's inputs), into OUT; returns its commit record. Pure and idempotent: running it
     again writes the same files under the same names."""
-    _delay(unit)
+    faults.unit_delay(unit)
     recipe = _RECIPES.get(task.digest)
     if recipe is None:
         recipe = _RECIPES[task.digest] = build_recipe(task.recipe)
@@ -304,7 +297,7 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
         for n, outcome in enumerate(outcomes, 1):
             if not writer.add(outcome):
                 break
-            _maybe_die(unit, n)
+            faults.worker_dies(unit, n)
         writer.input_sizes = sizes.get(unit, "")
         return writer.commit()
     except BaseException:
@@ -380,19 +373,3 @@ def chunked(items: Iterable[Item], size: int) -> Iterator[list[Item]]:
             chunk = []
     if chunk:
         yield chunk
-
-
-def _delay(unit: int) -> None:
-    for part in os.environ.get(TEST_UNIT_DELAY, "").split(","):
-        if part.partition(":")[0] == str(unit):
-            time.sleep(float(part.partition(":")[2]))
-
-
-def _maybe_die(unit: int, n: int) -> None:
-    spec = os.environ.get(TEST_KILL_WORKER, "").split(":", 2)
-    if len(spec) == 3 and spec[:2] == [str(unit), str(n)]:
-        try:
-            os.close(os.open(spec[2], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return  # killed once already: the retried unit runs through
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dlop.compiler import feature_options, features, items, pipeline
+from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
 from dlop.compiler.feature_options import PRESETS, FeatureConfig, feature_config
 from dlop.compiler.features import (
     ROW_BLOCK,
@@ -29,7 +30,6 @@ from dlop.compiler.features import (
     frame_signal,
 )
 from dlop.compiler.journal import JOURNAL
-from dlop.compiler.pipeline import TEST_KILL_AT
 from dlop.compiler.units import COMMIT_PREFIX
 from dlop.tools.compile_cli import main
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dlop.compiler.units import TEST_KILL_WORKER, TEST_UNIT_DELAY
+from dlop.compiler.faults import KILL_WORKER as TEST_KILL_WORKER
+from dlop.compiler.faults import UNIT_DELAY as TEST_UNIT_DELAY
 from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_corpus

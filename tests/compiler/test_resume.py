@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
+from dlop.compiler.faults import SIGNAL as TEST_SIGNAL
 from dlop.compiler.journal import JOURNAL
 from dlop.compiler.output import LOCK
-from dlop.compiler.pipeline import TEST_KILL_AT, TEST_SIGNAL
 from dlop.compiler.units import COMMIT_PREFIX
 from dlop.formats import ArchiveReader, ArchiveWriter, Field
 from dlop.tools.compile_cli import main

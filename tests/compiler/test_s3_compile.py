@@ -25,10 +25,11 @@ import pytest
 
 from dlop.compiler.corpus import Item
 from dlop.compiler.errors import CompileError
+from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
 from dlop.compiler.items import CorpusShape
 from dlop.compiler.journal import JOURNAL
 from dlop.compiler.output import check_apart
-from dlop.compiler.pipeline import TEST_KILL_AT, compile_corpus
+from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
 from dlop.compiler.units import process_fetched
 from dlop.tools import inspect_cli
