@@ -41,8 +41,9 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path, PosixPath
 from typing import Any, TypeVar
 
-from dlop.formats import urls
+from dlop.formats import storage, urls
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
+from dlop.formats.storage import DEFAULT_RETRY, Retry
 from dlop.formats.urls import is_url as is_url
 from dlop.formats.urls import scheme as scheme
 
@@ -302,14 +303,36 @@ def size_of(path: str, like: Path) -> int:
 # -- input bytes for a worker ---------------------------------------------------------------
 
 
-def fetch_bytes(fs: Any, url: str, cap: int = MAX_FETCH_BYTES) -> bytes:
-    """The whole object at ``url`` (at most ``cap`` bytes); FileNotFoundError or
-    CompileError (too large) otherwise."""
-    with fs.open(url, "rb") as f:
-        data: bytes = f.read(cap + 1)
-    if len(data) > cap:
-        raise CompileError(f"{url}: larger than the {cap}-byte cap on one input read into memory")
-    return data
+def fetch_bytes(
+    fs: Any, url: str, cap: int = MAX_FETCH_BYTES, retry: Retry = DEFAULT_RETRY
+) -> bytes:
+    """The whole object at ``url`` (at most ``cap`` bytes), as many bytes as the storage
+    says it holds, tried again through passing faults as the runtime's fetches are
+    (formats.storage); FetchError when no try succeeded (its ``cause`` FileNotFoundError
+    for a missing object), CompileError when the object is over the cap."""
+    said: list[int | None] = [None]
+
+    def read() -> bytes:
+        with fs.open(url, "rb") as f:
+            size = getattr(f, "size", None)
+            said[0] = size if isinstance(size, int) else None
+            if said[0] is not None and said[0] > cap:
+                raise _too_large(url, cap)
+            data: bytes = f.read(cap + 1)
+        if len(data) > cap:
+            raise _too_large(url, cap)
+        return data
+
+    def check(data: bytes) -> str | None:
+        if said[0] is not None and len(data) != said[0]:
+            return f"got {len(data)} bytes of the {said[0]} it holds (truncated transfer?)"
+        return None
+
+    return storage.fetch(read, check, url, url, retry, give_up=(CompileError,))
+
+
+def _too_large(url: str, cap: int) -> CompileError:
+    return CompileError(f"{url}: larger than the {cap}-byte cap on one input read into memory")
 
 
 def fetch_inputs(
@@ -334,11 +357,14 @@ def fetch_inputs(
         for url in urls:
             proto = scheme(url) or ""
             if proto not in systems:
-                systems[proto] = filesystem(url, storage_options)[0]
+                fs = systems[proto] = filesystem(url, storage_options)[0]
+                if hasattr(fs, "retries") and "retries" not in (storage_options or {}):
+                    fs.retries = 1  # s3fs's own attempts: fetch_bytes's Retry tries again
             try:
                 fetched[url] = fetch_bytes(systems[proto], url)
-            except FileNotFoundError:
-                item.error = f"{url}: no such object"
+            except storage.FetchError as e:
+                missing = isinstance(e.cause, FileNotFoundError)
+                item.error = f"{url}: no such object" if missing else f"{url}: cannot be read ({e})"
             except (OSError, CompileError) as e:
                 item.error = f"{url}: cannot be read ({e})"
             if item.error is not None:
@@ -434,8 +460,10 @@ class FsspecStore:
     def read(self, name: str) -> bytes | None:
         try:
             data = fetch_bytes(self.fs, self._full(name), MAX_READ_BYTES)
-        except FileNotFoundError:
-            return None
+        except storage.FetchError as e:
+            if isinstance(e.cause, FileNotFoundError):
+                return None
+            raise CompileError(str(e)) from None
         except CompileError:
             raise CompileError(
                 f"{self.url}/{name}: larger than the {MAX_READ_BYTES}-byte cap on an archive's "

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from dlop.formats import read_index
+from dlop.formats.storage import Retry
 from dlop.formats.transcode import needs_transcode
 
 from .concat import ArchivePaths, archive_paths
 from .errors import UsageError
-from .remote import Retry
 from .remote_archive import RemoteArchive
 
 # A local read that fails or reads corrupt bytes fails the same way again.

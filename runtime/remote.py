@@ -13,16 +13,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import random
 import threading
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-from dlop.formats import INDEX_NAME, FormatError, urls
-from dlop.formats.crc import crc32 as crc_of
+from dlop.formats import INDEX_NAME, FormatError, storage, urls
+from dlop.formats.storage import DEFAULT_RETRY, Retry
 from dlop.formats.transcode import header_span
 
 from .errors import LoaderError
@@ -51,29 +48,8 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
     return got
 
 
-@dataclass(frozen=True)
-class Retry:
-    """How hard a fetch tries: ``attempts`` in all, sleeping ``backoff_s`` doubled after
-    each failure (with jitter, at most ``max_backoff_s``)."""
-
-    attempts: int = 6
-    backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
-    part_bytes: int = 16 << 20
-    parallel_parts: int = 4
-    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
-
-    def pause(self, attempt: int) -> None:
-        delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
-        self.sleep(delay * (0.5 + random.random()))
-
-
-DEFAULT_RETRY = Retry()
 # A shard's first bytes fetched to read its header: most headers fit, longer ones take a second read.
 HEAD_BYTES = 64 << 10
-
-# Errors that retrying cannot fix: the object is not there, or we may not read it.
-PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
 
 
 def fetch_bytes(
@@ -90,29 +66,16 @@ def fetch_bytes(
     ``check(data)`` returns None (else a reason); timeouts, resets, 5xx, SlowDown,
     truncated or corrupt data are retried with backoff, and LoaderError names ``what``
     and the URL when every attempt failed."""
-    reasons: list[str] = []
-    for attempt in range(retry.attempts):
-        try:
-            if head and size is not None:
-                data = bytes(fs.cat_file(path, start=0, end=size))
-            else:
-                data = fetch_once(fs, path, size, retry)
-        except PERMANENT as e:
-            raise LoaderError(f"{what}: cannot read {path}: {e}") from None
-        except Exception as e:  # the storage client's own errors have no common base
-            reasons.append(f"{type(e).__name__}: {e}"[:300])
-        else:
-            problem = check(data)
-            if problem is None:
-                return data
-            reasons.append(problem)
-        if attempt + 1 < retry.attempts:
-            retry.pause(attempt)
-    raise LoaderError(
-        f"{what}: {path} failed {retry.attempts} times; last: {reasons[-1]} "
-        f"(all: {'; '.join(reasons)[:1500]}); check the storage and the network, or "
-        "recompile the archive if the object itself is damaged"
-    )
+
+    def read() -> bytes:
+        if head and size is not None:
+            return bytes(fs.cat_file(path, start=0, end=size))
+        return fetch_once(fs, path, size, retry)
+
+    try:
+        return storage.fetch(read, check, what, path, retry)
+    except storage.FetchError as e:
+        raise LoaderError(str(e)) from None
 
 
 def fetch_once(fs: Any, path: str, size: int | None, retry: Retry) -> bytes:
@@ -125,20 +88,6 @@ def fetch_once(fs: Any, path: str, size: int | None, retry: Retry) -> bytes:
     return b"".join(parts)
 
 
-def checker(size: int, crc32: int) -> Callable[[bytes], str | None]:
-    """A ``check`` for ``fetch_bytes``: the byte count and CRC-32 the index records."""
-
-    def check(data: bytes) -> str | None:
-        if len(data) != size:
-            return f"got {len(data)} bytes, index.json says {size} (truncated transfer?)"
-        crc = crc_of(data)
-        if crc != crc32:
-            return f"CRC-32 {crc:#010x}, index.json says {crc32:#010x} (corrupted transfer?)"
-        return None
-
-    return check
-
-
 def fetch_head(
     fs: Any, path: str, file_size: int, what: str, retry: Retry = DEFAULT_RETRY
 ) -> bytes:
@@ -146,12 +95,7 @@ def fetch_head(
     ``HEAD_BYTES``, a second when the header is longer."""
 
     def check_length(want: int) -> Callable[[bytes], str | None]:
-        def check(data: bytes) -> str | None:
-            if len(data) != want:
-                return f"got {len(data)} bytes of the shard's first {want} (truncated transfer?)"
-            return None
-
-        return check
+        return storage.length_is(want, f"the shard's first {want}")
 
     first = min(file_size, HEAD_BYTES)
     data = fetch_bytes(fs, path, first, check_length(first), what, retry, head=True)

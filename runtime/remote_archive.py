@@ -27,6 +27,7 @@ import torch
 from dlop.formats import ArchiveReader, SchemaError, ShardReader
 from dlop.formats.constants import MAX_INDEX_BYTES
 from dlop.formats.redact import redact
+from dlop.formats.storage import DEFAULT_RETRY, Retry
 from dlop.formats.transcode import raw_fields
 
 from .batch import Batch
@@ -36,7 +37,7 @@ from .dataset import Archive, gather_for
 from .errors import SampleIndexError, UsageError, UsageTypeError
 from .gather import Allocate, FieldGather
 from .plan import CopyPlan
-from .remote import DEFAULT_RETRY, Retry, fetch_index, filesystem
+from .remote import fetch_index, filesystem
 from .remote_source import RemoteSource
 
 # Sets of shards whose gathers are kept (runtime.remote_archive.Planners).

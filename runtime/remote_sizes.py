@@ -14,11 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 from dlop.formats import FormatError, Index
+from dlop.formats.storage import DEFAULT_RETRY, Retry
 from dlop.formats.transcode import needs_transcode, raw_size_bound
 
 from .cache import STAMP_BYTES
 from .errors import LoaderError, UsageError
-from .remote import DEFAULT_RETRY, Retry, fetch_head, join
+from .remote import fetch_head, join
 
 # The largest shard read from storage (1 TiB, the largest --shard-bytes of a compile): an
 # index naming a larger one is damaged or not dlop's, and is refused before any plan.

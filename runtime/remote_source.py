@@ -39,11 +39,12 @@ from typing import Any
 import numpy as np
 
 from dlop.formats import FormatError, Index, ShardReader
+from dlop.formats.storage import DEFAULT_RETRY, Retry, checker
 from dlop.formats.transcode import needs_transcode, transcode_bytes
 
 from .cache import CacheDir, Held
 from .errors import LoaderError, ShardChangedError, UsageError
-from .remote import DEFAULT_RETRY, Retry, checker, fetch_bytes, join
+from .remote import fetch_bytes, join
 from .remote_sizes import ShardSizes
 
 Filesystem = Callable[[], tuple[Any, str]]  # this process's (filesystem, archive path)

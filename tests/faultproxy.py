@@ -134,7 +134,9 @@ class FaultProxy:
                     proxy.closing.wait()
                     return
                 status, headers, body = proxy.fetch(self)
-                self.respond(status, headers, len(body))  # the length, not the body
+                # the length, not the body: an upstream's HEAD says it in its header
+                length = {k.lower(): v for k, v in headers.items()}.get("content-length")
+                self.respond(status, headers, int(length) if length else len(body))
 
             def do_GET(self) -> None:
                 fault = proxy.take_fault(urlsplit(self.path).path)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from dlop.compiler import urls
-from dlop.compiler.corpus import Corpus
+from dlop.compiler.corpus import Corpus, Item
 from dlop.compiler.errors import CompileError
 from dlop.compiler.layouts import open_corpus, stream_items
 from tests.compiler.fixtures import (
@@ -252,3 +252,47 @@ def test_a_manifest_over_http_lists_and_its_inputs_fetch(tmp_path: Path) -> None
         unit = corpus.items[2:]  # a unit's inputs: Items made from the listing
         urls.fetch_inputs(unit)
         assert unit[0].fetched == {unit[0].path: (manifest.parent / "wav" / "b.flac").read_bytes()}
+
+
+class _Flaky:
+    """An fsspec-like filesystem whose object fails in the given ways, one per open()."""
+
+    def __init__(self, data: bytes, faults: list[str]) -> None:
+        self.data, self.faults, self.opens = data, list(faults), 0
+
+    def open(self, url: str, mode: str) -> Any:
+        import io
+
+        self.opens += 1
+        fault = self.faults.pop(0) if self.faults else ""
+        if fault == "reset":
+            raise ConnectionResetError("connection reset by peer")
+        if fault == "missing":
+            raise FileNotFoundError(url)
+        f = io.BytesIO(self.data[: len(self.data) // 2] if fault == "short" else self.data)
+        f.size = len(self.data)  # type: ignore[attr-defined]  # what the storage says it holds
+        return f
+
+
+def test_an_input_read_is_tried_again_through_resets_and_short_bodies() -> None:
+    from dlop.formats.storage import Retry
+
+    fast = Retry(attempts=4, backoff_s=0.0)
+    fs = _Flaky(b"0123456789", ["reset", "short", "reset"])
+    assert urls.fetch_bytes(fs, "s3://b/x.wav", retry=fast) == b"0123456789"
+    assert fs.opens == 4
+    always = _Flaky(b"0123456789", ["short"] * 4)
+    with pytest.raises(
+        Exception, match=r"s3://b/x.wav failed 4 times; last: got 5 bytes of the 10"
+    ):
+        urls.fetch_bytes(always, "s3://b/x.wav", retry=fast)
+    # a missing object is not tried again, and the compile records it as such
+    gone = _Flaky(b"", ["missing"])
+    item = Item("x", path="s3://b/gone.wav")
+    urls.fetch_inputs([item], None, {"s3": gone})
+    assert gone.opens == 1 and item.error == "s3://b/gone.wav: no such object"
+    # an object over the cap is refused at once, from the size the storage gives
+    big = _Flaky(b"x" * 100, [])
+    with pytest.raises(CompileError, match="larger than the 10-byte cap"):
+        urls.fetch_bytes(big, "s3://b/big.wav", cap=10, retry=fast)
+    assert big.opens == 1

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dlop.formats.storage import Retry
 from dlop.runtime import Loader
 from dlop.runtime.cache import CacheDir
-from dlop.runtime.remote import Retry
 from dlop.runtime.remote_archive import RemoteArchive
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from dlop.formats.storage import Retry
 from dlop.runtime import Loader
 from dlop.runtime.cache import CacheDir
-from dlop.runtime.remote import Retry
 from dlop.runtime.remote_archive import RemoteArchive
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive
