@@ -19,6 +19,7 @@ from .errors import (
 )
 from .iterable import IterableArchive
 from .loader import Loader
+from .mixture import Source
 from .opening import count_selected, open_archive
 from .order import OrderSpec, epoch_order, rank_batches
 from .vision import Normalize, RandomHorizontalFlip, RandomResizedCrop, RandomTemporalCrop
@@ -38,6 +39,7 @@ __all__ = [
     "RandomTimeCrop",
     "SampleIndexError",
     "ShardChangedError",
+    "Source",
     "SpecAugment",
     "UsageError",
     "UsageTypeError",

@@ -28,10 +28,12 @@ from .gather import Allocate
 from .mixture import (
     MAX_EPOCH_SAMPLES,
     Mixture,
+    Source,
     check_passes,
     check_weights,
     epoch_counts,
     mixture_draw,
+    source_weights,
 )
 from .opening import open_for_loader
 from .order import BatchOrder, OrderSpec, selection_draw
@@ -157,6 +159,16 @@ def source_paths(
     if not isinstance(name, str):
         raise UsageTypeError(f"{owner} mixture sources are named by str, got {name!r}")
     what = f"{owner} mixture source {name!r}"
+    if isinstance(source, Source):
+        paths, own = source_paths(name, source.path, owner)
+        if source.where is None:
+            return paths, own
+        if own is not None:
+            raise UsageError(
+                f"{what}: an open Archive with a selection of its own and a Source where=; "
+                "give the Source the archive's path, or open the Archive with that where"
+            )
+        return paths, Archive(paths, fields=[], where=source.where).selection
     if isinstance(source, Archive):
         return local_only(list(source.paths), what, owner), source.selection
     if isinstance(source, str | os.PathLike):
@@ -164,8 +176,8 @@ def source_paths(
     if isinstance(source, Sequence) and source and not isinstance(source, bytes):
         return local_only(list(source), what, owner), None
     raise UsageTypeError(
-        f"{owner} mixture source {name!r} must be a path, a list of paths or an open "
-        f"Archive, got {type(source).__name__}"
+        f"{owner} mixture source {name!r} must be a path, a list of paths, an open "
+        f"Archive or a Source, got {type(source).__name__}"
     )
 
 
@@ -218,7 +230,8 @@ def choose_mixture(
         pools.append(pool)
     batch_size, world = order["batch_size"], order["world_size"]
     per_source = bool(mixing["batch_per_source"])
-    weights = check_weights(names, mixing["weights"], [len(p) for p in pools])
+    given = source_weights(sources, mixing["weights"], owner)
+    weights = check_weights(names, given, [len(p) for p in pools])
     wanted = mixing["samples_per_epoch"]
     if wanted is None:  # the pools the weights draw from
         wanted = sum(len(p) for p, w in zip(pools, weights, strict=True) if w > 0)

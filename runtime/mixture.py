@@ -31,6 +31,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,46 @@ MIX_STREAM = 2  # random stream that shuffles an epoch's draws together
 # makes in one epoch are bounded, so a mistyped size is refused instead of hanging.
 MAX_EPOCH_SAMPLES = 1 << 28
 MAX_PASSES_PER_EPOCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source of a mixture with its settings beside it (as MosaicML Streaming's
+    ``Stream``): ``path`` is an archive, a list of archives read as one, or an open
+    Archive; ``weight`` its share of each epoch (given for every source or for none,
+    and then not as ``weights=`` too); ``where`` a selection of its own samples, kept
+    besides the Loader's ``where=``, which every source's samples must also pass.
+
+    ``Loader({"ls": Source("ls.dlop", weight=0.7), "ps": Source("ps.dlop", weight=0.3,
+    where={"split": "clean"})}, 32)`` reads as ``Loader({"ls": "ls.dlop", "ps":
+    open_archive("ps.dlop", where={"split": "clean"})}, 32, weights={"ls": 0.7, "ps":
+    0.3})``."""
+
+    path: Any
+    weight: float | None = None
+    where: Mapping[str, Any] | None = None
+
+
+def source_weights(sources: Mapping[Any, Any], weights: object, owner: str) -> object:
+    """The mixture's weights: ``weights=``, or the sources' own (Source.weight), which
+    must then be given for every source; never both."""
+    own = {
+        n: s.weight for n, s in sources.items() if isinstance(s, Source) and s.weight is not None
+    }
+    if not own:
+        return weights
+    if weights is not None:
+        raise UsageError(
+            f"{owner} got weights= and sources with a weight of their own "
+            f"({sorted(map(str, own))}); give the weights in one place"
+        )
+    lacking = [str(n) for n in sources if n not in own]
+    if lacking:
+        raise UsageError(
+            f"{owner} mixture sources {lacking} have no weight while {sorted(map(str, own))} "
+            "have one; give every source a weight (Source(path, weight=...)), or none"
+        )
+    return own
 
 
 @dataclass(frozen=True)

@@ -143,8 +143,14 @@ def _esc50_archive(path: Path, samples: int) -> None:
 
 
 def _speech_archive(path: Path, samples: int, seed: int) -> None:
-    """A compiled speech corpus's shape: ragged fbank [*, 80] f16 and a transcript."""
-    fields = [Field.str_("key"), Field("fbank", "f16", (None, 80)), Field.str_("text")]
+    """A compiled speech corpus's shape: ragged fbank [*, 80] f16, a transcript and the
+    subset it comes from (People's Speech's clean/dirty)."""
+    fields = [
+        Field.str_("key"),
+        Field("fbank", "f16", (None, 80)),
+        Field.str_("text"),
+        Field.str_("split"),
+    ]
     rng = np.random.default_rng(seed)
     with ArchiveWriter(path, fields) as w:
         for n in range(samples):
@@ -154,6 +160,7 @@ def _speech_archive(path: Path, samples: int, seed: int) -> None:
                     "key": f"utt-{seed}-{n}",
                     "fbank": rng.standard_normal((frames, 80)).astype(np.float16),
                     "text": f"utterance {n}",
+                    "split": ("clean", "dirty")[n % 2],
                 }
             )
 

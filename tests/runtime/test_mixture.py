@@ -331,3 +331,56 @@ def test_a_source_drawn_too_many_times_over_is_refused(corpora: dict[str, Path])
     with pytest.raises(UsageError, match=r"from source 'cv' of 60, each 166666 times"):
         Loader(corpora, 16, weights=weights, samples_per_epoch=10**7)
     Loader(corpora, 16, weights=weights, samples_per_epoch=60 * 1000)  # 1000 times over is fine
+
+
+def test_a_source_carries_its_weight_and_selection(corpora: dict[str, Path]) -> None:
+    """Source(path, weight=, where=) reads exactly as the same mixture given by weights=
+    and an Archive opened with that where, batch for batch and state for state."""
+    from dlop.runtime import Source, open_archive
+
+    even = {"label": list(range(0, SIZES["ps"], 2))}
+    as_sources = Loader(
+        {"ls": Source(corpora["ls"], weight=2), "ps": Source(corpora["ps"], weight=1, where=even)},
+        8,
+        fields=["key", "label"],
+        seed=3,
+        samples_per_epoch=400,
+    )
+    as_before = Loader(
+        {"ls": corpora["ls"], "ps": open_archive(corpora["ps"], where=even)},
+        8,
+        fields=["key", "label"],
+        seed=3,
+        samples_per_epoch=400,
+        weights={"ls": 2, "ps": 1},
+    )
+    got, want = keys(as_sources), keys(as_before)
+    assert got == want and len(got) == 50
+    drawn = [k for batch in got for k in batch if k.startswith("ps")]
+    assert drawn and all(int(k[2:]) % 2 == 0 for k in drawn)  # the source's own where held
+    assert as_sources.state_dict() == as_before.state_dict()
+    # the Loader's where= applies to every source besides a source's own
+    both = Loader(
+        {"ps": Source(corpora["ps"], where=even), "cv": corpora["cv"]},
+        4,
+        fields=["key"],
+        where={"label": list(range(0, 60))},
+    )
+    assert {k for batch in keys(both) for k in batch} == {
+        *(f"ps{i}" for i in range(0, 60, 2)),
+        *(f"cv{i}" for i in range(60)),
+    }
+
+
+def test_source_weights_are_given_in_one_place(corpora: dict[str, Path]) -> None:
+    from dlop.runtime import Source, open_archive
+
+    with pytest.raises(UsageError, match=r"weights= and sources with a weight of their own"):
+        Loader({"ls": Source(corpora["ls"], weight=1), "cv": corpora["cv"]}, 4, weights={"ls": 1})
+    with pytest.raises(UsageError, match=r"sources \['cv'\] have no weight while \['ls'\]"):
+        Loader({"ls": Source(corpora["ls"], weight=1), "cv": Source(corpora["cv"])}, 4)
+    narrowed = open_archive(corpora["cv"], where={"label": [1, 2]})
+    with pytest.raises(UsageError, match=r"an open Archive with a selection of its own"):
+        Loader({"cv": Source(narrowed, where={"label": [1]}), "ls": corpora["ls"]}, 4)
+    with pytest.raises(UsageTypeError, match=r"a path, a list of paths, an open Archive or a"):
+        Loader({"cv": 3, "ls": corpora["ls"]}, 4)
