@@ -213,8 +213,10 @@ class BatchOrder:
         self.epoch = 0
         self.batches_done = 0
         self._resume = False
-        # Iterations begun since set_epoch or reset: a second one moves to the next epoch.
-        self._passes = 0
+        # Whether this epoch has handed out a batch (in this pass, or before the state a
+        # reset resumes from): the next iteration then moves to the next epoch. An
+        # iteration that yields nothing (an iter() only to check the loader) uses none up.
+        self._took = False
         self._cached: tuple[int, list[np.ndarray]] | None = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
@@ -236,26 +238,28 @@ class BatchOrder:
         self.epoch = epoch
         self.batches_done = 0
         self._resume = False
-        self._passes = 0
+        self._took = False
 
     def begin(self) -> int:
         """Starts an iteration; returns its first batch number. The first iteration after
-        ``set_epoch`` (or ``reset``) runs that epoch; each later one without a
-        ``set_epoch`` between runs the next epoch, as a DataLoader reshuffles every pass."""
+        ``set_epoch`` (or ``reset``) runs that epoch; a later one without a ``set_epoch``
+        between runs the next epoch once this one has handed out a batch, as a DataLoader
+        reshuffles every pass."""
         if self._resume:
             start = self.batches_done
         else:
-            if self._passes:
+            if self._took:
                 self.epoch += 1
             start = 0
+            self._took = False
         self._resume = False
-        self._passes += 1
         self.batches_done = start
         return start
 
     def handed_out(self, count: int) -> None:
         """``count`` batches of the current epoch have reached the consumer."""
         self.batches_done = count
+        self._took = True
 
     def refuse_empty(self, where: str) -> None:
         """Refuses a batch size that, with drop_last, leaves this rank no batch at all."""
@@ -281,4 +285,4 @@ class BatchOrder:
             high=count,
         )
         self.epoch, self.batches_done, self._resume = epoch, done, True
-        self._passes = 0
+        self._took = done > 0

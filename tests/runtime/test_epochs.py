@@ -65,6 +65,29 @@ def test_resume_then_the_next_pass_moves_on(archive: Path) -> None:
         resumed.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_an_iteration_that_yields_nothing_uses_up_no_epoch(archive: Path, prefetch: int) -> None:
+    """A trainer's iter() only to check the loader is iterable (PyTorch Lightning does it
+    before the first epoch) leaves the first real pass at epoch 0."""
+    loader = Loader(archive, 4, seed=3, prefetch=prefetch)
+    try:
+        iter(loader)
+        assert labels(loader) == reference(archive, 0)
+        iter(loader)
+        assert labels(loader) == reference(archive, 1) and loader.epoch == 1
+        # a state saved at an epoch's end: its pass yields nothing, the next is the next epoch
+        done = loader.state_dict()
+        resumed = Loader(archive, 4, seed=3, prefetch=prefetch)
+        try:
+            resumed.load_state_dict(done)
+            assert labels(resumed) == []
+            assert labels(resumed) == reference(archive, 2)
+        finally:
+            resumed.close()
+    finally:
+        loader.close()
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_iterable_archive_under_workers_moves_on_too(archive: Path, persistent: bool) -> None:
     ds = IterableArchive(archive, 4, seed=3)
