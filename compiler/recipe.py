@@ -17,9 +17,8 @@ from dlop.formats.constants import ARCHIVE_FORMAT, MAX_INDEX_BYTES
 from dlop.formats.files import loads_bounded, read_capped
 from dlop.formats.redact import redact
 
-from .decode import DOWNMIX_POLICIES
-from .errors import CompileError
-from .feature_options import (
+from .audio.decode import DOWNMIX_POLICIES
+from .audio.options import (
     FEATURES,
     PRESETS,
     FeatureConfig,
@@ -27,10 +26,11 @@ from .feature_options import (
     feature_config,
     with_options,
 )
-from .layouts import detect_layout, layout_media, names, source_path
-from .listing import MEDIA
+from .corpus.layouts import detect_layout, layout_media, names, source_path
+from .corpus.listing import MEDIA
+from .errors import CompileError
 from .urls import is_url
-from .vision import VisionConfig
+from .vision.options import VisionConfig
 
 LAYOUTS = names()  # the built-in layouts, in detection order
 DTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}

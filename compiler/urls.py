@@ -16,7 +16,7 @@ comes here: the local compile stays on plain files. For a URL:
   with its sizes (one paginated bucket listing), and every later question below
   it is answered from that listing: no per-file round trips. ``str()`` gives the
   URL back. It has no ``os.fspath``: passing one to ``open()`` or ``os.walk``
-  raises instead of touching a local path of the same name. ``compiler.listing``
+  raises instead of touching a local path of the same name. ``compiler.corpus.listing``
   (walk_files, subfolders, read_bytes, file_size, like) dispatches on it, so a
   layout written against those helpers and the Path methods above lists URLs too.
   HTTP(S) cannot be listed: an ``https://`` SOURCE is one manifest or tar (or a
@@ -24,7 +24,7 @@ comes here: the local compile stays on plain files. For a URL:
   the manifest's or the tars' names and sizes).
 - ``fetch_inputs(items, options)`` gives a worker the bytes of URL inputs (and of
   their masks) as ``Item.fetched``, for decode to read from memory.
-- ``FsspecStore`` is the output Store for a URL OUT (see compiler.store).
+- ``FsspecStore`` is the output Store for a URL OUT (see compiler.output.store).
 """
 
 from __future__ import annotations
@@ -429,7 +429,7 @@ def _remove_if_empty(folder: Path) -> None:
 
 
 class FsspecStore:
-    """The Store (compiler.store) of a URL OUT: shards are written in a local staging
+    """The Store (compiler.output.store) of a URL OUT: shards are written in a local staging
     folder and uploaded whole (an S3 object appears only once its PUT completes); small
     files are written in one PUT; names are '/'-separated and relative to OUT."""
 

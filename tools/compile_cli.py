@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from dlop.compiler import feature_options, vision
+from dlop.compiler.audio import options as feature_options
 from dlop.compiler.errors import CompileWarning
 from dlop.compiler.recipe import (
     CHOICES,
@@ -26,6 +26,7 @@ from dlop.compiler.recipe import (
     load_recipe_file,
 )
 from dlop.compiler.urls import local_path, parse_storage_options
+from dlop.compiler.vision import options as vision
 from dlop.formats import DlopError
 from dlop.tools.output import redacted_output
 
@@ -286,7 +287,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"compiling {recipe.source}: {recipe.choices()}", file=sys.stderr, flush=True)
     # torch and the media libraries load here, not at start-up: --help stays instant
-    from dlop.compiler.pipeline import compile_corpus
+    from dlop.compiler.run.pipeline import compile_corpus
 
     started = time.perf_counter()
     index = compile_corpus(

@@ -76,7 +76,7 @@ def decode_all(path: Path) -> list[tuple[float, np.ndarray]]:
     """Every frame (time in seconds, upright RGB), decoded plainly from the start, no threads."""
     import av
 
-    from dlop.compiler.video import RGB_CONVERSION
+    from dlop.compiler.vision.video import RGB_CONVERSION
 
     out = []
     with av.open(str(path)) as c:

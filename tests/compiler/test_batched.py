@@ -19,18 +19,20 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.compiler import feature_options, features, items, pipeline
-from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
-from dlop.compiler.feature_options import PRESETS, FeatureConfig, feature_config
-from dlop.compiler.features import (
+from dlop.compiler.audio import features
+from dlop.compiler.audio import options as feature_options
+from dlop.compiler.audio.features import (
     ROW_BLOCK,
     featurize,
     featurize_clips,
     frame_segments,
     frame_signal,
 )
-from dlop.compiler.journal import JOURNAL
-from dlop.compiler.units import COMMIT_PREFIX
+from dlop.compiler.audio.options import PRESETS, FeatureConfig, feature_config
+from dlop.compiler.output.journal import JOURNAL
+from dlop.compiler.run import items, pipeline
+from dlop.compiler.run.faults import KILL_AT as TEST_KILL_AT
+from dlop.compiler.run.units import COMMIT_PREFIX
 from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_row, write_audio, write_esc50_csv
@@ -206,7 +208,7 @@ def test_kaldi_power_of_frames_given_at_the_fft_length(
     preset: str, options: dict[str, str]
 ) -> None:
     """Frames gathered zero-padded to the FFT length give the bytes of frames padded later."""
-    from dlop.compiler import features
+    from dlop.compiler.audio import features
 
     cfg = feature_config(preset, "fbank", **options)
     size, _, padded = feature_options.kaldi_frame_sizes(cfg)

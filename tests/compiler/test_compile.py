@@ -14,7 +14,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from dlop.compiler.journal import JOURNAL
+from dlop.compiler.output.journal import JOURNAL
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 
@@ -61,8 +61,8 @@ def test_esc50_parity_through_the_whole_pipeline(mixed_corpus: Path, tmp_path: P
     assert len(r) == len(MIXED) and r.index.skipped_count == 0
     assert r.fields["logmel"].shape == (None, 128)
     assert r.index.metadata["classes"] == ["class0", "class1", "class2"]
-    from dlop.compiler.decode import decode_audio, downmix
-    from dlop.compiler.resample import resample
+    from dlop.compiler.audio.decode import decode_audio, downmix
+    from dlop.compiler.audio.resample import resample
 
     for i in range(len(r)):
         s = r.sample(i)

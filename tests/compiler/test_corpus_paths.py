@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dlop.compiler.listing import confined
+from dlop.compiler.corpus.listing import confined
 from dlop.compiler.recipe import build_recipe
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main

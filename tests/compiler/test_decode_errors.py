@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from dlop.compiler.decode import LENGTH_TOLERANCE_FRAMES, decode_audio, downmix
+from dlop.compiler.audio.decode import LENGTH_TOLERANCE_FRAMES, decode_audio, downmix
 from dlop.compiler.errors import InputError
-from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
+from dlop.compiler.run.pipeline import compile_corpus
 from dlop.formats import ArchiveReader
 
 from .fixtures import write_aac, write_esc50_csv
@@ -288,7 +288,7 @@ def test_an_mp3_without_a_xing_header_cut_short_is_a_decode_error(tmp_path: Path
 def test_block_by_block_conversion_and_mixing_match_the_whole_file(
     channels: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlop.compiler import decode
+    from dlop.compiler.audio import decode
 
     monkeypatch.setattr(decode, "_BLOCK_FRAMES", 1 << 16)
     rng = np.random.default_rng(3)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.compiler.feature_options import feature_config
-from dlop.compiler.features import featurize
+from dlop.compiler.audio.features import featurize
+from dlop.compiler.audio.options import feature_config
 
 from .bounds import U, band_bound, clamped, librosa_logmel, log10_bound, log_bound
 from .signals import make_signal as _make_signal

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dlop.compiler.corpus.layouts import folder
+from dlop.compiler.corpus.listing import files_below
 from dlop.compiler.errors import CompileError
-from dlop.compiler.layouts import folder
-from dlop.compiler.listing import files_below
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 

@@ -15,7 +15,7 @@ GLIBC = is_glibc()
 _COMPILE = """
 import sys
 from dlop.formats import heap
-from dlop.compiler.pipeline import compile_corpus
+from dlop.compiler.run.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
 assert heap.keep_freed_memory.cache_info().currsize == 0  # not at import
 recipe = build_recipe({"preset": "librosa", "source": sys.argv[1], "layout": "esc50"})

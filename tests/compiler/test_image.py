@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dlop.compiler.image import consensus
+from dlop.compiler.vision.image import consensus
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main as compile_main
 
@@ -201,8 +201,8 @@ def _write_core(root: Path, stem: str, h: int, w: int, *, turned: bool = False) 
 
 
 def test_an_image_with_masks_drafts_only_by_a_scale_dividing_both_sides(tmp_path: Path) -> None:
-    from dlop.compiler.image import DRAFT_SCALE, full_size, load_image
-    from dlop.compiler.vision import VisionConfig
+    from dlop.compiler.vision.image import DRAFT_SCALE, full_size, load_image
+    from dlop.compiler.vision.options import VisionConfig
 
     cfg = VisionConfig(size=64)
     for (h, w), scale in {(384, 512): 4, (386, 516): 2, (384, 513): 1, (384, 520): 4}.items():
@@ -222,8 +222,8 @@ def test_an_image_with_masks_drafts_only_by_a_scale_dividing_both_sides(tmp_path
 
 def test_the_pixel_cap_counts_a_masked_image_at_its_full_size(tmp_path: Path) -> None:
     from dlop.compiler.errors import InputError
-    from dlop.compiler.image import load_image
-    from dlop.compiler.vision import VisionConfig
+    from dlop.compiler.vision.image import load_image
+    from dlop.compiler.vision.options import VisionConfig
 
     path = write_image(tmp_path / "a.jpg", _disc_core(384, 512)[0], quality=90)
     cfg = VisionConfig(size=64, max_image_pixels=512 * 384 - 1)

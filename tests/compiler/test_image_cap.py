@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from dlop.compiler.errors import InputError
-from dlop.compiler.image import load_image, load_mask
-from dlop.compiler.vision import DEFAULT_MAX_IMAGE_PIXELS, VisionConfig
+from dlop.compiler.vision.image import load_image, load_mask
+from dlop.compiler.vision.options import DEFAULT_MAX_IMAGE_PIXELS, VisionConfig
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main as compile_main
 

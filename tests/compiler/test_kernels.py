@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.compiler import features
-from dlop.compiler.feature_options import feature_config
-from dlop.compiler.features import featurize_clips
+from dlop.compiler.audio import features
+from dlop.compiler.audio.features import featurize_clips
+from dlop.compiler.audio.options import feature_config
 
 from .signals import make_signal
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from dlop.compiler.corpus.layouts import open_corpus
 from dlop.compiler.errors import CompileError
-from dlop.compiler.layouts import open_corpus
 
 from .fixtures import write_audio
 from .signals import make_signal
@@ -68,7 +68,7 @@ def test_url_out_apart_from_source_passes() -> None:
 
 
 def test_a_file_url_source_is_its_folder_for_the_output_check(tmp_path: Path) -> None:
-    from dlop.compiler.output import check_apart
+    from dlop.compiler.output.guard import check_apart
     from dlop.compiler.recipe import build_recipe
 
     corpus = tmp_path / "corpus"

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dlop.compiler.corpus.layouts import hf, open_corpus, stream_items
 from dlop.compiler.errors import CompileError
-from dlop.compiler.layouts import hf, open_corpus, stream_items
 from dlop.compiler.recipe import build_recipe
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main

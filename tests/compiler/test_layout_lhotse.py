@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dlop.compiler.corpus.layouts import detect_layout, open_corpus
 from dlop.compiler.errors import CompileError
-from dlop.compiler.layouts import detect_layout, open_corpus
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 
@@ -219,8 +219,8 @@ def test_the_same_manifests_compile_from_s3_to_the_same_archive(
 def test_a_manifest_line_too_long_to_parse_is_refused_before_it_is_held(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dlop.compiler import listing
-    from dlop.compiler.layouts import lhotse
+    from dlop.compiler.corpus import listing
+    from dlop.compiler.corpus.layouts import lhotse
 
     bound = 1 << 20
     monkeypatch.setattr(listing, "MAX_LINE_BYTES", bound)

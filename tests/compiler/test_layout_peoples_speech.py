@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlop.compiler.layouts import detect_layout, open_corpus, stream_items
+from dlop.compiler.corpus.layouts import detect_layout, open_corpus, stream_items
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 

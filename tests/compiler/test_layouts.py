@@ -11,13 +11,15 @@ from types import ModuleType
 
 import pytest
 
-from dlop.compiler import layouts, recipe
+from dlop.compiler import recipe
+from dlop.compiler.corpus import layouts
 from dlop.compiler.errors import CompileError
 
 from .fixtures import esc50_corpus
 
 COMPILER = Path(__file__).resolve().parents[2] / "compiler"
-LAYOUT_FILES = sorted(p for p in (COMPILER / "layouts").glob("*.py") if p.name != "__init__.py")
+LAYOUTS = COMPILER / "corpus" / "layouts"
+LAYOUT_FILES = sorted(p for p in LAYOUTS.glob("*.py") if p.name != "__init__.py")
 BUILT_IN = {"esc50", "folder", "librispeech", "manifest", "webdataset", "charades", "segmentation"}
 BUILT_IN |= {"hf", "peoples-speech", "lhotse"}
 
@@ -25,8 +27,8 @@ BUILT_IN |= {"hf", "peoples-speech", "lhotse"}
 FAKE_LAYOUT = """
 from pathlib import Path
 
-from dlop.compiler.corpus import Corpus, Item, ListOptions, fingerprint
-from dlop.compiler.listing import read_bytes
+from dlop.compiler.corpus.records import Corpus, Item, ListOptions, fingerprint
+from dlop.compiler.corpus.listing import read_bytes
 
 NAME = "fakelist"
 MEDIA = ("audio",)
@@ -57,8 +59,8 @@ def imports_of(path: Path) -> list[tuple[int, str, list[str]]]:
 
 def imported_modules(path: Path, root: Path = COMPILER) -> set[str]:
     """The dlop.compiler modules a file below ``root`` (the compiler folder) imports, named
-    relative to it (``layouts.esc50``, ``listing``)."""
-    package = path.parent.relative_to(root).parts  # () for compiler/, ("layouts",) below
+    relative to it (``corpus.layouts.esc50``, ``corpus.listing``)."""
+    package = path.parent.relative_to(root).parts  # () for compiler/, ("corpus", "layouts")
     names = set()
     for level, module, imported in imports_of(path):
         if level:
@@ -132,7 +134,7 @@ def test_a_layout_module_must_define_its_names() -> None:
     bare.NAME = "bare"  # type: ignore[attr-defined]
     with pytest.raises(CompileError, match="lacks MEDIA, SIGNS, detect, list_corpus"):
         layouts.register(bare)
-    esc50 = importlib.import_module("dlop.compiler.layouts.esc50")
+    esc50 = importlib.import_module("dlop.compiler.corpus.layouts.esc50")
     with pytest.raises(CompileError, match="registered already"):
         layouts.register(esc50)
     assert "bare" not in layouts.names()
@@ -148,28 +150,38 @@ def test_a_layout_refuses_media_it_cannot_hold(tmp_path: Path) -> None:
 
 
 def test_no_layout_module_imports_another() -> None:
-    others = {f"layouts.{p.stem}" for p in LAYOUT_FILES}
+    others = {f"corpus.layouts.{p.stem}" for p in LAYOUT_FILES}
     for path in LAYOUT_FILES:
         got = imported_modules(path)
-        assert not (got & (others | {"layouts"})), f"{path.name} imports {got & others}"
+        assert not (got & (others | {"corpus.layouts"})), f"{path.name} imports {got & others}"
         # only the shared listing, records and errors of the compiler
-        assert {m.split(".")[0] for m in got} <= {"corpus", "listing", "errors"}, path.name
+        shared = ("corpus.records", "corpus.listing", "errors")
+        assert all(m.startswith(shared) for m in got), (path.name, got)
 
 
 def test_the_import_check_sees_a_layout_importing_another(tmp_path: Path) -> None:
-    probe = tmp_path / "compiler" / "layouts" / "probe.py"
+    probe = tmp_path / "compiler" / "corpus" / "layouts" / "probe.py"
     probe.parent.mkdir(parents=True)
     probe.write_text(
         "from . import esc50\nfrom .folder import x\nfrom ..layouts.manifest import y\n"
-        "from dlop.compiler.layouts.charades import z\nfrom ..listing import name_key\n"
+        "from dlop.compiler.corpus.layouts.charades import z\nfrom ..listing import name_key\n"
     )
     got = imported_modules(probe, tmp_path / "compiler")
-    assert {"layouts.esc50", "layouts.folder", "layouts.manifest", "layouts.charades"} <= got
-    assert "listing" in got
+    assert {
+        "corpus.layouts.esc50",
+        "corpus.layouts.folder",
+        "corpus.layouts.manifest",
+        "corpus.layouts.charades",
+    } <= got
+    assert "corpus.listing" in got
 
 
 def test_the_listing_modules_never_import_the_runtime() -> None:
-    for path in [COMPILER / "listing.py", COMPILER / "corpus.py", *LAYOUT_FILES]:
+    for path in [
+        COMPILER / "corpus" / "listing.py",
+        COMPILER / "corpus" / "records.py",
+        *LAYOUT_FILES,
+    ]:
         for level, module, _ in imports_of(path):
             top = module.split(".")[0] if not level else ""
             full = module if not level else "." * level + module

@@ -6,9 +6,9 @@ from __future__ import annotations
 import tracemalloc
 from pathlib import Path
 
-from dlop.compiler.corpus import Item
-from dlop.compiler.layouts import open_corpus
-from dlop.compiler.listing import lines
+from dlop.compiler.corpus.layouts import open_corpus
+from dlop.compiler.corpus.listing import lines
+from dlop.compiler.corpus.records import Item
 
 LINES = 20_000
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlop.compiler.listing import is_text
+from dlop.compiler.corpus.listing import is_text
 
 
 class NoEncode(str):

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.compiler import features
-from dlop.compiler.feature_options import FeatureConfig, feature_config
-from dlop.compiler.features import ROW_BLOCK, featurize
-from dlop.compiler.resample import resample
+from dlop.compiler.audio import features
+from dlop.compiler.audio.features import ROW_BLOCK, featurize
+from dlop.compiler.audio.options import FeatureConfig, feature_config
+from dlop.compiler.audio.resample import resample
 
 KINDS = [
     ("librosa", "logmel"),

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlop.compiler.corpus import Item
-from dlop.compiler.layouts import open_corpus, stream_items
-from dlop.compiler.layouts.manifest import ManifestItems
-from dlop.compiler.units import unit_corpus, unit_items
+from dlop.compiler.corpus.layouts import open_corpus, stream_items
+from dlop.compiler.corpus.layouts.manifest import ManifestItems
+from dlop.compiler.corpus.records import Item
+from dlop.compiler.run.units import unit_corpus, unit_items
 from dlop.tools.compile_cli import main
 
 from .fixtures import manifest_corpus, write_audio

@@ -13,12 +13,12 @@ from unittest.mock import Mock
 
 import pytest
 
-from dlop.compiler import commit
 from dlop.compiler.errors import CompileError
-from dlop.compiler.journal import JOURNAL, Journal
-from dlop.compiler.output import LOCK, OutputLock, committed_units
-from dlop.compiler.store import open_store
-from dlop.compiler.units import UnitRecord, commit_name
+from dlop.compiler.output import commit
+from dlop.compiler.output.guard import LOCK, OutputLock, committed_units
+from dlop.compiler.output.journal import JOURNAL, Journal
+from dlop.compiler.output.store import open_store
+from dlop.compiler.run.units import UnitRecord, commit_name
 from dlop.formats import ArchiveWriter, ShardInfo, unit_shard_name
 from dlop.tools.compile_cli import main
 
@@ -582,8 +582,8 @@ def test_reading_an_unfinished_output_says_whether_it_is_compiling(tmp_path: Pat
 def test_a_full_disk_names_out_to_library_callers_too(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlop.compiler.pipeline import compile_corpus
     from dlop.compiler.recipe import build_recipe
+    from dlop.compiler.run.pipeline import compile_corpus
 
     def full(self: ArchiveWriter, samples: object) -> None:
         raise OSError(28, "No space left on device")

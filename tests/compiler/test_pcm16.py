@@ -17,11 +17,18 @@ import pytest
 import soundfile as sf
 import torch
 
-from dlop.compiler import decode, features, items
-from dlop.compiler.decode import PCM16_SCALE, decode_audio, downmix
+from dlop.compiler.audio import decode, features
+from dlop.compiler.audio.decode import PCM16_SCALE, decode_audio, downmix
+from dlop.compiler.audio.features import (
+    ROW_BLOCK,
+    as_float,
+    featurize,
+    featurize_clips,
+    takes_pcm16,
+)
+from dlop.compiler.audio.options import FeatureConfig, feature_config
 from dlop.compiler.errors import InputError
-from dlop.compiler.feature_options import FeatureConfig, feature_config
-from dlop.compiler.features import ROW_BLOCK, as_float, featurize, featurize_clips, takes_pcm16
+from dlop.compiler.run import items
 from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_row, write_audio, write_esc50_csv

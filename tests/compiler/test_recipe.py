@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 
+from dlop.compiler.audio.options import PRESETS, FeatureConfig, feature_config
 from dlop.compiler.errors import CompileError
-from dlop.compiler.feature_options import PRESETS, FeatureConfig, feature_config
 from dlop.compiler.recipe import build_recipe
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main

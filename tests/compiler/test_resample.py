@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.compiler.feature_options import feature_config
-from dlop.compiler.features import featurize
-from dlop.compiler.resample import resample
+from dlop.compiler.audio.features import featurize
+from dlop.compiler.audio.options import feature_config
+from dlop.compiler.audio.resample import resample
 
 from .signals import make_signal
 

@@ -23,15 +23,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlop.compiler.corpus import Item
+from dlop.compiler.corpus.records import Item
 from dlop.compiler.errors import CompileError
-from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
-from dlop.compiler.items import CorpusShape
-from dlop.compiler.journal import JOURNAL
-from dlop.compiler.output import check_apart
-from dlop.compiler.pipeline import compile_corpus
+from dlop.compiler.output.guard import check_apart
+from dlop.compiler.output.journal import JOURNAL
 from dlop.compiler.recipe import build_recipe
-from dlop.compiler.units import process_fetched
+from dlop.compiler.run.faults import KILL_AT as TEST_KILL_AT
+from dlop.compiler.run.items import CorpusShape
+from dlop.compiler.run.pipeline import compile_corpus
+from dlop.compiler.run.units import process_fetched
 from dlop.tools import inspect_cli
 from dlop.tools.compile_cli import main
 from tests.objectstore import s3_server

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from dlop.compiler.corpus import Item, ListOptions
+from dlop.compiler.corpus.layouts import charades, detect_layout, open_corpus
+from dlop.compiler.corpus.listing import key_name, name_key
+from dlop.compiler.corpus.records import Item, ListOptions
 from dlop.compiler.errors import CompileError, InputError
-from dlop.compiler.items import CorpusShape, _labels
-from dlop.compiler.layouts import charades, detect_layout, open_corpus
-from dlop.compiler.listing import key_name, name_key
+from dlop.compiler.run.items import CorpusShape, _labels
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 

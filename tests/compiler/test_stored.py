@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.compiler import pipeline
 from dlop.compiler.errors import InputError
-from dlop.compiler.items import CorpusShape, _stored
 from dlop.compiler.recipe import build_recipe
+from dlop.compiler.run import pipeline
+from dlop.compiler.run.items import CorpusShape, _stored
 
 from .fixtures import esc50_corpus
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlop.compiler.corpus import Corpus, Item
-from dlop.compiler.layouts import open_corpus, stream_items
+from dlop.compiler.corpus.layouts import open_corpus, stream_items
+from dlop.compiler.corpus.records import Corpus, Item
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlop.compiler import commit
+from dlop.compiler.output import commit
 from dlop.formats import ArchiveReader, FormatError, read_index, unit_shard_name
 from dlop.formats.constants import MAX_UNITS
 from dlop.tools.compile_cli import main
@@ -255,10 +255,10 @@ def test_a_unit_publishes_nothing_once_out_is_not_its_compiles(
     """A Dask task may outlive its client: once OUT's journal names another run (or is gone),
     its shards and record stay out of OUT."""
     from dlop.compiler.errors import CompileError
-    from dlop.compiler.items import CorpusShape
-    from dlop.compiler.journal import JOURNAL, Journal
-    from dlop.compiler.store import LocalStore
-    from dlop.compiler.units import UnitTask, UnitWriter, commit_name
+    from dlop.compiler.output.journal import JOURNAL, Journal
+    from dlop.compiler.output.store import LocalStore
+    from dlop.compiler.run.items import CorpusShape
+    from dlop.compiler.run.units import UnitTask, UnitWriter, commit_name
     from dlop.formats import Field
 
     store = LocalStore(tmp_path)
@@ -291,7 +291,7 @@ def test_archive_limits_stop_the_compile_at_the_first_unit_past_them(
 ) -> None:
     """As if the archive's 2^17 shards were 2: the compile stops at the unit that passes the
     bound, not after the last unit."""
-    from dlop.compiler.units import commit_name
+    from dlop.compiler.run.units import commit_name
     from dlop.formats import archive as archive_module
 
     monkeypatch.setattr(commit, "MAX_SHARDS", 2)
@@ -310,8 +310,8 @@ def test_a_layout_stream_giving_other_than_asked_is_an_error(extra: int) -> None
     too few or too many inputs would shift later inputs into other units unseen."""
     from types import SimpleNamespace
 
-    from dlop.compiler import layouts
-    from dlop.compiler.corpus import Corpus, Item
+    from dlop.compiler.corpus import layouts
+    from dlop.compiler.corpus.records import Corpus, Item
     from dlop.compiler.errors import CompileError
 
     def stream(corpus: Corpus, start: int, stop: int | None) -> list[Item]:

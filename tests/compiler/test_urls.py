@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from dlop.compiler import urls
-from dlop.compiler.corpus import Corpus, Item
+from dlop.compiler.corpus.layouts import open_corpus, stream_items
+from dlop.compiler.corpus.records import Corpus, Item
 from dlop.compiler.errors import CompileError
-from dlop.compiler.layouts import open_corpus, stream_items
 from tests.compiler.fixtures import (
     esc50_corpus,
     librispeech_corpus,

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlop.compiler.vision import VisionConfig, shape_image
+from dlop.compiler.vision.options import VisionConfig, shape_image
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main as compile_main
 
@@ -143,7 +143,7 @@ def test_folder_and_manifest_video_layouts(tmp_path: Path) -> None:
 def test_long_video_seeks_to_keyframes_and_still_matches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlop.compiler import video
+    from dlop.compiler.vision import video
 
     root = tmp_path / "long"
     write_video(root / "a" / "long.mp4", frames=200, rate=10, size=(32, 24), gop=10)
@@ -195,7 +195,7 @@ def test_frames_nothing_sampled_needs_are_skipped_and_the_pixels_stay(
 ) -> None:
     """Non-reference frames between the sampled ones are not decoded; the clips are the
     bytes a full decode gives (the decode with no probe timestamps to go by)."""
-    from dlop.compiler import video
+    from dlop.compiler.vision import video
 
     path = write_video(tmp_path / "a" / "v.mp4", codec=codec, frames=frames, vfr=vfr, size=(64, 48))
     cfg = VisionConfig(clip="uniform", clip_frames=clip_frames)
@@ -222,7 +222,7 @@ def test_frames_nothing_sampled_needs_are_skipped_and_the_pixels_stay(
 
 def full_decode(tmp_path: Path) -> tuple[Path, VisionConfig, list[Any]]:
     """A 60-frame H.264 clip, an 8-frame uniform config, and the clips decode_clips gives."""
-    from dlop.compiler import video
+    from dlop.compiler.vision import video
 
     path = write_video(tmp_path / "a" / "v.mp4", frames=60, size=(64, 48))
     cfg = VisionConfig(clip="uniform", clip_frames=8)
@@ -232,7 +232,7 @@ def full_decode(tmp_path: Path) -> tuple[Path, VisionConfig, list[Any]]:
 def test_a_decode_that_disagrees_with_the_probe_is_done_again_in_full(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlop.compiler import video
+    from dlop.compiler.vision import video
 
     path, cfg, want = full_decode(tmp_path)
     real = video.picked_pts
@@ -254,8 +254,8 @@ def test_a_decode_that_disagrees_with_the_probe_is_done_again_in_full(
 def test_a_skip_pass_that_fails_leaves_the_verdict_to_a_full_decode(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlop.compiler import video
     from dlop.compiler.errors import InputError
+    from dlop.compiler.vision import video
 
     path, cfg, want = full_decode(tmp_path)
     real = video.frames_at

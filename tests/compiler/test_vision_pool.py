@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlop.compiler import pipeline, units, video
 from dlop.compiler.recipe import build_recipe
-from dlop.compiler.vision import VisionConfig
+from dlop.compiler.run import pipeline, units
+from dlop.compiler.vision import video
+from dlop.compiler.vision.options import VisionConfig
 from dlop.tools.compile_cli import main as compile_main
 
 from .media import write_image, write_video
@@ -92,8 +93,10 @@ def test_the_fork_server_preloads_the_decoders(monkeypatch: pytest.MonkeyPatch) 
     ctx = pipeline._worker_context()
     assert ctx.get_start_method() == "forkserver"
     preload = server._preload_modules
-    assert preload[0] == "dlop.compiler.pipeline"
-    assert {"av", "PIL.Image", "dlop.compiler.video", "dlop.compiler.image"} <= set(preload)
+    assert preload[0] == "dlop.compiler.run.pipeline"
+    assert {"av", "PIL.Image", "dlop.compiler.vision.video", "dlop.compiler.vision.image"} <= set(
+        preload
+    )
     for name in pipeline.FORKSERVER_PRELOAD:
         importlib.import_module(name)
 

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from dlop.compiler import decode
-from dlop.compiler.decode import DOWNMIX_POLICIES, decode_audio
+from dlop.compiler.audio import decode
+from dlop.compiler.audio.decode import DOWNMIX_POLICIES, decode_audio
+from dlop.compiler.audio.wav import HeadFirst
 from dlop.compiler.errors import InputError
-from dlop.compiler.wav import HeadFirst
 
 RATE = 8000
 SPANS = [(0.0, None), (0.01, 0.05), (0.0, 10.0), (0.1, None), (5.0, 1.0), (0.124, 0.01)]

@@ -138,8 +138,8 @@ def test_paired_crop_on_the_gpu() -> None:
 def test_loader_batches_of_variable_size_images_stay_aligned(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from PIL import Image
 
-    from dlop.compiler.pipeline import compile_corpus
     from dlop.compiler.recipe import build_recipe
+    from dlop.compiler.run.pipeline import compile_corpus
     from dlop.runtime import Loader, open_archive
 
     for i, (h, w) in enumerate([(30, 40), (24, 24), (50, 20), (16, 60), (33, 35)]):

@@ -25,7 +25,7 @@ def test_vision_bench_rows(tmp_path: Path) -> None:
 def test_speech_corpus_is_librispeech(tmp_path: Path) -> None:
     import soundfile as sf
 
-    from dlop.compiler.layouts import detect_layout
+    from dlop.compiler.corpus.layouts import detect_layout
     from dlop.tools.bench import speech_peers
 
     root, seconds = speech_peers.speech_corpus(tmp_path / "c", 3)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from dlop.compiler import feature_options, vision
+from dlop.compiler.audio import options as feature_options
 from dlop.compiler.recipe import CHOICES
+from dlop.compiler.vision import options as vision
 from dlop.tools.compile_cli import build_parser
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from dlop.compiler import pipeline
 from dlop.compiler.errors import CompileError
+from dlop.compiler.run import pipeline
 from dlop.formats.redact import redact
 from dlop.tools import compile_cli, inspect_cli
 from tests.compiler.fixtures import manifest_corpus

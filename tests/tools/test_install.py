@@ -134,3 +134,20 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path: Path) -> None:
         )
         assert res.returncode == 0, res.stderr
         assert "usage" in res.stdout
+
+
+def test_every_package_folder_is_listed_for_the_wheel() -> None:
+    """A subpackage missing from pyproject's list would be left out of a wheel (its
+    imports fail only after a non-editable install)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(["dlop", *init.parent.relative_to(ROOT).parts])
+        for name in SUBPACKAGES
+        for init in (ROOT / name).rglob("__init__.py")
+        if "peers-env" not in init.parts  # the benchmark's stand-in, never installed
+    }
+    assert found | {"dlop"} == listed

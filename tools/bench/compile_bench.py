@@ -31,12 +31,12 @@ from typing import Any
 import soundfile as sf
 import torch
 
-from dlop.compiler.decode import decode_audio
+from dlop.compiler.audio.decode import decode_audio
+from dlop.compiler.audio.features import featurize_clips
+from dlop.compiler.audio.options import feature_config
 from dlop.compiler.demo import DEMO_RECIPE
-from dlop.compiler.feature_options import feature_config
-from dlop.compiler.features import featurize_clips
-from dlop.compiler.items import GROUP_SAMPLES
-from dlop.compiler.pipeline import CHUNK_ITEMS
+from dlop.compiler.run.items import GROUP_SAMPLES
+from dlop.compiler.run.pipeline import CHUNK_ITEMS
 from dlop.formats.heap import keep_freed_memory
 
 from .common import Row
@@ -62,7 +62,7 @@ class Made:
 
 _COMPILE = """
 import json, sys, time
-from dlop.compiler.pipeline import compile_corpus
+from dlop.compiler.run.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
 options, out, workers = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 recipe = build_recipe(options)

@@ -10,8 +10,8 @@ import soundfile as sf
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dlop.compiler.filterbanks import mel_filterbank
-from dlop.compiler.resample import resample
+from dlop.compiler.audio.filterbanks import mel_filterbank
+from dlop.compiler.audio.resample import resample
 
 
 class NaiveLogmel(Dataset[tuple[torch.Tensor, int]]):

@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlop.compiler.demo import DEMO_RECIPE
-from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
+from dlop.compiler.run.pipeline import compile_corpus
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Archive, IterableArchive, Loader, open_archive
 from dlop.runtime.gather import as_tensor

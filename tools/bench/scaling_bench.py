@@ -30,7 +30,7 @@ ENGINES = {"1 worker": ("1", ""), "2 workers": ("2", ""), "dask local:2": ("2", 
 _COMPILE = """
 import sys, time
 from dlop.compiler.demo import DEMO_RECIPE
-from dlop.compiler.pipeline import compile_corpus
+from dlop.compiler.run.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
 corpus, out, workers, dask, unit = sys.argv[1:6]
 recipe = build_recipe({**DEMO_RECIPE, "source": corpus})
@@ -42,7 +42,7 @@ print(time.perf_counter() - t0)
 
 _LIST = """
 import json, sys, time
-from dlop.compiler.layouts import open_corpus
+from dlop.compiler.corpus.layouts import open_corpus
 from dlop.tools.bench.procmem import status_kib
 
 # VmHWM: this process's own peak (ru_maxrss would also count the peak of the process

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from dlop.compiler.pipeline import compile_corpus
 from dlop.compiler.recipe import build_recipe
+from dlop.compiler.run.pipeline import compile_corpus
 
 from .common import Row, rate_row
 

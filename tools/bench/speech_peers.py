@@ -123,8 +123,8 @@ def hf_extractor() -> Any:
 
 
 def _compile_dlop(corpus: Path, out: Path, workers: int) -> None:
-    from dlop.compiler.pipeline import compile_corpus
     from dlop.compiler.recipe import build_recipe
+    from dlop.compiler.run.pipeline import compile_corpus
 
     recipe = build_recipe(
         {"source": str(corpus), "layout": "librispeech", "preset": "kaldi", "n_mels": N_MELS}
@@ -215,7 +215,7 @@ COMPILES: dict[str, Callable[[Path, Path, int], None]] = {
 # What each compile imports, loaded before its clock starts: a compile is timed from
 # after its imports (torch alone takes seconds to import, as much as a small compile).
 IMPORTS: dict[str, tuple[str, ...]] = {
-    "dlop": ("dlop.compiler.pipeline", "dlop.compiler.recipe"),
+    "dlop": ("dlop.compiler.run.pipeline", "dlop.compiler.recipe"),
     "lhotse": ("torch", "lhotse", "lhotse.recipes"),
     "datasets": ("pyarrow", "datasets", "transformers", "soundfile"),
 }

@@ -72,8 +72,8 @@ def prepare(work: Path, clips: int, workers: int, distinct: int = 256) -> tuple[
     a clip takes longer than decoding it); every file is still decoded and
     featurized on its own."""
     from dlop.compiler.demo import DEMO_RECIPE
-    from dlop.compiler.pipeline import compile_corpus
     from dlop.compiler.recipe import build_recipe
+    from dlop.compiler.run.pipeline import compile_corpus
 
     from .corpus import esc50_wavs, replicate
 

@@ -1,0 +1,1 @@
+"""Audio: decoding, resampling, and the featurizers with their presets and kernels."""

@@ -1,0 +1,1 @@
+"""Where a compile writes: the guarded output folder, its journal, commits and store."""

@@ -1,0 +1,495 @@
+"""The compile driver: inputs cut into work units (units.py), each unit's inputs ->
+worker processes (decode, resample, featurize) -> the unit's own shards -> its
+commit record; once every unit is committed, the index lists them in unit order.
+
+Engines: the local one runs units one after another, in unit order, spreading
+each unit's featurizing over a process pool; the Dask one (dask_engine.py) runs
+one task per unit on a cluster. Determinism: workers featurize with one torch
+thread, an item's features do not depend on the items grouped with it
+(featurize_clips), a unit's shards depend only on its inputs, and the index
+and errors.jsonl are merged in unit order; so the archive's bytes depend only on
+the corpus, the recipe and the unit size, never on the engine, the worker count,
+the order units finish in, or where a resumed compile picked up.
+
+Output safety (output.py): a local OUT lies apart from the corpus and is locked for
+the whole compile. The journal exists from the moment OUT is taken; a unit
+counts once its commit record is published after its shards, so --resume redoes
+exactly the units without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import itertools
+import multiprocessing
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlop.formats import Index
+
+from ..audio import numerics
+from ..audio.decode import probe_rate
+from ..corpus.layouts import open_corpus
+from ..corpus.records import Corpus, Item
+from ..errors import CompileError, CompileWarning
+from ..output.commit import Run, finish_run
+from ..output.guard import SPILL_PREFIX, check_apart, close_inherited_locks
+from ..recipe import Recipe
+from ..urls import is_url
+from . import faults
+from .items import CorpusShape, Outcome, schema_for
+from .units import (
+    CHUNK_ITEMS,
+    UNIT_INPUTS,
+    UnitRecord,
+    UnitWriter,
+    chunk_items,
+    chunked,
+    process_fetched,
+    unit_items,
+)
+
+__all__ = ["CHUNK_ITEMS", "UNIT_INPUTS", "compile_corpus"]
+
+# What the fork server imports once, besides this module, so that each compile's
+# workers start with the decoders loaded instead of importing them on their first
+# input (a tenth of a second or more each, every compile). Missing ones are passed over.
+FORKSERVER_PRELOAD = (
+    "dlop.compiler.vision.video",
+    "dlop.compiler.vision.image",
+    "av",
+    "PIL.Image",
+    "PIL.JpegImagePlugin",
+    "PIL.PngImagePlugin",
+)
+
+
+# -- worker side -------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(
+    recipe_json: dict[str, Any],
+    shape: CorpusShape,
+    spill_dir: str,
+    storage_options: dict[str, Any] | None = None,
+    driver: int = 0,
+    environ: dict[str, str] | None = None,
+    decode_threads: int = 0,
+) -> None:
+    from ..recipe import build_recipe
+    from ..vision.video import set_decode_threads
+
+    if environ is not None:
+        # A forkserver keeps the environment of the moment it started (once per process);
+        # workers take the compile's, as forked ones would (credentials, endpoints, test hooks).
+        os.environ.clear()
+        os.environ.update(environ)
+    numerics.require()
+    torch.set_num_threads(1)
+    set_decode_threads(decode_threads)
+    _die_with_driver(driver)
+    close_inherited_locks()  # a forked worker must not keep the output lock alive after the driver
+    _WORKER.update(
+        recipe=build_recipe(recipe_json),
+        shape=shape,
+        spill_dir=spill_dir,
+        chunks=itertools.count(),
+        storage_options=storage_options,
+        systems={},  # this compile's fsspec filesystems in this worker (units.process_fetched)
+    )
+    gc.freeze()  # what the worker starts with is never garbage; see _heap_frozen
+
+
+def _die_with_driver(driver: int = 0) -> None:
+    """Asks Linux to kill this worker when the driver dies (kill -9 included).
+
+    Without it, workers of a killed compile keep decoding until their queue
+    drains, holding memory and CPU that a --resume run needs. The parent of a
+    forkserver's worker is the fork server, which lives as long as any of its
+    workers does (each holds the server's keep-alive pipe, and its task queue's
+    both ends): such a worker watches the driver's pid, or neither would ever exit.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    if driver and os.getppid() != driver:
+        threading.Thread(target=_exit_with, args=(driver,), daemon=True).start()
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # best effort: the compile is correct either way
+
+
+def _exit_with(pid: int) -> None:
+    """Kills this process once process ``pid`` has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = -1  # gone already
+    except OSError:  # no pidfd (Linux before 5.3): poll
+        while _alive(pid):
+            time.sleep(1.0)
+        fd = -1
+    if fd >= 0:
+        select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process under that pid: alive
+    return True
+
+
+@dataclass(frozen=True)
+class _Spilled:
+    """An array a worker wrote to its chunk file: where it lies and what it is."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _run_chunk(items: list[Item]) -> tuple[list[Outcome], str | None]:
+    """Processes a chunk; arrays of 4 KiB or more travel through a file, not the result pipe.
+
+    Pushing ~100 KB feature arrays through the pool's pipe cost about a fifth
+    of the compile's CPU on the 2-core build machine (pipe-buffer-sized
+    writes, a context switch each); one file write per chunk, read back in
+    one call, does not.
+    """
+    w = _WORKER
+    outcomes = process_fetched(items, w["recipe"], w["shape"], w["storage_options"], w["systems"])
+    path = Path(_WORKER["spill_dir"]) / f"{SPILL_PREFIX}{os.getpid()}-{next(_WORKER['chunks'])}"
+    offset = 0
+    with open(path, "wb") as f:
+        for outcome in outcomes:
+            for sample in outcome.samples:
+                for name, value in sample.items():
+                    if isinstance(value, np.ndarray) and value.nbytes >= 4096:
+                        f.write(np.ascontiguousarray(value).data)
+                        sample[name] = _Spilled(offset, value.dtype.str, value.shape)
+                        offset += value.nbytes
+    if not offset:
+        path.unlink()
+        return outcomes, None
+    return outcomes, str(path)
+
+
+def _unspill(result: tuple[list[Outcome], str | None]) -> list[Outcome]:
+    outcomes, path = result
+    if path is None:
+        return outcomes
+    with open(path, "rb") as f:
+        data = f.read()
+    os.unlink(path)
+    for outcome in outcomes:
+        for sample in outcome.samples:
+            for name, value in sample.items():
+                if isinstance(value, _Spilled):
+                    count = int(np.prod(value.shape)) if value.shape else 1
+                    array = np.frombuffer(data, value.dtype, count, value.offset)
+                    sample[name] = array.reshape(value.shape)
+    return outcomes
+
+
+# -- driver --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """The objects that exist when a compile starts (the caller's, torch's: a few hundred
+    thousand) are left out of the cyclic garbage collector's scans until it ends: each full
+    scan of them cost about 65 ms, a few percent of a one-worker compile of 2,000 clips,
+    while nothing the compile makes can free them. Objects made during the compile are
+    collected as usual. A caller that froze its own heap keeps it frozen; anything frozen
+    while the compile runs (by another thread, or an on_progress callback) is unfrozen
+    with the rest when it ends."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@_heap_frozen()
+def compile_corpus(
+    recipe: Recipe,
+    out: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    on_progress: Callable[[int], None] | None = None,
+    unit_inputs: int | None = None,
+    dask: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> Index:
+    """Compiles recipe.source into an archive at ``out``; returns its index.
+
+    ``unit_inputs``: inputs per work unit (default by media, UNIT_INPUTS). ``dask``: a scheduler address, or ``local:N`` for a LocalCluster of N
+    worker processes; None runs ``workers`` local processes.
+    """
+    if is_url(out):  # before the listing: a refused OUT costs no listing of the corpus
+        check_apart(os.fspath(out), recipe)
+    corpus = open_corpus(
+        recipe.source,
+        recipe.layout,
+        recipe.media,
+        recipe.images,
+        recipe.masks,
+        **recipe.columns(),
+        storage_options=storage_options,
+        allow_paths=recipe.allow_paths,
+    )
+    if not corpus.items:
+        raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
+    _warn_on_a_guessed_rate(recipe, corpus)
+    shape = CorpusShape.of(corpus)
+    run = Run(
+        recipe,
+        corpus,
+        shape,
+        tuple(schema_for(recipe, shape)),
+        os.fspath(out),
+        storage_options,
+        _unit_size(unit_inputs, corpus.media),
+        unit_inputs is not None,
+        progress,
+        on_progress,
+    )
+
+    if dask is None:
+        count = max(1, workers or os.cpu_count() or 1)
+        local = functools.partial(_local_records, run, workers=count)
+        return finish_run(run, local, resume=resume, overwrite=overwrite)
+    from .dask_engine import dask_client, dask_records
+
+    # the cluster is reached before OUT is taken: a scheduler that does not answer
+    # leaves OUT as it was
+    with dask_client(dask) as client:
+        on_cluster = functools.partial(dask_records, client, run)
+        return finish_run(run, on_cluster, resume=resume, overwrite=overwrite)
+
+
+PROBED_INPUTS = 16  # audio headers read before a compile whose rate the preset chose
+
+
+def _warn_on_a_guessed_rate(recipe: Recipe, corpus: Corpus) -> None:
+    """A CompileWarning when the preset's sample rate (not one the user gave) would resample
+    inputs down by more than 2x: most of their bandwidth would be dropped without a word.
+    Reads the headers of a few local inputs spread over the listing, nothing else."""
+    if recipe.media != "audio" or "sample_rate" not in recipe.guessed or is_url(recipe.source):
+        return
+    target = recipe.feature.sample_rate
+    count = len(corpus.items)
+    probed: list[int] = []
+    for n in sorted({k * count // PROBED_INPUTS for k in range(PROBED_INPUTS)}):
+        item = corpus.items[n]
+        if item.error:
+            continue
+        if item.data is not None and item.member is not None:
+            source: str | bytes | None = item.data.get(item.member[1])
+        else:
+            source = item.path if item.path is not None and not is_url(item.path) else None
+        rate = None if source is None else probe_rate(source)
+        if rate is not None:
+            probed.append(rate)
+    if probed and max(probed) > 2 * target:
+        low, high = min(probed), max(probed)
+        rates = f"{high} Hz" if low == high else f"{low}-{high} Hz"
+        warnings.warn(
+            CompileWarning(
+                f"{recipe.source}: inputs are {rates} ({len(probed)} of {count} read), "
+                f"resampled to {target} Hz, the {recipe.feature.preset} preset's rate: "
+                f"everything above {target // 2} Hz is dropped; pass --sample-rate to keep more"
+                " (or to confirm this rate and silence this warning)"
+            ),
+            stacklevel=3,
+        )
+
+
+def _unit_size(unit_inputs: int | None, media: str) -> int:
+    # Chunks (the inputs featurized together) are cut from each unit's first input, so
+    # they never span two units whatever the unit size.
+    size = UNIT_INPUTS[media] if unit_inputs is None else unit_inputs
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise CompileError(f"--unit-inputs {size}: expected a positive number of inputs")
+    return size
+
+
+def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitRecord]:
+    """Runs the pending units in unit order on this machine; yields each committed record."""
+    store, done = run.store(), [0]
+    units = [(u, run.inputs_of(u)) for u in pending]
+
+    def after_put(_: object) -> None:
+        done[0] += 1
+        faults.at(f"shard:{done[0]}")
+
+    sizes: dict[int, str] = {}  # unit -> its inputs' sizes, taken as its inputs go out
+    chunks = (
+        chunk
+        for unit, inputs in units
+        for chunk in chunked(
+            unit_items(run.corpus, unit, inputs, sizes), chunk_items(run.recipe, run.corpus.media)
+        )
+    )
+    outcomes = _results(chunks, run, workers, store.staging())
+    with contextlib.closing(outcomes):
+        consumed = 0
+        for unit, inputs in units:
+            writer = UnitWriter(run.task(), store, unit, inputs, run.recipe.on_error, after_put)
+            try:
+                for outcome in itertools.islice(outcomes, len(inputs)):
+                    consumed += 1
+                    if not writer.add(outcome):
+                        break
+                    run.advance(1)
+                    faults.at(f"input:{consumed}")
+                writer.input_sizes = sizes.pop(unit, "")
+                record = writer.commit()
+            except BaseException:
+                writer.discard()
+                raise
+            yield record
+            if record.failure is not None:
+                return
+
+
+def _results(
+    chunks: Iterator[list[Item]],
+    run: Run,
+    workers: int,
+    spill_dir: Path,
+) -> Generator[Outcome, None, None]:
+    """Every input's outcome, in order, featurized in this process or a pool of ``workers``
+    (each fetching its chunks' URL inputs itself)."""
+    shape, recipe, options = run.shape, run.recipe, run.storage_options
+    if workers == 1:
+        numerics.require()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            systems: dict[str, Any] = {}
+            for chunk in chunks:
+                yield from process_fetched(chunk, recipe, shape, options, systems)
+        finally:
+            torch.set_num_threads(threads)
+        return
+    ctx = _worker_context()
+    try:
+        with (
+            _main_module_hidden(),
+            ProcessPoolExecutor(
+                workers,
+                mp_context=ctx,
+                initializer=_init_worker,
+                initargs=(
+                    recipe.to_json(),
+                    shape,
+                    str(spill_dir),
+                    options,
+                    os.getpid(),
+                    dict(os.environ),
+                    worker_decode_threads(workers),
+                ),
+            ) as pool,
+        ):
+            pending: deque[Future[tuple[list[Outcome], str | None]]] = deque()
+            try:
+                for chunk in chunks:
+                    pending.append(pool.submit(_run_chunk, chunk))
+                    if len(pending) >= 8 * workers:  # bounded: a few chunks per worker in flight
+                        yield from _unspill(pending.popleft().result())
+                while pending:
+                    yield from _unspill(pending.popleft().result())
+            except BrokenProcessPool:
+                raise CompileError(
+                    "a worker process died (killed, or out of memory); run again with --resume"
+                ) from None
+            finally:
+                for f in pending:
+                    f.cancel()
+    finally:
+        # Chunks finished but never read (a stopped compile): their files go too.
+        for leftover in spill_dir.glob(f"{SPILL_PREFIX}*"):
+            leftover.unlink(missing_ok=True)
+
+
+def worker_decode_threads(workers: int) -> int:
+    """The threads each of ``workers`` pool workers decodes a video with: the cores
+    this process may use, shared out (at least one each)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, workers))
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """fork when this process runs a single thread (workers start at once, torch
+    already imported); otherwise forkserver, since forking a threaded process can
+    copy a lock that another thread holds. Workers use no CUDA either way."""
+    if sys.platform == "linux" and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, *FORKSERVER_PRELOAD])
+    return ctx
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Workers run only dlop code: keep them from re-importing the caller's __main__.
+
+    A forkserver or spawn child re-runs the parent's main script unless it is
+    guarded by ``if __name__ == "__main__"``, and fails outright for ``<stdin>``
+    or notebooks. Hiding the main module's file and spec while the pool starts
+    its children avoids both.
+    """
+    main = sys.modules.get("__main__")
+    saved: dict[str, Any] = {
+        a: main.__dict__[a]
+        for a in ("__file__", "__spec__")
+        if main is not None and a in main.__dict__
+    }
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)

@@ -1,0 +1,376 @@
+"""Work units: consecutive inputs compiled into their own shards, committed by one record.
+
+Inputs carry a fixed global number from the corpus listing; unit k holds inputs
+[k * unit_inputs, (k + 1) * unit_inputs). A unit's shards are named by unit and
+shard number (``unit-000003-0001.dlop``, formats/units.py), close only between
+inputs, and never span two units, so a unit's files depend only on its inputs
+and the recipe. A unit is published shards first, then its commit record
+(``.dlop-unit-000003.json``); it counts as done only when its record exists, parses,
+and every shard it names is in OUT under that name (locally: with the recorded
+size and CRC-32). Any engine (local processes, Dask) runs units in any order and
+as often as it likes; the client merges the records in unit order into the index.
+
+``run_unit`` is the whole of a unit's work in one function of (task, inputs): what
+a Dask task runs, and what a local compile runs with its featurizing spread over
+a process pool (pipeline.py feeds a UnitWriter the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import tempfile
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlop.formats import ArchiveWriter, Field, FormatError, ShardInfo, unit_shard_name
+from dlop.formats.constants import MAX_SHARD_SAMPLES
+from dlop.formats.files import loads_bounded
+from dlop.formats.skipped import encode_record
+from dlop.formats.units import is_count
+
+from ..audio import numerics
+from ..corpus.layouts import stream_items
+from ..corpus.listing import text_path
+from ..corpus.records import Corpus, Item, fingerprint
+from ..errors import CompileError
+from ..output.journal import Journal
+from ..output.store import LocalStore, Store, open_store
+from ..recipe import Recipe, build_recipe
+from ..urls import fetch_inputs
+from . import faults
+from .items import CorpusShape, Outcome, process_items
+
+COMMIT_PREFIX = ".dlop-unit-"
+# Inputs featurized together as one task of a local pool, cut from each unit's first
+# input (the bytes do not depend on the grouping, featurize_clips).
+CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 4}
+# Default inputs per unit, by media: a few minutes of one worker's time for typical inputs.
+UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256}
+
+
+def commit_name(unit: int) -> str:
+    return f"{COMMIT_PREFIX}{unit:06d}.json"
+
+
+@dataclass(frozen=True)
+class UnitRecord:
+    """What a committed unit wrote: its shards and skipped inputs (and who ran it)."""
+
+    unit: int
+    first_input: int
+    num_inputs: int
+    shards: tuple[ShardInfo, ...] = ()
+    skipped: tuple[dict[str, Any], ...] = ()
+    failure: str | None = None  # the bad input that stopped an --on-error fail compile
+    worker: str = ""
+    peak_rss: int = 0  # bytes: the worker process's peak resident set so far
+    # sha256 of the inputs' sizes as the unit started (input_sizes), when the corpus's
+    # fingerprint leaves them out (Corpus.unit_sizes); "" otherwise
+    input_sizes: str = ""
+
+    def to_json(self, digest: str) -> dict[str, Any]:
+        return {
+            "recipe_digest": digest,
+            "unit": self.unit,
+            "first_input": self.first_input,
+            "num_inputs": self.num_inputs,
+            "shards": [s.to_json() for s in self.shards],
+            "skipped": list(self.skipped),
+            "worker": self.worker,
+            "peak_rss": self.peak_rss,
+            **({"input_sizes": self.input_sizes} if self.input_sizes else {}),
+        }
+
+
+def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitRecord | None:
+    """A commit record's contents when it is the record of ``unit`` of this compile; else None
+    (such a unit is not committed, and is compiled again)."""
+    try:
+        obj = loads_bounded(commit_name(unit), data, "commit record")
+    except FormatError:
+        return None
+    if not isinstance(obj, dict) or obj.get("recipe_digest") != digest:
+        return None
+    head = [obj.get(k) for k in ("unit", "first_input", "num_inputs")]
+    shards, skipped = obj.get("shards"), obj.get("skipped")
+    if head != [unit, inputs.start, len(inputs)] or not isinstance(shards, list):
+        return None
+    if not isinstance(skipped, list) or len(skipped) > len(inputs):
+        return None
+    infos = []
+    for j, s in enumerate(shards):
+        if not isinstance(s, dict) or s.get("file") != unit_shard_name(unit, j):
+            return None
+        nums = [s.get(k) for k in ("num_samples", "bytes", "crc32")]
+        limits = (MAX_SHARD_SAMPLES, (1 << 64) - 1, 0xFFFFFFFF)
+        if not all(is_count(v, most) for v, most in zip(nums, limits, strict=True)):
+            return None
+        infos.append(ShardInfo(s["file"], s["num_samples"], s["bytes"], s["crc32"]))
+    try:
+        for k, r in enumerate(skipped):
+            encode_record(r, k)
+    except (FormatError, ValueError, TypeError):
+        return None
+    worker, rss, sizes = obj.get("worker"), obj.get("peak_rss"), obj.get("input_sizes", "")
+    return UnitRecord(
+        unit,
+        inputs.start,
+        len(inputs),
+        tuple(infos),
+        tuple(skipped),
+        worker=worker if isinstance(worker, str) else "",
+        peak_rss=rss if is_count(rss, 1 << 62) else 0,
+        input_sizes=sizes if isinstance(sizes, str) else "",
+    )
+
+
+def shards_in_place(store: Store, record: UnitRecord, listed: Mapping[str, int]) -> bool:
+    """Whether every shard the record names is in OUT with the recorded size, by the
+    listing ``listed`` (Store.sizes: a store publishes whole files only); for a local
+    OUT with the recorded CRC-32 too."""
+    for s in record.shards:
+        if listed.get(s.file) != s.bytes:
+            return False
+        if isinstance(store, LocalStore) and _file_crc32(store.root / s.file) != s.crc32:
+            return False
+    return True
+
+
+def _file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+# -- doing a unit --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitTask:
+    """Everything a unit needs besides its inputs; small, and the same for every unit."""
+
+    recipe: dict[str, Any]  # Recipe.to_json()
+    digest: str
+    shape: CorpusShape
+    fields: tuple[Field, ...]
+    unit_inputs: int
+    out: str
+    storage_options: dict[str, Any] | None = None
+    # The journal's run token of the compile (Journal.run): names its Dask tasks, and a
+    # unit publishes only while OUT's journal still names it (UnitWriter.check_run).
+    run: str = ""
+    # numerics.resume_key of the driver: every worker must write with the same
+    numerics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class UnitWriter:
+    """Writes one unit's outcomes, in input order, into its own shards; ``commit`` publishes
+    the record. Shards are written in a staging folder of their own and put into OUT as
+    each closes."""
+
+    task: UnitTask
+    store: Store
+    unit: int
+    inputs: range
+    on_error: str
+    after_put: Callable[[ShardInfo], None] | None = None  # called once a shard is in OUT
+    failure: str | None = None
+    input_sizes: str = ""  # UnitRecord.input_sizes, set before commit
+
+    def __post_init__(self) -> None:
+        self.staging = Path(tempfile.mkdtemp(prefix=f"u{self.unit}-", dir=self.store.staging()))
+        self.writer = ArchiveWriter(
+            self.staging,
+            self.task.fields,
+            shard_bytes=int(self.task.recipe["shard_bytes"]),
+            name_shard=lambda j: unit_shard_name(self.unit, j),
+            on_shard=self._put,
+        )
+
+    def check_run(self) -> None:
+        """Refuses to publish once OUT's journal no longer names this compile's run: OUT was
+        taken over (--overwrite, --resume) or discarded, and a task still running after its
+        client stopped (Dask cannot stop a running task) must write nothing more there."""
+        if not self.task.run:
+            return
+        journal = Journal(self.store.url, self.task.digest, "", self.task.unit_inputs, 0)
+        journal.run = self.task.run
+        journal.check_run(self.store)
+
+    def _put(self, info: ShardInfo) -> None:
+        self.check_run()
+        self.store.put(self.staging / info.file, info.file)
+        if self.after_put is not None:
+            self.after_put(info)
+
+    def add(self, outcome: Outcome) -> bool:
+        """Writes one input's samples, or records it as skipped; False once a bad input
+        stops an --on-error fail compile (``failure`` says which)."""
+        if outcome.reason is None:
+            self.writer.write_group(outcome.samples)
+            return True
+        path = text_path(outcome.path or outcome.key)
+        if self.on_error == "fail":
+            self.failure = f"{path}: {outcome.reason} (--on-error fail)"
+            return False
+        self.writer.skip(path, outcome.reason or "", key=outcome.key)
+        return True
+
+    def commit(self) -> UnitRecord:
+        """Puts the last shard, then the commit record; returns the record."""
+        try:
+            if self.failure is not None:
+                self.writer.abort()
+                return UnitRecord(
+                    self.unit, self.inputs.start, len(self.inputs), failure=self.failure
+                )
+            shards = self.writer.finish_shards()
+            record = UnitRecord(
+                self.unit,
+                self.inputs.start,
+                len(self.inputs),
+                tuple(shards),
+                tuple(self.writer.skipped),
+                worker=f"{socket.gethostname()}:{os.getpid()}",
+                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                input_sizes=self.input_sizes,
+            )
+            data = json.dumps(record.to_json(self.task.digest)).encode()
+            self.check_run()
+            self.store.write(commit_name(self.unit), data)
+            return record
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Drops the shard in progress and the staging folder (shards put stay in OUT)."""
+        self.writer.abort(keep_completed=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+_RECIPES: dict[str, Recipe] = {}
+
+
+def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
+    """Compiles one unit, whose inputs are ``corpus.items`` (a corpus holding only this
+    unit's inputs), into OUT; returns its commit record. Pure and idempotent: running it
+    again writes the same files under the same names."""
+    faults.unit_delay(unit)
+    recipe = _RECIPES.get(task.digest)
+    if recipe is None:
+        recipe = _RECIPES[task.digest] = build_recipe(task.recipe)
+    numerics.require()
+    here = numerics.resume_key(numerics.environment())
+    if here != task.numerics:
+        raise CompileError(
+            f"unit {unit}: this worker's numeric environment differs from the compile's "
+            f"({'; '.join(numerics.differences(task.numerics, here))}): "
+            "its bytes would differ from other workers'; give every worker the same torch, "
+            "numpy and dlop install"
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per worker: the bytes do not depend on it
+    store = open_store(task.out, task.storage_options)
+    start = unit * task.unit_inputs
+    writer = UnitWriter(task, store, unit, range(start, start + len(corpus.items)), recipe.on_error)
+    sizes: dict[int, str] = {}
+    systems: dict[str, Any] = {}
+    try:
+        outcomes = (
+            o
+            for chunk in chunked(
+                unit_items(corpus, unit, None, sizes), chunk_items(recipe, corpus.media)
+            )
+            for o in process_fetched(chunk, recipe, task.shape, task.storage_options, systems)
+        )
+        for n, outcome in enumerate(outcomes, 1):
+            if not writer.add(outcome):
+                break
+            faults.worker_dies(unit, n)
+        writer.input_sizes = sizes.get(unit, "")
+        return writer.commit()
+    except BaseException:
+        writer.discard()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+
+
+def process_fetched(
+    chunk: list[Item],
+    recipe: Recipe,
+    shape: CorpusShape,
+    storage_options: dict[str, Any] | None,
+    systems: dict[str, Any],
+) -> list[Outcome]:
+    """process_items on one chunk, the bytes of its URL inputs fetched first and let go
+    after it (a worker holds one chunk's input bytes at a time). An object that cannot be
+    read is a bad input, recorded with the reason. The items given are not changed.
+    ``systems``: the fsspec filesystems, by scheme, that one compile's worker reuses
+    across its chunks (a new S3 client costs more than a chunk's fetches)."""
+    copies = [replace(item) for item in chunk]
+    fetch_inputs(copies, storage_options, systems)
+    return process_items(copies, recipe, shape)
+
+
+def unit_corpus(corpus: Corpus, inputs: range) -> Corpus:
+    """The corpus cut down to one unit's inputs (what a unit's task carries)."""
+    return replace(corpus, items=corpus.items[inputs.start : inputs.stop])
+
+
+def input_sizes(corpus: Corpus, items: Iterable[Item]) -> str:
+    """sha256 over the inputs' (key, size, offset, duration): what a unit of a corpus whose
+    fingerprint leaves out its inputs' sizes (Corpus.unit_sizes) records as it starts,
+    and what a resume compares, redoing the unit when they differ."""
+    from ..corpus.layouts import source_path
+
+    return fingerprint(items, b"", source_path(corpus.root, corpus.storage_options))
+
+
+def unit_items(
+    corpus: Corpus, unit: int, inputs: range | None, sizes: dict[int, str]
+) -> Iterator[Item]:
+    """The unit's inputs (``inputs`` of the corpus, or all of a unit's corpus when None), in
+    order; for a Corpus.unit_sizes corpus their sizes go into ``sizes[unit]`` before the
+    first is given out (so before any of them is read)."""
+    start, stop = (0, None) if inputs is None else (inputs.start, inputs.stop)
+    if not corpus.unit_sizes:
+        yield from stream_items(corpus, start, stop)
+        return
+    items = list(stream_items(corpus, start, stop))
+    sizes[unit] = input_sizes(corpus, items)
+    yield from items
+
+
+def chunk_items(recipe: Recipe, media: str) -> int:
+    """Inputs per chunk (CHUNK_ITEMS): an image compile that keeps whole images (no crop,
+    or tiles covering the image) goes one image at a time, since a worker holds a whole
+    chunk's samples at once; a cropped image's samples are small, and a few to a chunk
+    save the pool's per-chunk round trip."""
+    vision = recipe.vision
+    if media == "image" and (vision.crop is None or vision.tile is not None):
+        return 1
+    return CHUNK_ITEMS[media]
+
+
+def chunked(items: Iterable[Item], size: int) -> Iterator[list[Item]]:
+    chunk: list[Item] = []
+    for it in items:
+        chunk.append(it)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

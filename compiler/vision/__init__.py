@@ -1,0 +1,1 @@
+"""Video and images: clip sampling, resizing, masks and their options."""
