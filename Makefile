@@ -10,7 +10,7 @@ STAMP := $(VENV)/.dlop-installed
 env: $(STAMP)
 
 # torch is pinned to the CPU build; an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml runtime/_copy.c compiler/audio/_kernels.c formats/_crc32.c
+$(STAMP): pyproject.toml runtime/gather/_copy.c compiler/audio/_kernels.c formats/_crc32.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

@@ -5,24 +5,29 @@ through ``__getitems__``); ``Loader`` is the faster, resumable, DDP-aware
 iterator; ``IterableArchive`` serves DataLoader worker processes. Both
 ``open_archive`` and ``Loader`` read several archives as one and choose
 samples (``where=``, ``indices=``); ``Loader`` also mixes sources by weight.
+
+Inside: ``archive`` (the Dataset, opening, selections), ``storage`` (where shard bytes
+come from: mapped files, object storage, the node-local cache), ``order`` (which
+samples each batch holds), ``gather`` (copying them into buffers), ``pipeline``
+(rings, prefetch, the device copy) and ``transforms`` (augmentations); ``loader`` and
+``iterable`` are the two front ends.
 """
 
-from .augment import Mixup, RandomTimeCrop, SpecAugment
+from .archive.dataset import Archive
+from .archive.opening import count_selected, open_archive
 from .batch import Batch
-from .dataset import Archive
-from .errors import (
-    LoaderError,
-    SampleIndexError,
-    ShardChangedError,
-    UsageError,
-    UsageTypeError,
-)
+from .errors import LoaderError, SampleIndexError, ShardChangedError, UsageError, UsageTypeError
 from .iterable import IterableArchive
 from .loader import Loader
-from .mixture import Source
-from .opening import count_selected, open_archive
-from .order import OrderSpec, epoch_order, rank_batches
-from .vision import Normalize, RandomHorizontalFlip, RandomResizedCrop, RandomTemporalCrop
+from .order.epochs import OrderSpec, epoch_order, rank_batches
+from .order.mixture import Source
+from .transforms.audio import Mixup, RandomTimeCrop, SpecAugment
+from .transforms.vision import (
+    Normalize,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    RandomTemporalCrop,
+)
 
 __all__ = [
     "Archive",

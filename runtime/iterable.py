@@ -21,14 +21,14 @@ the epoch's start, the same after a resume), so the training loop saves
 workers are not counted in this process: there ``state_dict()`` with neither
 ``after`` nor ``batches_done`` raises rather than record a wrong position.
 
-It takes what the Loader takes (runtime.choose): a path, a list of paths read
+It takes what the Loader takes (runtime.order.choose): a path, a list of paths read
 as one, a URL (each worker reads through the node-local shard cache), a
 mixture (a dict of sources; batches name each sample's source), ``where`` and
 ``indices``. Each worker opens the archive and computes the order itself; a
 state records the choice of samples and is refused by another.
 
 In a worker, batches are gathered into a few shared-memory slots reused from
-batch to batch (runtime.shared_ring), each refilled only once the main
+batch to batch (runtime.pipeline.shared_ring), each refilled only once the main
 process no longer holds the batch that used it.
 """
 
@@ -43,16 +43,16 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .archive.concat import ArchivePaths
+from .archive.dataset import Archive
 from .batch import Batch
-from .choose import Choice, choose
-from .concat import ArchivePaths
-from .dataset import Archive
-from .distributed import rank_and_world
 from .errors import UsageError, UsageTypeError, check_int
-from .loader_state import check_settings, order_settings, same
-from .order import BatchOrder, check_epoch
-from .remote_archive import cache_options
-from .shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
+from .order.choose import Choice, choose
+from .order.distributed import rank_and_world
+from .order.epochs import BatchOrder, check_epoch
+from .pipeline.loader_state import check_settings, order_settings, same
+from .pipeline.shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
+from .storage.remote_archive import cache_options
 
 STATE_FORMAT = "dlop-iterable-state"
 # version 1 split batches among world_size * workers consumers; a version 2 state

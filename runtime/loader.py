@@ -1,17 +1,17 @@
 """The Loader: the runtime's stages composed, in the order the bytes move.
 
-    order (runtime.order)      which samples make batch j of this epoch
-      -> source (runtime.source)   the mapped shards they live in
-      -> gather (runtime.gather*)  indices -> a copy plan into a ring slot
-      -> engine (runtime.engine)   executes the plan on the copy threads
-      -> ring/prefetch (runtime.ring, runtime.prefetch)  slots, back-pressure
-      -> device (runtime.device)   side-stream copy to CUDA, with an event
-      -> transforms (runtime.transforms)  seeded per (seed, epoch, batch)
+    order (runtime.order.epochs)      which samples make batch j of this epoch
+      -> source (runtime.storage.source)   the mapped shards they live in
+      -> gather (runtime.gather.fields*)  indices -> a copy plan into a ring slot
+      -> engine (runtime.gather.engine)   executes the plan on the copy threads
+      -> ring/prefetch (runtime.pipeline.ring, runtime.pipeline.prefetch)  slots, back-pressure
+      -> device (runtime.pipeline.device)   side-stream copy to CUDA, with an event
+      -> transforms (runtime.transforms.base)  seeded per (seed, epoch, batch)
 
 ``prefetch > 0`` runs gather and device on one producer thread kept for the
 Loader's lifetime, while the training loop takes ready batches;
 ``prefetch=0`` runs the same stages inline when a batch is asked for.
-The buffer contract is in runtime.ring.
+The buffer contract is in runtime.pipeline.ring.
 """
 
 from __future__ import annotations
@@ -24,16 +24,17 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import torch
 
+from .archive.concat import ArchivePaths
+from .archive.dataset import Archive
 from .batch import Batch
-from .choose import choose
-from .concat import ArchivePaths
-from .dataset import Archive
-from .device import DeviceStage
-from .engine import CopyEngine
 from .errors import LoaderError, SampleIndexError, UsageError, UsageTypeError, check_int
-from .loader_state import STATE_FORMAT, STATE_SETTINGS, check_state, loader_state
-from .plan import CopyPlan
-from .prefetch import (
+from .gather.engine import CopyEngine
+from .gather.plan import CopyPlan
+from .gather.threads import JobThread, at_exit
+from .order.choose import choose
+from .pipeline.device import DeviceStage
+from .pipeline.loader_state import STATE_FORMAT, STATE_SETTINGS, check_state, loader_state
+from .pipeline.prefetch import (
     STOPPED_MESSAGE,
     Asks,
     InlineRun,
@@ -42,10 +43,9 @@ from .prefetch import (
     PrefetchIter,
     Production,
 )
-from .remote_archive import cache_options
-from .ring import Slot, allocate, slot_count
-from .threads import JobThread, at_exit
-from .transforms import Transform, TransformStage, check_transforms
+from .pipeline.ring import Slot, allocate, slot_count
+from .storage.remote_archive import cache_options
+from .transforms.base import Transform, TransformStage, check_transforms
 
 __all__ = ["STATE_FORMAT", "STATE_SETTINGS", "Loader", "LoaderError", "Transform"]
 
@@ -77,7 +77,7 @@ class Loader:
 
     ``rank``/``world_size`` default to torch.distributed's when it is
     initialized; ``order`` is ``global`` (full permutation) or ``window``
-    (out-of-core, see runtime.order); ``bucket_by`` names a ragged field whose
+    (out-of-core, see runtime.order.epochs); ``bucket_by`` names a ragged field whose
     lengths group batches; ``transforms`` are callables ``(batch, generator)
     -> batch`` run on the batch's device with a generator seeded from (seed,
     epoch, batch number), so resumed epochs repeat their augmentations too.
@@ -86,14 +86,14 @@ class Loader:
 
     What to train on (docs/choosing.md): ``archive`` may be a list of paths
     read as one (``allow_recipe_mismatch`` lets recipes differ); ``where`` and
-    ``indices`` choose samples (runtime.selection); a dict of source name ->
-    path(s) or Archive is a mixture (runtime.mixture), each epoch
+    ``indices`` choose samples (runtime.archive.selection); a dict of source name ->
+    path(s) or Archive is a mixture (runtime.order.mixture), each epoch
     ``samples_per_epoch`` samples drawn by ``weights`` (default: the sources'
     sizes), each batch from one source with ``batch_per_source``; its batches
     name each sample's source in ``batch["source"]`` (an index into
     ``loader.sources``). An archive URL (``s3://``, any fsspec URL) is read through
-    the node-local shard cache ``cache_dir`` within ``cache_bytes`` (runtime.remote_archive).
-    ``even_shares=False`` reads each sample once across ranks, shares uneven (runtime.order).
+    the node-local shard cache ``cache_dir`` within ``cache_bytes`` (runtime.storage.remote_archive).
+    ``even_shares=False`` reads each sample once across ranks, shares uneven (runtime.order.epochs).
     """
 
     def __init__(
@@ -197,7 +197,7 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position (epoch, batches done) and the settings that shape the order,
-        the choice of samples included (runtime.loader_state); a few numbers and a
+        the choice of samples included (runtime.pipeline.loader_state); a few numbers and a
         fingerprint, never index lists."""
         position = self.order.state_dict()
         return loader_state(self.spec, position, self.bucket_by, self.choice.settings())
@@ -284,7 +284,7 @@ class Loader:
             asks.release_all()  # stopped early: the batch asked ahead, too
 
     def plan(self, indices: np.ndarray, buffers: dict[str, torch.Tensor]) -> tuple[Batch, CopyPlan]:
-        """The gather stage's plan of a batch into ``buffers`` (runtime.choose.Choice.plan:
+        """The gather stage's plan of a batch into ``buffers`` (runtime.order.choose.Choice.plan:
         a mixture's batches also say each sample's source, ``batch["source"]``)."""
         return self.choice.plan(indices, buffers)
 

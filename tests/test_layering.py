@@ -79,7 +79,7 @@ def test_the_check_catches_a_violation(tmp_path: Path) -> None:
     assert top_level_imports(bad) == {"runtime.loader"}
 
 
-# Calls that start threads or processes; the format layer owns none (runtime.engine
+# Calls that start threads or processes; the format layer owns none (runtime.gather.engine
 # runs the batch copies).
 THREAD_STARTERS = {"Thread", "ThreadPoolExecutor", "ProcessPoolExecutor", "Pool", "Process"}
 

@@ -14,8 +14,8 @@ from typing import Any
 
 def summary(root: Path) -> list[dict[str, Any]]:
     """One entry per archive folder: its id, source URL, cached shards and bytes."""
-    from dlop.runtime.cache import is_shard
-    from dlop.runtime.cache_folder import archive_dirs
+    from dlop.runtime.storage.cache import is_shard
+    from dlop.runtime.storage.cache_folder import archive_dirs
 
     out = []
     for sub in archive_dirs(root):
@@ -33,8 +33,8 @@ def summary(root: Path) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dlop.runtime.cache import CacheDir
-    from dlop.runtime.cache_folder import (
+    from dlop.runtime.storage.cache import CacheDir
+    from dlop.runtime.storage.cache_folder import (
         MARK,
         archive_dirs,
         default_cache_bytes,

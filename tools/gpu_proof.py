@@ -12,7 +12,7 @@ Sections, each a part of ``report.json`` and ``report.md`` in ``--out``:
   how much of the copying ran while a step computed, and which copies ran
   inside step k.
 - ``augmentations``: every augmentation on the device against its CPU result
-  for the same seed; all are exact (runtime.transforms says why).
+  for the same seed; all are exact (runtime.transforms.base says why).
 - ``train``: ResNet18 on ESC-50-shaped log-mels (``dlop-bench --train``): a
   naive DataLoader against dlop's Loader, samples/s and the share of the run
   spent waiting for data, channels-last and bf16 autocast.
@@ -42,10 +42,10 @@ from typing import Any
 import torch
 
 from dlop.runtime import Loader
-from dlop.runtime.augment import Mixup, RandomTimeCrop, SpecAugment
 from dlop.runtime.batch import Batch
-from dlop.runtime.engine import CopyEngine, default_threads
-from dlop.runtime.vision import (
+from dlop.runtime.gather.engine import CopyEngine, default_threads
+from dlop.runtime.transforms.audio import Mixup, RandomTimeCrop, SpecAugment
+from dlop.runtime.transforms.vision import (
     Normalize,
     RandomHorizontalFlip,
     RandomResizedCrop,
@@ -70,7 +70,7 @@ def _sync(device: torch.device) -> None:
 
 def environment(device: torch.device) -> dict[str, Any]:
     from dlop.formats import crc
-    from dlop.runtime import engine
+    from dlop.runtime.gather import engine
 
     env: dict[str, Any] = {
         "python": platform.python_version(),

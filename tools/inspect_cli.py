@@ -290,8 +290,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _where_counts(reader: ArchiveReader, terms: list[str]) -> dict[str, Any]:
     """What ``--where FIELD=V,...`` keeps: the counts a Loader(where=...) would read."""
-    from dlop.runtime.opening import count_selected
-    from dlop.runtime.selection import parse_where
+    from dlop.runtime.archive.opening import count_selected
+    from dlop.runtime.archive.selection import parse_where
 
     counts = count_selected(str(reader.directory), parse_where(reader.fields, terms))
     # JSON object keys are strings; values keep their order of first appearance.

@@ -11,7 +11,7 @@ from dlop.compiler.errors import CompileError
 from dlop.compiler.urls import filesystem as compiler_filesystem
 from dlop.formats import urls
 from dlop.runtime.errors import LoaderError
-from dlop.runtime.remote import filesystem as runtime_filesystem
+from dlop.runtime.storage.remote import filesystem as runtime_filesystem
 
 
 def test_urls_and_paths() -> None:

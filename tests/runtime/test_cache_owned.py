@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dlop.runtime.cache import CacheDir
-from dlop.runtime.cache_folder import MARK, CacheError
+from dlop.runtime.storage.cache import CacheDir
+from dlop.runtime.storage.cache_folder import MARK, CacheError
 from dlop.tools.inspect_cli import main as inspect_main
 
 ARCHIVE = "0123456789abcdef01234567"  # an archive folder's name: 24 hex digits
@@ -79,7 +79,7 @@ def test_a_cache_folder_this_process_may_not_write_is_a_clear_error(
     CacheDir(tmp_path / "c", max_bytes=1)  # a cache, marked
     (tmp_path / "c").chmod(0o555)
     if os.geteuid() == 0:  # root may write anywhere: answer as access(2) does for others
-        import dlop.runtime.cache_folder as folder
+        import dlop.runtime.storage.cache_folder as folder
 
         monkeypatch.setattr(folder.os, "access", lambda path, mode: False)
     try:
@@ -90,7 +90,7 @@ def test_a_cache_folder_this_process_may_not_write_is_a_clear_error(
 
 
 def test_budgets_with_units_and_overflowing_sizes(tmp_path: Path) -> None:
-    from dlop.runtime.cache_folder import byte_budget, parse_bytes
+    from dlop.runtime.storage.cache_folder import byte_budget, parse_bytes
 
     assert byte_budget("100MB", "cache_bytes") == 100 * 10**6  # as dlop-compile reads it
     assert byte_budget("50G", "cache_bytes") == 50 << 30

@@ -16,8 +16,8 @@ import pytest
 
 from dlop.formats.storage import Retry
 from dlop.runtime import Loader
-from dlop.runtime.cache import CacheDir
-from dlop.runtime.remote_archive import RemoteArchive
+from dlop.runtime.storage.cache import CacheDir
+from dlop.runtime.storage.remote_archive import RemoteArchive
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive
 
@@ -27,7 +27,7 @@ SETTINGS = {"batch_size": 4, "seed": 1, "order": "window", "window_shards": 2}
 RANK = """
 import json, sys, torch
 from dlop.runtime import Loader
-from dlop.runtime.remote_archive import RemoteArchive
+from dlop.runtime.storage.remote_archive import RemoteArchive
 url, cache, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ds = RemoteArchive(url, cache_dir=cache)
 keys = []
@@ -71,7 +71,7 @@ HOLD_TMP = """
 import sys, time
 from pathlib import Path
 from dlop.runtime import Loader
-from dlop.runtime.cache import CacheDir
+from dlop.runtime.storage.cache import CacheDir
 cache = CacheDir(sys.argv[1], max_bytes=1 << 20)
 cache.reserve(cache.archive_dir("0000000000000000000000aa") / "shard.dlop.tmp-dead", 1000)
 print("ready", flush=True)
@@ -100,7 +100,7 @@ def test_killed_writer_leaves_nothing_behind(tmp_path: Path) -> None:
 
 STALL = """
 import sys
-from dlop.runtime.remote_archive import RemoteArchive
+from dlop.runtime.storage.remote_archive import RemoteArchive
 ds = RemoteArchive(sys.argv[1], cache_dir=sys.argv[2])
 print("opened", flush=True)
 ds[0]

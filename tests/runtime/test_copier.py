@@ -21,10 +21,10 @@ import torch
 
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Loader, LoaderError, open_archive
-from dlop.runtime import engine as engine_module
-from dlop.runtime.engine import CopyEngine, compiled
-from dlop.runtime.plan import CopyPlan, Rows, Runs
-from dlop.runtime.threads import HELPER_NICE
+from dlop.runtime.gather import engine as engine_module
+from dlop.runtime.gather.engine import CopyEngine, compiled
+from dlop.runtime.gather.plan import CopyPlan, Rows, Runs
+from dlop.runtime.gather.threads import HELPER_NICE
 
 from .test_loader import run_epoch
 
@@ -48,7 +48,7 @@ def _runs(rng: np.random.Generator, sizes: list[int]) -> tuple[np.ndarray, np.nd
 def test_compiled_copier_is_built_where_a_compiler_is() -> None:
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: the fallback copies serve")
-    assert engine_module.built(), "runtime/_copy.c was not built at install"
+    assert engine_module.built(), "runtime/gather/_copy.c was not built at install"
 
 
 @needs_native
@@ -369,7 +369,7 @@ _FAULT = textwrap.dedent(
     """
     import ctypes, mmap, os, sys, tempfile
     import numpy as np
-    from dlop.runtime import _copy
+    from dlop.runtime.gather import _copy
 
     path = os.path.join(tempfile.mkdtemp(), "shard")
     with open(path, "wb") as f:
@@ -420,7 +420,7 @@ def test_a_shard_truncated_after_its_check_raises_shard_changed(
     if compiled() is None:
         pytest.skip("compiled copier not built")
     from dlop.runtime import ShardChangedError
-    from dlop.runtime.source import LocalSource
+    from dlop.runtime.storage.source import LocalSource
 
     with ArchiveWriter(tmp_path / "a", [Field("x", "u8", (8192,))], shard_bytes=1 << 20) as w:
         for i in range(64):

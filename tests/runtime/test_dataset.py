@@ -96,7 +96,7 @@ def test_dataloader_workers_map_style_and_iterable(archive: Path) -> None:
 
 def test_ragged_span_plan_agrees_with_a_row_gather(tmp_path: Path) -> None:
     from dlop.formats import ArchiveWriter, Field
-    from dlop.runtime.gather_mapped import RaggedRowsGather
+    from dlop.runtime.gather.mapped import RaggedRowsGather
 
     with ArchiveWriter(tmp_path / "s", [Field("f", "f16", (None, 80))], shard_bytes=300_000) as w:
         for i in range(40):

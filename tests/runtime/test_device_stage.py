@@ -14,7 +14,7 @@ import torch
 
 from dlop.runtime import Loader
 from dlop.runtime.batch import Batch
-from dlop.runtime.device import DeviceStage
+from dlop.runtime.pipeline.device import DeviceStage
 
 from .helpers import make_archive
 

@@ -27,7 +27,7 @@ DRIVER = textwrap.dedent(
 
     def check_threads():
         # Runs after the runtime's own exit hooks (registered later, run earlier).
-        from dlop.runtime.threads import live_threads
+        from dlop.runtime.gather.threads import live_threads
         left = [t.name for t in threading.enumerate() if t.name.startswith("dlop")]
         natives = [
             t.native_id for t in live_threads()

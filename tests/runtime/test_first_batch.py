@@ -9,14 +9,7 @@ import numpy as np
 import pytest
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import (
-    IterableArchive,
-    Loader,
-    Mixup,
-    RandomResizedCrop,
-    SpecAugment,
-    UsageError,
-)
+from dlop.runtime import IterableArchive, Loader, Mixup, RandomResizedCrop, SpecAugment, UsageError
 
 from .helpers import make_archive
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dlop.runtime import open_archive
-from dlop.runtime.engine import run_share
-from dlop.runtime.gather import batch_groups, shard_groups
-from dlop.runtime.plan import Rows
+from dlop.runtime.gather.engine import run_share
+from dlop.runtime.gather.fields import batch_groups, shard_groups
+from dlop.runtime.gather.plan import Rows
 
 from .helpers import make_archive
 

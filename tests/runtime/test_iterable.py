@@ -18,10 +18,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import IterableArchive, Loader, LoaderError, memory, open_archive, shared_ring
+from dlop.runtime import IterableArchive, Loader, LoaderError, open_archive
 from dlop.runtime.batch import Batch
 from dlop.runtime.errors import UsageError, UsageTypeError
-from dlop.runtime.memory import populate
+from dlop.runtime.gather import memory
+from dlop.runtime.gather.memory import populate
+from dlop.runtime.pipeline import shared_ring
 
 from .helpers import make_archive
 

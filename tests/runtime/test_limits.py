@@ -61,7 +61,7 @@ def test_tests_and_tools_use_public_runtime_names_only() -> None:
 def test_the_checks_catch_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "x.py"
     bad.write_text(
-        "from dlop.runtime.engine import _compiled\n"
+        "from dlop.runtime.gather.engine import _compiled\n"
         "from dlop.runtime import engine\n"
         "engine._helpers\nloader._ring()\n"
     )

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from dlop.formats import read_index
-from dlop.runtime import Archive, Loader, LoaderError, open_archive, remote_source
+from dlop.runtime import Archive, Loader, LoaderError, open_archive
 from dlop.runtime.errors import UsageError
-from dlop.runtime.local_cache import CachedArchive
+from dlop.runtime.storage import remote_source
+from dlop.runtime.storage.local_cache import CachedArchive
 from tests.runtime.helpers import make_archive
 
 SETTINGS: dict[str, Any] = {"batch_size": 4, "seed": 3, "order": "window", "window_shards": 2}

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import Loader, UsageError, UsageTypeError, mixture
-from dlop.runtime.mixture import stream_slice
+from dlop.runtime import Loader, UsageError, UsageTypeError
+from dlop.runtime.order import mixture
+from dlop.runtime.order.mixture import stream_slice
 
 SIZES = {"ls": 300, "ps": 500, "cv": 60}
 
@@ -312,7 +313,7 @@ def test_a_state_of_a_far_epoch_loads_without_computing_every_pass(
 
 
 def test_weights_near_the_float_maximum_keep_their_ratio() -> None:
-    from dlop.runtime.mixture import check_weights
+    from dlop.runtime.order.mixture import check_weights
 
     assert check_weights(["a", "b"], {"a": 1e308, "b": 1e308}, [10, 10]) == [0.5, 0.5]
     assert check_weights(["a", "b"], {"a": 1.0, "b": 3.0}, [10, 10]) == [0.25, 0.75]

@@ -117,7 +117,7 @@ def test_bad_specs() -> None:
 
 @pytest.mark.parametrize("bucketed", [False, True])
 def test_order_stage_state_round_trips(bucketed: bool) -> None:
-    from dlop.runtime.order import BatchOrder
+    from dlop.runtime.order.epochs import BatchOrder
 
     lengths = np.random.default_rng(1).integers(1, 500, 103) if bucketed else None
     spec = OrderSpec(103, 8, seed=4, rank=1, world_size=2, bucket_window=3)
@@ -141,7 +141,7 @@ def test_order_stage_state_round_trips(bucketed: bool) -> None:
 
 def test_order_stage_refuses_states_outside_the_epoch() -> None:
     from dlop.runtime.errors import UsageError, UsageTypeError
-    from dlop.runtime.order import BatchOrder
+    from dlop.runtime.order.epochs import BatchOrder
 
     order = BatchOrder(OrderSpec(20, 4))
     for bad in ({"epoch": -1, "batches_done": 0}, {"epoch": 0, "batches_done": 6}):
@@ -152,7 +152,7 @@ def test_order_stage_refuses_states_outside_the_epoch() -> None:
 
 
 def test_set_epoch_after_reset_keeps_the_resume() -> None:
-    from dlop.runtime.order import BatchOrder
+    from dlop.runtime.order.epochs import BatchOrder
 
     spec = OrderSpec(40, 4, seed=1)
     order = BatchOrder(spec)

@@ -12,10 +12,10 @@ import torch
 
 from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import open_archive
-from dlop.runtime.engine import CopyEngine, run_share
 from dlop.runtime.errors import UsageError
-from dlop.runtime.gather_samples import sample_runs
-from dlop.runtime.plan import CopyPlan, Rows, Runs
+from dlop.runtime.gather.engine import CopyEngine, run_share
+from dlop.runtime.gather.plan import CopyPlan, Rows, Runs
+from dlop.runtime.gather.samples import sample_runs
 
 from .helpers import make_archive
 

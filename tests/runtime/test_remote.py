@@ -15,11 +15,11 @@ import torch
 from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.formats.storage import Retry
 from dlop.runtime import Loader, LoaderError, open_archive
-from dlop.runtime.cache import CacheDir
-from dlop.runtime.cache_folder import CacheError
 from dlop.runtime.errors import UsageError
-from dlop.runtime.remote import fetch_index, filesystem
-from dlop.runtime.remote_archive import RemoteArchive, open_remote
+from dlop.runtime.storage.cache import CacheDir
+from dlop.runtime.storage.cache_folder import CacheError
+from dlop.runtime.storage.remote import fetch_index, filesystem
+from dlop.runtime.storage.remote_archive import RemoteArchive, open_remote
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive
 

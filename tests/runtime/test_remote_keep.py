@@ -13,8 +13,8 @@ import torch
 
 from dlop.formats.storage import Retry
 from dlop.runtime import Loader
-from dlop.runtime.cache import CacheDir
-from dlop.runtime.remote_archive import RemoteArchive
+from dlop.runtime.storage.cache import CacheDir
+from dlop.runtime.storage.remote_archive import RemoteArchive
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive
 

@@ -5,12 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlop.runtime import (
-    Normalize,
-    RandomHorizontalFlip,
-    RandomResizedCrop,
-    RandomTemporalCrop,
-)
+from dlop.runtime import Normalize, RandomHorizontalFlip, RandomResizedCrop, RandomTemporalCrop
 from dlop.runtime.batch import Batch
 
 PALETTE = torch.tensor(

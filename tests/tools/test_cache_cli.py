@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dlop.runtime.cache import CacheDir
+from dlop.runtime.storage.cache import CacheDir
 from dlop.tools import cache_cli
 
 

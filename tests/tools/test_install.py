@@ -22,7 +22,7 @@ MODULES = ("dlop.formats", "dlop.compiler", "dlop.runtime", "dlop.tools", "dlop.
 PROBE = f"""
 import importlib, json
 mods = {{m: importlib.import_module(m).__file__ for m in {MODULES!r}}}
-import dlop.runtime.engine as engine
+import dlop.runtime.gather.engine as engine
 print(json.dumps({{"files": mods, "native": engine.compiled() is not None}}))
 """
 

@@ -17,7 +17,7 @@ from dlop.compiler.recipe import build_recipe
 from dlop.compiler.run.pipeline import compile_corpus
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Archive, IterableArchive, Loader, open_archive
-from dlop.runtime.gather import as_tensor
+from dlop.runtime.gather.fields import as_tensor
 
 from .common import Row, best_of, first_batch_ms, interleaved, loader_epoch, rate_row
 from .format_bench import FRAMES, MELS, synthetic_logmel

@@ -1,0 +1,1 @@
+"""The archive as a map-style Dataset: opening, selections, several archives as one."""

@@ -1,0 +1,118 @@
+"""Opening archives: ``open_archive`` (which Archive a path, list or URL names), the
+Loader's archive (``open_for_loader``) and what a ``where`` keeps (``count_selected``,
+for ``dlop-inspect info --where``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dlop.formats.urls import is_url
+
+from ..errors import UsageError
+from .concat import ArchivePaths, archive_paths
+from .dataset import Archive
+from .indices import field_names
+from .selection import Where, select, text_codes, wanted_values
+
+
+def open_archive(
+    path: ArchivePaths,
+    fields: Sequence[str] | str | None = None,
+    pad_value: float = 0.0,
+    *,
+    where: Mapping[str, Any] | None = None,
+    indices: Sequence[int] | np.ndarray | None = None,
+    allow_recipe_mismatch: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_bytes: int | None = None,
+) -> Archive:
+    """Opens an archive, or several with one schema read as one, as a map-style Dataset
+    of the samples ``where`` and ``indices`` choose (see Archive). A URL (``s3://``,
+    ``https://``, any fsspec URL) is read through the node-local shard cache
+    (runtime.storage.remote_archive: ``cache_dir``, ``cache_bytes``), and so is a local
+    archive with zstd fields given a ``cache_dir`` (runtime.storage.local_cache). With a cache,
+    ``cache_bytes`` is its byte budget; without, the local archive's decoded-block
+    cache (Archive's ``cache_bytes``)."""
+    if isinstance(path, str) and is_url(path):
+        from ..storage.remote_archive import open_remote
+
+        if where is not None or indices is not None:
+            raise UsageError(f"{path}: where= and indices= take local archives for now")
+        return open_remote(path, fields, pad_value, cache_dir, cache_bytes)
+    if cache_dir is not None:
+        from ..storage.local_cache import open_cached
+
+        cached = open_cached(path, fields, pad_value, cache_dir, cache_bytes, where, indices)
+        if cached is not None:
+            return cached
+    archive_paths(path, distinct=True)  # a list naming one archive twice is refused
+    return Archive(
+        path,
+        fields=fields,
+        pad_value=pad_value,
+        where=where,
+        indices=indices,
+        allow_recipe_mismatch=allow_recipe_mismatch,
+        **({"cache_bytes": cache_bytes} if cache_bytes is not None and cache_dir is None else {}),
+    )
+
+
+def open_for_loader(
+    archive: Archive | ArchivePaths,
+    fields: Sequence[str] | str | None,
+    pad_value: float | None,
+    **options: Any,
+) -> Archive:
+    """The Loader's archive: ``archive`` opened with ``fields``, ``pad_value`` and
+    ``options`` (open_archive's keywords); an Archive already open is taken as it is
+    when they match it, refused when they do not."""
+    if not isinstance(archive, Archive):
+        pad = 0.0 if pad_value is None else pad_value
+        return open_archive(archive, fields, pad, **options)
+    given = [k for k, v in options.items() if v not in (None, False)]
+    if given:
+        raise UsageError(
+            f"{archive.path}: Loader got an open Archive and {given[0]}=; give it to "
+            f"open_archive(path, {given[0]}=...) instead, or pass the path"
+        )
+    if fields is not None:
+        names = field_names(archive.path, fields)
+        if names != list(archive.fields):
+            raise UsageError(
+                f"{archive.path}: Loader got an open Archive with fields {list(archive.fields)} "
+                f"and fields={names}; open it with those fields (open_archive(path, "
+                "fields=...)) or pass the path"
+            )
+    if pad_value is not None and pad_value != archive.pad_value:
+        raise UsageError(
+            f"{archive.path}: Loader got an open Archive padded with {archive.pad_value} and "
+            f"pad_value={pad_value}; open it with that pad_value or pass the path"
+        )
+    return archive
+
+
+def count_selected(archive: Any, where: Where) -> dict[str, Any]:
+    """What ``where`` keeps of ``archive`` (an open Archive, a path or a list of paths):
+    ``{"samples": all, "selected": kept, "values": {field: {value: kept count}}}``
+    (for ``dlop-inspect info --where``)."""
+    ds = archive if isinstance(archive, Archive) else Archive(archive, fields=[])
+    chosen = select(ds.reader.fields, ds.shards, where, None, str(ds.path))
+    base = np.arange(ds.num_samples) if ds.selection is None else ds.selection
+    kept = base[np.isin(base, chosen)] if chosen is not None else base
+    values: dict[str, dict[Any, int]] = {}
+    for name, value in where.items():
+        f = ds.reader.fields[name]
+        if f.kind == "str":  # the kept samples hold one of the values asked for
+            asked = sorted(set(wanted_values(f, value, str(ds.path))))
+            codes = np.concatenate([text_codes(s, f, asked) for s in ds.shards])
+            counts = np.bincount(codes[kept], minlength=len(asked))
+            values[name] = {v: int(c) for v, c in zip(asked, counts.tolist(), strict=True) if c}
+            continue
+        col = np.concatenate([s.read_range(name, 0, s.num_samples) for s in ds.shards])
+        found, counts = np.unique(col[kept], return_counts=True)
+        values[name] = {v: int(c) for v, c in zip(found.tolist(), counts.tolist(), strict=True)}
+    return {"samples": len(base), "selected": len(kept), "values": values}

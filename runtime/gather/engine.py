@@ -1,0 +1,270 @@
+"""The copy engine: the one executor of copy plans (runtime.gather.plan), and owner of the copy threads.
+
+Two ways of copying, chosen per process:
+
+- The compiled copier (``runtime/gather/_copy.c``, built at install when a C compiler
+  is present): one call copies a list of rows or byte runs without the GIL,
+  with every row number checked first, and can write with non-temporal stores
+  (``streaming``). A batch buffer that has left the cache costs a read of
+  every line before it is overwritten; stores that go around the cache skip
+  that read (docs/runtime.md gives the measured effect). ``DLOP_NATIVE_COPY=0``
+  turns it off.
+- Without it, a serial ``torch.index_select`` per share of rows and libc
+  ``memcpy`` through ctypes. Helper threads set
+  ``torch.set_num_threads(1)`` (runtime.gather.threads): torch's OpenMP-parallel
+  kernels called from a second thread are an order of magnitude slower.
+
+Work reaches helpers one way: ``start(plan)`` cuts the plan into shares, one
+per helper, queues them and returns a ``Ticket``; ``Ticket.wait()`` is the one
+way to wait, and raises the first error a share met. A helper runs what it is
+given in order, so a plan started while the previous one is still copying
+follows it without a gap. ``run(plan)`` is ``start`` with the calling thread
+taking a share itself, then waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import importlib
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from dlop.formats.heap import libc
+
+from ..errors import ShardChangedError
+from .plan import CopyPlan, Rows, Step
+from .threads import JobThread, at_exit
+
+PARALLEL_MIN_BYTES = 1 << 20  # below this, one share: handing work over costs more
+# Smaller plans stay in cache until they are read: streaming them only costs.
+STREAMING_MIN_BYTES = 4 << 20
+# A few threads reach a machine's copy bandwidth; more only compete with training.
+MAX_THREADS = 4
+
+
+def _libc_function() -> Callable[..., Any]:
+    """glibc's memcpy (it releases the GIL when called through CDLL).
+    memcpy, not memmove: sources are archive mappings or decoded values, and
+    destinations this process's own buffers, which never overlap."""
+    lib = libc()
+    try:
+        memcpy = lib.memcpy  # type: ignore[union-attr]
+        memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        memcpy.restype = ctypes.c_void_p
+        return memcpy
+    except AttributeError:  # no C library loaded
+        return ctypes.memmove
+
+
+_memcpy = _libc_function()
+
+_compiled: ModuleType | None
+try:
+    _compiled = importlib.import_module("._copy", __package__)
+except ImportError:  # built without a C compiler: the torch/ctypes copies serve
+    _compiled = None
+
+
+def built() -> bool:
+    """Whether the compiled copier was built at install."""
+    return _compiled is not None
+
+
+def compiled() -> ModuleType | None:
+    """The compiled copier, or None when it was not built or ``DLOP_NATIVE_COPY=0``."""
+    if _compiled is None or os.environ.get("DLOP_NATIVE_COPY") == "0":
+        return None
+    return _compiled
+
+
+def default_threads() -> int:
+    """Copy threads for this process: torch's intra-op thread count (1 inside
+    DataLoader workers), at most ``MAX_THREADS``."""
+    return max(1, min(MAX_THREADS, torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def execute_step(step: Step, streaming: bool) -> None:
+    """Copies one step, with the compiled copier where it is on: a read past the end of a
+    shard file that shrank under its mapping is then ShardChangedError, not SIGBUS."""
+    lib = compiled()
+    if lib is None:
+        _execute(step, streaming, None)
+        return
+    try:
+        _execute(step, streaming, lib)
+    except lib.MappingFault as e:
+        raise ShardChangedError(
+            f"{e}; a shard file was truncated while it was read: nothing but dlop should "
+            "write shards or the files in its cache (rewrite a shard as a new file, then "
+            "os.replace it)"
+        ) from None
+
+
+def _execute(step: Step, streaming: bool, lib: ModuleType | None) -> None:
+    if isinstance(step, Rows):
+        if not len(step.rows):
+            return
+        num_rows, row_bytes = step.src.shape
+        if lib is not None:
+            rows = step.rows  # passed as an address: the array outlives the call
+            lib.copy_rows(
+                step.dst.data_ptr(),
+                step.src.data_ptr(),
+                rows.ctypes.data,
+                len(rows),
+                row_bytes,
+                num_rows,
+                streaming,
+            )
+        else:
+            out = step.dst.view(len(step.rows), row_bytes)
+            torch.index_select(step.src, 0, torch.from_numpy(step.rows), out=out)
+    else:
+        dst = step.dst_offsets + step.dst.data_ptr()
+        if lib is not None:
+            lib.copy_runs(
+                dst.ctypes.data, step.src.ctypes.data, step.sizes.ctypes.data, len(dst), streaming
+            )
+        else:
+            for d, s, n in zip(dst.tolist(), step.src.tolist(), step.sizes.tolist(), strict=True):
+                _memcpy(d, s, n)
+
+
+def run_share(share: list[Step], streaming: bool) -> None:
+    for step in share:
+        execute_step(step, streaming)
+
+
+class Ticket:
+    """Shares of a started plan; ``wait`` returns once all are done, raising the
+    first error one met (the others still finish first)."""
+
+    def __init__(self, shares: int) -> None:
+        self._left = shares
+        self._errors: list[BaseException] = []
+        self._cond = threading.Condition()
+
+    def done(self, error: BaseException | None) -> None:
+        with self._cond:
+            self._left -= 1
+            if error is not None:
+                self._errors.append(error)
+            if not self._left:
+                self._cond.notify_all()
+
+    def wait(self) -> None:
+        with self._cond:
+            while self._left:
+                self._cond.wait()
+        if self._errors:
+            raise self._errors[0]
+
+
+def _run_and_report(ticket: Ticket, share: list[Step], streaming: bool) -> None:
+    try:
+        run_share(share, streaming)
+    except BaseException as e:
+        ticket.done(e)
+    else:
+        ticket.done(None)
+
+
+_live: weakref.WeakSet[CopyEngine] = weakref.WeakSet()
+
+
+class CopyEngine:
+    """Executes copy plans on ``threads`` threads (helpers at a lower priority).
+
+    ``streaming``: write large plans around the cache; right for buffers that
+    are refilled after they have left the cache, wrong for one buffer refilled
+    while still warm. It applies to the compiled copier only.
+    """
+
+    def __init__(self, threads: int | None = None, streaming: bool = False) -> None:
+        self.threads = max(1, threads or default_threads())
+        self.streaming = streaming
+        self._helpers: list[JobThread] = []
+        self._lock = threading.Lock()  # guards _helpers
+        self.pid = os.getpid()  # the process that made it
+        self._helpers_pid = self.pid
+        _live.add(self)
+
+    @property
+    def kind(self) -> str:
+        """Which copies run here, for reports: compiled (and its stores) or the fallback."""
+        lib = compiled()
+        what = f"compiled, {lib.STREAMING} streaming stores" if lib is not None else "torch/ctypes"
+        return f"{what}, {self.threads} threads"
+
+    def helpers(self) -> list[JobThread]:
+        """The helper threads started so far (at most ``threads``)."""
+        return list(self._helpers)
+
+    def _streams(self, plan: CopyPlan) -> bool:
+        return self.streaming and plan.nbytes >= STREAMING_MIN_BYTES
+
+    def start(self, plan: CopyPlan) -> Ticket:
+        """Queues the plan's shares on the helpers and returns at once."""
+        shares = plan.shares(self.threads, PARALLEL_MIN_BYTES)
+        return self._submit(shares, self._streams(plan))
+
+    def run(self, plan: CopyPlan) -> None:
+        """Executes the plan, the calling thread taking the first share."""
+        shares = plan.shares(self.threads, PARALLEL_MIN_BYTES)
+        if not shares:
+            return
+        streaming = self._streams(plan)
+        ticket = self._submit(shares[1:], streaming)
+        try:
+            run_share(shares[0], streaming)
+        except BaseException:
+            # The helpers' shares still finish first; this thread's own error is the one raised.
+            with contextlib.suppress(BaseException):
+                ticket.wait()
+            raise
+        ticket.wait()
+
+    def _submit(self, shares: list[list[Step]], streaming: bool) -> Ticket:
+        ticket = Ticket(len(shares))
+        if shares:
+            helpers = self._ensure_helpers(len(shares))
+            for helper, share in zip(helpers, shares, strict=False):
+                helper.submit(functools.partial(_run_and_report, ticket, share, streaming))
+        return ticket
+
+    def _ensure_helpers(self, count: int) -> list[JobThread]:
+        with self._lock:
+            if self._helpers_pid != os.getpid():  # a forked child: the parent's helpers stayed
+                self._helpers, self._helpers_pid = [], os.getpid()
+            while len(self._helpers) < count:
+                self._helpers.append(JobThread("dlop-copy", low_priority=True))
+            return self._helpers[:count]
+
+    def close(self) -> None:
+        """Stops the helpers and waits for them, down to the operating system's thread."""
+        with self._lock:
+            helpers, self._helpers = self._helpers, []
+            if self._helpers_pid != os.getpid():
+                self._helpers_pid = os.getpid()
+                return
+        for helper in helpers:
+            helper.stop()
+        for helper in helpers:
+            if helper is not threading.current_thread():
+                helper.finish(timeout=10)
+
+
+def _close_all() -> None:
+    for engine in list(_live):
+        engine.close()
+
+
+at_exit(_close_all)

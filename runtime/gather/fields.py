@@ -1,0 +1,213 @@
+"""Batch gathers: a batch of indices to a copy plan and the batch's tensors, one gather per field.
+
+A gather is pure and thread-free: ``plan(indices, out)`` returns the batch's
+entries for its field (tensors that are views of ``out``, or fresh ones;
+lengths; lists for text) and the copy steps (runtime.gather.plan) that fill those
+tensors once the copy engine (runtime.gather.engine) has executed them. Nothing is
+copied before that, so the same plan runs inline, on helper threads, or
+queued behind the previous batch's.
+
+Kinds (``gather_for``):
+
+- fixed raw fields: one ``Rows`` step per shard touched (runtime.gather.mapped);
+- raw ragged fields whose first dimension varies: one run per sample plus
+  one padding run per sample (runtime.gather.mapped);
+- zstd fields and fields with several varying dimensions: samples read one
+  by one (blocks decoded here), one run per contiguous piece of a sample plus
+  the padding around it (runtime.gather.samples);
+- text and bytes: lists, no copy steps (runtime.gather.samples).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from dlop.formats import Field, ShardReader
+
+from ..errors import UsageError
+from .plan import Step
+
+TORCH_DTYPES = {
+    "u8": torch.uint8,
+    "u16": torch.uint16,
+    "u32": torch.uint32,
+    "u64": torch.uint64,
+    "i8": torch.int8,
+    "i16": torch.int16,
+    "i32": torch.int32,
+    "i64": torch.int64,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "f32": torch.float32,
+    "f64": torch.float64,
+    "bool": torch.bool,
+}
+
+Planned = tuple[dict[str, Any], list[Step]]
+# Makes a fresh output tensor of a shape and dtype (fresh outputs: torch.empty).
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# Where a gather writes: the front of a reusable flat buffer, fresh tensors
+# from an allocator, or (None) fresh tensors from torch.empty.
+Output = torch.Tensor | Allocate | None
+
+
+def as_tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """Zero-copy tensor over a (possibly read-only) mapped array, in the field's torch dtype."""
+    with warnings.catch_warnings():
+        # Mapped shards are read-only; torch warns that it cannot enforce that.
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    return t.view(TORCH_DTYPES[dtype]) if t.dtype != TORCH_DTYPES[dtype] else t
+
+
+def as_bytes(arr: np.ndarray, rows: int, row_bytes: int) -> torch.Tensor:
+    """A mapped array as a read-only ``uint8 [rows, row_bytes]`` tensor, zero-copy."""
+    flat = arr.reshape(-1).view(np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(flat).view(rows, row_bytes)
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_padded(field: Field, shapes: np.ndarray, itemsize: int) -> None:
+    """Refuses a padded batch larger than this machine's memory before allocating it.
+
+    Padding takes the longest sample in each varying dimension, so samples long
+    in different dimensions ((1, 10**6) and (10**6, 1)) pad to an area no sample
+    has. ``shapes`` is ``[B, ndim]``.
+    """
+    if not len(shapes):
+        return
+    maxes = [int(m) for m in shapes.max(axis=0)]
+    padded = len(shapes) * math.prod(maxes) * itemsize  # Python ints: no overflow
+    limit = memory_bytes()
+    if limit is not None and padded > limit:
+        data = int(np.prod(shapes, axis=1, dtype=np.float64).sum()) * itemsize
+        ranges = " x ".join(
+            f"{int(lo)}..{int(hi)}" for lo, hi in zip(shapes.min(axis=0), maxes, strict=True)
+        )
+        raise UsageError(
+            f"field {field.name!r}: padding {len(shapes)} samples (sizes {ranges}) to the "
+            f"longest in each dimension gives [{len(shapes)}, {', '.join(map(str, maxes))}], "
+            f"{padded} bytes for {data} bytes of data, more than this machine's memory "
+            f"({limit} bytes); batch samples of similar shape (bucket_by), crop them in the "
+            "compiler, or read this field sample by sample (ds[i])"
+        )
+
+
+def shard_groups(indices: torch.Tensor, starts: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(shard, begin, end) runs of positions in ``indices``.
+
+    Indices within one shard may come in any order; spanning shards, they must
+    be ascending.
+    """
+    if not len(indices):
+        return []
+    if len(starts) == 1:
+        return [(0, 0, len(indices))]
+    # numpy: a few small searches, each a fraction of a torch call's overhead, per field
+    # and batch
+    idx, first = indices.numpy(), starts.numpy()
+    ends = np.searchsorted(first, (idx.min(), idx.max()), side="right") - 1
+    shard_of_first, shard_of_last = ends.tolist()
+    if shard_of_first == shard_of_last:
+        return [(shard_of_first, 0, len(indices))]
+    cuts = np.searchsorted(idx, first[shard_of_first + 1 : shard_of_last + 1]).tolist()
+    bounds = [0, *cuts, len(indices)]
+    return [
+        (shard_of_first + j, bounds[j], bounds[j + 1])
+        for j in range(len(bounds) - 1)
+        if bounds[j + 1] > bounds[j]
+    ]
+
+
+class Groups(NamedTuple):
+    """A batch's indices by shard, worked out once for all its fields (``batch_groups``)."""
+
+    runs: list[tuple[int, int, int]]  # (shard, begin, end) runs of positions, as shard_groups
+    rows: np.ndarray  # int64 [B], contiguous: each index's row within its shard
+
+
+def batch_groups(indices: torch.Tensor, starts: torch.Tensor) -> Groups:
+    """``shard_groups`` of ``indices``, with each one's row within its shard."""
+    idx = np.ascontiguousarray(indices.numpy(), np.int64)
+    runs = shard_groups(indices, starts)
+    if len(runs) != 1 or runs[0][0]:
+        first = starts.numpy()
+        if len(runs) == 1:
+            idx = idx - first[runs[0][0]]
+        elif runs:
+            shard, lens = zip(*((k, b - a) for k, a, b in runs), strict=True)
+            idx = idx - np.repeat(first[list(shard)], lens)
+    return Groups(runs, idx)
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 view."""
+    return t.view(-1).view(torch.uint8)
+
+
+class FieldGather:
+    """Plans one field's part of a batch of global indices (any order within a shard,
+    ascending across shards; see shard_groups)."""
+
+    def __init__(
+        self, field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
+    ) -> None:
+        self.field = field
+        self.shards = shards
+        self.starts = starts
+        self.pad_value = pad_value
+        self.out_dtype = TORCH_DTYPES[field.dtype]
+        self.trail = tuple(d for d in field.shape if d is not None)
+        self._pattern = torch.zeros(0, dtype=self.out_dtype)
+
+    def output(self, shape: tuple[int, ...], out: Output) -> torch.Tensor:
+        """A fresh tensor of ``shape``, or the front of a reusable flat buffer viewed as one."""
+        if out is None:
+            return torch.empty(shape, dtype=self.out_dtype)
+        if not isinstance(out, torch.Tensor):
+            return out(shape, self.out_dtype)
+        return out.view(-1)[: math.prod(shape)].view(self.out_dtype).view(shape)
+
+    def pad_pattern(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes of the pad value. A longer one replaces
+        it; plans hold the buffer they read, so a queued copy keeps its own."""
+        if self._pattern.numel() * self._pattern.element_size() < nbytes:
+            count = max(-(-nbytes // self._pattern.element_size()), 1024)
+            try:
+                self._pattern = torch.full((count,), self.pad_value, dtype=self.out_dtype)
+            except RuntimeError as e:  # "value cannot be converted to type ..."
+                raise UsageError(
+                    f"field {self.field.name!r} ({self.field.dtype}): pad_value "
+                    f"{self.pad_value!r} does not fit its type ({e}); open the archive "
+                    "with a pad_value the field can hold"
+                ) from None
+        return self._pattern
+
+    def buffer_numel(self, batch_size: int) -> int | None:
+        """Elements a reusable output buffer needs at this batch size (None: fresh each batch)."""
+        return None
+
+    def plan(self, indices: torch.Tensor, out: Output) -> Planned:
+        """The field's batch entries and the copy steps that fill them."""
+        raise NotImplementedError
+
+    def plan_grouped(self, indices: torch.Tensor, groups: Groups, out: Output) -> Planned:
+        """``plan``, given the batch's ``batch_groups`` (worked out once for all fields);
+        gathers that read by shard runs take them, the others plan as ``plan``."""
+        return self.plan(indices, out)

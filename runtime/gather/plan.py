@@ -1,0 +1,145 @@
+"""Copy plans: where each byte of a batch comes from and goes to, as plain arrays.
+
+A gather (runtime.gather.fields) turns a batch of indices into a ``CopyPlan`` without
+copying anything; the copy engine (runtime.gather.engine) executes it. Two kinds of step,
+each writing into one flat ``uint8`` destination tensor:
+
+- ``Rows``: rows ``rows[i]`` of a ``[num_rows, row_bytes]`` source to
+  consecutive rows of the destination (fixed-shape fields).
+- ``Runs``: byte runs, ``nbytes[i]`` bytes from address ``src[i]`` to
+  ``dst_offsets[i]`` (ragged spans, decoded samples). ``keep`` holds the
+  arrays the addresses point into, so they outlive a queued copy. Padding
+  is runs too, copied from a buffer of the pad value (``fill_runs``).
+
+Steps are checked when made: every destination run lies inside its
+destination, so an executed plan never writes outside the batch's buffers.
+Source rows are checked by the engine against ``num_rows`` before copying;
+source addresses come from offsets that ``dlop.formats`` validated.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _check_inside(dst: torch.Tensor, offsets: np.ndarray, nbytes: np.ndarray, what: str) -> None:
+    if dst.dtype != torch.uint8 or dst.ndim != 1 or not dst.is_contiguous():
+        raise ValueError(f"{what}: the destination must be a flat contiguous uint8 tensor")
+    if len(offsets) and (
+        int(offsets.min()) < 0
+        or int(nbytes.min()) < 0
+        or int((offsets + nbytes).max()) > dst.numel()
+    ):
+        raise ValueError(f"{what}: a run falls outside its destination of {dst.numel()} bytes")
+
+
+@dataclass(frozen=True)
+class Rows:
+    dst: torch.Tensor  # uint8 [len(rows) * row_bytes]
+    src: torch.Tensor  # uint8 [num_rows, row_bytes]
+    rows: np.ndarray  # int64, checked against num_rows by the engine
+
+    def __post_init__(self) -> None:
+        if self.src.ndim != 2 or self.dst.numel() != len(self.rows) * self.src.shape[1]:
+            raise ValueError("Rows: the destination must hold exactly len(rows) source rows")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.dst.numel())
+
+    def split(self, bounds: list[int]) -> list[Rows]:
+        row = int(self.src.shape[1])
+        return [
+            Rows(self.dst[a * row : b * row], self.src, self.rows[a:b])
+            for a, b in itertools.pairwise(bounds)
+        ]
+
+    def cuts(self, parts: int) -> list[int]:
+        n = len(self.rows)
+        return [n * i // parts for i in range(parts + 1)]
+
+
+@dataclass(frozen=True)
+class Runs:
+    dst: torch.Tensor
+    dst_offsets: np.ndarray  # int64
+    src: np.ndarray  # int64 addresses
+    sizes: np.ndarray  # int64 bytes
+    keep: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_inside(self.dst, self.dst_offsets, self.sizes, "Runs")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def split(self, bounds: list[int]) -> list[Runs]:
+        return [
+            Runs(self.dst, self.dst_offsets[a:b], self.src[a:b], self.sizes[a:b], self.keep)
+            for a, b in itertools.pairwise(bounds)
+        ]
+
+    def cuts(self, parts: int) -> list[int]:
+        return byte_cuts(self.sizes, parts)
+
+
+Step = Rows | Runs
+
+
+def byte_cuts(sizes: np.ndarray, parts: int) -> list[int]:
+    """Cuts of ``sizes`` into ``parts`` consecutive shares of about equal bytes."""
+    total = int(sizes.sum())
+    cuts = np.searchsorted(np.cumsum(sizes), total * np.arange(1, parts) / parts)
+    return [0, *cuts.tolist(), len(sizes)]
+
+
+@dataclass
+class CopyPlan:
+    """The steps of one batch's copies, in no particular order: no two write the same bytes."""
+
+    steps: list[Step]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.steps)
+
+    def shares(self, parts: int, min_split_bytes: int) -> list[list[Step]]:
+        """The steps cut into up to ``parts`` shares of about equal bytes: steps of at
+        least ``min_split_bytes`` are split evenly, smaller ones go whole to the
+        share with the fewest bytes so far. Empty shares are left out."""
+        out: list[list[Step]] = [[] for _ in range(max(1, parts))]
+        load = [0] * len(out)
+        for step in self.steps:
+            nbytes = step.nbytes  # a property: read once per step
+            if not nbytes:
+                continue
+            if len(out) > 1 and nbytes >= min_split_bytes:
+                pieces: list[Step] = list(step.split(step.cuts(len(out))))
+                for i, piece in enumerate(pieces):
+                    out[i].append(piece)
+                    load[i] += piece.nbytes
+            else:
+                i = load.index(min(load))
+                out[i].append(step)
+                load[i] += nbytes
+        return [share for share in out if share]
+
+
+def fill_runs(
+    dst: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, pattern: torch.Tensor
+) -> Runs:
+    """Runs that set ``sizes[i]`` bytes at ``offsets[i]`` to the bytes at the start of
+    ``pattern`` (a flat buffer of the pad value, at least ``max(sizes)`` bytes long:
+    runs start on element boundaries, so each begins with a whole value)."""
+    keep = sizes > 0
+    offsets, sizes = offsets[keep], sizes[keep]
+    if len(sizes) and int(sizes.max()) > pattern.numel() * pattern.element_size():
+        raise ValueError("fill_runs: the pattern is shorter than the longest fill")
+    src = np.full(len(sizes), pattern.data_ptr(), np.int64)
+    return Runs(dst, offsets, src, sizes, (pattern,))

@@ -1,0 +1,1 @@
+"""Which samples each batch holds: epoch orders, ranks, mixtures."""

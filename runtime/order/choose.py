@@ -1,0 +1,260 @@
+"""What a Loader trains on: its archive argument opened, and its order stage built.
+
+The argument is a path, a list of paths read as one, an open ``Archive``, or
+a mixture: a dict of source name -> any of those, drawn by ``weights``
+(runtime.order.mixture). ``where``/``indices`` choose samples (runtime.archive.selection);
+the order stage then orders the selection, or draws the mixture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlop.formats.urls import is_url
+
+from ..archive.dataset import Archive
+from ..archive.opening import open_for_loader
+from ..archive.selection import digest, shard_counts
+from ..batch import Batch
+from ..errors import UsageError, UsageTypeError, check_int
+from ..gather.engine import CopyEngine
+from ..gather.fields import Allocate
+from ..gather.plan import CopyPlan
+from .distributed import rank_and_world
+from .epochs import BatchOrder, OrderSpec, selection_draw
+from .mixture import (
+    MAX_EPOCH_SAMPLES,
+    Mixture,
+    Source,
+    check_passes,
+    check_weights,
+    epoch_counts,
+    mixture_draw,
+    source_weights,
+)
+
+SOURCE_KEY = "source"  # the batch entry naming each sample's mixture source
+
+
+@dataclass
+class Choice:
+    """The Loader's archive and order stage; for a mixture, its sources."""
+
+    archive: Archive
+    spec: OrderSpec
+    order: BatchOrder
+    mixture: Mixture | None = None
+    source_starts: np.ndarray | None = None  # each source's first sample number
+
+    def settings(self) -> dict[str, Any]:
+        """What, besides the spec, shapes the order (for loader states): the archives
+        read (``archive_identities``), the selection's fingerprint, the mixture."""
+        archives = archive_identities(self.archive)
+        if self.mixture is not None:
+            pools = np.concatenate(self.mixture.pools)
+            return {
+                "archives": archives,
+                "selection": digest(pools),
+                "mixture": self.mixture.settings(),
+            }
+        return {"archives": archives, "selection": digest(self.archive.selection), "mixture": None}
+
+    def sources_of(self, indices: np.ndarray) -> torch.Tensor | None:
+        """Each sample's source number (``int64 [B]``, an index into the mixture's
+        names); None without a mixture."""
+        if self.source_starts is None:
+            return None
+        found = np.searchsorted(self.source_starts, indices, side="right") - 1
+        return torch.from_numpy(found.astype(np.int64, copy=False))
+
+    def gather(
+        self, indices: torch.Tensor, out: Allocate | None = None, engine: CopyEngine | None = None
+    ) -> Batch:
+        """The batch of ascending sample numbers ``indices`` (Archive.gather), its
+        sources named (``name_sources``)."""
+        return self.name_sources(self.archive.gather(indices, out, engine), indices.numpy())
+
+    def plan(self, indices: np.ndarray, buffers: dict[str, torch.Tensor]) -> tuple[Batch, CopyPlan]:
+        """The gather stage's plan of a batch into ``buffers`` (Archive.plan), its
+        sources named (``name_sources``)."""
+        batch, plan = self.archive.plan(torch.from_numpy(indices), buffers)
+        return self.name_sources(batch, indices), plan
+
+    def name_sources(self, batch: Batch, indices: np.ndarray) -> Batch:
+        """``batch`` of samples ``indices``; a mixture's also names each sample's source
+        (``batch["source"]``, an index into the mixture's names)."""
+        sources = self.sources_of(indices)
+        if sources is not None:
+            batch[SOURCE_KEY] = sources
+        return batch
+
+
+def archive_identities(archive: Archive) -> list[list[Any]]:
+    """Each archive read, in order, as ``[fingerprint, num_samples]``: the fingerprint
+    hashes its index's shard list (file, samples, CRC-32 of each shard), so another
+    archive, or the same ones in another order, gives other identities."""
+    out: list[list[Any]] = []
+    for reader in archive.readers:
+        h = hashlib.sha256()
+        for info in reader.index.shards:
+            h.update(f"{info.file}\0{info.num_samples}\0{info.crc32}\n".encode())
+        out.append([h.hexdigest()[:16], int(reader.num_samples)])
+    return out
+
+
+def choose(
+    archive: Any, open_options: dict[str, Any], owner: str = "Loader", **order: Any
+) -> Choice:
+    """Opens ``archive`` with ``open_options`` (fields, pad_value, where, indices,
+    allow_recipe_mismatch; plus weights, samples_per_epoch and batch_per_source for a
+    mixture) and builds the order stage from ``order`` (OrderSpec's settings, rank and
+    world_size as the Loader takes them, bucket_by); ``owner`` (Loader, IterableArchive)
+    is who errors name."""
+    if order["mode"] not in ("global", "window"):
+        raise UsageError(f"{owner} order must be 'global' or 'window', got {order['mode']!r}")
+    mixing = {k: open_options.pop(k) for k in ("weights", "samples_per_epoch", "batch_per_source")}
+    rank, world = rank_and_world(order.pop("rank"), order.pop("world_size"))
+    world = check_int(f"{owner} world_size", world, low=1)
+    order["rank"] = check_int(f"{owner} rank", rank, low=0, high=world - 1)
+    order["world_size"] = world
+    bucket_by = order.pop("bucket_by")
+    if not order["even_shares"] and order["drop_last"]:
+        raise UsageError(
+            f"{owner} even_shares=False reads every sample exactly once across ranks and "
+            "drop_last=True drops samples; pass one of them"
+        )
+    if isinstance(archive, Mapping):
+        return choose_mixture(archive, open_options, mixing, bucket_by, order, owner)
+    given = [k for k, v in mixing.items() if v not in (None, False)]
+    if given:
+        raise UsageError(
+            f"{owner} {given[0]}= is for mixtures: pass the archives as a dict of "
+            f"source name -> path, e.g. {owner}({{'a': path_a, 'b': path_b}}, weights=...)"
+        )
+    if isinstance(archive, Sequence) and not isinstance(archive, str | bytes):
+        local_only(list(archive), f"{owner} got a list of archives", owner)
+    ds = open_for_loader(
+        archive, open_options.pop("fields"), open_options.pop("pad_value"), **open_options
+    )
+    check_bucket_by(ds, bucket_by)
+    sel = ds.selection
+    sizes = ds.shard_sizes if sel is None else shard_counts(sel, ds.shard_starts)
+    spec = OrderSpec(num_samples=len(ds), shard_sizes=sizes, **order)
+    lengths = ds.lengths(bucket_by) if bucket_by else None
+    order_stage = BatchOrder(spec, lengths, owner, draw=selection_draw(spec, sel))
+    return Choice(ds, spec, order_stage)
+
+
+def source_paths(
+    name: object, source: object, owner: str = "Loader"
+) -> tuple[list[Any], np.ndarray | None]:
+    """A mixture source's archive paths, and its own selection (an open Archive's)."""
+    if not isinstance(name, str):
+        raise UsageTypeError(f"{owner} mixture sources are named by str, got {name!r}")
+    what = f"{owner} mixture source {name!r}"
+    if isinstance(source, Source):
+        paths, own = source_paths(name, source.path, owner)
+        if source.where is None:
+            return paths, own
+        if own is not None:
+            raise UsageError(
+                f"{what}: an open Archive with a selection of its own and a Source where=; "
+                "give the Source the archive's path, or open the Archive with that where"
+            )
+        return paths, Archive(paths, fields=[], where=source.where).selection
+    if isinstance(source, Archive):
+        return local_only(list(source.paths), what, owner), source.selection
+    if isinstance(source, str | os.PathLike):
+        return local_only([source], what, owner), None
+    if isinstance(source, Sequence) and source and not isinstance(source, bytes):
+        return local_only(list(source), what, owner), None
+    raise UsageTypeError(
+        f"{owner} mixture source {name!r} must be a path, a list of paths, an open "
+        f"Archive or a Source, got {type(source).__name__}"
+    )
+
+
+def local_only(paths: list[Any], what: str, owner: str) -> list[Any]:
+    """``paths``, refused when one is a URL: archives read as one and mixtures take
+    local archives for now (a URL is read alone, through the shard cache)."""
+    urls = [p for p in paths if is_url(p)]
+    if urls:
+        raise UsageError(
+            f"{what}: {urls[0]} is a URL, and several archives read as one or mixed take "
+            f"local paths for now; read the URL alone ({owner}(url, ...)) or copy the "
+            "archives to local disk"
+        )
+    return paths
+
+
+def choose_mixture(
+    sources: Mapping[Any, Any],
+    open_options: dict[str, Any],
+    mixing: dict[str, Any],
+    bucket_by: str | None,
+    order: dict[str, Any],
+    owner: str = "Loader",
+) -> Choice:
+    if not sources:
+        raise UsageError(f"{owner} got an empty dict of sources; name at least one archive")
+    if open_options.get("indices") is not None:
+        raise UsageError(f"{owner} indices= does not apply to a mixture; choose with where=")
+    if order["mode"] != "global":
+        raise UsageError(f"{owner} order='window' does not apply to a mixture; use order='global'")
+    names = list(sources)
+    parts = [source_paths(n, sources[n], owner) for n in names]
+    paths = [p for ps, _ in parts for p in ps]
+    pad = open_options.pop("pad_value")
+    ds = Archive(paths, pad_value=0.0 if pad is None else pad, **open_options)
+    if SOURCE_KEY in ds.fields:
+        raise UsageError(
+            f"{ds.path}: a mixture's batches name each sample's source as {SOURCE_KEY!r}, "
+            f"and the archives have a field of that name; leave it out with fields=[...]"
+        )
+    check_bucket_by(ds, bucket_by)
+    reader_starts = np.cumsum([0] + [r.num_samples for r in ds.readers], dtype=np.int64)
+    firsts = np.cumsum([0] + [len(ps) for ps, _ in parts])
+    pools = []
+    for s, (_, own) in enumerate(parts):
+        lo, hi = int(reader_starts[firsts[s]]), int(reader_starts[firsts[s + 1]])
+        pool = np.arange(lo, hi, dtype=np.int64) if own is None else own + lo
+        if ds.selection is not None:
+            pool = pool[np.isin(pool, ds.selection)]
+        pools.append(pool)
+    batch_size, world = order["batch_size"], order["world_size"]
+    per_source = bool(mixing["batch_per_source"])
+    given = source_weights(sources, mixing["weights"], owner)
+    weights = check_weights(names, given, [len(p) for p in pools])
+    wanted = mixing["samples_per_epoch"]
+    if wanted is None:  # the pools the weights draw from
+        wanted = sum(len(p) for p, w in zip(pools, weights, strict=True) if w > 0)
+    wanted = check_int(f"{owner} samples_per_epoch", wanted, low=1, high=MAX_EPOCH_SAMPLES)
+    counts = epoch_counts(
+        weights, wanted, batch_size, world, order["drop_last"], per_source, bucket_by is not None
+    )
+    check_passes(owner, names, pools, counts)
+    mix = Mixture(tuple(names), tuple(pools), tuple(weights), wanted, tuple(counts), per_source)
+    spec = OrderSpec(num_samples=mix.epoch_size, **order)
+    lengths = ds.lengths(bucket_by) if bucket_by else None
+    draw = mixture_draw(mix, order["seed"], order["shuffle"])
+    starts = reader_starts[firsts[:-1]]
+    return Choice(ds, spec, BatchOrder(spec, lengths, owner, draw=draw), mix, starts)
+
+
+def check_bucket_by(archive: Archive, bucket_by: object) -> None:
+    """Refuses a ``bucket_by`` that is not one of the archive's ragged fields."""
+    if bucket_by is None:
+        return
+    f = archive.fields.get(bucket_by) if isinstance(bucket_by, str) else None
+    if f is None or not f.ragged:
+        ragged = [n for n, g in archive.fields.items() if g.ragged]
+        raise UsageError(
+            f"{archive.path}: bucket_by must name a ragged field among {ragged}, got {bucket_by!r}"
+        )

@@ -1,0 +1,288 @@
+"""Which samples each rank sees, batch by batch, in each epoch: a pure function of (seed, epoch).
+
+Because the order is recomputed from a handful of integers, resuming needs
+no index lists: the state is (seed, epoch, batches done).
+
+Orders
+  global  A full permutation of the epoch (the archive should fit the page
+          cache, or random reads go to disk).
+  window  Out-of-core: the shard order is permuted, then samples are shuffled
+          within consecutive windows of ``window_shards`` shards. Reads stay
+          inside a window's shards; a sample only ever shares a batch with
+          samples of the same window, so correlations within a shard (same
+          source, same speaker) survive at the scale of a window, and shards
+          should be written from a shuffled corpus when that matters.
+
+Distribution (``torch.utils.data.DistributedSampler`` semantics)
+  drop_last=False: the epoch is padded by repeating its first samples until
+  it divides evenly, so each rank gets ceil(N / world) samples (at most
+  world - 1 samples are seen twice). drop_last=True: its tail is dropped, so
+  each rank gets floor(N / world) and the last incomplete batch is dropped
+  too. Rank r takes every world-th sample starting at r. Every rank has the
+  same number of batches.
+  even_shares=False (like Lightning's UnrepeatedDistributedSampler): nothing
+  is repeated or dropped; rank r takes every world-th sample starting at r
+  (every world-th batch with bucketing or groups), so ranks may have
+  different numbers of samples and batches. For evaluation: a DDP step with a
+  collective per batch would wait forever on the rank with fewer batches.
+
+Bucketing (``bucket_lengths``)
+  The shuffled epoch is cut into windows of ``bucket_window`` batches per
+  rank; each window is sorted by length and cut into batches; the batches of
+  the whole epoch are then shuffled and dealt out to ranks in turn (padded by
+  repeating batches, or trimmed with drop_last, so counts stay equal).
+
+Selections and mixtures (runtime.archive.selection, runtime.order.mixture)
+  A draw (``Draw``) gives an epoch's samples as archive sample numbers, in
+  epoch order, and optionally the group (mixture source) of each. A selection
+  draws ``selection[epoch_order(...)]``: the orders above over positions in
+  the selection. With groups, batches are cut within each group (each batch
+  from one group), then shuffled and dealt out to ranks as with bucketing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import UsageError, check_int
+
+
+@dataclass(frozen=True)
+class OrderSpec:
+    num_samples: int
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    rank: int = 0
+    world_size: int = 1
+    mode: str = "global"  # global | window
+    shard_sizes: tuple[int, ...] = ()
+    window_shards: int = 8
+    bucket_window: int = 64
+    even_shares: bool = True  # False: no sample repeated or dropped, shares may differ
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in 0..world_size-1 ({self.world_size})")
+        if self.mode not in ("global", "window"):
+            raise ValueError(f"order {self.mode!r} must be global or window")
+        if not self.even_shares and self.drop_last:
+            raise ValueError("even_shares=False reads every sample once: it takes no drop_last")
+
+
+MAX_EPOCH = 2**63 - 1  # an epoch number is an int64 (IterableArchive shares it with workers)
+
+
+def check_epoch(name: str, epoch: object) -> int:
+    """``epoch`` as an int in 0..MAX_EPOCH, or a Usage(Type)Error naming ``name``."""
+    n = check_int(name, epoch, low=0)
+    if n > MAX_EPOCH:
+        raise UsageError(f"{name} must be at most {MAX_EPOCH} (an int64), got {n}")
+    return n
+
+
+# An epoch -> its samples (archive sample numbers, in epoch order) and the group of each (or None).
+Draw = Callable[[int], tuple[np.ndarray, np.ndarray | None]]
+
+
+def rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
+    """The generator of one random stream of an epoch (0: sample order, 1: batch order,
+    2 and up: other stages' streams)."""
+    return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, epoch, stream])
+
+
+def selection_draw(spec: OrderSpec, selection: np.ndarray | None) -> Draw:
+    """The draw of a selection: the epoch order over its positions, as sample numbers."""
+
+    def draw(epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        order = epoch_order(spec, epoch)
+        return (order if selection is None else selection[order]), None
+
+    return draw
+
+
+def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
+    """The whole epoch's sample order (before distribution)."""
+    n = spec.num_samples
+    if not spec.shuffle:
+        return np.arange(n, dtype=np.int64)
+    gen = rng(spec.seed, epoch, 0)
+    if spec.mode == "global" or not spec.shard_sizes:
+        return gen.permutation(n).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(spec.shard_sizes)]).astype(np.int64)
+    shards = gen.permutation(len(spec.shard_sizes))
+    parts = []
+    for w in range(0, len(shards), spec.window_shards):
+        window = np.concatenate(
+            [np.arange(starts[k], starts[k + 1]) for k in shards[w : w + spec.window_shards]]
+        )
+        parts.append(gen.permutation(window))
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def _even(seq: np.ndarray, world: int, drop_last: bool, even: bool = True) -> np.ndarray:
+    """Pads (repeating from the start) or trims seq so that world divides its length
+    (``even=False``: seq as it is)."""
+    n = len(seq)
+    if not even:
+        return seq
+    if drop_last:
+        return seq[: n - n % world]
+    total = math.ceil(n / world) * world
+    if total == n or n == 0:
+        return seq
+    reps = math.ceil(total / n)
+    return (
+        np.concatenate([seq] + [seq] * (reps - 1))[:total]
+        if reps > 1
+        else np.concatenate([seq, seq[: total - n]])
+    )
+
+
+def rank_batches(
+    spec: OrderSpec,
+    epoch: int,
+    bucket_lengths: np.ndarray | None = None,
+    samples: np.ndarray | None = None,
+    groups: np.ndarray | None = None,
+) -> list[np.ndarray]:
+    """This rank's batches for the epoch, each sorted ascending (for locality of reads).
+
+    ``samples``: the epoch's samples in order (default ``epoch_order``);
+    ``groups``: the group of each, batches cut within groups;
+    ``bucket_lengths``: indexed by sample number.
+    """
+    order = epoch_order(spec, epoch) if samples is None else samples
+    world, b = spec.world_size, spec.batch_size
+    if bucket_lengths is None and groups is None:
+        mine = _even(order, world, spec.drop_last, spec.even_shares)[spec.rank :: world]
+        cuts = range(0, len(mine), b)
+        batches = [mine[i : i + b] for i in cuts]
+        if spec.drop_last and batches and len(batches[-1]) < b:
+            batches.pop()
+        return [np.sort(x) for x in batches]
+    window = b * spec.bucket_window * world
+    parts = [order] if groups is None else [order[groups == g] for g in np.unique(groups)]
+    batches = []
+    for part in parts:
+        step = window if bucket_lengths is not None else max(len(part), 1)
+        for start in range(0, len(part), step):
+            chunk = part[start : start + step]
+            if bucket_lengths is not None:
+                chunk = chunk[np.argsort(bucket_lengths[chunk], kind="stable")]
+            batches += [chunk[i : i + b] for i in range(0, len(chunk), b)]
+    if spec.drop_last:
+        batches = [x for x in batches if len(x) == b]
+    if spec.shuffle:
+        perm = rng(spec.seed, epoch, 1).permutation(len(batches))
+        batches = [batches[i] for i in perm]
+    dealt = _even(np.arange(len(batches)), world, spec.drop_last, spec.even_shares)
+    picked = dealt[spec.rank :: world]
+    return [np.sort(batches[i]) for i in picked]
+
+
+class BatchOrder:
+    """The order stage: this consumer's batches, epoch by epoch, and how many of the
+    current epoch were handed out.
+
+    State: ``{"epoch", "batches_done"}``; with the spec (seed, sizes, rank,
+    world size, bucketing, window) that is all it takes to continue exactly.
+    ``reset(state)`` makes the next iteration start after ``batches_done``
+    (``set_epoch`` of the same epoch keeps that). An iteration begun without a
+    ``set_epoch`` since the previous one runs the next epoch.
+    """
+
+    def __init__(
+        self,
+        spec: OrderSpec,
+        lengths: np.ndarray | None = None,
+        owner: str = "Loader",
+        draw: Draw | None = None,
+    ) -> None:
+        self.owner = owner  # who errors name
+        self.spec = spec
+        self.lengths = lengths
+        self.draw = draw  # None: the whole archive, in epoch_order
+        self.epoch = 0
+        self.batches_done = 0
+        self._resume = False
+        # Whether this epoch has handed out a batch (in this pass, or before the state a
+        # reset resumes from): the next iteration then moves to the next epoch. An
+        # iteration that yields nothing (an iter() only to check the loader) uses none up.
+        self._took = False
+        self._cached: tuple[int, list[np.ndarray]] | None = None
+
+    def batches(self, epoch: int | None = None) -> list[np.ndarray]:
+        """The sample indices of each batch of ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._cached is None or self._cached[0] != epoch:
+            samples, groups = self.draw(epoch) if self.draw is not None else (None, None)
+            made = rank_batches(self.spec, epoch, self.lengths, samples, groups)
+            self._cached = (epoch, made)
+        return self._cached[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts ``epoch`` at its beginning, except that a state just loaded by
+        ``reset`` for this same epoch is kept: the usual loop loads a state once,
+        then calls ``set_epoch(epoch)`` at the top of every epoch."""
+        epoch = check_epoch(f"{self.owner}.set_epoch epoch", epoch)
+        if self._resume and epoch == self.epoch:
+            return
+        self.epoch = epoch
+        self.batches_done = 0
+        self._resume = False
+        self._took = False
+
+    def begin(self) -> int:
+        """Starts an iteration; returns its first batch number. The first iteration after
+        ``set_epoch`` (or ``reset``) runs that epoch; a later one without a ``set_epoch``
+        between runs the next epoch once this one has handed out a batch, as a DataLoader
+        reshuffles every pass."""
+        if self._resume:
+            start = self.batches_done
+        else:
+            if self._took:
+                self.epoch += 1
+            start = 0
+            self._took = False
+        self._resume = False
+        self.batches_done = start
+        return start
+
+    def handed_out(self, count: int) -> None:
+        """``count`` batches of the current epoch have reached the consumer."""
+        self.batches_done = count
+        self._took = True
+
+    def refuse_empty(self, where: str) -> None:
+        """Refuses a batch size that, with drop_last, leaves this rank no batch at all."""
+        if self.spec.drop_last and self.spec.num_samples and not self.batches(0):
+            raise UsageError(
+                f"{where}: batch_size={self.spec.batch_size} with drop_last=True leaves no "
+                f"batch: each rank's share of the {self.spec.num_samples} samples is smaller; "
+                "lower batch_size or drop drop_last"
+            )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_done": self.batches_done}
+
+    def reset(self, state: dict[str, object], where: str = "loader state") -> None:
+        """Continues from ``state`` (checked: ``epoch`` at least 0, ``batches_done``
+        within the epoch's batches)."""
+        epoch = check_epoch(f"{where} epoch", state.get("epoch"))
+        count = len(self.batches(epoch))
+        done = check_int(
+            f"{where} batches_done (epoch {epoch} has {count} batches)",
+            state.get("batches_done"),
+            low=0,
+            high=count,
+        )
+        self.epoch, self.batches_done, self._resume = epoch, done, True
+        self._took = done > 0

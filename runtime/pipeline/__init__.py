@@ -1,0 +1,1 @@
+"""The stages after the gather: slot rings, prefetch, the device copy, state."""

@@ -1,0 +1,381 @@
+"""The node-local shard cache: one directory serves every rank and DataLoader worker.
+
+Layout: ``<root>/<archive id>/`` per archive, the id a hash of its index bytes
+(two archives never share a folder; the same archive under two URLs does),
+holding ``index.json``, ``source.txt`` (where it came from), the cached shards
+under their own names, and per shard an empty ``<name>.lock``.
+
+Only files, renames and ``flock`` are used: every lock dies with the process
+that holds it, so a crash leaves nothing that blocks the next run.
+
+- A shard becomes visible by rename only, after its checksum was verified;
+  what was verified (inode, size, modification time) is then written into its
+  ``<name>.lock``, and a shard whose file no longer matches that stamp (changed
+  in place, replaced, or cached by a version that wrote none) is fetched again
+  instead of served. Use refreshes a shard's access time only, which orders
+  eviction, so the modification time stays the content's;
+  it is written under ``<name>.tmp-<pid>-<random>`` while its writer holds an
+  exclusive lock on it. A temporary file nobody holds is a crashed writer's:
+  it is removed when a cache opens (and before eviction gives up).
+- One fetch per shard per node: the fetcher holds ``<name>.lock``; others
+  wait on it and then find the shard in place.
+- Holders: a process reading a cached shard keeps a shared lock on it for as
+  long as it holds the shard. Eviction takes an exclusive non-blocking lock,
+  so it only ever removes shards no process holds, least recently used first.
+- The budget is a hard ceiling on the bytes of every regular file under ``root``:
+  room is made and the new file created at its full size under one
+  node-wide lock (``<root>/.budget.lock``), before any byte is written.
+- A process that waits for room stamps ``<root>/.wanted`` (its mtime); one that
+  keeps shards mapped in case it reads them again (loose shards,
+  runtime.storage.remote_source) lets them go at its next batch when the stamp changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache_folder import ARCHIVE_ID, BUDGET_LOCK, FOREIGN, WANTED, CacheError, archive_dirs, claim
+
+TMP_MARK = ".tmp-"
+LOCK_SUFFIX = ".lock"
+STAMP_BYTES = 64  # room kept with each shard for its stamp in <name>.lock (at most 63 bytes)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A cached shard this process holds: its path and the descriptor whose shared
+    lock keeps it from eviction until ``CacheDir.let_go``."""
+
+    path: Path
+    fd: int
+    bytes: int
+
+
+def _open(path: Path, flags: int = os.O_RDONLY) -> int:
+    return os.open(path, flags | os.O_CLOEXEC, 0o644)
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+@contextlib.contextmanager
+def locked(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block;
+    without ``wait``, only if free at once (the block gets False when it was not)."""
+    try:
+        fd = _open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)
+    except OSError as e:  # a folder or a link in its place, a cache folder we may not write...
+        raise CacheError(f"{path}: cannot open the lock file ({e}); {FOREIGN}") from None
+    try:
+        if wait:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield wait or _try_lock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def is_tmp(name: str) -> bool:
+    return TMP_MARK in name
+
+
+def is_shard(name: str) -> bool:
+    return not (is_tmp(name) or name.endswith(LOCK_SUFFIX) or name in ("index.json", "source.txt"))
+
+
+class CacheDir:
+    """A cache folder with a byte budget (``max_bytes``) shared by every process on the node."""
+
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int, wait_s: float = 120.0) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.wait_s = wait_s
+        # Called when room runs out: lets go of holds kept only in case; True if any went.
+        self.squeeze: Callable[[], bool] | None = None
+        claim(self.root)
+        self.wanted_path = str(self.root / WANTED)
+        self.sweep()
+
+    def files(self) -> Iterator[tuple[Path, os.stat_result]]:
+        """Every regular file in the archive folders, with its stat (a link, a folder or
+        any name outside dlop's archive folders is not listed, so never removed)."""
+        for sub in archive_dirs(self.root):
+            for p in list(sub.iterdir()):
+                with contextlib.suppress(FileNotFoundError):
+                    st = p.lstat()
+                    if stat.S_ISREG(st.st_mode):
+                        yield p, st
+
+    def used_bytes(self) -> int:
+        return sum(st.st_size for _, st in self.files())
+
+    def fixed_bytes(self) -> int:
+        """Bytes of the files eviction never removes (indexes, sources, locks)."""
+        return sum(st.st_size for p, st in self.files() if not (is_shard(p.name) or is_tmp(p.name)))
+
+    def sweep(self) -> int:
+        """Removes temporary files no live writer holds; returns how many."""
+        return sum(is_tmp(p.name) and self._remove_if_free(p) for p, _ in self.files())
+
+    def _remove_if_free(self, p: Path) -> bool:
+        try:
+            fd = _open(p)
+        except FileNotFoundError:
+            return False
+        try:
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+            return True
+        finally:
+            os.close(fd)
+
+    def want_room(self) -> None:
+        """Stamps ``.wanted``: this process waits for room that shards held elsewhere take."""
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(self.wanted_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        now = time.time_ns()
+        os.utime(self.wanted_path, ns=(now, now))
+
+    def wanted_stamp(self) -> int:
+        """The ``.wanted`` stamp (0 before any); when it changes, a process waits for room."""
+        try:
+            return os.stat(self.wanted_path).st_mtime_ns
+        except FileNotFoundError:
+            return 0
+
+    def archive_dir(self, archive_id: str) -> Path:
+        """The folder of one archive's shards, named by its id (24 hex digits: the only
+        names under the root that the cache lists, evicts or clears)."""
+        if not ARCHIVE_ID.fullmatch(archive_id):
+            raise ValueError(f"an archive id is 24 lowercase hex digits, not {archive_id!r}")
+        d = self.root / archive_id
+        d.mkdir(exist_ok=True)
+        return d
+
+    def hold(self, path: Path) -> Held | None:
+        """The cached shard at ``path`` held (shared lock, LRU time refreshed), or None
+        when it is not there (or was evicted while we opened it); CacheError when a
+        link, a folder or anything but a file is in its place."""
+        try:
+            fd = _open(path, os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # ELOOP: a symbolic link
+            raise CacheError(f"{path}: cannot open the cached shard ({e}); {FOREIGN}") from None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        st = os.fstat(fd)
+        if st.st_nlink == 0 or not stat.S_ISREG(st.st_mode):  # nlink 0: evicted meanwhile
+            os.close(fd)
+            if st.st_nlink == 0:
+                return None
+            raise CacheError(f"{path}: not a regular file; remove it: {FOREIGN}")
+        if _stamp(st) != _read_stamp(path):  # changed since it was verified: fetch again
+            os.close(fd)
+            return None
+        with contextlib.suppress(OSError):  # the use, for eviction; the content's time kept
+            os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+        return Held(path, fd, st.st_size)
+
+    def let_go(self, held: Held) -> None:
+        os.close(held.fd)
+
+    def get(self, path: Path, fetch: Callable[[], bytes], write: WriteFn | None = None) -> Held:
+        """Shard ``path`` held: from the cache, or fetched once on this node and stored.
+        ``fetch`` returns the verified bytes; ``write`` (optional) turns them into the
+        file to cache (a raw copy of a compressed shard)."""
+        held = self.hold(path)
+        if held is not None:
+            return held
+        with locked(path.with_name(path.name + LOCK_SUFFIX)):
+            held = self.hold(path)  # another process fetched it while we waited
+            if held is None:
+                data = fetch()
+                held = self.store(path, write(data) if write is not None else data, keep=True)
+        if held is None:  # reserve waits for room or raises: never here
+            raise CacheError(f"{path}: no room was made for the shard")
+        return held
+
+    def prefetch(
+        self, path: Path, size: int, fetch: Callable[[], bytes], write: WriteFn | None = None
+    ) -> bool:
+        """Shard ``path`` (at most ``size`` bytes cached) fetched into the cache ahead of use
+        and not held (as ``get``), but only while no other process is fetching it and the
+        budget has room now (unheld shards evicted for it, nobody waited for); True if
+        it is cached after."""
+        if path.exists():
+            return True
+        with locked(path.with_name(path.name + LOCK_SUFFIX), wait=False) as free:
+            if not free:
+                return False  # being fetched by another process
+            if path.exists():
+                return True
+            with locked(self.root / BUDGET_LOCK):
+                if self.make_room(size + STAMP_BYTES) + size + STAMP_BYTES > self.max_bytes:
+                    return False
+            data = fetch()
+            data = write(data) if write is not None else data
+            return self.store(path, data, wait=False) is not None
+
+    def store(self, path: Path, data: bytes, wait: bool = True, keep: bool = False) -> Held | None:
+        """Writes ``data`` as ``path`` (room made under the budget lock; written, synced,
+        renamed into place under it too, so a ``keep`` lock turns shared, held, before any
+        eviction sees the file). Without ``wait``, None when there is no room at once."""
+        tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        fd = self.reserve(tmp, len(data), wait)
+        if fd is None:
+            return None
+        try:
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+            os.fsync(fd)
+            _write_stamp(path, os.fstat(fd))
+            with locked(self.root / BUDGET_LOCK):
+                os.replace(tmp, path)
+                if keep:
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            os.close(fd)
+            raise
+        if not keep:
+            os.close(fd)
+        return Held(path, fd if keep else -1, len(data))
+
+    def reserve(self, tmp: Path, size: int, wait: bool = True) -> int | None:
+        """Creates ``tmp`` at ``size`` bytes, locked, once the budget has room for it;
+        evicts unheld shards (least recently used first) to make room, and waits
+        while the shards in the way are held (without ``wait``: None at once)."""
+        if size > self.max_bytes:
+            raise CacheError(
+                f"{tmp.parent}: a {size}-byte shard does not fit the cache budget of "
+                f"{self.max_bytes} bytes; raise cache_bytes (DLOP_CACHE_BYTES) to at least "
+                "twice the largest shard"
+            )
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with locked(self.root / BUDGET_LOCK):
+                used = self.make_room(size + STAMP_BYTES)
+                if used + size + STAMP_BYTES <= self.max_bytes:
+                    fd = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    os.ftruncate(fd, size)
+                    return fd
+                fixed = self.fixed_bytes()
+            if fixed + size + STAMP_BYTES > self.max_bytes:  # nothing evicted makes room
+                raise CacheError(
+                    f"{self.root}: a {size}-byte shard does not fit beside the cache's own "
+                    f"files ({fixed} bytes: each archive's index.json, source.txt and locks, "
+                    f"which are not evicted) under the {self.max_bytes}-byte budget; raise "
+                    "cache_bytes (DLOP_CACHE_BYTES), or clear archives no longer read "
+                    "(dlop-inspect cache --clear)"
+                )
+            if not wait:
+                return None
+            if self.squeeze is not None and self.squeeze():
+                continue  # this process let go of a shard it kept only in case
+            self.want_room()  # others let go of theirs at their next batch
+            if time.monotonic() > deadline:
+                raise CacheError(
+                    f"{self.root}: {size} bytes needed, {used} of the {self.max_bytes}-byte "
+                    f"budget in use by shards that processes still hold (waited "
+                    f"{self.wait_s:.0f} s); raise cache_bytes (DLOP_CACHE_BYTES) or read "
+                    "fewer shards at once (smaller window_shards, fewer ranks per node)"
+                )
+            time.sleep(0.05)
+
+    def make_room(self, size: int) -> int:
+        """Evicts unheld shards, oldest use first, until ``size`` more bytes fit; returns
+        the bytes in use after. Called under the budget lock."""
+        entries = list(self.files())
+        used = sum(st.st_size for _, st in entries)
+        for p, st in sorted(entries, key=lambda e: e[1].st_atime_ns):
+            if used + size <= self.max_bytes:
+                break
+            if (is_tmp(p.name) or is_shard(p.name)) and self._remove_if_free(p):
+                used -= st.st_size + (_drop_stamp(p) if is_shard(p.name) else 0)
+        return used
+
+    def clear(self) -> int:
+        """Removes every shard, temporary file and archive folder no process holds;
+        returns the bytes freed."""
+        freed = 0
+        with locked(self.root / BUDGET_LOCK):
+            for p, st in list(self.files()):
+                if (is_shard(p.name) or is_tmp(p.name)) and self._remove_if_free(p):
+                    freed += st.st_size + (_drop_stamp(p) if is_shard(p.name) else 0)
+            for sub in archive_dirs(self.root):
+                if not any(is_shard(p.name) for p in sub.iterdir()):
+                    for p in sub.iterdir():
+                        with contextlib.suppress(FileNotFoundError):
+                            st = p.lstat()
+                            if stat.S_ISREG(st.st_mode):
+                                p.unlink()
+                                freed += st.st_size
+                    with contextlib.suppress(OSError):
+                        sub.rmdir()
+        return freed
+
+
+WriteFn = Callable[[bytes], bytes]
+
+
+def _stamp(st: os.stat_result) -> bytes:
+    """What identifies a cached shard's content as the one verified: inode, size, mtime."""
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}\n".encode()
+
+
+def _write_stamp(path: Path, st: os.stat_result) -> None:
+    """Records the stamp of the verified shard about to be renamed to ``path`` in its
+    ``.lock`` file (whose lock, not content, serializes fetches)."""
+    lock = path.with_name(path.name + LOCK_SUFFIX)
+    fd = _open(lock, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
+    try:
+        os.write(fd, _stamp(st))
+    finally:
+        os.close(fd)
+
+
+def _drop_stamp(path: Path) -> int:
+    """Empties the stamp of the shard just removed from ``path`` (its lock file stays: other
+    processes may wait on it); returns the bytes freed."""
+    try:
+        fd = _open(path.with_name(path.name + LOCK_SUFFIX), os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError:
+        return 0
+    try:
+        size = os.fstat(fd).st_size
+        os.ftruncate(fd, 0)
+        return size
+    finally:
+        os.close(fd)
+
+
+def _read_stamp(path: Path) -> bytes:
+    try:
+        fd = _open(path.with_name(path.name + LOCK_SUFFIX), os.O_NOFOLLOW)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, 128)
+    finally:
+        os.close(fd)

@@ -1,0 +1,351 @@
+"""A remote archive's source stage: shards fetched into the node-local cache on ``ask``
+(in the background), held while batches read them, let go of on ``release``.
+
+A shard is held (a shared lock on its cached file, runtime.storage.cache) for as long
+as it is mapped; no process on the node evicts a held shard. A shard no batch
+asks for any more stays mapped in case it is read again (a later window, the
+next epoch: then it costs nothing to ask for), as a loose shard: the loose
+shards used last stay while they take at most ``loose_bytes`` (by default half
+the budget; at least ``loose_shards`` of them stay). They are let go of, oldest
+first, when this process needs their room (a fetch, a fetch ahead) and all at
+once when another process on the node waits for room (it stamps the cache's
+``.wanted``, looked at in each ``ask``) or the source closes.
+
+Ahead of the asks, ``ahead`` hears which shards later batches read first, in
+order (runtime.pipeline.prefetch.Asks): one background thread fetches the first
+``ahead_shards`` of them into the cache, not held, while the shards this
+process holds plus those ahead fit the budget, so a new window's shards are
+in place (a warm cache: only mapped) before its first batch asks for them.
+
+Budget checks count a shard at its size in the cache: for a block-coded (zstd)
+shard, the raw copy, bounded from its header (one small ranged read) before
+the shard itself is fetched. A shard whose fetch failed (retries spent) fails
+every batch that reads it until the next epoch. After a fork (DataLoader
+workers) the child starts afresh: it holds nothing its parent held, and makes
+its own threads and storage client.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlop.formats import FormatError, Index, ShardReader
+from dlop.formats.storage import DEFAULT_RETRY, Retry, checker
+from dlop.formats.transcode import needs_transcode, transcode_bytes
+
+from ..errors import LoaderError, ShardChangedError, UsageError
+from .cache import CacheDir, Held
+from .remote import fetch_bytes, join
+from .remote_sizes import ShardSizes
+
+Filesystem = Callable[[], tuple[Any, str]]  # this process's (filesystem, archive path)
+
+
+class RemoteSource:
+    """Shards of the archive at ``url``, cached under ``folder`` of ``cache``."""
+
+    def __init__(
+        self,
+        url: str,
+        index: Index,
+        cache: CacheDir,
+        folder: Path,
+        filesystem: Filesystem,
+        retry: Retry = DEFAULT_RETRY,
+        loose_shards: int = 2,
+        fetch_threads: int = 2,
+        ahead_shards: int = 16,
+        loose_bytes: int | None = None,
+    ) -> None:
+        self.url = url
+        self.index = index
+        self.cache = cache
+        self.folder = folder
+        self.filesystem = filesystem
+        self.retry = retry
+        self.loose_shards = loose_shards
+        self.loose_bytes = cache.max_bytes // 2 if loose_bytes is None else loose_bytes
+        self.fetch_threads = fetch_threads
+        self.ahead_shards = ahead_shards
+        self.transcode = needs_transcode(index.fields)
+        self.sizes = ShardSizes(url, index, cache.max_bytes, filesystem, retry)
+        cache.squeeze = self.squeeze
+        self.on_drop: Callable[[int], None] | None = None  # told when shard k is let go of
+        self.pid = -1
+        self.fresh()
+
+    def fresh(self) -> None:
+        """This process's state: nothing held, no fetches under way."""
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.refs = [0] * len(self.index.shards)
+        self.asked = 0  # shards with a hold (refs > 0)
+        self.open: dict[int, tuple[ShardReader, Held]] = {}
+        self.pending: dict[int, Future[ShardReader]] = {}
+        self.loose: OrderedDict[int, None] = OrderedDict()  # oldest use first
+        self.wanted = self.cache.wanted_stamp()
+        self.pool: ThreadPoolExecutor | None = None
+        self.upcoming: list[int] = []  # shards later batches read first, in order
+        self.ahead_job: Future[None] | None = None
+        self.ahead_pool: ThreadPoolExecutor | None = None
+        self.ahead_skipped: set[int] = set()  # no room, or fetched elsewhere: try at the next ask
+        self.ahead_errors: dict[int, Exception] = {}  # failed fetches, attempts spent
+
+    def mine(self) -> None:
+        if self.pid != os.getpid():
+            self.fresh()  # a forked child: what the parent held is the parent's
+
+    def ask(self, shards: Sequence[int]) -> None:
+        """Counts a hold on each shard and starts fetching those not cached here yet."""
+        self.mine()
+        wanted = self.cache.wanted_stamp()
+        with self.lock:
+            if wanted != self.wanted:  # another process waits for room
+                self.wanted = wanted
+                self.drop_loose()
+            for k in sorted(set(shards)):
+                self.refs[k] += 1
+                self.asked += self.refs[k] == 1
+                self.loose.pop(k, None)
+            try:
+                self.check_in_flight()
+            except UsageError:
+                for k in set(shards):
+                    self.refs[k] -= 1
+                    self.asked -= self.refs[k] == 0
+                raise
+            for k in sorted(set(shards)):
+                if k not in self.open and k not in self.pending:
+                    if self.pool is None:
+                        self.pool = ThreadPoolExecutor(self.fetch_threads, "dlop-fetch")
+                    self.pending[k] = self.pool.submit(self.load, k)
+
+    def release(self, shards: Sequence[int]) -> None:
+        """Drops one hold on each shard. A shard no batch holds becomes loose: it stays
+        mapped while the loose shards fit ``loose_bytes`` (see the module docstring)."""
+        self.mine()
+        with self.lock:
+            for k in sorted(set(shards)):
+                if self.refs[k] == 0:
+                    continue
+                self.refs[k] -= 1
+                if self.refs[k] == 0:
+                    self.asked -= 1
+                    self.loose[k] = None
+                    self.loose.move_to_end(k)
+            self.trim_loose()
+
+    def trim_loose(self) -> None:
+        """Lets go of the oldest loose shards past ``loose_bytes`` (under the lock)."""
+        size = self.sizes.largest
+        while len(self.loose) > self.loose_shards and len(self.loose) * size > self.loose_bytes:
+            self.drop(next(iter(self.loose)))
+
+    def drop_loose(self, keep: int = 0) -> bool:
+        """Lets go of loose shards, oldest first, until ``keep`` are left (locked); True if any went."""
+        gone = False
+        while len(self.loose) > keep:
+            self.drop(next(iter(self.loose)))
+            gone = True
+        return gone
+
+    def ahead(self, shards: Sequence[int] | np.ndarray) -> None:
+        """Shards later batches read first, in the order they do (none asked for yet):
+        the first ``ahead_shards`` are fetched into the cache in the background."""
+        self.mine()
+        upcoming = [int(k) for k in shards[: self.ahead_shards]]
+        with self.lock:
+            self.upcoming = upcoming
+            self.ahead_skipped.clear()
+            if upcoming and (self.ahead_job is None or self.ahead_job.done()):
+                if self.ahead_pool is None:
+                    self.ahead_pool = ThreadPoolExecutor(1, "dlop-ahead")
+                self.ahead_job = self.ahead_pool.submit(self.fetch_ahead)
+
+    def next_ahead(self) -> int | None:
+        """The first upcoming shard not cached yet whose fetch keeps what batches hold
+        plus the shards before it within the budget; loose shards not upcoming are let
+        go of, oldest first, to make that room (called under the lock)."""
+        held = self.asked + sum(1 for k in self.pending if self.refs[k] == 0)
+        fit = self.cache.max_bytes // max(1, self.sizes.largest)
+        for i, k in enumerate(self.upcoming):
+            if held + i + 1 > fit:
+                return None
+            if k in self.open or k in self.pending or k in self.ahead_skipped:
+                continue
+            if k in self.ahead_errors:
+                continue
+            if not (self.folder / self.index.shards[k].file).exists():
+                soon = set(self.upcoming[: i + 1])
+                spare = [j for j in self.loose if j not in soon]
+                while spare and held + i + 1 + len(self.loose) > fit:
+                    self.drop(spare.pop(0))
+                return k
+        return None
+
+    def fetch_ahead(self) -> None:
+        """Fetches upcoming shards into the cache, one at a time, until none is left that
+        fits (runs on the ahead thread)."""
+        while True:
+            with self.lock:
+                k = self.next_ahead()
+            if k is None:
+                return
+            info = self.index.shards[k]
+            path = self.folder / info.file
+            what = f"{self.url}: shard {k} ({info.file})"
+            try:
+                fetch = functools.partial(self.fetch, k, what)
+                done = self.cache.prefetch(path, self.sizes.size(k), fetch, self.to_raw(path))
+            except Exception as e:
+                with self.lock:
+                    self.ahead_errors.setdefault(k, e)
+                continue
+            if not done:
+                with self.lock:
+                    self.ahead_skipped.add(k)
+
+    def forget_failures(self) -> None:  # a new epoch: shards that failed are tried again
+        with self.lock:
+            self.ahead_errors.clear()
+
+    def squeeze(self) -> bool:
+        """Lets go of the oldest loose shard (this process needs room); True if one went."""
+        with self.lock:
+            return self.drop_loose(keep=max(0, len(self.loose) - 1))
+
+    def check_in_flight(self) -> None:
+        """Refuses holds that could never all be cached (called under the lock)."""
+        self.sizes.check_in_flight(self.asked)
+
+    def shard(self, k: int) -> ShardReader:
+        """Shard ``k`` mapped from the cache: fetched now, or waited for if under way.
+        Callers hold it (``ask``) for as long as they read it."""
+        self.mine()
+        with self.lock:
+            got = self.open.get(k)
+            future = self.pending.get(k)
+            mine = got is None and future is None
+            if mine:
+                future = self.pending[k] = Future()
+        if got is not None:
+            return got[0]
+        if future is None:  # not reached: one of the two is set above
+            raise LoaderError(f"{self.url}: shard {k} neither open nor being fetched")
+        if mine:
+            try:
+                future.set_result(self.load(k))
+            except BaseException as e:
+                future.set_exception(e)
+        return future.result()
+
+    def load(self, k: int) -> ShardReader:
+        """Fetches (once per node) and maps shard ``k``; called on a fetch thread or inline."""
+        info = self.index.shards[k]
+        path = self.folder / info.file
+        what = f"{self.url}: shard {k} ({info.file})"
+        try:
+            held = self.cache.get(path, lambda: self.fetch(k, what), self.to_raw(path))
+            try:
+                reader = self.map(k, held)
+            except FormatError as e:
+                self.cache.let_go(held)
+                raise LoaderError(
+                    f"{what}: the cached copy does not read ({e}); remove it, or run "
+                    "dlop-inspect cache --clear, and read again: it is fetched anew"
+                ) from None
+            self.sizes.learn(k, held.bytes)
+            with self.lock:
+                self.open[k] = (reader, held)
+                if self.refs[k] == 0 and k not in self.loose:
+                    self.loose[k] = None  # fetched for a hold already let go of
+            return reader
+        finally:
+            with self.lock:
+                self.pending.pop(k, None)
+
+    def fetch(self, k: int, what: str) -> bytes:
+        """Shard k's verified bytes; a failure is noted under its fetch lock and raised
+        again, not retried, by every read of it until forget_failures."""
+        with self.lock:
+            if (failed := self.ahead_errors.get(k)) is not None:
+                raise failed
+        try:
+            return self.fetch_checked(k, what)
+        except Exception as e:
+            with self.lock:
+                self.ahead_errors[k] = e
+            raise
+
+    def fetch_checked(self, k: int, what: str) -> bytes:
+        if self.transcode:  # its raw copy must fit beside what is held: known before the body
+            self.sizes.check_fits(k, what)
+            with self.lock:
+                self.check_in_flight()
+        fs, base = self.filesystem()
+        info = self.index.shards[k]
+        check = checker(info.bytes, info.crc32)
+        return fetch_bytes(fs, join(base, info.file), info.bytes, check, what, self.retry)
+
+    def to_raw(self, path: Path) -> Callable[[bytes], bytes] | None:
+        """Decodes a block-coded shard once, as it arrives: the cache keeps it raw."""
+        if not self.transcode:
+            return None
+        # Outside the budget for a moment: the scratch copies live in TMPDIR, not the cache.
+        return functools.partial(transcode_bytes, name=path.name)
+
+    def map(self, k: int, held: Held) -> ShardReader:
+        info = self.index.shards[k]
+        reader = ShardReader(held.path, expected_bytes=held.bytes)
+        if reader.num_samples != info.num_samples:
+            reader.close()
+            raise FormatError(
+                held.path, f"holds {reader.num_samples} samples, index.json says {info.num_samples}"
+            )
+        return reader
+
+    def drop(self, k: int) -> None:
+        """Unmaps shard ``k`` and lets go of its hold (called under the lock)."""
+        self.loose.pop(k, None)
+        got = self.open.pop(k, None)
+        if got is not None:
+            if self.on_drop is not None:
+                self.on_drop(k)
+            reader, held = got
+            reader.close()  # views still in use keep the mapping; the file may go meanwhile
+            self.cache.let_go(held)
+
+    def check(self, shards: Sequence[int] | np.ndarray) -> None:
+        """Refuses a cached shard that shrank under its mapping (see LocalSource.check)."""
+        for k in np.unique(np.asarray(shards, dtype=np.int64)).tolist():
+            got = self.open.get(k)
+            if got is not None and got[0].mapped_size() < got[1].bytes:
+                raise ShardChangedError(
+                    f"{got[1].path}: cached shard shrank from {got[1].bytes} to "
+                    f"{got[0].mapped_size()} bytes while mapped; nothing but dlop should "
+                    "write in the cache folder"
+                )
+
+    def held_bytes(self) -> int:
+        return sum(h.bytes for _, h in self.open.values())
+
+    def close(self) -> None:
+        """Lets go of every shard and stops the fetch threads."""
+        with self.lock:
+            for k in list(self.open):
+                self.drop(k)
+            pools = [p for p in (self.pool, self.ahead_pool) if p is not None]
+            self.pool = self.ahead_pool = None
+            self.upcoming = []
+        if self.pid == os.getpid():
+            for pool in pools:
+                pool.shutdown(wait=True, cancel_futures=True)

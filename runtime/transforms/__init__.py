@@ -1,0 +1,1 @@
+"""Seeded augmentations run on the batch's device (audio, video, images)."""
