@@ -2,7 +2,7 @@
 texts are URLs, and the fsspec filesystem of one.
 
 Shared by the compiler (SOURCE and OUT, compiler.urls) and the runtime (archives
-read through the shard cache, runtime.remote); each turns ``StorageError`` into
+read through the shard cache, runtime.storage.remote); each turns ``StorageError`` into
 its own error type. Pure: fsspec is imported only when a filesystem is asked
 for, and nothing here starts threads or keeps clients.
 
