@@ -310,13 +310,14 @@ def fetch_bytes(
     says it holds, tried again through passing faults as the runtime's fetches are
     (formats.storage); FetchError when no try succeeded (its ``cause`` FileNotFoundError
     for a missing object), CompileError when the object is over the cap."""
-    said: list[int | None] = [None]
+    said: int | None = None  # the size the storage gave with the latest try
 
     def read() -> bytes:
+        nonlocal said
         with fs.open(url, "rb") as f:
             size = getattr(f, "size", None)
-            said[0] = size if isinstance(size, int) else None
-            if said[0] is not None and said[0] > cap:
+            said = size if isinstance(size, int) else None
+            if said is not None and said > cap:
                 raise _too_large(url, cap)
             data: bytes = f.read(cap + 1)
         if len(data) > cap:
@@ -324,8 +325,8 @@ def fetch_bytes(
         return data
 
     def check(data: bytes) -> str | None:
-        if said[0] is not None and len(data) != said[0]:
-            return f"got {len(data)} bytes of the {said[0]} it holds (truncated transfer?)"
+        if said is not None and len(data) != said:
+            return f"got {len(data)} bytes of the {said} it holds (truncated transfer?)"
         return None
 
     return storage.fetch(read, check, url, url, retry, give_up=(CompileError,))
@@ -357,9 +358,8 @@ def fetch_inputs(
         for url in urls:
             proto = scheme(url) or ""
             if proto not in systems:
-                fs = systems[proto] = filesystem(url, storage_options)[0]
-                if hasattr(fs, "retries") and "retries" not in (storage_options or {}):
-                    fs.retries = 1  # s3fs's own attempts: fetch_bytes's Retry tries again
+                fs = filesystem(url, storage_options)[0]
+                systems[proto] = storage.retry_here(fs, storage_options)
             try:
                 fetched[url] = fetch_bytes(systems[proto], url)
             except storage.FetchError as e:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .crc import crc32 as crc_of
 from .urls import StorageError
@@ -42,6 +43,15 @@ DEFAULT_RETRY = Retry()
 
 # Errors that retrying cannot fix: the object is not there, or we may not read it.
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
+
+
+def retry_here(fs: Any, storage_options: Mapping[str, Any] | None) -> Any:
+    """``fs`` with its client's own retries cut to one attempt (s3fs retries up to five
+    times by itself), so that ``fetch``'s Retry alone decides how often a read is tried,
+    unless the user set ``retries`` in the storage options."""
+    if hasattr(fs, "retries") and "retries" not in (storage_options or {}):
+        fs.retries = 1
+    return fs
 
 
 class FetchError(StorageError):

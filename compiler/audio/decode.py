@@ -132,24 +132,46 @@ def decode_audio(
     return audio, rate
 
 
+PROBE_BYTES = 64 << 10  # what probe_rate reads of an input: its headers, not its audio
+
+
 def probe_rate(source: Source) -> int | None:
-    """The sample rate an audio file's header declares, reading nothing else; None when
-    it cannot be told (the decode that follows gives the reason, if there is one)."""
+    """The sample rate an audio input's header declares, from at most its first
+    PROBE_BYTES; None when that does not tell it. Only a regular file is read, opened
+    without blocking (a FIFO or a device named as an input is passed over: its decode
+    reports it), so a probe never waits and never reads more than a header."""
+    if isinstance(source, bytes):
+        head = source[:PROBE_BYTES]
+    else:
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            head = os.pread(fd, PROBE_BYTES, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+    if not head:
+        return None
+    if head[:3] == b"ID3" or _mpeg_frame(head, 0) is not None:
+        # an MP3, told by its frames: libsndfile would warn on stderr about a cut one
+        found = _first_mpeg_frame(head[_mpeg_audio_start(head[:10]) :][: 1 << 14])
+        if found is not None:
+            return found[1][0][2]
     import soundfile as sf
 
-    handle: Any = io.BytesIO(source) if isinstance(source, bytes) else os.fsencode(source)
     try:
-        return int(sf.info(handle).samplerate)
-    except Exception:  # not a file for libsndfile: ask PyAV's container header
+        return int(sf.info(io.BytesIO(head)).samplerate)
+    except Exception:  # not a header libsndfile reads: ask PyAV's container header
         pass
     try:
         import av
 
-        with av.open(
-            io.BytesIO(source) if isinstance(source, bytes) else str(source),
-            "r",
-            metadata_errors="ignore",
-        ) as container:
+        with av.open(io.BytesIO(head), "r", metadata_errors="ignore") as container:
             streams = container.streams.audio
             return int(streams[0].rate) if streams and streams[0].rate else None
     except Exception:
@@ -634,16 +656,17 @@ def _mpeg_audio_end(r: IO[bytes], end: int) -> int:
     return end
 
 
-def _mpeg_states_length(source: Source) -> bool:
-    """Whether an MP3's first frame is a Xing/Info or VBRI header (which states the length)."""
-    with _reader(source) as r:
-        head = r.read(10)
-        start = 0
-        if head[:3] == b"ID3" and len(head) == 10:  # ID3v2: a syncsafe size, maybe a footer
-            size = (head[6] << 21) | (head[7] << 14) | (head[8] << 7) | head[9]
-            start = 10 + size + (10 if head[5] & 0x10 else 0)
-        r.seek(start)
-        data = r.read(1 << 16)
+def _mpeg_audio_start(head: bytes) -> int:
+    """Where an MP3's frames start: after an ID3v2 tag (``head``: its first 10 bytes)."""
+    if head[:3] == b"ID3" and len(head) >= 10:  # ID3v2: a syncsafe size, maybe a footer
+        size = (head[6] << 21) | (head[7] << 14) | (head[8] << 7) | head[9]
+        return 10 + size + (10 if head[5] & 0x10 else 0)
+    return 0
+
+
+def _first_mpeg_frame(data: bytes) -> tuple[int, tuple[tuple[int, int, int], int]] | None:
+    """(offset, _mpeg_frame's answer) of the first frame in ``data`` that the next frame
+    header follows where its length says, with one version, layer and rate."""
     for i in range(len(data)):
         frame = _mpeg_frame(data, i)
         if frame is None:
@@ -651,9 +674,20 @@ def _mpeg_states_length(source: Source) -> bool:
         nxt = _mpeg_frame(data, i + frame[1])
         if nxt is None or nxt[0] != frame[0]:
             continue  # not a run of frames: a chance 0xFF byte
-        body = data[i : i + frame[1]]
-        return b"Xing" in body or b"Info" in body or body[36:40] == b"VBRI"
-    return False
+        return i, frame
+    return None
+
+
+def _mpeg_states_length(source: Source) -> bool:
+    """Whether an MP3's first frame is a Xing/Info or VBRI header (which states the length)."""
+    with _reader(source) as r:
+        r.seek(_mpeg_audio_start(r.read(10)))
+        data = r.read(1 << 16)
+    found = _first_mpeg_frame(data)
+    if found is None:
+        return False
+    body = data[found[0] : found[0] + found[1][1]]
+    return b"Xing" in body or b"Info" in body or body[36:40] == b"VBRI"
 
 
 def _check_mpeg_end(source: Source, name: str) -> None:

@@ -43,8 +43,7 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
                 got = _clients[key] = urls.filesystem(url, options)
             except urls.StorageError as e:
                 raise LoaderError(str(e)) from None
-            if hasattr(got[0], "retries") and "retries" not in options:
-                got[0].retries = 1  # s3fs's own attempts: the Retry policy retries instead
+            storage.retry_here(got[0], options)
     return got
 
 

@@ -128,3 +128,48 @@ def test_a_link_out_of_the_corpus_is_refused_unless_allowed(
     )
     keys = _keys(tmp_path / "o")
     assert keys == ["a/more/secret.wav", "a/x.wav", "b/one.wav", "b/y.wav"]
+
+
+def test_the_rate_probe_reads_headers_only_and_never_waits(tmp_path: Path) -> None:
+    """probe_rate runs in the compiling process before any work: a FIFO named as an input
+    must not block it, a cut or foreign file gives no rate, and an MP3 is read by its
+    frames (libsndfile would print warnings about a cut one)."""
+    from dlop.compiler.audio.decode import PROBE_BYTES, probe_rate
+
+    wave = write_audio(tmp_path / "a.wav", _tone(96000, 2.0), 96000)
+    mp3 = write_audio(tmp_path / "b.mp3", _tone(22050, 2.0), 22050)
+    flac = write_audio(tmp_path / "c.flac", _tone(48000, 2.0), 48000)
+    assert [probe_rate(str(p)) for p in (wave, mp3, flac)] == [96000, 22050, 48000]
+    assert probe_rate(wave.read_bytes()) == 96000  # a tar member's bytes
+    assert wave.stat().st_size > PROBE_BYTES  # the probe read only the head of it
+    os.mkfifo(tmp_path / "fifo.wav")  # no writer: a blocking open would wait forever
+    assert probe_rate(str(tmp_path / "fifo.wav")) is None
+    (tmp_path / "cut.wav").write_bytes(wave.read_bytes()[:20])
+    (tmp_path / "noise.wav").write_bytes(os.urandom(5000))
+    assert probe_rate(str(tmp_path / "cut.wav")) is None
+    assert probe_rate(str(tmp_path / "noise.wav")) is None
+    assert probe_rate(str(tmp_path / "missing.wav")) is None
+    assert probe_rate(b"") is None
+
+
+def test_a_fifo_among_the_inputs_does_not_hang_the_compile(tmp_path: Path) -> None:
+    """The driver probes input headers before compiling: a FIFO an ESC-50 CSV names is a
+    bad input of its own (as its decode says), not a compile that never starts."""
+    import subprocess
+    import sys
+
+    from .fixtures import esc50_corpus
+
+    corpus = esc50_corpus(tmp_path / "esc", [("wav", 48000, 1)] * 4, seconds=0.25)
+    fifo = next((corpus / "audio").glob("*.wav"))
+    fifo.unlink()
+    os.mkfifo(fifo)
+    argv = [str(corpus), "-o", str(tmp_path / "o"), "--workers", "1", "-q"]
+    done = subprocess.run(
+        [sys.executable, "-m", "dlop.tools.compile_cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert ArchiveReader(tmp_path / "o").index.skipped_count == 1
