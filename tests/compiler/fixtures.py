@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +131,23 @@ def webdataset_corpus(root: Path, shards: int = 2, per_shard: int = 3) -> Path:
                     info.size = len(data)
                     tf.addfile(info, io.BytesIO(data))
     return root
+
+
+@contextlib.contextmanager
+def dask_cluster(workers: int = 1) -> Iterator[str]:
+    """The address of a LocalCluster of ``workers`` processes on loopback, for several
+    compiles to share (``--dask ADDRESS``): one start instead of one per compile. Its
+    workers take the environment as it is when the cluster starts."""
+    import logging
+
+    import distributed
+
+    with distributed.LocalCluster(
+        n_workers=workers,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    ) as cluster:
+        yield str(cluster.scheduler_address)

@@ -12,7 +12,7 @@ from dlop.compiler.run.faults import KILL_WORKER as TEST_KILL_WORKER
 from dlop.compiler.run.faults import UNIT_DELAY as TEST_UNIT_DELAY
 from dlop.tools.compile_cli import main
 
-from .fixtures import esc50_corpus
+from .fixtures import dask_cluster, esc50_corpus
 
 pytest.importorskip("distributed")
 
@@ -84,11 +84,12 @@ def test_task_keys_differ_between_compiles_of_one_recipe(
 
     monkeypatch.setattr(distributed.Client, "submit", recording)
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
-    for current in ("a", "b", "b2"):
-        out = tmp_path / current[0]
-        extra = ["--overwrite"] if current == "b2" else []
-        assert main([*args, "--dask", "local:1", "-o", str(out), *extra]) == 0
-        assert files(out) == whole
+    with dask_cluster() as address:  # one scheduler for all three, as a shared cluster is
+        for current in ("a", "b", "b2"):
+            out = tmp_path / current[0]
+            extra = ["--overwrite"] if current == "b2" else []
+            assert main([*args, "--dask", address, "-o", str(out), *extra]) == 0
+            assert files(out) == whole
     assert all(len(k) == 4 for k in keys.values()), keys
     assert not set(keys["a"]) & set(keys["b"]) and not set(keys["b"]) & set(keys["b2"]), keys
 

@@ -15,7 +15,7 @@ from dlop.compiler.corpus.records import Corpus, Item
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 
-from .fixtures import webdataset_corpus
+from .fixtures import dask_cluster, webdataset_corpus
 from .test_layout_hf import hf_corpus
 from .test_layout_peoples_speech import ps_corpus
 
@@ -64,7 +64,8 @@ def files(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
 
 
-def compile_in_units(source: Path, name: str, tmp_path: Path, dask: bool) -> None:
+def compile_in_units(source: Path, name: str, tmp_path: Path, dask: str | None) -> None:
+    """Plain, in units on local processes, and (given a scheduler address) on Dask."""
     common = [str(source), "--layout", name, "--duration", "0.5", "-q"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SOURCE_DATE_EPOCH", EPOCH)
@@ -72,7 +73,7 @@ def compile_in_units(source: Path, name: str, tmp_path: Path, dask: bool) -> Non
         units = ["--unit-inputs", "2"]
         assert main([*common, *units, "--workers", "1", "-o", str(tmp_path / "local")]) == 0
         if dask:
-            assert main([*common, *units, "--dask", "local:1", "-o", str(tmp_path / "dask")]) == 0
+            assert main([*common, *units, "--dask", dask, "-o", str(tmp_path / "dask")]) == 0
     assert samples(tmp_path / "local") == samples(tmp_path / "plain")
     if dask:
         assert files(tmp_path / "dask") == files(tmp_path / "local")
@@ -97,15 +98,18 @@ def test_small_units_on_the_local_engine_equal_the_plain_compile(
     tmp_path: Path, layout: str
 ) -> None:
     source, name = SOURCES[layout](tmp_path / "c")
-    compile_in_units(source, name, tmp_path, dask=False)
+    compile_in_units(source, name, tmp_path, dask=None)
 
 
 @pytest.mark.slow
 def test_small_units_on_dask_equal_the_plain_compile(tmp_path: Path) -> None:
     pytest.importorskip("distributed")
-    for layout, make in SOURCES.items():
-        source, name = make(tmp_path / layout / "c")
-        compile_in_units(source, name, tmp_path / layout, dask=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SOURCE_DATE_EPOCH", EPOCH)  # before the workers start: they take it
+        with dask_cluster() as address:
+            for layout, make in SOURCES.items():
+                source, name = make(tmp_path / layout / "c")
+                compile_in_units(source, name, tmp_path / layout, dask=address)
 
 
 def test_tar_members_webdataset_passes_over_are_not_listed(tmp_path: Path) -> None:

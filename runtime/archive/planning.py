@@ -1,0 +1,211 @@
+"""How an Archive plans a batch over its source's shards.
+
+Each field's gather (runtime.gather.fields) addresses a list of shards by their
+first sample numbers. When the source maps every shard for good (local
+archives), one gather per field over all of them is made when the archive
+opens: ``Mapped``. When shards are mapped per batch (the node-local cache), a
+batch is planned over the shards it touches only, held for the while
+(``ask``/``release``), so shards the batch does not read need not be cached:
+``Fetched``, which keeps the gathers made for a set of shards for the next
+batch over the same set while those shards stay mapped (a window's batches
+touch the same few shards).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from dlop.formats import Field, ShardReader
+
+from ..batch import Batch
+from ..gather.fields import Allocate, FieldGather, batch_groups
+from ..gather.mapped import FixedRawGather, RaggedRowsGather
+from ..gather.plan import CopyPlan
+from ..gather.samples import PerSampleGather, TextGather
+from ..storage.source import ShardSource
+
+Out = dict[str, torch.Tensor] | Allocate | None
+
+# Sets of shards whose gathers are kept (Planners).
+PLANNERS_KEPT = 64
+
+
+def gather_for(
+    field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
+) -> FieldGather:
+    """The gather for a field's kind and storage (runtime.gather.fields lists them)."""
+    if field.kind in ("str", "bytes"):
+        return TextGather(field, shards, starts, pad_value)
+    mapped = field.codec.mappable
+    if not field.ragged and mapped:
+        return FixedRawGather(field, shards, starts, pad_value)
+    if mapped and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
+        return RaggedRowsGather(field, shards, starts, pad_value)
+    return PerSampleGather(field, shards, starts, pad_value)
+
+
+def shards_of(shard_starts: np.ndarray, indices: torch.Tensor) -> np.ndarray:
+    """The shard numbers that global ``indices`` fall in (``shard_starts``: the first
+    sample of each shard, then the total)."""
+    if len(shard_starts) <= 2 or not len(indices):
+        return np.zeros(min(1, len(indices)), np.int64)
+    # numpy, not torch: torch.searchsorted goes parallel over a batch of indices, and
+    # waking its threads from the Loader's producer costs milliseconds a batch.
+    found = np.searchsorted(shard_starts, indices.numpy(), side="right") - 1
+    return found.astype(np.int64, copy=False)
+
+
+class Mapped:
+    """Plans over every shard of a source that maps them all for good."""
+
+    def __init__(
+        self,
+        source: ShardSource,
+        fields: Mapping[str, Field],
+        shard_starts: np.ndarray,
+        pad_value: float,
+    ) -> None:
+        assert source.shards is not None
+        self.source = source
+        self.shard_starts = shard_starts
+        self.starts = torch.from_numpy(shard_starts[:-1].copy())
+        self.gathers: dict[str, FieldGather] = {
+            n: gather_for(f, source.shards, self.starts, pad_value) for n, f in fields.items()
+        }
+
+    def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
+        self.source.check(shards_of(self.shard_starts, indices))
+        groups = batch_groups(indices, self.starts)  # once for all fields
+        batch, steps = Batch(), []
+        for name, g in self.gathers.items():
+            where = out.get(name) if isinstance(out, dict) else out
+            entries, field_steps = g.plan_grouped(indices, groups, where)
+            batch.update(entries)
+            steps += field_steps
+        return batch, CopyPlan(steps)
+
+
+class Sizing(FieldGather):
+    """The Loader's buffer sizes for a field of a source that maps shards per batch:
+    fixed fields get a reusable buffer, others fresh tensors (their longest sample is
+    not known before every shard was read)."""
+
+    def buffer_numel(self, batch_size: int) -> int | None:
+        if self.field.ragged or self.field.kind in ("str", "bytes"):
+            return None
+        return batch_size * int(np.prod(self.trail, dtype=np.int64))
+
+
+class Planners:
+    """The gathers for batches over a set of shards, kept while those shards stay
+    mapped: made anew per batch they cost more than the copies of a small batch.
+    ``forget(k)`` (shard k let go of) drops the gathers that read it, and with them
+    their views of its mapping."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.kept: dict[tuple[int, ...], tuple[list[ShardReader], dict[str, FieldGather]]] = {}
+
+    def get(
+        self, key: tuple[int, ...], readers: list[ShardReader]
+    ) -> dict[str, FieldGather] | None:
+        with self.lock:
+            got = self.kept.get(key)
+        if got is None or any(a is not b for a, b in zip(got[0], readers, strict=True)):
+            return None  # a shard was mapped again since: new views
+        return got[1]
+
+    def put(
+        self, key: tuple[int, ...], readers: list[ShardReader], gathers: dict[str, FieldGather]
+    ) -> None:
+        with self.lock:
+            self.kept[key] = (readers, gathers)
+            while len(self.kept) > PLANNERS_KEPT:
+                del self.kept[next(iter(self.kept))]
+
+    def forget(self, k: int) -> None:
+        with self.lock:
+            for key in [key for key in self.kept if k in key]:
+                del self.kept[key]
+
+
+class Fetched:
+    """Plans over the shards a batch touches, held from the source while planned (the
+    Loader holds them besides until the copies are done)."""
+
+    def __init__(
+        self,
+        source: ShardSource,
+        fields: Mapping[str, Field],
+        shard_starts: np.ndarray,
+        pad_value: float,
+    ) -> None:
+        self.source = source
+        self.fields = dict(fields)
+        self.shard_starts = shard_starts
+        self.pad_value = pad_value
+        self.planners = Planners()
+        source.on_drop = self.planners.forget  # type: ignore[attr-defined]
+        starts = torch.from_numpy(shard_starts[:-1].copy())
+        self.gathers: dict[str, FieldGather] = {
+            n: Sizing(f, [], starts, pad_value) for n, f in self.fields.items()
+        }
+
+    def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
+        per_index = shards_of(self.shard_starts, indices)
+        touched = np.unique(per_index)
+        self.source.ask(touched.tolist())
+        try:
+            return self.plan_over(indices, per_index, touched, out)
+        finally:
+            self.source.release(touched.tolist())
+
+    def plan_over(
+        self, indices: torch.Tensor, per_index: np.ndarray, touched: np.ndarray, out: Out
+    ) -> tuple[Batch, CopyPlan]:
+        key = tuple(touched.tolist())
+        readers = [self.source.shard(k) for k in key]
+        self.source.check(touched)
+        sizes = [r.num_samples for r in readers]
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        if len(indices):  # global sample numbers to numbers within the touched shards
+            where = np.searchsorted(touched, per_index)
+            local = indices.numpy() - self.shard_starts[per_index]
+            indices = torch.from_numpy(starts[where] + local)
+        gathers = self.planners.get(key, readers)
+        if gathers is None:
+            compact = torch.from_numpy(starts[:-1].copy())
+            gathers = {
+                n: gather_for(f, readers, compact, self.pad_value) for n, f in self.fields.items()
+            }
+            self.planners.put(key, readers, gathers)
+        batch, steps = Batch(), []
+        for name, g in gathers.items():
+            where_out = out.get(name) if isinstance(out, dict) else out
+            entries, field_steps = g.plan(indices, where_out)
+            batch.update(entries)
+            steps += field_steps
+        return batch, CopyPlan(steps)
+
+
+def planner(
+    source: ShardSource, fields: Mapping[str, Field], shard_starts: np.ndarray, pad_value: float
+) -> Mapped | Fetched:
+    """The planner for how ``source`` maps its shards."""
+    kind = Mapped if source.shards is not None else Fetched
+    return kind(source, fields, shard_starts, pad_value)
+
+
+@contextmanager
+def held(source: ShardSource, shards: Sequence[int]) -> Iterator[None]:
+    """``with held(source, [k]):`` holds shards ``k`` while the block reads them."""
+    source.ask(shards)
+    try:
+        yield
+    finally:
+        source.release(shards)

@@ -1,0 +1,124 @@
+"""Opening a source whose shards are read through the node-local cache: an archive at a
+URL (any fsspec URL: ``s3://``, ``https://``, ``memory://``...), or a local archive with
+block-coded (zstd) fields given a ``cache_dir``.
+
+The index is fetched and validated first; it names the archive's cache folder (a
+hash of its bytes), so the same archive read from disk and from object storage
+shares its cached shards. Block-coded shards are decoded once on the node as they
+arrive and cached raw, so the gathers read them like raw shards: zero-copy views
+of the mapped file, where a local zstd archive read in place decodes a block per
+sample. The source itself (runtime.storage.remote_source) fetches, holds and lets
+go of the shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlop.formats import ArchiveReader
+from dlop.formats.constants import MAX_INDEX_BYTES
+from dlop.formats.redact import redact
+from dlop.formats.storage import DEFAULT_RETRY, Retry
+
+from .cache import CacheDir, is_shard
+from .cache_folder import CacheError, byte_budget, default_cache_bytes, default_cache_dir
+from .remote import fetch_index, filesystem
+from .remote_source import RemoteSource
+
+# A local read that fails or reads corrupt bytes fails the same way again.
+LOCAL_RETRY = Retry(attempts=1)
+
+
+class LocalFiles:
+    """The one call of an fsspec filesystem the remote source makes, over local files."""
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(start or 0)
+            return f.read() if end is None else f.read(max(0, end - (start or 0)))
+
+
+@dataclass(frozen=True)
+class Client:
+    """This process's (filesystem, path of the archive in it) for ``where``: an fsspec
+    client made once per process (runtime.storage.remote), or local files."""
+
+    where: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    local: bool = False
+
+    def __call__(self) -> tuple[Any, str]:
+        if self.local:
+            return LocalFiles(), self.where
+        return filesystem(self.where, self.storage_options)
+
+
+def open_cached(
+    where: str | os.PathLike[str],
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_bytes: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    retry: Retry | None = None,
+    local: bool = False,
+) -> RemoteSource:
+    """The source of the archive at ``where`` (a URL, or with ``local`` a folder) whose
+    shards are cached under ``cache_dir`` (default ``DLOP_CACHE_DIR``, else a per-user
+    cache folder) within ``cache_bytes`` (default ``DLOP_CACHE_BYTES``, else 16 GiB).
+    A local archive's reads are not retried (``retry`` default: one attempt)."""
+    url = str(Path(where).resolve()) if local else str(where)
+    retry = (LOCAL_RETRY if local else DEFAULT_RETRY) if retry is None else retry
+    options = dict(storage_options or {})
+    cache = CacheDir(
+        default_cache_dir() if cache_dir is None else cache_dir,
+        default_cache_bytes() if cache_bytes is None else byte_budget(cache_bytes, "cache_bytes"),
+    )
+    client = Client(url, options, local)
+    fs, base = client()
+    data = fetch_index(fs, base, url, MAX_INDEX_BYTES, retry)
+    folder = cache.archive_dir(hashlib.sha256(data).hexdigest()[:24])
+    publish(folder / "index.json", data)
+    publish(folder / "source.txt", redact(url).encode() + b"\n")
+    reader = ArchiveReader(folder)  # the validated index; shards come from the source
+    check_shard_names(url, [s.file for s in reader.index.shards])
+    source = RemoteSource(url, reader, cache, folder, client, retry)
+    source.sizes.check_budget(2)
+    # What reopens it in a DataLoader worker started by spawn: the same call.
+    source.reopen = (
+        open_cached,
+        (url, None if cache_dir is None else str(cache_dir), cache_bytes, options, retry, local),
+    )
+    return source
+
+
+def publish(path: Path, data: bytes) -> None:
+    """Writes ``data`` as ``path`` under a unique temporary name (several processes may)."""
+    if path.exists() and path.read_bytes() == data:
+        return
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def check_shard_names(url: str, names: list[str]) -> None:
+    """Refuses shard names that are the cache's own files beside the shards."""
+    for name in names:
+        if not is_shard(name):
+            raise CacheError(
+                f"{url}: shard {name!r} has the name of a file the shard cache keeps beside "
+                "the shards (index.json, source.txt, *.lock, *.tmp-*); such an archive "
+                "cannot be read through the cache"
+            )
+
+
+def cache_options(
+    cache_dir: str | os.PathLike[str] | None, cache_bytes: int | None
+) -> dict[str, Any]:
+    """The Loader's ``cache_dir``/``cache_bytes`` as options for open_archive: only
+    those given, so archives that take no cache (local paths, mixtures) see none."""
+    given = {"cache_dir": cache_dir, "cache_bytes": cache_bytes}
+    return {k: v for k, v in given.items() if v is not None}
