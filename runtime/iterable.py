@@ -52,7 +52,7 @@ from .order.distributed import rank_and_world
 from .order.epochs import BatchOrder, check_epoch
 from .pipeline.loader_state import check_settings, order_settings, same
 from .pipeline.shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
-from .storage.remote_archive import cache_options
+from .storage.cached import cache_options
 
 STATE_FORMAT = "dlop-iterable-state"
 # version 1 split batches among world_size * workers consumers; a version 2 state

@@ -44,7 +44,7 @@ from .pipeline.prefetch import (
     Production,
 )
 from .pipeline.ring import Slot, allocate, slot_count
-from .storage.remote_archive import cache_options
+from .storage.cached import cache_options
 from .transforms.base import Transform, TransformStage, check_transforms
 
 __all__ = ["STATE_FORMAT", "STATE_SETTINGS", "Loader", "LoaderError", "Transform"]
@@ -92,7 +92,7 @@ class Loader:
     sizes), each batch from one source with ``batch_per_source``; its batches
     name each sample's source in ``batch["source"]`` (an index into
     ``loader.sources``). An archive URL (``s3://``, any fsspec URL) is read through
-    the node-local shard cache ``cache_dir`` within ``cache_bytes`` (runtime.storage.remote_archive).
+    the node-local shard cache ``cache_dir`` within ``cache_bytes`` (runtime.storage.cached).
     ``even_shares=False`` reads each sample once across ranks, shares uneven (runtime.order.epochs).
     """
 

@@ -1,5 +1,6 @@
-"""Several archives read as one: the paths an archive argument names, their readers,
-the check that they hold the same schema, and one source over all their shards.
+"""Several archives read as one: the paths an archive argument names and the check
+that they hold the same schema (their shards come from one LocalSource,
+runtime.storage.source).
 
 The shards of archives ``a, b, ...`` are numbered one after another, so the
 gathers (which address a list of shards by ``starts``) read across archives
@@ -16,7 +17,6 @@ from typing import Any
 from dlop.formats import ArchiveReader
 
 from ..errors import UsageError, UsageTypeError
-from ..storage.source import LocalSource
 
 ArchivePaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
@@ -58,11 +58,6 @@ def refuse_repeats(paths: Sequence[str | os.PathLike[str]]) -> None:
                 "once (to read some samples more often, mix sources with weights)"
             )
         seen[key] = p
-
-
-def open_reader(path: Path, cache_bytes: int) -> ArchiveReader:
-    """The one place an archive path becomes a reader."""
-    return ArchiveReader(path, block_cache_bytes=cache_bytes)
 
 
 def sample_recipe(recipe: dict[str, Any]) -> dict[str, Any]:
@@ -118,13 +113,3 @@ def check_compatible(
 
 def describe(f: Any) -> str:
     return f"{f.kind} {f.dtype}{list(f.shape)} {f.codec.describe()}"
-
-
-class ConcatSource(LocalSource):
-    """The shards of several local archives, numbered one after another."""
-
-    def __init__(self, readers: Sequence[ArchiveReader]) -> None:
-        self.readers = list(readers)
-        self.reader = self.readers[0]
-        self.shards = [r.shard(k) for r in self.readers for k in range(r.num_shards)]
-        self.sizes = [info.bytes for r in self.readers for info in r.index.shards]

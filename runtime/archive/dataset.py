@@ -5,25 +5,25 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dlop.formats import Field, SchemaError, ShardReader
+from dlop.formats import Field, SchemaError
 from dlop.formats.heap import keep_freed_memory
 
 from ..batch import Batch
 from ..errors import SampleIndexError, UsageTypeError
 from ..gather.engine import CopyEngine
-from ..gather.fields import Allocate, FieldGather, as_tensor, batch_groups
-from ..gather.mapped import FixedRawGather, RaggedRowsGather
+from ..gather.fields import Allocate, FieldGather, as_tensor
 from ..gather.plan import CopyPlan
-from ..gather.samples import PerSampleGather, TextGather
-from ..storage.source import LocalSource
-from .concat import ArchivePaths, ConcatSource, archive_paths, check_compatible, open_reader
+from ..storage.source import LocalSource, ShardSource
+from .concat import ArchivePaths, archive_paths, check_compatible
 from .indices import batch_indices, field_names
+from .planning import held, planner, shards_of
 from .selection import select
 
 
@@ -63,48 +63,69 @@ class Archive(Dataset[dict[str, Any]]):
         indices: Sequence[int] | np.ndarray | None = None,
         allow_recipe_mismatch: bool = False,
     ) -> None:
-        self.paths = archive_paths(path)
+        source = LocalSource(archive_paths(path), cache_bytes)
+        self.build(source, fields, pad_value, where, indices, allow_recipe_mismatch)
+
+    @classmethod
+    def over(
+        cls,
+        source: ShardSource,
+        fields: Sequence[str] | str | None = None,
+        pad_value: float = 0.0,
+        where: Mapping[str, Any] | None = None,
+        indices: Sequence[int] | np.ndarray | None = None,
+        allow_recipe_mismatch: bool = False,
+    ) -> Archive:
+        """The archive whose shards come from ``source`` (runtime.storage.source)."""
+        archive = cls.__new__(cls)
+        archive.build(source, fields, pad_value, where, indices, allow_recipe_mismatch)
+        return archive
+
+    def build(
+        self,
+        source: ShardSource,
+        fields: Sequence[str] | str | None,
+        pad_value: float,
+        where: Mapping[str, Any] | None,
+        indices: Sequence[int] | np.ndarray | None,
+        allow_recipe_mismatch: bool,
+    ) -> None:
+        """The archive's state over ``source``: the one way every Archive is made."""
+        self.source = source
+        # A URL stands where a local archive has its folder: messages name it.
+        self.paths: tuple[Path, ...] = getattr(source, "paths", None) or (cast(Path, source.name),)
         self.path = self.paths[0]
-        fields = field_names(self.path, fields)
+        names = field_names(self.path, fields)
         self._options: dict[str, Any] = {
-            "fields": fields,
+            "fields": names,
             "pad_value": pad_value,
-            "cache_bytes": cache_bytes,
             "where": where,
             "indices": indices,
             "allow_recipe_mismatch": allow_recipe_mismatch,
         }
-        self.readers = [open_reader(p, cache_bytes) for p in self.paths]
+        self.readers = source.readers
         self.reader = self.readers[0]
-        names = list(self.reader.fields) if fields is None else list(fields)
         # archives that differ first, naming both; then a field none of them holds
-        check_compatible(self.readers, fields, allow_recipe_mismatch)
+        check_compatible(self.readers, names, allow_recipe_mismatch)
+        stored = list(source.fields) if names is None else names
         for reader in self.readers:
-            missing = [n for n in names if n not in reader.fields]
+            missing = [n for n in stored if n not in reader.fields]
             if missing:
+                what = source.name if len(self.readers) == 1 else reader.directory
                 raise SchemaError(
-                    f"{reader.directory}: no field(s) {missing}; fields are {list(reader.fields)}"
+                    f"{what}: no field(s) {missing}; fields are {list(reader.fields)}"
                 )
-        self.fields: dict[str, Field] = {n: self.reader.fields[n] for n in names}
+        self.fields: dict[str, Field] = {n: source.fields[n] for n in stored}
         self.pad_value = pad_value
-        self.source = (
-            LocalSource(self.reader) if len(self.readers) == 1 else ConcatSource(self.readers)
-        )
-        self.shards = self.source.shards
         # shard_sizes[k]: samples in shard k of the whole; starts: first sample of each, then the total
-        self.shard_sizes = tuple(i.num_samples for r in self.readers for i in r.index.shards)
+        self.shard_sizes = source.shard_sizes
         self.shard_starts = np.cumsum((0, *self.shard_sizes), dtype=np.int64)
         self.num_samples = int(self.shard_starts[-1])
         self.starts = torch.from_numpy(self.shard_starts[:-1].copy())
-        what = (
-            str(self.path)
-            if len(self.paths) == 1
-            else f"{len(self.paths)} archives {self.path}, ..."
-        )
-        self.selection = select(self.reader.fields, self.shards, where, indices, what)
-        self.gathers: dict[str, FieldGather] = {
-            n: gather_for(f, self.shards, self.starts, pad_value) for n, f in self.fields.items()
-        }
+        self.shards = source.shards or []  # empty when the source maps shards per batch
+        self.selection = select(source.fields, self.shards, where, indices, source.name)
+        self.planner = planner(source, self.fields, self.shard_starts, pad_value)
+        self.gathers: dict[str, FieldGather] = self.planner.gathers
         self._engine: CopyEngine | None = None
 
     @property
@@ -133,6 +154,9 @@ class Archive(Dataset[dict[str, Any]]):
             raise SampleIndexError(f"{self.path}: sample {i} out of range 0..{n - 1} (or -{n}..-1)")
         i = i + n if i < 0 else i
         g = i if self.selection is None else int(self.selection[i])
+        if self.source.shards is None:  # mapped per batch: copies, not views of a mapping
+            batch = self.gather(torch.tensor([g]))
+            return {name: batch[name][0] for name in self.fields}  # one sample: no padding
         k = int(np.searchsorted(self.shard_starts, g, side="right")) - 1
         local = g - int(self.shard_starts[k])
         self.check_shards([k])
@@ -170,12 +194,7 @@ class Archive(Dataset[dict[str, Any]]):
 
     def shards_of(self, indices: torch.Tensor) -> np.ndarray:
         """The shard numbers that global ``indices`` fall in."""
-        if len(self.shards) == 1 or not len(indices):
-            return np.zeros(min(1, len(indices)), np.int64)
-        # numpy, not torch: torch.searchsorted goes parallel over a batch of indices, and
-        # waking its threads from the Loader's producer costs milliseconds a batch.
-        found = np.searchsorted(self.shard_starts, indices.numpy(), side="right") - 1
-        return found.astype(np.int64, copy=False)
+        return shards_of(self.shard_starts, indices)
 
     def _one_shard(self, idx: torch.Tensor) -> bool:
         lo, hi = torch.searchsorted(
@@ -191,17 +210,10 @@ class Archive(Dataset[dict[str, Any]]):
         Its tensors are views of ``out`` (flat buffers by field name, see
         ``buffer_numel``), made by ``out`` (an allocator), or fresh; they hold
         the batch once an engine has run the plan. Nothing is copied here;
-        zstd blocks are decoded here.
+        zstd blocks are decoded here. A source that maps shards per batch holds the
+        shards the batch touches while it is planned (runtime.archive.planning).
         """
-        self.check_shards(self.shards_of(indices))
-        groups = batch_groups(indices, self.starts)  # once for all fields
-        batch, steps = Batch(), []
-        for name, g in self.gathers.items():
-            where = out.get(name) if isinstance(out, dict) else out
-            entries, field_steps = g.plan_grouped(indices, groups, where)
-            batch.update(entries)
-            steps += field_steps
-        return batch, CopyPlan(steps)
+        return self.planner.plan(indices, out)
 
     def gather(
         self,
@@ -231,32 +243,29 @@ class Archive(Dataset[dict[str, Any]]):
         return self.gathers[name].buffer_numel(batch_size)
 
     def lengths(self, name: str) -> np.ndarray:
-        """Per-sample length along the first varying dimension of a ragged field (no data read)."""
+        """Per-sample length along the first varying dimension of a ragged field (no
+        sample data read; shards mapped per batch are held one at a time)."""
         f = self.fields.get(name) or self.reader.fields.get(name)
         if f is None or not f.ragged:
             raise SchemaError(f"{self.path}: {name!r} is not a ragged field")
         axis = next(i for i, d in enumerate(f.shape) if d is None)
-        parts = [s.shapes(name)[:, axis] for s in self.shards]
+        parts = []
+        for k in range(len(self.shard_sizes)):
+            with held(self.source, [k]):
+                parts.append(self.source.shard(k).shapes(name)[:, axis].copy())
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    # DataLoader workers started with spawn/forkserver get the archive by pickle:
-    # send the paths and options and reopen, never the mappings.
+    def close(self) -> None:
+        """Lets go of what the source holds (cached shards; a local source keeps its
+        shards mapped until the archive is dropped)."""
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
+    # DataLoader workers started with spawn/forkserver get the archive by pickle: the
+    # source pickles as what reopens it (paths or a URL and options), never as mappings.
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": [str(p) for p in self.paths], **self._options}
+        return {"source": self.source, **self._options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state.pop("path"), **state)  # type: ignore[misc]
-
-
-def gather_for(
-    field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
-) -> FieldGather:
-    """The gather for a field's kind and storage (runtime.gather.fields lists them)."""
-    if field.kind in ("str", "bytes"):
-        return TextGather(field, shards, starts, pad_value)
-    mapped = field.codec.mappable
-    if not field.ragged and mapped:
-        return FixedRawGather(field, shards, starts, pad_value)
-    if mapped and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
-        return RaggedRowsGather(field, shards, starts, pad_value)
-    return PerSampleGather(field, shards, starts, pad_value)
+        self.build(**state)

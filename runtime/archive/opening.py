@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dlop.formats import read_index
+from dlop.formats.transcode import needs_transcode
 from dlop.formats.urls import is_url
 
 from ..errors import UsageError
+from ..storage.cached import open_cached
 from .concat import ArchivePaths, archive_paths
 from .dataset import Archive
 from .indices import field_names
@@ -33,22 +37,21 @@ def open_archive(
     """Opens an archive, or several with one schema read as one, as a map-style Dataset
     of the samples ``where`` and ``indices`` choose (see Archive). A URL (``s3://``,
     ``https://``, any fsspec URL) is read through the node-local shard cache
-    (runtime.storage.remote_archive: ``cache_dir``, ``cache_bytes``), and so is a local
-    archive with zstd fields given a ``cache_dir`` (runtime.storage.local_cache). With a cache,
+    (runtime.storage.cached: ``cache_dir``, ``cache_bytes``), and so is a local
+    archive with zstd fields given a ``cache_dir``. With a cache,
     ``cache_bytes`` is its byte budget; without, the local archive's decoded-block
     cache (Archive's ``cache_bytes``)."""
     if isinstance(path, str) and is_url(path):
-        from ..storage.remote_archive import open_remote
-
         if where is not None or indices is not None:
             raise UsageError(f"{path}: where= and indices= take local archives for now")
-        return open_remote(path, fields, pad_value, cache_dir, cache_bytes)
+        return Archive.over(open_cached(path, cache_dir, cache_bytes), fields, pad_value)
     if cache_dir is not None:
-        from ..storage.local_cache import open_cached
-
-        cached = open_cached(path, fields, pad_value, cache_dir, cache_bytes, where, indices)
-        if cached is not None:
-            return cached
+        paths = archive_paths(path)
+        coded = [p for p in paths if needs_transcode(read_index(p).fields)]
+        if coded:  # without block-coded fields the archive is mapped in place
+            refuse_cached(coded[0], len(paths), where, indices)
+            source = open_cached(paths[0], cache_dir, cache_bytes, local=True)
+            return Archive.over(source, fields, pad_value)
     archive_paths(path, distinct=True)  # a list naming one archive twice is refused
     return Archive(
         path,
@@ -59,6 +62,20 @@ def open_archive(
         allow_recipe_mismatch=allow_recipe_mismatch,
         **({"cache_bytes": cache_bytes} if cache_bytes is not None and cache_dir is None else {}),
     )
+
+
+def refuse_cached(path: Path, count: int, where: Mapping[str, Any] | None, indices: object) -> None:
+    """Refuses what a local archive read through the cache does not take yet."""
+    if count > 1:
+        raise UsageError(
+            f"{path}: cache_dir decodes one zstd archive into the cache, got a list "
+            f"of {count} archives; open them without cache_dir, or one at a time"
+        )
+    if where is not None or indices is not None:
+        raise UsageError(
+            f"{path}: where= and indices= do not take cache_dir yet; choose samples "
+            "without cache_dir (zstd blocks decoded per batch), or drop the selection"
+        )
 
 
 def open_for_loader(

@@ -60,8 +60,9 @@ def shards_of(shard_starts: np.ndarray, indices: torch.Tensor) -> np.ndarray:
     return found.astype(np.int64, copy=False)
 
 
-class Mapped:
-    """Plans over every shard of a source that maps them all for good."""
+class Planner:
+    """Plans batches of an archive over ``source``: ``gathers`` (one per field, what
+    the Loader sizes its buffers by) and ``plan``."""
 
     def __init__(
         self,
@@ -70,12 +71,29 @@ class Mapped:
         shard_starts: np.ndarray,
         pad_value: float,
     ) -> None:
-        assert source.shards is not None
         self.source = source
-        self.shard_starts = shard_starts
+        self.fields = dict(fields)
+        self.shard_starts = shard_starts  # the first sample of each shard, then the total
         self.starts = torch.from_numpy(shard_starts[:-1].copy())
-        self.gathers: dict[str, FieldGather] = {
-            n: gather_for(f, source.shards, self.starts, pad_value) for n, f in fields.items()
+        self.pad_value = pad_value
+        self.gathers: dict[str, FieldGather] = self.made_gathers()
+
+    def made_gathers(self) -> dict[str, FieldGather]:
+        raise NotImplementedError
+
+    def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
+        """The batch for ascending global ``indices`` and the copies that fill it."""
+        raise NotImplementedError
+
+
+class Mapped(Planner):
+    """Plans over every shard of a source that maps them all for good."""
+
+    def made_gathers(self) -> dict[str, FieldGather]:
+        shards = self.source.shards
+        assert shards is not None
+        return {
+            n: gather_for(f, shards, self.starts, self.pad_value) for n, f in self.fields.items()
         }
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
@@ -134,27 +152,14 @@ class Planners:
                 del self.kept[key]
 
 
-class Fetched:
+class Fetched(Planner):
     """Plans over the shards a batch touches, held from the source while planned (the
     Loader holds them besides until the copies are done)."""
 
-    def __init__(
-        self,
-        source: ShardSource,
-        fields: Mapping[str, Field],
-        shard_starts: np.ndarray,
-        pad_value: float,
-    ) -> None:
-        self.source = source
-        self.fields = dict(fields)
-        self.shard_starts = shard_starts
-        self.pad_value = pad_value
+    def made_gathers(self) -> dict[str, FieldGather]:
         self.planners = Planners()
-        source.on_drop = self.planners.forget  # type: ignore[attr-defined]
-        starts = torch.from_numpy(shard_starts[:-1].copy())
-        self.gathers: dict[str, FieldGather] = {
-            n: Sizing(f, [], starts, pad_value) for n, f in self.fields.items()
-        }
+        self.source.on_drop = self.planners.forget  # type: ignore[attr-defined]
+        return {n: Sizing(f, [], self.starts, self.pad_value) for n, f in self.fields.items()}
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
         per_index = shards_of(self.shard_starts, indices)
@@ -195,7 +200,7 @@ class Fetched:
 
 def planner(
     source: ShardSource, fields: Mapping[str, Field], shard_starts: np.ndarray, pad_value: float
-) -> Mapped | Fetched:
+) -> Planner:
     """The planner for how ``source`` maps its shards."""
     kind = Mapped if source.shards is not None else Fetched
     return kind(source, fields, shard_starts, pad_value)

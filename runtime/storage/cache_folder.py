@@ -22,9 +22,7 @@ BUDGET_LOCK = ".budget.lock"
 WANTED = ".wanted"
 MARK = ".dlop-cache"
 MARK_TEXT = b"dlop node-local shard cache: dlop removes what it wrote here\n"
-ARCHIVE_ID = re.compile(
-    r"[0-9a-f]{24}"
-)  # an archive folder's name (runtime.storage.remote_archive)
+ARCHIVE_ID = re.compile(r"[0-9a-f]{24}")  # an archive folder's name (runtime.storage.cached)
 OWN_FILES = (BUDGET_LOCK, WANTED, MARK)
 FOREIGN = "the cache folder must be writable and hold only what dlop writes there"
 

@@ -31,16 +31,16 @@ import functools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dlop.formats import FormatError, Index, ShardReader
+from dlop.formats import ArchiveReader, Field, FormatError, ShardReader
 from dlop.formats.storage import DEFAULT_RETRY, Retry, checker
-from dlop.formats.transcode import needs_transcode, transcode_bytes
+from dlop.formats.transcode import needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import LoaderError, ShardChangedError, UsageError
 from .cache import CacheDir, Held
@@ -51,12 +51,13 @@ Filesystem = Callable[[], tuple[Any, str]]  # this process's (filesystem, archiv
 
 
 class RemoteSource:
-    """Shards of the archive at ``url``, cached under ``folder`` of ``cache``."""
+    """Shards of the archive at ``url``, cached under ``folder`` of ``cache``; ``reader``
+    holds its validated index (runtime.storage.cached opens one)."""
 
     def __init__(
         self,
         url: str,
-        index: Index,
+        reader: ArchiveReader,
         cache: CacheDir,
         folder: Path,
         filesystem: Filesystem,
@@ -66,8 +67,14 @@ class RemoteSource:
         ahead_shards: int = 16,
         loose_bytes: int | None = None,
     ) -> None:
-        self.url = url
-        self.index = index
+        self.url = self.name = url
+        self.readers = [reader]
+        index = self.index = reader.index
+        # Block-coded fields are served decoded: the cache keeps shards raw.
+        self.fields: Mapping[str, Field] = {f.name: f for f in raw_fields(index.fields)}
+        self.shard_sizes = tuple(s.num_samples for s in index.shards)
+        self.shards: list[ShardReader] | None = None  # mapped per batch, never all at once
+        self.reopen: tuple[Callable[..., RemoteSource], tuple[Any, ...]] | None = None
         self.cache = cache
         self.folder = folder
         self.filesystem = filesystem
@@ -99,6 +106,11 @@ class RemoteSource:
         self.ahead_pool: ThreadPoolExecutor | None = None
         self.ahead_skipped: set[int] = set()  # no room, or fetched elsewhere: try at the next ask
         self.ahead_errors: dict[int, Exception] = {}  # failed fetches, attempts spent
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.reopen is None:
+            raise TypeError(f"{self.url}: this source was not opened to be sent to a process")
+        return self.reopen
 
     def mine(self) -> None:
         if self.pid != os.getpid():

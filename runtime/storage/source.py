@@ -1,29 +1,62 @@
 """Where a shard's bytes come from: the source stage.
 
+An Archive (runtime.archive.dataset) reads every shard through its source, and
+the sources differ only in where the bytes come from: ``LocalSource`` maps one
+local archive, or several read as one, when it opens (the page cache does the
+rest); a remote source (runtime.storage.remote_source) fetches shards of an
+archive in object storage, or of a local block-coded archive, into the
+node-local cache and maps them there.
+
 A source hands out opened shards (``dlop.formats.ShardReader``) by number,
 and hears ahead of time which shards a batch will read (``ask``) and when a
 batch is done with them (``release``). The Loader asks for batch j's and
 j+1's shards as it plans batch j (so a shard may be asked for more than once)
-and releases batch j's once its copies are done. ``LocalSource`` maps local files and
-needs neither (the page cache does the rest); a remote source with a
-node-local cache fetches on ``ask`` and may evict after ``release``. Before
-each read, ``check`` refuses a shard that changed under its mapping.
+and releases batch j's once its copies are done. A local source needs neither;
+a remote one fetches on ``ask`` and may evict after ``release``. Before each
+read, ``check`` refuses a shard that changed under its mapping. A source
+pickles as what reopens it (DataLoader workers started by spawn), never as
+its mappings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
-from dlop.formats import ArchiveReader, ShardReader
+from dlop.formats import ArchiveReader, Field, ShardReader
 
 from ..errors import ShardChangedError
 
 
 class ShardSource(Protocol):
-    """What the runtime asks of a shard source."""
+    """What the runtime asks of a shard source.
+
+    ``name`` names the archive(s) in messages (a folder or a URL); ``readers`` hold
+    each archive's validated index; ``fields`` are the fields its shards serve
+    (a remote source serves block-coded fields decoded); ``shard_sizes`` counts
+    the samples of every shard, numbered one archive after another. ``shards``
+    lists every shard when all are mapped for good, else None (shards are
+    mapped per batch: ``shard(k)`` between ``ask`` and ``release``).
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def readers(self) -> list[ArchiveReader]: ...
+
+    @property
+    def fields(self) -> Mapping[str, Field]: ...
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]: ...
+
+    @property
+    def shards(self) -> list[ShardReader] | None: ...
 
     def shard(self, k: int) -> ShardReader:
         """Shard ``k``, opened and validated."""
@@ -42,13 +75,35 @@ class ShardSource(Protocol):
         ...
 
 
-class LocalSource:
-    """Shards of a local archive, memory-mapped once when the archive opens."""
+def open_reader(path: Path, cache_bytes: int) -> ArchiveReader:
+    """The one place a local archive path becomes a reader (``cache_bytes``: its
+    decoded-block cache)."""
+    return ArchiveReader(path, block_cache_bytes=cache_bytes)
 
-    def __init__(self, reader: ArchiveReader) -> None:
-        self.reader = reader
-        self.shards = [reader.shard(k) for k in range(reader.num_shards)]
-        self.sizes = [info.bytes for info in reader.index.shards]  # as validated when mapped
+
+class LocalSource:
+    """Shards of local archives (one, or several read as one: their shards numbered one
+    archive after another), memory-mapped once when the source opens."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], cache_bytes: int) -> None:
+        self.paths = tuple(Path(p) for p in paths)
+        self.cache_bytes = cache_bytes
+        self.readers = [open_reader(p, cache_bytes) for p in self.paths]
+        first = self.readers[0]
+        self.name = (
+            str(self.paths[0])
+            if len(self.paths) == 1
+            else f"{len(self.paths)} archives {self.paths[0]}, ..."
+        )
+        self.fields: Mapping[str, Field] = first.fields
+        self.shards: list[ShardReader] = [
+            r.shard(k) for r in self.readers for k in range(r.num_shards)
+        ]
+        self.shard_sizes = tuple(i.num_samples for r in self.readers for i in r.index.shards)
+        self.sizes = [info.bytes for r in self.readers for info in r.index.shards]  # as validated
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (LocalSource, ([str(p) for p in self.paths], self.cache_bytes))
 
     def shard(self, k: int) -> ShardReader:
         return self.shards[k]

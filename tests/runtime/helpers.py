@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from dlop.formats import ArchiveWriter, Field, Zstd
+from dlop.runtime import Archive
+from dlop.runtime.storage.cached import open_cached
 
 
 def feature(i: int) -> np.ndarray:
@@ -40,3 +43,9 @@ def make_archive(path: Path, n: int = 37, shard_bytes: int = 1000, zstd: bool = 
                 }
             )
     return path
+
+
+def open_remote(url: str, fields: Any = None, pad_value: float = 0.0, **options: Any) -> Archive:
+    """The archive at ``url`` through the node-local cache, with the source's own options
+    (``retry``, ``storage_options``) that ``open_archive`` leaves at their defaults."""
+    return Archive.over(open_cached(url, **options), fields, pad_value)

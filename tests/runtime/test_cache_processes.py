@@ -17,19 +17,17 @@ import pytest
 from dlop.formats.storage import Retry
 from dlop.runtime import Loader
 from dlop.runtime.storage.cache import CacheDir
-from dlop.runtime.storage.remote_archive import RemoteArchive
 from tests.faultproxy import FaultProxy
-from tests.runtime.helpers import make_archive
+from tests.runtime.helpers import make_archive, open_remote
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"batch_size": 4, "seed": 1, "order": "window", "window_shards": 2}
 
 RANK = """
 import json, sys, torch
-from dlop.runtime import Loader
-from dlop.runtime.storage.remote_archive import RemoteArchive
+from dlop.runtime import Loader, open_archive
 url, cache, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ds = RemoteArchive(url, cache_dir=cache)
+ds = open_archive(url, cache_dir=cache)
 keys = []
 loader = Loader(ds, batch_size=4, seed=1, order="window", window_shards=2, rank=rank, world_size=2)
 # the same settings as SETTINGS in the test
@@ -100,8 +98,8 @@ def test_killed_writer_leaves_nothing_behind(tmp_path: Path) -> None:
 
 STALL = """
 import sys
-from dlop.runtime.storage.remote_archive import RemoteArchive
-ds = RemoteArchive(sys.argv[1], cache_dir=sys.argv[2])
+from dlop.runtime import open_archive
+ds = open_archive(sys.argv[1], cache_dir=sys.argv[2])
 print("opened", flush=True)
 ds[0]
 """
@@ -125,7 +123,7 @@ def test_kill_9_mid_download_then_next_run(tmp_path: Path) -> None:
             time.sleep(0.05)
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-        ds = RemoteArchive(url, cache_dir=tmp_path / "c", retry=Retry(attempts=2))
+        ds = open_remote(url, cache_dir=tmp_path / "c", retry=Retry(attempts=2))
         assert ds[0]["key"] == "k000" and ds[36]["key"] == "k036"
         assert proxy.count("shard-00000") == 2
     leftovers = [p.name for p in (tmp_path / "c").rglob("*.tmp-*")]

@@ -13,7 +13,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dlop.runtime import Loader, LoaderError, Mixup, RandomTimeCrop, SpecAugment, open_archive
+from dlop.runtime import (
+    Archive,
+    Loader,
+    LoaderError,
+    Mixup,
+    RandomTimeCrop,
+    SpecAugment,
+    open_archive,
+)
 
 from .helpers import make_archive
 
@@ -262,6 +270,9 @@ class RecordingSource:
         self.inner = inner
         self.log: list[tuple[str, tuple[int, ...]]] = []
 
+    def __getattr__(self, name: str) -> Any:  # name, readers, fields, shards...
+        return getattr(self.inner, name)
+
     def shard(self, k: int) -> Any:
         return self.inner.shard(k)
 
@@ -278,9 +289,8 @@ class RecordingSource:
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_the_source_hears_of_shards_ahead_and_lets_go_after(archive: Path, prefetch: int) -> None:
-    ds = open_archive(archive)
-    source = RecordingSource(ds.source)
-    ds.source = source  # type: ignore[assignment]
+    source = RecordingSource(open_archive(archive).source)
+    ds = Archive.over(source)
     loader = Loader(ds, 6, seed=1, prefetch=prefetch)
     batches = loader.batches()
     assert sum(len(b["label"]) for b in loader) == 41
@@ -317,9 +327,8 @@ class CountingSource(RecordingSource):
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("end", ["full", "stop", "error"])
 def test_every_ask_is_released_once(archive: Path, prefetch: int, end: str) -> None:
-    ds = open_archive(archive)
-    source = CountingSource(ds.source, fail_at=3 if end == "error" else None)
-    ds.source = source  # type: ignore[assignment]
+    source = CountingSource(open_archive(archive).source, fail_at=3 if end == "error" else None)
+    ds = Archive.over(source)
     loader = Loader(ds, 4, seed=2, prefetch=prefetch)
     batches = loader.batches()
     if end == "error":
@@ -353,7 +362,7 @@ elif case == "close-from-another-thread":
         def __init__(self, inner): self.inner = inner
         def __getattr__(self, name): return getattr(self.inner, name)
         def check(self, shards): time.sleep(0.5); self.inner.check(shards)
-    loader.archive.source = Slow(loader.archive.source)
+    loader.archive.planner.source = Slow(loader.archive.source)  # the source planning reads
     threading.Timer(0.2, loader.close).start()
 try:
     while True:

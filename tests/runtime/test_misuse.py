@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dlop.formats import ArchiveWriter, DlopError, Field
-from dlop.runtime import Loader, LoaderError, open_archive
+from dlop.runtime import Archive, Loader, LoaderError, open_archive
 from dlop.runtime.errors import SampleIndexError, UsageError, UsageTypeError
 
 from .helpers import make_archive
@@ -147,8 +147,7 @@ def test_loader_errors_are_wrapped_alike_and_usage_errors_kept(
                 raise OSError("simulated read failure")
             self.inner.check(shards)
 
-    ds = open_archive(archive)
-    ds.source = Failing(ds.source)  # type: ignore[assignment]
+    ds = Archive.over(Failing(open_archive(archive).source))
     loader = Loader(ds, 4, shuffle=False, prefetch=prefetch)
     message = r"/a: gathering batch 1 of epoch 0 failed: OSError: simulated read failure"
     with pytest.raises(LoaderError, match=message) as caught:

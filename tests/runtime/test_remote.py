@@ -14,14 +14,14 @@ import torch
 
 from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.formats.storage import Retry
-from dlop.runtime import Loader, LoaderError, open_archive
+from dlop.runtime import Archive, Loader, LoaderError, open_archive
 from dlop.runtime.errors import UsageError
 from dlop.runtime.storage.cache import CacheDir
 from dlop.runtime.storage.cache_folder import CacheError
 from dlop.runtime.storage.remote import fetch_index, filesystem
-from dlop.runtime.storage.remote_archive import RemoteArchive, open_remote
+from dlop.runtime.storage.remote_source import RemoteSource
 from tests.faultproxy import FaultProxy
-from tests.runtime.helpers import make_archive
+from tests.runtime.helpers import make_archive, open_remote
 
 FAST = Retry(attempts=4, backoff_s=0.001, max_backoff_s=0.01)
 SETTINGS: dict[str, Any] = {"batch_size": 4, "seed": 5, "order": "window", "window_shards": 2}
@@ -43,7 +43,7 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(a[k] == b[k] if isinstance(a[k], list) else torch.equal(a[k], b[k]) for k in a)
 
 
-def check_like_local(remote: RemoteArchive, local: Path, world: int = 2, **settings: Any) -> None:
+def check_like_local(remote: Archive, local: Path, world: int = 2, **settings: Any) -> None:
     for rank in range(world):
         kw = {**SETTINGS, "rank": rank, "world_size": world, **settings}
         for epoch in (0, 1):
@@ -77,7 +77,7 @@ def test_s3_batches_equal_local(s3: Any, served: Path, tmp_path: Path, name: str
 
 def test_resume_matches_local(served: Path, tmp_path: Path) -> None:
     with FaultProxy(root=served) as proxy:
-        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
         kw = {**SETTINGS, "rank": 1, "world_size": 2}
         reference = epoch_batches(Loader(served / "a", **kw), 2)
         first = Loader(remote, **kw)
@@ -97,7 +97,7 @@ def test_resume_matches_local(served: Path, tmp_path: Path) -> None:
 def test_http_ranged_parts(served: Path, tmp_path: Path) -> None:
     parts = Retry(attempts=2, backoff_s=0.001, part_bytes=16 << 10, parallel_parts=3)
     with FaultProxy(root=served) as proxy:
-        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=parts)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=parts)
         check_like_local(remote, served / "a", world=1)
         assert proxy.ranges and all(r.startswith("bytes=") for r in proxy.ranges)
         # every shard fetched once, in parts: 61440 bytes in 16 KiB parts is 4 GETs
@@ -109,7 +109,7 @@ def test_faults_survived_over_http(served: Path, tmp_path: Path, fault: str) -> 
     with FaultProxy(root=served) as proxy:
         for shard in ("shard-00001", "shard-00004"):
             proxy.fail(shard, fault, times=2)
-        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
         check_like_local(remote, served / "a", world=1)
         assert proxy.count("shard-00001") == 3  # two failures, then the good copy
         assert proxy.count("shard-00000") == 1
@@ -121,7 +121,7 @@ def test_faults_survived_over_s3(s3: Any, served: Path, tmp_path: Path, fault: s
     s3.filesystem().put(str(served / "a"), "data/a", recursive=True)
     with FaultProxy(upstream=s3.endpoint) as proxy:
         proxy.fail("shard-00002", fault, times=1)
-        remote = RemoteArchive(
+        remote = open_remote(
             "s3://data/a",
             cache_dir=tmp_path / "c",
             storage_options={"endpoint_url": proxy.url},
@@ -134,7 +134,7 @@ def test_faults_survived_over_s3(s3: Any, served: Path, tmp_path: Path, fault: s
 def test_persistent_corruption_names_the_shard(served: Path, tmp_path: Path) -> None:
     with FaultProxy(root=served) as proxy:
         proxy.fail("shard-00003", "corrupt", times=None)
-        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
         with pytest.raises(LoaderError, match=r"shard 3 \(shard-00003\.dlop\).*CRC-32"):
             epoch_batches(Loader(remote, batch_size=4, shuffle=False), 0)
         assert proxy.count("shard-00003") == FAST.attempts
@@ -159,7 +159,7 @@ def test_budget_is_a_hard_ceiling(served: Path, tmp_path: Path) -> None:
             seen.append(sum(size(p) for p in cache.rglob("*")))
 
     with FaultProxy(root=served) as proxy:
-        remote = RemoteArchive(proxy.url + "/a", cache_dir=cache, cache_bytes=budget, retry=FAST)
+        remote = open_remote(proxy.url + "/a", cache_dir=cache, cache_bytes=budget, retry=FAST)
         watcher = threading.Thread(target=sample)
         watcher.start()
         try:
@@ -176,7 +176,7 @@ def test_budget_below_a_shards_in_flight_is_refused(served: Path, tmp_path: Path
         FaultProxy(root=served) as proxy,
         pytest.raises(UsageError, match=r"2 shards x \(61440 bytes"),
     ):
-        RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=100_000)
+        open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=100_000)
 
 
 def test_shards_held_are_never_evicted(tmp_path: Path) -> None:
@@ -229,7 +229,7 @@ def test_open_archive_and_loader_take_urls(
     with FaultProxy(root=served) as proxy:
         url = proxy.url + "/z"
         ds = open_archive(url, cache_dir=tmp_path / "c", cache_bytes=1 << 20)
-        assert isinstance(ds, RemoteArchive) and ds[5]["key"] == "k005"
+        assert isinstance(ds.source, RemoteSource) and ds[5]["key"] == "k005"
         assert list((tmp_path / "c").rglob("shard-*.dlop"))
         want = epoch_batches(Loader(served / "z", batch_size=8, seed=2), 1)
         got = epoch_batches(Loader(url, batch_size=8, seed=2), 1)  # cache from the environment
@@ -252,7 +252,7 @@ def test_loader_takes_cache_dir_and_cache_bytes(served: Path, tmp_path: Path) ->
 
 def test_later_windows_are_fetched_ahead(served: Path, tmp_path: Path) -> None:
     with FaultProxy(root=served) as proxy:
-        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
         loader = Loader(remote, prefetch=0, **SETTINGS)  # windows of 2 of the 6 shards
         it = iter(loader)
         first = copied(next(it))
@@ -272,7 +272,7 @@ def test_later_windows_are_fetched_ahead(served: Path, tmp_path: Path) -> None:
 def test_fetching_ahead_stays_within_the_budget(served: Path, tmp_path: Path) -> None:
     largest = max(p.stat().st_size for p in (served / "a").glob("shard-*"))
     with FaultProxy(root=served) as proxy:
-        remote = RemoteArchive(
+        remote = open_remote(
             proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=3 * largest, retry=FAST
         )
         loader = Loader(remote, prefetch=0, **{**SETTINGS, "window_shards": 1})
@@ -308,9 +308,9 @@ def test_a_zstd_budget_counts_raw_sizes(tmp_path: Path) -> None:
     with FaultProxy(root=tmp_path / "site") as proxy:
         url = proxy.url + "/zeros"
         with pytest.raises(UsageError, match=r"1 shards x \(\d+ bytes, the largest, cached raw"):
-            RemoteArchive(url, cache_dir=tmp_path / "c", cache_bytes=10 * stored)
+            open_remote(url, cache_dir=tmp_path / "c", cache_bytes=10 * stored)
         assert proxy.count("shard-00000") == 1  # its header only
-        ds = RemoteArchive(url, cache_dir=tmp_path / "c", cache_bytes=2 << 20)
+        ds = open_remote(url, cache_dir=tmp_path / "c", cache_bytes=2 << 20)
         assert ds[3]["x"].shape == (1 << 16,)
 
 
@@ -321,7 +321,7 @@ def test_a_shard_whose_raw_copy_exceeds_the_budget_is_refused_before_fetching(
     stored = sorted(p.stat().st_size for p in archive.glob("shard-*"))
     assert stored[-1] < 100_000  # every shard as stored fits the budget many times
     with FaultProxy(root=tmp_path / "site") as proxy:
-        remote = RemoteArchive(
+        remote = open_remote(
             proxy.url + "/zeros", cache_dir=tmp_path / "c", cache_bytes=400_000, retry=FAST
         )
         last = f"shard-{remote.reader.num_shards - 1:05d}"
@@ -366,7 +366,7 @@ def test_a_cached_copy_changed_after_it_was_verified_is_fetched_again(
 ) -> None:
     kw = {"cache_dir": tmp_path / "c", "retry": FAST}
     with FaultProxy(root=served) as proxy:
-        remote = RemoteArchive(proxy.url + "/a", **kw)  # type: ignore[arg-type]
+        remote = open_remote(proxy.url + "/a", **kw)  # type: ignore[arg-type]
         want = copied(remote.__getitems__(list(range(len(remote)))))
         remote.close()
         cached = next((tmp_path / "c").rglob("shard-00001.dlop"))
@@ -382,13 +382,13 @@ def test_a_cached_copy_changed_after_it_was_verified_is_fetched_again(
             other = cached.with_name("other")
             other.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
             other.replace(cached)
-        remote = RemoteArchive(proxy.url + "/a", **kw)  # type: ignore[arg-type]
+        remote = open_remote(proxy.url + "/a", **kw)  # type: ignore[arg-type]
         assert same(copied(remote.__getitems__(list(range(len(remote))))), want)
         assert proxy.count("shard-00001") > fetched  # fetched again, not served
         assert cached.read_bytes() == data
         fetched = proxy.count("shard-00001")
         remote.close()
-        remote = RemoteArchive(proxy.url + "/a", **kw)  # type: ignore[arg-type]
+        remote = open_remote(proxy.url + "/a", **kw)  # type: ignore[arg-type]
         assert same(copied(remote.__getitems__(list(range(len(remote))))), want)
         assert proxy.count("shard-00001") == fetched  # the verified copy is served again
         remote.close()
@@ -401,7 +401,7 @@ def test_a_failed_shard_is_not_fetched_again_until_the_next_epoch(
     (no second round of fetches, whichever thread asks); the next epoch tries again."""
     with FaultProxy(root=served) as proxy:
         proxy.fail("shard-00003", "corrupt", times=FAST.attempts)
-        remote = RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
         loader = Loader(remote, batch_size=2, shuffle=False, prefetch=4)
         with pytest.raises(LoaderError, match=r"shard 3 \(shard-00003\.dlop\)"):
             epoch_batches(loader, 0)  # batches 2 samples wide: several read shard 3
@@ -422,7 +422,7 @@ def test_a_shard_named_like_the_caches_own_files_is_refused(served: Path, tmp_pa
     index["shards"][0]["file"] = "source.txt"
     (site / "index.json").write_text(json.dumps(index))
     with FaultProxy(root=served) as proxy, pytest.raises(CacheError, match=r"'source\.txt'"):
-        RemoteArchive(proxy.url + "/a", cache_dir=tmp_path / "c")
+        open_remote(proxy.url + "/a", cache_dir=tmp_path / "c")
 
 
 def test_an_index_declaring_a_huge_shard_is_refused_before_any_plan(

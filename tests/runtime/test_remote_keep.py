@@ -14,9 +14,8 @@ import torch
 from dlop.formats.storage import Retry
 from dlop.runtime import Loader
 from dlop.runtime.storage.cache import CacheDir
-from dlop.runtime.storage.remote_archive import RemoteArchive
 from tests.faultproxy import FaultProxy
-from tests.runtime.helpers import make_archive
+from tests.runtime.helpers import make_archive, open_remote
 
 FAST = Retry(attempts=4, backoff_s=0.001, max_backoff_s=0.01)
 SETTINGS: dict[str, Any] = {"batch_size": 4, "seed": 5, "order": "window", "window_shards": 2}
@@ -35,31 +34,31 @@ def site(tmp_path: Path) -> Path:
 
 def test_warm_epochs_map_no_shard_again(site: Path, tmp_path: Path) -> None:
     with FaultProxy(root=site) as proxy:
-        remote = RemoteArchive(
+        remote = open_remote(
             proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=1 << 20, retry=FAST
         )
         loader = Loader(remote, **SETTINGS)
         keys(loader, 0)
         assert sorted(remote.source.open) == list(range(6))  # all loose, still mapped
         holds: list[Path] = []
-        hold = remote.cache.hold
+        hold = remote.source.cache.hold
 
         def counted(path: Path) -> Any:
             holds.append(path)
             return hold(path)
 
-        remote.cache.hold = counted  # type: ignore[method-assign]
+        remote.source.cache.hold = counted  # type: ignore[method-assign]
         assert keys(loader, 1) == keys(Loader(site / "a", **SETTINGS), 1)
         assert holds == []  # nothing opened, locked or mapped again
         loader.close()
         remote.close()
-        assert not remote.source.open and not remote.planners.kept
+        assert not remote.source.open and not remote.planner.planners.kept
 
 
 def test_loose_shards_stay_within_their_bytes(site: Path, tmp_path: Path) -> None:
     largest = max(p.stat().st_size for p in (site / "a").glob("shard-*"))
     with FaultProxy(root=site) as proxy:
-        remote = RemoteArchive(
+        remote = open_remote(
             proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=8 * largest, retry=FAST
         )
         loader = Loader(remote, **SETTINGS)
@@ -72,14 +71,14 @@ def test_loose_shards_stay_within_their_bytes(site: Path, tmp_path: Path) -> Non
 
 def test_another_process_waiting_for_room_gets_the_loose_shards(site: Path, tmp_path: Path) -> None:
     with FaultProxy(root=site) as proxy:
-        remote = RemoteArchive(
+        remote = open_remote(
             proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=1 << 20, retry=FAST
         )
         keys(Loader(remote, **SETTINGS), 0)
         assert len(remote.source.open) == 6
         # Another cache on the same folder (its own descriptors: its locks conflict with
         # ours as another process's would) whose budget has no room while ours are held.
-        other = CacheDir(tmp_path / "c", max_bytes=remote.cache.used_bytes() + 100_000)
+        other = CacheDir(tmp_path / "c", max_bytes=remote.source.cache.used_bytes() + 100_000)
         before = other.wanted_stamp()
         stored: list[Any] = []
         writer = threading.Thread(
@@ -109,15 +108,15 @@ def test_gathers_are_kept_per_set_of_shards_and_forgotten_with_them(
     site: Path, tmp_path: Path
 ) -> None:
     with FaultProxy(root=site) as proxy:
-        remote = RemoteArchive(
+        remote = open_remote(
             proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=1 << 20, retry=FAST
         )
         first = remote.gather(torch.tensor([0, 1, 2]))
-        kept = dict(remote.planners.kept)
+        kept = dict(remote.planner.planners.kept)
         again = remote.gather(torch.tensor([3, 1]))  # the same shard: the same gathers
         assert first["key"] == ["k000", "k001", "k002"] and again["key"] == ["k003", "k001"]
-        assert remote.planners.kept == kept and len(kept) == 1
+        assert remote.planner.planners.kept == kept and len(kept) == 1
         assert remote.source.squeeze()  # shard 0, loose, let go of: its gathers go too
-        assert not remote.planners.kept
+        assert not remote.planner.planners.kept
         assert remote.gather(torch.tensor([4]))["key"] == ["k004"]
         remote.close()

@@ -70,7 +70,9 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path: Path) -> None:
             assert init in names, f"{init} missing from {wheel.name}"
         assert "dlop/formats/SPEC.md" in names
         assert not any(i.external_attr >> 28 == 0o12 for i in zf.infolist()), "symlink in wheel"
-        has_native = any(n.startswith("dlop/runtime/gather/_copy") and n.endswith(".so") for n in names)
+        has_native = any(
+            n.startswith("dlop/runtime/gather/_copy") and n.endswith(".so") for n in names
+        )
     venv = tmp_path / "fresh"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
