@@ -34,9 +34,8 @@ process no longer holds the batch that used it.
 
 from __future__ import annotations
 
-import os
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -48,11 +47,11 @@ from .archive.dataset import Archive
 from .batch import Batch
 from .errors import UsageError, UsageTypeError, check_int
 from .order.choose import Choice, choose
-from .order.distributed import rank_and_world
 from .order.epochs import BatchOrder, check_epoch
+from .order.mixture import Source
+from .order.reading import Reading, keywords
 from .pipeline.loader_state import check_settings, order_settings, same
 from .pipeline.shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
-from .storage.cached import cache_options
 
 STATE_FORMAT = "dlop-iterable-state"
 # version 1 split batches among world_size * workers consumers; a version 2 state
@@ -75,71 +74,34 @@ class IterableArchive(IterableDataset[Batch]):
     ``set_epoch`` and ``load_state_dict`` reach persistent workers. Each worker
     reuses ``worker_buffers`` shared-memory batch buffers (0: fresh memory for
     every batch); the default covers DataLoader's default ``prefetch_factor=2``
-    with the training loop holding a batch or two. The arguments after
-    ``worker_buffers`` are the Loader's (docs/choosing.md).
+    with the training loop holding a batch or two. The other keywords are the
+    Loader's, declared once for both (runtime.order.reading; docs/choosing.md).
     """
 
     def __init__(
         self,
-        path: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths],
+        archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths | Source],
         batch_size: int,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        fields: Sequence[str] | str | None = None,
-        pad_value: float | None = None,
-        order: str = "global",
-        window_shards: int = 8,
-        bucket_by: str | None = None,
-        bucket_window: int = 64,
+        *,
         worker_buffers: int = 4,
-        where: Mapping[str, Any] | None = None,
-        indices: Sequence[int] | np.ndarray | None = None,
-        allow_recipe_mismatch: bool = False,
-        weights: Mapping[str, float] | None = None,
-        samples_per_epoch: int | None = None,
-        batch_per_source: bool = False,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_bytes: int | None = None,
-        even_shares: bool = True,
+        **options: Any,
     ) -> None:
-        self.path = path
-        rank, world_size = rank_and_world(rank, world_size)  # the parent's: workers have none
+        self.path = archive
         self.worker_buffers = check_int(
             "IterableArchive worker_buffers", worker_buffers, low=0, high=MAX_SLOTS
         )
-        self._open_options = {
-            "fields": fields,
-            "pad_value": pad_value,
-            "where": where,
-            "indices": None if indices is None else np.asarray(indices),
-            "allow_recipe_mismatch": allow_recipe_mismatch,
-            "weights": weights,
-            "samples_per_epoch": samples_per_epoch,
-            "batch_per_source": batch_per_source,
-            **cache_options(cache_dir, cache_bytes),
-        }
-        self._order_options = {
-            "batch_size": check_int("IterableArchive batch_size", batch_size, low=1),
-            "shuffle": shuffle,
-            "seed": check_int("IterableArchive seed", seed),
-            "drop_last": drop_last,
-            "rank": rank,
-            "world_size": world_size,
-            "mode": order,
-            "window_shards": check_int("IterableArchive window_shards", window_shards, low=1),
-            "bucket_by": bucket_by,
-            "bucket_window": check_int("IterableArchive bucket_window", bucket_window, low=1),
-            "even_shares": even_shares,
-        }
-        self.bucket_by = bucket_by
+        # rank and world size are the parent's: workers have no process group
+        self.reading = Reading.given("IterableArchive", options).in_this_process()
+        self._open_options = self.reading.open_options()
+        self._order_options = self.reading.order_options("IterableArchive", batch_size)
+        self.bucket_by = self.reading.bucket_by
         self._choice: Choice | None = None
         self._share_with_workers()
         # opens the archive and checks the settings here, not in a worker
         chosen = self.choice()
         chosen.order.refuse_empty(str(chosen.archive.path))
+
+    __init__.__signature__ = keywords(__init__)  # type: ignore[attr-defined]
 
     def _share_with_workers(self) -> None:
         """What the workers share with this process: epoch and resume point, slot releases."""

@@ -16,7 +16,6 @@ The buffer contract is in runtime.pipeline.ring.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
@@ -32,6 +31,8 @@ from .gather.engine import CopyEngine
 from .gather.plan import CopyPlan
 from .gather.threads import JobThread, at_exit
 from .order.choose import choose
+from .order.mixture import Source
+from .order.reading import Reading, keywords
 from .pipeline.device import DeviceStage
 from .pipeline.loader_state import STATE_FORMAT, STATE_SETTINGS, check_state, loader_state
 from .pipeline.prefetch import (
@@ -44,7 +45,6 @@ from .pipeline.prefetch import (
     Production,
 )
 from .pipeline.ring import Slot, allocate, slot_count
-from .storage.cached import cache_options
 from .transforms.base import Transform, TransformStage, check_transforms
 
 __all__ = ["STATE_FORMAT", "STATE_SETTINGS", "Loader", "LoaderError", "Transform"]
@@ -94,68 +94,36 @@ class Loader:
     ``loader.sources``). An archive URL (``s3://``, any fsspec URL) is read through
     the node-local shard cache ``cache_dir`` within ``cache_bytes`` (runtime.storage.cached).
     ``even_shares=False`` reads each sample once across ranks, shares uneven (runtime.order.epochs).
+    Besides ``device``, ``transforms`` and ``prefetch``, the keywords are the ones the
+    Loader shares with IterableArchive, declared once (runtime.order.reading).
     """
 
     def __init__(
         self,
-        archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths],
+        archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths | Source],
         batch_size: int,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
+        *,
         device: str | torch.device | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
         transforms: Sequence[Transform] = (),
-        bucket_by: str | None = None,
         prefetch: int = 2,
-        order: str = "global",
-        window_shards: int = 8,
-        bucket_window: int = 64,
-        fields: Sequence[str] | str | None = None,
-        pad_value: float | None = None,
-        where: Mapping[str, Any] | None = None,
-        indices: Sequence[int] | np.ndarray | None = None,
-        allow_recipe_mismatch: bool = False,
-        weights: Mapping[str, float] | None = None,
-        samples_per_epoch: int | None = None,
-        batch_per_source: bool = False,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_bytes: int | None = None,
-        even_shares: bool = True,
+        **options: Any,
     ) -> None:
         self.prefetch = check_int("Loader prefetch", prefetch, low=0)
+        self.reading = Reading.given("Loader", options)
         self.choice = choose(
             archive,
-            {
-                "fields": fields,
-                "pad_value": pad_value,
-                "where": where,
-                "indices": indices,
-                "allow_recipe_mismatch": allow_recipe_mismatch,
-                "weights": weights,
-                "samples_per_epoch": samples_per_epoch,
-                "batch_per_source": batch_per_source,
-                **cache_options(cache_dir, cache_bytes),
-            },
-            batch_size=check_int("Loader batch_size", batch_size, low=1),
-            shuffle=shuffle,
-            seed=check_int("Loader seed", seed),
-            drop_last=drop_last,
-            rank=rank,
-            world_size=world_size,
-            mode=order,
-            window_shards=check_int("Loader window_shards", window_shards, low=1),
-            bucket_by=bucket_by,
-            bucket_window=check_int("Loader bucket_window", bucket_window, low=1),
-            even_shares=even_shares,
+            self.reading.open_options(),
+            owner="Loader",
+            **self.reading.order_options("Loader", batch_size),
         )
         self.archive, self.spec = self.choice.archive, self.choice.spec
-        self.order, self.bucket_by = self.choice.order, bucket_by
+        self.order, self.bucket_by = self.choice.order, self.reading.bucket_by
         check_transforms(transforms, self.archive, self.choice.mixture is not None)
         self.order.refuse_empty(str(self.archive.path))
-        self._later_stages(device, transforms, seed)
+        self._later_stages(device, transforms, self.reading.seed)
         _live.add(self)
+
+    __init__.__signature__ = keywords(__init__)  # type: ignore[attr-defined]
 
     def _later_stages(
         self, device: str | torch.device | None, transforms: Sequence[Transform], seed: int

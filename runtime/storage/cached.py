@@ -113,12 +113,3 @@ def check_shard_names(url: str, names: list[str]) -> None:
                 "the shards (index.json, source.txt, *.lock, *.tmp-*); such an archive "
                 "cannot be read through the cache"
             )
-
-
-def cache_options(
-    cache_dir: str | os.PathLike[str] | None, cache_bytes: int | None
-) -> dict[str, Any]:
-    """The Loader's ``cache_dir``/``cache_bytes`` as options for open_archive: only
-    those given, so archives that take no cache (local paths, mixtures) see none."""
-    given = {"cache_dir": cache_dir, "cache_bytes": cache_bytes}
-    return {k: v for k, v in given.items() if v is not None}

@@ -1,0 +1,118 @@
+"""What a front end reads and how it orders it, declared once: ``Reading``.
+
+The Loader and IterableArchive take the same settings after their archive and
+batch size (docs/choosing.md): how batches are ordered (shuffle, seed, ranks,
+window order, bucketing, shares) and what is read (fields, padding, a
+selection, a mixture's weights, the node-local cache). Each front end adds
+only its own (the Loader: device, transforms, prefetch; IterableArchive: worker
+buffers) and takes the rest as keywords checked here, so an option is declared,
+defaulted and named in errors in one place; ``keywords`` shows them in each
+front end's signature (``help(Loader)``, ``inspect.signature``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageTypeError, check_int
+from .distributed import rank_and_world
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The settings a Loader and an IterableArchive share (see their docstrings and
+    docs/choosing.md): the order stage's, then what to read."""
+
+    # how batches are ordered (runtime.order.epochs)
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    rank: int | None = None
+    world_size: int | None = None
+    order: str = "global"
+    window_shards: int = 8
+    bucket_by: str | None = None
+    bucket_window: int = 64
+    even_shares: bool = True
+    # what is read (runtime.archive, runtime.order.mixture, runtime.storage.cached)
+    fields: Sequence[str] | str | None = None
+    pad_value: float | None = None
+    where: Mapping[str, Any] | None = None
+    indices: Sequence[int] | np.ndarray | None = None
+    allow_recipe_mismatch: bool = False
+    weights: Mapping[str, float] | None = None
+    samples_per_epoch: int | None = None
+    batch_per_source: bool = False
+    cache_dir: str | os.PathLike[str] | None = None
+    cache_bytes: int | None = None
+
+    @classmethod
+    def given(cls, owner: str, options: Mapping[str, Any]) -> Reading:
+        """The settings of ``options`` (keywords given to ``owner``), refusing a name
+        that is none of them with the closest one."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in names:
+                near = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {near[0]}=?" if near else ""
+                raise UsageTypeError(f"{owner} got an unexpected keyword {key}={hint}")
+        return cls(**options)
+
+    def in_this_process(self) -> Reading:
+        """The settings with ``rank`` and ``world_size`` worked out here (from
+        torch.distributed when not given): DataLoader workers have no process group."""
+        rank, world = rank_and_world(self.rank, self.world_size)
+        return dataclasses.replace(self, rank=rank, world_size=world)
+
+    def open_options(self) -> dict[str, Any]:
+        """What to read, as runtime.order.choose takes it (the cache's only when given,
+        so archives that take no cache see none)."""
+        cache = {"cache_dir": self.cache_dir, "cache_bytes": self.cache_bytes}
+        return {
+            "fields": self.fields,
+            "pad_value": self.pad_value,
+            "where": self.where,
+            "indices": None if self.indices is None else np.asarray(self.indices),
+            "allow_recipe_mismatch": self.allow_recipe_mismatch,
+            "weights": self.weights,
+            "samples_per_epoch": self.samples_per_epoch,
+            "batch_per_source": self.batch_per_source,
+            **{k: v for k, v in cache.items() if v is not None},
+        }
+
+    def order_options(self, owner: str, batch_size: int) -> dict[str, Any]:
+        """How to order, as runtime.order.choose takes it, numbers checked."""
+        return {
+            "batch_size": check_int(f"{owner} batch_size", batch_size, low=1),
+            "shuffle": self.shuffle,
+            "seed": check_int(f"{owner} seed", self.seed),
+            "drop_last": self.drop_last,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "mode": self.order,
+            "window_shards": check_int(f"{owner} window_shards", self.window_shards, low=1),
+            "bucket_by": self.bucket_by,
+            "bucket_window": check_int(f"{owner} bucket_window", self.bucket_window, low=1),
+            "even_shares": self.even_shares,
+        }
+
+
+def keywords(init: Callable[..., None]) -> inspect.Signature:
+    """``init``'s signature with its ``**options`` spelled out as Reading's keywords."""
+    own = inspect.signature(init)
+    params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [
+        inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
+        )
+        for f in dataclasses.fields(Reading)
+    ]
+    return own.replace(parameters=params)
