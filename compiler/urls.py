@@ -24,25 +24,21 @@ comes here: the local compile stays on plain files. For a URL:
   the manifest's or the tars' names and sizes).
 - ``fetch_inputs(items, options)`` gives a worker the bytes of URL inputs (and of
   their masks) as ``Item.fetched``, for decode to read from memory.
-- ``FsspecStore`` is the output Store for a URL OUT (see compiler.output.store).
+- OUT, local or a URL, is a storage (compiler.output.store over formats.storage).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import io
 import json
 import os
 import stat
-import tempfile
-import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path, PosixPath
 from typing import Any, TypeVar
 
 from dlop.formats import storage, urls
-from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
 from dlop.formats.storage import DEFAULT_RETRY, Retry
 from dlop.formats.urls import is_url as is_url
 from dlop.formats.urls import scheme as scheme
@@ -50,8 +46,6 @@ from dlop.formats.urls import scheme as scheme
 from .errors import CompileError
 
 UNLISTABLE = ("http", "https")
-# Store.read refuses more than a journal could hold: an index plus its errors.jsonl.
-MAX_READ_BYTES = MAX_INDEX_BYTES + MAX_ERRORS_BYTES
 # One input fetched into a worker's memory; a larger one is a bad input.
 MAX_FETCH_BYTES = 4 << 30
 
@@ -310,26 +304,10 @@ def fetch_bytes(
     says it holds, tried again through passing faults as the runtime's fetches are
     (formats.storage); FetchError when no try succeeded (its ``cause`` FileNotFoundError
     for a missing object), CompileError when the object is over the cap."""
-    said: int | None = None  # the size the storage gave with the latest try
-
-    def read() -> bytes:
-        nonlocal said
-        with fs.open(url, "rb") as f:
-            size = getattr(f, "size", None)
-            said = size if isinstance(size, int) else None
-            if said is not None and said > cap:
-                raise _too_large(url, cap)
-            data: bytes = f.read(cap + 1)
-        if len(data) > cap:
-            raise _too_large(url, cap)
-        return data
-
-    def check(data: bytes) -> str | None:
-        if said is not None and len(data) != said:
-            return f"got {len(data)} bytes of the {said} it holds (truncated transfer?)"
-        return None
-
-    return storage.fetch(read, check, url, url, retry, give_up=(CompileError,))
+    try:
+        return storage.FsspecStorage(fs, None, url).fetch(url, cap=cap, retry=retry)
+    except storage.TooLargeError:
+        raise _too_large(url, cap) from None
 
 
 def _too_large(url: str, cap: int) -> CompileError:
@@ -413,92 +391,3 @@ def check_url_apart(out: str, source_folders: Sequence[str]) -> None:
                 "(and --overwrite deletes) only outside what it reads. Choose an output prefix "
                 "outside the corpus"
             )
-
-
-# -- the output store for a URL OUT ---------------------------------------------------------------
-
-
-def _remove_if_empty(folder: Path) -> None:
-    """Removes ``folder`` and the empty folders in it; anything else in it stays."""
-    with contextlib.suppress(OSError):
-        for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-            if sub.is_dir() and not sub.is_symlink():
-                with contextlib.suppress(OSError):
-                    sub.rmdir()
-        folder.rmdir()
-
-
-class FsspecStore:
-    """The Store (compiler.output.store) of a URL OUT: shards are written in a local staging
-    folder and uploaded whole (an S3 object appears only once its PUT completes); small
-    files are written in one PUT; names are '/'-separated and relative to OUT."""
-
-    def __init__(self, out: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.url = out
-        self.fs, self.root = filesystem(out, storage_options)
-        self.root = self.root.rstrip("/")
-        self._staging: Path | None = None
-
-    def _full(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def staging(self) -> Path:
-        if self._staging is None or not self._staging.is_dir():
-            self._staging = Path(tempfile.mkdtemp(prefix="dlop-staging-"))
-            # removed once empty when this store goes (or the process exits): every file
-            # staged in it is published (put) or discarded by its unit
-            weakref.finalize(self, _remove_if_empty, self._staging)
-        return self._staging
-
-    def put(self, local: Path, name: str) -> None:
-        self.fs.put_file(os.fspath(local), self._full(name))
-        local.unlink(missing_ok=True)
-
-    def write(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self._full(name), data)
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            data = fetch_bytes(self.fs, self._full(name), MAX_READ_BYTES)
-        except storage.FetchError as e:
-            if isinstance(e.cause, FileNotFoundError):
-                return None
-            raise CompileError(str(e)) from None
-        except CompileError:
-            raise CompileError(
-                f"{self.url}/{name}: larger than the {MAX_READ_BYTES}-byte cap on an archive's "
-                "own small files; it is not what a compile writes"
-            ) from None
-        return data
-
-    def list(self, prefix: str = "") -> list[str]:
-        self.fs.invalidate_cache()
-        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        base = self._full(folder) if folder else self.root
-        try:
-            found = self.fs.find(base)
-        except FileNotFoundError:
-            return []
-        names = [p[len(self.root) + 1 :] for p in found if p.startswith(self.root + "/")]
-        return sorted(n for n in names if n.startswith(prefix))
-
-    def delete(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._full(name))
-
-    def sizes(self) -> dict[str, int]:
-        """Every object under OUT with its size, from one (paginated) listing: a resume
-        checks each committed shard's size without a request per shard."""
-        self.fs.invalidate_cache()
-        try:
-            found = self.fs.find(self.root, detail=True)
-        except FileNotFoundError:
-            return {}
-        return {
-            p[len(self.root) + 1 :]: size
-            for p, info in found.items()
-            if p.startswith(self.root + "/")
-            and info.get("type") == "file"
-            and isinstance(size := info.get("size"), int)
-            and not isinstance(size, bool)
-        }

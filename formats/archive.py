@@ -36,7 +36,7 @@ from .constants import (
     unsupported_version,
 )
 from .errors import DlopError, FormatError, SchemaError
-from .files import check_scan, loads_bounded, read_capped, scan_json
+from .files import atomic_write, check_scan, loads_bounded, read_capped, scan_json
 from .reader import BlockCache, Problem, ShardReader, Value
 from .redact import redact
 from .schema import Field, check_schema
@@ -81,16 +81,6 @@ class Index:
 
 def shard_name(number: int) -> str:
     return f"shard-{number:05d}{SHARD_SUFFIX}"
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Writes to a temporary name, fsyncs, renames into place."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def write_index(directory: str | os.PathLike[str], index: Index) -> Path:

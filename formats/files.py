@@ -200,3 +200,13 @@ def loads_bounded(
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(path, f"{what} is not valid UTF-8 JSON: {str(e)[:200]}") from None
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Writes to a temporary name, fsyncs, renames into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

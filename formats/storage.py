@@ -1,23 +1,45 @@
-"""Reading bytes across a storage boundary, the same way everywhere: a fetch is tried
-again after a failure that a new try can get past (a timeout, a reset or dropped
-connection, a 5xx or SlowDown answer, a short or corrupt body), with backoff, and
-accepted only once its bytes pass the caller's check (a length, a CRC-32 the index
-records). The compiler's input reads and the runtime's shard fetches both go through
-``fetch``; how one try reads (whole, or ranged parts in parallel) is the caller's.
+"""Every byte that crosses a storage boundary, one way: ``Storage``.
+
+A storage is a root (a local folder, or an fsspec URL: ``s3://``, ``gs://``,
+``https://``...) and '/'-separated names below it. It reads an object whole or
+a byte range, writes one atomically (a local temporary name renamed over the
+final one; one PUT, which object stores publish whole), publishes a finished
+local file (``put``), lists names with their sizes and deletes. The compiler's
+inputs and OUT, the runtime's shard fetches into the node-local cache and
+``dlop-inspect`` all go through it.
+
+A read is tried again after a failure that a new try can get past (a timeout, a
+reset or dropped connection, a 5xx or SlowDown answer, a short or corrupt body),
+with backoff, and accepted only once its bytes pass the caller's check (a
+length, a CRC-32 the index records): ``fetch`` is that loop. Each caller turns
+``StorageError`` into its own error type.
 
 Nothing here starts a thread (the runtime brings its own for parallel parts).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
+from . import urls
 from .crc import crc32 as crc_of
+from .files import atomic_write
 from .urls import StorageError
+
+T = TypeVar("T")
+
+# How a caller runs ranged parts side by side: (one part's read, the spans) -> the parts.
+MapParts = Callable[
+    [Callable[[tuple[int, int]], bytes], Iterable[tuple[int, int]]], Iterable[bytes]
+]
 
 
 @dataclass(frozen=True)
@@ -76,21 +98,41 @@ def fetch(
     again up to ``retry.attempts`` times in all. FetchError names ``what`` and ``path``
     with every reason when no try succeeded, or at once for a PERMANENT error. Errors of
     the ``give_up`` types (the caller's own refusals) pass through untouched."""
+    return retrying(lambda: checked(read(), check), what, path, retry, give_up)
+
+
+class Rejected(Exception):
+    """A try whose result the caller's check refused (the reason is the message)."""
+
+
+def checked(data: bytes, check: Callable[[bytes], str | None]) -> bytes:
+    problem = check(data)
+    if problem is not None:
+        raise Rejected(problem)
+    return data
+
+
+def retrying(
+    once: Callable[[], T],
+    what: str,
+    path: str,
+    retry: Retry = DEFAULT_RETRY,
+    give_up: tuple[type[BaseException], ...] = (),
+) -> T:
+    """``once()``, tried again after a failure as ``fetch`` describes (a ``Rejected``
+    try counts as a failure with its reason)."""
     reasons: list[str] = []
     for attempt in range(retry.attempts):
         try:
-            data = read()
+            return once()
         except give_up:
             raise
         except PERMANENT as e:
             raise FetchError(f"{what}: cannot read {path}: {e}", e) from None
+        except Rejected as e:
+            reasons.append(str(e))
         except Exception as e:
             reasons.append(f"{type(e).__name__}: {e}"[:300])
-        else:
-            problem = check(data)
-            if problem is None:
-                return data
-            reasons.append(problem)
         if attempt + 1 < retry.attempts:
             retry.pause(attempt)
     raise FetchError(
@@ -124,3 +166,255 @@ def checker(size: int, crc32: int) -> Callable[[bytes], str | None]:
         return None
 
     return check
+
+
+# -- storages ---------------------------------------------------------------------------------
+
+
+class Storage:
+    """Objects under one root (see the module docstring); ``url`` names the root in
+    messages. Subclasses read one try (``read_once``) and write, list and delete."""
+
+    url: str
+
+    def name_url(self, name: str) -> str:
+        return f"{self.url.rstrip('/')}/{name}" if name else self.url
+
+    # one try of a read; the storage's own errors pass
+    def read_once(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        raise NotImplementedError
+
+    def read_capped_once(self, name: str, cap: int) -> tuple[bytes, int | None]:
+        """One try at the first ``cap + 1`` bytes of ``name``, and the size the storage
+        says it holds (None: not said)."""
+        return self.read_once(name, 0, cap + 1), None
+
+    def fetch(
+        self,
+        name: str,
+        check: Callable[[bytes], str | None] | None = None,
+        *,
+        size: int | None = None,
+        retry: Retry = DEFAULT_RETRY,
+        what: str | None = None,
+        map_parts: MapParts | None = None,
+        cap: int | None = None,
+    ) -> bytes:
+        """The object ``name`` whole, accepted once ``check`` passes (default: as many
+        bytes as the storage says it holds, when it says), tried again through passing
+        faults (``fetch``). Given its ``size`` and ``map_parts``, a large object is read
+        in ranged parts of ``retry.part_bytes``, run by ``map_parts``. An object over
+        ``cap`` bytes is refused at once (TooLargeError). FetchError names ``what``
+        (default the object's URL)."""
+        what = what or self.name_url(name)
+        said: int | None = None  # the size the storage gave with the latest try
+
+        def read() -> bytes:
+            nonlocal said
+            if cap is not None:
+                data, said = self.read_capped_once(name, cap)
+                if len(data) > cap or (said is not None and said > cap):
+                    raise TooLargeError(f"{what}: larger than its {cap}-byte cap")
+                return data
+            if size is None or size <= retry.part_bytes or map_parts is None:
+                return self.read_once(name)
+            cuts = [*range(0, size, retry.part_bytes), size]
+            spans = list(itertools.pairwise(cuts))
+            return b"".join(map_parts(lambda s: self.read_once(name, s[0], s[1]), spans))
+
+        def whole(data: bytes) -> str | None:
+            if said is not None and len(data) != said:
+                return f"got {len(data)} bytes of the {said} it holds (truncated transfer?)"
+            return None if check is None else check(data)
+
+        return fetch(read, whole, what, self.name_url(name), retry, give_up=(TooLargeError,))
+
+    def fetch_range(
+        self,
+        name: str,
+        start: int,
+        end: int,
+        *,
+        exact: bool = True,
+        retry: Retry = DEFAULT_RETRY,
+        what: str | None = None,
+    ) -> bytes:
+        """Bytes ``start:end`` of ``name``: exactly that many (``exact``), or at most that
+        many (an object may be shorter), tried again as ``fetch`` is."""
+        want = end - start
+        check = length_is(want, f"the {want} bytes from {start}") if exact else (lambda _: None)
+        what = what or self.name_url(name)
+        return fetch(
+            lambda: self.read_once(name, start, end), check, what, self.name_url(name), retry
+        )
+
+    def open_read(self, name: str) -> IO[bytes]:
+        """``name`` opened for reading in a stream (one try)."""
+        raise NotImplementedError
+
+    def download(
+        self,
+        name: str,
+        target: Path,
+        limit: int,
+        *,
+        chunk: int = 8 << 20,
+        retry: Retry = DEFAULT_RETRY,
+        what: str | None = None,
+    ) -> int:
+        """Copies at most ``limit`` bytes of ``name`` into the local file ``target`` a
+        ``chunk`` at a time (memory holds one chunk, whatever the object's size), tried
+        again from the start after a passing fault; the bytes copied."""
+
+        def once() -> int:
+            copied = 0
+            with self.open_read(name) as f, open(target, "wb") as out:
+                while copied < limit and (part := f.read(min(chunk, limit - copied))):
+                    out.write(part)
+                    copied += len(part)
+            return copied
+
+        return retrying(once, what or self.name_url(name), self.name_url(name), retry)
+
+    def write(self, name: str, data: bytes) -> None:
+        """Publishes ``data`` as ``name``, whole or not at all."""
+        raise NotImplementedError
+
+    def put(self, local: Path, name: str) -> None:
+        """Publishes the finished local file ``local`` as ``name``, whole or not at all
+        (the local file is gone after)."""
+        raise NotImplementedError
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every object (names relative to the root) that starts with ``prefix``, with
+        its size, from one listing: no request per object."""
+        raise NotImplementedError
+
+    def delete(self, name: str) -> None:
+        """Removes ``name``; a missing one is fine."""
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    """A local folder, with plain files (no fsspec): writes go to a temporary name,
+    are fsynced and renamed over the final one, and the folder is fsynced after; a
+    listing holds the regular files directly in the folder."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.url = str(root)
+
+    def read_once(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        with open(self.root / name, "rb") as f:
+            f.seek(start or 0)
+            return f.read() if end is None else f.read(max(0, end - (start or 0)))
+
+    def open_read(self, name: str) -> IO[bytes]:
+        return open(self.root / name, "rb")
+
+    def write(self, name: str, data: bytes) -> None:
+        atomic_write(self.root / name, data)
+        self.sync_folder()
+
+    def put(self, local: Path, name: str) -> None:
+        with open(local, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(local, self.root / name)
+        self.sync_folder()
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """The regular files in the folder (not links) with their sizes."""
+        if not self.root.is_dir():
+            return {}
+        with os.scandir(self.root) as entries:
+            return {
+                e.name: e.stat(follow_symlinks=False).st_size
+                for e in entries
+                if e.is_file(follow_symlinks=False) and e.name.startswith(prefix)
+            }
+
+    def delete(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
+    def sync_folder(self) -> None:
+        with contextlib.suppress(OSError):  # not every file system lets a folder be fsynced
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+class TooLargeError(StorageError):
+    """An object over the cap its reader set (``Storage.fetch(cap=...)``)."""
+
+
+class FsspecStorage(Storage):
+    """Objects under an fsspec URL (``open_url`` makes one): one PUT per write (an object
+    appears only once its PUT completes), a listing of the whole prefix. ``root`` None
+    takes names as whole URLs of ``fs`` (a corpus's inputs)."""
+
+    def __init__(self, fs: Any, root: str | None, url: str) -> None:
+        self.fs = fs
+        self.root = None if root is None else root.rstrip("/")
+        self.url = url
+
+    def path(self, name: str) -> str:
+        return name if self.root is None else f"{self.root}/{name}" if name else self.root
+
+    def read_once(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        return bytes(self.fs.cat_file(self.path(name), start=start, end=end))
+
+    def read_capped_once(self, name: str, cap: int) -> tuple[bytes, int | None]:
+        with self.fs.open(self.path(name), "rb") as f:
+            size = getattr(f, "size", None)
+            said = size if isinstance(size, int) and not isinstance(size, bool) else None
+            if said is not None and said > cap:
+                return b"", said  # refused before its bytes are read
+            return bytes(f.read(cap + 1)), said
+
+    def open_read(self, name: str) -> IO[bytes]:
+        f: IO[bytes] = self.fs.open(self.path(name), "rb")
+        return f
+
+    def write(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self.path(name), data)
+
+    def put(self, local: Path, name: str) -> None:
+        self.fs.put_file(os.fspath(local), self.path(name))
+        local.unlink(missing_ok=True)
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every object below the root (at any depth, '/'-separated names) that starts
+        with ``prefix``, from one paginated listing of the deepest folder ``prefix`` names."""
+        self.fs.invalidate_cache()
+        root = self.path("")
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        try:
+            found = self.fs.find(self.path(folder) if folder else root, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for p, info in found.items():
+            name = p[len(root) + 1 :] if p.startswith(root + "/") else None
+            size = info.get("size")
+            if (
+                name is not None
+                and name.startswith(prefix)
+                and info.get("type") == "file"
+                and isinstance(size, int)
+                and not isinstance(size, bool)
+            ):
+                out[name] = size
+        return out
+
+    def delete(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.path(name))
+
+
+def open_url(url: str, storage_options: Mapping[str, Any] | None = None) -> FsspecStorage:
+    """The storage at ``url`` (formats.urls.filesystem: timeouts set, StorageError when
+    the backend is missing), its client's own retries cut to one (``retry_here``)."""
+    fs, root = urls.filesystem(url, storage_options)
+    return FsspecStorage(retry_here(fs, storage_options), root, url)

@@ -21,11 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from dlop.compiler.urls import filesystem, is_url, local_path, parse_storage_options
-from dlop.formats import ERRORS_NAME, INDEX_NAME, ArchiveReader, DlopError, Field, codec_from_json
+from dlop.compiler.urls import is_url, local_path, parse_storage_options
+from dlop.formats import (
+    ERRORS_NAME,
+    INDEX_NAME,
+    ArchiveReader,
+    DlopError,
+    Field,
+    codec_from_json,
+    storage,
+)
 from dlop.formats.archive import read_index
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
-from dlop.formats.urls import confirm_missing, storage_failure
+from dlop.formats.urls import StorageError, confirm_missing, storage_failure
 
 from . import cache_cli
 from .output import redacted_output
@@ -180,33 +188,29 @@ FETCH_CHUNK = 8 << 20  # what one fetch holds in memory at a time
 
 
 def _fetch_into(
-    fs: Any, base: str, name: str, folder: Path, cap: int, *, url: str, exact: bool = False
+    store: storage.FsspecStorage, name: str, folder: Path, cap: int, *, exact: bool = False
 ) -> None:
-    """OUT/name into folder/name, copied in chunks, at most ``cap`` bytes. A shard
-    (``exact``) is fetched up to one byte more than its index entry says, so that a longer
-    object fails verification rather than filling memory or disk; a larger index or
-    errors.jsonl is an error."""
-    where = f"{url.rstrip('/')}/{name}"
+    """OUT/name into folder/name, copied in chunks through the storage's retrying
+    download, at most ``cap`` bytes. A shard (``exact``) is fetched up to one byte more
+    than its index entry says, so that a longer object fails verification rather than
+    filling memory or disk; a larger index or errors.jsonl is an error."""
+    where = store.name_url(name)
     try:
+        copied = store.download(name, folder / name, cap + 1, chunk=FETCH_CHUNK)
+    except storage.FetchError as e:
+        (folder / name).unlink(missing_ok=True)
+        if not isinstance(e.cause, FileNotFoundError):
+            raise DlopError(str(e)) from None
         try:
-            with fs.open(f"{base}/{name}", "rb") as f, open(folder / name, "wb") as out:
-                left = cap + 1
-                while left > 0 and (chunk := f.read(min(FETCH_CHUNK, left))):
-                    out.write(chunk)
-                    left -= len(chunk)
-        except FileNotFoundError:
-            (folder / name).unlink(missing_ok=True)
-            if confirm_missing(fs, f"{base}/{name}"):
-                return  # the reader reports the missing file where it needs it
-            raise DlopError(f"{where}: the storage says it is missing, yet serves it") from None
-    except DlopError:
-        raise
-    except Exception as e:  # the storage clients' errors share no base class
-        raise DlopError(storage_failure(where, e)) from None
-    if left <= 0 and not exact:
+            missing = confirm_missing(store.fs, store.path(name))
+        except Exception as e:  # the storage clients' errors share no base class
+            raise DlopError(storage_failure(where, e)) from None
+        if missing:
+            return  # the reader reports the missing file where it needs it
+        raise DlopError(f"{where}: the storage says it is missing, yet serves it") from None
+    if copied > cap and not exact:
         raise DlopError(
-            f"{url.rstrip('/')}/{name}: larger than its {cap}-byte cap (SPEC.md §8); not a "
-            f"dlop archive's {name}"
+            f"{where}: larger than its {cap}-byte cap (SPEC.md §8); not a dlop archive's {name}"
         )
 
 
@@ -215,9 +219,11 @@ def fetch_archive(
 ) -> None:
     """The archive at ``url`` into ``folder``: index.json (validated before anything else is
     fetched), errors.jsonl and the shards numbered in ``shards`` (all when None)."""
-    fs, base = filesystem(url, options)
-    base = base.rstrip("/")
-    _fetch_into(fs, base, INDEX_NAME, folder, MAX_INDEX_BYTES, url=url)
+    try:
+        store = storage.open_url(url.rstrip("/"), options)
+    except StorageError as e:
+        raise DlopError(str(e)) from None
+    _fetch_into(store, INDEX_NAME, folder, MAX_INDEX_BYTES)
     if not (folder / INDEX_NAME).exists():
         raise DlopError(
             f"{url.rstrip('/')}/{INDEX_NAME}: not found (its bucket or folder may not exist "
@@ -225,11 +231,11 @@ def fetch_archive(
         )
     index = read_index(folder)  # the format's bounds, before any name in it is used
     if index.skipped_count:
-        _fetch_into(fs, base, ERRORS_NAME, folder, MAX_ERRORS_BYTES, url=url)
+        _fetch_into(store, ERRORS_NAME, folder, MAX_ERRORS_BYTES)
     wanted = [s for k, s in enumerate(index.shards) if shards is None or k in shards]
     with ThreadPoolExecutor(min(8, len(wanted)) or 1) as pool:
         for _ in pool.map(
-            lambda s: _fetch_into(fs, base, s.file, folder, s.bytes, url=url, exact=True), wanted
+            lambda s: _fetch_into(store, s.file, folder, s.bytes, exact=True), wanted
         ):
             pass
 

@@ -1,10 +1,10 @@
-"""Where a compile publishes its files: one small interface over a local OUT and a URL OUT.
+"""Where a compile publishes its files: OUT as a storage (formats.storage), local or a URL.
 
 Shards are written into a local staging folder and then published whole under
 their final name (``put``); small files (commit records, the journal,
 ``index.json``, ``errors.jsonl``) are published whole from bytes (``write``).
 A reader of OUT therefore never sees half a file under a final name. A work
-unit publishes its shards first and its commit record last (units.py).
+unit publishes its shards first and its commit record last (run.units).
 """
 
 from __future__ import annotations
@@ -12,16 +12,26 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
+from dlop.formats import storage, urls
+from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
 from dlop.formats.files import read_capped
+
+from ..errors import CompileError
 
 STAGING = ".dlop-staging"  # a local OUT's staging folder, beside the files it publishes
 MAX_SMALL_BYTES = 512 << 20  # the largest small file a compile reads back (errors.jsonl: 256 MiB)
+# A URL OUT's small files: at most an index plus its errors.jsonl.
+MAX_READ_BYTES = MAX_INDEX_BYTES + MAX_ERRORS_BYTES
 
 
 class Store(Protocol):
+    """OUT: a storage (formats.storage: write, put, sizes, delete) with a staging folder."""
+
     url: str  # OUT as the user wrote it, for messages
 
     def staging(self) -> Path:
@@ -37,7 +47,7 @@ class Store(Protocol):
         ...
 
     def read(self, name: str) -> bytes | None:
-        """OUT/name's bytes; None when it does not exist."""
+        """OUT/name's bytes (a small file); None when it does not exist."""
         ...
 
     def list(self, prefix: str = "") -> list[str]:
@@ -48,40 +58,20 @@ class Store(Protocol):
         """Removes OUT/name; a missing name is fine."""
         ...
 
-    def sizes(self) -> dict[str, int]:
+    def sizes(self, prefix: str = "") -> dict[str, int]:
         """Every file under OUT (names as ``list`` gives them) with its size in bytes, from
         one listing: no request per file."""
         ...
 
 
-class LocalStore:
+class LocalStore(storage.LocalStorage):
     """A local OUT folder: put is a rename from the staging folder inside OUT (one file
     system), write a temporary name then rename; both fsync the file and the folder."""
-
-    def __init__(self, out: str | os.PathLike[str]) -> None:
-        self.root = Path(out)
-        self.url = str(out)
 
     def staging(self) -> Path:
         folder = self.root / STAGING
         folder.mkdir(exist_ok=True)
         return folder
-
-    def put(self, local: Path, name: str) -> None:
-        with open(local, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(local, self.root / name)
-        self._sync_folder()
-
-    def write(self, name: str, data: bytes) -> None:
-        target = self.root / name
-        tmp = target.with_name(f".{target.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        self._sync_folder()
 
     def read(self, name: str) -> bytes | None:
         try:
@@ -94,39 +84,65 @@ class LocalStore:
             return []
         return sorted(p.name for p in self.root.iterdir() if p.name.startswith(prefix))
 
-    def delete(self, name: str) -> None:
-        (self.root / name).unlink(missing_ok=True)
-
-    def sizes(self) -> dict[str, int]:
-        """The regular files in OUT (not links) with their sizes."""
-        if not self.root.is_dir():
-            return {}
-        with os.scandir(self.root) as entries:
-            return {
-                e.name: e.stat(follow_symlinks=False).st_size
-                for e in entries
-                if e.is_file(follow_symlinks=False)
-            }
-
     def clear_staging(self) -> None:
         """Removes the staging folder and whatever a stopped compile left in it."""
         folder = self.root / STAGING
         if folder.is_dir() and not folder.is_symlink():
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _sync_folder(self) -> None:
-        with contextlib.suppress(OSError):  # not every file system lets a folder be fsynced
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+
+def _remove_if_empty(folder: Path) -> None:
+    """Removes ``folder`` and the empty folders in it; anything else in it stays."""
+    with contextlib.suppress(OSError):
+        for sub in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if sub.is_dir() and not sub.is_symlink():
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+        folder.rmdir()
+
+
+class FsspecStore(storage.FsspecStorage):
+    """The Store of a URL OUT: shards are written in a local staging folder and uploaded
+    whole (an S3 object appears only once its PUT completes); small files are written in
+    one PUT and read back through the retrying fetch; names are '/'-separated and
+    relative to OUT."""
+
+    def __init__(self, out: str, storage_options: dict[str, Any] | None = None) -> None:
+        try:
+            # the client keeps its own retries here: writes have no other
+            fs, root = urls.filesystem(out, storage_options)
+        except urls.StorageError as e:
+            raise CompileError(str(e)) from None
+        super().__init__(fs, root, out)
+        self._staging: Path | None = None
+
+    def staging(self) -> Path:
+        if self._staging is None or not self._staging.is_dir():
+            self._staging = Path(tempfile.mkdtemp(prefix="dlop-staging-"))
+            # removed once empty when this store goes (or the process exits): every file
+            # staged in it is published (put) or discarded by its unit
+            weakref.finalize(self, _remove_if_empty, self._staging)
+        return self._staging
+
+    def read(self, name: str) -> bytes | None:
+        try:
+            return self.fetch(name, cap=MAX_READ_BYTES)
+        except storage.TooLargeError:
+            raise CompileError(
+                f"{self.url}/{name}: larger than the {MAX_READ_BYTES}-byte cap on an archive's "
+                "own small files; it is not what a compile writes"
+            ) from None
+        except storage.FetchError as e:
+            if isinstance(e.cause, FileNotFoundError):
+                return None
+            raise CompileError(str(e)) from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(self.sizes(prefix))
 
 
 def open_store(out: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:
     """The store of OUT: a LocalStore for a local path, an FsspecStore for a URL."""
-    from ..urls import FsspecStore, is_url
-
-    if is_url(out):
+    if urls.is_url(out):
         return FsspecStore(os.fspath(out), storage_options)
     return LocalStore(out)

@@ -23,39 +23,30 @@ from typing import Any
 from dlop.formats import ArchiveReader
 from dlop.formats.constants import MAX_INDEX_BYTES
 from dlop.formats.redact import redact
-from dlop.formats.storage import DEFAULT_RETRY, Retry
+from dlop.formats.storage import DEFAULT_RETRY, LocalStorage, Retry, Storage
 
 from .cache import CacheDir, is_shard
 from .cache_folder import CacheError, byte_budget, default_cache_bytes, default_cache_dir
-from .remote import fetch_index, filesystem
+from .remote import fetch_index, storage_at
 from .remote_source import RemoteSource
 
 # A local read that fails or reads corrupt bytes fails the same way again.
 LOCAL_RETRY = Retry(attempts=1)
 
 
-class LocalFiles:
-    """The one call of an fsspec filesystem the remote source makes, over local files."""
-
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        with open(path, "rb") as f:
-            f.seek(start or 0)
-            return f.read() if end is None else f.read(max(0, end - (start or 0)))
-
-
 @dataclass(frozen=True)
 class Client:
-    """This process's (filesystem, path of the archive in it) for ``where``: an fsspec
-    client made once per process (runtime.storage.remote), or local files."""
+    """This process's storage of the archive at ``where``: an fsspec client made once per
+    process (runtime.storage.remote), or the local folder's files."""
 
     where: str
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     local: bool = False
 
-    def __call__(self) -> tuple[Any, str]:
+    def __call__(self) -> Storage:
         if self.local:
-            return LocalFiles(), self.where
-        return filesystem(self.where, self.storage_options)
+            return LocalStorage(self.where)
+        return storage_at(self.where, self.storage_options)
 
 
 def open_cached(
@@ -78,8 +69,7 @@ def open_cached(
         default_cache_bytes() if cache_bytes is None else byte_budget(cache_bytes, "cache_bytes"),
     )
     client = Client(url, options, local)
-    fs, base = client()
-    data = fetch_index(fs, base, url, MAX_INDEX_BYTES, retry)
+    data = fetch_index(client(), url, MAX_INDEX_BYTES, retry)
     folder = cache.archive_dir(hashlib.sha256(data).hexdigest()[:24])
     publish(folder / "index.json", data)
     publish(folder / "source.txt", redact(url).encode() + b"\n")

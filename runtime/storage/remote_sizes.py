@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from dlop.formats import FormatError, Index
-from dlop.formats.storage import DEFAULT_RETRY, Retry
+from dlop.formats.storage import DEFAULT_RETRY, Retry, Storage
 from dlop.formats.transcode import needs_transcode, raw_size_bound
 
 from ..errors import LoaderError, UsageError
 from .cache import STAMP_BYTES
-from .remote import fetch_head, join
+from .remote import fetch_head
 
 # The largest shard read from storage (1 TiB, the largest --shard-bytes of a compile): an
 # index naming a larger one is damaged or not dlop's, and is refused before any plan.
@@ -34,7 +33,7 @@ class ShardSizes:
         url: str,
         index: Index,
         max_bytes: int,
-        filesystem: Callable[[], tuple[Any, str]],
+        client: Callable[[], Storage],
         retry: Retry = DEFAULT_RETRY,
     ) -> None:
         for k, s in enumerate(index.shards):
@@ -47,7 +46,7 @@ class ShardSizes:
         self.url = url
         self.index = index
         self.max_bytes = max_bytes
-        self.filesystem = filesystem
+        self.client = client
         self.retry = retry
         self.lock = threading.Lock()
         self.transcode = needs_transcode(index.fields)
@@ -66,13 +65,12 @@ class ShardSizes:
         bound on its raw copy read from its header."""
         known = self.known[k]
         if known is None:
-            fs, base = self.filesystem()
+            store = self.client()
             info = self.index.shards[k]
             what = f"{self.url}: shard {k} ({info.file}) header"
-            path = join(base, info.file)
-            head = fetch_head(fs, path, info.bytes, what, self.retry)
+            head = fetch_head(store, info.file, info.bytes, what, self.retry)
             try:
-                known = raw_size_bound(head, path, info.bytes)
+                known = raw_size_bound(head, store.name_url(info.file), info.bytes)
             except FormatError as e:
                 raise LoaderError(f"{what}: {e}") from None
             self.learn(k, known)

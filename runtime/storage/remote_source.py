@@ -39,15 +39,15 @@ from typing import Any
 import numpy as np
 
 from dlop.formats import ArchiveReader, Field, FormatError, ShardReader
-from dlop.formats.storage import DEFAULT_RETRY, Retry, checker
+from dlop.formats.storage import DEFAULT_RETRY, Retry, Storage, checker
 from dlop.formats.transcode import needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import LoaderError, ShardChangedError, UsageError
 from .cache import CacheDir, Held
-from .remote import fetch_bytes, join
+from .remote import fetch_bytes
 from .remote_sizes import ShardSizes
 
-Filesystem = Callable[[], tuple[Any, str]]  # this process's (filesystem, archive path)
+Client = Callable[[], Storage]  # this process's storage of the archive
 
 
 class RemoteSource:
@@ -60,7 +60,7 @@ class RemoteSource:
         reader: ArchiveReader,
         cache: CacheDir,
         folder: Path,
-        filesystem: Filesystem,
+        client: Client,
         retry: Retry = DEFAULT_RETRY,
         loose_shards: int = 2,
         fetch_threads: int = 2,
@@ -77,14 +77,14 @@ class RemoteSource:
         self.reopen: tuple[Callable[..., RemoteSource], tuple[Any, ...]] | None = None
         self.cache = cache
         self.folder = folder
-        self.filesystem = filesystem
+        self.client = client
         self.retry = retry
         self.loose_shards = loose_shards
         self.loose_bytes = cache.max_bytes // 2 if loose_bytes is None else loose_bytes
         self.fetch_threads = fetch_threads
         self.ahead_shards = ahead_shards
         self.transcode = needs_transcode(index.fields)
-        self.sizes = ShardSizes(url, index, cache.max_bytes, filesystem, retry)
+        self.sizes = ShardSizes(url, index, cache.max_bytes, client, retry)
         cache.squeeze = self.squeeze
         self.on_drop: Callable[[int], None] | None = None  # told when shard k is let go of
         self.pid = -1
@@ -303,10 +303,9 @@ class RemoteSource:
             self.sizes.check_fits(k, what)
             with self.lock:
                 self.check_in_flight()
-        fs, base = self.filesystem()
         info = self.index.shards[k]
         check = checker(info.bytes, info.crc32)
-        return fetch_bytes(fs, join(base, info.file), info.bytes, check, what, self.retry)
+        return fetch_bytes(self.client(), info.file, info.bytes, check, what, self.retry)
 
     def to_raw(self, path: Path) -> Callable[[bytes], bytes] | None:
         """Decodes a block-coded shard once, as it arrives: the cache keeps it raw."""

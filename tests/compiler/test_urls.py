@@ -20,6 +20,7 @@ from dlop.compiler import urls
 from dlop.compiler.corpus.layouts import open_corpus, stream_items
 from dlop.compiler.corpus.records import Corpus, Item
 from dlop.compiler.errors import CompileError
+from dlop.compiler.output import store as output_store
 from tests.compiler.fixtures import (
     esc50_corpus,
     librispeech_corpus,
@@ -186,7 +187,7 @@ def test_workers_fetch_url_inputs_as_bytes(s3: Any, tmp_path: Path) -> None:
 
 def test_fsspec_store_publishes_reads_lists_and_deletes(s3: Any, tmp_path: Path) -> None:
     s3.make_bucket("out")
-    store = urls.FsspecStore("s3://out/archive")
+    store = output_store.FsspecStore("s3://out/archive")
     assert store.read("index.json") is None and store.list() == []
     staged = store.staging() / "shard.tmp"
     staged.write_bytes(b"x" * 1000)
@@ -211,9 +212,9 @@ def test_fsspec_store_reads_small_files_within_a_cap(
     s3: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s3.make_bucket("cap")
-    store = urls.FsspecStore("s3://cap/a")
+    store = output_store.FsspecStore("s3://cap/a")
     store.write("index.json", b"y" * 101)
-    monkeypatch.setattr(urls, "MAX_READ_BYTES", 100)
+    monkeypatch.setattr(output_store, "MAX_READ_BYTES", 100)
     with pytest.raises(CompileError, match="100-byte cap"):
         store.read("index.json")
 

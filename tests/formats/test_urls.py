@@ -11,7 +11,7 @@ from dlop.compiler.errors import CompileError
 from dlop.compiler.urls import filesystem as compiler_filesystem
 from dlop.formats import urls
 from dlop.runtime.errors import LoaderError
-from dlop.runtime.storage.remote import filesystem as runtime_filesystem
+from dlop.runtime.storage.remote import storage_at
 
 
 def test_urls_and_paths() -> None:
@@ -37,7 +37,7 @@ def test_a_missing_backend_names_the_extra_in_each_callers_error() -> None:
     with pytest.raises(CompileError, match=extra):
         compiler_filesystem("gs://b/a")
     with pytest.raises(LoaderError, match=extra):
-        runtime_filesystem("gs://b/a")
+        storage_at("gs://b/a")
 
 
 def test_an_unknown_protocol_is_refused() -> None:
@@ -46,6 +46,6 @@ def test_an_unknown_protocol_is_refused() -> None:
 
 
 def test_runtime_keeps_one_client_per_process_and_url() -> None:
-    a = runtime_filesystem("memory://b/a")
-    assert runtime_filesystem("memory://b/a")[0] is a[0]
-    assert runtime_filesystem("memory://b/a", {"skip_instance_cache": True}) is not a
+    a = storage_at("memory://b/a")
+    assert storage_at("memory://b/a") is a
+    assert storage_at("memory://b/a", {"skip_instance_cache": True}) is not a

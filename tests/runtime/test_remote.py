@@ -18,7 +18,7 @@ from dlop.runtime import Archive, Loader, LoaderError, open_archive
 from dlop.runtime.errors import UsageError
 from dlop.runtime.storage.cache import CacheDir
 from dlop.runtime.storage.cache_folder import CacheError
-from dlop.runtime.storage.remote import fetch_index, filesystem
+from dlop.runtime.storage.remote import fetch_index, storage_at
 from dlop.runtime.storage.remote_source import RemoteSource
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive, open_remote
@@ -353,9 +353,9 @@ def test_an_index_over_its_cap_is_refused_after_one_bounded_read(tmp_path: Path)
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "index.json").write_bytes(b" " * 50_000 + b"{}")
     with FaultProxy(root=tmp_path) as proxy:
-        fs, base = filesystem(proxy.url + "/a")
+        store = storage_at(proxy.url + "/a")
         with pytest.raises(LoaderError, match=r"index\.json holds more than its 1000-byte cap"):
-            fetch_index(fs, base, proxy.url + "/a", 1000, FAST)
+            fetch_index(store, proxy.url + "/a", 1000, FAST)
         assert proxy.ranges == ["bytes=0-1000"]  # not read whole, and not again
         assert proxy.count("index.json") == 1
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlop.formats import ArchiveWriter, Field, Zstd
+from dlop.formats import ArchiveWriter, Field, Zstd, storage
 from dlop.formats.constants import MAX_INDEX_BYTES
 from dlop.tools.inspect_cli import main
 
@@ -114,7 +114,12 @@ def test_a_fetched_shard_is_copied_in_chunks_not_read_whole(
         return f
 
     monkeypatch.setattr(inspect_cli, "FETCH_CHUNK", 64)
-    monkeypatch.setattr(inspect_cli, "filesystem", lambda u, o: (fs, u.split("://", 1)[1]))
+    real_url = storage.open_url
+
+    def same_client(u: str, o: Any) -> storage.FsspecStorage:
+        return storage.FsspecStorage(fs, real_url(u, o).root, u)
+
+    monkeypatch.setattr(storage, "open_url", same_client)
     monkeypatch.setattr(fs, "open", open_counting)
     assert main(["verify", "-q", url]) == 0
     assert f"OK {url}" in capsys.readouterr().out
