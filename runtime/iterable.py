@@ -82,7 +82,7 @@ class IterableArchive(IterableDataset[Batch]):
         self,
         archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths | Source],
         batch_size: int,
-        *,
+        *positional: Any,
         worker_buffers: int = 4,
         **options: Any,
     ) -> None:
@@ -91,7 +91,7 @@ class IterableArchive(IterableDataset[Batch]):
             "IterableArchive worker_buffers", worker_buffers, low=0, high=MAX_SLOTS
         )
         # rank and world size are the parent's: workers have no process group
-        self.reading = Reading.given("IterableArchive", options).in_this_process()
+        self.reading = Reading.given("IterableArchive", options, positional).in_this_process()
         self._open_options = self.reading.open_options()
         self._order_options = self.reading.order_options("IterableArchive", batch_size)
         self.bucket_by = self.reading.bucket_by

@@ -102,14 +102,14 @@ class Loader:
         self,
         archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths | Source],
         batch_size: int,
-        *,
+        *positional: Any,
         device: str | torch.device | None = None,
         transforms: Sequence[Transform] = (),
         prefetch: int = 2,
         **options: Any,
     ) -> None:
         self.prefetch = check_int("Loader prefetch", prefetch, low=0)
-        self.reading = Reading.given("Loader", options)
+        self.reading = Reading.given("Loader", options, positional)
         self.choice = choose(
             archive,
             self.reading.open_options(),

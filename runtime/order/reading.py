@@ -55,16 +55,28 @@ class Reading:
     cache_bytes: int | None = None
 
     @classmethod
-    def given(cls, owner: str, options: Mapping[str, Any]) -> Reading:
-        """The settings of ``options`` (keywords given to ``owner``), refusing a name
-        that is none of them with the closest one."""
+    def given(
+        cls, owner: str, options: Mapping[str, Any], positional: Sequence[Any] = ()
+    ) -> Reading:
+        """The settings of ``options`` (keywords given to ``owner``) and ``positional``
+        (the values after the batch size, in POSITIONAL's order), refusing a name that is
+        none of them with the closest one."""
+        if len(positional) > len(POSITIONAL):
+            raise UsageTypeError(
+                f"{owner} takes {', '.join(POSITIONAL)} by position after the batch size, "
+                f"got {len(positional)} values; give the others by name"
+            )
         names = [f.name for f in dataclasses.fields(cls)]
         for key in options:
             if key not in names:
                 near = difflib.get_close_matches(key, names, n=1)
                 hint = f"; did you mean {near[0]}=?" if near else ""
                 raise UsageTypeError(f"{owner} got an unexpected keyword {key}={hint}")
-        return cls(**options)
+        by_position = dict(zip(POSITIONAL, positional, strict=False))
+        twice = [k for k in by_position if k in options]
+        if twice:
+            raise UsageTypeError(f"{owner} got {twice[0]} both by position and by name")
+        return cls(**by_position, **options)
 
     def in_this_process(self) -> Reading:
         """The settings with ``rank`` and ``world_size`` worked out here (from
@@ -105,14 +117,24 @@ class Reading:
         }
 
 
+# Settings a front end also takes by position after the batch size, in this order.
+POSITIONAL = ("shuffle", "seed", "drop_last")
+
+
 def keywords(init: Callable[..., None]) -> inspect.Signature:
-    """``init``'s signature with its ``**options`` spelled out as Reading's keywords."""
+    """``init``'s signature with its ``*positional`` and ``**options`` spelled out as
+    Reading's settings: POSITIONAL by position or name, the rest by name."""
     own = inspect.signature(init)
-    params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    params += [
-        inspect.Parameter(
-            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
-        )
-        for f in dataclasses.fields(Reading)
-    ]
-    return own.replace(parameters=params)
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    params = [p for p in own.parameters.values() if p.kind not in kinds]
+    fields = {f.name: f for f in dataclasses.fields(Reading)}
+    first = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    own_keywords = [p for p in params if p.kind is p.KEYWORD_ONLY]
+
+    def param(name: str, kind: Any) -> inspect.Parameter:
+        f = fields[name]
+        return inspect.Parameter(name, kind, default=f.default, annotation=f.type)
+
+    by_position = [param(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in POSITIONAL]
+    by_name = [param(n, inspect.Parameter.KEYWORD_ONLY) for n in fields if n not in POSITIONAL]
+    return own.replace(parameters=[*first, *by_position, *own_keywords, *by_name])

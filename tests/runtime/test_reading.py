@@ -50,3 +50,15 @@ def test_the_same_settings_give_the_same_batches(tmp_path: Path) -> None:
         b.tolist() for b in iterable.batch_order().batches(1)
     ]
     loader.close()
+
+
+@pytest.mark.parametrize("front", [Loader, IterableArchive])
+def test_shuffle_seed_and_drop_last_may_come_by_position(tmp_path: Path, front: type) -> None:
+    path = make_archive(tmp_path / "a", n=30, shard_bytes=600)
+    by_position = front(path, 4, False, 3, True)
+    by_name = front(path, 4, shuffle=False, seed=3, drop_last=True)
+    assert by_position.reading == by_name.reading
+    with pytest.raises(UsageTypeError, match="got seed both by position and by name"):
+        front(path, 4, True, 3, seed=3)
+    with pytest.raises(UsageTypeError, match=r"shuffle, seed, drop_last by position .* got 4"):
+        front(path, 4, True, 3, False, "cpu")
