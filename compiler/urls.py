@@ -89,10 +89,16 @@ T = TypeVar("T")
 
 
 class _Tree:
-    """One filesystem and what its listings said: each folder is listed at most once, whole."""
+    """One filesystem and what its listings said: each folder is listed at most once, whole.
 
-    def __init__(self, fs: Any, url_scheme: str) -> None:
+    ``fs`` streams objects (``UrlPath.open``: its client's own retries stay on); questions
+    (listings, sizes, small reads) go to ``lister``, whose client tries once, through the
+    retry policy every storage read follows (formats.storage)."""
+
+    def __init__(self, fs: Any, url_scheme: str, lister: Any, retry: Retry = DEFAULT_RETRY) -> None:
         self.fs = fs
+        self.lister = lister
+        self.retry = retry
         self.scheme = url_scheme  # "s3"
         self.listable = url_scheme not in UNLISTABLE
         self.entries: dict[str, dict[str, Any]] = {}  # fs path -> {"type", "size"}
@@ -106,15 +112,17 @@ class _Tree:
         return p if not self.listable else f"{self.scheme}://{p}"
 
     def ask(self, p: str, call: Callable[[], T]) -> T:
-        """``call()``, a request about ``p``: FileNotFoundError passes (the object is not
-        there); any other failure (a refused connection, a timeout, an unknown bucket, the
+        """``call()``, a request about ``p``, tried again through passing faults:
+        FileNotFoundError passes (the object is not there); any other failure that
+        outlasts the retries (a refused connection, a timeout, an unknown bucket, the
         storage client's own errors) is a CompileError naming the URL."""
+        url = self.url(p)
         try:
-            return call()
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # the storage clients' errors share no base class
-            raise CompileError(urls.storage_failure(self.url(p), e)) from None
+            return storage.retrying(call, url, url, self.retry)
+        except storage.FetchError as e:
+            if isinstance(e.cause, FileNotFoundError):
+                raise e.cause from None
+            raise CompileError(urls.storage_failure(url, e)) from None
 
     def _covered(self, p: str) -> bool:
         return any(p == f or p.startswith(f + "/") for f in self.listed)
@@ -124,7 +132,7 @@ class _Tree:
         if not self.listable or self._covered(p):
             return
         try:
-            found = self.ask(p, lambda: self.fs.find(p, withdirs=True, detail=True))
+            found = self.ask(p, lambda: self.lister.find(p, withdirs=True, detail=True))
         except FileNotFoundError:
             found = {}
         for name, info in found.items():
@@ -141,9 +149,9 @@ class _Tree:
         if p in self.entries:
             return self.entries[p]
         try:
-            info = self.ask(p, lambda: self.fs.info(p))
+            info = self.ask(p, lambda: self.lister.info(p))
         except FileNotFoundError:
-            if self.ask(p, lambda: urls.confirm_missing(self.fs, p)):
+            if self.ask(p, lambda: urls.confirm_missing(self.lister, p)):
                 return None
             info = {"type": "file", "size": 0}  # there, though its size was not told
         kind = "directory" if info.get("type") == "directory" else "file"
@@ -260,7 +268,7 @@ class UrlPath(PosixPath):
     def read_bytes(self) -> bytes:
         p = self.fs_path
         try:
-            data: bytes = self._tree.ask(p, lambda: self._tree.fs.cat_file(p))
+            data: bytes = self._tree.ask(p, lambda: self._tree.lister.cat_file(p))
         except FileNotFoundError:
             raise FileNotFoundError(2, "no such object", str(self)) from None
         return data
@@ -278,7 +286,8 @@ def _make(cls: type[UrlPath], url: str) -> UrlPath:
 def url_path(url: str, storage_options: dict[str, Any] | None = None) -> UrlPath:
     """``url`` as a path the layouts can list (see the module docstring)."""
     fs, _ = filesystem(url, storage_options)
-    tree = _Tree(fs, scheme(url) or "")
+    lister = storage.retry_here(filesystem(url, storage_options)[0], storage_options)
+    tree = _Tree(fs, scheme(url) or "", lister)
     # Paths made from this one (/, parent, relative_to) share its class, so its tree.
     cls = type("UrlPath", (UrlPath,), {"_tree": tree})
     return _make(cls, url)

@@ -48,6 +48,8 @@ class FaultProxy:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def fail(self, match: str, kind: str, times: int | None = 1) -> None:
+        """``kind`` for the next ``times`` requests (None: all) whose path holds ``match``,
+        or is exactly what follows ``=`` in it (``=/bucket``: the bucket's listings)."""
         with self.lock:
             self.faults.append([match, kind, times])
 
@@ -63,7 +65,8 @@ class FaultProxy:
             for f in self.faults:
                 if head and f[1] != "hang":
                     continue
-                if f[0] in path and (f[2] is None or f[2] > 0):
+                hit = path == f[0][1:] if f[0].startswith("=") else f[0] in path
+                if hit and (f[2] is None or f[2] > 0):
                     if f[2] is not None:
                         f[2] -= 1
                     return str(f[1])

@@ -263,6 +263,30 @@ def test_workers_take_the_compiles_environment_not_an_older_forkservers(
         hold.set()
 
 
+@pytest.mark.parametrize("fault", ["drop", "slowdown"])
+def test_the_listing_survives_storage_faults(
+    s3: Any,
+    in_s3: Any,
+    clips: tuple[Path, dict[str, bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    fault: str,
+) -> None:
+    """The corpus's bucket listing retries as every storage read does: two failed
+    listings, then the archive is the local compile's."""
+    from tests.faultproxy import FaultProxy
+
+    corpus, whole = clips
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    with FaultProxy(upstream=s3.endpoint) as proxy:
+        proxy.fail("=/corpus", fault, times=2)
+        given = ["--storage-option", f"endpoint_url={proxy.url}"]
+        args = ["s3://corpus/esc", *ARGS, *given, "--workers", "1", "-o", str(tmp_path / "f")]
+        assert main(args) == 0
+        assert proxy.gets["/corpus"] >= 3  # two faults, then the listing
+    same_archive(files(tmp_path / "f"), whole, "s3://corpus/esc", str(corpus))
+
+
 @pytest.mark.parametrize("fault", ["drop", "slowdown", "truncate"])
 def test_input_fetches_survive_storage_faults(
     s3: Any,
