@@ -13,21 +13,68 @@ samples each batch holds), ``gather`` (copying them into buffers), ``pipeline``
 ``iterable`` are the two front ends.
 """
 
-from .archive.dataset import Archive
-from .archive.opening import count_selected, open_archive
-from .batch import Batch
-from .errors import LoaderError, SampleIndexError, ShardChangedError, UsageError, UsageTypeError
-from .iterable import IterableArchive
-from .loader import Loader
-from .order.epochs import OrderSpec, epoch_order, rank_batches
-from .order.mixture import Source
-from .transforms.audio import Mixup, RandomTimeCrop, SpecAugment
-from .transforms.vision import (
-    Normalize,
-    RandomHorizontalFlip,
-    RandomResizedCrop,
-    RandomTemporalCrop,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The names below load on first use (PEP 562): importing one runtime module, such as
+# the shard cache's for ``dlop-inspect cache``, does not load torch and the front ends.
+_WHERE = {
+    "Archive": ".archive.dataset",
+    "count_selected": ".archive.opening",
+    "open_archive": ".archive.opening",
+    "Batch": ".batch",
+    "LoaderError": ".errors",
+    "SampleIndexError": ".errors",
+    "ShardChangedError": ".errors",
+    "UsageError": ".errors",
+    "UsageTypeError": ".errors",
+    "IterableArchive": ".iterable",
+    "Loader": ".loader",
+    "OrderSpec": ".order.epochs",
+    "epoch_order": ".order.epochs",
+    "rank_batches": ".order.epochs",
+    "Source": ".order.mixture",
+    "Mixup": ".transforms.audio",
+    "RandomTimeCrop": ".transforms.audio",
+    "SpecAugment": ".transforms.audio",
+    "Normalize": ".transforms.vision",
+    "RandomHorizontalFlip": ".transforms.vision",
+    "RandomResizedCrop": ".transforms.vision",
+    "RandomTemporalCrop": ".transforms.vision",
+}
+
+if TYPE_CHECKING:
+    from .archive.dataset import Archive
+    from .archive.opening import count_selected, open_archive
+    from .batch import Batch
+    from .errors import LoaderError, SampleIndexError, ShardChangedError, UsageError, UsageTypeError
+    from .iterable import IterableArchive
+    from .loader import Loader
+    from .order.epochs import OrderSpec, epoch_order, rank_batches
+    from .order.mixture import Source
+    from .transforms.audio import Mixup, RandomTimeCrop, SpecAugment
+    from .transforms.vision import (
+        Normalize,
+        RandomHorizontalFlip,
+        RandomResizedCrop,
+        RandomTemporalCrop,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
 
 __all__ = [
     "Archive",

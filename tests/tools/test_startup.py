@@ -57,3 +57,18 @@ def test_inspect_info_and_help_load_no_heavy_module(archive: Path) -> None:
     assert _loaded("inspect_cli", ["--help"]) == []
     assert _loaded("inspect_cli", ["info", str(archive)]) == []
     assert _loaded("inspect_cli", ["info", "--json", str(archive)]) == []
+
+
+def test_inspect_cache_loads_no_heavy_module(tmp_path: Path) -> None:
+    assert _loaded("inspect_cli", ["cache", str(tmp_path / "cache")]) == []
+
+
+def test_every_runtime_name_loads_on_first_use() -> None:
+    import dlop.runtime as runtime
+
+    assert sorted(runtime.__all__) == sorted(runtime._WHERE)
+    for name in runtime.__all__:
+        value = getattr(runtime, name)
+        assert value.__module__.startswith("dlop.runtime"), name
+    with pytest.raises(AttributeError, match="no attribute 'Lodaer'"):
+        runtime.Lodaer  # noqa: B018
