@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.dry_run:
         device = torch.device("cpu")
-        args.clips, args.batch, args.train_steps = 24, 4, 3
+        args.clips, args.batch, args.train_steps = 24, 4, 1
         args.copies, args.rounds, args.workers = 4, 1, 1
     elif not torch.cuda.is_available():
         p.error("no CUDA device: run on a CUDA machine, or --dry-run to check the script")
