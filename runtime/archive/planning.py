@@ -23,7 +23,7 @@ import torch
 from dlop.formats import Field, ShardReader
 
 from ..batch import Batch
-from ..gather.fields import Allocate, FieldGather, batch_groups
+from ..gather.fields import Allocate, FieldGather, Groups, batch_groups
 from ..gather.mapped import FixedRawGather, RaggedRowsGather
 from ..gather.plan import CopyPlan
 from ..gather.samples import PerSampleGather, TextGather
@@ -98,14 +98,7 @@ class Mapped(Planner):
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
         self.source.check(shards_of(self.shard_starts, indices))
-        groups = batch_groups(indices, self.starts)  # once for all fields
-        batch, steps = Batch(), []
-        for name, g in self.gathers.items():
-            where = out.get(name) if isinstance(out, dict) else out
-            entries, field_steps = g.plan_grouped(indices, groups, where)
-            batch.update(entries)
-            steps += field_steps
-        return batch, CopyPlan(steps)
+        return plan_fields(self.gathers, indices, batch_groups(indices, self.starts), out)
 
 
 class Sizing(FieldGather):
@@ -182,20 +175,28 @@ class Fetched(Planner):
             where = np.searchsorted(touched, per_index)
             local = indices.numpy() - self.shard_starts[per_index]
             indices = torch.from_numpy(starts[where] + local)
+        compact = torch.from_numpy(starts[:-1].copy())
         gathers = self.planners.get(key, readers)
         if gathers is None:
-            compact = torch.from_numpy(starts[:-1].copy())
             gathers = {
                 n: gather_for(f, readers, compact, self.pad_value) for n, f in self.fields.items()
             }
             self.planners.put(key, readers, gathers)
-        batch, steps = Batch(), []
-        for name, g in gathers.items():
-            where_out = out.get(name) if isinstance(out, dict) else out
-            entries, field_steps = g.plan(indices, where_out)
-            batch.update(entries)
-            steps += field_steps
-        return batch, CopyPlan(steps)
+        return plan_fields(gathers, indices, batch_groups(indices, compact), out)
+
+
+def plan_fields(
+    gathers: Mapping[str, FieldGather], indices: torch.Tensor, groups: Groups, out: Out
+) -> tuple[Batch, CopyPlan]:
+    """Every field's entries and copy steps for ascending ``indices``, the batch's
+    shard groups (``batch_groups``) worked out once for all fields."""
+    batch, steps = Batch(), []
+    for name, g in gathers.items():
+        where = out.get(name) if isinstance(out, dict) else out
+        entries, field_steps = g.plan_grouped(indices, groups, where)
+        batch.update(entries)
+        steps += field_steps
+    return batch, CopyPlan(steps)
 
 
 def planner(
