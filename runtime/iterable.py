@@ -65,6 +65,32 @@ _PASSES = _CLAIMS + MAX_WORKERS
 _WORKER_COUNT = _PASSES + MAX_WORKERS
 
 
+# IterableArchive's arguments after archive and batch_size, in the order it takes them by position.
+ITERABLE_ORDER = (
+    "shuffle",
+    "seed",
+    "drop_last",
+    "rank",
+    "world_size",
+    "fields",
+    "pad_value",
+    "order",
+    "window_shards",
+    "bucket_by",
+    "bucket_window",
+    "worker_buffers",
+    "where",
+    "indices",
+    "allow_recipe_mismatch",
+    "weights",
+    "samples_per_epoch",
+    "batch_per_source",
+    "cache_dir",
+    "cache_bytes",
+    "even_shares",
+)
+
+
 class IterableArchive(IterableDataset[Batch]):
     """Yields whole batches; use ``DataLoader(ds, batch_size=None, num_workers=k)``.
 
@@ -87,11 +113,18 @@ class IterableArchive(IterableDataset[Batch]):
         **options: Any,
     ) -> None:
         self.path = archive
+        reading, own = Reading.given(
+            "IterableArchive",
+            options,
+            positional,
+            ITERABLE_ORDER,
+            {"worker_buffers": (worker_buffers, 4)},
+        )
         self.worker_buffers = check_int(
-            "IterableArchive worker_buffers", worker_buffers, low=0, high=MAX_SLOTS
+            "IterableArchive worker_buffers", own["worker_buffers"], low=0, high=MAX_SLOTS
         )
         # rank and world size are the parent's: workers have no process group
-        self.reading = Reading.given("IterableArchive", options, positional).in_this_process()
+        self.reading = reading.in_this_process()
         self._open_options = self.reading.open_options()
         self._order_options = self.reading.order_options("IterableArchive", batch_size)
         self.bucket_by = self.reading.bucket_by
@@ -101,7 +134,7 @@ class IterableArchive(IterableDataset[Batch]):
         chosen = self.choice()
         chosen.order.refuse_empty(str(chosen.archive.path))
 
-    __init__.__signature__ = keywords(__init__)  # type: ignore[attr-defined]
+    __init__.__signature__ = keywords(__init__, ITERABLE_ORDER)  # type: ignore[attr-defined]
 
     def _share_with_workers(self) -> None:
         """What the workers share with this process: epoch and resume point, slot releases."""

@@ -64,6 +64,34 @@ def _close_all() -> None:
 at_exit(_close_all)
 
 
+# The Loader's arguments after archive and batch_size, in the order it takes them by position.
+LOADER_ORDER = (
+    "shuffle",
+    "seed",
+    "drop_last",
+    "device",
+    "rank",
+    "world_size",
+    "transforms",
+    "bucket_by",
+    "prefetch",
+    "order",
+    "window_shards",
+    "bucket_window",
+    "fields",
+    "pad_value",
+    "where",
+    "indices",
+    "allow_recipe_mismatch",
+    "weights",
+    "samples_per_epoch",
+    "batch_per_source",
+    "cache_dir",
+    "cache_bytes",
+    "even_shares",
+)
+
+
 class LoaderThreads(NamedTuple):
     """A Loader's threads: the producer (None before the first prefetching epoch) and
     the copy engine's helpers."""
@@ -108,8 +136,15 @@ class Loader:
         prefetch: int = 2,
         **options: Any,
     ) -> None:
+        self.reading, own = Reading.given(
+            "Loader",
+            options,
+            positional,
+            LOADER_ORDER,
+            {"device": (device, None), "transforms": (transforms, ()), "prefetch": (prefetch, 2)},
+        )
+        device, transforms, prefetch = own["device"], own["transforms"], own["prefetch"]
         self.prefetch = check_int("Loader prefetch", prefetch, low=0)
-        self.reading = Reading.given("Loader", options, positional)
         self.choice = choose(
             archive,
             self.reading.open_options(),
@@ -123,7 +158,7 @@ class Loader:
         self._later_stages(device, transforms, self.reading.seed)
         _live.add(self)
 
-    __init__.__signature__ = keywords(__init__)  # type: ignore[attr-defined]
+    __init__.__signature__ = keywords(__init__, LOADER_ORDER)  # type: ignore[attr-defined]
 
     def _later_stages(
         self, device: str | torch.device | None, transforms: Sequence[Transform], seed: int

@@ -6,8 +6,10 @@ window order, bucketing, shares) and what is read (fields, padding, a
 selection, a mixture's weights, the node-local cache). Each front end adds
 only its own (the Loader: device, transforms, prefetch; IterableArchive: worker
 buffers) and takes the rest as keywords checked here, so an option is declared,
-defaulted and named in errors in one place; ``keywords`` shows them in each
-front end's signature (``help(Loader)``, ``inspect.signature``).
+defaulted and named in errors in one place. Each front end still takes its
+arguments by position in the order it always has (its ``*_ORDER`` tuple names
+that order, nothing else); ``keywords`` shows them in its signature
+(``help(Loader)``, ``inspect.signature``) as they were written out before.
 """
 
 from __future__ import annotations
@@ -56,27 +58,38 @@ class Reading:
 
     @classmethod
     def given(
-        cls, owner: str, options: Mapping[str, Any], positional: Sequence[Any] = ()
-    ) -> Reading:
+        cls,
+        owner: str,
+        options: Mapping[str, Any],
+        positional: Sequence[Any] = (),
+        order: Sequence[str] = (),
+        own: Mapping[str, tuple[Any, Any]] | None = None,
+    ) -> tuple[Reading, dict[str, Any]]:
         """The settings of ``options`` (keywords given to ``owner``) and ``positional``
-        (the values after the batch size, in POSITIONAL's order), refusing a name that is
-        none of them with the closest one."""
-        if len(positional) > len(POSITIONAL):
+        (the values after the batch size, named by ``order``: the front end's order of
+        arguments), refusing a name that is none of them with the closest one; and the
+        front end's ``own`` arguments (name -> (value given by name, its default)), with
+        those given by position in their place."""
+        own = dict(own or {})
+        if len(positional) > len(order):
             raise UsageTypeError(
-                f"{owner} takes {', '.join(POSITIONAL)} by position after the batch size, "
-                f"got {len(positional)} values; give the others by name"
+                f"{owner} takes at most {len(order) + 2} arguments by position (archive, "
+                f"batch_size, {', '.join(order)}), got {len(positional) + 2}"
             )
         names = [f.name for f in dataclasses.fields(cls)]
         for key in options:
             if key not in names:
-                near = difflib.get_close_matches(key, names, n=1)
+                near = difflib.get_close_matches(key, [*names, *own], n=1)
                 hint = f"; did you mean {near[0]}=?" if near else ""
                 raise UsageTypeError(f"{owner} got an unexpected keyword {key}={hint}")
-        by_position = dict(zip(POSITIONAL, positional, strict=False))
-        twice = [k for k in by_position if k in options]
-        if twice:
-            raise UsageTypeError(f"{owner} got {twice[0]} both by position and by name")
-        return cls(**by_position, **options)
+        by_position = dict(zip(order, positional, strict=False))
+        for key in by_position:
+            named, default = own.get(key, (None, None))
+            if key in options or (key in own and named is not default):
+                raise UsageTypeError(f"{owner} got {key} both by position and by name")
+        settings = {k: v for k, v in by_position.items() if k not in own}
+        resolved = {k: by_position.get(k, given) for k, (given, _) in own.items()}
+        return cls(**settings, **options), resolved
 
     def in_this_process(self) -> Reading:
         """The settings with ``rank`` and ``world_size`` worked out here (from
@@ -117,24 +130,23 @@ class Reading:
         }
 
 
-# Settings a front end also takes by position after the batch size, in this order.
-POSITIONAL = ("shuffle", "seed", "drop_last")
-
-
-def keywords(init: Callable[..., None]) -> inspect.Signature:
-    """``init``'s signature with its ``*positional`` and ``**options`` spelled out as
-    Reading's settings: POSITIONAL by position or name, the rest by name."""
+def keywords(init: Callable[..., None], order: Sequence[str]) -> inspect.Signature:
+    """``init``'s signature as a caller sees it: its ``*positional`` and ``**options``
+    spelled out as the arguments of ``order`` (by position or by name, defaults from
+    ``init``'s own keywords or Reading's), then Reading's other settings by name."""
     own = inspect.signature(init)
     kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     params = [p for p in own.parameters.values() if p.kind not in kinds]
-    fields = {f.name: f for f in dataclasses.fields(Reading)}
     first = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
-    own_keywords = [p for p in params if p.kind is p.KEYWORD_ONLY]
+    mine = {p.name: p for p in params if p.kind is p.KEYWORD_ONLY}
+    fields = {f.name: f for f in dataclasses.fields(Reading)}
 
     def param(name: str, kind: Any) -> inspect.Parameter:
+        if name in mine:
+            return mine[name].replace(kind=kind)
         f = fields[name]
         return inspect.Parameter(name, kind, default=f.default, annotation=f.type)
 
-    by_position = [param(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in POSITIONAL]
-    by_name = [param(n, inspect.Parameter.KEYWORD_ONLY) for n in fields if n not in POSITIONAL]
-    return own.replace(parameters=[*first, *by_position, *own_keywords, *by_name])
+    listed = [param(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in order]
+    rest = [param(n, inspect.Parameter.KEYWORD_ONLY) for n in [*mine, *fields] if n not in order]
+    return own.replace(parameters=[*first, *listed, *rest])

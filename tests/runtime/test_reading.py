@@ -8,8 +8,11 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
 
 from dlop.runtime import IterableArchive, Loader, UsageTypeError
+from dlop.runtime.iterable import ITERABLE_ORDER
+from dlop.runtime.loader import LOADER_ORDER
 from dlop.runtime.order.reading import Reading
 
 from .helpers import make_archive
@@ -53,12 +56,26 @@ def test_the_same_settings_give_the_same_batches(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("front", [Loader, IterableArchive])
-def test_shuffle_seed_and_drop_last_may_come_by_position(tmp_path: Path, front: type) -> None:
+def test_arguments_come_by_position_in_each_front_ends_order(tmp_path: Path, front: type) -> None:
     path = make_archive(tmp_path / "a", n=30, shard_bytes=600)
+    order = LOADER_ORDER if front is Loader else ITERABLE_ORDER
+    assert list(inspect.signature(front).parameters) == ["archive", "batch_size", *order]
     by_position = front(path, 4, False, 3, True)
     by_name = front(path, 4, shuffle=False, seed=3, drop_last=True)
     assert by_position.reading == by_name.reading
     with pytest.raises(UsageTypeError, match="got seed both by position and by name"):
         front(path, 4, True, 3, seed=3)
-    with pytest.raises(UsageTypeError, match=r"shuffle, seed, drop_last by position .* got 4"):
-        front(path, 4, True, 3, False, "cpu")
+    with pytest.raises(UsageTypeError, match=rf"takes at most {len(order) + 2} arguments"):
+        front(path, 4, *[None] * (len(order) + 1))
+
+
+def test_the_loaders_own_arguments_come_by_position_too(tmp_path: Path) -> None:
+    path = make_archive(tmp_path / "a", n=30, shard_bytes=600)
+    loader = Loader(path, 4, True, 0, False, "cpu", None, None, (), None, 0)
+    assert loader.device == torch.device("cpu") and loader.prefetch == 0
+    with pytest.raises(UsageTypeError, match="got prefetch both by position and by name"):
+        Loader(path, 4, True, 0, False, "cpu", None, None, (), None, 0, prefetch=1)
+    iterable = IterableArchive(
+        path, 4, True, 0, False, None, None, None, None, "global", 8, None, 64, 2
+    )
+    assert iterable.worker_buffers == 2
