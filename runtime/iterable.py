@@ -49,7 +49,7 @@ from .errors import UsageError, UsageTypeError, check_int
 from .order.choose import Choice, choose
 from .order.epochs import BatchOrder, check_epoch
 from .order.mixture import Source
-from .order.reading import Reading, keywords
+from .order.reading import CHOOSING, Reading, keywords
 from .pipeline.loader_state import check_settings, order_settings, same
 from .pipeline.shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
 
@@ -79,15 +79,7 @@ ITERABLE_ORDER = (
     "bucket_by",
     "bucket_window",
     "worker_buffers",
-    "where",
-    "indices",
-    "allow_recipe_mismatch",
-    "weights",
-    "samples_per_epoch",
-    "batch_per_source",
-    "cache_dir",
-    "cache_bytes",
-    "even_shares",
+    *CHOOSING,
 )
 
 

@@ -32,7 +32,7 @@ from .gather.plan import CopyPlan
 from .gather.threads import JobThread, at_exit
 from .order.choose import choose
 from .order.mixture import Source
-from .order.reading import Reading, keywords
+from .order.reading import CHOOSING, Reading, keywords
 from .pipeline.device import DeviceStage
 from .pipeline.loader_state import STATE_FORMAT, STATE_SETTINGS, check_state, loader_state
 from .pipeline.prefetch import (
@@ -80,15 +80,7 @@ LOADER_ORDER = (
     "bucket_window",
     "fields",
     "pad_value",
-    "where",
-    "indices",
-    "allow_recipe_mismatch",
-    "weights",
-    "samples_per_epoch",
-    "batch_per_source",
-    "cache_dir",
-    "cache_bytes",
-    "even_shares",
+    *CHOOSING,
 )
 
 

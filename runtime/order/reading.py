@@ -130,6 +130,21 @@ class Reading:
         }
 
 
+# The arguments both front ends take last by position, in this order (what to choose and
+# where the cache lives); each front end's order names what comes before them.
+CHOOSING = (
+    "where",
+    "indices",
+    "allow_recipe_mismatch",
+    "weights",
+    "samples_per_epoch",
+    "batch_per_source",
+    "cache_dir",
+    "cache_bytes",
+    "even_shares",
+)
+
+
 def keywords(init: Callable[..., None], order: Sequence[str]) -> inspect.Signature:
     """``init``'s signature as a caller sees it: its ``*positional`` and ``**options``
     spelled out as the arguments of ``order`` (by position or by name, defaults from
