@@ -19,3 +19,13 @@ class InputError(DlopError):
 class CompileWarning(UserWarning):
     """Something the compile chose that the user may not expect (a guessed sample rate that
     drops most of the inputs' bandwidth); dlop-compile prints it as a warning line."""
+
+
+class AxisVaries(CompileError):
+    """An input showed an axis to vary that the compile's schema held fixed: what was
+    written is discarded, and a compile of one's own Dataset starts again with that
+    axis ragged (dlop.compiler.custom)."""
+
+    def __init__(self, message: str, field: str, axis: int) -> None:
+        super().__init__(message)
+        self.field, self.axis = field, axis

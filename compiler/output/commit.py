@@ -39,7 +39,7 @@ from dlop.formats.units import MAX_COUNT
 
 from ..audio import numerics
 from ..corpus.records import Corpus
-from ..errors import CompileError
+from ..errors import AxisVaries, CompileError
 from ..recipe import Recipe
 from ..run import faults
 from ..run.items import CorpusShape
@@ -68,6 +68,9 @@ class Run:
     consumed: int = 0
     peak_rss: dict[str, int] = field(default_factory=dict)  # worker -> bytes, from records
     journal_run: str = ""  # the journal's run token (Journal.run), once OUT is taken
+    # what makes each input's samples when it is not the recipe's decoding and featurizing:
+    # a user's own Dataset or function (dlop.compiler.custom)
+    custom_work: Any = None
     _store: Store | None = None
     _bar: Any = None
 
@@ -84,6 +87,20 @@ class Run:
         start = unit * self.unit_inputs
         return range(start, min(start + self.unit_inputs, len(self.corpus.items)))
 
+    @property
+    def custom(self) -> bool:
+        return self.custom_work is not None
+
+    def work(self) -> Any:
+        """The run/work.py Work each worker runs."""
+        if self.custom_work is not None:
+            return self.custom_work
+        from ..run.work import PresetWork
+
+        return PresetWork(
+            self.recipe.to_json(), self.recipe.digest(), self.shape, self.storage_options
+        )
+
     def task(self) -> UnitTask:
         return UnitTask(
             self.recipe.to_json(),
@@ -95,6 +112,7 @@ class Run:
             self.storage_options,
             self.journal_run,
             numerics.resume_key(numerics.target()),
+            self.custom_work,
         )
 
     def advance(self, inputs: int) -> None:
@@ -174,6 +192,8 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Ind
         for n, record in enumerate(records, 1):
             if record.failure is not None:
                 _discard(store, created_dir)
+                if record.widen is not None:
+                    raise AxisVaries(record.failure, *record.widen)
                 raise CompileError(record.failure)
             totals.add(record)
             committed[record.unit] = record

@@ -109,6 +109,8 @@ def check_apart(out: str | os.PathLike[str], recipe: Recipe) -> None:
     and a local path never overlap."""
     from ..urls import check_url_apart, is_url
 
+    if not recipe.source:  # a user's Dataset: nothing is read from a folder
+        return
     if is_url(out) or is_url(recipe.source):
         if is_url(out):
             check_url_apart(os.fspath(out), _source_urls(recipe))

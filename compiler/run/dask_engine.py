@@ -19,13 +19,14 @@ import logging
 import signal
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from dlop.formats import urls
 
 from ..errors import CompileError
 from ..output.commit import Run
-from .units import UnitRecord, run_unit, unit_corpus
+from .units import UnitRecord, by_value, run_unit, unit_corpus
 
 UNITS_PER_WORKER = 2  # units in flight per worker, besides one more each to start on
 
@@ -49,6 +50,10 @@ def dask_records(client: Any, run: Run, pending: list[int]) -> Iterator[UnitReco
     unit commits."""
     distributed: Any = importlib.import_module("distributed")  # annotations are partial
     task = run.task()  # a few kilobytes: the recipe, schema and where OUT is
+    if task.work is not None:
+        # a user's Dataset or function: by value (Dask pickles by reference where it can,
+        # and a worker may not import the module the driver loaded it from)
+        task = replace(task, work=by_value(task.work))
     todo = iter(pending)
     running = distributed.as_completed()
     futures: dict[Any, int] = {}

@@ -53,10 +53,16 @@ class CorpusShape:
 
 @dataclass
 class Outcome:
+    """One input's samples, or the reason it is skipped (``path`` names it then)."""
+
     key: str
     samples: list[dict[str, Any]] = field(default_factory=list)
     reason: str | None = None
     path: str | None = None
+    # the compile cannot go on whatever --on-error says (a sample that breaks the schema
+    # other inputs set); ``widen``: the (field, axis) that varies, when only that broke it
+    stop: str | None = None
+    widen: tuple[str, int] | None = None
 
 
 def _audio_field(recipe: Recipe, fixed: bool) -> Field:

@@ -23,8 +23,10 @@ import contextlib
 import functools
 import gc
 import itertools
+import mmap
 import multiprocessing
 import os
+import pickle
 import select
 import signal
 import sys
@@ -60,13 +62,12 @@ from .units import (
     UNIT_INPUTS,
     UnitRecord,
     UnitWriter,
-    chunk_items,
+    by_value,
     chunked,
-    process_fetched,
     unit_items,
 )
 
-__all__ = ["CHUNK_ITEMS", "UNIT_INPUTS", "compile_corpus"]
+__all__ = ["CHUNK_ITEMS", "UNIT_INPUTS", "compile_corpus", "run_compile"]
 
 # What the fork server imports once, besides this module, so that each compile's
 # workers start with the decoders loaded instead of importing them on their first
@@ -87,15 +88,12 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(
-    recipe_json: dict[str, Any],
-    shape: CorpusShape,
+    work: Any,
     spill_dir: str,
-    storage_options: dict[str, Any] | None = None,
     driver: int = 0,
     environ: dict[str, str] | None = None,
     decode_threads: int = 0,
 ) -> None:
-    from ..recipe import build_recipe
     from ..vision.video import set_decode_threads
 
     if environ is not None:
@@ -108,12 +106,12 @@ def _init_worker(
     set_decode_threads(decode_threads)
     _die_with_driver(driver)
     close_inherited_locks()  # a forked worker must not keep the output lock alive after the driver
+    if isinstance(work, bytes):  # sent pickled by value (a forkserver's worker): cloudpickle
+        work = pickle.loads(work)
     _WORKER.update(
-        recipe=build_recipe(recipe_json),
-        shape=shape,
+        work=work,
         spill_dir=spill_dir,
         chunks=itertools.count(),
-        storage_options=storage_options,
         systems={},  # this compile's fsspec filesystems in this worker (units.process_fetched)
     )
     gc.freeze()  # what the worker starts with is never garbage; see _heap_frozen
@@ -182,32 +180,47 @@ def _run_chunk(items: list[Item]) -> tuple[list[Outcome], str | None]:
     Pushing ~100 KB feature arrays through the pool's pipe cost about a fifth
     of the compile's CPU on the 2-core build machine (pipe-buffer-sized
     writes, a context switch each); one file write per chunk, read back in
-    one call, does not.
+    one call, does not. Each outcome's arrays are written as it comes, so a
+    worker whose Work makes outcomes one at a time holds one input's at a time.
     """
     w = _WORKER
-    outcomes = process_fetched(items, w["recipe"], w["shape"], w["storage_options"], w["systems"])
-    path = Path(_WORKER["spill_dir"]) / f"{SPILL_PREFIX}{os.getpid()}-{next(_WORKER['chunks'])}"
+    path = Path(w["spill_dir"]) / f"{SPILL_PREFIX}{os.getpid()}-{next(w['chunks'])}"
     offset = 0
+    outcomes = []
     with open(path, "wb") as f:
-        for outcome in outcomes:
+        for outcome in w["work"].outcomes(items, w["systems"]):
             for sample in outcome.samples:
                 for name, value in sample.items():
                     if isinstance(value, np.ndarray) and value.nbytes >= 4096:
                         f.write(np.ascontiguousarray(value).data)
                         sample[name] = _Spilled(offset, value.dtype.str, value.shape)
                         offset += value.nbytes
+            outcomes.append(outcome)
     if not offset:
         path.unlink()
         return outcomes, None
     return outcomes, str(path)
 
 
+# A chunk file this large is mapped rather than read: its arrays are never held in this
+# process's memory (one item of a user's Dataset may be gigabytes); smaller ones are read
+# in one call, cheaper than faulting their pages in.
+MAP_SPILLED_BYTES = 64 << 20
+
+
 def _unspill(result: tuple[list[Outcome], str | None]) -> list[Outcome]:
+    """The chunk's outcomes with their arrays back: views of the chunk's file, mapped (its
+    pages are the file's, not this process's memory), which goes once they are written."""
     outcomes, path = result
     if path is None:
         return outcomes
     with open(path, "rb") as f:
-        data = f.read()
+        size = os.fstat(f.fileno()).st_size
+        data = (
+            f.read()
+            if size < MAP_SPILLED_BYTES
+            else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        )
     os.unlink(path)
     for outcome in outcomes:
         for sample in outcome.samples:
@@ -283,12 +296,20 @@ def compile_corpus(
         tuple(schema_for(recipe, shape)),
         os.fspath(out),
         storage_options,
-        _unit_size(unit_inputs, corpus.media),
+        unit_size(unit_inputs, corpus.media),
         unit_inputs is not None,
         progress,
         on_progress,
     )
 
+    return run_compile(run, workers=workers, dask=dask, resume=resume, overwrite=overwrite)
+
+
+def run_compile(
+    run: Run, *, workers: int | None, dask: str | None, resume: bool, overwrite: bool
+) -> Index:
+    """Runs a compile on its engine: ``workers`` local processes, or the Dask cluster at
+    ``dask`` (``local:N``: a LocalCluster of N worker processes)."""
     if dask is None:
         count = max(1, workers or os.cpu_count() or 1)
         local = functools.partial(_local_records, run, workers=count)
@@ -339,7 +360,7 @@ def _warn_on_a_guessed_rate(recipe: Recipe, corpus: Corpus) -> None:
         )
 
 
-def _unit_size(unit_inputs: int | None, media: str) -> int:
+def unit_size(unit_inputs: int | None, media: str) -> int:
     # Chunks (the inputs featurized together) are cut from each unit's first input, so
     # they never span two units whatever the unit size.
     size = UNIT_INPUTS[media] if unit_inputs is None else unit_inputs
@@ -358,12 +379,11 @@ def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitR
         faults.at(f"shard:{done[0]}")
 
     sizes: dict[int, str] = {}  # unit -> its inputs' sizes, taken as its inputs go out
+    size = run.work().chunk_items()
     chunks = (
         chunk
         for unit, inputs in units
-        for chunk in chunked(
-            unit_items(run.corpus, unit, inputs, sizes), chunk_items(run.recipe, run.corpus.media)
-        )
+        for chunk in chunked(unit_items(run.corpus, unit, inputs, sizes), size)
     )
     outcomes = _results(chunks, run, workers, store.staging())
     with contextlib.closing(outcomes):
@@ -395,7 +415,7 @@ def _results(
 ) -> Generator[Outcome, None, None]:
     """Every input's outcome, in order, featurized in this process or a pool of ``workers``
     (each fetching its chunks' URL inputs itself)."""
-    shape, recipe, options = run.shape, run.recipe, run.storage_options
+    work = run.work()
     if workers == 1:
         numerics.require()
         threads = torch.get_num_threads()
@@ -403,11 +423,15 @@ def _results(
         try:
             systems: dict[str, Any] = {}
             for chunk in chunks:
-                yield from process_fetched(chunk, recipe, shape, options, systems)
+                yield from work.outcomes(chunk, systems)
         finally:
             torch.set_num_threads(threads)
         return
     ctx = _worker_context()
+    sent: Any = work
+    if ctx.get_start_method() != "fork" and run.custom:
+        # a user's Dataset or function, perhaps defined in a script or a notebook: by value
+        sent = by_value(work)
     try:
         with (
             _main_module_hidden(),
@@ -416,10 +440,8 @@ def _results(
                 mp_context=ctx,
                 initializer=_init_worker,
                 initargs=(
-                    recipe.to_json(),
-                    shape,
+                    sent,
                     str(spill_dir),
-                    options,
                     os.getpid(),
                     dict(os.environ),
                     worker_decode_threads(workers),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import resource
 import shutil
 import socket
@@ -44,7 +45,7 @@ from ..corpus.records import Corpus, Item, fingerprint
 from ..errors import CompileError
 from ..output.journal import Journal
 from ..output.store import LocalStore, Store, open_store
-from ..recipe import Recipe, build_recipe
+from ..recipe import Recipe
 from ..urls import fetch_inputs
 from . import faults
 from .items import CorpusShape, Outcome, process_items
@@ -54,7 +55,8 @@ COMMIT_PREFIX = ".dlop-unit-"
 # input (the bytes do not depend on the grouping, featurize_clips).
 CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 4}
 # Default inputs per unit, by media: a few minutes of one worker's time for typical inputs.
-UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256}
+# A user's own Dataset or function ("custom"): items of any size, so a middle way.
+UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256, "custom": 1024}
 
 
 def commit_name(unit: int) -> str:
@@ -71,6 +73,9 @@ class UnitRecord:
     shards: tuple[ShardInfo, ...] = ()
     skipped: tuple[dict[str, Any], ...] = ()
     failure: str | None = None  # the bad input that stopped an --on-error fail compile
+    # with a failure: the (field, axis) an input showed to vary, which the compile's schema
+    # held fixed (a compile of one's own Dataset starts again with that axis ragged)
+    widen: tuple[str, int] | None = None
     worker: str = ""
     peak_rss: int = 0  # bytes: the worker process's peak resident set so far
     # sha256 of the inputs' sizes as the unit started (input_sizes), when the corpus's
@@ -172,6 +177,35 @@ class UnitTask:
     run: str = ""
     # numerics.resume_key of the driver: every worker must write with the same
     numerics: dict[str, Any] = field(default_factory=dict)
+    # what makes each input's samples (work.py); None: PresetWork of ``recipe``
+    work: Any = None
+
+    def worker(self) -> Any:
+        """The Work a unit runs."""
+        if isinstance(self.work, bytes):  # by_value: loaded once per worker process
+            work = _WORKS.get(self.digest)
+            if work is None:
+                work = _WORKS[self.digest] = pickle.loads(self.work)
+            return work
+        if self.work is not None:
+            return self.work
+        from .work import PresetWork
+
+        return PresetWork(self.recipe, self.digest, self.shape, self.storage_options)
+
+
+_WORKS: dict[str, Any] = {}  # a worker process's unpickled Works, by recipe digest
+
+
+def by_value(work: Any) -> bytes:
+    """A Work pickled with cloudpickle, which sends functions and classes of ``__main__``
+    (a script, a notebook) and of modules registered by value as their code: what a user's
+    Dataset needs to reach a forkserver's or a Dask cluster's workers."""
+    try:
+        import cloudpickle
+    except ImportError:
+        return pickle.dumps(work)
+    return cloudpickle.dumps(work)
 
 
 @dataclass
@@ -187,6 +221,7 @@ class UnitWriter:
     on_error: str
     after_put: Callable[[ShardInfo], None] | None = None  # called once a shard is in OUT
     failure: str | None = None
+    widen: tuple[str, int] | None = None  # UnitRecord.widen
     input_sizes: str = ""  # UnitRecord.input_sizes, set before commit
 
     def __post_init__(self) -> None:
@@ -218,6 +253,9 @@ class UnitWriter:
     def add(self, outcome: Outcome) -> bool:
         """Writes one input's samples, or records it as skipped; False once a bad input
         stops an --on-error fail compile (``failure`` says which)."""
+        if outcome.stop is not None:  # not the input's fault: the compile cannot go on
+            self.failure, self.widen = outcome.stop, outcome.widen
+            return False
         if outcome.reason is None:
             self.writer.write_group(outcome.samples)
             return True
@@ -234,7 +272,11 @@ class UnitWriter:
             if self.failure is not None:
                 self.writer.abort()
                 return UnitRecord(
-                    self.unit, self.inputs.start, len(self.inputs), failure=self.failure
+                    self.unit,
+                    self.inputs.start,
+                    len(self.inputs),
+                    failure=self.failure,
+                    widen=self.widen,
                 )
             shards = self.writer.finish_shards()
             record = UnitRecord(
@@ -260,17 +302,12 @@ class UnitWriter:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-_RECIPES: dict[str, Recipe] = {}
-
-
 def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     """Compiles one unit, whose inputs are ``corpus.items`` (a corpus holding only this
     unit's inputs), into OUT; returns its commit record. Pure and idempotent: running it
     again writes the same files under the same names."""
     faults.unit_delay(unit)
-    recipe = _RECIPES.get(task.digest)
-    if recipe is None:
-        recipe = _RECIPES[task.digest] = build_recipe(task.recipe)
+    work = task.worker()
     numerics.require()
     here = numerics.resume_key(numerics.environment())
     if here != task.numerics:
@@ -284,16 +321,15 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     torch.set_num_threads(1)  # one thread per worker: the bytes do not depend on it
     store = open_store(task.out, task.storage_options)
     start = unit * task.unit_inputs
-    writer = UnitWriter(task, store, unit, range(start, start + len(corpus.items)), recipe.on_error)
+    inputs = range(start, start + len(corpus.items))
+    writer = UnitWriter(task, store, unit, inputs, str(task.recipe["on_error"]))
     sizes: dict[int, str] = {}
     systems: dict[str, Any] = {}
     try:
         outcomes = (
             o
-            for chunk in chunked(
-                unit_items(corpus, unit, None, sizes), chunk_items(recipe, corpus.media)
-            )
-            for o in process_fetched(chunk, recipe, task.shape, task.storage_options, systems)
+            for chunk in chunked(unit_items(corpus, unit, None, sizes), work.chunk_items())
+            for o in work.outcomes(chunk, systems)
         )
         for n, outcome in enumerate(outcomes, 1):
             if not writer.add(outcome):

@@ -16,6 +16,7 @@ from dlop.compiler.errors import InputError
 from dlop.compiler.recipe import build_recipe
 from dlop.compiler.run import pipeline
 from dlop.compiler.run.items import CorpusShape, _stored
+from dlop.compiler.run.work import PresetWork
 
 from .fixtures import esc50_corpus
 
@@ -87,7 +88,8 @@ def test_compile_leaves_the_callers_heap_as_it_found_it(tmp_path: Path) -> None:
 def test_pool_workers_start_with_their_heap_frozen(tmp_path: Path) -> None:
     recipe = build_recipe({"preset": "librosa", "source": str(tmp_path), "layout": "esc50"})
     shape = CorpusShape(has_label=True, has_text=False, extra={})
-    initargs = (recipe.to_json(), shape, str(tmp_path), None, os.getpid(), dict(os.environ), 1)
+    work = PresetWork(recipe.to_json(), recipe.digest(), shape)
+    initargs = (work, str(tmp_path), os.getpid(), dict(os.environ), 1)
     with ProcessPoolExecutor(
         1,
         mp_context=pipeline._worker_context(),
