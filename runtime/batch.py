@@ -32,8 +32,29 @@ class Batch(dict[str, Any]):
         return (Batch, (dict(self),), self.__dict__ or None)
 
 
+class Collated:
+    """A batch in the shape of a user's samples (a tuple, or nested: runtime.archive.structure),
+    as ``__getitems__`` hands it to DataLoader's collate: registered as already collated,
+    the default collate passes on ``value``, the batch itself."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __getitem__(self, key: Any) -> Any:
+        if key == 0:
+            return self
+        raise TypeError("a Collated batch is DataLoader's to unwrap; take its .value")
+
+
 def _already_collated(batch: Any, *, collate_fn_map: Any = None) -> Any:
     return batch[0]
 
 
+def _unwrapped(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    return batch[0].value
+
+
 default_collate_fn_map[Batch] = _already_collated
+default_collate_fn_map[Collated] = _unwrapped

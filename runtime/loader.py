@@ -233,10 +233,13 @@ class Loader:
 
     def _deliver(self, made: Iterator[tuple[int, Batch]], epoch: int) -> Iterator[Batch]:
         """The transform stage, and the count of batches handed out (the order's state)."""
+        shaped = getattr(self.archive, "structure", None)
+        if shaped is not None and shaped.flat:
+            shaped = None  # a flat dict of fields: the batch is its shape already
         for number, batch in made:
             batch = self.transform(batch, epoch, number)
             self.order.handed_out(number + 1)
-            yield batch
+            yield batch if shaped is None else shaped.batch(batch)
 
     def _planner(self, batches: list[np.ndarray], asks: Asks) -> PlanBatch:
         """The gather stage for the producer: batch j planned into a ring slot."""

@@ -3,6 +3,10 @@
 dlop-compile SOURCE -o OUT [options]
 dlop-compile --recipe FILE.toml -o OUT [options]
 dlop-compile --demo OUT
+dlop-compile --dataset MODULE:FACTORY [--dataset-args JSON] -o OUT [options]
+dlop-compile --map MODULE:FN --inputs INPUTS -o OUT [options]
+
+MODULE is a module on PYTHONPATH (pkg.module) or a .py file's path.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dlop.compiler.audio import options as feature_options
-from dlop.compiler.errors import CompileWarning
+from dlop.compiler.errors import CompileError, CompileWarning
 from dlop.compiler.recipe import (
     CHOICES,
     FEATURE_OPTIONS,
@@ -53,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--demo", type=Path, metavar="OUT", help="generate the demo corpus under OUT and compile it"
     )
+    _custom_options(p.add_argument_group("your own Dataset or function (docs/custom.md)"))
     _corpus_options(p.add_argument_group("corpus"))
     _vision_options(p.add_argument_group("video and images"))
     _feature_options(p.add_argument_group("features"))
@@ -70,6 +75,30 @@ def recipe_only(parser: argparse.ArgumentParser) -> list[str]:
     flags = {a.dest for a in parser._actions}
     every = {*RECIPE_OPTIONS, *FEATURE_OPTIONS, *VISION_OPTIONS} - {"feature_codec", "vision"}
     return sorted(every - flags)
+
+
+def _custom_options(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--dataset",
+        metavar="MODULE:FACTORY",
+        help="compile ds[i] for i in range(len(ds)), ds = FACTORY(*ARGS or **ARGS)",
+    )
+    g.add_argument("--dataset-args", metavar="JSON", help="FACTORY's arguments: a list or object")
+    g.add_argument("--map", metavar="MODULE:FN", help="compile FN(x) for each input x")
+    g.add_argument(
+        "--inputs",
+        help="--map's inputs: a .jsonl file (one JSON value a line), or a folder or URL "
+        "prefix whose files (as path strings) are the inputs",
+    )
+    g.add_argument("--schema", type=Path, help="JSON: field -> dtype or {dtype, shape}")
+    g.add_argument("--seed", type=int, help="seeds random, numpy and torch per item (default 0)")
+    g.add_argument("--compression", help="the same as --codec")
+
+
+_CUSTOM = {"dataset", "dataset_args", "map", "inputs", "schema", "seed", "compression"}
+# what a --dataset or --map compile takes besides its own options
+_CUSTOM_TOO = {"out", "codec", "shard_bytes", "workers", "unit_inputs", "dask", "on_error"}
+_CUSTOM_TOO |= {"resume", "overwrite", "quiet", "storage_option", "dtype"}
 
 
 def _corpus_options(g: argparse._ArgumentGroup) -> None:
@@ -226,6 +255,7 @@ def _output_options(o: argparse._ArgumentGroup) -> None:
 
 
 _NOT_RECIPE = {"out", "recipe", "demo", "resume", "overwrite", "quiet", "unit_inputs", "dask"}
+_NOT_RECIPE |= _CUSTOM
 _NOT_RECIPE.add("storage_option")  # credentials and endpoints never go into the archive
 
 
@@ -261,6 +291,11 @@ def _warning_line(message: Warning | str, *args: Any, **kwargs: Any) -> None:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.dataset or args.map:
+        return _run_custom(parser, args)
+    stray = [k for k in sorted(_CUSTOM) if getattr(args, k) is not None]
+    if stray:
+        parser.error(f"--{stray[0].replace('_', '-')} goes with --dataset or --map")
     options: dict[str, Any] = {}
     if args.recipe:
         options.update(load_recipe_file(args.recipe))
@@ -301,14 +336,82 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         unit_inputs=args.unit_inputs,
         dask=args.dask,
     )
-    took = time.perf_counter() - started
+    _summary(out, index, time.perf_counter() - started, recipe.choices())
+    return 0
+
+
+def _summary(out: str, index: Any, took: float, what: str) -> None:
     size = sum(s.bytes for s in index.shards)
+    inputs = index.units.num_inputs if index.units is not None else index.num_samples
     print(
         f"wrote {out}: {index.num_samples} samples in {len(index.shards)} shard(s), {size / 2**20:.1f} MiB, "
         f"{index.skipped_count} skipped{' (see errors.jsonl)' if index.skipped_count else ''}; "
-        f"{took:.1f} s, {(index.num_samples + index.skipped_count) / max(took, 1e-9):.0f} inputs/s; "
-        f"{recipe.choices()}"
+        f"{took:.1f} s, {inputs / max(took, 1e-9):.0f} inputs/s; {what}"
     )
+
+
+def _run_custom(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--dataset or --map: a user's own code compiled (dlop.compiler.custom)."""
+    import json
+
+    if args.dataset and args.map:
+        parser.error("give --dataset or --map, not both")
+    extra = [
+        k
+        for k, v in vars(args).items()
+        if v not in (None, False) and k not in _CUSTOM | _CUSTOM_TOO
+    ]
+    if extra:
+        flag = "SOURCE" if extra[0] == "source" else "--" + extra[0].replace("_", "-")
+        parser.error(f"{flag} does not apply to --dataset or --map (a preset option)")
+    if args.out is None:
+        parser.error("give -o OUT")
+    if args.map and args.inputs is None:
+        parser.error("--map needs --inputs")
+    if args.dataset and args.inputs is not None:
+        parser.error("--inputs goes with --map; a --dataset's inputs are its indices")
+    if args.map and args.dataset_args is not None:
+        parser.error("--dataset-args goes with --dataset")
+    if args.codec and args.compression and args.codec != args.compression:
+        parser.error("--codec and --compression are the same option; give one")
+    from dlop.compiler.custom.loading import load_target, parse_arguments
+
+    schema = None
+    if args.schema is not None:
+        try:
+            schema = json.loads(args.schema.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CompileError(f"--schema {args.schema}: {e}") from None
+    arguments = parse_arguments(args.dataset_args)
+    target = load_target(args.dataset or args.map, arguments if args.dataset else None)
+    out = local_path(args.out)
+    options: dict[str, Any] = {
+        "workers": args.workers,
+        "dask": args.dask,
+        "resume": args.resume,
+        "overwrite": args.overwrite,
+        "on_error": args.on_error or "skip",
+        "shard_bytes": args.shard_bytes or (256 << 20),
+        "compression": args.compression or args.codec or "raw",
+        "unit_inputs": args.unit_inputs,
+        "schema": schema,
+        "seed": 0 if args.seed is None else args.seed,
+        "dtype": args.dtype,
+        "progress": not args.quiet,
+        "storage_options": parse_storage_options(args.storage_option),
+        "arguments": arguments,
+    }
+    from dlop.compiler.custom import compile_dataset, compile_map
+
+    what = f"{'--dataset' if args.dataset else '--map'} {args.dataset or args.map}"
+    if not args.quiet:
+        print(f"compiling {what}", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    if args.dataset:
+        index = compile_dataset(target, out, **options)
+    else:
+        index = compile_map(target, args.inputs, out, **options)
+    _summary(out, index, time.perf_counter() - started, what)
     return 0
 
 

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from dlop.formats import Field, SchemaError
 from dlop.formats.heap import keep_freed_memory
 
-from ..batch import Batch
+from ..batch import Batch, Collated
 from ..errors import SampleIndexError, UsageTypeError
 from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate, FieldGather, as_tensor
@@ -25,6 +25,7 @@ from .concat import ArchivePaths, archive_paths, check_compatible
 from .indices import batch_indices, field_names
 from .planning import held, planner, shards_of
 from .selection import select
+from .structure import Structure
 
 
 class Archive(Dataset[dict[str, Any]]):
@@ -125,6 +126,10 @@ class Archive(Dataset[dict[str, Any]]):
         self.shards = source.shards or []  # empty when the source maps shards per batch
         self.selection = select(source.fields, self.shards, where, indices, source.name)
         self.planner = planner(source, self.fields, self.shard_starts, pad_value)
+        # a user's own Dataset compiled (compiler.custom): samples come back in its shape
+        # when every field of it is read
+        shaped = Structure.of(source.name, self.reader.index.metadata, source.fields)
+        self.structure = shaped if shaped and set(shaped.names) <= set(self.fields) else None
         self.gathers: dict[str, FieldGather] = self.planner.gathers
         self._engine: CopyEngine | None = None
 
@@ -156,7 +161,8 @@ class Archive(Dataset[dict[str, Any]]):
         g = i if self.selection is None else int(self.selection[i])
         if self.source.shards is None:  # mapped per batch: copies, not views of a mapping
             batch = self.gather(torch.tensor([g]))
-            return {name: batch[name][0] for name in self.fields}  # one sample: no padding
+            out = {name: batch[name][0] for name in self.fields}  # one sample: no padding
+            return out if self.structure is None else self.structure.sample(out)
         k = int(np.searchsorted(self.shard_starts, g, side="right")) - 1
         local = g - int(self.shard_starts[k])
         self.check_shards([k])
@@ -164,10 +170,18 @@ class Archive(Dataset[dict[str, Any]]):
         for name, f in self.fields.items():
             value = self.shards[k].get(name, local)
             out[name] = value if isinstance(value, str | bytes) else as_tensor(value, f.dtype)
-        return out
+        return out if self.structure is None else self.structure.sample(out)
 
-    def __getitems__(self, indices: Sequence[int] | torch.Tensor) -> Batch:
-        """A collated batch, rows in the order of ``indices``."""
+    def __getitems__(self, indices: Sequence[int] | torch.Tensor) -> Batch | Collated:
+        """A collated batch, rows in the order of ``indices``: a Batch of fields, or for an
+        archive of a user's Dataset whose samples are tuples or nested, the batch in their
+        shape (Structure.batch), which DataLoader's default collate passes on as it is."""
+        batch = self._batch(indices)
+        if self.structure is None or self.structure.flat:
+            return batch
+        return Collated(self.structure.batch(batch))
+
+    def _batch(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         keep_freed_memory()  # fresh batches reuse freed ones instead of faulting in new pages
         idx = batch_indices(self.path, indices, len(self))
         if self.selection is not None:

@@ -1,0 +1,472 @@
+"""compile_dataset and compile_map: a user's own Dataset or function, compiled with the
+guarantees of the built-in presets (work units, resume, Dask, errors.jsonl).
+
+The driver first computes a few items itself (the probe) to infer the schema
+(samples.py); the units then check every sample against it. When a later item shows
+a fixed axis to vary, the compile starts again with that axis ragged (said on
+stderr), so the archive's schema depends only on the items, never on the engine or
+the order units ran in. A --resume takes the schema from the interrupted compile's
+journal, after checking that the code, its arguments, the inputs and the options
+are those it began with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlop.formats import Index
+from dlop.formats.files import loads_bounded
+
+from ..corpus.records import Corpus
+from ..errors import AxisVaries, CompileError
+from ..output.commit import Run
+from ..output.journal import JOURNAL, MAX_JOURNAL_BYTES
+from ..output.store import open_store
+from ..recipe import ON_ERROR_POLICIES, parse_size
+from ..run.items import CorpusShape
+from ..run.pipeline import _heap_frozen, run_compile, unit_size
+from . import code as code_of
+from .samples import DTYPE_NAMES, Spec, flatten, given_schema, infer, merge, widened
+from .work import Inputs, UserWork, input_text, item_name, reason
+
+PROBE_ITEMS = 8  # items the driver computes to infer the schema
+PROBE_TRIES = 64  # items it tries before giving up when all of them fail
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class CustomRecipe:
+    """What a compile of a user's code records (index.json's ``recipe``), and the schema
+    its items made. The interface of compiler.recipe.Recipe that a Run uses."""
+
+    kind: str  # "dataset" | "map"
+    code: dict[str, Any]
+    inputs: dict[str, Any]  # count, fingerprint, and the listing's source when there is one
+    seed: int
+    schema: dict[str, Any] | None
+    dtype: str | None
+    codec: str
+    shard_bytes: int
+    on_error: str
+    specs: dict[str, Spec] = field(default_factory=dict)
+    structure: dict[str, Any] = field(default_factory=dict)
+    images: None = None  # what output.guard.check_apart asks of a recipe
+    masks: None = None
+
+    @property
+    def source(self) -> str:
+        return str(self.inputs.get("source", ""))
+
+    @property
+    def feature_name(self) -> str:
+        arrays = [s for s in self.specs.values() if s.kind == "array" and s.shape]
+        ragged = [s for s in arrays if None in s.shape]
+        return (ragged or arrays or list(self.specs.values()))[0].name
+
+    def options(self) -> dict[str, Any]:
+        """What the user chose besides the code and inputs."""
+        return {
+            "seed": self.seed,
+            "schema": self.schema,
+            "dtype": self.dtype,
+            "codec": self.codec,
+            "shard_bytes": self.shard_bytes,
+            "on_error": self.on_error,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "compile": self.kind,
+            "code": self.code,
+            "inputs": self.inputs,
+            **self.options(),
+            "fields": [s.to_json() for s in self.specs.values()],
+            "structure": self.structure,
+        }
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+    def fields(self) -> tuple[Any, ...]:
+        return tuple(s.field(self.codec) for s in self.specs.values())
+
+
+@_heap_frozen()
+def compile_dataset(
+    dataset: Any,
+    out: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    dask: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    on_error: str = "skip",
+    shard_bytes: int | str = 256 << 20,
+    compression: str = "raw",
+    unit_inputs: int | None = None,
+    schema: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    progress: bool = True,
+    on_progress: Callable[[int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    arguments: Any = None,
+) -> Index:
+    """Compiles ``dataset[i]`` for every i in range(len(dataset)) into an archive at ``out``;
+    returns its index. Reading it back (dlop.runtime.open_archive) gives each item as the
+    Dataset gave it, arrays as tensors (docs/custom.md).
+
+    ``workers``: local processes (default: all cores); ``dask``: a scheduler address or
+    ``local:N``. ``on_error``: "skip" records an item whose code raises (or gives None)
+    in errors.jsonl and goes on, "fail" stops. ``compression``: raw, zstd or zstd:LEVEL
+    for array fields. ``schema``: field -> dtype, or {"dtype": ..., "shape": [...]} with
+    None for ragged axes. ``seed``: random, numpy and torch are seeded from (seed, index)
+    before each item. ``dtype``: "float16", "bfloat16" or "float32" to store every float
+    field so. ``arguments``: JSON-able values the Dataset was made with (recorded).
+    """
+    try:
+        count = len(dataset)
+        dataset.__getitem__  # noqa: B018 - a map-style Dataset, checked before any work
+    except (TypeError, AttributeError):
+        raise CompileError(
+            f"compile_dataset: a {type(dataset).__name__} has no len() and [i]: give a "
+            "map-style Dataset, or compile an iterable with compile_map(fn, inputs)"
+        ) from None
+    if type(count) is not int or count < 1:
+        raise CompileError(
+            f"compile_dataset: the dataset holds {count!r} items; nothing to compile"
+        )
+    fingerprint = hashlib.sha256(f"dataset:{count}".encode()).hexdigest()
+    inputs = {"count": count, "fingerprint": fingerprint}
+    return _compile(dataset, True, Inputs(count), inputs, out, locals(), arguments=arguments)
+
+
+@_heap_frozen()
+def compile_map(
+    fn: Callable[[Any], Any],
+    inputs: Sequence[Any] | str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    dask: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    on_error: str = "skip",
+    shard_bytes: int | str = 256 << 20,
+    compression: str = "raw",
+    unit_inputs: int | None = None,
+    schema: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    progress: bool = True,
+    on_progress: Callable[[int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    arguments: Any = None,
+) -> Index:
+    """Compiles ``fn(x)`` for every x in ``inputs`` into an archive at ``out`` (as LitData's
+    ``optimize``); returns its index. ``inputs``: a sequence of JSON values (str, numbers,
+    lists, dicts), or a path or URL: a .jsonl file of one JSON value a line, or a folder
+    whose files (sorted, recursively) are the inputs as path strings. The keywords are
+    compile_dataset's."""
+    if not callable(fn):
+        raise CompileError(f"compile_map: {fn!r:.80} is not callable")
+    if isinstance(inputs, str | os.PathLike):
+        values, listing = read_inputs(os.fspath(inputs), storage_options)
+    else:
+        values, listing = list(inputs), {}
+    if not values:
+        raise CompileError("compile_map: no inputs; nothing to compile")
+    digest = hashlib.sha256()
+    for n, value in enumerate(values):
+        try:
+            digest.update(input_text(value).encode() + b"\n")
+        except (TypeError, ValueError):
+            raise CompileError(
+                f"compile_map: input {n} is a {type(value).__name__}: inputs are JSON values "
+                "(str, numbers, lists, dicts), recorded in the archive's fingerprint"
+            ) from None
+    digest.update(json.dumps(listing.get("sizes", [])).encode())
+    described = {"count": len(values), "fingerprint": digest.hexdigest()}
+    if listing.get("source"):
+        described["source"] = listing["source"]
+    return _compile(fn, False, Inputs(len(values), values), described, out, locals(), arguments)
+
+
+def _compile(
+    target: Any,
+    dataset: bool,
+    items: Inputs,
+    inputs: dict[str, Any],
+    out: str | os.PathLike[str],
+    options: dict[str, Any],
+    arguments: Any,
+) -> Index:
+    kind = "dataset" if dataset else "map"
+    on_error = options["on_error"]
+    if on_error not in ON_ERROR_POLICIES:
+        raise CompileError(f"on_error {on_error!r} must be one of {ON_ERROR_POLICIES}")
+    seed = options["seed"]
+    if type(seed) is not int or seed < 0:
+        raise CompileError(f"seed {seed!r} must be a non-negative integer")
+    dtype = options["dtype"]
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise CompileError(f"dtype {dtype!r} must be one of {FLOAT_DTYPES} (or None: as given)")
+    from dlop.formats.codecs import parse_codec
+    from dlop.formats.errors import SchemaError
+
+    codec = str(options["compression"])
+    try:
+        parse_codec(codec)
+    except SchemaError as e:
+        raise CompileError(f"compression: {e}") from None
+    given = given_schema(options["schema"])
+    code = code_of.describe(target, dataset)
+    if arguments is not None:
+        code["arguments"] = json.loads(json.dumps(arguments, sort_keys=True))
+    recipe = CustomRecipe(
+        kind,
+        code,
+        inputs,
+        seed,
+        {k: {"dtype": d, "shape": list(s) if s else s} for k, (d, s) in given.items()} or None,
+        dtype,
+        codec,
+        parse_size(options["shard_bytes"]),
+        on_error,
+    )
+    label = code["qualname"] if dataset else getattr(target, "__name__", "fn")
+    out_text = os.fspath(out)
+    storage_options = options["storage_options"]
+    journal = _journal_recipe(out_text, storage_options) if options["resume"] else None
+    if journal is not None:
+        specs, structure = _resumed(recipe, journal, out_text)
+    else:
+        probe = UserWork(target, dataset, {}, seed, label)
+        specs, structure = _probe(probe, items, given, _STORED.get(dtype), on_error)
+    resume, overwrite = options["resume"], options["overwrite"]
+    while True:
+        recipe = _with_schema(recipe, specs, structure)
+        work = UserWork(target, dataset, specs, seed, label)
+        run = _run(recipe, items, work, out_text, options)
+        try:
+            return run_compile(
+                run,
+                workers=options["workers"],
+                dask=options["dask"],
+                resume=resume,
+                overwrite=overwrite,
+            )
+        except AxisVaries as e:
+            specs = widened(specs, e.field, e.axis)
+            print(
+                f"dlop-compile: {e}; compiling again from the start with that axis ragged "
+                "(pass schema= to declare it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            resume, overwrite = False, True  # what the stopped compile wrote is gone
+
+
+_STORED = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def _with_schema(
+    recipe: CustomRecipe, specs: dict[str, Spec], structure: dict[str, Any]
+) -> CustomRecipe:
+    from dataclasses import replace
+
+    return replace(recipe, specs=specs, structure=structure)
+
+
+def _run(
+    recipe: CustomRecipe, items: Inputs, work: UserWork, out: str, options: dict[str, Any]
+) -> Run:
+    corpus = Corpus(
+        recipe.kind,
+        recipe.source,
+        items,
+        has_label=False,
+        has_text=False,
+        extra_fields={},
+        metadata={"structure": recipe.structure, "compiled": recipe.kind},
+        fingerprint=recipe.inputs["fingerprint"],
+        media="custom",
+    )
+    given = options["unit_inputs"]
+    return Run(
+        recipe,  # type: ignore[arg-type]  # the part of Recipe a Run uses
+        corpus,
+        CorpusShape.of(corpus),
+        recipe.fields(),
+        out,
+        options["storage_options"],
+        unit_size(given, "custom"),
+        given is not None,
+        options["progress"],
+        options["on_progress"],
+        custom_work=work,
+    )
+
+
+def _probe(
+    work: UserWork, items: Inputs, given: dict[str, Any], float_dtype: str | None, on_error: str
+) -> tuple[dict[str, Spec], dict[str, Any]]:
+    """The schema and structure the first items make, computed here (their seeds as in a
+    worker; the caller's random state kept)."""
+    specs: dict[str, Spec] | None = None
+    structure: dict[str, Any] = {}
+    failures: list[str] = []
+    good = 0
+    with _random_state_kept():
+        for n in range(min(len(items), PROBE_TRIES)):
+            item = items[n]
+            name = item_name(work.label, item, work.dataset)
+            try:
+                sample = work.call(item)
+            except Exception as e:  # the user's code
+                failures.append(f"{name}: {reason(e)}")
+                if on_error == "fail":
+                    raise CompileError(f"{failures[-1]} (--on-error fail)") from None
+                continue
+            if sample is None:
+                continue
+            shape, leaves = flatten(sample, name)
+            if specs is None:
+                specs, structure = infer(leaves, name, given, float_dtype), shape
+            else:
+                specs = merge(specs, leaves, name)
+            good += 1
+            if good == PROBE_ITEMS:
+                break
+    if specs is None:
+        tried = min(len(items), PROBE_TRIES)
+        why = f"; the first: {failures[0]}" if failures else " (each gave None)"
+        raise CompileError(f"none of the first {tried} items gave a sample{why}")
+    return specs, structure
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """The caller's random, numpy and torch generators as they were, after the probe."""
+    state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+
+
+def _journal_recipe(out: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The recipe in OUT's journal (an interrupted compile), or None when there is none
+    (finish_run then says so)."""
+    data = open_store(out, storage_options).read(JOURNAL)
+    if data is None or len(data) > MAX_JOURNAL_BYTES:
+        return None
+    try:
+        recipe = loads_bounded(out, data, "the journal").get("recipe")
+    except (CompileError, AttributeError, ValueError):
+        return None
+    except Exception:  # a damaged journal: finish_run names what is wrong
+        return None
+    return recipe if isinstance(recipe, dict) else None
+
+
+def _resumed(
+    recipe: CustomRecipe, before: dict[str, Any], out: str
+) -> tuple[dict[str, Spec], dict[str, Any]]:
+    """The interrupted compile's schema, once its code, inputs and options are this one's."""
+    if before.get("compile") != recipe.kind:
+        raise CompileError(
+            f"{out}: --resume of a compile that was not a compile_{recipe.kind} (it recorded "
+            f"{before.get('compile') or 'a preset recipe'!r}); compile afresh (--overwrite)"
+        )
+    problems = code_of.changes(before.get("code") or {}, recipe.code)
+    if (before.get("code") or {}).get("arguments") != recipe.code.get("arguments"):
+        problems.append("the arguments given changed")
+    inputs = before.get("inputs") or {}
+    if inputs.get("fingerprint") != recipe.inputs["fingerprint"]:
+        problems.append(
+            f"the inputs changed ({inputs.get('count')} inputs then, {recipe.inputs['count']} now"
+            + (", or their values)" if inputs.get("count") == recipe.inputs["count"] else ")")
+        )
+    for key, value in recipe.options().items():
+        if before.get(key) != value:
+            problems.append(f"{key} was {json.dumps(before.get(key))}, now {json.dumps(value)}")
+    if problems:
+        raise CompileError(
+            f"{out}: --resume refused, since the interrupted compile began: "
+            + "; ".join(problems)
+            + ". Resume with the same code and options, or compile afresh (overwrite)"
+        )
+    try:
+        specs = {s["name"]: Spec.from_json(s) for s in before["fields"]}
+        structure = before["structure"]
+    except (KeyError, TypeError, ValueError):
+        raise CompileError(f"{out}: the journal's schema is damaged; compile afresh") from None
+    return specs, structure
+
+
+def read_inputs(
+    where: str, storage_options: dict[str, Any] | None = None
+) -> tuple[list[Any], dict[str, Any]]:
+    """A function's inputs from ``where``: a .jsonl file (one JSON value a line), or a
+    folder or URL prefix whose files, sorted, are the inputs as path strings (with their
+    sizes in the fingerprint)."""
+    from ..urls import is_url
+
+    if where.endswith(".jsonl"):
+        if is_url(where):
+            data = open_store(where.rsplit("/", 1)[0], storage_options).read(
+                where.rsplit("/", 1)[1]
+            )
+            if data is None:
+                raise CompileError(f"{where}: not found")
+            text = data.decode("utf-8")
+        else:
+            with open(where, encoding="utf-8") as f:
+                text = f.read()
+        values = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    values.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise CompileError(f"{where}:{n}: not a JSON value ({e.msg})") from None
+        return values, {}
+    if is_url(where):
+        store = open_store(where, storage_options)
+        listed = sorted(store.sizes().items())
+        base = where.rstrip("/")
+        return [f"{base}/{name}" for name, _ in listed], {
+            "source": base,
+            "sizes": [size for _, size in listed],
+        }
+    if not os.path.isdir(where):
+        raise CompileError(f"{where}: inputs are a .jsonl file, a folder or a URL prefix")
+    paths = sorted(
+        os.path.join(root, name)
+        for root, dirs, names in os.walk(where)
+        for name in names
+        if not name.startswith(".")
+    )
+    return paths, {"source": where, "sizes": [os.path.getsize(p) for p in paths]}
+
+
+def dtype_name(text: str) -> str:
+    """A dtype as the format names it (float32 -> f32); CompileError for an unknown one."""
+    name = DTYPE_NAMES.get(text)
+    if name is None:
+        raise CompileError(f"dtype {text!r} is not one of {sorted(DTYPE_NAMES)}")
+    return name
