@@ -1,0 +1,299 @@
+"""compile_dataset / compile_map: a user's own Dataset or function compiled with the
+presets' guarantees. Samples read back exactly (every dtype, ragged and fixed, str,
+bytes, scalars, dicts and tuples); the bytes do not depend on the engine or worker
+count; a kill -9 at any moment resumes byte-identically; bad items are recorded; a
+schema change midway names both items; changed code refuses --resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dlop.compiler import compile_dataset, compile_map
+from dlop.compiler.errors import CompileError
+from dlop.compiler.run.faults import KILL_AT
+from dlop.runtime import Loader, open_archive
+from dlop.tools.compile_cli import main
+
+from . import custom_data
+from .custom_data import Drifting, Everything, Randomized, Tuples, Widening, cheap, fails_some
+from .fixtures import dask_cluster
+
+EPOCH = "1700000000"
+DATA_FILE = Path(custom_data.__file__)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+
+
+def same(read: Any, given: Any, where: str = "") -> None:
+    """``read`` (from the archive) is exactly ``given`` (from the Dataset), as reading
+    promises: tensors for arrays, Python values for scalars, str and bytes as they were."""
+    if isinstance(given, dict):
+        assert isinstance(read, dict) and list(read) == list(given), where
+        for k in given:
+            same(read[k], given[k], f"{where}.{k}")
+    elif isinstance(given, tuple | list):
+        assert isinstance(read, tuple) and len(read) == len(given), where
+        for k, (r, g) in enumerate(zip(read, given, strict=True)):
+            same(r, g, f"{where}.{k}")
+    elif isinstance(given, torch.Tensor):
+        assert isinstance(read, torch.Tensor) and read.dtype == given.dtype, where
+        assert torch.equal(read, given), where
+    elif isinstance(given, np.ndarray):
+        assert isinstance(read, torch.Tensor), where
+        assert torch.equal(read, torch.from_numpy(given)), where
+    elif isinstance(given, np.generic):
+        assert type(read) is type(given.item()) and read == given.item(), where
+    else:
+        assert type(read) is type(given) and read == given, (where, read, given)
+
+
+@pytest.fixture(autouse=True)
+def _epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+
+
+@pytest.mark.parametrize("make", [Everything, Tuples], ids=["dicts", "tuples"])
+def test_samples_read_back_exactly(make: Any, tmp_path: Path) -> None:
+    ds = make()
+    index = compile_dataset(ds, tmp_path / "a", workers=1, unit_inputs=4, progress=False)
+    assert index.num_samples == len(ds) and index.skipped_count == 0
+    archive = open_archive(tmp_path / "a")
+    for i in range(len(ds)):
+        same(archive[i], ds[i], f"item {i}")
+    dtypes = {f.name: (f.dtype, f.shape) for f in index.fields}
+    if make is Everything:
+        assert dtypes["ragged"] == ("f32", (None, 4)) and dtypes["a_uint64"] == ("u64", (2, 3))
+        assert dtypes["bf16"] == ("bf16", (3, 2)) and dtypes["meta.vec"] == ("i16", (3,))
+    else:
+        assert dtypes["0"] == ("i16", (None, 3)) and dtypes["3.1"] == ("u8", (None,))
+
+
+def test_batches_keep_the_samples_shape(tmp_path: Path) -> None:
+    ds = Tuples(10)
+    compile_dataset(ds, tmp_path / "a", workers=1, progress=False)
+    archive = open_archive(tmp_path / "a")
+    loader = torch.utils.data.DataLoader(archive, batch_size=4)
+    (frames, lengths), labels, texts, (weights, blobs) = next(iter(loader))
+    assert frames.shape == (4, 5, 3) and lengths.tolist() == [2, 3, 4, 5]
+    assert labels.tolist() == [0, 1, 2, 0] and texts == [f"utterance {i}" for i in range(4)]
+    assert weights.dtype == torch.float64 and blobs[1] == bytes([1, 2])
+    for (frames, lengths), labels, _, _ in Loader(tmp_path / "a", batch_size=5, shuffle=False):
+        assert frames.shape[0] == 5 and labels.tolist() == [i % 3 for i in range(5)]
+        break
+
+
+@pytest.mark.slow
+def test_the_bytes_do_not_depend_on_the_engine(tmp_path: Path) -> None:
+    ds = Everything(20)
+    options = {"unit_inputs": 6, "shard_bytes": "8KB", "progress": False}
+    compile_dataset(ds, tmp_path / "one", workers=1, **options)
+    compile_dataset(ds, tmp_path / "two", workers=2, **options)
+    with dask_cluster(2) as address:
+        compile_dataset(ds, tmp_path / "dask", dask=address, **options)
+    whole = files(tmp_path / "one")
+    assert len([n for n in whole if n.endswith(".dlop")]) >= 4
+    assert files(tmp_path / "two") == whole and files(tmp_path / "dask") == whole
+    archive = open_archive(tmp_path / "two")
+    for i in range(len(ds)):
+        same(archive[i], ds[i], f"item {i}")
+
+
+def test_a_failing_item_is_recorded_and_the_rest_compiled(tmp_path: Path) -> None:
+    index = compile_map(fails_some, list(range(40)), tmp_path / "a", workers=1, progress=False)
+    bad = [x for x in range(40) if x % 7 == 3 or x % 11 == 5]
+    assert index.skipped_count == len(bad) and index.num_samples == 40 - len(bad)
+    records = [json.loads(line) for line in (tmp_path / "a" / "errors.jsonl").read_text().splitlines()]
+    assert [int(r["key"]) for r in records] == bad
+    raised = records[0]
+    assert raised["reason"].startswith("ValueError: input 3 is unlucky (at ")
+    assert "custom_data.py" in raised["reason"] and "in fails_some" in raised["reason"]
+    assert any(r["reason"].startswith("skipped: the code gave None") for r in records)
+    archive = open_archive(tmp_path / "a")
+    good = [x for x in range(40) if x not in bad]
+    for n, x in enumerate(good):
+        same(archive[n], fails_some(x))
+    with pytest.raises(CompileError, match=r"input 3: ValueError: input 3 is unlucky.*on-error fail"):
+        compile_map(fails_some, list(range(40)), tmp_path / "b", on_error="fail", progress=False)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("dtype", r"field 'x': Drifting\[13\] gives f64 \[4, 2\], Drifting\[0\] gave f32"),
+        ("rank", r"field 'x': Drifting\[13\] gives rank 1 \[8\], Drifting\[0\] gave rank 2"),
+    ],
+)
+def test_a_schema_change_midway_names_both_items(what: str, message: str, tmp_path: Path) -> None:
+    with pytest.raises(CompileError, match=message):
+        compile_dataset(Drifting(20, 13, what), tmp_path / "a", workers=1, progress=False)
+    assert not (tmp_path / "a").exists()  # nothing half-written is left
+
+
+def test_an_axis_found_to_vary_later_makes_the_field_ragged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ds = Widening()  # the probe's items all hold 5 rows; item 13 holds 6
+    index = compile_dataset(ds, tmp_path / "a", workers=1, unit_inputs=4, progress=False)
+    err = capsys.readouterr().err
+    assert "field 'x': axis 0 is 6 long in Widening[13], 5 in Widening[0]" in err
+    assert "compiling again from the start with that axis ragged" in err
+    assert {f.name: f.shape for f in index.fields}["x"] == (None, 2)
+    archive = open_archive(tmp_path / "a")
+    for i in range(len(ds)):
+        same(archive[i], ds[i])
+    compile_dataset(
+        ds, tmp_path / "b", workers=2, unit_inputs=4, progress=False,
+        schema={"x": {"shape": [None, 2]}},
+    )  # fmt: skip
+    assert "again" not in capsys.readouterr().err
+    shards = {n: b for n, b in files(tmp_path / "a").items() if n.endswith(".dlop")}
+    assert shards == {n: b for n, b in files(tmp_path / "b").items() if n.endswith(".dlop")}
+
+
+def test_every_item_draws_the_same_random_numbers_on_any_engine(tmp_path: Path) -> None:
+    ds = Randomized()
+    state = (np.random.get_state()[1][:4].copy(), torch.get_rng_state().clone())
+    compile_dataset(ds, tmp_path / "one", workers=1, progress=False, unit_inputs=5)
+    compile_dataset(ds, tmp_path / "two", workers=2, progress=False, unit_inputs=3)
+    assert (np.random.get_state()[1][:4] == state[0]).all()  # the caller's state is kept
+    assert torch.equal(torch.get_rng_state(), state[1])
+    one, two = open_archive(tmp_path / "one"), open_archive(tmp_path / "two")
+    draws = [one[i]["py"] for i in range(len(ds))]
+    assert len(set(draws)) == len(ds)  # seeded per item, not once
+    for i in range(len(ds)):
+        same(two[i], one[i])
+    compile_dataset(ds, tmp_path / "other", workers=1, progress=False, seed=7)
+    assert open_archive(tmp_path / "other")[0]["py"] != draws[0]
+    assert json.loads((tmp_path / "other" / "index.json").read_text())["recipe"]["seed"] == 7
+
+
+def test_schema_casts_and_refusals(tmp_path: Path) -> None:
+    def to_f32(x: int) -> dict[str, Any]:
+        return {"x": np.full(3, x / 3, np.float64), "n": np.array([x, 300], np.int64)}
+
+    index = compile_map(
+        to_f32, list(range(5)), tmp_path / "a", workers=1, progress=False,
+        schema={"x": "float32", "n": "int16"},
+    )
+    assert {f.name: f.dtype for f in index.fields} == {"x": "f32", "n": "i16"}
+    assert torch.equal(open_archive(tmp_path / "a")[2]["x"], torch.full((3,), 2 / 3).float())
+    with pytest.raises(CompileError, match=r"input 0 holds values 0..300, outside u8's 0..255"):
+        compile_map(to_f32, list(range(5)), tmp_path / "b", progress=False, schema={"n": "uint8"})
+    with pytest.raises(CompileError, match="dlop casts floats to floats and integers to integers"):
+        compile_map(to_f32, list(range(5)), tmp_path / "c", progress=False, schema={"x": "int32"})
+    half = compile_map(to_f32, list(range(5)), tmp_path / "d", progress=False, dtype="float16")
+    assert {f.name: f.dtype for f in half.fields} == {"x": "f16", "n": "i64"}
+
+    def big(x: int) -> dict[str, Any]:
+        return {"x": np.array([1e6])}
+
+    with pytest.raises(CompileError, match="beyond f16's range"):
+        compile_map(big, [0, 1], tmp_path / "e", workers=1, progress=False, dtype="float16")
+
+
+@pytest.mark.parametrize(
+    "sample, message",
+    [
+        ({"x": object()}, r"input 0: field 'x' is a builtins.object: a sample's values are"),
+        ({"x": {"y": {"z": 1}}}, r"field 'x.y' is a dict inside a dict of a sample: samples nest"),
+        ({"a b": 1}, r"key 'a b' is not a field name"),
+        ({"x": None}, r"field 'x' is None: return None for the whole sample"),
+        (np.zeros(3), r"a sample is a dict of fields or a tuple of them, not a single ndarray"),
+        ({"x": np.array(["a"])}, r"dtype <U1 is not one an archive stores"),
+    ],
+)
+def test_what_a_sample_cannot_be_is_refused_by_name(
+    sample: Any, message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(CompileError, match=message):
+        compile_map(lambda x: sample, [0, 1], tmp_path / "a", progress=False)
+
+
+def _compile_args(out: Path, *extra: str) -> list[str]:
+    return [
+        "--dataset", f"{DATA_FILE}:Everything", "--dataset-args", "[14]", "-o", str(out),
+        "--unit-inputs", "3", "--shard-bytes", "6KB", "--workers", "1", "-q", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["start", "input:4", "unit:2", "index"])
+def test_kill_9_then_resume_is_byte_identical(moment: str, tmp_path: Path) -> None:
+    assert main(_compile_args(tmp_path / "whole")) == 0
+    whole = files(tmp_path / "whole")
+    assert len([n for n in whole if n.endswith(".dlop")]) >= 5
+    out = tmp_path / "out"
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, KILL_AT: moment}
+    cmd = [sys.executable, "-m", "dlop.tools.compile_cli", *_compile_args(out)]
+    proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    assert not (out / "index.json").exists()
+    assert main([*_compile_args(out), "--resume"]) == 0
+    assert files(out) == whole
+
+
+def test_resume_refuses_changed_code_or_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = tmp_path / "mine.py"
+    module.write_text(DATA_FILE.read_text())
+    out = tmp_path / "out"
+    args = [
+        "--dataset", f"{module}:Everything", "--dataset-args", "[14]", "-o", str(out),
+        "--unit-inputs", "3", "--workers", "1", "-q",
+    ]  # fmt: skip
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, KILL_AT: "unit:1"}
+    cmd = [sys.executable, "-m", "dlop.tools.compile_cli", *args]
+    proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    changed = [*args[:3], "[15]", *args[4:], "--resume"]
+    assert main(changed) == 1
+    assert (
+        "the arguments given changed; the inputs changed (14 inputs then, 15 now)"
+        in capsys.readouterr().err
+    )
+    module.write_text(DATA_FILE.read_text() + "\n# an edit\n")
+    err = subprocess.run(
+        [*cmd, "--resume"], env={**os.environ}, stderr=subprocess.PIPE, timeout=300
+    ).stderr.decode()
+    assert "--resume refused, since the interrupted compile began: the source of mine changed" in err
+    module.write_text(DATA_FILE.read_text())
+    assert main([*args, "--resume"]) == 0
+    assert main([*args[:5], str(tmp_path / "whole"), *args[6:]]) == 0
+    assert files(out) == files(tmp_path / "whole")
+
+
+def test_the_command_line_takes_a_module_on_the_path_or_a_file(tmp_path: Path) -> None:
+    inputs = tmp_path / "inputs.jsonl"
+    inputs.write_text("".join(f"{x}\n" for x in range(9)))
+    env = {**os.environ, "PYTHONPATH": f"{DATA_FILE.parent}{os.pathsep}{ROOT}"}
+    by_name = subprocess.run(
+        [sys.executable, "-m", "dlop.tools.compile_cli", "--map", "custom_data:cheap",
+         "--inputs", str(inputs), "-o", str(tmp_path / "name"), "-q", "--workers", "2"],
+        env=env, capture_output=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert by_name.returncode == 0, by_name.stderr.decode()
+    assert "wrote" in by_name.stdout.decode() and "9 samples" in by_name.stdout.decode()
+    assert main(["--map", f"{DATA_FILE}:cheap", "--inputs", str(inputs), "-o",
+                 str(tmp_path / "file"), "-q", "--workers", "1"]) == 0  # fmt: skip
+    assert files(tmp_path / "name") .keys() == files(tmp_path / "file").keys()
+    archive = open_archive(tmp_path / "file")
+    for x in range(9):
+        same(archive[x], cheap(x))
+    recipe = json.loads((tmp_path / "file" / "index.json").read_text())["recipe"]
+    assert recipe["compile"] == "map" and recipe["code"]["qualname"] == "cheap"
+    assert list(recipe["code"]["sources"]) == ["custom_data"]
