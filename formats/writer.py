@@ -532,7 +532,7 @@ def _copy_file(src: int, dst: int, length: int, dst_offset: int) -> None:
         done += os.pwrite(dst, chunk, dst_offset + done)
 
 
-def encode_value(f: Field, value: Any, index: int) -> tuple[bytes, tuple[int, ...]]:
+def encode_value(f: Field, value: Any, index: int) -> tuple[bytes | memoryview, tuple[int, ...]]:
     """One sample's value as bytes plus its shape; raises SchemaError naming the field."""
     where = f"sample {index} field {f.name!r}"
     if f.kind == "str":
@@ -565,7 +565,11 @@ def encode_value(f: Field, value: Any, index: int) -> tuple[bytes, tuple[int, ..
         raise SchemaError(f"{where}: shape {list(arr.shape)} does not fit {list(f.shape)}")
     shape = tuple(int(s) for s in arr.shape)
     _check_sample_shape(where, shape, f.itemsize)
-    return np.ascontiguousarray(arr, dtype=want).tobytes(), shape
+    arr = np.ascontiguousarray(arr, dtype=want)
+    if not arr.size:
+        return b"", shape
+    # a view of the array's memory, not a copy: a large value is never held twice
+    return arr.reshape(-1).view(np.uint8).data, shape
 
 
 def _check_sample_shape(where: str, shape: tuple[int, ...], itemsize: int) -> None:

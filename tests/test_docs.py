@@ -14,7 +14,9 @@ blocks with bash (``-e``: any failing command fails the block) and this environm
 - names a page leaves to the reader (their model, training step, epoch count) are
   given stand-ins, listed in ``READER``; each takes what the page hands it and checks it.
 
-A block marked ``<!-- needs: gpu -->`` or ``<!-- needs: cloud -->`` on the line before
+A block marked ``<!-- file: NAME -->`` on the line before its fence is a file the page
+asks the reader to save: it is written as NAME into the working folder, not run. A
+block marked ``<!-- needs: gpu -->`` or ``<!-- needs: cloud -->`` on the line before
 its fence is skipped (a CUDA device or a storage account); every other block has a
 language this test knows: python and sh run, json is parsed, toml is read as a recipe
 file, text (synopses, diagrams) is prose.
@@ -44,6 +46,7 @@ RUN = {"python", "sh"}
 CHECKED = {"json", "toml", "text"}
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _NEEDS = re.compile(r"^<!-- needs: (gpu|cloud) -->$")
+_FILE = re.compile(r"^<!-- file: ([\w.-]+) -->$")
 _SETUP = re.compile(r"^\s*(pip install|make)\b")
 _ABSOLUTE_DATA = re.compile(r"(?<![\w./-])/data/")
 
@@ -55,6 +58,7 @@ class Block:
     lang: str
     text: str
     needs: str | None
+    file: str | None = None  # save as this file in the working folder, not run
 
 
 def blocks(page: str) -> list[Block]:
@@ -70,8 +74,17 @@ def blocks(page: str) -> list[Block]:
             end += 1
         assert end < len(lines), f"{page}:{i + 1}: a code block is never closed"
         mark = _NEEDS.match(lines[i - 1]) if i else None
+        saved = _FILE.match(lines[i - 1]) if i else None
+        text = "\n".join(lines[i + 1 : end])
         out.append(
-            Block(page, i + 1, m.group(1), "\n".join(lines[i + 1 : end]), mark and mark.group(1))
+            Block(
+                page,
+                i + 1,
+                m.group(1),
+                text,
+                mark and mark.group(1),
+                saved and saved.group(1),
+            )
         )
         i = end + 1
     return out
@@ -355,7 +368,9 @@ def test_the_page_runs_as_written(
         if block.needs is not None:
             continue
         text = _as_run_here(block.text, corpora)
-        if block.lang == "python":
+        if block.file is not None:
+            (workdir / block.file).write_text(text + "\n")
+        elif block.lang == "python":
             _run_python(block, text, namespace)
         elif block.lang == "sh":
             _run_shell(block, text, workdir)

@@ -36,7 +36,7 @@ from ..output.store import open_store
 from ..recipe import ON_ERROR_POLICIES, parse_size
 from ..run.items import CorpusShape
 from ..run.pipeline import _heap_frozen, run_compile, unit_size
-from . import code as code_of
+from .code import changes, describe
 from .samples import DTYPE_NAMES, Spec, flatten, given_schema, infer, merge, widened
 from .work import Inputs, UserWork, input_text, item_name, reason
 
@@ -231,7 +231,7 @@ def _compile(
     except SchemaError as e:
         raise CompileError(f"compression: {e}") from None
     given = given_schema(options["schema"])
-    code = code_of.describe(target, dataset)
+    code = describe(target, dataset)
     if arguments is not None:
         code["arguments"] = json.loads(json.dumps(arguments, sort_keys=True))
     recipe = CustomRecipe(
@@ -260,13 +260,14 @@ def _compile(
         work = UserWork(target, dataset, specs, seed, label)
         run = _run(recipe, items, work, out_text, options)
         try:
-            return run_compile(
-                run,
-                workers=options["workers"],
-                dask=options["dask"],
-                resume=resume,
-                overwrite=overwrite,
-            )
+            with _random_state_kept():  # one worker runs the items in this process
+                return run_compile(
+                    run,
+                    workers=options["workers"],
+                    dask=options["dask"],
+                    resume=resume,
+                    overwrite=overwrite,
+                )
         except AxisVaries as e:
             specs = widened(specs, e.field, e.axis)
             print(
@@ -344,8 +345,7 @@ def _probe(
             shape, leaves = flatten(sample, name)
             if specs is None:
                 specs, structure = infer(leaves, name, given, float_dtype), shape
-            else:
-                specs = merge(specs, leaves, name)
+            specs = merge(specs, leaves, name)  # the values checked too (casts, ranges)
             good += 1
             if good == PROBE_ITEMS:
                 break
@@ -392,7 +392,7 @@ def _resumed(
             f"{out}: --resume of a compile that was not a compile_{recipe.kind} (it recorded "
             f"{before.get('compile') or 'a preset recipe'!r}); compile afresh (--overwrite)"
         )
-    problems = code_of.changes(before.get("code") or {}, recipe.code)
+    problems = changes(before.get("code") or {}, recipe.code)
     if (before.get("code") or {}).get("arguments") != recipe.code.get("arguments"):
         problems.append("the arguments given changed")
     inputs = before.get("inputs") or {}
@@ -408,7 +408,8 @@ def _resumed(
         raise CompileError(
             f"{out}: --resume refused, since the interrupted compile began: "
             + "; ".join(problems)
-            + ". Resume with the same code and options, or compile afresh (overwrite)"
+            + ". Resume with the same code and options, or compile afresh (--overwrite, or "
+            "overwrite=True)"
         )
     try:
         specs = {s["name"]: Spec.from_json(s) for s in before["fields"]}

@@ -161,7 +161,8 @@ def _array(array: np.ndarray, where: str) -> tuple[np.ndarray, str]:
         raise SampleError(
             f"{where}: dtype {array.dtype} is not one an archive stores ({', '.join(DTYPES)})"
         )
-    return np.ascontiguousarray(array), name
+    # (np.ascontiguousarray would make a 0-d array 1-d)
+    return (array if array.flags.c_contiguous else array.copy(order="C")), name
 
 
 def _is_tensor(value: Any) -> bool:

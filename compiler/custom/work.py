@@ -107,10 +107,10 @@ class Inputs(Sequence[Item]):
     Dataset, or a function's ``values`` (kept as given)."""
 
     def __init__(self, count: int, values: Sequence[Any] | None = None) -> None:
-        self.count, self.values = count, values
+        self.size, self.values = count, values
 
     def __len__(self) -> int:
-        return self.count
+        return self.size
 
     def _item(self, n: int) -> Item:
         if self.values is None:
@@ -119,10 +119,10 @@ class Inputs(Sequence[Item]):
 
     def __getitem__(self, n: Any) -> Any:
         if isinstance(n, slice):
-            return [self._item(k) for k in range(*n.indices(self.count))]
-        if not -self.count <= n < self.count:
+            return [self._item(k) for k in range(*n.indices(self.size))]
+        if not -self.size <= n < self.size:
             raise IndexError(n)
-        return self._item(n % self.count)
+        return self._item(n % self.size)
 
 
 def input_text(value: Any) -> str:

@@ -58,7 +58,6 @@ from ..urls import is_url
 from . import faults
 from .items import CorpusShape, Outcome, schema_for
 from .units import (
-    CHUNK_ITEMS,
     UNIT_INPUTS,
     UnitRecord,
     UnitWriter,
@@ -66,6 +65,7 @@ from .units import (
     chunked,
     unit_items,
 )
+from .work import CHUNK_ITEMS
 
 __all__ = ["CHUNK_ITEMS", "UNIT_INPUTS", "compile_corpus", "run_compile"]
 

@@ -45,15 +45,11 @@ from ..corpus.records import Corpus, Item, fingerprint
 from ..errors import CompileError
 from ..output.journal import Journal
 from ..output.store import LocalStore, Store, open_store
-from ..recipe import Recipe
-from ..urls import fetch_inputs
 from . import faults
-from .items import CorpusShape, Outcome, process_items
+from .items import CorpusShape, Outcome
+from .work import PresetWork
 
 COMMIT_PREFIX = ".dlop-unit-"
-# Inputs featurized together as one task of a local pool, cut from each unit's first
-# input (the bytes do not depend on the grouping, featurize_clips).
-CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 4}
 # Default inputs per unit, by media: a few minutes of one worker's time for typical inputs.
 # A user's own Dataset or function ("custom"): items of any size, so a middle way.
 UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256, "custom": 1024}
@@ -189,8 +185,6 @@ class UnitTask:
             return work
         if self.work is not None:
             return self.work
-        from .work import PresetWork
-
         return PresetWork(self.recipe, self.digest, self.shape, self.storage_options)
 
 
@@ -205,7 +199,8 @@ def by_value(work: Any) -> bytes:
         import cloudpickle
     except ImportError:
         return pickle.dumps(work)
-    return cloudpickle.dumps(work)
+    data: bytes = cloudpickle.dumps(work)
+    return data
 
 
 @dataclass
@@ -344,23 +339,6 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
         torch.set_num_threads(threads)
 
 
-def process_fetched(
-    chunk: list[Item],
-    recipe: Recipe,
-    shape: CorpusShape,
-    storage_options: dict[str, Any] | None,
-    systems: dict[str, Any],
-) -> list[Outcome]:
-    """process_items on one chunk, the bytes of its URL inputs fetched first and let go
-    after it (a worker holds one chunk's input bytes at a time). An object that cannot be
-    read is a bad input, recorded with the reason. The items given are not changed.
-    ``systems``: the fsspec filesystems, by scheme, that one compile's worker reuses
-    across its chunks (a new S3 client costs more than a chunk's fetches)."""
-    copies = [replace(item) for item in chunk]
-    fetch_inputs(copies, storage_options, systems)
-    return process_items(copies, recipe, shape)
-
-
 def unit_corpus(corpus: Corpus, inputs: range) -> Corpus:
     """The corpus cut down to one unit's inputs (what a unit's task carries)."""
     return replace(corpus, items=corpus.items[inputs.start : inputs.stop])
@@ -388,17 +366,6 @@ def unit_items(
     items = list(stream_items(corpus, start, stop))
     sizes[unit] = input_sizes(corpus, items)
     yield from items
-
-
-def chunk_items(recipe: Recipe, media: str) -> int:
-    """Inputs per chunk (CHUNK_ITEMS): an image compile that keeps whole images (no crop,
-    or tiles covering the image) goes one image at a time, since a worker holds a whole
-    chunk's samples at once; a cropped image's samples are small, and a few to a chunk
-    save the pool's per-chunk round trip."""
-    vision = recipe.vision
-    if media == "image" and (vision.crop is None or vision.tile is not None):
-        return 1
-    return CHUNK_ITEMS[media]
 
 
 def chunked(items: Iterable[Item], size: int) -> Iterator[list[Item]]:

@@ -10,12 +10,45 @@ another Work (dlop.compiler.custom).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ..corpus.records import Item
 from ..recipe import Recipe, build_recipe
-from .items import CorpusShape, Outcome
+from ..urls import fetch_inputs
+from .items import CorpusShape, Outcome, process_items
+
+# Inputs featurized together as one task of a local pool, cut from each unit's first
+# input (the bytes do not depend on the grouping, featurize_clips).
+CHUNK_ITEMS = {"audio": 16, "video": 2, "image": 4}
+
+
+def process_fetched(
+    chunk: list[Item],
+    recipe: Recipe,
+    shape: CorpusShape,
+    storage_options: dict[str, Any] | None,
+    systems: dict[str, Any],
+) -> list[Outcome]:
+    """process_items on one chunk, the bytes of its URL inputs fetched first and let go
+    after it (a worker holds one chunk's input bytes at a time). An object that cannot be
+    read is a bad input, recorded with the reason. The items given are not changed.
+    ``systems``: the fsspec filesystems, by scheme, that one compile's worker reuses
+    across its chunks (a new S3 client costs more than a chunk's fetches)."""
+    copies = [replace(item) for item in chunk]
+    fetch_inputs(copies, storage_options, systems)
+    return process_items(copies, recipe, shape)
+
+
+def chunk_items(recipe: Recipe, media: str) -> int:
+    """Inputs per chunk (CHUNK_ITEMS): an image compile that keeps whole images (no crop,
+    or tiles covering the image) goes one image at a time, since a worker holds a whole
+    chunk's samples at once; a cropped image's samples are small, and a few to a chunk
+    save the pool's per-chunk round trip."""
+    vision = recipe.vision
+    if media == "image" and (vision.crop is None or vision.tile is not None):
+        return 1
+    return CHUNK_ITEMS[media]
 
 
 class Work(Protocol):
@@ -51,11 +84,7 @@ class PresetWork:
         return recipe
 
     def chunk_items(self) -> int:
-        from .units import chunk_items
-
         return chunk_items(self.recipe, self.shape.media)
 
     def outcomes(self, chunk: list[Item], systems: dict[str, Any]) -> Iterable[Outcome]:
-        from .units import process_fetched
-
         return process_fetched(chunk, self.recipe, self.shape, self.storage_options, systems)

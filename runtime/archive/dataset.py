@@ -161,8 +161,8 @@ class Archive(Dataset[dict[str, Any]]):
         g = i if self.selection is None else int(self.selection[i])
         if self.source.shards is None:  # mapped per batch: copies, not views of a mapping
             batch = self.gather(torch.tensor([g]))
-            out = {name: batch[name][0] for name in self.fields}  # one sample: no padding
-            return out if self.structure is None else self.structure.sample(out)
+            one = {name: batch[name][0] for name in self.fields}  # one sample: no padding
+            return one if self.structure is None else self.structure.sample(one)
         k = int(np.searchsorted(self.shard_starts, g, side="right")) - 1
         local = g - int(self.shard_starts[k])
         self.check_shards([k])

@@ -90,7 +90,7 @@ def test_batches_keep_the_samples_shape(tmp_path: Path) -> None:
     assert frames.shape == (4, 5, 3) and lengths.tolist() == [2, 3, 4, 5]
     assert labels.tolist() == [0, 1, 2, 0] and texts == [f"utterance {i}" for i in range(4)]
     assert weights.dtype == torch.float64 and blobs[1] == bytes([1, 2])
-    for (frames, lengths), labels, _, _ in Loader(tmp_path / "a", batch_size=5, shuffle=False):
+    for (frames, _), labels, _, _ in Loader(tmp_path / "a", batch_size=5, shuffle=False):
         assert frames.shape[0] == 5 and labels.tolist() == [i % 3 for i in range(5)]
         break
 
@@ -115,7 +115,9 @@ def test_a_failing_item_is_recorded_and_the_rest_compiled(tmp_path: Path) -> Non
     index = compile_map(fails_some, list(range(40)), tmp_path / "a", workers=1, progress=False)
     bad = [x for x in range(40) if x % 7 == 3 or x % 11 == 5]
     assert index.skipped_count == len(bad) and index.num_samples == 40 - len(bad)
-    records = [json.loads(line) for line in (tmp_path / "a" / "errors.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "a" / "errors.jsonl").read_text().splitlines()
+    ]
     assert [int(r["key"]) for r in records] == bad
     raised = records[0]
     assert raised["reason"].startswith("ValueError: input 3 is unlucky (at ")
@@ -125,7 +127,9 @@ def test_a_failing_item_is_recorded_and_the_rest_compiled(tmp_path: Path) -> Non
     good = [x for x in range(40) if x not in bad]
     for n, x in enumerate(good):
         same(archive[n], fails_some(x))
-    with pytest.raises(CompileError, match=r"input 3: ValueError: input 3 is unlucky.*on-error fail"):
+    with pytest.raises(
+        CompileError, match=r"input 3: ValueError: input 3 is unlucky.*on-error fail"
+    ):
         compile_map(fails_some, list(range(40)), tmp_path / "b", on_error="fail", progress=False)
     assert not (tmp_path / "b").exists()
 
@@ -186,7 +190,11 @@ def test_schema_casts_and_refusals(tmp_path: Path) -> None:
         return {"x": np.full(3, x / 3, np.float64), "n": np.array([x, 300], np.int64)}
 
     index = compile_map(
-        to_f32, list(range(5)), tmp_path / "a", workers=1, progress=False,
+        to_f32,
+        list(range(5)),
+        tmp_path / "a",
+        workers=1,
+        progress=False,
         schema={"x": "float32", "n": "int16"},
     )
     assert {f.name: f.dtype for f in index.fields} == {"x": "f32", "n": "i16"}
@@ -270,7 +278,9 @@ def test_resume_refuses_changed_code_or_arguments(
     err = subprocess.run(
         [*cmd, "--resume"], env={**os.environ}, stderr=subprocess.PIPE, timeout=300
     ).stderr.decode()
-    assert "--resume refused, since the interrupted compile began: the source of mine changed" in err
+    assert (
+        "--resume refused, since the interrupted compile began: the source of mine changed" in err
+    )
     module.write_text(DATA_FILE.read_text())
     assert main([*args, "--resume"]) == 0
     assert main([*args[:5], str(tmp_path / "whole"), *args[6:]]) == 0
@@ -290,7 +300,7 @@ def test_the_command_line_takes_a_module_on_the_path_or_a_file(tmp_path: Path) -
     assert "wrote" in by_name.stdout.decode() and "9 samples" in by_name.stdout.decode()
     assert main(["--map", f"{DATA_FILE}:cheap", "--inputs", str(inputs), "-o",
                  str(tmp_path / "file"), "-q", "--workers", "1"]) == 0  # fmt: skip
-    assert files(tmp_path / "name") .keys() == files(tmp_path / "file").keys()
+    assert files(tmp_path / "name").keys() == files(tmp_path / "file").keys()
     archive = open_archive(tmp_path / "file")
     for x in range(9):
         same(archive[x], cheap(x))

@@ -31,7 +31,7 @@ from dlop.compiler.recipe import build_recipe
 from dlop.compiler.run.faults import KILL_AT as TEST_KILL_AT
 from dlop.compiler.run.items import CorpusShape
 from dlop.compiler.run.pipeline import compile_corpus
-from dlop.compiler.run.units import process_fetched
+from dlop.compiler.run.work import process_fetched
 from dlop.tools import inspect_cli
 from dlop.tools.compile_cli import main
 from tests.objectstore import s3_server

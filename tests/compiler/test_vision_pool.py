@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dlop.compiler.recipe import build_recipe
-from dlop.compiler.run import pipeline, units
+from dlop.compiler.run import pipeline, work
 from dlop.compiler.vision import video
 from dlop.compiler.vision.options import VisionConfig
 from dlop.tools.compile_cli import main as compile_main
@@ -105,14 +105,14 @@ def test_cropped_images_go_a_few_to_a_chunk_whole_images_one(tmp_path: Path) -> 
     corpus = _images_with_masks(tmp_path, 1)
 
     def size(**opts: object) -> int:
-        return units.chunk_items(build_recipe({"source": str(corpus), **opts}), "image")
+        return work.chunk_items(build_recipe({"source": str(corpus), **opts}), "image")
 
-    assert size(size=64, crop=48) == units.CHUNK_ITEMS["image"] > 1
+    assert size(size=64, crop=48) == work.CHUNK_ITEMS["image"] > 1
     assert size() == 1
     assert size(size=64) == 1
     assert size(tile=32) == 1
     recipe = build_recipe({"source": str(corpus)})
-    assert units.chunk_items(recipe, "video") == units.CHUNK_ITEMS["video"]
+    assert work.chunk_items(recipe, "video") == work.CHUNK_ITEMS["video"]
 
 
 def _images_with_masks(root: Path, count: int) -> Path:
@@ -146,6 +146,6 @@ def test_image_archives_match_for_any_chunking_and_worker_count(
     assert "errors.jsonl" in whole
     assert compile_main([*args, "--workers", "2", "-o", str(tmp_path / "two")]) == 0
     assert files(tmp_path / "two") == whole
-    monkeypatch.setitem(units.CHUNK_ITEMS, "image", 1)
+    monkeypatch.setitem(work.CHUNK_ITEMS, "image", 1)
     assert compile_main([*args, "--workers", "2", "-o", str(tmp_path / "single")]) == 0
     assert files(tmp_path / "single") == whole

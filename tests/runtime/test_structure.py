@@ -58,10 +58,18 @@ LEAF = {"key": "0", "field": "0", "value": "array"}
         ({"type": "set", "fields": [LEAF]}, "a node of type 'set'"),
         ({"type": "tuple", "fields": []}, "a node of type 'tuple'"),
         (
-            {"type": "tuple", "fields": [{"key": "0", "type": "tuple", "fields": [
-                {"key": "0", "type": "tuple", "fields": [LEAF]}]}]},
+            {
+                "type": "tuple",
+                "fields": [
+                    {
+                        "key": "0",
+                        "type": "tuple",
+                        "fields": [{"key": "0", "type": "tuple", "fields": [LEAF]}],
+                    }
+                ],
+            },
             "nested more than one level",
-        ),  # fmt: skip
+        ),
         ({"type": "leaf"}, "the top is a single field"),
     ],
 )
