@@ -18,6 +18,7 @@ import json
 import os
 import random
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ from .work import Inputs, UserWork, input_text, item_name, reason
 
 PROBE_ITEMS = 8  # items the driver computes to infer the schema
 PROBE_TRIES = 64  # items it tries before giving up when all of them fail
+PROBE_SECONDS = 1.0  # past this, the probe stops once it holds two samples
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -249,15 +251,16 @@ def _compile(
     out_text = os.fspath(out)
     storage_options = options["storage_options"]
     journal = _journal_recipe(out_text, storage_options) if options["resume"] else None
+    item_seconds = 0.0  # unknown on a resume: chunks of CHUNK_ITEMS
     if journal is not None:
         specs, structure = _resumed(recipe, journal, out_text)
     else:
         probe = UserWork(target, dataset, {}, seed, label)
-        specs, structure = _probe(probe, items, given, _STORED.get(dtype), on_error)
+        specs, structure, item_seconds = _probe(probe, items, given, _STORED.get(dtype), on_error)
     resume, overwrite = options["resume"], options["overwrite"]
     while True:
         recipe = _with_schema(recipe, specs, structure)
-        work = UserWork(target, dataset, specs, seed, label)
+        work = UserWork(target, dataset, specs, seed, label, item_seconds)
         run = _run(recipe, items, work, out_text, options)
         try:
             with _random_state_kept():  # one worker runs the items in this process
@@ -322,17 +325,23 @@ def _run(
 
 def _probe(
     work: UserWork, items: Inputs, given: dict[str, Any], float_dtype: str | None, on_error: str
-) -> tuple[dict[str, Spec], dict[str, Any]]:
+) -> tuple[dict[str, Spec], dict[str, Any], float]:
     """The schema and structure the first items make, computed here (their seeds as in a
-    worker; the caller's random state kept)."""
+    worker; the caller's random state kept), and the seconds an item took. The probe stops
+    early once slow items have given two samples: any schema the probe misses, the
+    compile finds (and starts again), so its length changes only how soon."""
     specs: dict[str, Spec] | None = None
     structure: dict[str, Any] = {}
     failures: list[str] = []
-    good = 0
+    good = calls = 0
+    started = time.perf_counter()
+    took = [float("inf")]
     with _random_state_kept():
         for n in range(min(len(items), PROBE_TRIES)):
             item = items[n]
             name = item_name(work.label, item, work.dataset)
+            calls += 1
+            begun = time.perf_counter()
             try:
                 sample = work.call(item)
             except Exception as e:  # the user's code
@@ -340,6 +349,8 @@ def _probe(
                 if on_error == "fail":
                     raise CompileError(f"{failures[-1]} (--on-error fail)") from None
                 continue
+            finally:
+                took.append(time.perf_counter() - begun)
             if sample is None:
                 continue
             shape, leaves = flatten(sample, name)
@@ -347,13 +358,14 @@ def _probe(
                 specs, structure = infer(leaves, name, given, float_dtype), shape
             specs = merge(specs, leaves, name)  # the values checked too (casts, ranges)
             good += 1
-            if good == PROBE_ITEMS:
+            if good == PROBE_ITEMS or (good >= 2 and time.perf_counter() - started > PROBE_SECONDS):
                 break
     if specs is None:
         tried = min(len(items), PROBE_TRIES)
         why = f"; the first: {failures[0]}" if failures else " (each gave None)"
         raise CompileError(f"none of the first {tried} items gave a sample{why}")
-    return specs, structure
+    # the fastest call: the first pays for imports and compiling (numba, CUDA kernels)
+    return specs, structure, min(took)
 
 
 @contextlib.contextmanager

@@ -25,16 +25,40 @@ from ..corpus.records import Item
 from ..run.items import Outcome
 from .samples import Mismatch, SampleError, Spec, conform, flatten
 
-CHUNK_ITEMS = 8  # items a local pool's worker is given at a time
+# Items a local pool's worker is given at a time, at most: a chunk costs a round trip and
+# a file (a worker writes each item's arrays out as it makes them, so its size costs no
+# memory), and should last about CHUNK_SECONDS so that slow items still spread over
+# every worker. Chunks only group the work: the bytes never depend on them.
+CHUNK_ITEMS = 64
+CHUNK_SECONDS = 0.05
 MAX_REASON_CHARS = 600
 
 
 def seed_item(seed: int, index: int) -> None:
-    """Seeds random, numpy.random and torch from (seed, index)."""
-    words = np.random.SeedSequence([seed, index]).generate_state(4, np.uint32)
-    random.seed(int(words[0]) << 32 | int(words[1]))
-    np.random.seed(int(words[2]))
-    torch.manual_seed(int(words[3]) << 32 | int(words[1]))
+    """Seeds random, numpy.random and torch's CPU generator from (seed, index): four words
+    of SplitMix64 over the pair (each a few microseconds, where numpy's SeedSequence
+    takes tens)."""
+    state = _mix(_mix(seed) ^ index)
+    words = []
+    for _ in range(3):
+        state = _mix(state)
+        words.append(state)
+    random.seed(words[0])
+    np.random.seed(words[1] & 0xFFFFFFFF)
+    # the CPU generator only: torch.manual_seed would also queue a seed for CUDA, recording
+    # a stack trace each time (a millisecond per item), and workers use no CUDA
+    torch.default_generator.manual_seed(words[2])
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's step: a 64-bit value from any integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
 
 
 @dataclass
@@ -46,9 +70,12 @@ class UserWork:
     specs: dict[str, Spec]
     seed: int
     label: str  # the Dataset's class or the function, for item names
+    item_seconds: float = 0.0  # what an item took in the probe (sizes the chunks)
 
     def chunk_items(self) -> int:
-        return CHUNK_ITEMS
+        if self.item_seconds <= 0:
+            return CHUNK_ITEMS
+        return max(1, min(CHUNK_ITEMS, int(CHUNK_SECONDS / self.item_seconds)))
 
     def outcomes(self, chunk: list[Item], systems: dict[str, Any]) -> Iterator[Outcome]:
         for item in chunk:

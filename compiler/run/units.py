@@ -52,7 +52,7 @@ from .work import PresetWork
 COMMIT_PREFIX = ".dlop-unit-"
 # Default inputs per unit, by media: a few minutes of one worker's time for typical inputs.
 # A user's own Dataset or function ("custom"): items of any size, so a middle way.
-UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256, "custom": 1024}
+UNIT_INPUTS = {"audio": 8192, "video": 256, "image": 256, "custom": 4096}
 
 
 def commit_name(unit: int) -> str:

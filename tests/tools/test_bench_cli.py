@@ -81,3 +81,17 @@ def test_the_startup_section_measures_both_tools(tmp_path: Path) -> None:
     assert all(r["extra"]["median_s"] > 0 for r in rows)
     assert [r["extra"].get("goal_s") for r in rows] == [None, 0.5, 0.5]
     assert not (out / "results.png").exists()  # no rates: no chart, and no failure either
+
+
+@pytest.mark.slow
+def test_the_custom_section_compiles_and_reads_one_function(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--only", "custom", "--repeats", "1", "--workers", "1", "--out", str(out)]
+    assert cli.main([*argv, "--custom-items", "300", "--custom-clips", "0"]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ours = [r for r in rows if r["pipeline"].startswith(("dlop", "read: dlop"))]
+    assert [r["pipeline"] for r in ours] == ["dlop compile_map, 1 workers", "read: dlop Loader"]
+    assert all(r["samples_per_s"] > 0 for r in ours)
+    peers = [r for r in rows if r not in ours]
+    for r in peers:  # run, against dlop's row, or said not to have run
+        assert r["vs_baseline"] is not None or "not run" in r["pipeline"], r

@@ -127,6 +127,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "remote": _module("remote"),
     "scaling": _module("scaling"),
     "startup": _module("startup"),
+    "custom": _module("custom"),
     "peers": _peers,
 }
 # peers needs LitData, MosaicML Streaming, Lhotse and datasets, which only `make bench-peers` installs
@@ -183,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--train",
         action="store_true",
         help="instead: train a ResNet18-style CNN fed naively and by dlop; report samples/s and data wait",
+    )
+    p.add_argument(
+        "--custom-items", type=int, default=20000, help="inputs of the cheap user function"
+    )
+    p.add_argument(
+        "--custom-clips", type=int, default=120, help="5 s clips for the CQT function (0: none)"
     )
     p.add_argument("--train-steps", type=int, default=8, help="timed training steps per source")
     p.add_argument("--train-warmup", type=int, default=1, help="untimed steps first")
