@@ -238,12 +238,23 @@ def _compile_args(out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """Every file of the uninterrupted compile of _compile_args."""
+    out = tmp_path_factory.mktemp("custom") / "whole"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SOURCE_DATE_EPOCH", EPOCH)
+        assert main(_compile_args(out)) == 0
+    made = files(out)
+    assert len([n for n in made if n.endswith(".dlop")]) >= 5
+    return made
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["start", "input:4", "unit:2", "index"])
-def test_kill_9_then_resume_is_byte_identical(moment: str, tmp_path: Path) -> None:
-    assert main(_compile_args(tmp_path / "whole")) == 0
-    whole = files(tmp_path / "whole")
-    assert len([n for n in whole if n.endswith(".dlop")]) >= 5
+def test_kill_9_then_resume_is_byte_identical(
+    moment: str, whole: dict[str, bytes], tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, KILL_AT: moment}
     cmd = [sys.executable, "-m", "dlop.tools.compile_cli", *_compile_args(out)]
@@ -307,3 +318,39 @@ def test_the_command_line_takes_a_module_on_the_path_or_a_file(tmp_path: Path) -
     recipe = json.loads((tmp_path / "file" / "index.json").read_text())["recipe"]
     assert recipe["compile"] == "map" and recipe["code"]["qualname"] == "cheap"
     assert list(recipe["code"]["sources"]) == ["custom_data"]
+
+
+def _name_and_size(path: str) -> dict[str, Any]:
+    import fsspec
+
+    with fsspec.open(path, "rb") as f:
+        return {"path": path, "bytes": np.frombuffer(f.read(), np.uint8)}
+
+
+def test_a_folder_or_url_prefix_lists_the_inputs(tmp_path: Path) -> None:
+    import fsspec
+
+    folder = tmp_path / "inputs"
+    for name in ("b.bin", "a.bin", "sub/c.bin"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(name.encode())
+    (folder / ".hidden").write_bytes(b"x")
+    compile_map(_name_and_size, str(folder), tmp_path / "local", workers=1, progress=False)
+    local = open_archive(tmp_path / "local")
+    assert [local[i]["path"] for i in range(len(local))] == [
+        str(folder / n) for n in ("a.bin", "b.bin", "sub/c.bin")
+    ]
+    memory = fsspec.filesystem("memory")
+    for name in ("x/2.bin", "x/1.bin"):
+        memory.pipe(f"/custom-inputs/{name}", name.encode())
+    compile_map(
+        _name_and_size, "memory://custom-inputs/x", tmp_path / "url", workers=1, progress=False
+    )
+    url = open_archive(tmp_path / "url")
+    assert [url[i]["path"] for i in range(2)] == [
+        "memory://custom-inputs/x/1.bin",
+        "memory://custom-inputs/x/2.bin",
+    ]
+    assert bytes(url[1]["bytes"].numpy()) == b"x/2.bin"
+    recipe = json.loads((tmp_path / "url" / "index.json").read_text())["recipe"]
+    assert recipe["inputs"]["source"] == "memory://custom-inputs/x"
