@@ -383,7 +383,7 @@ def _run_custom(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         except (OSError, ValueError) as e:
             raise CompileError(f"--schema {args.schema}: {e}") from None
     arguments = parse_arguments(args.dataset_args)
-    target = load_target(args.dataset or args.map, arguments if args.dataset else None)
+    target = load_target(args.dataset or args.map, arguments, made=bool(args.dataset))
     out = local_path(args.out)
     options: dict[str, Any] = {
         "workers": args.workers,

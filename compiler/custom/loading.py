@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -26,9 +27,10 @@ def parse_arguments(text: str | None) -> Any:
     return value
 
 
-def load_target(spec: str, arguments: Any = None) -> Any:
-    """The object ``spec`` names; with ``arguments`` (a list or dict), what calling it
-    with them gives (a Dataset's factory, or its class)."""
+def load_target(spec: str, arguments: Any = None, *, made: bool = False) -> Any:
+    """The object ``spec`` names. With ``made`` (a --dataset), what calling it gives when it
+    is a class or a function (with ``arguments``, a list or dict, when given); a Dataset
+    object it names is taken as it is."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
         raise CompileError(f"{spec}: expected MODULE:NAME (pkg.module:make or path/file.py:make)")
@@ -39,14 +41,16 @@ def load_target(spec: str, arguments: Any = None) -> Any:
             target = getattr(target, part)
         except AttributeError:
             raise CompileError(f"{spec}: {module.__name__} has no {name!r}") from None
-    if arguments is None:
+    factory = inspect.isclass(target) or inspect.isfunction(target) or inspect.ismethod(target)
+    if not made or (arguments is None and not factory):
         return target
-    if not callable(target):
-        raise CompileError(f"{spec}: --dataset-args given, but {name} is not callable")
+    if not factory:
+        raise CompileError(f"{spec}: --dataset-args given, but {name} is not a class or function")
+    arguments = [] if arguments is None else arguments
     try:
         return target(**arguments) if isinstance(arguments, dict) else target(*arguments)
     except TypeError as e:
-        raise CompileError(f"{spec}: calling it with --dataset-args failed: {e}") from None
+        raise CompileError(f"{spec}: calling it with {arguments!r:.80} failed: {e}") from None
 
 
 def _module(where: str) -> Any:

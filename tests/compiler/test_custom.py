@@ -354,3 +354,18 @@ def test_a_folder_or_url_prefix_lists_the_inputs(tmp_path: Path) -> None:
     assert bytes(url[1]["bytes"].numpy()) == b"x/2.bin"
     recipe = json.loads((tmp_path / "url" / "index.json").read_text())["recipe"]
     assert recipe["inputs"]["source"] == "memory://custom-inputs/x"
+
+
+def test_resume_keeps_the_schema_the_interrupted_compile_widened(tmp_path: Path) -> None:
+    args = [
+        "--dataset", f"{DATA_FILE}:Widening", "--unit-inputs", "4", "--workers", "1", "-q",
+    ]  # fmt: skip
+    assert main([*args, "-o", str(tmp_path / "whole")]) == 0
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, KILL_AT: "index"}
+    cmd = [sys.executable, "-m", "dlop.tools.compile_cli", *args, "-o", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    assert b"compiling again from the start" in proc.stderr  # widened, then killed
+    # the resume's own probe would find the axis fixed: it takes the journal's schema
+    assert main([*args, "-o", str(tmp_path / "out"), "--resume"]) == 0
+    assert files(tmp_path / "out") == files(tmp_path / "whole")
