@@ -13,6 +13,7 @@ are those it began with.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
@@ -40,6 +41,9 @@ from ..run.pipeline import _heap_frozen, run_compile, unit_size
 from .code import changes, describe
 from .samples import DTYPE_NAMES, Spec, flatten, given_schema, infer, merge, widened
 from .work import Inputs, UserWork, input_text, item_name, reason
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 PROBE_ITEMS = 8  # items the driver computes to infer the schema
 PROBE_TRIES = 64  # items it tries before giving up when all of them fail
@@ -104,39 +108,63 @@ class CustomRecipe:
         return tuple(s.field(self.codec) for s in self.specs.values())
 
 
+class Options(TypedDict, total=False):
+    """The keywords of compile_dataset and compile_map, and what each means (the default
+    is DEFAULTS')."""
+
+    workers: int | None  # local worker processes (None: every core)
+    dask: str | None  # a Dask scheduler address, or local:N for a LocalCluster
+    resume: bool  # finish the interrupted compile in OUT
+    overwrite: bool  # replace the archive or interrupted compile in OUT
+    on_error: str  # "skip": an item that raises (or gives None) is recorded; "fail": stop
+    shard_bytes: int | str  # target shard size: bytes, or "256MiB"
+    compression: str  # raw, zstd or zstd:LEVEL, for array fields
+    unit_inputs: int | None  # items per work unit (None: 4096)
+    schema: Mapping[str, Any] | None  # field -> dtype, or {"dtype", "shape": [null: ragged]}
+    seed: int  # random, numpy and torch seeded from (seed, index) before each item
+    dtype: str | None  # float16, bfloat16 or float32: every float field stored so
+    progress: bool  # a progress bar (a line every 30 s when stderr is not a terminal)
+    on_progress: Callable[[int], None] | None  # called with the items done so far
+    storage_options: dict[str, Any] | None  # fsspec options for a URL OUT or inputs
+    arguments: Any  # JSON values the Dataset or function was made with (recorded)
+
+
+DEFAULTS: dict[str, Any] = {
+    "workers": None,
+    "dask": None,
+    "resume": False,
+    "overwrite": False,
+    "on_error": "skip",
+    "shard_bytes": 256 << 20,
+    "compression": "raw",
+    "unit_inputs": None,
+    "schema": None,
+    "seed": 0,
+    "dtype": None,
+    "progress": True,
+    "on_progress": None,
+    "storage_options": None,
+    "arguments": None,
+}
+
+
+def _chosen(options: Mapping[str, Any], who: str) -> dict[str, Any]:
+    """Every keyword's value (DEFAULTS for those not given); a TypeError names an unknown
+    one, with the closest known name."""
+    for name in options:
+        if name not in DEFAULTS:
+            close = difflib.get_close_matches(name, DEFAULTS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{who}() got an unexpected keyword argument {name!r}{hint}")
+    return {**DEFAULTS, **options}
+
+
 @_heap_frozen()
-def compile_dataset(
-    dataset: Any,
-    out: str | os.PathLike[str],
-    *,
-    workers: int | None = None,
-    dask: str | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    on_error: str = "skip",
-    shard_bytes: int | str = 256 << 20,
-    compression: str = "raw",
-    unit_inputs: int | None = None,
-    schema: Mapping[str, Any] | None = None,
-    seed: int = 0,
-    dtype: str | None = None,
-    progress: bool = True,
-    on_progress: Callable[[int], None] | None = None,
-    storage_options: dict[str, Any] | None = None,
-    arguments: Any = None,
-) -> Index:
+def compile_dataset(dataset: Any, out: str | os.PathLike[str], **options: Unpack[Options]) -> Index:
     """Compiles ``dataset[i]`` for every i in range(len(dataset)) into an archive at ``out``;
     returns its index. Reading it back (dlop.runtime.open_archive) gives each item as the
-    Dataset gave it, arrays as tensors (docs/custom.md).
-
-    ``workers``: local processes (default: all cores); ``dask``: a scheduler address or
-    ``local:N``. ``on_error``: "skip" records an item whose code raises (or gives None)
-    in errors.jsonl and goes on, "fail" stops. ``compression``: raw, zstd or zstd:LEVEL
-    for array fields. ``schema``: field -> dtype, or {"dtype": ..., "shape": [...]} with
-    None for ragged axes. ``seed``: random, numpy and torch are seeded from (seed, index)
-    before each item. ``dtype``: "float16", "bfloat16" or "float32" to store every float
-    field so. ``arguments``: JSON-able values the Dataset was made with (recorded).
-    """
+    Dataset gave it, arrays as tensors (docs/custom.md). The keywords are Options'."""
+    chosen = _chosen(options, "compile_dataset")
     try:
         count = len(dataset)
         dataset.__getitem__  # noqa: B018 - a map-style Dataset, checked before any work
@@ -151,7 +179,7 @@ def compile_dataset(
         )
     fingerprint = hashlib.sha256(f"dataset:{count}".encode()).hexdigest()
     inputs = {"count": count, "fingerprint": fingerprint}
-    return _compile(dataset, True, Inputs(count), inputs, out, locals(), arguments=arguments)
+    return _compile(dataset, True, Inputs(count), inputs, out, chosen)
 
 
 @_heap_frozen()
@@ -159,32 +187,18 @@ def compile_map(
     fn: Callable[[Any], Any],
     inputs: Sequence[Any] | str | os.PathLike[str],
     out: str | os.PathLike[str],
-    *,
-    workers: int | None = None,
-    dask: str | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    on_error: str = "skip",
-    shard_bytes: int | str = 256 << 20,
-    compression: str = "raw",
-    unit_inputs: int | None = None,
-    schema: Mapping[str, Any] | None = None,
-    seed: int = 0,
-    dtype: str | None = None,
-    progress: bool = True,
-    on_progress: Callable[[int], None] | None = None,
-    storage_options: dict[str, Any] | None = None,
-    arguments: Any = None,
+    **options: Unpack[Options],
 ) -> Index:
     """Compiles ``fn(x)`` for every x in ``inputs`` into an archive at ``out`` (as LitData's
     ``optimize``); returns its index. ``inputs``: a sequence of JSON values (str, numbers,
     lists, dicts), or a path or URL: a .jsonl file of one JSON value a line, or a folder
     whose files (sorted, recursively) are the inputs as path strings. The keywords are
-    compile_dataset's."""
+    Options'."""
+    chosen = _chosen(options, "compile_map")
     if not callable(fn):
         raise CompileError(f"compile_map: {fn!r:.80} is not callable")
     if isinstance(inputs, str | os.PathLike):
-        values, listing = read_inputs(os.fspath(inputs), storage_options)
+        values, listing = read_inputs(os.fspath(inputs), chosen["storage_options"])
     else:
         values, listing = list(inputs), {}
     if not values:
@@ -202,7 +216,7 @@ def compile_map(
     described = {"count": len(values), "fingerprint": digest.hexdigest()}
     if listing.get("source"):
         described["source"] = listing["source"]
-    return _compile(fn, False, Inputs(len(values), values), described, out, locals(), arguments)
+    return _compile(fn, False, Inputs(len(values), values), described, out, chosen)
 
 
 def _compile(
@@ -212,7 +226,6 @@ def _compile(
     inputs: dict[str, Any],
     out: str | os.PathLike[str],
     options: dict[str, Any],
-    arguments: Any,
 ) -> Index:
     kind = "dataset" if dataset else "map"
     on_error = options["on_error"]
@@ -234,8 +247,8 @@ def _compile(
         raise CompileError(f"compression: {e}") from None
     given = given_schema(options["schema"])
     code = describe(target, dataset)
-    if arguments is not None:
-        code["arguments"] = json.loads(json.dumps(arguments, sort_keys=True))
+    if options["arguments"] is not None:
+        code["arguments"] = json.loads(json.dumps(options["arguments"], sort_keys=True))
     recipe = CustomRecipe(
         kind,
         code,
