@@ -189,6 +189,8 @@ _TORCH_OK = {
 
 # -- the schema ---------------------------------------------------------------------
 
+_UNSAID = ("codec", "meaning", "units")  # a Spec's JSON leaves these to the Field
+
 
 @dataclass(frozen=True)
 class Spec:
@@ -205,28 +207,30 @@ class Spec:
     shape_given: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "back": self.back,
-            "source": self.source,
-            "item": self.item,
-            "given": self.given,
-            "shape_given": self.shape_given,
-        }
+        """The stored field as the format writes it (name, kind, dtype, shape), and what
+        the compile knows besides."""
+        out = {k: v for k, v in self.field("raw").to_json().items() if k not in _UNSAID}
+        out.update(
+            back=self.back,
+            source=self.source,
+            item=self.item,
+            given=self.given,
+            shape_given=self.shape_given,
+        )
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Spec:
+        """A Spec from to_json's output (the journal's: a damaged one raises)."""
+        stored = Field.from_json({**obj, "codec": {"name": "raw"}}, "journal field")
         return cls(
-            obj["name"],
-            obj["kind"],
-            obj["dtype"],
-            tuple(obj["shape"]),
-            obj["back"],
-            obj.get("source", obj["dtype"]),
-            obj.get("item", ""),
+            stored.name,
+            stored.kind,
+            stored.dtype,
+            stored.shape,
+            str(obj["back"]),
+            str(obj.get("source", stored.dtype)),
+            str(obj.get("item", "")),
             bool(obj.get("given")),
             bool(obj.get("shape_given")),
         )
