@@ -370,6 +370,7 @@ def _probe(
             if specs is None:
                 specs, structure = infer(leaves, name, given, float_dtype), shape
             specs = merge(specs, leaves, name)  # the values checked too (casts, ranges)
+            del sample, leaves  # one item held at a time, however large
             good += 1
             if good == PROBE_ITEMS or (good >= 2 and time.perf_counter() - started > PROBE_SECONDS):
                 break
