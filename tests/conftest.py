@@ -21,13 +21,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture
-def s3():  # type: ignore[no-untyped-def]
-    """S3 over HTTP on loopback (tests/objectstore.py); the environment points at it."""
+@pytest.fixture(scope="session")
+def _s3_server():  # type: ignore[no-untyped-def]
+    """One moto server for the session (starting one costs about half a second); each
+    test that asks for ``s3`` gets it emptied, with the environment pointing at it."""
+    pytest.importorskip("moto")
     from tests.objectstore import s3_server
 
+    saved = dict(os.environ)
     with s3_server() as server:
+        os.environ.clear()  # the server's variables go to each test through monkeypatch
+        os.environ.update(saved)
         yield server
+
+
+@pytest.fixture
+def s3(_s3_server, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """S3 over HTTP on loopback (tests/objectstore.py), empty; the environment points at it."""
+    _s3_server.reset()
+    for name, value in _s3_server.environ.items():
+        monkeypatch.setenv(name, value)
+    return _s3_server
 
 
 @pytest.fixture
