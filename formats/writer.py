@@ -46,6 +46,7 @@ from .header import FieldLayout, Region, align, encode_header, header_end_for, r
 from .schema import Field, check_schema, footprint_bytes
 
 _COPY_CHUNK = 8 << 20
+SPOOL_BUFFER = 64 << 10  # bytes a spool gathers before a write (larger values go straight)
 # Bytes written into the shard file between requests to start their writeback.
 WRITEBACK_BYTES = 16 << 20
 # Shards an ArchiveWriter rotates at this size or more write their largest plain
@@ -98,7 +99,9 @@ class _Spool:
 
     def __init__(self, path: Path, base: int | None = None) -> None:
         self.path = path
-        self.file: IO[bytes] = open(path, "w+b")  # noqa: SIM115 - closed in close()
+        # a buffer large enough that small values (a few KiB each) reach the file in
+        # few system calls, not one each
+        self.file: IO[bytes] = open(path, "w+b", buffering=SPOOL_BUFFER)  # noqa: SIM115
         self.base = base
         self.crc = 0
         self.length = 0

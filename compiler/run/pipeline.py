@@ -23,6 +23,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import math
 import mmap
 import multiprocessing
 import os
@@ -226,7 +227,7 @@ def _unspill(result: tuple[list[Outcome], str | None]) -> list[Outcome]:
         for sample in outcome.samples:
             for name, value in sample.items():
                 if isinstance(value, _Spilled):
-                    count = int(np.prod(value.shape)) if value.shape else 1
+                    count = math.prod(value.shape)
                     array = np.frombuffer(data, value.dtype, count, value.offset)
                     sample[name] = array.reshape(value.shape)
     return outcomes
