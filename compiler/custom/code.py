@@ -121,6 +121,9 @@ def _state(target: Any, dataset: bool) -> Any:
     if inspect.ismethod(fn):
         parts.append(_canonical(fn.__self__, 1))
         fn = fn.__func__
+    elif not inspect.isfunction(fn):  # a callable object: its attributes are its arguments
+        parts.append(_canonical(fn, 1))
+        fn = type(fn).__call__
     parts.append(_canonical(getattr(fn, "__defaults__", None), 1))
     parts.append(_canonical(getattr(fn, "__kwdefaults__", None), 1))
     cells = getattr(fn, "__closure__", None) or ()

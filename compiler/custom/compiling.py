@@ -39,8 +39,16 @@ from ..recipe import ON_ERROR_POLICIES, parse_size
 from ..run.items import CorpusShape
 from ..run.pipeline import _heap_frozen, run_compile, unit_size
 from .code import changes, describe
-from .samples import DTYPE_NAMES, Spec, flatten, given_schema, infer, merge, widened
-from .work import Inputs, UserWork, input_text, item_name, reason
+from .samples import Spec, given_schema, infer, merge, widened
+from .work import (
+    Inputs,
+    UserWork,
+    describe_shape,
+    input_text,
+    item_name,
+    reason,
+    sample_leaves,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -248,13 +256,20 @@ def _compile(
     given = given_schema(options["schema"])
     code = describe(target, dataset)
     if options["arguments"] is not None:
-        code["arguments"] = json.loads(json.dumps(options["arguments"], sort_keys=True))
+        try:
+            code["arguments"] = json.loads(json.dumps(options["arguments"], sort_keys=True))
+        except (TypeError, ValueError):
+            raise CompileError(
+                f"arguments {options['arguments']!r:.80}: recorded in the recipe, so JSON "
+                "values (str, numbers, lists, dicts)"
+            ) from None
     recipe = CustomRecipe(
         kind,
         code,
         inputs,
         seed,
-        {k: {"dtype": d, "shape": list(s) if s else s} for k, (d, s) in given.items()} or None,
+        {k: {"dtype": d, "shape": None if s is None else list(s)} for k, (d, s) in given.items()}
+        or None,
         dtype,
         codec,
         parse_size(options["shard_bytes"]),
@@ -273,7 +288,8 @@ def _compile(
     resume, overwrite = options["resume"], options["overwrite"]
     while True:
         recipe = _with_schema(recipe, specs, structure)
-        work = UserWork(target, dataset, specs, seed, label, item_seconds)
+        first = next(iter(specs.values())).item
+        work = UserWork(target, dataset, specs, seed, label, item_seconds, structure, first)
         run = _run(recipe, items, work, out_text, options)
         try:
             with _random_state_kept():  # one worker runs the items in this process
@@ -366,9 +382,16 @@ def _probe(
                 took.append(time.perf_counter() - begun)
             if sample is None:
                 continue
-            shape, leaves = flatten(sample, name)
+            shape, leaves = sample_leaves(sample, name)
             if specs is None:
                 specs, structure = infer(leaves, name, given, float_dtype), shape
+            elif shape != structure:
+                first = next(iter(specs.values())).item
+                raise CompileError(
+                    f"{name} gives a sample of another shape than {first} "
+                    f"({describe_shape(shape)}, then {describe_shape(structure)}): every "
+                    "item must give the same dict or tuple"
+                )
             specs = merge(specs, leaves, name)  # the values checked too (casts, ranges)
             del sample, leaves  # one item held at a time, however large
             good += 1
@@ -482,18 +505,9 @@ def read_inputs(
         }
     if not os.path.isdir(where):
         raise CompileError(f"{where}: inputs are a .jsonl file, a folder or a URL prefix")
-    paths = sorted(
-        os.path.join(root, name)
-        for root, dirs, names in os.walk(where)
-        for name in names
-        if not name.startswith(".")
-    )
+    paths = []
+    for root, dirs, names in os.walk(where):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .ipynb_checkpoints
+        paths += [os.path.join(root, n) for n in names if not n.startswith(".")]
+    paths.sort()
     return paths, {"source": where, "sizes": [os.path.getsize(p) for p in paths]}
-
-
-def dtype_name(text: str) -> str:
-    """A dtype as the format names it (float32 -> f32); CompileError for an unknown one."""
-    name = DTYPE_NAMES.get(text)
-    if name is None:
-        raise CompileError(f"dtype {text!r} is not one of {sorted(DTYPE_NAMES)}")
-    return name

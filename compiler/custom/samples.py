@@ -119,6 +119,14 @@ def _node(value: Any, name: str, item: str, leaves: dict[str, Leaf], depth: int)
 def leaf(value: Any, item: str, name: str) -> Leaf:
     """One value as the archive stores it; SampleError for anything else."""
     where = f"{item}: field {name!r}"
+    if isinstance(value, str):  # np.str_ too
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SampleError(f"{where}: the str holds characters UTF-8 cannot store") from None
+        return Leaf(str(value), "u8", "str")
+    if isinstance(value, bytes | bytearray | memoryview):  # np.bytes_ too
+        return Leaf(bytes(value), "u8", "bytes")
     if isinstance(value, bool | np.bool_):
         return Leaf(np.array(bool(value)), "bool", "bool")
     if isinstance(value, int):
@@ -133,14 +141,6 @@ def leaf(value: Any, item: str, name: str) -> Leaf:
         return Leaf(*_array(array, where), back or "array")
     if isinstance(value, np.ndarray):
         return Leaf(*_array(value, where), "array")
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise SampleError(f"{where}: the str holds characters UTF-8 cannot store") from None
-        return Leaf(value, "u8", "str")
-    if isinstance(value, bytes | bytearray | memoryview):
-        return Leaf(bytes(value), "u8", "bytes")
     if _is_tensor(value):
         return Leaf(*_tensor(value, where), "array")
     if value is None:

@@ -12,7 +12,10 @@ the item. A sample that breaks the schema stops the compile (samples.conform).
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -71,6 +74,8 @@ class UserWork:
     seed: int
     label: str  # the Dataset's class or the function, for item names
     item_seconds: float = 0.0  # what an item took in the probe (sizes the chunks)
+    structure: dict[str, Any] | None = None  # the shape every sample must have
+    first: str = ""  # the item whose sample set it
 
     def chunk_items(self) -> int:
         if self.item_seconds <= 0:
@@ -93,14 +98,21 @@ class UserWork:
 
     def outcome(self, item: Item) -> Outcome:
         name = self.name(item)
-        try:
-            sample = self.call(item)
-        except Exception as e:  # the user's code: any failure is this item's
-            return Outcome(item.key, reason=reason(e), path=name)
+        with _ONE_AT_A_TIME:  # the generators are the process's: one item at a time
+            try:
+                sample = self.call(item)
+            except Exception as e:  # the user's code: any failure is this item's
+                return Outcome(item.key, reason=reason(e), path=name)
         if sample is None:
             return Outcome(item.key, reason="skipped: the code gave None for it", path=name)
         try:
-            _, leaves = flatten(sample, name)
+            shape, leaves = sample_leaves(sample, name)
+            if self.structure and shape != self.structure:
+                raise Mismatch(
+                    f"{name} gives a sample of another shape than {self.first} "
+                    f"({describe_shape(shape)}, then {describe_shape(self.structure)}): every "
+                    "item must give the same dict or tuple"
+                )
             return Outcome(item.key, samples=[conform(leaves, self.specs, name)])
         except SampleError as e:
             return Outcome(item.key, stop=str(e))
@@ -108,16 +120,50 @@ class UserWork:
             return Outcome(item.key, stop=e.message, widen=e.widen)
 
 
+# A Dask worker may run several units on threads of one process: seeding the process's
+# generators and calling the user's code is one step, taken by one thread at a time.
+_ONE_AT_A_TIME = threading.Lock()
+
+
+def sample_leaves(sample: Any, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """flatten, with anything unexpected a value raises (a sparse or meta tensor, a
+    mapping that fails) turned into a SampleError naming the item."""
+    try:
+        return flatten(sample, name)
+    except SampleError:
+        raise
+    except Exception as e:  # the user's objects: whatever they raise is this item's
+        raise SampleError(f"{name}: its sample cannot be stored: {reason(e)}") from None
+
+
+def describe_shape(structure: dict[str, Any]) -> str:
+    """A structure in brief: ``dict x, y.a`` or ``tuple 0, 1``."""
+    names = [
+        f"{c['key']}.{g['key']}" if "fields" in c else c["key"]
+        for c in structure.get("fields", [])
+        for g in (c.get("fields") or [c])
+    ]
+    return f"{structure.get('type')} {', '.join(names)}"[:200]
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
+
+
 def reason(e: BaseException) -> str:
-    """``Type: message (at file:line in function)``: the exception and its last frame."""
-    text = f"{type(e).__name__}: {e}"
+    """``Type: message (at file:line in function)``: the exception and its last frame. An
+    object's address in the message becomes ``0x...`` and the file is named without its
+    folder, so a failure reads the same in every run and on every host."""
+    text = _ADDRESS.sub("0x...", f"{type(e).__name__}: {e}")
     if len(text) > MAX_REASON_CHARS:
         text = text[:MAX_REASON_CHARS] + "..."
     frames = traceback.extract_tb(e.__traceback__)
     if frames:
         last = frames[-1]
-        text += f" (at {last.filename}:{last.lineno} in {last.name})"
+        text += f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
     return text
+
+
+MAX_NAME_CHARS = 200
 
 
 def item_name(label: str, item: Item, dataset: bool) -> str:
@@ -126,7 +172,9 @@ def item_name(label: str, item: Item, dataset: bool) -> str:
     if dataset:
         return f"{label}[{item.position}]"
     value = item.extras.get("input")
-    return value if isinstance(value, str) and value else f"input {item.position}"
+    if isinstance(value, str) and value and len(value) <= MAX_NAME_CHARS and value.isprintable():
+        return value
+    return f"input {item.position}"
 
 
 class Inputs(Sequence[Item]):

@@ -484,11 +484,19 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     """fork when this process runs a single thread (workers start at once, torch
     already imported); otherwise forkserver, since forking a threaded process can
     copy a lock that another thread holds. Workers use no CUDA either way."""
-    if sys.platform == "linux" and threading.active_count() == 1:
+    if sys.platform == "linux" and threading.active_count() == 1 and not _cuda_in_use():
         return multiprocessing.get_context("fork")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, *FORKSERVER_PRELOAD])
     return ctx
+
+
+def _cuda_in_use() -> bool:
+    """Whether this process has started CUDA (a user's Dataset can, when the compile first
+    computes a few items here): a forked child could not use it, so workers start from
+    the fork server instead."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    return bool(cuda is not None and cuda.is_initialized())
 
 
 @contextlib.contextmanager

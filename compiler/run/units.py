@@ -17,6 +17,7 @@ a process pool (pipeline.py feeds a UnitWriter the same way).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -179,16 +180,18 @@ class UnitTask:
     def worker(self) -> Any:
         """The Work a unit runs."""
         if isinstance(self.work, bytes):  # by_value: loaded once per worker process
-            work = _WORKS.get(self.digest)
+            key = hashlib.sha256(self.work).hexdigest()
+            work = _WORKS.get(key)
             if work is None:
-                work = _WORKS[self.digest] = pickle.loads(self.work)
+                _WORKS.clear()  # the compile running now only
+                work = _WORKS[key] = pickle.loads(self.work)
             return work
         if self.work is not None:
             return self.work
         return PresetWork(self.recipe, self.digest, self.shape, self.storage_options)
 
 
-_WORKS: dict[str, Any] = {}  # a worker process's unpickled Works, by recipe digest
+_WORKS: dict[str, Any] = {}  # a worker process's unpickled Work, by its pickle's sha256
 
 
 def by_value(work: Any) -> bytes:
@@ -197,9 +200,17 @@ def by_value(work: Any) -> bytes:
     Dataset needs to reach a forkserver's or a Dask cluster's workers."""
     try:
         import cloudpickle
+
+        dumps = cloudpickle.dumps
     except ImportError:
-        return pickle.dumps(work)
-    data: bytes = cloudpickle.dumps(work)
+        dumps = pickle.dumps
+    try:
+        data: bytes = dumps(work)
+    except Exception as e:  # what the user's object holds (a lock, an open handle)
+        raise CompileError(
+            f"the Dataset or function cannot be sent to worker processes ({type(e).__name__}: "
+            f"{e}); open such handles in __getitem__ on first use, or compile with workers=1"
+        ) from None
     return data
 
 

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from dlop.formats import Field, FormatError
 
 _LEAVES = ("array", "int", "float", "bool", "str", "bytes")
+_SCALARS = ("int", "float", "bool")  # 0-d array fields, read back as Python values
 MAX_FIELDS = 1 << 16
 
 
@@ -28,6 +29,7 @@ class Structure:
     def __init__(self, where: str, obj: Any, fields: Mapping[str, Field]) -> None:
         self.where = where
         self.names: list[str] = []
+        self._seen: set[str] = set()
         self.tree = self._node(obj, 0, fields)
         if self.tree[0] == "leaf":
             self._bad("the top is a single field, not a dict or a tuple")
@@ -54,12 +56,20 @@ class Structure:
                 self._bad(f"names field {name!r:.80}, which the archive does not hold")
             if back not in _LEAVES:
                 self._bad(f"field {name!r} reads back as {back!r:.40}, not one of {_LEAVES}")
-            if name in self.names:
+            stored = fields[name]
+            kind = back if back in ("str", "bytes") else "array"
+            if stored.kind != kind or (back in _SCALARS and stored.shape != ()):
+                self._bad(
+                    f"field {name!r} reads back as {back}, but it holds {stored.kind} "
+                    f"{list(stored.shape)}"
+                )
+            if name in self._seen:
                 self._bad(f"names field {name!r} twice")
             if len(self.names) >= MAX_FIELDS:
                 self._bad(f"more than {MAX_FIELDS} fields")
             self.names.append(name)
-            return ("leaf", name, back)
+            self._seen.add(name)
+            return ("leaf", name, back, stored.kind == "array" and stored.ragged)
         kind, children = obj.get("type"), obj.get("fields")
         if kind == "leaf" and depth == 0:
             return ("leaf",)
@@ -87,12 +97,11 @@ class Structure:
 
     def _shape(self, node: tuple[Any, ...], values: Mapping[str, Any], batched: bool) -> Any:
         if node[0] == "leaf":
-            _, name, back = node
+            _, name, back, ragged = node
             value = values[name]
             if not batched:
-                return value.item() if back in ("int", "float", "bool") else value
-            lengths = values.get(f"{name}_lengths")
-            return value if lengths is None else (value, lengths)
+                return value.item() if back in _SCALARS else value
+            return (value, values[f"{name}_lengths"]) if ragged else value
         kind, children = node
         if kind == "tuple":
             return tuple(self._shape(child, values, batched) for _, child in children)

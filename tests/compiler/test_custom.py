@@ -403,3 +403,63 @@ def test_a_large_item_is_written_through_not_held_twice(tmp_path: Path) -> None:
     assert grew < 1.5 * item, f"the driver's peak grew by {grew / 2**20:.0f} MiB"
     archive = open_archive(tmp_path / "a")
     assert archive[1]["x"].shape == (BIG_ROWS + 1, 64) and float(archive[1]["x"][-1, -1]) == 1.0
+
+
+class Scaled:
+    """A callable object: its attributes are its arguments."""
+
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+
+    def __call__(self, x: int) -> dict[str, Any]:
+        return {"n": np.int64(x * self.factor), "name": np.str_(f"x{x}")}
+
+
+def test_an_interrupted_compile_resumes_with_a_declared_scalar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlop.compiler.run.faults import SIGNAL
+
+    options: dict[str, Any] = {"unit_inputs": 2, "workers": 1, "progress": False}
+    schema = {"n": {"dtype": "int32", "shape": []}}
+    monkeypatch.setenv(KILL_AT, "unit:1")
+    monkeypatch.setenv(SIGNAL, "INT")  # a KeyboardInterrupt here, not a kill
+    with pytest.raises(KeyboardInterrupt):
+        compile_map(Scaled(3), list(range(6)), tmp_path / "a", schema=schema, **options)
+    monkeypatch.delenv(KILL_AT)
+    with pytest.raises(CompileError, match=r"its arguments .* changed"):
+        compile_map(
+            Scaled(4), list(range(6)), tmp_path / "a", schema=schema, resume=True, **options
+        )
+    compile_map(Scaled(3), list(range(6)), tmp_path / "a", schema=schema, resume=True, **options)
+    archive = open_archive(tmp_path / "a")
+    assert [archive[i]["n"] for i in range(6)] == [3 * i for i in range(6)]
+    assert archive[5]["name"] == "x5" and type(archive[5]["name"]) is str
+
+
+def _shifting(x: int) -> Any:
+    return (np.zeros(2),) if x < 12 else {"0": np.zeros(2)}
+
+
+def test_a_sample_of_another_shape_names_both_items(tmp_path: Path) -> None:
+    with pytest.raises(
+        CompileError, match=r"input 12 gives a sample of another shape than input 0"
+    ):
+        compile_map(_shifting, list(range(20)), tmp_path / "a", workers=1, progress=False)
+
+
+def test_a_reason_reads_the_same_on_every_run_and_host(tmp_path: Path) -> None:
+    """An object's address and the folder of the failing file are left out of a reason."""
+    from dlop.compiler.custom.work import reason
+
+    def fails(x: int) -> None:
+        raise ValueError(f"cannot read {object()!r}")
+
+    with pytest.raises(CompileError, match=r"the first: input 0: ValueError: cannot read <object"):
+        compile_map(fails, [0, 1], tmp_path / "a", progress=False)
+    try:
+        fails(0)
+    except ValueError as e:
+        text = reason(e)
+    assert "object object at 0x...>" in text
+    assert "(at test_custom.py:" in text and "/" not in text.split("(at ")[1]

@@ -71,6 +71,11 @@ LEAF = {"key": "0", "field": "0", "value": "array"}
             "nested more than one level",
         ),
         ({"type": "leaf"}, "the top is a single field"),
+        ({"type": "tuple", "fields": [{**LEAF, "value": "int"}]}, "reads back as int, but"),
+        (
+            {"type": "tuple", "fields": [LEAF, {"key": "1", "field": "1.name", "value": "array"}]},
+            "field '1.name' reads back as array, but it holds str",
+        ),
     ],
 )
 def test_a_bad_structure_is_refused_by_name(
