@@ -59,7 +59,7 @@ gpu-proof: env
 
 # The archive fuzzer for longer: hypothesis mutations of index.json, shard headers and
 # file kinds, in a child process with a memory cap (DLOP_FUZZ_EXAMPLES to change); and
-# the exit-race test with 300 processes instead of 30 (DLOP_EXIT_RUNS).
+# the exit-race test with 300 processes instead of 20 (DLOP_EXIT_RUNS).
 fuzz: env
 	DLOP_FUZZ_RANDOM=1 DLOP_FUZZ_EXAMPLES=$${DLOP_FUZZ_EXAMPLES:-5000} $(VENV)/bin/python -m pytest -q tests/formats/test_fuzz.py
 	DLOP_EXIT_RUNS=$${DLOP_EXIT_RUNS:-300} $(VENV)/bin/python -m pytest -q tests/runtime/test_exit.py

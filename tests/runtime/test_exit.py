@@ -3,7 +3,7 @@
 A runtime thread still ending (running torch's and OpenMP's thread-local
 teardown) while the interpreter shuts down aborted such processes now and then
 ("terminate called without an active exception", exit status 134). The
-driver imports torch once and forks 30 children (DLOP_EXIT_RUNS; ``make fuzz``
+driver imports torch once and forks 20 children (DLOP_EXIT_RUNS; ``make fuzz``
 runs 300), two at a time; each runs a script to its end and exits through the
 normal interpreter shutdown, which waits for every runtime thread.
 """
@@ -20,7 +20,7 @@ import pytest
 
 from .helpers import make_archive
 
-RUNS = int(os.environ.get("DLOP_EXIT_RUNS", "30"))
+RUNS = int(os.environ.get("DLOP_EXIT_RUNS", "20"))
 
 DRIVER = textwrap.dedent(
     """
