@@ -287,6 +287,7 @@ def _compile(
         specs, structure, item_seconds = _probe(probe, items, given, _STORED.get(dtype), on_error)
     resume, overwrite = options["resume"], options["overwrite"]
     while True:
+        _check_lengths_names(specs)
         recipe = _with_schema(recipe, specs, structure)
         first = next(iter(specs.values())).item
         work = UserWork(target, dataset, specs, seed, label, item_seconds, structure, first)
@@ -312,6 +313,17 @@ def _compile(
 
 
 _STORED = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def _check_lengths_names(specs: dict[str, Spec]) -> None:
+    """A batch holds a ragged field's lengths as ``<name>_lengths``: no field may be named so."""
+    for spec in specs.values():
+        if spec.kind == "array" and None in spec.shape and f"{spec.name}_lengths" in specs:
+            raise CompileError(
+                f"fields {spec.name!r} and {spec.name + '_lengths'!r}: {spec.name!r} varies in "
+                f"length, and a batch holds its lengths as {spec.name + '_lengths'!r}; rename "
+                "the second"
+            )
 
 
 def _with_schema(

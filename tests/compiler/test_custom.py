@@ -463,3 +463,12 @@ def test_a_reason_reads_the_same_on_every_run_and_host(tmp_path: Path) -> None:
         text = reason(e)
     assert "object object at 0x...>" in text
     assert "(at test_custom.py:" in text and "/" not in text.split("(at ")[1]
+
+
+def _with_lengths(x: int) -> dict[str, Any]:
+    return {"x": np.zeros(x % 3 + 1), "x_lengths": x}
+
+
+def test_a_field_named_as_a_ragged_fields_lengths_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CompileError, match=r"fields 'x' and 'x_lengths': 'x' varies in length"):
+        compile_map(_with_lengths, list(range(6)), tmp_path / "a", workers=1, progress=False)
