@@ -233,9 +233,7 @@ class Loader:
 
     def _deliver(self, made: Iterator[tuple[int, Batch]], epoch: int) -> Iterator[Batch]:
         """The transform stage, and the count of batches handed out (the order's state)."""
-        shaped = getattr(self.archive, "structure", None)
-        if shaped is not None and shaped.flat:
-            shaped = None  # a flat dict of fields: the batch is its shape already
+        shaped = getattr(self.archive, "structure", None)  # a user's Dataset's sample shape
         for number, batch in made:
             batch = self.transform(batch, epoch, number)
             self.order.handed_out(number + 1)

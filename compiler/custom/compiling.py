@@ -21,7 +21,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
@@ -35,9 +35,9 @@ from ..errors import AxisVaries, CompileError
 from ..output.commit import Run
 from ..output.journal import JOURNAL, MAX_JOURNAL_BYTES
 from ..output.store import open_store
-from ..recipe import ON_ERROR_POLICIES, parse_size
+from ..recipe import DTYPES, ON_ERROR_POLICIES, parse_size
 from ..run.items import CorpusShape
-from ..run.pipeline import _heap_frozen, run_compile, unit_size
+from ..run.pipeline import heap_frozen, run_compile, unit_size
 from .code import changes, describe
 from .samples import Spec, given_schema, infer, merge, widened
 from .work import (
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 PROBE_ITEMS = 8  # items the driver computes to infer the schema
 PROBE_TRIES = 64  # items it tries before giving up when all of them fail
 PROBE_SECONDS = 1.0  # past this, the probe stops once it holds two samples
-FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+FLOAT_DTYPES = tuple(DTYPES)  # the presets' stored dtypes: float16, bfloat16, float32
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def _chosen(options: Mapping[str, Any], who: str) -> dict[str, Any]:
     return {**DEFAULTS, **options}
 
 
-@_heap_frozen()
+@heap_frozen()
 def compile_dataset(dataset: Any, out: str | os.PathLike[str], **options: Unpack[Options]) -> Index:
     """Compiles ``dataset[i]`` for every i in range(len(dataset)) into an archive at ``out``;
     returns its index. Reading it back (dlop.runtime.open_archive) gives each item as the
@@ -190,7 +190,7 @@ def compile_dataset(dataset: Any, out: str | os.PathLike[str], **options: Unpack
     return _compile(dataset, True, Inputs(count), inputs, out, chosen)
 
 
-@_heap_frozen()
+@heap_frozen()
 def compile_map(
     fn: Callable[[Any], Any],
     inputs: Sequence[Any] | str | os.PathLike[str],
@@ -284,13 +284,14 @@ def _compile(
         specs, structure = _resumed(recipe, journal, out_text)
     else:
         probe = UserWork(target, dataset, {}, seed, label)
-        specs, structure, item_seconds = _probe(probe, items, given, _STORED.get(dtype), on_error)
+        specs, structure, item_seconds = _probe(
+            probe, items, given, None if dtype is None else DTYPES[dtype], on_error
+        )
     resume, overwrite = options["resume"], options["overwrite"]
     while True:
         _check_lengths_names(specs)
-        recipe = _with_schema(recipe, specs, structure)
-        first = next(iter(specs.values())).item
-        work = UserWork(target, dataset, specs, seed, label, item_seconds, structure, first)
+        recipe = replace(recipe, specs=specs, structure=structure)
+        work = UserWork(target, dataset, specs, seed, label, item_seconds, structure)
         run = _run(recipe, items, work, out_text, options)
         try:
             with _random_state_kept():  # one worker runs the items in this process
@@ -312,9 +313,6 @@ def _compile(
             resume, overwrite = False, True  # what the stopped compile wrote is gone
 
 
-_STORED = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
-
-
 def _check_lengths_names(specs: dict[str, Spec]) -> None:
     """A batch holds a ragged field's lengths as ``<name>_lengths``: no field may be named so."""
     for spec in specs.values():
@@ -324,14 +322,6 @@ def _check_lengths_names(specs: dict[str, Spec]) -> None:
                 f"length, and a batch holds its lengths as {spec.name + '_lengths'!r}; rename "
                 "the second"
             )
-
-
-def _with_schema(
-    recipe: CustomRecipe, specs: dict[str, Spec], structure: dict[str, Any]
-) -> CustomRecipe:
-    from dataclasses import replace
-
-    return replace(recipe, specs=specs, structure=structure)
 
 
 def _run(

@@ -75,7 +75,6 @@ class UserWork:
     label: str  # the Dataset's class or the function, for item names
     item_seconds: float = 0.0  # what an item took in the probe (sizes the chunks)
     structure: dict[str, Any] | None = None  # the shape every sample must have
-    first: str = ""  # the item whose sample set it
 
     def chunk_items(self) -> int:
         if self.item_seconds <= 0:
@@ -108,8 +107,9 @@ class UserWork:
         try:
             shape, leaves = sample_leaves(sample, name)
             if self.structure and shape != self.structure:
+                first = next(iter(self.specs.values())).item  # whose sample set the shape
                 raise Mismatch(
-                    f"{name} gives a sample of another shape than {self.first} "
+                    f"{name} gives a sample of another shape than {first} "
                     f"({describe_shape(shape)}, then {describe_shape(self.structure)}): every "
                     "item must give the same dict or tuple"
                 )

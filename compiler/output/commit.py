@@ -87,10 +87,6 @@ class Run:
         start = unit * self.unit_inputs
         return range(start, min(start + self.unit_inputs, len(self.corpus.items)))
 
-    @property
-    def custom(self) -> bool:
-        return self.custom_work is not None
-
     def work(self) -> Any:
         """The run/work.py Work each worker runs."""
         if self.custom_work is not None:
@@ -112,7 +108,7 @@ class Run:
             self.storage_options,
             self.journal_run,
             numerics.resume_key(numerics.target()),
-            self.custom_work,
+            self.work(),
         )
 
     def advance(self, inputs: int) -> None:

@@ -49,11 +49,10 @@ def dask_records(client: Any, run: Run, pending: list[int]) -> Iterator[UnitReco
     """Runs the pending units on the cluster of ``client``; yields each record as its
     unit commits."""
     distributed: Any = importlib.import_module("distributed")  # annotations are partial
-    task = run.task()  # a few kilobytes: the recipe, schema and where OUT is
-    if task.work is not None:
-        # a user's Dataset or function: by value (Dask pickles by reference where it can,
-        # and a worker may not import the module the driver loaded it from)
-        task = replace(task, work=by_value(task.work))
+    task = run.task()  # the recipe, schema and where OUT is
+    # the Work by value (Dask pickles by reference where it can, and a worker may not
+    # import the module a user's Dataset was loaded from)
+    task = replace(task, work=by_value(task.work))
     todo = iter(pending)
     running = distributed.as_completed()
     futures: dict[Any, int] = {}

@@ -107,7 +107,7 @@ def _init_worker(
     set_decode_threads(decode_threads)
     _die_with_driver(driver)
     close_inherited_locks()  # a forked worker must not keep the output lock alive after the driver
-    if isinstance(work, bytes):  # sent pickled by value (a forkserver's worker): cloudpickle
+    if isinstance(work, bytes):  # a fork server's worker: by_value's pickle
         work = pickle.loads(work)
     _WORKER.update(
         work=work,
@@ -115,7 +115,7 @@ def _init_worker(
         chunks=itertools.count(),
         systems={},  # this compile's fsspec filesystems in this worker (units.process_fetched)
     )
-    gc.freeze()  # what the worker starts with is never garbage; see _heap_frozen
+    gc.freeze()  # what the worker starts with is never garbage; see heap_frozen
 
 
 def _die_with_driver(driver: int = 0) -> None:
@@ -237,7 +237,7 @@ def _unspill(result: tuple[list[Outcome], str | None]) -> list[Outcome]:
 
 
 @contextlib.contextmanager
-def _heap_frozen() -> Iterator[None]:
+def heap_frozen() -> Iterator[None]:
     """The objects that exist when a compile starts (the caller's, torch's: a few hundred
     thousand) are left out of the cyclic garbage collector's scans until it ends: each full
     scan of them cost about 65 ms, a few percent of a one-worker compile of 2,000 clips,
@@ -255,7 +255,7 @@ def _heap_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-@_heap_frozen()
+@heap_frozen()
 def compile_corpus(
     recipe: Recipe,
     out: str | os.PathLike[str],
@@ -429,10 +429,9 @@ def _results(
             torch.set_num_threads(threads)
         return
     ctx = _worker_context()
-    sent: Any = work
-    if ctx.get_start_method() != "fork" and run.custom:
-        # a user's Dataset or function, perhaps defined in a script or a notebook: by value
-        sent = by_value(work)
+    # a forked worker inherits the Work; any other gets it by value (a user's Dataset may
+    # be defined in a script or a notebook)
+    sent = work if ctx.get_start_method() == "fork" else by_value(work)
     try:
         with (
             _main_module_hidden(),

@@ -177,9 +177,8 @@ class Archive(Dataset[dict[str, Any]]):
         archive of a user's Dataset whose samples are tuples or nested, the batch in their
         shape (Structure.batch), which DataLoader's default collate passes on as it is."""
         batch = self._batch(indices)
-        if self.structure is None or self.structure.flat:
-            return batch
-        return Collated(self.structure.batch(batch))
+        shaped = batch if self.structure is None else self.structure.batch(batch)
+        return batch if shaped is batch else Collated(shaped)
 
     def _batch(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         keep_freed_memory()  # fresh batches reuse freed ones instead of faulting in new pages

@@ -28,13 +28,15 @@ class Structure:
 
     def __init__(self, where: str, obj: Any, fields: Mapping[str, Field]) -> None:
         self.where = where
-        self.names: list[str] = []
-        self._seen: set[str] = set()
-        self.tree = self._node(obj, 0, fields)
-        if self.tree[0] == "leaf":
+        self.names: dict[str, None] = {}  # every field it names, in order
+        if isinstance(obj, dict) and ("field" in obj or obj.get("type") == "leaf"):
             self._bad("the top is a single field, not a dict or a tuple")
-        # a dict of top-level fields only: a batch keyed by field name is already its shape
-        self.flat = self.tree[0] == "dict" and all(c[1][0] == "leaf" for c in self.tree[1])
+        self.tree = self._node(obj, 0, fields)
+        leaves = [c[1] for c in self.tree[1] if c[1][0] == "leaf"]
+        # a dict of top-level fields only: a batch keyed by field name is already its shape,
+        # and a sample too when none reads back as a Python scalar
+        self.flat = self.tree[0] == "dict" and len(leaves) == len(self.tree[1])
+        self.sample_as_is = self.flat and all(leaf[2] not in _SCALARS for leaf in leaves)
 
     @classmethod
     def of(
@@ -63,16 +65,13 @@ class Structure:
                     f"field {name!r} reads back as {back}, but it holds {stored.kind} "
                     f"{list(stored.shape)}"
                 )
-            if name in self._seen:
+            if name in self.names:
                 self._bad(f"names field {name!r} twice")
             if len(self.names) >= MAX_FIELDS:
                 self._bad(f"more than {MAX_FIELDS} fields")
-            self.names.append(name)
-            self._seen.add(name)
+            self.names[name] = None
             return ("leaf", name, back, stored.kind == "array" and stored.ragged)
         kind, children = obj.get("type"), obj.get("fields")
-        if kind == "leaf" and depth == 0:
-            return ("leaf",)
         if kind not in ("dict", "tuple") or not isinstance(children, list) or not children:
             self._bad(f"a node of type {kind!r:.40} (a dict or tuple with fields is expected)")
         if depth >= 2:
@@ -89,11 +88,12 @@ class Structure:
 
     def sample(self, values: Mapping[str, Any]) -> Any:
         """One sample (field -> tensor, str or bytes) in its shape."""
-        return self._shape(self.tree, values, False)
+        return values if self.sample_as_is else self._shape(self.tree, values, False)
 
     def batch(self, values: Mapping[str, Any]) -> Any:
-        """A batch (field -> batched value, ``<name>_lengths`` for ragged ones) in its shape."""
-        return self._shape(self.tree, values, True)
+        """A batch (field -> batched value, ``<name>_lengths`` for ragged ones) in its shape:
+        ``values`` itself when the samples are a flat dict."""
+        return values if self.flat else self._shape(self.tree, values, True)
 
     def _shape(self, node: tuple[Any, ...], values: Mapping[str, Any], batched: bool) -> Any:
         if node[0] == "leaf":

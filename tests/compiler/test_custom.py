@@ -472,3 +472,32 @@ def _with_lengths(x: int) -> dict[str, Any]:
 def test_a_field_named_as_a_ragged_fields_lengths_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CompileError, match=r"fields 'x' and 'x_lengths': 'x' varies in length"):
         compile_map(_with_lengths, list(range(6)), tmp_path / "a", workers=1, progress=False)
+
+
+def test_damaged_inputs_journal_and_schema_files_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dlop.compiler.output.journal import JOURNAL
+    from dlop.compiler.run.faults import SIGNAL
+
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('1\n2\n{"half": \n')
+    with pytest.raises(CompileError, match=r"in.jsonl:3: not a JSON value"):
+        compile_map(cheap, str(lines), tmp_path / "a", progress=False)
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"x": ')
+    lines.write_text("1\n2\n")
+    argv = ["--map", f"{DATA_FILE}:cheap", "--inputs", str(lines), "-o", str(tmp_path / "b")]
+    assert main([*argv, "--schema", str(schema)]) == 1
+    assert f"--schema {schema}" in capsys.readouterr().err
+    options: dict[str, Any] = {"unit_inputs": 1, "workers": 1, "progress": False}
+    monkeypatch.setenv(KILL_AT, "unit:1")
+    monkeypatch.setenv(SIGNAL, "INT")
+    with pytest.raises(KeyboardInterrupt):
+        compile_map(cheap, [1, 2, 3], tmp_path / "c", **options)
+    monkeypatch.delenv(KILL_AT)
+    journal = json.loads((tmp_path / "c" / JOURNAL).read_text())
+    journal["recipe"]["fields"][0]["shape"] = ["many"]
+    (tmp_path / "c" / JOURNAL).write_text(json.dumps(journal))
+    with pytest.raises(CompileError, match="the journal's schema is damaged"):
+        compile_map(cheap, [1, 2, 3], tmp_path / "c", resume=True, **options)
