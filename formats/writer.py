@@ -546,12 +546,12 @@ def encode_value(f: Field, value: Any, index: int) -> tuple[bytes | memoryview, 
         return data, (len(data),)
     if f.kind == "bytes":
         if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
-            value = value.tobytes()
+            value = np.ascontiguousarray(value).data  # a view: a large value is not copied
         if not isinstance(value, bytes | bytearray | memoryview):
             raise SchemaError(f"{where}: expected bytes, got {type(value).__name__}")
-        data = bytes(value)
-        _check_sample_shape(where, (len(data),), 1)
-        return data, (len(data),)
+        view = value if isinstance(value, bytes) else memoryview(value).cast("B")
+        _check_sample_shape(where, (len(view),), 1)
+        return view, (len(view),)
     arr = np.asarray(value)
     want = f.np_dtype
     if f.dtype == "bf16":

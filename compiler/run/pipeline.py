@@ -192,6 +192,8 @@ def _run_chunk(items: list[Item]) -> tuple[list[Outcome], str | None]:
         for outcome in w["work"].outcomes(items, w["systems"]):
             for sample in outcome.samples:
                 for name, value in sample.items():
+                    if isinstance(value, bytes) and len(value) >= 4096:
+                        value = np.frombuffer(value, np.uint8)  # a bytes field: its bytes
                     if isinstance(value, np.ndarray) and value.nbytes >= 4096:
                         f.write(np.ascontiguousarray(value).data)
                         sample[name] = _Spilled(offset, value.dtype.str, value.shape)

@@ -378,31 +378,41 @@ def _big(x: int) -> dict[str, Any]:
     return {"x": np.full((BIG_ROWS + x, 64), x, np.float32)}
 
 
+def _big_bytes(x: int) -> dict[str, Any]:
+    return {"b": bytes([x]) * (BIG_ROWS * 64 * 4 + x)}
+
+
 _PEAK = """
 import resource, sys
-from tests.compiler.test_custom import _big
+from tests.compiler import test_custom
 from dlop.compiler import compile_map
+fn = getattr(test_custom, sys.argv[2])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-compile_map(_big, [0, 1], sys.argv[1], workers=2, progress=False, shard_bytes="64MiB")
+compile_map(fn, [0, 1], sys.argv[1], workers=2, progress=False, shard_bytes="64MiB")
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
 @pytest.mark.slow
-def test_a_large_item_is_written_through_not_held_twice(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fn", ["_big", "_big_bytes"], ids=["array", "bytes"])
+def test_a_large_item_is_written_through_not_held_twice(fn: str, tmp_path: Path) -> None:
     """The driver (this subprocess) takes each item from its worker through a mapped file and
     hands the writer views of it: its peak grows by about one item, never two (an item
     read into memory and copied again for the writer would be 512 MiB)."""
     item = BIG_ROWS * 64 * 4
     done = subprocess.run(
-        [sys.executable, "-c", _PEAK, str(tmp_path / "a")],
+        [sys.executable, "-c", _PEAK, str(tmp_path / "a"), fn],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     grew = int(done.stdout.strip().splitlines()[-1])
     assert grew < 1.5 * item, f"the driver's peak grew by {grew / 2**20:.0f} MiB"
     archive = open_archive(tmp_path / "a")
-    assert archive[1]["x"].shape == (BIG_ROWS + 1, 64) and float(archive[1]["x"][-1, -1]) == 1.0
+    if fn == "_big":
+        assert archive[1]["x"].shape == (BIG_ROWS + 1, 64)
+        assert float(archive[1]["x"][-1, -1]) == 1.0
+    else:
+        assert len(archive[1]["b"]) == item + 1 and archive[1]["b"][-3:] == b"\x01" * 3
 
 
 class Scaled:
