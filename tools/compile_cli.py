@@ -17,7 +17,7 @@ import textwrap
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dlop.compiler.audio import options as feature_options
 from dlop.compiler.errors import CompileError, CompileWarning
@@ -32,7 +32,7 @@ from dlop.compiler.recipe import (
 from dlop.compiler.urls import local_path, parse_storage_options
 from dlop.compiler.vision import options as vision
 from dlop.formats import DlopError
-from dlop.tools.output import redacted_output
+from dlop.tools.output import exit_now, redacted_output
 
 
 def _none_or_float(text: str) -> float | None:
@@ -415,5 +415,10 @@ def _run_custom(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     return 0
 
 
+def run() -> NoReturn:
+    """The ``dlop-compile`` command: main, then the process ends at once (exit_now)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
 from dlop.formats.urls import StorageError, confirm_missing, storage_failure
 
 from . import cache_cli
-from .output import redacted_output
+from .output import exit_now, redacted_output
 from .render import as_float, render_sample
 
 # Skipped inputs listed by ``info`` (--json lists more); errors.jsonl holds them all.
@@ -442,5 +442,10 @@ def _main(argv: list[str] | None) -> int:
         return 1
 
 
+def run() -> NoReturn:
+    """The ``dlop-inspect`` command: main, then the process ends at once (exit_now)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -8,11 +8,14 @@ through ``dlop.formats.redact`` first.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from dlop.formats.redact import redact
 
@@ -47,3 +50,23 @@ def redacted_output(tool: str) -> Iterator[None]:
         raise SystemExit(1) from None
     finally:
         sys.stdout, sys.stderr = out, err
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends a command-line tool's process with ``code`` once its work is done, without
+    the interpreter's module teardown: with torch imported that teardown alone takes most
+    of a second, spent after the last line is printed. What a normal exit does that
+    matters still happens first: stdout and stderr are flushed and the ``atexit``
+    handlers run (a process pool's, logging's). While a thread other than a daemon one
+    still runs, the interpreter exits normally, which waits for it."""
+    if any(
+        t.is_alive() and not t.daemon
+        for t in threading.enumerate()
+        if t is not threading.main_thread()
+    ):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
