@@ -119,7 +119,7 @@ def confined(root: Path, text: str, allowed: tuple[str, ...] = ()) -> str:
     rel = posixpath.normpath(text.replace(os.sep, "/")) if rooted else ""
     if rooted and rel != ".." and not rel.startswith("../"):
         full = root / text
-        if isinstance(root, UrlPath) or _within(os.path.realpath(full), _real_folder(str(root))):
+        if isinstance(root, UrlPath) or _within(_real_path(str(full)), _real_folder(str(root))):
             return str(full)
         if _allowed(str(full), allowed):
             return str(full)
@@ -135,6 +135,17 @@ def _real_folder(folder: str) -> str:
     """Where a corpus root or an allowed folder leads: asked once per folder, not once
     for each of the millions of paths a manifest may name."""
     return os.path.realpath(folder)
+
+
+def _real_path(path: str) -> str:
+    """``os.path.realpath(path)`` at the cost of one lstat for a file whose folder was asked
+    about recently: the folder's real path (_real_folder) joined with the name, unless the
+    name is itself a link (then resolved in full). A manifest names its files folder by
+    folder, and resolving each one's every parent took longer than decoding a short clip."""
+    folder, name = os.path.split(path)
+    if name in ("", ".", "..") or os.path.islink(path):
+        return os.path.realpath(path)
+    return os.path.join(_real_folder(folder), name)
 
 
 def _within(path: str, folder: str) -> bool:
