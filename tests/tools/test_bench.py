@@ -37,6 +37,33 @@ def test_speech_corpus_is_librispeech(tmp_path: Path) -> None:
     assert abs(sum(lengths) - seconds) < 1e-3
 
 
+def test_short_corpus_is_a_manifest_of_short_wavs(tmp_path: Path) -> None:
+    import soundfile as sf
+
+    from dlop.compiler.corpus.layouts import detect_layout
+    from dlop.tools.bench import speech_peers
+
+    manifest, seconds = speech_peers.short_corpus(tmp_path / "c", 40)
+    assert detect_layout(manifest) == "manifest"
+    utts = speech_peers._utterances(manifest)
+    assert len(utts) == 40 and all(text for _, _, text in utts)
+    infos = [sf.info(path) for _, path, _ in utts]
+    assert {(i.samplerate, i.subtype, i.format) for i in infos} == {(16000, "PCM_16", "WAV")}
+    lengths = [i.duration for i in infos]
+    assert all(0.5 <= s <= 8.0 for s in lengths)
+    assert sum(0.8 <= s <= 1.0 for s in lengths) >= 8  # two in five, about
+    assert abs(sum(lengths) - seconds) < 1e-3
+
+
+def test_summary_seconds_reads_the_compiles_own_line() -> None:
+    from dlop.tools.bench.speech_peers import summary_seconds
+
+    line = "wrote out: 2500 samples in 1 shard(s), 77.4 MiB, 0 skipped; 3.1 s, 812 inputs/s; x"
+    assert summary_seconds(line) == pytest.approx(2500 / 812)
+    with pytest.raises(RuntimeError, match="no summary line"):
+        summary_seconds("nothing")
+
+
 @pytest.mark.slow
 def test_speech_peers_rows(tmp_path: Path) -> None:
     """Runs only where make bench-peers installed the peers (.venv-peers)."""
@@ -44,7 +71,7 @@ def test_speech_peers_rows(tmp_path: Path) -> None:
         pytest.importorskip(name)
     from dlop.tools.bench import speech_peers
 
-    rows = speech_peers.run(tmp_path, utts=4, workers=1, repeats=1)
+    rows = speech_peers.run(tmp_path, utts=4, workers=1, repeats=1, short_utts=4)
     compiled = [r for r in rows if r.workload.startswith("speech peers, compile")]
     read = [r for r in rows if r.workload.startswith("speech peers, read")]
     assert [r.pipeline.split()[0] for r in compiled[:3]] == ["dlop-compile,", "Lhotse", "datasets"]
@@ -52,3 +79,7 @@ def test_speech_peers_rows(tmp_path: Path) -> None:
     for r in compiled[:3] + read:
         assert r.samples_per_s and r.samples_per_s > 0
     assert all("dlop_over_this" in r.extra for r in compiled[1:3] + read[1:])
+    short = [r for r in rows if r.workload.startswith("speech peers, short utterances")]
+    assert [r.pipeline.split()[0] for r in short] == ["dlop-compile,", "Lhotse", "datasets"]
+    assert all(r.samples_per_s and r.extra["wall_s"] > 0 for r in short)
+    assert all(len(r.extra["dlop_over_this_rounds"]) == 1 for r in short[1:])

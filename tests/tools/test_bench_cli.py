@@ -95,3 +95,17 @@ def test_the_custom_section_compiles_and_reads_one_function(tmp_path: Path) -> N
     peers = [r for r in rows if r not in ours]
     for r in peers:  # run, against dlop's row, or said not to have run
         assert r["vs_baseline"] is not None or "not run" in r["pipeline"], r
+
+
+@pytest.mark.slow
+def test_the_short_section_measures_the_limit_and_the_command(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--only", "short", "--repeats", "1", "--workers", "2", "--out", str(out)]
+    assert cli.main([*argv, "--short-utts", "12"]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    by = {r["pipeline"]: r for r in rows}
+    assert all(r["samples_per_s"] > 0 for r in rows)
+    one = by["dlop compile_corpus, 1 worker (from after its imports)"]
+    assert len(one["extra"]["of_limit_rounds"]) == 1 and one["extra"]["of_fastest_limit"] > 0
+    command = by["dlop-compile, 2 workers, the whole command"]
+    assert command["extra"]["wall_s"] > command["extra"]["its_own_s"] > 0

@@ -113,7 +113,9 @@ def _peers(run: _Run) -> list[Row]:
 
     a = run.args
     rows = peer_rows.run(run.work / "peers", a.peer_samples, a.workers, a.repeats)
-    return rows + speech_peers.run(run.work / "speech-peers", a.peer_utts, a.workers, a.repeats)
+    return rows + speech_peers.run(
+        run.work / "speech-peers", a.peer_utts, a.workers, a.repeats, a.short_utts
+    )
 
 
 # Every section, in the order a run takes them; `--only` chooses among these names.
@@ -128,6 +130,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "scaling": _module("scaling"),
     "startup": _module("startup"),
     "custom": _module("custom"),
+    "short": _module("short"),
     "peers": _peers,
 }
 # peers needs LitData, MosaicML Streaming, Lhotse and datasets, which only `make bench-peers` installs
@@ -165,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=400,
         help="speech utterances (0.5-30 s) for Lhotse and datasets in the peers section",
+    )
+    p.add_argument(
+        "--short-utts",
+        type=int,
+        default=3000,
+        help="short speech utterances (0.5-8 s, mostly 1 s) in the short and peers sections",
     )
     p.add_argument(
         "--listing-lines",

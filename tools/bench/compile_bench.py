@@ -33,8 +33,9 @@ import torch
 
 from dlop.compiler.audio.decode import decode_audio
 from dlop.compiler.audio.features import featurize_clips
-from dlop.compiler.audio.options import feature_config
+from dlop.compiler.audio.options import FeatureConfig
 from dlop.compiler.demo import DEMO_RECIPE
+from dlop.compiler.recipe import build_recipe
 from dlop.compiler.run.items import GROUP_SAMPLES
 from dlop.compiler.run.pipeline import CHUNK_ITEMS
 from dlop.formats.heap import keep_freed_memory
@@ -44,7 +45,7 @@ from .corpus import esc50_wavs, replicate
 from .naive import epoch, naive_loader
 from .procmem import PeakSampler, tree_rss_kib
 
-FEATURIZE_CLIPS = 200  # pre-decoded clips held for the featurize-only row (about 170 MiB)
+FEATURIZE_SAMPLES = 200 * 5 * 44100  # pre-decoded samples the featurize-only rows hold (170 MiB)
 
 
 def corpus_bytes(root: Path) -> int:
@@ -117,30 +118,24 @@ def _dlop_decode_rate(files: list[Path], pcm16: bool = False) -> float:
     return len(files) / (time.perf_counter() - t0)
 
 
-def _featurize_rate(waves: list[torch.Tensor], min_s: float = 0.5) -> float:
-    """Clips/s of featurization alone on pre-decoded audio, one torch thread, grouped as
-    a worker groups its inputs, float16 output included: passes over ``waves`` for at
-    least ``min_s`` seconds."""
-    cfg = feature_config(
-        str(DEMO_RECIPE["preset"]),
-        sample_rate=DEMO_RECIPE["sample_rate"],
-        n_fft=DEMO_RECIPE["n_fft"],
-        hop_length=DEMO_RECIPE["hop_length"],
-        n_mels=DEMO_RECIPE["n_mels"],
-    )
-    size = CHUNK_ITEMS["audio"]
+def _featurize_rate(
+    waves: list[torch.Tensor], cfg: FeatureConfig, group: int, min_s: float = 0.5
+) -> float:
+    """Clips/s of featurization alone on pre-decoded audio, one torch thread, ``group``
+    clips at a time (at most GROUP_SAMPLES samples, as a worker groups its inputs),
+    float16 output included: passes over ``waves`` for at least ``min_s`` seconds."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     done = 0
     try:
         t0 = time.perf_counter()
         while not done or time.perf_counter() - t0 < min_s:
-            for g in range(0, len(waves), size):
-                group = waves[g : g + size]
-                held = sum(w.numel() for w in group)
-                step = max(1, len(group) * GROUP_SAMPLES // max(held, 1))
-                for k in range(0, len(group), step):
-                    for feat in featurize_clips(group[k : k + step], cfg):
+            for g in range(0, len(waves), group):
+                clips = waves[g : g + group]
+                held = sum(w.numel() for w in clips)
+                step = max(1, len(clips) * GROUP_SAMPLES // max(held, 1))
+                for k in range(0, len(clips), step):
+                    for feat in featurize_clips(clips[k : k + step], cfg):
                         feat.to(torch.float16)
             done += len(waves)
         return done / (time.perf_counter() - t0)
@@ -152,44 +147,55 @@ _LIMIT = """
 import json, sys
 from pathlib import Path
 from dlop.tools.bench.compile_bench import measure_limit
-print(json.dumps(measure_limit(Path(sys.argv[1]))))
+asked = json.load(sys.stdin)
+print(json.dumps(measure_limit([Path(f) for f in asked["files"]], asked["options"])))
 """
 
 
-def measure_limit(corpus: Path) -> dict[str, float]:
-    """Clips/s of each part of the limit, one core each, in this process: decode alone
-    (soundfile.read and dlop's own) over the corpus, featurize alone over its first
-    FEATURIZE_CLIPS clips, pre-decoded, each after an untimed warm-up. The process's
-    heap is set as a compiling process sets its own (dlop.formats.heap), so the
-    limit's parts run under the allocator the compile runs under."""
+def measure_limit(files: list[Path], options: dict[str, Any]) -> dict[str, float]:
+    """Clips/s of each part of the limit of compiling ``files`` with the recipe ``options``,
+    one core each, in this process: decode alone (soundfile.read and dlop's own) over
+    the files, featurize alone over the first FEATURIZE_SAMPLES decoded samples' worth of
+    them, pre-decoded, in the compiler's groups of CHUNK_ITEMS inputs (``featurize``)
+    and in groups as large as it ever makes, GROUP_SAMPLES samples (``featurize_batched``),
+    each after an untimed warm-up. The process's heap is set as a compiling process sets
+    its own (dlop.formats.heap), so the limit's parts run under the allocator the
+    compile runs under."""
     keep_freed_memory()
-    files = sorted((corpus / "audio").iterdir())
-    waves = [torch.from_numpy(sf.read(f, dtype="float32")[0]) for f in files[:FEATURIZE_CLIPS]]
+    cfg = build_recipe(options).feature
+    waves: list[torch.Tensor] = []
+    for f in files:
+        waves.append(torch.from_numpy(sf.read(f, dtype="float32")[0]))
+        if sum(w.numel() for w in waves) >= FEATURIZE_SAMPLES:
+            break
+    chunk = CHUNK_ITEMS["audio"]
     # untimed: what a process does once (first decodes, FFT plans, the filterbank), which a
     # compile spreads over all its clips
     _decode_rate(files[:16])
     _dlop_decode_rate(files[:16])
-    _featurize_rate(waves[: CHUNK_ITEMS["audio"]], min_s=0.0)
+    _featurize_rate(waves[:chunk], cfg, chunk, min_s=0.0)
     rates = {
         "soundfile": _decode_rate(files),
         "dlop": _dlop_decode_rate(files),
-        "featurize": _featurize_rate(waves),
+        "featurize": _featurize_rate(waves, cfg, chunk),
+        "featurize_batched": _featurize_rate(waves, cfg, len(waves)),
     }
     # the same two steps as the compile takes them for this corpus: 16-bit PCM left in
-    # int16 by the decoder and framed from int16 (no float32 copy of the audio)
-    ints = [torch.from_numpy(sf.read(f, dtype="int16")[0]) for f in files[:FEATURIZE_CLIPS]]
+    # int16 by the decoder and framed from int16 where the features allow it
+    ints = [torch.from_numpy(sf.read(f, dtype="int16")[0]) for f in files[: len(waves)]]
     del waves
     _dlop_decode_rate(files[:16], pcm16=True)
-    _featurize_rate(ints[: CHUNK_ITEMS["audio"]], min_s=0.0)
+    _featurize_rate(ints[:chunk], cfg, chunk, min_s=0.0)
     rates["dlop_pcm16"] = _dlop_decode_rate(files, pcm16=True)
-    rates["featurize_pcm16"] = _featurize_rate(ints)
+    rates["featurize_pcm16"] = _featurize_rate(ints, cfg, chunk)
     return rates
 
 
-def limit_rates(corpus: Path) -> dict[str, float]:
+def limit_rates(files: list[Path], options: dict[str, Any]) -> dict[str, float]:
     """measure_limit in a fresh process, as each compile runs in one."""
-    cmd = [sys.executable, "-c", _LIMIT, str(corpus)]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
+    asked = json.dumps({"files": [str(f) for f in files], "options": options})
+    cmd = [sys.executable, "-c", _LIMIT]
+    out = subprocess.run(cmd, input=asked, stdout=subprocess.PIPE, text=True, check=True).stdout
     rates: dict[str, float] = json.loads(out.splitlines()[-1])
     return rates
 
@@ -222,7 +228,7 @@ def run(
         n = epoch(naive_loader(corpus, batch_size=64, workers=workers))
         naive_rates.append(n / (time.perf_counter() - t0))
         # the limit, per core: decode alone and featurize alone, in this round
-        limit = limit_rates(corpus)
+        limit = limit_rates(sorted((corpus / "audio").iterdir()), _esc_options(corpus))
         sf_rates.append(limit["soundfile"])
         own_rates.append(limit["dlop"])
         feat_rates.append(limit["featurize"])

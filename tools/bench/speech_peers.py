@@ -4,7 +4,7 @@ One generated corpus in the LibriSpeech layout (16 kHz FLAC of 0.5-30 s with
 ``*.trans.txt`` transcripts) is compiled to 80-bin Kaldi fbank by each, on its
 documented fast path, with the same number of worker processes:
 
-- dlop: ``compile_corpus`` with the kaldi preset (80 bins, float16), read by
+- dlop: ``dlop-compile`` with the kaldi preset (80 bins, float16), read by
   the Loader with ``bucket_by``;
 - Lhotse: ``prepare_librispeech``, ``CutSet.compute_and_store_features`` with
   its torch ``Fbank`` into a ``LilcomChunkyWriter``, read by a DataLoader over
@@ -15,7 +15,13 @@ documented fast path, with the same number of worker processes:
   in a DataLoader, in random batches and length-grouped
   (transformers' ``LengthGroupedSampler``).
 
-Each compile runs in a child process, timed from after its imports, with one
+A second corpus of short utterances (short_corpus: mostly one-second WAV clips, as
+command and call-centre corpora are) is compiled by the three in interleaved
+rounds and timed as a user waits for it: the whole process, interpreter start,
+imports and exit included, where the cost per input and the start-up weigh most.
+
+Each compile runs in a child process, timed from after its imports (dlop's by its
+own summary line) and as a whole, with one
 math thread per worker process (OMP_NUM_THREADS=1) and the peak RSS of that
 process and its workers read from /proc. The peers are not
 dependencies of dlop: they are imported only here, inside the functions that
@@ -28,12 +34,15 @@ import io
 import json
 import math
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +92,50 @@ def speech_corpus(root: Path, utts: int, seed: int = 0) -> tuple[Path, float]:
     return root, total / SAMPLE_RATE
 
 
+def short_corpus(root: Path, utts: int, seed: int = 0) -> tuple[Path, float]:
+    """``utts`` mono 16 kHz 16-bit WAV utterances shaped like a command or call-centre corpus:
+    two in five are one-second clips (0.8-1.0 s, Speech Commands' mass), the rest log-uniform
+    from 0.5 to 8 s (median about 1 s in all), listed with transcripts in a NeMo manifest
+    ``root/manifest.jsonl``; returns (the manifest, seconds of audio). Signals as speech_corpus's."""
+    import soundfile as sf
+
+    from dlop.compiler.demo import synth
+
+    rng = np.random.default_rng(seed)
+    sources = [synth("formant_sweep", SAMPLE_RATE, 8.0, rng) for _ in range(4)]
+    (root / "wav").mkdir(parents=True, exist_ok=True)
+    lines, total = [], 0
+    for u in range(utts):
+        if rng.random() < 0.4:
+            seconds = rng.uniform(0.8, 1.0)
+        else:
+            seconds = math.exp(rng.uniform(math.log(0.5), math.log(8.0)))
+        n = int(seconds * SAMPLE_RATE)
+        src = sources[u % len(sources)]
+        start = int(rng.integers(0, len(src) - n + 1))
+        x = src[start : start + n] * rng.uniform(0.3, 1.0) + 0.003 * rng.standard_normal(n)
+        name = f"wav/utt{u:06d}.wav"
+        sf.write(root / name, x.astype(np.float32), SAMPLE_RATE, subtype="PCM_16")
+        text = f"UTTERANCE NUMBER {u} OF A SYNTHETIC SPEAKER"
+        lines.append(
+            json.dumps({"audio_filepath": name, "duration": n / SAMPLE_RATE, "text": text})
+        )
+        total += n
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    return manifest, total / SAMPLE_RATE
+
+
 def _utterances(corpus: Path) -> list[tuple[str, str, str]]:
-    """(id, flac path, transcript) of every utterance, sorted by id."""
+    """(id, audio path, transcript) of every utterance, sorted by id: ``corpus`` is a
+    LibriSpeech-layout folder (speech_corpus) or a manifest (short_corpus)."""
     rows = []
+    if corpus.is_file():
+        for line in corpus.read_text().splitlines():
+            entry = json.loads(line)
+            path = corpus.parent / entry["audio_filepath"]
+            rows.append((path.stem, str(path), entry["text"]))
+        return sorted(rows)
     for trans in sorted(corpus.rglob("*.trans.txt")):
         for line in trans.read_text().splitlines():
             uid, _, text = line.partition(" ")
@@ -122,26 +172,51 @@ def hf_extractor() -> Any:
 # ---- compiles, each run in a child process (python -m dlop.tools.bench.speech_peers ...)
 
 
-def _compile_dlop(corpus: Path, out: Path, workers: int) -> None:
-    from dlop.compiler.recipe import build_recipe
-    from dlop.compiler.run.pipeline import compile_corpus
+def dlop_command(corpus: Path, out: Path, workers: int) -> list[str]:
+    """dlop-compile as a user runs it for this corpus (the kaldi preset, 80 bins)."""
+    layout = "manifest" if corpus.is_file() else "librispeech"
+    return [
+        *(sys.executable, "-m", "dlop.tools.compile_cli", str(corpus), "-o", str(out)),
+        *("--layout", layout, "--preset", "kaldi", "--n-mels", str(N_MELS)),
+        *("--workers", str(workers), "--overwrite"),
+    ]
 
-    recipe = build_recipe(
-        {"source": str(corpus), "layout": "librispeech", "preset": "kaldi", "n_mels": N_MELS}
+
+def summary_seconds(stdout: str) -> float:
+    """The compile's own seconds, from its summary line's inputs and inputs/s (more
+    digits than its rounded seconds)."""
+    found = re.search(r"([0-9.]+) s, ([0-9]+) inputs/s", stdout)
+    inputs = re.search(r"wrote .*?: ([0-9]+) samples", stdout)
+    if found is None or inputs is None:
+        raise RuntimeError(f"no summary line in dlop-compile's output: {stdout[-300:]!r}")
+    rate = float(found.group(2))
+    return int(inputs.group(1)) / rate if rate else float(found.group(1))
+
+
+def _lhotse_manifests(corpus: Path, workers: int) -> tuple[Any, Any]:
+    """(recordings, supervisions): Lhotse's LibriSpeech recipe for a folder; for a manifest,
+    RecordingSet.from_dir over its WAV folder and a supervision per line."""
+    from lhotse import RecordingSet, SupervisionSegment, SupervisionSet
+    from lhotse.recipes import prepare_librispeech
+
+    if not corpus.is_file():
+        made = prepare_librispeech(corpus, dataset_parts=[SUBSET], num_jobs=workers)[SUBSET]
+        return made["recordings"], made["supervisions"]
+    recordings = RecordingSet.from_dir(corpus.parent / "wav", "*.wav", num_jobs=workers)
+    supervisions = SupervisionSet.from_segments(
+        SupervisionSegment(uid, uid, 0.0, recordings[uid].duration, text=text)
+        for uid, _, text in _utterances(corpus)
     )
-    compile_corpus(recipe, out, workers=workers, progress=False, overwrite=True)
+    return recordings, supervisions
 
 
 def _compile_lhotse(corpus: Path, out: Path, workers: int) -> None:
     import torch
     from lhotse import CutSet, LilcomChunkyWriter
-    from lhotse.recipes import prepare_librispeech
 
     torch.set_num_threads(1)  # as icefall's compute_fbank scripts do, one per job
-    manifests = prepare_librispeech(corpus, dataset_parts=[SUBSET], num_jobs=workers)[SUBSET]
-    cuts = CutSet.from_manifests(
-        recordings=manifests["recordings"], supervisions=manifests["supervisions"]
-    )
+    recordings, supervisions = _lhotse_manifests(corpus, workers)
+    cuts = CutSet.from_manifests(recordings=recordings, supervisions=supervisions)
     cuts = cuts.compute_and_store_features(
         extractor=lhotse_fbank(),
         storage_path=out / "feats",
@@ -206,7 +281,6 @@ def _compile_datasets(corpus: Path, out: Path, workers: int) -> None:
 
 
 COMPILES: dict[str, Callable[[Path, Path, int], None]] = {
-    "dlop": _compile_dlop,
     "lhotse": _compile_lhotse,
     "datasets": _compile_datasets,
 }
@@ -215,7 +289,6 @@ COMPILES: dict[str, Callable[[Path, Path, int], None]] = {
 # What each compile imports, loaded before its clock starts: a compile is timed from
 # after its imports (torch alone takes seconds to import, as much as a small compile).
 IMPORTS: dict[str, tuple[str, ...]] = {
-    "dlop": ("dlop.compiler.run.pipeline", "dlop.compiler.recipe"),
     "lhotse": ("torch", "lhotse", "lhotse.recipes"),
     "datasets": ("pyarrow", "datasets", "transformers", "soundfile"),
 }
@@ -233,10 +306,26 @@ def _child(argv: list[str]) -> None:
     print(json.dumps({"seconds": time.perf_counter() - t0}))
 
 
-def timed_compile(peer: str, corpus: Path, out: Path, workers: int) -> tuple[float, int, int]:
-    """(seconds, peak RSS in KiB of the compile and its workers, bytes on disk) of one peer's
-    compile in a fresh process, timed from after its imports."""
-    cmd = [sys.executable, "-m", __name__, peer, str(corpus), str(out), str(workers)]
+@dataclass
+class Compiled:
+    """One peer's compile in a fresh process: seconds from after its imports, seconds of the
+    whole process (interpreter start, imports and exit included), peak RSS in KiB of the
+    compile and its workers, bytes on disk."""
+
+    seconds: float
+    wall: float
+    peak_kib: int
+    size: int
+
+
+def timed_compile(peer: str, corpus: Path, out: Path, workers: int) -> Compiled:
+    """One peer's compile of ``corpus`` into ``out`` in a fresh process (Compiled): dlop's
+    by its command (its seconds from its summary line), a peer's by a script of its
+    documented calls (its seconds from after its imports)."""
+    if peer == "dlop":
+        cmd = dlop_command(corpus, out, workers)
+    else:
+        cmd = [sys.executable, "-m", __name__, peer, str(corpus), str(out), str(workers)]
     # one math thread per worker process for every peer, as dlop's workers run: Lhotse's
     # spawned feature workers and the numpy inside datasets' map workers would otherwise
     # each start a thread per core and contend for the cores the other workers use
@@ -247,17 +336,22 @@ def timed_compile(peer: str, corpus: Path, out: Path, workers: int) -> tuple[flo
         "TQDM_DISABLE": "1",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     }
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     with PeakSampler(lambda: tree_rss_kib(proc.pid), 0.1) as peak:
         stdout, stderr = proc.communicate()
+    wall = time.perf_counter() - t0
     if proc.returncode:
         last = stderr.strip().splitlines()[-1:] or ["no message"]
         raise RuntimeError(
             f"{peer} compile of {corpus} failed with exit status {proc.returncode}: {last[0]}"
         )
-    seconds = float(json.loads(stdout.strip().splitlines()[-1])["seconds"])
+    if peer == "dlop":
+        seconds = summary_seconds(stdout)
+    else:
+        seconds = float(json.loads(stdout.strip().splitlines()[-1])["seconds"])
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return seconds, peak.peak, size
+    return Compiled(seconds, wall, peak.peak, size)
 
 
 # ---- reads, in this process
@@ -392,12 +486,72 @@ def _max_diff(
     return notes
 
 
-def run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
+def run(work: Path, utts: int, workers: int, repeats: int, short_utts: int = 0) -> list[Row]:
     # the peers warn about their own settings and APIs (Lhotse on snip_edges, torch on read-only
     # arrays) in this process and in their DataLoader workers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _run(work, utts, workers, repeats)
+        rows = _run(work / "long", utts, workers, repeats)
+        if short_utts:
+            rows += short_rows(work / "short", short_utts, workers, repeats)
+        shutil.rmtree(work, ignore_errors=True)
+        return rows
+
+
+PEER_NAMES = {
+    "dlop": "dlop-compile, kaldi preset (float16)",
+    "lhotse": "Lhotse 1.33 compute_and_store_features(Fbank) -> LilcomChunkyWriter",
+    "datasets": "datasets 5.2 map(batched, num_proc) + save_to_disk (float32 Array2D)",
+}
+
+
+def short_rows(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
+    """The short-utterance corpus compiled by dlop, Lhotse and datasets in interleaved
+    rounds, each timed as a whole process; each ratio is the median of its rounds'."""
+    work.mkdir(parents=True, exist_ok=True)
+    manifest, seconds = short_corpus(work / "corpus", utts)
+    wl = (
+        f"speech peers, short utterances: {utts} 16 kHz WAV of 0.5-8 s, two in five about 1 s "
+        f"({seconds / 3600:.2f} h, NeMo manifest) -> 80-bin Kaldi fbank, {workers} worker "
+        "processes each, whole process timed (start-up and exit included)"
+    )
+    made: dict[str, list[Compiled]] = {}
+    failed: dict[str, str] = {}
+    for _ in range(max(1, repeats)):
+        for peer in PEER_NAMES:
+            if peer in failed:
+                continue
+            out = work / f"out-{peer}"
+            shutil.rmtree(out, ignore_errors=True)
+            try:
+                made.setdefault(peer, []).append(timed_compile(peer, manifest, out, workers))
+            except RuntimeError as e:
+                failed[peer] = str(e)
+            shutil.rmtree(out, ignore_errors=True)
+    rows = []
+    median = statistics.median
+    for peer, name in PEER_NAMES.items():
+        if peer in failed:
+            rows.append(Row(wl, f"{name}: not run ({failed[peer]}; install with make bench-peers)"))
+            continue
+        runs = made[peer]
+        row = Row(
+            wl,
+            name,
+            median(utts / m.wall for m in runs),
+            extra={
+                "audio_s_per_s": round(median(seconds / m.wall for m in runs)),
+                "wall_s": round(median(m.wall for m in runs), 2),
+                "after_imports_s": round(median(m.seconds for m in runs), 2),
+                "peak_rss_MiB": round(max(m.peak_kib for m in runs) / 1024),
+            },
+        )
+        if peer != "dlop" and "dlop" in made:
+            ratios = [m.wall / d.wall for m, d in zip(runs, made["dlop"], strict=False)]
+            row.extra["dlop_over_this"] = f"{median(ratios):.2f}x (target >=3x)"
+            row.extra["dlop_over_this_rounds"] = sorted(round(r, 2) for r in ratios)
+        rows.append(row)
+    return rows
 
 
 def _run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
@@ -412,18 +566,15 @@ def _run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
         f"speech peers, read: epochs of shuffled batches of ~{BATCH} utterances "
         f"(fbank + text), page cache warm, {workers} DataLoader workers for the peers"
     )
-    names = {
-        "dlop": "dlop-compile, kaldi preset (float16)",
-        "lhotse": "Lhotse 1.33 compute_and_store_features(Fbank) -> LilcomChunkyWriter",
-        "datasets": "datasets 5.2 map(batched, num_proc) + save_to_disk (float32 Array2D)",
-    }
+    names = PEER_NAMES
     compile_rows: dict[str, Row] = {}
     outs: dict[str, Path] = {}
     rows: list[Row] = []
     for peer in ("dlop", "lhotse", "datasets"):
         out = work / f"out-{peer}"
         try:
-            took, peak, size = timed_compile(peer, corpus, out, workers)
+            made = timed_compile(peer, corpus, out, workers)
+            took, peak, size = made.seconds, made.peak_kib, made.size
         except RuntimeError as e:
             rows.append(
                 Row(wl_compile, f"{names[peer]}: not run ({e}; install with make bench-peers)")
@@ -508,7 +659,6 @@ def _run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
         if close is not None:
             close()
     del loaders  # peers' worker processes end
-    shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
