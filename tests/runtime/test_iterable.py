@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import pickle
 import platform
 import time
 from collections import Counter
@@ -390,6 +391,76 @@ def test_batches_all_kept_get_fresh_memory_and_keep_their_values(many: Path) -> 
     no_slots = IterableArchive(many, **SLOTS_KW, worker_buffers=0)  # type: ignore[arg-type]
     assert len(list(workers_loader(no_slots, 2))) == 30
     assert no_slots.buffer_counts() == (0, 30)
+
+
+@pytest.mark.parametrize("by_proc", [True, False])
+def test_slot_batches_travel_by_descriptor_number_or_by_torch(
+    many: Path, by_proc: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where /proc serves (Linux), a slot batch carries its segment's pid, descriptor and
+    inode and the main process maps it itself; elsewhere torch sends the descriptor.
+    Either way the batches are the Loader's and the slots are reused."""
+    assert shared_ring.proc_fds_open() == (platform.system() == "Linux")
+    expected = loader_batches(many, **SLOTS_KW)
+    if not by_proc:  # as where /proc does not serve: the table says so as it is made
+        monkeypatch.setattr(shared_ring, "proc_fds_open", lambda: False)
+    ds = IterableArchive(many, **SLOTS_KW)  # type: ignore[arg-type]
+    ds.set_epoch(1)
+    for batch, want in zip(workers_loader(ds, 2), expected, strict=True):
+        assert_same(batch, want)
+    assert ds.buffer_counts() == (30, 0)
+
+
+@pytest.mark.parametrize("by_proc", [True, False])
+def test_a_slot_batch_pickles_its_pieces_by_descriptor_number(by_proc: bool) -> None:
+    if by_proc and not shared_ring.proc_fds_open():
+        pytest.skip("no /proc/<pid>/fd here")
+    table = shared_ring.ReleaseTable(12345, 1, 2)
+    slot = shared_ring.new_slot(2 * shared_ring.ALIGN)
+    assert slot is not None
+    x = slot.allocate((2, 3), torch.float32).copy_(torch.arange(6.0).reshape(2, 3))
+    big = slot.allocate((4 * shared_ring.ALIGN,), torch.uint8).fill_(7)  # fresh: overflow
+    items = {"x": x[:, 1:], "big": big, "key": ["a", "b"]}  # a strided view, kept as one
+    sent = shared_ring.SlotBatch(
+        items, slot.memory[:1], shared_ring.Ticket(12345, 0, 1, 9), by_proc
+    )
+    how, args, _ = sent.__reduce__()
+    assert how is (shared_ring.claim_by_proc if by_proc else shared_ring.claim)
+    if by_proc:
+        pieces = {name: piece for name, piece, _ in args[1]}
+        assert pieces == {"x": True, "big": False, "key": False}
+    got = pickle.loads(pickle.dumps(sent))  # unpickled here: this process is the "main" one
+    assert list(got) == ["x", "big", "key"]
+    assert torch.equal(got["x"], x[:, 1:]) and got["x"].stride() == x[:, 1:].stride()
+    assert torch.equal(got["big"], big) and got["key"] == ["a", "b"]
+    if by_proc:  # torch's way rebuilds a storage this process holds: not a hand-over
+        assert int(table.tensor[0, 1]) == 0
+        del got
+        gc.collect()
+        assert int(table.tensor[0, 1]) == 9  # its slot marked free once the batch is gone
+
+
+def test_a_descriptor_that_is_not_the_segment_sent_is_refused(tmp_path: Path) -> None:
+    if not shared_ring.proc_fds_open():
+        pytest.skip("no /proc/<pid>/fd here")
+    ticket = shared_ring.Ticket(0, 0, 0, 1)
+    memory_ = torch.UntypedStorage._new_shared(4096)  # type: ignore[no-untyped-call]
+    fd, nbytes = memory_._share_fd_cpu_()
+    inode = os.fstat(fd).st_ino
+    piece = [("x", True, (0, (4,), (1,), "float32"))]
+    batch = shared_ring.claim_by_proc((os.getpid(), fd, nbytes, inode), piece, ticket)
+    assert batch["x"].shape == (4,) and batch["x"].dtype == torch.float32
+    other = tmp_path / "other"
+    other.write_bytes(bytes(8192))
+    with (
+        open(other, "rb") as f,
+        pytest.raises(LoaderError, match=r"is not the 4096-byte batch memory"),
+    ):
+        shared_ring.claim_by_proc((os.getpid(), f.fileno(), nbytes, inode), piece, ticket)
+    with pytest.raises(LoaderError, match=r"cannot open DataLoader worker .*worker_buffers=0"):
+        shared_ring.claim_by_proc((os.getpid(), 10**6, nbytes, inode), piece, ticket)
+    with pytest.raises(LoaderError, match=r"not the 1048576-byte batch memory"):
+        shared_ring.claim_by_proc((os.getpid(), fd, 1 << 20, inode), piece, ticket)  # too short
 
 
 def worker_shared_memory(pids: list[int]) -> list[str]:
