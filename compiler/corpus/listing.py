@@ -141,11 +141,19 @@ def _real_path(path: str) -> str:
     """``os.path.realpath(path)`` at the cost of one lstat for a file whose folder was asked
     about recently: the folder's real path (_real_folder) joined with the name, unless the
     name is itself a link (then resolved in full). A manifest names its files folder by
-    folder, and resolving each one's every parent took longer than decoding a short clip."""
+    folder, and resolving each one's every parent took longer than decoding a short clip.
+    The folders' answers last one listing (forget_real_paths)."""
     folder, name = os.path.split(path)
     if name in ("", ".", "..") or os.path.islink(path):
         return os.path.realpath(path)
     return os.path.join(_real_folder(folder), name)
+
+
+def forget_real_paths() -> None:
+    """Drops the folders' real paths asked so far: a listing, or a unit's inputs streamed,
+    starts from where the folders lead now, never from a link made since an earlier
+    compile in this process (a notebook, a Dask worker) was listed."""
+    _real_folder.cache_clear()
 
 
 def _within(path: str, folder: str) -> bool:

@@ -35,6 +35,36 @@ def compile_ok(*args: str) -> Path:
     return Path(args[args.index("-o") + 1])
 
 
+def test_a_file_or_folder_linked_out_since_an_earlier_listing_is_refused(tmp_path: Path) -> None:
+    """Folders' real paths are remembered within one listing only: a folder swapped for a
+    link after an earlier compile in the same process is seen, and so is a file that is
+    itself a link out."""
+    from dlop.compiler.corpus.layouts import open_corpus, stream_items
+
+    root, outside = tmp_path / "corpus", tmp_path / "outside"
+    (root / "a").mkdir(parents=True)
+    outside.mkdir()
+    (root / "a" / "x.wav").write_bytes(b"")
+    (outside / "x.wav").write_bytes(b"")
+    os.symlink(outside / "x.wav", root / "b.wav")  # a file that is a link out
+    manifest = root / "m.jsonl"
+    manifest.write_text(
+        "".join(
+            json.dumps({"audio_filepath": p, "duration": 1.0}) + "\n" for p in ("a/x.wav", "b.wav")
+        )
+    )
+
+    def errors() -> list[str | None]:
+        return [item.error for item in stream_items(open_corpus(str(manifest), "manifest"))]
+
+    first = errors()
+    assert first[0] is None and "leads out of the corpus through a link" in str(first[1])
+    (root / "a" / "x.wav").unlink()
+    (root / "a").rmdir()
+    os.symlink(outside, root / "a")  # the folder now leads out
+    assert all("leads out of the corpus through a link" in str(e) for e in errors())
+
+
 def test_confined_resolves_inside_and_refuses_the_rest(tmp_path: Path) -> None:
     root = tmp_path / "corpus"
     (root / "a").mkdir(parents=True)

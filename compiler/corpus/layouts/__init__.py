@@ -45,7 +45,7 @@ from typing import Any
 
 from ...errors import CompileError
 from ...urls import is_url, local_path, url_path
-from ..listing import MEDIA, is_archive
+from ..listing import MEDIA, forget_real_paths, is_archive
 from ..records import Corpus, Item, ListOptions
 
 
@@ -158,6 +158,7 @@ def layout_media(layout: str, source: Path) -> str:
 def stream_items(corpus: Corpus, start: int = 0, stop: int | None = None) -> Iterator[Item]:
     """The corpus's items [start, stop) in corpus order, through the layout's ``stream``
     where it has one (see the module docstring)."""
+    forget_real_paths()
     layout = _REGISTRY.get(corpus.layout)
     if layout is not None and layout.stream is not None:
         want = len(range(len(corpus.items))[start:stop])
@@ -207,6 +208,7 @@ def open_corpus(
 ) -> Corpus:
     """Lists ``source`` (a path or URL) with its layout (detected when None) into a Corpus,
     in corpus order; ``storage_options`` reach the filesystem of a URL (compiler.urls)."""
+    forget_real_paths()
     path = source_path(source, storage_options)
     chosen = get(layout or detect_layout(path))
     media = media or chosen.source_media(path)
