@@ -549,6 +549,8 @@ def encode_value(f: Field, value: Any, index: int) -> tuple[bytes | memoryview, 
             value = np.ascontiguousarray(value).data  # a view: a large value is not copied
         if not isinstance(value, bytes | bytearray | memoryview):
             raise SchemaError(f"{where}: expected bytes, got {type(value).__name__}")
+        if isinstance(value, memoryview) and not value.c_contiguous:
+            value = value.tobytes()  # a strided view: its bytes in order
         view = value if isinstance(value, bytes) else memoryview(value).cast("B")
         _check_sample_shape(where, (len(view),), 1)
         return view, (len(view),)

@@ -47,6 +47,8 @@ def converted(i: int) -> dict[str, Any]:
         "label": np.int64(s["label"]),
         "blob": s["blob"].astype(np.float16),  # cast up to f32
         "wave": s["wave"].tolist(),
+        # every other byte of twice the bytes: a strided view, not C-contiguous
+        "raw": memoryview(np.frombuffer(bytes([i]) * (2 * i), np.uint8)[::2]),
     }
 
 
