@@ -115,8 +115,8 @@ def proc_fds_open() -> bool:
 
 
 # A slot batch's value as claim_by_proc rebuilds it: a piece of the segment (its storage
-# offset in elements, shape, strides, dtype name), or any other value as pickled.
-Piece = tuple[int, tuple[int, ...], tuple[int, ...], str]
+# offset in elements, shape, strides, dtype), or any other value as pickled.
+Piece = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
 def claim_by_proc(
@@ -148,9 +148,7 @@ def claim_by_proc(
     for name, piece, value in values:
         if piece:
             offset, shape, stride, dtype = value
-            items[name] = torch.empty(0, dtype=getattr(torch, dtype)).set_(
-                storage, offset, shape, stride
-            )
+            items[name] = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
         else:
             items[name] = value
     return claim(items, torch.empty(0, dtype=torch.uint8).set_(storage), ticket)
@@ -201,8 +199,7 @@ class SlotBatch(Batch):
         values: list[tuple[str, bool, Any]] = []
         for name, value in self.items():
             if (
-                isinstance(value, torch.Tensor)
-                and type(value) is torch.Tensor
+                type(value) is torch.Tensor
                 and not value.requires_grad
                 and value.untyped_storage().data_ptr() == storage
             ):
@@ -210,7 +207,7 @@ class SlotBatch(Batch):
                     int(value.storage_offset()),
                     tuple(value.shape),
                     value.stride(),
-                    str(value.dtype).removeprefix("torch."),
+                    value.dtype,
                 )
                 values.append((name, True, piece))
             else:

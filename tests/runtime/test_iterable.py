@@ -447,7 +447,7 @@ def test_a_descriptor_that_is_not_the_segment_sent_is_refused(tmp_path: Path) ->
     memory_ = torch.UntypedStorage._new_shared(4096)  # type: ignore[no-untyped-call]
     fd, nbytes = memory_._share_fd_cpu_()
     inode = os.fstat(fd).st_ino
-    piece = [("x", True, (0, (4,), (1,), "float32"))]
+    piece = [("x", True, (0, (4,), (1,), torch.float32))]
     batch = shared_ring.claim_by_proc((os.getpid(), fd, nbytes, inode), piece, ticket)
     assert batch["x"].shape == (4,) and batch["x"].dtype == torch.float32
     other = tmp_path / "other"
