@@ -30,7 +30,7 @@ def test_speech_corpus_is_librispeech(tmp_path: Path) -> None:
 
     root, seconds = speech_peers.speech_corpus(tmp_path / "c", 3)
     assert detect_layout(root) == "librispeech"
-    utts = speech_peers._utterances(root)
+    utts = speech_peers.utterances(root)
     assert len(utts) == 3
     lengths = [sf.info(path).duration for _, path, _ in utts]
     assert all(0.5 <= s <= 30.0 for s in lengths)
@@ -45,7 +45,7 @@ def test_short_corpus_is_a_manifest_of_short_wavs(tmp_path: Path) -> None:
 
     manifest, seconds = speech_peers.short_corpus(tmp_path / "c", 40)
     assert detect_layout(manifest) == "manifest"
-    utts = speech_peers._utterances(manifest)
+    utts = speech_peers.utterances(manifest)
     assert len(utts) == 40 and all(text for _, _, text in utts)
     infos = [sf.info(path) for _, path, _ in utts]
     assert {(i.samplerate, i.subtype, i.format) for i in infos} == {(16000, "PCM_16", "WAV")}

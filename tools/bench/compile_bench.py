@@ -164,9 +164,11 @@ def measure_limit(files: list[Path], options: dict[str, Any]) -> dict[str, float
     keep_freed_memory()
     cfg = build_recipe(options).feature
     waves: list[torch.Tensor] = []
+    held = 0
     for f in files:
         waves.append(torch.from_numpy(sf.read(f, dtype="float32")[0]))
-        if sum(w.numel() for w in waves) >= FEATURIZE_SAMPLES:
+        held += waves[-1].numel()
+        if held >= FEATURIZE_SAMPLES:
             break
     chunk = CHUNK_ITEMS["audio"]
     # untimed: what a process does once (first decodes, FFT plans, the filterbank), which a

@@ -29,14 +29,14 @@ from typing import Any
 
 from .common import Row
 from .compile_bench import limit_rates, timed_compile
-from .speech_peers import N_MELS, _utterances, short_corpus
+from .speech_peers import N_MELS, Compiled, short_corpus, utterances, whole_process_row
 from .speech_peers import timed_compile as timed_command
 
 
 def run(work: Path, args: Any) -> list[Row]:
     utts, workers, repeats = args.short_utts, args.workers, max(1, args.repeats)
     manifest, seconds = short_corpus(work / "corpus", utts)
-    files = [Path(path) for _, path, _ in _utterances(manifest)]
+    files = [Path(path) for _, path, _ in utterances(manifest)]
     options = {"source": str(manifest), "preset": "kaldi", "n_mels": N_MELS}
     wl = (
         f"short utterances: {utts} 16 kHz WAV of 0.5-8 s, two in five about 1 s "
@@ -44,7 +44,7 @@ def run(work: Path, args: Any) -> list[Row]:
     )
     limits: list[dict[str, float]] = []
     one: list[float] = []
-    command: list[Any] = []
+    command: list[Compiled] = []
     for _ in range(repeats):
         limits.append(limit_rates(files, options))
         out = work / "out-1"
@@ -94,16 +94,8 @@ def run(work: Path, args: Any) -> list[Row]:
                 "of_fastest_limit_rounds": sorted(round(v, 2) for v in of_strict),
             },
         ),
-        Row(
-            wl,
-            f"dlop-compile, {workers} workers, the whole command",
-            median(utts / c.wall for c in command),
-            extra={
-                "audio_s_per_s": round(median(seconds / c.wall for c in command)),
-                "wall_s": round(median(c.wall for c in command), 2),
-                "its_own_s": round(median(c.seconds for c in command), 2),
-                "peak_rss_MiB": round(max(c.peak_kib for c in command) / 1024),
-            },
+        whole_process_row(
+            wl, f"dlop-compile, {workers} workers, the whole command", command, utts, seconds
         ),
     ]
     shutil.rmtree(work, ignore_errors=True)

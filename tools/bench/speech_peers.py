@@ -126,7 +126,7 @@ def short_corpus(root: Path, utts: int, seed: int = 0) -> tuple[Path, float]:
     return manifest, total / SAMPLE_RATE
 
 
-def _utterances(corpus: Path) -> list[tuple[str, str, str]]:
+def utterances(corpus: Path) -> list[tuple[str, str, str]]:
     """(id, audio path, transcript) of every utterance, sorted by id: ``corpus`` is a
     LibriSpeech-layout folder (speech_corpus) or a manifest (short_corpus)."""
     rows = []
@@ -205,7 +205,7 @@ def _lhotse_manifests(corpus: Path, workers: int) -> tuple[Any, Any]:
     recordings = RecordingSet.from_dir(corpus.parent / "wav", "*.wav", num_jobs=workers)
     supervisions = SupervisionSet.from_segments(
         SupervisionSegment(uid, uid, 0.0, recordings[uid].duration, text=text)
-        for uid, _, text in _utterances(corpus)
+        for uid, _, text in utterances(corpus)
     )
     return recordings, supervisions
 
@@ -244,7 +244,7 @@ def _compile_datasets(corpus: Path, out: Path, workers: int) -> None:
     import pyarrow as pa
     from datasets import Array2D, Audio, Dataset, DatasetInfo, Features, Value
 
-    utts = _utterances(corpus)
+    utts = utterances(corpus)
     # datasets 5 encodes and decodes Audio through torchcodec (absent here): the Audio
     # column is built as the Arrow struct it stores, {bytes, path}, and the map decodes
     # the file with soundfile
@@ -316,6 +316,23 @@ class Compiled:
     wall: float
     peak_kib: int
     size: int
+
+
+def whole_process_row(wl: str, name: str, runs: list[Compiled], inputs: int, seconds: float) -> Row:
+    """A row of compiles timed as whole processes: inputs/s, seconds of audio per second,
+    wall and own seconds (medians over ``runs``), peak RSS (the largest)."""
+    median = statistics.median
+    return Row(
+        wl,
+        name,
+        median(inputs / m.wall for m in runs),
+        extra={
+            "audio_s_per_s": round(median(seconds / m.wall for m in runs)),
+            "wall_s": round(median(m.wall for m in runs), 2),
+            "own_s": round(median(m.seconds for m in runs), 2),
+            "peak_rss_MiB": round(max(m.peak_kib for m in runs) / 1024),
+        },
+    )
 
 
 def timed_compile(peer: str, corpus: Path, out: Path, workers: int) -> Compiled:
@@ -529,26 +546,15 @@ def short_rows(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
                 failed[peer] = str(e)
             shutil.rmtree(out, ignore_errors=True)
     rows = []
-    median = statistics.median
     for peer, name in PEER_NAMES.items():
         if peer in failed:
             rows.append(Row(wl, f"{name}: not run ({failed[peer]}; install with make bench-peers)"))
             continue
         runs = made[peer]
-        row = Row(
-            wl,
-            name,
-            median(utts / m.wall for m in runs),
-            extra={
-                "audio_s_per_s": round(median(seconds / m.wall for m in runs)),
-                "wall_s": round(median(m.wall for m in runs), 2),
-                "after_imports_s": round(median(m.seconds for m in runs), 2),
-                "peak_rss_MiB": round(max(m.peak_kib for m in runs) / 1024),
-            },
-        )
+        row = whole_process_row(wl, name, runs, utts, seconds)
         if peer != "dlop" and "dlop" in made:
             ratios = [m.wall / d.wall for m, d in zip(runs, made["dlop"], strict=False)]
-            row.extra["dlop_over_this"] = f"{median(ratios):.2f}x (target >=3x)"
+            row.extra["dlop_over_this"] = f"{statistics.median(ratios):.2f}x (target >=3x)"
             row.extra["dlop_over_this_rounds"] = sorted(round(r, 2) for r in ratios)
         rows.append(row)
     return rows
@@ -557,7 +563,7 @@ def short_rows(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
 def _run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
     work.mkdir(parents=True, exist_ok=True)
     corpus, seconds = speech_corpus(work / "corpus", utts)
-    utterances = _utterances(corpus)
+    listed = utterances(corpus)
     wl_compile = (
         f"speech peers, compile: {utts} utterances, 0.5-30 s 16 kHz FLAC ({seconds / 3600:.2f} h, "
         f"LibriSpeech layout) -> 80-bin Kaldi fbank, {workers} worker processes each"
@@ -566,7 +572,6 @@ def _run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
         f"speech peers, read: epochs of shuffled batches of ~{BATCH} utterances "
         f"(fbank + text), page cache warm, {workers} DataLoader workers for the peers"
     )
-    names = PEER_NAMES
     compile_rows: dict[str, Row] = {}
     outs: dict[str, Path] = {}
     rows: list[Row] = []
@@ -577,13 +582,13 @@ def _run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
             took, peak, size = made.seconds, made.peak_kib, made.size
         except RuntimeError as e:
             rows.append(
-                Row(wl_compile, f"{names[peer]}: not run ({e}; install with make bench-peers)")
+                Row(wl_compile, f"{PEER_NAMES[peer]}: not run ({e}; install with make bench-peers)")
             )
             continue
         outs[peer] = out
         row = Row(
             wl_compile,
-            names[peer],
+            PEER_NAMES[peer],
             utts / took,
             extra={
                 "audio_s_per_s": round(seconds / took),
@@ -602,7 +607,7 @@ def _run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
             )
 
     if "dlop" in outs and len(outs) > 1:
-        notes = _max_diff(outs, utterances)
+        notes = _max_diff(outs, listed)
         rows.append(Row(wl_compile, "same features? (first 4 utterances)", extra=notes))
     rows.append(
         Row(
@@ -621,7 +626,7 @@ def _run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
     )
 
     # reads: every loader made once, then epochs interleaved in rounds
-    n = len(utterances)
+    n = len(listed)
     loaders: dict[str, tuple[Any, Callable[[Any], int]]] = {}
     if "dlop" in outs:
         loaders["dlop Loader, bucket_by (in process)"] = _dlop_loader(outs["dlop"])
