@@ -30,15 +30,21 @@ process's descriptors under ``/proc/<pid>/fd`` (Linux; checked once, when the
 table is made) a slot batch carries the worker's pid, the descriptor's number
 and the segment's inode instead, and the main process opens and maps it
 itself (``claim_by_proc``, tens of microseconds), refusing a file that is not
-the one named. Fresh batches and tensors outside the slot go torch's way.
+the one named. It keeps the mapping for the slot's later batches while the
+worker holds the segment (``SegmentMaps``): no map, unmap or page fault per
+batch. Fresh batches and tensors outside the slot go torch's way.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import multiprocessing.util
 import os
+import threading
 import time
 import weakref
+from collections import OrderedDict
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -54,6 +60,8 @@ from ..gather.memory import shared_buffer, shared_empty
 ALIGN = 64  # bytes: each tensor in a slot starts on a cache line
 MAX_SLOTS = 64  # slots per worker the table has room for
 _REUSED, _FRESH = 0, 1  # the table's counter columns, after the slots' cells
+MAX_MAPPED = 256  # worker segments the main process keeps mapped (SegmentMaps)
+SWEEP_SECONDS = 0.25  # how often it checks that their workers still hold them
 
 # Release tables of this process by token: ``claim`` finds a batch's table here.
 _tables: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
@@ -119,12 +127,9 @@ def proc_fds_open() -> bool:
 Piece = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
-def claim_by_proc(
-    handle: tuple[int, int, int, int], values: list[tuple[str, bool, Any]], ticket: Ticket
-) -> Batch:
-    """A slot batch sent by descriptor number (SlotBatch.__reduce__): the worker's segment
-    ``handle`` = (pid, fd, bytes, inode) opened through /proc and mapped, its pieces as
-    tensors over it, then ``claim``."""
+def open_segment(handle: tuple[int, int, int, int]) -> mmap.mmap:
+    """The worker's segment ``handle`` = (pid, fd, bytes, inode) opened through /proc and
+    mapped; a file that is not the one named is refused."""
     pid, fd, nbytes, inode = handle
     where = f"/proc/{pid}/fd/{fd}"
     try:
@@ -141,9 +146,94 @@ def claim_by_proc(
                 f"{where} is not the {nbytes}-byte batch memory (inode {inode}) that "
                 f"DataLoader worker {pid} sent (inode {st.st_ino}, {st.st_size} bytes)"
             )
-        storage = torch.UntypedStorage._new_shared_fd_cpu(opened, nbytes)  # type: ignore[attr-defined]  # unannotated in torch
+        return mmap.mmap(opened, nbytes)
     finally:
         os.close(opened)
+
+
+class SegmentMaps:
+    """The main process's mappings of worker slot segments, kept from batch to batch.
+
+    Mapping a slot anew for every batch costs a map and an unmap, and a page fault per
+    page the training loop reads. A mapping is kept while its worker still holds the
+    segment under the same descriptor (a daemon thread checks every ``SWEEP_SECONDS``
+    while any is kept), so an ended worker's memory is let go of within that time; at
+    most ``MAX_MAPPED`` are kept. Each batch gets a storage of its own over the
+    mapping, whose finalizer releases the slot (``claim``).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.maps: OrderedDict[tuple[int, int], tuple[int, int, mmap.mmap]] = OrderedDict()
+        self.sweeping = False
+
+    def storage(self, handle: tuple[int, int, int, int]) -> torch.UntypedStorage:
+        """A new storage over the segment ``handle`` names (mapped now, or kept)."""
+        pid, fd, nbytes, inode = handle
+        with self.lock:
+            kept = self.maps.get((pid, fd))
+            if kept is not None and kept[:2] == (inode, nbytes):
+                self.maps.move_to_end((pid, fd))
+                mapped = kept[2]
+            else:
+                mapped = None
+        if mapped is None:
+            mapped = open_segment(handle)
+            with self.lock:
+                self.maps[(pid, fd)] = (inode, nbytes, mapped)
+                while len(self.maps) > MAX_MAPPED:
+                    self.maps.popitem(last=False)
+                if not self.sweeping:
+                    self.sweeping = True
+                    threading.Thread(target=self.sweep_until_empty, daemon=True).start()
+        return torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()
+
+    def sweep(self) -> bool:
+        """Forgets the mappings whose worker no longer holds the segment (ended, or the
+        slot replaced); whether any is left."""
+        with self.lock:
+            entries = list(self.maps.items())
+        gone = []
+        for (pid, fd), kept in entries:
+            try:
+                held = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == kept[0]
+            except OSError:
+                held = False
+            if not held:
+                gone.append(((pid, fd), kept))
+        with self.lock:
+            for key, kept in gone:
+                if self.maps.get(key) is kept:
+                    del self.maps[key]  # batches still over it keep the mapping alive
+            self.sweeping = bool(self.maps)
+            return self.sweeping
+
+    def sweep_until_empty(self) -> None:
+        while True:
+            time.sleep(SWEEP_SECONDS)
+            if not self.sweep():
+                return
+
+
+maps = SegmentMaps()  # this process's
+
+
+def _forget_maps() -> None:
+    """A forked child (a DataLoader worker) keeps none of the parent's mappings."""
+    global maps
+    maps = SegmentMaps()
+
+
+os.register_at_fork(after_in_child=_forget_maps)
+
+
+def claim_by_proc(
+    handle: tuple[int, int, int, int], values: list[tuple[str, bool, Any]], ticket: Ticket
+) -> Batch:
+    """A slot batch sent by descriptor number (SlotBatch.__reduce__): the worker's segment
+    ``handle`` = (pid, fd, bytes, inode), mapped through /proc (``SegmentMaps``), its pieces
+    as tensors over it, then ``claim``."""
+    storage = maps.storage(handle)
     items: dict[str, Any] = {}
     for name, piece, value in values:
         if piece:
@@ -177,23 +267,26 @@ def claim(items: dict[str, Any], slot_memory: torch.Tensor, ticket: Ticket) -> B
 
 class SlotBatch(Batch):
     """A batch in a worker's slot; pickled, it carries the slot's memory (by descriptor
-    number where ``by_proc``, see the module docstring) and its ticket."""
+    number where its segment's ``handle`` is given, see the module docstring) and its ticket."""
 
     def __init__(
-        self, items: dict[str, Any], slot_memory: torch.Tensor, ticket: Ticket, by_proc: bool
+        self,
+        items: dict[str, Any],
+        slot_memory: torch.Tensor,
+        ticket: Ticket,
+        handle: tuple[int, int, int, int] | None,
     ) -> None:
         super().__init__(items)
-        self.slot_memory, self.ticket, self.by_proc = slot_memory, ticket, by_proc
+        self.slot_memory, self.ticket, self.handle = slot_memory, ticket, handle
 
     def __copy__(self) -> SlotBatch:  # DataLoader's default_convert copies the batch
-        copied = SlotBatch(dict(self), self.slot_memory, self.ticket, self.by_proc)
+        copied = SlotBatch(dict(self), self.slot_memory, self.ticket, self.handle)
         copied.position = self.position
         return copied
 
     def __reduce__(self) -> tuple[Any, ...]:
         state = {"position": self.position}
-        handle = self._handle() if self.by_proc else None
-        if handle is None:
+        if self.handle is None:
             return (claim, (dict(self), self.slot_memory, self.ticket), state)
         storage = self.slot_memory.untyped_storage().data_ptr()
         values: list[tuple[str, bool, Any]] = []
@@ -212,20 +305,20 @@ class SlotBatch(Batch):
                 values.append((name, True, piece))
             else:
                 values.append((name, False, value))
-        return (claim_by_proc, (handle, values, self.ticket), state)
+        return (claim_by_proc, (self.handle, values, self.ticket), state)
 
-    def _handle(self) -> tuple[int, int, int, int] | None:
-        """(pid, fd, bytes, inode) of the slot's segment, or None where it has no descriptor
-        (the ``file_system`` strategy)."""
-        strategy = torch.multiprocessing.get_sharing_strategy()  # type: ignore[no-untyped-call]  # unannotated in torch
-        if strategy != "file_descriptor":
-            return None
-        storage = self.slot_memory.untyped_storage()
-        try:
-            fd, nbytes = storage._share_fd_cpu_()
-        except RuntimeError:
-            return None
-        return os.getpid(), int(fd), int(nbytes), os.fstat(fd).st_ino
+
+def segment_handle(memory: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(pid, fd, bytes, inode) of the shared segment under ``memory``, or None where it has
+    no descriptor (the ``file_system`` strategy)."""
+    strategy = torch.multiprocessing.get_sharing_strategy()  # type: ignore[no-untyped-call]  # unannotated in torch
+    if strategy != "file_descriptor":
+        return None
+    try:
+        fd, nbytes = memory.untyped_storage()._share_fd_cpu_()
+    except RuntimeError:
+        return None
+    return os.getpid(), int(fd), int(nbytes), os.fstat(fd).st_ino
 
 
 def align(nbytes: int) -> int:
@@ -252,18 +345,23 @@ class Slot:
 
     def __init__(self, memory: torch.Tensor) -> None:
         self.memory = memory
+        self.storage = memory.untyped_storage()
+        self.base = memory.storage_offset()  # bytes: the memory is uint8
+        self.handle: tuple[int, int, int, int] | None = None  # segment_handle, once asked
         self.used = 0
         self.wanted = 0  # bytes the latest batch asked for, overflow included
         self.overflow: set[int] = set()  # storages made outside it, already in ``wanted``
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The next piece of the slot as a tensor, or None when it does not fit."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         start, self.wanted = self.used, self.wanted + align(nbytes)
         if start + nbytes > self.memory.numel():
             return None
         self.used = start + align(nbytes)
-        return self.memory[start : start + nbytes].view(dtype).view(shape)
+        # starts are ALIGN-aligned, so a whole number of elements of any dtype
+        offset = (self.base + start) // dtype.itemsize
+        return torch.empty(0, dtype=dtype).set_(self.storage, offset, shape, contiguous(shape))
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The gathers' allocator (runtime.gather.fields.Allocate): the next piece of the slot,
@@ -284,6 +382,15 @@ class Slot:
                 moved = self.take(tuple(value.shape), value.dtype)
                 if moved is not None:
                     batch[name] = moved.copy_(value)
+
+
+def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def new_slot(nbytes: int) -> Slot | None:
@@ -335,4 +442,7 @@ class WorkerRing:
         self.handed[s] = self.number
         self.row[self.table.slots + _REUSED] += 1
         ticket = Ticket(self.table.token, self.worker, s, self.number)
-        return SlotBatch(batch, slot.memory[:1], ticket, self.table.by_proc)
+        if self.table.by_proc and slot.handle is None:
+            slot.handle = segment_handle(slot.memory)
+        handle = slot.handle if self.table.by_proc else None
+        return SlotBatch(batch, slot.memory[:1], ticket, handle)

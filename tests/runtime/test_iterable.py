@@ -421,9 +421,8 @@ def test_a_slot_batch_pickles_its_pieces_by_descriptor_number(by_proc: bool) -> 
     x = slot.allocate((2, 3), torch.float32).copy_(torch.arange(6.0).reshape(2, 3))
     big = slot.allocate((4 * shared_ring.ALIGN,), torch.uint8).fill_(7)  # fresh: overflow
     items = {"x": x[:, 1:], "big": big, "key": ["a", "b"]}  # a strided view, kept as one
-    sent = shared_ring.SlotBatch(
-        items, slot.memory[:1], shared_ring.Ticket(12345, 0, 1, 9), by_proc
-    )
+    handle = shared_ring.segment_handle(slot.memory) if by_proc else None
+    sent = shared_ring.SlotBatch(items, slot.memory[:1], shared_ring.Ticket(12345, 0, 1, 9), handle)
     how, args, _ = sent.__reduce__()
     assert how is (shared_ring.claim_by_proc if by_proc else shared_ring.claim)
     if by_proc:
@@ -461,6 +460,70 @@ def test_a_descriptor_that_is_not_the_segment_sent_is_refused(tmp_path: Path) ->
         shared_ring.claim_by_proc((os.getpid(), 10**6, nbytes, inode), piece, ticket)
     with pytest.raises(LoaderError, match=r"not the 1048576-byte batch memory"):
         shared_ring.claim_by_proc((os.getpid(), fd, 1 << 20, inode), piece, ticket)  # too short
+
+
+def test_a_segment_stays_mapped_between_batches_each_released_on_its_own() -> None:
+    """The main process maps a worker's slot once and gives every batch a storage of its
+    own over it: the first batch's slot is marked free when that batch goes, while a
+    later one over the same mapping lives on."""
+    if not shared_ring.proc_fds_open():
+        pytest.skip("no /proc/<pid>/fd here")
+    table = shared_ring.ReleaseTable(54321, 1, 2)
+    memory_ = torch.UntypedStorage._new_shared(4096)  # type: ignore[no-untyped-call]
+    fd, nbytes = memory_._share_fd_cpu_()
+    handle = (os.getpid(), fd, nbytes, os.fstat(fd).st_ino)
+    torch.empty(0, dtype=torch.float32).set_(memory_, 0, (4,)).copy_(torch.arange(4.0))
+    piece = [("x", True, (0, (4,), (1,), torch.float32))]
+    first = shared_ring.claim_by_proc(handle, piece, shared_ring.Ticket(54321, 0, 0, 5))
+    second = shared_ring.claim_by_proc(handle, piece, shared_ring.Ticket(54321, 0, 1, 6))
+    kept = [v for k, v in shared_ring.maps.maps.items() if k == (os.getpid(), fd)]
+    assert len(kept) == 1  # one mapping for both batches
+    assert first["x"].tolist() == second["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert first["x"].untyped_storage() is not second["x"].untyped_storage()
+    del first
+    gc.collect()
+    assert table.tensor[0, :2].tolist() == [5, 0]  # the first slot free, the second held
+    del second
+    gc.collect()
+    assert table.tensor[0, :2].tolist() == [5, 6]
+
+
+def test_a_mapping_is_let_go_once_its_worker_no_longer_holds_the_segment() -> None:
+    if not shared_ring.proc_fds_open():
+        pytest.skip("no /proc/<pid>/fd here")
+    fd = os.memfd_create("dlop-test")
+    os.ftruncate(fd, 8192)
+    handle = (os.getpid(), fd, 8192, os.fstat(fd).st_ino)
+    maps = shared_ring.SegmentMaps()
+    held = torch.empty(0, dtype=torch.uint8).set_(maps.storage(handle))
+    assert maps.sweep() and len(maps.maps) == 1  # still held under that descriptor: kept
+    os.close(fd)  # the worker let go of it (ended, or its slot grew)
+    assert not maps.sweep() and not maps.maps
+    assert held.numel() == 8192  # a batch still over it keeps its own memory
+    deadline = time.monotonic() + 10  # the module's sweeper does the same by itself
+    fd = os.memfd_create("dlop-test")
+    os.ftruncate(fd, 4096)
+    shared_ring.maps.storage((os.getpid(), fd, 4096, os.fstat(fd).st_ino))
+    os.close(fd)
+    while shared_ring.maps.maps and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not shared_ring.maps.maps
+
+
+def test_a_forked_child_keeps_none_of_the_parents_mappings() -> None:
+    if not shared_ring.proc_fds_open():
+        pytest.skip("no /proc/<pid>/fd here")
+    fd = os.memfd_create("dlop-test")
+    os.ftruncate(fd, 4096)
+    kept = shared_ring.maps.storage((os.getpid(), fd, 4096, os.fstat(fd).st_ino))
+    assert shared_ring.maps.maps
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when it holds no mapping of the parent's
+        os._exit(1 if shared_ring.maps.maps else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    os.close(fd)
+    del kept
 
 
 def worker_shared_memory(pids: list[int]) -> list[str]:
