@@ -25,6 +25,7 @@ _WHERE = {
     "count_selected": ".archive.opening",
     "open_archive": ".archive.opening",
     "Batch": ".batch",
+    "batch_as_is": ".batch",
     "LoaderError": ".errors",
     "SampleIndexError": ".errors",
     "ShardChangedError": ".errors",
@@ -48,7 +49,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from .archive.dataset import Archive
     from .archive.opening import count_selected, open_archive
-    from .batch import Batch
+    from .batch import Batch, batch_as_is
     from .errors import LoaderError, SampleIndexError, ShardChangedError, UsageError, UsageTypeError
     from .iterable import IterableArchive
     from .loader import Loader
@@ -95,6 +96,7 @@ __all__ = [
     "SpecAugment",
     "UsageError",
     "UsageTypeError",
+    "batch_as_is",
     "count_selected",
     "epoch_order",
     "open_archive",

@@ -48,6 +48,15 @@ class Collated:
         raise TypeError("a Collated batch is DataLoader's to unwrap; take its .value")
 
 
+def batch_as_is(batch: Any) -> Any:
+    """A ``collate_fn`` for ``DataLoader(IterableArchive(...), batch_size=None)``: each batch
+    as the dataset made it. The default with ``batch_size=None``, torch's
+    ``default_convert``, returns the same batch but first walks every value of
+    every text field in the worker (a few microseconds a string: 0.2 ms a
+    batch of 32 keys and 32 transcripts)."""
+    return batch
+
+
 def _already_collated(batch: Any, *, collate_fn_map: Any = None) -> Any:
     return batch[0]
 

@@ -84,7 +84,8 @@ ITERABLE_ORDER = (
 
 
 class IterableArchive(IterableDataset[Batch]):
-    """Yields whole batches; use ``DataLoader(ds, batch_size=None, num_workers=k)``.
+    """Yields whole batches; use ``DataLoader(ds, batch_size=None, num_workers=k,
+    collate_fn=batch_as_is)`` (``dlop.runtime.batch_as_is``: the batches come collated).
 
     Through the DataLoader, each rank gets exactly the Loader's batches in the
     Loader's order (same archive argument, seed and settings), whatever ``k``

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import IterableArchive, Loader, LoaderError, open_archive
+from dlop.runtime import IterableArchive, Loader, LoaderError, batch_as_is, open_archive
 from dlop.runtime.batch import Batch
 from dlop.runtime.errors import UsageError, UsageTypeError
 from dlop.runtime.gather import memory
@@ -391,6 +391,35 @@ def test_batches_all_kept_get_fresh_memory_and_keep_their_values(many: Path) -> 
     no_slots = IterableArchive(many, **SLOTS_KW, worker_buffers=0)  # type: ignore[arg-type]
     assert len(list(workers_loader(no_slots, 2))) == 30
     assert no_slots.buffer_counts() == (0, 30)
+
+
+def test_batch_as_is_hands_on_the_loaders_batches_without_the_default_walk(
+    many: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """collate_fn=batch_as_is: the same batches, text fields included, and torch's
+    default_convert never called on them (the workers are forked after the patch)."""
+    import torch.utils.data._utils.collate as collate
+
+    def refuse(data: Any) -> Any:
+        raise AssertionError("default_convert walked a batch")
+
+    monkeypatch.setattr(collate, "default_convert", refuse)
+    expected = loader_batches(many, **SLOTS_KW)
+    ds = IterableArchive(many, **SLOTS_KW)  # type: ignore[arg-type]
+    ds.set_epoch(1)
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="fork",
+        collate_fn=batch_as_is,
+    )
+    got = 0
+    for batch, want in zip(loader, expected, strict=True):
+        assert_same(batch, want)
+        got += 1
+    assert got == len(expected) and ds.buffer_counts() == (len(expected), 0)
+    assert pickle.loads(pickle.dumps(batch_as_is)) is batch_as_is  # spawn/forkserver workers
 
 
 @pytest.mark.parametrize("by_proc", [True, False])
