@@ -109,3 +109,11 @@ def test_the_short_section_measures_the_limit_and_the_command(tmp_path: Path) ->
     assert len(one["extra"]["of_limit_rounds"]) == 1 and one["extra"]["of_fastest_limit"] > 0
     command = by["dlop-compile, 2 workers, the whole command"]
     assert command["extra"]["wall_s"] > command["extra"]["own_s"] > 0
+    workers = "DataLoader(IterableArchive(bucket_by), num_workers=2, persistent_workers=True)"
+    for how in ("batches taken", "every page read"):  # read back, against the Loader
+        row = by[f"{workers} ({how})"]
+        assert row["vs_baseline"] > 0 and row["baseline"] == f"dlop Loader, bucket_by ({how})"
+    as_is = by[f"{workers[:-1]}, collate_fn=batch_as_is) (batches taken)"]
+    assert as_is["vs_baseline"] > 0
+    taken = by[f"{workers} (batches taken)"]["extra"]
+    assert taken["batches_in_reused_buffers"] > 0

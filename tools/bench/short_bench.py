@@ -15,7 +15,12 @@ interleaved rounds:
   featurize (``of_limit``), and the faster decode plus the faster featurize
   (``of_fastest_limit``, the stricter);
 - ``dlop-compile`` with N workers, the whole command timed as a user waits for
-  it (interpreter start, imports and exit included) beside its own figure.
+  it (interpreter start, imports and exit included) beside its own figure;
+- reading that archive back in batches of 32 utterances: the Loader against
+  ``DataLoader(IterableArchive(...), num_workers=2, persistent_workers=True)``, in
+  a loop that only takes the batches and in one that reads a value of every page of
+  the features, as a training step would; and with ``collate_fn=batch_as_is``, which
+  spares the workers torch's walk over every string of the text fields.
 
 Each ratio is the median of its rounds' ratios, with their range.
 """
@@ -27,7 +32,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .common import Row
+from torch.utils.data import DataLoader
+
+from dlop.runtime import IterableArchive, Loader, batch_as_is, open_archive
+
+from .common import Row, interleaved, loader_epoch, rate_row
 from .compile_bench import limit_rates, timed_compile
 from .speech_peers import N_MELS, Compiled, short_corpus, utterances, whole_process_row
 from .speech_peers import timed_compile as timed_command
@@ -98,5 +107,83 @@ def run(work: Path, args: Any) -> list[Row]:
             wl, f"dlop-compile, {workers} workers, the whole command", command, utts, seconds
         ),
     ]
+    rows += read_rows(work / f"out-{workers}", wl, max(5, repeats))
     shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+READ_BATCH = 32  # utterances a batch: small batches, where a per-batch cost shows
+PAGE = 4096
+
+
+def touch_epoch(loader: Any) -> int:
+    """An epoch that reads one value from every page of each batch's features."""
+    samples = 0
+    for b in loader:
+        feats = b["fbank"]
+        step = max(1, PAGE // feats.element_size())
+        float(feats.view(-1)[::step].float().sum())
+        samples += len(feats)
+    return samples
+
+
+def read_rows(path: Path, wl: str, rounds: int) -> list[Row]:
+    """The compiled archive read back in bucketed batches of READ_BATCH: in this process
+    (Loader) and in 2 persistent DataLoader workers, interleaved."""
+    ds = open_archive(path)
+    n = len(ds)
+    loader = Loader(ds, READ_BATCH, seed=0, bucket_by="fbank")
+    iterable = IterableArchive(path, READ_BATCH, seed=0, bucket_by="fbank")
+    as_is = IterableArchive(path, READ_BATCH, seed=0, bucket_by="fbank")
+    in_workers = [  # held in a list so they can be dropped after the timing
+        DataLoader(iterable, batch_size=None, num_workers=2, persistent_workers=True),
+        DataLoader(
+            as_is,
+            batch_size=None,
+            num_workers=2,
+            persistent_workers=True,
+            collate_fn=batch_as_is,
+        ),
+    ]
+    took = interleaved(
+        {
+            "loader": lambda: loader_epoch(loader),
+            "workers": lambda: loader_epoch(in_workers[0]),
+            "as_is": lambda: loader_epoch(in_workers[1]),
+            "loader_touch": lambda: touch_epoch(loader),
+            "workers_touch": lambda: touch_epoch(in_workers[0]),
+        },
+        rounds,
+    )
+    in_slots, fresh = iterable.buffer_counts()
+    rwl = f"{wl}, read back in bucketed batches of {READ_BATCH}"
+    base = rate_row(rwl, "dlop Loader, bucket_by (batches taken)", n, took["loader"])
+    touch = rate_row(rwl, "dlop Loader, bucket_by (every page read)", n, took["loader_touch"])
+    workers = "DataLoader(IterableArchive(bucket_by), num_workers=2, persistent_workers=True)"
+    rows = [
+        base,
+        rate_row(
+            rwl,
+            f"{workers} (batches taken)",
+            n,
+            took["workers"],
+            None,
+            base,
+            target=">=0.8x",
+            batches_in_reused_buffers=in_slots,
+            batches_in_fresh_memory=fresh,
+        ),
+        rate_row(
+            rwl,
+            f"{workers[:-1]}, collate_fn=batch_as_is) (batches taken)",
+            n,
+            took["as_is"],
+            None,
+            base,
+        ),
+        touch,
+        rate_row(rwl, f"{workers} (every page read)", n, took["workers_touch"], None, touch),
+    ]
+    loader.close()
+    in_workers.clear()  # its worker processes end
     return rows
