@@ -202,3 +202,17 @@ def test_the_roots_links_are_resolved_once_not_per_path(
     for n in range(100):
         confined(root, f"a/{n}.wav")
     assert asked.count(str(root)) <= 1 and len(asked) <= 101
+
+
+def test_a_listed_path_reads_as_its_folder_joined_with_the_name(tmp_path: Path) -> None:
+    """The path a listing resolves a name to is the one pathlib gives (``root / name``),
+    for plain names, which are joined as strings, and for every other spelling."""
+    root = tmp_path / "corpus"
+    (root / "wav").mkdir(parents=True)
+    names = [
+        "a.wav", "wav/b.wav", "wav//c.wav", "./wav/d.wav", "wav/./e.wav", "wav/", "wav/.",
+        ".hidden.wav", "wav/../f.wav", "x y.wav", "é.wav", "a.", "..b",
+    ]  # fmt: skip
+    for name in names:
+        assert confined(root, name) == str(root / name), name
+    assert confined(Path("."), "a.wav") == "a.wav"  # a relative root as pathlib spells it

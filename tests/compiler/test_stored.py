@@ -15,7 +15,7 @@ import torch
 from dlop.compiler.errors import InputError
 from dlop.compiler.recipe import build_recipe
 from dlop.compiler.run import pipeline
-from dlop.compiler.run.items import CorpusShape, _stored
+from dlop.compiler.run.items import CorpusShape, _stored, _stored_together
 from dlop.compiler.run.work import PresetWork
 
 from .fixtures import esc50_corpus
@@ -41,6 +41,26 @@ def test_largest_float16_values_are_kept() -> None:
     assert wide.dtype == np.float32 and np.isfinite(wide).all()
     brain = _stored(feat * 1e30, SimpleNamespace(dtype="bfloat16"), "c")  # type: ignore[arg-type]
     assert brain.dtype == np.uint16  # bfloat16 travels as its bit pattern
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_clips_stored_together_are_those_stored_one_by_one(dtype: str) -> None:
+    """Clips that are rows of one tensor (as featurize_clips lays them out) are checked and
+    converted in one pass: the same arrays as clip by clip. Where that tensor holds a value
+    the stored type cannot (even in rows between clips) each clip is left to _stored."""
+    recipe = SimpleNamespace(dtype=dtype)
+    base = torch.randn(12, 3) * 1000
+    clips = [base[0:3], base[3:3], base[4:9], base[9:12]]
+    together = _stored_together(clips, recipe)  # type: ignore[arg-type]
+    assert together is not None
+    for got, clip in zip(together, clips, strict=True):
+        want = _stored(clip, recipe, "c")  # type: ignore[arg-type]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+    base[3, 1] = float("nan")  # a row no clip holds
+    assert _stored_together(clips, recipe) is None  # type: ignore[arg-type]
+    assert _stored_together([torch.zeros(2, 3), base[0:3]], recipe) is None  # type: ignore[arg-type]
+    assert _stored_together([], recipe) is None  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("value", [-3.4e38, 3.4e38, float("nan")])
