@@ -51,8 +51,8 @@ class Collated:
 def batch_as_is(batch: Any) -> Any:
     """A ``collate_fn`` for ``DataLoader(IterableArchive(...), batch_size=None)``: each batch
     as the dataset made it. The default with ``batch_size=None``, torch's
-    ``default_convert``, returns the same batch but first walks every value of
-    every text field in the worker (a few microseconds a string: 0.2 ms a
+    ``default_convert``, returns an equal batch, a copy whose text lists it rebuilds
+    by walking every string in the worker (a few microseconds a string: 0.2 ms a
     batch of 32 keys and 32 transcripts)."""
     return batch
 

@@ -167,8 +167,11 @@ class SegmentMaps:
         self.maps: OrderedDict[tuple[int, int], tuple[int, int, mmap.mmap]] = OrderedDict()
         self.sweeping = False
 
-    def storage(self, handle: tuple[int, int, int, int]) -> torch.UntypedStorage:
-        """A new storage over the segment ``handle`` names (mapped now, or kept)."""
+    def storage(self, handle: tuple[int, int, int, int]) -> tuple[torch.UntypedStorage, mmap.mmap]:
+        """A new storage over the segment ``handle`` names (mapped now, or kept), and the
+        mapping: the batch's finalizer holds it (``claim``), since the storage alone lets go
+        of it once its data moves (``share_memory_``, sending it to another process) while
+        arrays taken from it before may still point there."""
         pid, fd, nbytes, inode = handle
         with self.lock:
             kept = self.maps.get((pid, fd))
@@ -184,9 +187,12 @@ class SegmentMaps:
                 while len(self.maps) > MAX_MAPPED:
                     self.maps.popitem(last=False)
                 if not self.sweeping:
-                    self.sweeping = True
-                    threading.Thread(target=self.sweep_until_empty, daemon=True).start()
-        return torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()
+                    try:
+                        threading.Thread(target=self.sweep_until_empty, daemon=True).start()
+                        self.sweeping = True
+                    except RuntimeError:  # no thread now (shutdown): keep nothing unwatched
+                        del self.maps[(pid, fd)]
+        return torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage(), mapped
 
     def sweep(self) -> bool:
         """Forgets the mappings whose worker no longer holds the segment (ended, or the
@@ -224,7 +230,8 @@ def _forget_maps() -> None:
     maps = SegmentMaps()
 
 
-os.register_at_fork(after_in_child=_forget_maps)
+if hasattr(os, "register_at_fork"):  # not on Windows, where nothing forks
+    os.register_at_fork(after_in_child=_forget_maps)
 
 
 def claim_by_proc(
@@ -233,7 +240,7 @@ def claim_by_proc(
     """A slot batch sent by descriptor number (SlotBatch.__reduce__): the worker's segment
     ``handle`` = (pid, fd, bytes, inode), mapped through /proc (``SegmentMaps``), its pieces
     as tensors over it, then ``claim``."""
-    storage = maps.storage(handle)
+    storage, mapped = maps.storage(handle)
     items: dict[str, Any] = {}
     for name, piece, value in values:
         if piece:
@@ -241,27 +248,36 @@ def claim_by_proc(
             items[name] = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
         else:
             items[name] = value
-    return claim(items, torch.empty(0, dtype=torch.uint8).set_(storage), ticket)
+    return claim(items, torch.empty(0, dtype=torch.uint8).set_(storage), ticket, mapped)
 
 
-def mark_released(table: np.ndarray, worker: int, slot: int, number: int) -> None:
+def mark_released(
+    table: np.ndarray, worker: int, slot: int, number: int, keep: object = None
+) -> None:
+    """The finalizer of a batch's storage (``keep``: what it held alive until now)."""
     table[worker, slot] = number
 
 
-def claim(items: dict[str, Any], slot_memory: torch.Tensor, ticket: Ticket) -> Batch:
+def _let_go(keep: object) -> None:
+    """The finalizer of a batch's storage with no table to mark: it only held ``keep``."""
+
+
+def claim(
+    items: dict[str, Any], slot_memory: torch.Tensor, ticket: Ticket, keep: object = None
+) -> Batch:
     """A worker's batch as unpickled in the main process: a plain ``Batch``, with a finalizer
-    on the slot's storage that marks the slot free once nothing here uses it any more."""
+    on the slot's storage that marks the slot free once nothing here uses it any more,
+    holding ``keep`` (the slot's mapping, for claim_by_proc) until then."""
     table = _tables.get(ticket.token)
+    storage = slot_memory.untyped_storage()
     if table is not None:  # without its table the slot is never marked free: safe, not reused
+        t = table.numpy()
         release = weakref.finalize(
-            slot_memory.untyped_storage(),
-            mark_released,
-            table.numpy(),
-            ticket.worker,
-            ticket.slot,
-            ticket.number,
+            storage, mark_released, t, ticket.worker, ticket.slot, ticket.number, keep
         )
         release.atexit = False
+    elif keep is not None:
+        weakref.finalize(storage, _let_go, keep).atexit = False
     return Batch(items)
 
 
@@ -347,6 +363,8 @@ class Slot:
         self.memory = memory
         self.storage = memory.untyped_storage()
         self.base = memory.storage_offset()  # bytes: the memory is uint8
+        if self.base % ALIGN:
+            raise ValueError(f"a slot's memory must start {ALIGN}-byte aligned in its storage")
         self.handle: tuple[int, int, int, int] | None = None  # segment_handle, once asked
         self.used = 0
         self.wanted = 0  # bytes the latest batch asked for, overflow included
