@@ -107,7 +107,7 @@ def run(work: Path, args: Any) -> list[Row]:
             wl, f"dlop-compile, {workers} workers, the whole command", command, utts, seconds
         ),
     ]
-    rows += read_rows(work / f"out-{workers}", wl, max(5, repeats))
+    rows += read_rows(work / f"out-{workers}", wl, 2 * repeats - 1)  # 5 rounds for 3 repeats
     shutil.rmtree(work, ignore_errors=True)
     return rows
 
