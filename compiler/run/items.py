@@ -285,15 +285,20 @@ def _labels(item: Item, shape: CorpusShape, name: str) -> dict[str, Any]:
 def _stored(feat: torch.Tensor, recipe: Recipe, name: str) -> np.ndarray:
     """float32 features in the recipe's stored dtype, refused when they would not be finite."""
     dtype = getattr(torch, recipe.dtype)
-    if feat.numel():
-        # One float32 pass (no temporary) says whether the stored values will be
-        # finite: NaN propagates through aminmax, and anything beyond the stored
-        # type's largest value would round to infinity.
-        low, high = torch.aminmax(feat)
-        largest = torch.finfo(dtype).max
-        if not -largest <= float(low) <= float(high) <= largest:
-            raise InputError(name, f"features are not finite in {recipe.dtype}")
+    if not _fits(feat, dtype):
+        raise InputError(name, f"features are not finite in {recipe.dtype}")
     return _store(feat.to(dtype))
+
+
+def _fits(feat: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``feat``'s values stay finite stored as ``dtype``. One float32 pass (no
+    temporary): NaN propagates through aminmax, and anything beyond the stored type's
+    largest value would round to infinity."""
+    if not feat.numel():
+        return True
+    low, high = torch.aminmax(feat)
+    largest = torch.finfo(dtype).max
+    return -largest <= float(low) <= float(high) <= largest
 
 
 def _stored_together(feats: list[torch.Tensor], recipe: Recipe) -> list[np.ndarray] | None:
@@ -308,11 +313,8 @@ def _stored_together(feats: list[torch.Tensor], recipe: Recipe) -> list[np.ndarr
     if any(f._base is not base or not f.is_contiguous() for f in feats):
         return None
     dtype = getattr(torch, recipe.dtype)
-    if base.numel():
-        low, high = torch.aminmax(base)
-        largest = torch.finfo(dtype).max
-        if not -largest <= float(low) <= float(high) <= largest:
-            return None
+    if not _fits(base, dtype):
+        return None
     flat = _store(base.to(dtype)).reshape(-1)
     first = base.storage_offset()
     return [flat[f.storage_offset() - first :][: f.numel()].reshape(tuple(f.shape)) for f in feats]

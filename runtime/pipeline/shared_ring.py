@@ -378,8 +378,9 @@ class Slot:
             return None
         self.used = start + align(nbytes)
         # starts are ALIGN-aligned, so a whole number of elements of any dtype
-        offset = (self.base + start) // dtype.itemsize
-        return torch.empty(0, dtype=dtype).set_(self.storage, offset, shape, contiguous(shape))
+        offset, numel = (self.base + start) // dtype.itemsize, nbytes // dtype.itemsize
+        flat = torch.empty(0, dtype=dtype).set_(self.storage, offset, (numel,), (1,))
+        return flat.view(shape)
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The gathers' allocator (runtime.gather.fields.Allocate): the next piece of the slot,
@@ -400,15 +401,6 @@ class Slot:
                 moved = self.take(tuple(value.shape), value.dtype)
                 if moved is not None:
                     batch[name] = moved.copy_(value)
-
-
-def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 def new_slot(nbytes: int) -> Slot | None:
@@ -460,7 +452,6 @@ class WorkerRing:
         self.handed[s] = self.number
         self.row[self.table.slots + _REUSED] += 1
         ticket = Ticket(self.table.token, self.worker, s, self.number)
-        if self.table.by_proc and slot.handle is None:
+        if self.table.by_proc and slot.handle is None:  # stays None where it is not
             slot.handle = segment_handle(slot.memory)
-        handle = slot.handle if self.table.by_proc else None
-        return SlotBatch(batch, slot.memory[:1], ticket, handle)
+        return SlotBatch(batch, slot.memory[:1], ticket, slot.handle)
