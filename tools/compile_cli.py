@@ -321,6 +321,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     recipe = build_recipe(options, storage_options)
     if not args.quiet:
         print(f"compiling {recipe.source}: {recipe.choices()}", file=sys.stderr, flush=True)
+    from dlop.compiler.run.processes import start_fork_server
+
+    # Where workers will come from a fork server, it imports while this process does.
+    start_fork_server(recipe.source, workers, args.dask)
     # torch and the media libraries load here, not at start-up: --help stays instant
     from dlop.compiler.run.pipeline import compile_corpus
 

@@ -25,7 +25,6 @@ import gc
 import itertools
 import math
 import mmap
-import multiprocessing
 import os
 import pickle
 import select
@@ -56,7 +55,7 @@ from ..output.commit import Run, finish_run
 from ..output.guard import SPILL_PREFIX, check_apart, close_inherited_locks
 from ..recipe import Recipe
 from ..urls import is_url
-from . import faults
+from . import faults, processes
 from .items import CorpusShape, Outcome, schema_for
 from .units import (
     UNIT_INPUTS,
@@ -69,19 +68,6 @@ from .units import (
 from .work import CHUNK_ITEMS
 
 __all__ = ["CHUNK_ITEMS", "UNIT_INPUTS", "compile_corpus", "run_compile"]
-
-# What the fork server imports once, besides this module, so that each compile's
-# workers start with the decoders loaded instead of importing them on their first
-# input (a tenth of a second or more each, every compile). Missing ones are passed over.
-FORKSERVER_PRELOAD = (
-    "dlop.compiler.vision.video",
-    "dlop.compiler.vision.image",
-    "av",
-    "PIL.Image",
-    "PIL.JpegImagePlugin",
-    "PIL.PngImagePlugin",
-)
-
 
 # -- worker side -------------------------------------------------------------------
 
@@ -278,6 +264,8 @@ def compile_corpus(
     """
     if is_url(out):  # before the listing: a refused OUT costs no listing of the corpus
         check_apart(os.fspath(out), recipe)
+    # its imports run while the corpus is listed, where the workers will fork from it
+    processes.start_fork_server(recipe.source, workers, dask)
     corpus = open_corpus(
         recipe.source,
         recipe.layout,
@@ -430,13 +418,13 @@ def _results(
         finally:
             torch.set_num_threads(threads)
         return
-    ctx = _worker_context()
+    ctx = processes.worker_context()
     # a forked worker inherits the Work; any other gets it by value (a user's Dataset may
     # be defined in a script or a notebook)
     sent = work if ctx.get_start_method() == "fork" else by_value(work)
     try:
         with (
-            _main_module_hidden(),
+            processes.main_module_hidden(),
             ProcessPoolExecutor(
                 workers,
                 mp_context=ctx,
@@ -479,49 +467,3 @@ def worker_decode_threads(workers: int) -> int:
     except (AttributeError, OSError):  # no affinity call on this platform
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, workers))
-
-
-def _worker_context() -> multiprocessing.context.BaseContext:
-    """fork when this process runs a single thread (workers start at once, torch
-    already imported); otherwise forkserver, since forking a threaded process can
-    copy a lock that another thread holds. Workers use no CUDA either way."""
-    if sys.platform == "linux" and threading.active_count() == 1 and not _cuda_in_use():
-        return multiprocessing.get_context("fork")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, *FORKSERVER_PRELOAD])
-    return ctx
-
-
-def _cuda_in_use() -> bool:
-    """Whether this process has started CUDA (a user's Dataset can, when the compile first
-    computes a few items here): a forked child could not use it, so workers start from
-    the fork server instead."""
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
-    return bool(cuda is not None and cuda.is_initialized())
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Workers run only dlop code: keep them from re-importing the caller's __main__.
-
-    A forkserver or spawn child re-runs the parent's main script unless it is
-    guarded by ``if __name__ == "__main__"``, and fails outright for ``<stdin>``
-    or notebooks. Hiding the main module's file and spec while the pool starts
-    its children avoids both.
-    """
-    main = sys.modules.get("__main__")
-    saved: dict[str, Any] = {
-        a: main.__dict__[a]
-        for a in ("__file__", "__spec__")
-        if main is not None and a in main.__dict__
-    }
-    try:
-        if main is not None:
-            main.__dict__.pop("__file__", None)
-            main.__dict__["__spec__"] = None
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.update(saved)
-            if "__spec__" not in saved:
-                main.__dict__.pop("__spec__", None)

@@ -14,7 +14,7 @@ import torch
 
 from dlop.compiler.errors import InputError
 from dlop.compiler.recipe import build_recipe
-from dlop.compiler.run import pipeline
+from dlop.compiler.run import pipeline, processes
 from dlop.compiler.run.items import CorpusShape, _stored, _stored_together
 from dlop.compiler.run.work import PresetWork
 
@@ -112,7 +112,7 @@ def test_pool_workers_start_with_their_heap_frozen(tmp_path: Path) -> None:
     initargs = (work, str(tmp_path), os.getpid(), dict(os.environ), 1)
     with ProcessPoolExecutor(
         1,
-        mp_context=pipeline._worker_context(),
+        mp_context=processes.worker_context(),
         initializer=pipeline._init_worker,
         initargs=initargs,
     ) as pool:

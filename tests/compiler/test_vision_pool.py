@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dlop.compiler.recipe import build_recipe
-from dlop.compiler.run import pipeline, work
+from dlop.compiler.run import pipeline, processes, work
 from dlop.compiler.vision import video
 from dlop.compiler.vision.options import VisionConfig
 from dlop.tools.compile_cli import main as compile_main
@@ -78,7 +78,7 @@ def test_each_pool_worker_decodes_with_its_share(
 
     monkeypatch.setattr(video, "set_decode_threads", record)
     monkeypatch.setattr(pipeline, "worker_decode_threads", lambda workers: 7)
-    monkeypatch.setattr(pipeline, "_worker_context", lambda: multiprocessing.get_context("fork"))
+    monkeypatch.setattr(processes, "worker_context", lambda: multiprocessing.get_context("fork"))
     recipe = build_recipe({"source": str(tmp_path / "corpus"), "size": 32, "crop": 32})
     index = pipeline.compile_corpus(recipe, tmp_path / "out", workers=2, progress=False)
     assert index.num_samples == 4
@@ -90,14 +90,14 @@ def test_the_fork_server_preloads_the_decoders(monkeypatch: pytest.MonkeyPatch) 
     server = multiprocessing.forkserver._forkserver
     monkeypatch.setattr(server, "_preload_modules", list(server._preload_modules))
     monkeypatch.setattr(threading, "active_count", lambda: 2)
-    ctx = pipeline._worker_context()
+    ctx = processes.worker_context()
     assert ctx.get_start_method() == "forkserver"
     preload = server._preload_modules
     assert preload[0] == "dlop.compiler.run.pipeline"
     assert {"av", "PIL.Image", "dlop.compiler.vision.video", "dlop.compiler.vision.image"} <= set(
         preload
     )
-    for name in pipeline.FORKSERVER_PRELOAD:
+    for name in processes.FORKSERVER_PRELOAD:
         importlib.import_module(name)
 
 

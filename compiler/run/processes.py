@@ -1,0 +1,111 @@
+"""Where a local compile's worker processes come from, and starting them early.
+
+Workers fork from the driver when it runs a single thread (they start at once, with
+what the driver imported); otherwise they come from a fork server, since forking a
+threaded process can copy a lock another thread holds. A fork server is a process of
+its own that imports the compile's modules (torch, the decoders) before it forks
+anything: about as long as the driver's own imports. ``start_fork_server`` starts
+it while the driver is still importing and listing the corpus, where the workers
+will come from it: an object-store SOURCE (its filesystem runs a thread of its own
+by the time the pool starts), a driver already running threads (a notebook, a
+user's program), or CUDA in use. Forked workers need no head start: a fork takes
+milliseconds.
+
+Nothing here imports torch: the command line calls ``start_fork_server`` before it
+loads the compile pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ..urls import is_url
+
+# The module the fork server imports first: it runs _init_worker and the chunks.
+PIPELINE = "dlop.compiler.run.pipeline"
+# What the fork server imports once, besides the pipeline, so that each compile's
+# workers start with the decoders loaded instead of importing them on their first
+# input (a tenth of a second or more each, every compile). Missing ones are passed over.
+FORKSERVER_PRELOAD = (
+    "dlop.compiler.vision.video",
+    "dlop.compiler.vision.image",
+    "av",
+    "PIL.Image",
+    "PIL.JpegImagePlugin",
+    "PIL.PngImagePlugin",
+)
+
+
+def cuda_in_use() -> bool:
+    """Whether this process has started CUDA (a user's Dataset can, when the compile first
+    computes a few items here): a forked child could not use it, so workers start from
+    the fork server instead."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    return bool(cuda is not None and cuda.is_initialized())
+
+
+def _forks() -> bool:
+    return sys.platform == "linux" and threading.active_count() == 1 and not cuda_in_use()
+
+
+def _forkserver() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([PIPELINE, *FORKSERVER_PRELOAD])
+    return ctx
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """fork when this process runs a single thread (workers start at once, torch
+    already imported); otherwise forkserver, since forking a threaded process can
+    copy a lock that another thread holds. Workers use no CUDA either way."""
+    return multiprocessing.get_context("fork") if _forks() else _forkserver()
+
+
+def start_fork_server(source: str, workers: int | None, dask: str | None) -> bool:
+    """Starts the fork server now, without waiting for its imports, where the pool of a
+    compile of ``source`` on ``workers`` local processes will come from it; True if so.
+    A server already running is left as it is."""
+    count = workers or os.cpu_count() or 1
+    if dask is not None or count <= 1 or not sys.platform.startswith("linux"):
+        return False
+    if _forks() and not is_url(source):
+        return False
+    _forkserver()
+    with main_module_hidden():
+        multiprocessing.forkserver.ensure_running()
+    return True
+
+
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """Workers run only dlop code: keep them from re-importing the caller's __main__.
+
+    A forkserver or spawn child re-runs the parent's main script unless it is
+    guarded by ``if __name__ == "__main__"``, and fails outright for ``<stdin>``
+    or notebooks. Hiding the main module's file and spec while the pool (or its
+    fork server) starts avoids both.
+    """
+    main = sys.modules.get("__main__")
+    saved: dict[str, Any] = {
+        a: main.__dict__[a]
+        for a in ("__file__", "__spec__")
+        if main is not None and a in main.__dict__
+    }
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)

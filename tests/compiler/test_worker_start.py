@@ -1,0 +1,111 @@
+"""Where workers will come from a fork server, it is started while the driver still
+imports and lists the corpus: by the command line before torch is loaded, by
+``compile_corpus`` before the listing. A driver that forks its workers starts none."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.forkserver
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from dlop.compiler.recipe import build_recipe
+from dlop.compiler.run import pipeline, processes
+
+from .fixtures import esc50_corpus
+
+SERVER = multiprocessing.forkserver._forkserver
+
+
+def _server_running() -> bool:
+    pid = SERVER._forkserver_pid
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def no_fork_server() -> object:
+    SERVER._stop()
+    assert not _server_running()
+    yield None
+
+
+def test_a_threaded_driver_starts_the_server_before_it_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_fork_server: object
+) -> None:
+    corpus = esc50_corpus(tmp_path / "esc", [("wav", 16000, 1)] * 3, seconds=0.3)
+    monkeypatch.setattr(threading, "active_count", lambda: 2)  # a notebook's driver
+    seen: list[bool] = []
+    listing = pipeline.open_corpus
+
+    def listed(*args: object, **kwargs: object) -> object:
+        seen.append(_server_running())
+        return listing(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "open_corpus", listed)
+    recipe = build_recipe({"source": str(corpus), "duration": 0.3})
+    index = pipeline.compile_corpus(recipe, tmp_path / "out", workers=2, progress=False)
+    assert index.num_samples == 3
+    assert seen == [True]
+
+
+@pytest.mark.parametrize(
+    ("source", "workers", "dask", "threads", "started"),
+    [
+        ("/data/esc", 2, None, 1, False),  # forked workers: nothing to start
+        ("/data/esc", 2, None, 2, True),
+        ("s3://bucket/esc", 2, None, 1, True),  # its filesystem runs a thread by then
+        ("s3://bucket/esc", 1, None, 1, False),  # compiled in this process
+        ("s3://bucket/esc", 2, "local:2", 1, False),  # Dask starts its own workers
+    ],
+)
+def test_which_compiles_start_a_server(
+    monkeypatch: pytest.MonkeyPatch,
+    no_fork_server: object,
+    source: str,
+    workers: int,
+    dask: str | None,
+    threads: int,
+    started: bool,
+) -> None:
+    monkeypatch.setattr(threading, "active_count", lambda: threads)
+    assert processes.start_fork_server(source, workers, dask) is started
+    assert _server_running() is started
+
+
+def test_the_command_line_starts_the_server_before_loading_torch(tmp_path: Path) -> None:
+    corpus = esc50_corpus(tmp_path / "esc", [("wav", 16000, 1)] * 3, seconds=0.3)
+    # a driver with a thread running: its workers will come from the fork server
+    script = f"""
+import json, sys, threading
+from dlop.compiler.run import processes
+calls = []
+real = processes.start_fork_server
+def start(*args):
+    started = real(*args)
+    calls.append({{"torch": "torch" in sys.modules, "started": started}})
+    return started
+processes.start_fork_server = start
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+from dlop.tools.compile_cli import main
+code = main([{str(corpus)!r}, "-o", {str(tmp_path / "out")!r}, "--workers", "2",
+             "--duration", "0.3", "-q"])
+print(json.dumps({{"code": code, "calls": calls}}))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0
+    assert result["calls"][0] == {"torch": False, "started": True}
