@@ -107,6 +107,7 @@ def test_the_short_section_measures_the_limit_and_the_command(tmp_path: Path) ->
     assert all(r["samples_per_s"] > 0 for r in rows)
     one = by["dlop compile_corpus, 1 worker (from after its imports)"]
     assert len(one["extra"]["of_limit_rounds"]) == 1 and one["extra"]["of_fastest_limit"] > 0
+    assert len(one["extra"]["of_limit_cpu_rounds"]) == 1 and one["extra"]["of_limit_cpu"] > 0
     command = by["dlop-compile, 2 workers, the whole command"]
     assert command["extra"]["wall_s"] > command["extra"]["own_s"] > 0
     workers = "DataLoader(IterableArchive(bucket_by), num_workers=2, persistent_workers=True)"

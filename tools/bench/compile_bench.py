@@ -99,28 +99,41 @@ def _esc_options(corpus: Path) -> dict[str, Any]:
     return {**DEMO_RECIPE, "source": str(corpus), "shard_bytes": "4GiB"}
 
 
-def _decode_rate(files: list[Path]) -> float:
-    """Clips/s of soundfile.read alone, one core."""
-    t0 = time.perf_counter()
+class _Clocks:
+    """Wall and CPU time of one timed part: the CPU time (this process's, user and
+    system) leaves out what other programs on a shared machine take from it."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def rates(self, count: int) -> tuple[float, float]:
+        """``count`` per wall second and per CPU second since the clocks started."""
+        wall, cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+        return count / wall, count / max(cpu, 1e-9)
+
+
+def _decode_rate(files: list[Path]) -> tuple[float, float]:
+    """Clips/s of soundfile.read alone, one core (per wall and per CPU second)."""
+    clocks = _Clocks()
     for f in files:
         sf.read(f, dtype="float32", always_2d=True)
-    return len(files) / (time.perf_counter() - t0)
+    return clocks.rates(len(files))
 
 
-def _dlop_decode_rate(files: list[Path], pcm16: bool = False) -> float:
+def _dlop_decode_rate(files: list[Path], pcm16: bool = False) -> tuple[float, float]:
     """Clips/s of the compiler's own decode (its length and finiteness checks and
     downmix included), one core: it converts 16-bit PCM faster than soundfile.read,
     so the limit takes whichever decode is faster. With ``pcm16`` it leaves 16-bit PCM
     in int16, as the compile reads it for this recipe."""
-    t0 = time.perf_counter()
+    clocks = _Clocks()
     for f in files:
         decode_audio(f, f.name, mix="mean", pcm16=pcm16)  # the recipe's default downmix
-    return len(files) / (time.perf_counter() - t0)
+    return clocks.rates(len(files))
 
 
 def _featurize_rate(
     waves: list[torch.Tensor], cfg: FeatureConfig, group: int, min_s: float = 0.5
-) -> float:
+) -> tuple[float, float]:
     """Clips/s of featurization alone on pre-decoded audio, one torch thread, ``group``
     clips at a time (at most GROUP_SAMPLES samples, as a worker groups its inputs),
     float16 output included: passes over ``waves`` for at least ``min_s`` seconds."""
@@ -128,8 +141,8 @@ def _featurize_rate(
     torch.set_num_threads(1)
     done = 0
     try:
-        t0 = time.perf_counter()
-        while not done or time.perf_counter() - t0 < min_s:
+        clocks = _Clocks()
+        while not done or time.perf_counter() - clocks.wall < min_s:
             for g in range(0, len(waves), group):
                 clips = waves[g : g + group]
                 held = sum(w.numel() for w in clips)
@@ -138,7 +151,7 @@ def _featurize_rate(
                     for feat in featurize_clips(clips[k : k + step], cfg):
                         feat.to(torch.float16)
             done += len(waves)
-        return done / (time.perf_counter() - t0)
+        return clocks.rates(done)
     finally:
         torch.set_num_threads(threads)
 
@@ -158,7 +171,8 @@ def measure_limit(files: list[Path], options: dict[str, Any]) -> dict[str, float
     the files, featurize alone over the first FEATURIZE_SAMPLES decoded samples' worth of
     them, pre-decoded, in the compiler's groups of CHUNK_ITEMS inputs (``featurize``)
     and in groups as large as it ever makes, GROUP_SAMPLES samples (``featurize_batched``),
-    each after an untimed warm-up. The process's heap is set as a compiling process sets
+    each after an untimed warm-up; ``NAME_cpu`` is each part per CPU second of this
+    process, not per wall second. The process's heap is set as a compiling process sets
     its own (dlop.formats.heap), so the limit's parts run under the allocator the
     compile runs under."""
     keep_freed_memory()
@@ -176,7 +190,7 @@ def measure_limit(files: list[Path], options: dict[str, Any]) -> dict[str, float
     _decode_rate(files[:16])
     _dlop_decode_rate(files[:16])
     _featurize_rate(waves[:chunk], cfg, chunk, min_s=0.0)
-    rates = {
+    timed = {
         "soundfile": _decode_rate(files),
         "dlop": _dlop_decode_rate(files),
         "featurize": _featurize_rate(waves, cfg, chunk),
@@ -188,8 +202,10 @@ def measure_limit(files: list[Path], options: dict[str, Any]) -> dict[str, float
     del waves
     _dlop_decode_rate(files[:16], pcm16=True)
     _featurize_rate(ints[:chunk], cfg, chunk, min_s=0.0)
-    rates["dlop_pcm16"] = _dlop_decode_rate(files, pcm16=True)
-    rates["featurize_pcm16"] = _featurize_rate(ints, cfg, chunk)
+    timed["dlop_pcm16"] = _dlop_decode_rate(files, pcm16=True)
+    timed["featurize_pcm16"] = _featurize_rate(ints, cfg, chunk)
+    rates = {name: wall for name, (wall, _) in timed.items()}
+    rates.update({f"{name}_cpu": cpu for name, (_, cpu) in timed.items()})
     return rates
 
 
