@@ -6,8 +6,8 @@ threaded process can copy a lock another thread holds. A fork server is a proces
 its own that imports the compile's modules (torch, the decoders) before it forks
 anything: about as long as the driver's own imports. ``start_fork_server`` starts
 it while the driver is still importing and listing the corpus, where the workers
-will come from it: an object-store SOURCE (its filesystem runs a thread of its own
-by the time the pool starts), a driver already running threads (a notebook, a
+will come from it: an object-store SOURCE read through an asynchronous filesystem
+(s3, gcs, http: it runs a thread of its own by the time the pool starts), a driver already running threads (a notebook, a
 user's program), or CUDA in use. Forked workers need no head start: a fork takes
 milliseconds.
 
@@ -22,6 +22,7 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -76,12 +77,44 @@ def start_fork_server(source: str, workers: int | None, dask: str | None) -> boo
     count = workers or os.cpu_count() or 1
     if dask is not None or count <= 1 or not sys.platform.startswith("linux"):
         return False
-    if _forks() and not is_url(source):
+    if _forks() and not _threaded_filesystem(source):
         return False
     _forkserver()
-    with main_module_hidden():
+    with main_module_hidden(), _interrupts_ignored():
         multiprocessing.forkserver.ensure_running()
     return True
+
+
+def _threaded_filesystem(source: str) -> bool:
+    """Whether ``source`` is read through an fsspec filesystem that runs an event-loop
+    thread of its own (s3, gcs, http): once it has listed the corpus, the driver runs
+    two threads and the pool comes from the fork server. Synchronous ones (memory,
+    hf) leave the driver single-threaded, and its workers fork."""
+    if not is_url(source):
+        return False
+    try:
+        import fsspec
+        from fsspec.asyn import AsyncFileSystem
+
+        protocol = source.split("://", 1)[0].lower()
+        return issubclass(fsspec.get_filesystem_class(protocol), AsyncFileSystem)
+    except (ImportError, ValueError):  # no fsspec, or no backend: the listing reports it
+        return False
+
+
+@contextlib.contextmanager
+def _interrupts_ignored() -> Iterator[None]:
+    """Ctrl-C is ignored by the fork server from its start (it inherits the setting), not
+    only once its imports are done: an interrupted compile ends without a second
+    traceback from a server still importing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

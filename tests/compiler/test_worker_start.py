@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +19,8 @@ from dlop.compiler.recipe import build_recipe
 from dlop.compiler.run import pipeline, processes
 
 from .fixtures import esc50_corpus
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork servers start early on Linux")
 
 SERVER = multiprocessing.forkserver._forkserver
 
@@ -45,6 +48,7 @@ def test_a_threaded_driver_starts_the_server_before_it_lists(
 ) -> None:
     corpus = esc50_corpus(tmp_path / "esc", [("wav", 16000, 1)] * 3, seconds=0.3)
     monkeypatch.setattr(threading, "active_count", lambda: 2)  # a notebook's driver
+    monkeypatch.setattr(processes, "cuda_in_use", lambda: False)
     seen: list[bool] = []
     listing = pipeline.open_corpus
 
@@ -65,22 +69,26 @@ def test_a_threaded_driver_starts_the_server_before_it_lists(
         ("/data/esc", 2, None, 1, False),  # forked workers: nothing to start
         ("/data/esc", 2, None, 2, True),
         ("s3://bucket/esc", 2, None, 1, True),  # its filesystem runs a thread by then
+        ("memory://bucket/esc", 2, None, 1, False),  # a synchronous filesystem: forked
         ("s3://bucket/esc", 1, None, 1, False),  # compiled in this process
         ("s3://bucket/esc", 2, "local:2", 1, False),  # Dask starts its own workers
     ],
 )
 def test_which_compiles_start_a_server(
     monkeypatch: pytest.MonkeyPatch,
-    no_fork_server: object,
     source: str,
     workers: int,
     dask: str | None,
     threads: int,
     started: bool,
 ) -> None:
+    pytest.importorskip("s3fs")
     monkeypatch.setattr(threading, "active_count", lambda: threads)
+    monkeypatch.setattr(processes, "cuda_in_use", lambda: False)
+    calls: list[None] = []  # the decision alone: the tests around start a real server
+    monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: calls.append(None))
     assert processes.start_fork_server(source, workers, dask) is started
-    assert _server_running() is started
+    assert len(calls) == int(started)
 
 
 def test_the_command_line_starts_the_server_before_loading_torch(tmp_path: Path) -> None:
@@ -109,3 +117,18 @@ print(json.dumps({{"code": code, "calls": calls}}))
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["code"] == 0
     assert result["calls"][0] == {"torch": False, "started": True}
+
+
+def test_the_server_ignores_ctrl_c_from_its_start(
+    monkeypatch: pytest.MonkeyPatch, no_fork_server: object
+) -> None:
+    # A Ctrl-C while the driver lists reaches its whole process group: a server still
+    # importing must not die of it (it ignores SIGINT itself only after its imports).
+    monkeypatch.setattr(threading, "active_count", lambda: 2)
+    assert processes.start_fork_server("/data/esc", 2, None)
+    status = Path(f"/proc/{SERVER._forkserver_pid}/status").read_text()
+    ignored = int(
+        next(v for k, v in (line.split(":") for line in status.splitlines()) if k == "SigIgn"), 16
+    )
+    assert ignored & (1 << (signal.SIGINT - 1))
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the driver's own is back
