@@ -302,8 +302,7 @@ def run_compile(
     """Runs a compile on its engine: ``workers`` local processes, or the Dask cluster at
     ``dask`` (``local:N``: a LocalCluster of N worker processes)."""
     if dask is None:
-        count = max(1, workers or os.cpu_count() or 1)
-        local = functools.partial(_local_records, run, workers=count)
+        local = functools.partial(_local_records, run, workers=processes.local_workers(workers))
         return finish_run(run, local, resume=resume, overwrite=overwrite)
     from .dask_engine import dask_client, dask_records
 

@@ -7,9 +7,9 @@ its own that imports the compile's modules (torch, the decoders) before it forks
 anything: about as long as the driver's own imports. ``start_fork_server`` starts
 it while the driver is still importing and listing the corpus, where the workers
 will come from it: an object-store SOURCE read through an asynchronous filesystem
-(s3, gcs, http: it runs a thread of its own by the time the pool starts), a driver already running threads (a notebook, a
-user's program), or CUDA in use. Forked workers need no head start: a fork takes
-milliseconds.
+(s3, gcs, http: it runs a thread of its own by the time the pool starts), a driver
+already running threads (a notebook, a user's program), or CUDA in use. Forked
+workers need no head start: a fork takes milliseconds.
 
 Nothing here imports torch: the command line calls ``start_fork_server`` before it
 loads the compile pipeline.
@@ -53,8 +53,17 @@ def cuda_in_use() -> bool:
     return bool(cuda is not None and cuda.is_initialized())
 
 
+def local_workers(workers: int | None) -> int:
+    """The worker processes of a local compile asked for ``workers`` (None: every core)."""
+    return max(1, workers or os.cpu_count() or 1)
+
+
+def _linux() -> bool:
+    return sys.platform.startswith("linux")
+
+
 def _forks() -> bool:
-    return sys.platform == "linux" and threading.active_count() == 1 and not cuda_in_use()
+    return _linux() and threading.active_count() == 1 and not cuda_in_use()
 
 
 def _forkserver() -> multiprocessing.context.BaseContext:
@@ -74,8 +83,7 @@ def start_fork_server(source: str, workers: int | None, dask: str | None) -> boo
     """Starts the fork server now, without waiting for its imports, where the pool of a
     compile of ``source`` on ``workers`` local processes will come from it; True if so.
     A server already running is left as it is."""
-    count = workers or os.cpu_count() or 1
-    if dask is not None or count <= 1 or not sys.platform.startswith("linux"):
+    if dask is not None or local_workers(workers) == 1 or not _linux():
         return False
     if _forks() and not _threaded_filesystem(source):
         return False
@@ -106,11 +114,14 @@ def _threaded_filesystem(source: str) -> bool:
 def _interrupts_ignored() -> Iterator[None]:
     """Ctrl-C is ignored by the fork server from its start (it inherits the setting), not
     only once its imports are done: an interrupted compile ends without a second
-    traceback from a server still importing."""
-    if threading.current_thread() is not threading.main_thread():
+    traceback from a server still importing. The driver's own handler is back as soon
+    as the server is spawned (a few milliseconds). Left alone off the main thread, or
+    where the handler was not set from Python (it could not be put back)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:

@@ -97,7 +97,7 @@ def test_the_fork_server_preloads_the_decoders(monkeypatch: pytest.MonkeyPatch) 
     assert {"av", "PIL.Image", "dlop.compiler.vision.video", "dlop.compiler.vision.image"} <= set(
         preload
     )
-    for name in processes.FORKSERVER_PRELOAD:
+    for name in (processes.PIPELINE, *processes.FORKSERVER_PRELOAD):
         importlib.import_module(name)
 
 

@@ -132,3 +132,14 @@ def test_the_server_ignores_ctrl_c_from_its_start(
     )
     assert ignored & (1 << (signal.SIGINT - 1))
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the driver's own is back
+
+
+def test_a_handler_set_outside_python_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # getsignal gives None for a handler a C library installed: it could not be put back
+    monkeypatch.setattr(threading, "active_count", lambda: 2)
+    monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: None)
+    monkeypatch.setattr(signal, "getsignal", lambda number: None)
+    set_to: list[object] = []
+    monkeypatch.setattr(signal, "signal", lambda number, handler: set_to.append(handler))
+    assert processes.start_fork_server("/data/esc", 2, None)
+    assert set_to == []
