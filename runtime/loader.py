@@ -96,7 +96,10 @@ class Loader:
     """Iterates dict batches of an archive; see the module docstring for the stages.
 
     ``rank``/``world_size`` default to torch.distributed's when it is
-    initialized; ``order`` is ``global`` (full permutation) or ``window``
+    initialized; ``nodes`` (default: from the launcher's environment then, else 1)
+    deals the archive's shards to nodes, each node's share kept across epochs
+    (``node_share="keep"``) or dealt anew (``"redeal"``), ``node_rank`` checked
+    against the rank (runtime.order.epochs); ``order`` is ``global`` (full permutation) or ``window``
     (out-of-core, see runtime.order.epochs); ``bucket_by`` names a ragged field whose
     lengths group batches; ``transforms`` are callables ``(batch, generator)
     -> batch`` run on the batch's device with a generator seeded from (seed,

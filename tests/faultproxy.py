@@ -6,6 +6,10 @@ forwards to an upstream server (moto's S3), injecting faults into chosen GETs.
         proxy.fail("shard-00003", "corrupt", times=None)   # every GET of it
         url = proxy.url + "/archive"
         proxy.gets["shard-00002"]                    # GETs whose path held that text
+        proxy.sent_bytes("shard-")                    # body bytes sent for such paths
+
+A client in another process reads the bytes sent so far, as JSON {path: bytes}, from
+``proxy.url + "/.faultproxy-sent"``.
 
 Faults: ``drop`` (close the connection without a response), ``slowdown`` (503
 with S3's SlowDown body), ``truncate`` (the full Content-Length announced,
@@ -19,6 +23,7 @@ a server that accepts connections and never answers.
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+SENT_PATH = "/.faultproxy-sent"
 SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
@@ -38,6 +44,8 @@ class FaultProxy:
         self.upstream = urlsplit(upstream) if upstream else None
         self.faults: list[list[Any]] = []  # [match, kind, times left or None]
         self.gets: Counter[str] = Counter()
+        self.sent: Counter[str] = Counter()  # body bytes written per path
+        self.wasted: Counter[str] = Counter()  # of those, bytes sent under a fault
         self.ranges: list[str] = []
         self.lock = threading.Lock()
         self.closing = threading.Event()
@@ -52,6 +60,10 @@ class FaultProxy:
         or is exactly what follows ``=`` in it (``=/bucket``: the bucket's listings)."""
         with self.lock:
             self.faults.append([match, kind, times])
+
+    def sent_bytes(self, match: str = "") -> int:
+        with self.lock:
+            return sum(n for path, n in self.sent.items() if match in path)
 
     def count(self, match: str) -> int:
         with self.lock:
@@ -141,7 +153,20 @@ class FaultProxy:
                 length = {k.lower(): v for k, v in headers.items()}.get("content-length")
                 self.respond(status, headers, int(length) if length else len(body))
 
+            def send_body(self, body: bytes, fault: str | None = None) -> None:
+                self.wfile.write(body)
+                with proxy.lock:
+                    proxy.sent[urlsplit(self.path).path] += len(body)
+                    if fault is not None:
+                        proxy.wasted[urlsplit(self.path).path] += len(body)
+
             def do_GET(self) -> None:
+                if urlsplit(self.path).path == SENT_PATH:
+                    with proxy.lock:
+                        report = json.dumps(dict(proxy.sent)).encode()
+                    self.respond(200, {"Content-Type": "application/json"}, len(report))
+                    self.wfile.write(report)
+                    return
                 fault = proxy.take_fault(urlsplit(self.path).path)
                 if fault == "hang":
                     proxy.closing.wait()
@@ -159,12 +184,12 @@ class FaultProxy:
                     body = body[:mid] + bytes([body[mid] ^ 0xFF]) + body[mid + 1 :]
                 if fault in ("truncate", "stall") and status < 300:
                     self.respond(status, headers, len(body))  # announces the full length
-                    self.wfile.write(body[: len(body) // 2])
+                    self.send_body(body[: len(body) // 2], fault)
                     self.wfile.flush()
                     if fault == "stall":
                         proxy.closing.wait()
                     return
                 self.respond(status, headers, len(body))
-                self.wfile.write(body)
+                self.send_body(body, fault)
 
         return Handler

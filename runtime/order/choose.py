@@ -27,8 +27,8 @@ from ..errors import UsageError, UsageTypeError, check_int
 from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate
 from ..gather.plan import CopyPlan
-from .distributed import rank_and_world
-from .epochs import BatchOrder, OrderSpec, selection_draw
+from .distributed import node_count, rank_and_world
+from .epochs import NODE_SHARES, BatchOrder, OrderSpec, selection_draw
 from .mixture import (
     MAX_EPOCH_SAMPLES,
     Mixture,
@@ -124,6 +124,11 @@ def choose(
     world = check_int(f"{owner} world_size", world, low=1)
     order["rank"] = check_int(f"{owner} rank", rank, low=0, high=world - 1)
     order["world_size"] = world
+    order["nodes"] = node_count(rank, world, order.pop("nodes"), order.pop("node_rank"), owner)
+    if order["node_share"] not in NODE_SHARES:
+        raise UsageError(
+            f"{owner} node_share must be one of {NODE_SHARES}, got {order['node_share']!r}"
+        )
     bucket_by = order.pop("bucket_by")
     if not order["even_shares"] and order["drop_last"]:
         raise UsageError(

@@ -1,8 +1,14 @@
-"""Rank and world size, from arguments or from an initialized torch.distributed."""
+"""Rank, world size and nodes, from arguments or from an initialized torch.distributed
+(and, for nodes, the environment torchrun gives each rank)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import torch.distributed as dist
+
+from ..errors import UsageError, check_int
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -18,3 +24,75 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
             "give both rank and world_size, or neither (then torch.distributed decides)"
         )
     return 0, 1
+
+
+def launcher_nodes(env: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
+    """(ranks per node, node rank, local rank) as torchrun (and launchers like it) tell
+    each rank: ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (or ``NODE_RANK``), ``LOCAL_RANK``;
+    None where they are not all set. Malformed values are refused, naming the variable."""
+    env = os.environ if env is None else env
+    node_key = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
+    keys = ("LOCAL_WORLD_SIZE", node_key, "LOCAL_RANK")
+    if not all(k in env for k in keys):
+        return None
+    values = []
+    for key in keys:
+        try:
+            values.append(int(env[key]))
+        except ValueError:
+            raise UsageError(
+                f"environment variable {key}={env[key]!r} is not a whole number"
+            ) from None
+    local, node, local_rank = values
+    if local < 1 or node < 0 or not 0 <= local_rank < local:
+        raise UsageError(
+            f"the launcher's environment is not a node layout: LOCAL_WORLD_SIZE={local}, "
+            f"{node_key}={node}, LOCAL_RANK={local_rank}"
+        )
+    return local, node, local_rank
+
+
+def node_count(
+    rank: int,
+    world_size: int,
+    nodes: int | None,
+    node_rank: int | None,
+    owner: str = "Loader",
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """How many nodes the ``world_size`` ranks span, ranks numbered node by node (rank =
+    node * ranks_per_node + local rank): ``nodes`` when given (``node_rank``, when given
+    too, must be the node of ``rank``); else, when torch.distributed is initialized, what
+    the launcher's environment says (``launcher_nodes``); else 1. A layout that
+    disagrees with the rank and world size is refused."""
+    if nodes is None:
+        if node_rank is not None:
+            raise UsageError(f"{owner} node_rank= needs nodes= (how many nodes there are)")
+        told = launcher_nodes(env) if dist.is_available() and dist.is_initialized() else None
+        if told is None:
+            return 1
+        local, node, local_rank = told
+        if world_size % local or rank // local != node or rank % local != local_rank:
+            raise UsageError(
+                f"{owner}: the launcher's environment (LOCAL_WORLD_SIZE={local}, node "
+                f"{node}, LOCAL_RANK={local_rank}) disagrees with rank {rank} of world_size "
+                f"{world_size}: ranks are numbered node by node; pass nodes= and node_rank= "
+                "to say how the ranks are laid out"
+            )
+        return world_size // local
+    nodes = check_int(f"{owner} nodes", nodes, low=1)
+    if world_size % nodes:
+        raise UsageError(
+            f"{owner} nodes={nodes} does not divide world_size={world_size}: every node "
+            "runs the same number of ranks"
+        )
+    if node_rank is not None:
+        node_rank = check_int(f"{owner} node_rank", node_rank, low=0, high=nodes - 1)
+        local = world_size // nodes
+        if rank // local != node_rank:
+            raise UsageError(
+                f"{owner} node_rank={node_rank} disagrees with rank {rank}: with "
+                f"{local} ranks on each of {nodes} nodes, rank {rank} is on node "
+                f"{rank // local} (ranks are numbered node by node)"
+            )
+    return nodes

@@ -13,6 +13,21 @@ Orders
           source, same speaker) survive at the scale of a window, and shards
           should be written from a shuffled corpus when that matters.
 
+Nodes (``nodes`` > 1, an archive's shards known)
+  The shards are dealt to nodes first: their order is permuted (``node_share``
+  "keep": once for all epochs, so a node reads the same share every epoch and
+  a node-local cache that holds about 1/nodes of the archive downloads it
+  once; "redeal": anew each epoch) and the samples, taken shard by shard in
+  that order, are cut into ``nodes`` consecutive spans of equal size (give or
+  take one). At most nodes - 1 shards are split between two nodes. Each epoch
+  orders a node's span on its own (global: a permutation of the span; window:
+  its pieces of shards permuted, shuffled within windows of ``window_shards``),
+  evens it to the same size on every node (repeating its own first samples, or
+  trimming its tail with drop_last: each rank still gets ceil(N / world), or
+  floor), and deals it to the node's local ranks as below, with local rank and
+  ranks per node for rank and world. Ranks are numbered node by node (rank =
+  node * ranks_per_node + local rank), as torchrun numbers them.
+
 Distribution (``torch.utils.data.DistributedSampler`` semantics)
   drop_last=False: the epoch is padded by repeating its first samples until
   it divides evenly, so each rank gets ceil(N / world) samples (at most
@@ -65,6 +80,8 @@ class OrderSpec:
     window_shards: int = 8
     bucket_window: int = 64
     even_shares: bool = True  # False: no sample repeated or dropped, shares may differ
+    nodes: int = 1  # nodes the world spans, world_size // nodes ranks each
+    node_share: str = "keep"  # keep | redeal: a node's shards, fixed or dealt anew each epoch
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -75,8 +92,36 @@ class OrderSpec:
             raise ValueError(f"order {self.mode!r} must be global or window")
         if not self.even_shares and self.drop_last:
             raise ValueError("even_shares=False reads every sample once: it takes no drop_last")
+        if self.nodes < 1 or self.world_size % self.nodes:
+            raise ValueError(
+                f"world_size {self.world_size} is not a whole number of nodes ({self.nodes}): "
+                "every node runs the same number of ranks"
+            )
+        if self.node_share not in NODE_SHARES:
+            raise ValueError(f"node_share {self.node_share!r} must be one of {NODE_SHARES}")
+
+    @property
+    def local_size(self) -> int:
+        """Ranks per node."""
+        return self.world_size // self.nodes
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_size
+
+    @property
+    def dealt(self) -> bool:
+        """Whether shards are dealt to nodes (several nodes, the shards known)."""
+        return self.nodes > 1 and bool(self.shard_sizes)
 
 
+NODE_SHARES = ("keep", "redeal")
+NODE_DEAL_STREAM = 3  # the random stream that deals shards to nodes
+NODE_STREAM = 1 << 20  # node j's order within its span: stream NODE_STREAM + j
 MAX_EPOCH = 2**63 - 1  # an epoch number is an int64 (IterableArchive shares it with workers)
 
 
@@ -102,7 +147,7 @@ def selection_draw(spec: OrderSpec, selection: np.ndarray | None) -> Draw:
     """The draw of a selection: the epoch order over its positions, as sample numbers."""
 
     def draw(epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
-        order = epoch_order(spec, epoch)
+        order = share_order(spec, epoch)
         return (order if selection is None else selection[order]), None
 
     return draw
@@ -125,6 +170,67 @@ def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
         )
         parts.append(gen.permutation(window))
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def share_order(spec: OrderSpec, epoch: int) -> np.ndarray:
+    """What this rank's node shares out for the epoch: its span, ordered and evened
+    (``node_order``) where shards are dealt to nodes; otherwise the whole epoch."""
+    return node_order(spec, epoch) if spec.dealt else epoch_order(spec, epoch)
+
+
+def node_span(spec: OrderSpec, epoch: int, node: int | None = None) -> list[tuple[int, int]]:
+    """The samples dealt to ``node`` (default: this rank's) for ``epoch``: (start, stop)
+    ranges of sample numbers, one per shard or piece of a shard, in the deal's order."""
+    node = spec.node if node is None else node
+    sizes = np.asarray(spec.shard_sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    n = int(starts[-1])
+    if spec.shuffle:
+        dealing = 0 if spec.node_share == "keep" else epoch
+        shards = rng(spec.seed, dealing, NODE_DEAL_STREAM).permutation(len(sizes))
+    else:
+        shards = np.arange(len(sizes))
+    ends = np.cumsum(sizes[shards])  # where each shard ends in the dealt sequence
+    lo, hi = n * node // spec.nodes, n * (node + 1) // spec.nodes
+    first = int(np.searchsorted(ends, lo, side="right"))
+    span = []
+    for i in range(first, len(shards)):
+        begin = int(ends[i] - sizes[shards[i]])
+        if begin >= hi:
+            break
+        a, b = max(lo, begin), min(hi, int(ends[i]))
+        if a < b:
+            k = int(shards[i])
+            span.append((int(starts[k]) + a - begin, int(starts[k]) + b - begin))
+    return span
+
+
+def node_order(spec: OrderSpec, epoch: int) -> np.ndarray:
+    """This rank's node's samples for the epoch, in order: its span (``node_span``)
+    ordered, then evened to ranks-per-node times each rank's share (see the module
+    docstring), unless ``even_shares`` is False."""
+    span = node_span(spec, epoch)
+    pieces = [np.arange(a, b, dtype=np.int64) for a, b in span]
+    if not spec.shuffle or not pieces:
+        order = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+    else:
+        gen = rng(spec.seed, epoch, NODE_STREAM + spec.node)
+        if spec.mode == "global":
+            order = gen.permutation(np.concatenate(pieces))
+        else:
+            mixed = [pieces[i] for i in gen.permutation(len(pieces))]
+            w = spec.window_shards
+            order = np.concatenate(
+                [gen.permutation(np.concatenate(mixed[i : i + w])) for i in range(0, len(mixed), w)]
+            )
+    if not spec.even_shares:
+        return order.astype(np.int64, copy=False)
+    n, world = spec.num_samples, spec.world_size
+    size = spec.local_size * (n // world if spec.drop_last else math.ceil(n / world))
+    if len(order) >= size:
+        return order[:size].astype(np.int64, copy=False)
+    source = order if len(order) else np.arange(n, dtype=np.int64)
+    return np.resize(source, size).astype(np.int64, copy=False)
 
 
 def _even(seq: np.ndarray, world: int, drop_last: bool, even: bool = True) -> np.ndarray:
@@ -155,14 +261,16 @@ def rank_batches(
 ) -> list[np.ndarray]:
     """This rank's batches for the epoch, each sorted ascending (for locality of reads).
 
-    ``samples``: the epoch's samples in order (default ``epoch_order``);
+    ``samples``: the epoch's samples in order (default ``share_order``);
     ``groups``: the group of each, batches cut within groups;
     ``bucket_lengths``: indexed by sample number.
     """
-    order = epoch_order(spec, epoch) if samples is None else samples
-    world, b = spec.world_size, spec.batch_size
+    order = share_order(spec, epoch) if samples is None else samples
+    b = spec.batch_size
+    # with shards dealt to nodes, ``order`` is the node's, evened: its ranks share it out
+    world, rank = (spec.local_size, spec.local_rank) if spec.dealt else (spec.world_size, spec.rank)
     if bucket_lengths is None and groups is None:
-        mine = _even(order, world, spec.drop_last, spec.even_shares)[spec.rank :: world]
+        mine = _even(order, world, spec.drop_last, spec.even_shares)[rank::world]
         cuts = range(0, len(mine), b)
         batches = [mine[i : i + b] for i in cuts]
         if spec.drop_last and batches and len(batches[-1]) < b:
@@ -184,7 +292,7 @@ def rank_batches(
         perm = rng(spec.seed, epoch, 1).permutation(len(batches))
         batches = [batches[i] for i in perm]
     dealt = _even(np.arange(len(batches)), world, spec.drop_last, spec.even_shares)
-    picked = dealt[spec.rank :: world]
+    picked = dealt[rank::world]
     return [np.sort(batches[i]) for i in picked]
 
 

@@ -2,7 +2,7 @@
 
 The Loader and IterableArchive take the same settings after their archive and
 batch size (docs/choosing.md): how batches are ordered (shuffle, seed, ranks,
-window order, bucketing, shares) and what is read (fields, padding, a
+nodes, window order, bucketing, shares) and what is read (fields, padding, a
 selection, a mixture's weights, the node-local cache). Each front end adds
 only its own (the Loader: device, transforms, prefetch; IterableArchive: worker
 buffers) and takes the rest as keywords checked here, so an option is declared,
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageTypeError, check_int
-from .distributed import rank_and_world
+from .distributed import node_count, rank_and_world
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class Reading:
     bucket_by: str | None = None
     bucket_window: int = 64
     even_shares: bool = True
+    nodes: int | None = None
+    node_rank: int | None = None
+    node_share: str = "keep"
     # what is read (runtime.archive, runtime.order.mixture, runtime.storage.cached)
     fields: Sequence[str] | str | None = None
     pad_value: float | None = None
@@ -91,11 +94,13 @@ class Reading:
         resolved = {k: by_position.get(k, given) for k, (given, _) in own.items()}
         return cls(**settings, **options), resolved
 
-    def in_this_process(self) -> Reading:
-        """The settings with ``rank`` and ``world_size`` worked out here (from
-        torch.distributed when not given): DataLoader workers have no process group."""
+    def in_this_process(self, owner: str = "IterableArchive") -> Reading:
+        """The settings with ``rank``, ``world_size`` and ``nodes`` worked out here (from
+        torch.distributed and the launcher's environment when not given): DataLoader
+        workers have no process group."""
         rank, world = rank_and_world(self.rank, self.world_size)
-        return dataclasses.replace(self, rank=rank, world_size=world)
+        nodes = node_count(rank, world, self.nodes, self.node_rank, owner)
+        return dataclasses.replace(self, rank=rank, world_size=world, nodes=nodes)
 
     def open_options(self) -> dict[str, Any]:
         """What to read, as runtime.order.choose takes it (the cache's only when given,
@@ -127,6 +132,9 @@ class Reading:
             "bucket_by": self.bucket_by,
             "bucket_window": check_int(f"{owner} bucket_window", self.bucket_window, low=1),
             "even_shares": self.even_shares,
+            "nodes": self.nodes,
+            "node_rank": self.node_rank,
+            "node_share": self.node_share,
         }
 
 
@@ -142,6 +150,9 @@ CHOOSING = (
     "cache_dir",
     "cache_bytes",
     "even_shares",
+    "nodes",
+    "node_rank",
+    "node_share",
 )
 
 

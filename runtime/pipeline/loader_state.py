@@ -28,9 +28,14 @@ STATE_SETTINGS = (
     "bucket_by",
     "bucket_window",
     "even_shares",
+    "nodes",
+    "node_share",
 )
 # What a state saved before a setting was recorded had (it was the only choice then).
-SETTING_DEFAULTS: dict[str, Any] = {"even_shares": True}
+SETTING_DEFAULTS: dict[str, Any] = {"even_shares": True, "nodes": 1, "node_share": "keep"}
+# Settings that place ranks: a state saved under others belongs to another world, whose
+# epoch cannot be continued here mid-way (its samples were dealt otherwise).
+WORLD_SETTINGS = ("world_size", "nodes")
 # The samples chosen: the archives read, in order (runtime.order.choose.archive_identities), a
 # fingerprint of the selection (None: the whole archive) and a mixture's sources, weights
 # and sizes. A state without selection and mixture chose the whole archive; one without
@@ -56,6 +61,8 @@ def order_settings(
         "bucket_by": bucket_by,
         "bucket_window": spec.bucket_window,
         "even_shares": spec.even_shares,
+        "nodes": spec.nodes,
+        "node_share": spec.node_share,
         **choice,
     }
 
@@ -92,6 +99,17 @@ def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> No
     samples (a missing choice entry is the whole archive's) or for another rank."""
     for key in (*STATE_SETTINGS, *CHOICE_SETTINGS):
         saved = state.get(key, SETTING_DEFAULTS.get(key))
+        if not same(saved, mine[key]) and key in WORLD_SETTINGS:
+            epoch = state.get("epoch")
+            after = epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else "E + 1"
+            raise UsageError(
+                f"{what} state was saved with world_size={state.get('world_size')!r:.20} on "
+                f"nodes={state.get('nodes', 1)!r:.20}, this {what} has world_size="
+                f"{mine['world_size']} on nodes={mine['nodes']}: the saved epoch's samples "
+                "were dealt to that world and cannot be continued in this one. Resume in the "
+                "world it was saved in, or start this world at the next epoch: skip "
+                f"load_state_dict and call set_epoch({after})"
+            )
         if not same(saved, mine[key]):
             raise UsageError(
                 f"{what} state was saved with {key}={saved!r:.200}, this {what} has "
