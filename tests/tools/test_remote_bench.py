@@ -29,3 +29,19 @@ def test_without_moto_only_the_local_zstd_rows_run(
     assert list((tmp_path / "cache-local-zstd").rglob("shard-*.dlop"))  # decoded into it
     assert not (tmp_path / "raw").exists()  # the raw archive is for the s3 rows only
     assert "remote" in cli.SECTIONS and "remote" in cli.DEFAULT_SECTIONS
+
+
+@pytest.mark.slow
+def test_each_node_downloads_its_share_once(tmp_path: Path) -> None:
+    with remote_bench.moto_s3() as endpoint:
+        if endpoint is None:
+            pytest.skip("moto is not installed")
+        raw = remote_bench.write(tmp_path / remote_bench.RAW_NAME, 64, zstd=False)
+        url = remote_bench.upload(raw)
+        rows = remote_bench.node_download_rows(url, raw, tmp_path, 64)
+    firsts = [r.extra["first_epoch_of_archive"] for r in rows]
+    assert [r.pipeline.split(" ")[0] for r in rows] == ["1", "2", "4"]
+    # the header and index make a shard a little more than its share of samples
+    assert firsts[0] == pytest.approx(1.0, abs=0.02)
+    assert firsts[1] == pytest.approx(0.5, abs=0.1) and firsts[2] == pytest.approx(0.25, abs=0.1)
+    assert [r.extra["second_epoch_of_archive"] for r in rows] == [0, 0, 0]

@@ -109,13 +109,14 @@ def _module(name: str) -> Callable[[_Run], list[Row]]:
 
 
 def _peers(run: _Run) -> list[Row]:
-    from . import peer_rows, speech_peers
+    from . import peer_rows, shuffle_bench, speech_peers
 
     a = run.args
     rows = peer_rows.run(run.work / "peers", a.peer_samples, a.workers, a.repeats)
-    return rows + speech_peers.run(
+    rows += speech_peers.run(
         run.work / "speech-peers", a.peer_utts, a.workers, a.repeats, a.short_utts
     )
+    return rows + shuffle_bench.rows(with_streaming=True)
 
 
 # Every section, in the order a run takes them; `--only` chooses among these names.
@@ -131,6 +132,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "startup": _module("startup"),
     "custom": _module("custom"),
     "short": _module("short"),
+    "shuffle": _module("shuffle"),
     "peers": _peers,
 }
 # peers needs LitData, MosaicML Streaming, Lhotse and datasets, which only `make bench-peers` installs

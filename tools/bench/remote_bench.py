@@ -30,6 +30,7 @@ import numpy as np
 from dlop.formats import ArchiveWriter, Field, Raw, Zstd
 from dlop.formats.urls import filesystem
 from dlop.runtime import Loader
+from dlop.runtime.storage.cache import is_shard
 
 from .common import Row, interleaved, loader_epoch, rate_row
 from .format_bench import FRAMES, MELS, synthetic_logmel
@@ -218,6 +219,62 @@ def rows_for(name: str, local: Path, url: str, work: Path, n: int, repeats: int)
     ]
 
 
+def cached_shard_bytes(cache: Path) -> int:
+    """Bytes of the shards a cache folder holds (what was downloaded into it)."""
+    return (
+        sum(f.stat().st_size for f in cache.rglob("*") if f.is_file() and is_shard(f.name))
+        if cache.exists()
+        else 0
+    )
+
+
+def node_download_rows(url: str, local: Path, work: Path, n: int) -> list[Row]:
+    """Bytes each node downloads from ``url`` in its first and second epoch, for 1, 2 and
+    4 nodes of one rank each (simulated one after another, each node its own cache
+    folder, the default node_share="keep"), as fractions of the archive's shard bytes."""
+    total = sum(f.stat().st_size for f in local.iterdir() if f.name != "index.json")
+    wl = (
+        f"remote: ESC-50-shaped f16 [{FRAMES},{MELS}] x {n}, raw, {SHARDS} shards, moto S3 "
+        f"on loopback, window order ({WINDOW_SHARDS} shards), shards dealt to nodes"
+    )
+    rows = []
+    for nodes in (1, 2, 4):
+        first, second = [], []
+        for node in range(nodes):
+            cache = work / f"nodes-{nodes}-{node}"
+            reader = Loader(
+                url,
+                BATCH,
+                seed=0,
+                order="window",
+                window_shards=WINDOW_SHARDS,
+                rank=node,
+                world_size=nodes,
+                nodes=nodes,
+                cache_dir=cache,
+                cache_bytes=CACHE_BYTES,
+            )
+            loader_epoch(reader)
+            first.append(cached_shard_bytes(cache))
+            loader_epoch(reader)  # the next pass is the next epoch
+            second.append(cached_shard_bytes(cache) - first[-1])
+            reader.close()
+            shutil.rmtree(cache, ignore_errors=True)
+        rows.append(
+            Row(
+                wl,
+                f"{nodes} node{'s' if nodes > 1 else ''} of one rank: bytes each node downloads",
+                extra={
+                    "first_epoch_of_archive": round(float(np.mean(first)) / total, 3),
+                    "first_epoch_max_of_archive": round(max(first) / total, 3),
+                    "second_epoch_of_archive": round(max(second) / total, 3),
+                    "archive_MiB": round(total / 2**20, 1),
+                },
+            )
+        )
+    return rows
+
+
 def run(work: Path, args: argparse.Namespace) -> list[Row]:
     n = max(args.clips, 2 * BATCH)
     zstd = write(work / "zstd", n, zstd=True)
@@ -229,6 +286,7 @@ def run(work: Path, args: argparse.Namespace) -> list[Row]:
                 file=sys.stderr,
             )
             return rows
-        for local in (write(work / RAW_NAME, n, zstd=False), zstd):
+        raw = write(work / RAW_NAME, n, zstd=False)
+        for local in (raw, zstd):
             rows += rows_for(local.name, local, upload(local), work, n, args.repeats)
-        return rows
+        return rows + node_download_rows(f"s3://{BUCKET}/{raw.name}", raw, work, n)
