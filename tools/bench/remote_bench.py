@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import time
 import urllib.request
@@ -71,31 +72,52 @@ def moto_environ(endpoint: str) -> dict[str, str]:
     }
 
 
+_MOTO = """
+import logging, sys, threading
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False).start()
+print("serving", flush=True)
+threading.Event().wait()
+"""
+
+
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
-    """A moto S3 server on 127.0.0.1, started empty, with ``moto_environ`` set in this
-    process for the ``with`` block; yields its endpoint. ImportError without moto."""
-    from moto.server import ThreadedMotoServer
+    """A moto S3 server on 127.0.0.1 in a process of its own, started empty, with
+    ``moto_environ`` set in this process for the ``with`` block; yields its endpoint.
+    Its own process: a server in the bench's process would share its interpreter lock
+    with the in-process reader measured (the dlop Loader) and not with readers whose
+    DataLoader workers are processes of their own (the peers'). ImportError without
+    moto."""
+    import moto.server  # noqa: F401  (ImportError here, not in the child)
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
-    urllib.request.urlopen(request).read()  # moto keeps buckets across servers in a process
-    env = moto_environ(endpoint)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-c", _MOTO, str(port)], stdout=subprocess.PIPE, text=True
+    )
     try:
-        yield endpoint
+        if server.stdout is None or server.stdout.readline().strip() != "serving":
+            raise RuntimeError(f"the moto server did not start (exit status {server.wait()})")
+        endpoint = f"http://127.0.0.1:{port}"
+        request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
+        urllib.request.urlopen(request, timeout=60).read()
+        env = moto_environ(endpoint)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield endpoint
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
+        server.kill()
+        server.wait()
 
 
 @contextlib.contextmanager
