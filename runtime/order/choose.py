@@ -120,11 +120,14 @@ def choose(
     if order["mode"] not in ("global", "window"):
         raise UsageError(f"{owner} order must be 'global' or 'window', got {order['mode']!r}")
     mixing = {k: open_options.pop(k) for k in ("weights", "samples_per_epoch", "batch_per_source")}
+    grouped = order["rank"] is None and order["world_size"] is None
     rank, world = rank_and_world(order.pop("rank"), order.pop("world_size"))
     world = check_int(f"{owner} world_size", world, low=1)
     order["rank"] = check_int(f"{owner} rank", rank, low=0, high=world - 1)
     order["world_size"] = world
-    order["nodes"] = node_count(rank, world, order.pop("nodes"), order.pop("node_rank"), owner)
+    order["nodes"] = node_count(
+        rank, world, order.pop("nodes"), order.pop("node_rank"), owner, from_group=grouped
+    )
     if order["node_share"] not in NODE_SHARES:
         raise UsageError(
             f"{owner} node_share must be one of {NODE_SHARES}, got {order['node_share']!r}"
@@ -213,6 +216,7 @@ def choose_mixture(
         raise UsageError(f"{owner} indices= does not apply to a mixture; choose with where=")
     if order["mode"] != "global":
         raise UsageError(f"{owner} order='window' does not apply to a mixture; use order='global'")
+    order = {**order, "nodes": 1}  # a mixture's sources are local: no shards dealt to nodes
     names = list(sources)
     parts = [source_paths(n, sources[n], owner) for n in names]
     paths = [p for ps, _ in parts for p in ps]

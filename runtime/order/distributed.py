@@ -59,16 +59,20 @@ def node_count(
     node_rank: int | None,
     owner: str = "Loader",
     env: Mapping[str, str] | None = None,
+    from_group: bool = True,
 ) -> int:
     """How many nodes the ``world_size`` ranks span, ranks numbered node by node (rank =
     node * ranks_per_node + local rank): ``nodes`` when given (``node_rank``, when given
-    too, must be the node of ``rank``); else, when torch.distributed is initialized, what
-    the launcher's environment says (``launcher_nodes``); else 1. A layout that
-    disagrees with the rank and world size is refused."""
+    too, must be the node of ``rank``); else, when the rank and world size are the
+    initialized torch.distributed's (``from_group``: the caller gave neither), what the
+    launcher's environment says (``launcher_nodes``); else 1 (ranks the caller numbered
+    itself, as data-parallel ranks under model parallelism, say nothing of nodes). A
+    layout that disagrees with the rank and world size is refused."""
     if nodes is None:
         if node_rank is not None:
             raise UsageError(f"{owner} node_rank= needs nodes= (how many nodes there are)")
-        told = launcher_nodes(env) if dist.is_available() and dist.is_initialized() else None
+        grouped = from_group and dist.is_available() and dist.is_initialized()
+        told = launcher_nodes(env) if grouped else None
         if told is None:
             return 1
         local, node, local_rank = told
@@ -77,7 +81,7 @@ def node_count(
                 f"{owner}: the launcher's environment (LOCAL_WORLD_SIZE={local}, node "
                 f"{node}, LOCAL_RANK={local_rank}) disagrees with rank {rank} of world_size "
                 f"{world_size}: ranks are numbered node by node; pass nodes= and node_rank= "
-                "to say how the ranks are laid out"
+                "to say how the ranks are laid out, or nodes=1 to deal no shards to nodes"
             )
         return world_size // local
     nodes = check_int(f"{owner} nodes", nodes, low=1)

@@ -22,9 +22,9 @@ Nodes (``nodes`` > 1, an archive's shards known)
   take one). At most nodes - 1 shards are split between two nodes. Each epoch
   orders a node's span on its own (global: a permutation of the span; window:
   its pieces of shards permuted, shuffled within windows of ``window_shards``),
-  evens it to the same size on every node (repeating its own first samples, or
-  trimming its tail with drop_last: each rank still gets ceil(N / world), or
-  floor), and deals it to the node's local ranks as below, with local rank and
+  evens it to the same size on every node (repeating its own first samples,
+  or others' when it has none because N < nodes; or trimming its tail with
+  drop_last: each rank still gets ceil(N / world), or floor), and deals it to the node's local ranks as below, with local rank and
   ranks per node for rank and world. Ranks are numbered node by node (rank =
   node * ranks_per_node + local rank), as torchrun numbers them.
 
@@ -50,7 +50,7 @@ Bucketing (``bucket_lengths``)
 Selections and mixtures (runtime.archive.selection, runtime.order.mixture)
   A draw (``Draw``) gives an epoch's samples as archive sample numbers, in
   epoch order, and optionally the group (mixture source) of each. A selection
-  draws ``selection[epoch_order(...)]``: the orders above over positions in
+  draws ``selection[share_order(...)]``: the orders above over positions in
   the selection. With groups, batches are cut within each group (each batch
   from one group), then shuffled and dealt out to ranks as with bucketing.
 """

@@ -99,7 +99,8 @@ class Reading:
         torch.distributed and the launcher's environment when not given): DataLoader
         workers have no process group."""
         rank, world = rank_and_world(self.rank, self.world_size)
-        nodes = node_count(rank, world, self.nodes, self.node_rank, owner)
+        grouped = self.rank is None and self.world_size is None
+        nodes = node_count(rank, world, self.nodes, self.node_rank, owner, from_group=grouped)
         return dataclasses.replace(self, rank=rank, world_size=world, nodes=nodes)
 
     def open_options(self) -> dict[str, Any]:

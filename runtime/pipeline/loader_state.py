@@ -102,13 +102,19 @@ def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> No
         if not same(saved, mine[key]) and key in WORLD_SETTINGS:
             epoch = state.get("epoch")
             after = epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else "E + 1"
+            saved_nodes = state.get("nodes", SETTING_DEFAULTS["nodes"])
+            exact = (
+                f" (with the same ranks, nodes={saved_nodes!r:.20} continues it exactly)"
+                if same(state.get("world_size"), mine["world_size"])
+                else ""
+            )
             raise UsageError(
                 f"{what} state was saved with world_size={state.get('world_size')!r:.20} on "
                 f"nodes={state.get('nodes', 1)!r:.20}, this {what} has world_size="
                 f"{mine['world_size']} on nodes={mine['nodes']}: the saved epoch's samples "
                 "were dealt to that world and cannot be continued in this one. Resume in the "
                 "world it was saved in, or start this world at the next epoch: skip "
-                f"load_state_dict and call set_epoch({after})"
+                f"load_state_dict and call set_epoch({after}){exact}"
             )
         if not same(saved, mine[key]):
             raise UsageError(

@@ -157,6 +157,33 @@ def test_the_launchers_environment_gives_the_nodes(monkeypatch: pytest.MonkeyPat
     with pytest.raises(UsageError, match="disagrees with rank 1 of world_size 4"):
         node_count(1, 4, None, None, env=env)
     assert node_count(3, 4, 4, None, env=env) == 4  # given, it wins
+    # ranks numbered by the caller (data-parallel ranks under model parallelism, a
+    # one-rank evaluation Loader) say nothing of nodes: the environment is not read
+    wide = {"LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0", "LOCAL_RANK": "5"}
+    assert node_count(2, 4, None, None, env=wide, from_group=False) == 1
+    with pytest.raises(UsageError, match="or nodes=1 to deal no shards"):
+        node_count(2, 4, None, None, env=wide)
+
+
+def test_a_loader_given_its_own_ranks_under_torchrun_deals_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _archive(tmp_path / "a", n=200, per_shard=20)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    for key, value in {"LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    for front in (Loader, IterableArchive):
+        made = front(path, 4, **SETTINGS, rank=0, world_size=1)
+        spec = made.batch_order().spec if isinstance(made, IterableArchive) else made.spec
+        assert spec.nodes == 1  # before: refused, the environment's 4 ranks a node
+
+
+def test_a_mixture_deals_no_shards(tmp_path: Path) -> None:
+    a = _archive(tmp_path / "a", n=80, per_shard=20)
+    b = _archive(tmp_path / "b", n=80, per_shard=20)
+    loader = Loader({"a": a, "b": b}, 4, fields=["key"], rank=1, world_size=4, nodes=2)
+    assert loader.spec.nodes == 1 and loader.state_dict()["nodes"] == 1
+    loader.close()
 
 
 def _archive(path: Path, n: int = 400, per_shard: int = 40) -> Path:
@@ -215,9 +242,14 @@ def test_a_state_from_another_world_is_refused_with_the_way_on(tmp_path: Path) -
     assert len(_keys(new)) == 50
     new.close()
     flat = Loader(path, 4, **SETTINGS, rank=1, world_size=4)
-    with pytest.raises(UsageError, match="nodes=2"):
+    with pytest.raises(UsageError, match=r"nodes=2.*same ranks, nodes=2 continues it exactly"):
         flat.load_state_dict(state)
     flat.close()
+    older = {k: v for k, v in state.items() if k not in ("nodes", "node_share")}
+    dealt = Loader(path, 4, **SETTINGS, rank=1, world_size=4, nodes=2)
+    with pytest.raises(UsageError, match=r"nodes=1 continues it exactly"):
+        dealt.load_state_dict(older)  # a state saved before nodes were recorded
+    dealt.close()
 
 
 def test_a_selection_is_dealt_too(tmp_path: Path) -> None:
