@@ -27,7 +27,7 @@ from ..errors import UsageError, UsageTypeError, check_int
 from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate
 from ..gather.plan import CopyPlan
-from .distributed import node_count, rank_and_world
+from .distributed import placement
 from .epochs import NODE_SHARES, BatchOrder, OrderSpec, selection_draw
 from .mixture import (
     MAX_EPOCH_SAMPLES,
@@ -120,13 +120,8 @@ def choose(
     if order["mode"] not in ("global", "window"):
         raise UsageError(f"{owner} order must be 'global' or 'window', got {order['mode']!r}")
     mixing = {k: open_options.pop(k) for k in ("weights", "samples_per_epoch", "batch_per_source")}
-    grouped = order["rank"] is None and order["world_size"] is None
-    rank, world = rank_and_world(order.pop("rank"), order.pop("world_size"))
-    world = check_int(f"{owner} world_size", world, low=1)
-    order["rank"] = check_int(f"{owner} rank", rank, low=0, high=world - 1)
-    order["world_size"] = world
-    order["nodes"] = node_count(
-        rank, world, order.pop("nodes"), order.pop("node_rank"), owner, from_group=grouped
+    order["rank"], order["world_size"], order["nodes"] = placement(
+        order["rank"], order["world_size"], order["nodes"], order.pop("node_rank"), owner
     )
     if order["node_share"] not in NODE_SHARES:
         raise UsageError(

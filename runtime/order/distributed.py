@@ -26,6 +26,23 @@ def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return 0, 1
 
 
+def placement(
+    rank: int | None,
+    world_size: int | None,
+    nodes: int | None,
+    node_rank: int | None,
+    owner: str = "Loader",
+) -> tuple[int, int, int]:
+    """(rank, world size, nodes) of this process, each checked: given, or from an
+    initialized torch.distributed and the launcher's environment (``node_count``)."""
+    grouped = rank is None and world_size is None
+    got_rank, world = rank_and_world(rank, world_size)
+    world = check_int(f"{owner} world_size", world, low=1)
+    got_rank = check_int(f"{owner} rank", got_rank, low=0, high=world - 1)
+    count = node_count(got_rank, world, nodes, node_rank, owner, from_group=grouped)
+    return got_rank, world, count
+
+
 def launcher_nodes(env: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
     """(ranks per node, node rank, local rank) as torchrun (and launchers like it) tell
     each rank: ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (or ``NODE_RANK``), ``LOCAL_RANK``;

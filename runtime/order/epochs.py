@@ -57,6 +57,7 @@ Selections and mixtures (runtime.archive.selection, runtime.order.mixture)
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -162,13 +163,18 @@ def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
     if spec.mode == "global" or not spec.shard_sizes:
         return gen.permutation(n).astype(np.int64)
     starts = np.concatenate([[0], np.cumsum(spec.shard_sizes)]).astype(np.int64)
-    shards = gen.permutation(len(spec.shard_sizes))
-    parts = []
-    for w in range(0, len(shards), spec.window_shards):
-        window = np.concatenate(
-            [np.arange(starts[k], starts[k + 1]) for k in shards[w : w + spec.window_shards]]
-        )
-        parts.append(gen.permutation(window))
+    return _windowed(gen, list(itertools.pairwise(starts.tolist())), spec.window_shards)
+
+
+def _windowed(gen: np.random.Generator, ranges: list[tuple[int, int]], window: int) -> np.ndarray:
+    """The window order of ``ranges`` of sample numbers (shards, or pieces of them): the
+    ranges permuted, then their samples shuffled within consecutive windows of
+    ``window`` ranges."""
+    mixed = [ranges[i] for i in gen.permutation(len(ranges))]
+    parts = [
+        gen.permutation(np.concatenate([np.arange(a, b) for a, b in mixed[w : w + window]]))
+        for w in range(0, len(mixed), window)
+    ]
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
@@ -210,27 +216,27 @@ def node_order(spec: OrderSpec, epoch: int) -> np.ndarray:
     ordered, then evened to ranks-per-node times each rank's share (see the module
     docstring), unless ``even_shares`` is False."""
     span = node_span(spec, epoch)
-    pieces = [np.arange(a, b, dtype=np.int64) for a, b in span]
-    if not spec.shuffle or not pieces:
-        order = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+    gen = rng(spec.seed, epoch, NODE_STREAM + spec.node)
+    if not spec.shuffle or not span:
+        order = np.concatenate([np.arange(a, b) for a, b in span] or [np.zeros(0, np.int64)])
+    elif spec.mode == "global":
+        order = gen.permutation(np.concatenate([np.arange(a, b) for a, b in span]))
     else:
-        gen = rng(spec.seed, epoch, NODE_STREAM + spec.node)
-        if spec.mode == "global":
-            order = gen.permutation(np.concatenate(pieces))
-        else:
-            mixed = [pieces[i] for i in gen.permutation(len(pieces))]
-            w = spec.window_shards
-            order = np.concatenate(
-                [gen.permutation(np.concatenate(mixed[i : i + w])) for i in range(0, len(mixed), w)]
-            )
+        order = _windowed(gen, span, spec.window_shards)
+    order = order.astype(np.int64, copy=False)
     if not spec.even_shares:
-        return order.astype(np.int64, copy=False)
+        return order
     n, world = spec.num_samples, spec.world_size
     size = spec.local_size * (n // world if spec.drop_last else math.ceil(n / world))
-    if len(order) >= size:
-        return order[:size].astype(np.int64, copy=False)
-    source = order if len(order) else np.arange(n, dtype=np.int64)
-    return np.resize(source, size).astype(np.int64, copy=False)
+    # a node with no samples of its own (N < nodes) repeats others'
+    return _fit(order if len(order) else np.arange(n, dtype=np.int64), size)
+
+
+def _fit(seq: np.ndarray, size: int) -> np.ndarray:
+    """``seq`` trimmed to ``size``, or padded to it by repeating it from the start."""
+    if len(seq) >= size or len(seq) == 0:
+        return seq[:size]
+    return np.resize(seq, size)
 
 
 def _even(seq: np.ndarray, world: int, drop_last: bool, even: bool = True) -> np.ndarray:
@@ -239,17 +245,7 @@ def _even(seq: np.ndarray, world: int, drop_last: bool, even: bool = True) -> np
     n = len(seq)
     if not even:
         return seq
-    if drop_last:
-        return seq[: n - n % world]
-    total = math.ceil(n / world) * world
-    if total == n or n == 0:
-        return seq
-    reps = math.ceil(total / n)
-    return (
-        np.concatenate([seq] + [seq] * (reps - 1))[:total]
-        if reps > 1
-        else np.concatenate([seq, seq[: total - n]])
-    )
+    return _fit(seq, n - n % world if drop_last else math.ceil(n / world) * world)
 
 
 def rank_batches(

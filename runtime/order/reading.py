@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageTypeError, check_int
-from .distributed import node_count, rank_and_world
+from .distributed import placement
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,9 @@ class Reading:
         """The settings with ``rank``, ``world_size`` and ``nodes`` worked out here (from
         torch.distributed and the launcher's environment when not given): DataLoader
         workers have no process group."""
-        rank, world = rank_and_world(self.rank, self.world_size)
-        grouped = self.rank is None and self.world_size is None
-        nodes = node_count(rank, world, self.nodes, self.node_rank, owner, from_group=grouped)
+        rank, world, nodes = placement(
+            self.rank, self.world_size, self.nodes, self.node_rank, owner
+        )
         return dataclasses.replace(self, rank=rank, world_size=world, nodes=nodes)
 
     def open_options(self) -> dict[str, Any]:

@@ -110,7 +110,7 @@ def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> No
             )
             raise UsageError(
                 f"{what} state was saved with world_size={state.get('world_size')!r:.20} on "
-                f"nodes={state.get('nodes', 1)!r:.20}, this {what} has world_size="
+                f"nodes={saved_nodes!r:.20}, this {what} has world_size="
                 f"{mine['world_size']} on nodes={mine['nodes']}: the saved epoch's samples "
                 "were dealt to that world and cannot be continued in this one. Resume in the "
                 "world it was saved in, or start this world at the next epoch: skip "

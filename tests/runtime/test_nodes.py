@@ -351,3 +351,14 @@ def test_two_nodes_of_two_ranks_under_torchrun(tmp_path: Path) -> None:
             assert report["epochs"][epoch] == _keys(local)  # faults or not, the same batches
         assert report["resumed"] == report["epochs"][1]
         local.close()
+
+
+@pytest.mark.parametrize("front", [Loader, IterableArchive])
+def test_a_bad_world_is_refused_before_the_nodes_are_worked_out(
+    tmp_path: Path, front: type
+) -> None:
+    path = _archive(tmp_path / "a", n=40, per_shard=20)
+    with pytest.raises(UsageError, match="world_size must be at least 1, got 0"):
+        front(path, 4, rank=0, world_size=0, nodes=2, node_rank=0)  # was ZeroDivisionError
+    with pytest.raises(UsageError, match=r"rank must be 0\.\.3, got 4"):
+        front(path, 4, rank=4, world_size=4, nodes=2)
