@@ -31,7 +31,7 @@ import numpy as np
 from dlop.formats import ArchiveWriter, Field, Raw, Zstd
 from dlop.formats.urls import filesystem
 from dlop.runtime import Loader
-from dlop.runtime.storage.cache import is_shard
+from dlop.runtime.storage.cache import CacheDir, is_shard
 
 from .common import Row, interleaved, loader_epoch, rate_row
 from .format_bench import FRAMES, MELS, synthetic_logmel
@@ -243,11 +243,9 @@ def rows_for(name: str, local: Path, url: str, work: Path, n: int, repeats: int)
 
 def cached_shard_bytes(cache: Path) -> int:
     """Bytes of the shards a cache folder holds (what was downloaded into it)."""
-    return (
-        sum(f.stat().st_size for f in cache.rglob("*") if f.is_file() and is_shard(f.name))
-        if cache.exists()
-        else 0
-    )
+    if not cache.exists():
+        return 0
+    return sum(st.st_size for p, st in CacheDir(cache, CACHE_BYTES).files() if is_shard(p.name))
 
 
 def node_download_rows(url: str, local: Path, work: Path, n: int) -> list[Row]:
