@@ -287,6 +287,20 @@ def _filterbank_bands(cfg: FeatureConfig, filters_per_band: int = 16) -> tuple[B
 ROW_BLOCK = 32  # frames per matrix product; every clip's frames start on a block boundary
 
 
+def _in_row_blocks(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` padded with zero rows to whole ROW_BLOCKs, at least two, and their count.
+
+    Two at least: a batched product of one matrix takes the single-product path,
+    which on some CPUs (AVX-512 under MKL) runs another kernel and rounds
+    differently; two or more always take the batched one.
+    """
+    rows = x.shape[0]
+    blocks = max(2, -(-rows // ROW_BLOCK))
+    if blocks * ROW_BLOCK != rows:
+        x = F.pad(x, (0, 0, 0, blocks * ROW_BLOCK - rows))
+    return x, blocks
+
+
 def _blocked_matmul(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``(rows, k) @ (k, n)`` as products of exactly ROW_BLOCK rows each (rows padded with zeros).
 
@@ -295,9 +309,7 @@ def _blocked_matmul(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     result the same whatever else is computed with it.
     """
     rows = x.shape[0]
-    blocks = -(-rows // ROW_BLOCK)
-    if blocks * ROW_BLOCK != rows:
-        x = F.pad(x, (0, 0, 0, blocks * ROW_BLOCK - rows))
+    x, blocks = _in_row_blocks(x)
     product = torch.bmm(
         x.view(blocks, ROW_BLOCK, x.shape[1]), weights.expand(blocks, *weights.shape)
     )
@@ -310,9 +322,7 @@ def apply_filterbank(
     """``(rows, bins) -> (rows, n_mels)``: the filterbank product, band by band, in fixed
     ROW_BLOCK-row products (see _blocked_matmul), written into ``out`` when given."""
     rows = power.shape[0]
-    blocks = -(-rows // ROW_BLOCK)
-    if blocks * ROW_BLOCK != rows:
-        power = F.pad(power, (0, 0, 0, blocks * ROW_BLOCK - rows))
+    power, blocks = _in_row_blocks(power)
     if out is None:
         out = power.new_empty((rows, bands[-1][1]))
     for f0, f1, b0, b1, weights in bands:
