@@ -57,6 +57,12 @@ MAX_SAMPLE_BYTES = 1 << 40
 # what numpy must be able to describe as one array.
 MAX_FIELD_BYTES = 1 << 62
 MAX_BLOCK_RAW_BYTES = 1 << 31
+# Raw data regions longer than a piece carry a CRC-32 per piece (SPEC.md §4, region
+# ``crcs``), so a reader can trust part of a region before all of it has arrived.
+CRC_PIECE_BYTES = 1 << 20
+MIN_CRC_PIECE_BYTES = 4096
+MAX_CRC_PIECE_BYTES = 1 << 31
+CRC_DTYPE = np.dtype("<u4")
 # A Zstandard block regenerates at most 128 KiB and takes at least 4 bytes (an RLE
 # block: 3-byte header, 1 byte), so no frame decodes to more than this many times its size.
 ZSTD_MAX_RATIO = 32768

@@ -14,6 +14,7 @@ register by a fixed 32x32 bit matrix, raised to the n-th power by squaring.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import zlib
 from types import ModuleType
@@ -56,26 +57,28 @@ def _square(matrix: list[int]) -> list[int]:
     return [_times(matrix, matrix[n]) for n in range(32)]
 
 
+@functools.cache
+def _byte_powers() -> tuple[list[int], ...]:
+    """Operator k appends 2**k zero bytes to a message (k < 64), made once."""
+    odd = [_POLY] + [1 << (n - 1) for n in range(1, 32)]  # one zero bit
+    m = _square(_square(_square(odd)))  # eight zero bits: one byte
+    powers = [m]
+    for _ in range(63):
+        powers.append(_square(powers[-1]))
+    return tuple(powers)
+
+
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """zlib.crc32(a + b) given zlib.crc32(a), zlib.crc32(b) and len(b)."""
     if len_b <= 0:
         return crc_a
-    odd = [_POLY] + [1 << (n - 1) for n in range(1, 32)]  # one zero bit
-    even = _square(odd)  # two zero bits
-    odd = _square(even)  # four zero bits
-    while True:
-        even = _square(odd)  # apply len_b's bits, one byte-power at a time
+    powers = _byte_powers()
+    k = 0
+    while len_b:
         if len_b & 1:
-            crc_a = _times(even, crc_a)
+            crc_a = _times(powers[k], crc_a)
         len_b >>= 1
-        if not len_b:
-            break
-        odd = _square(even)
-        if len_b & 1:
-            crc_a = _times(odd, crc_a)
-        len_b >>= 1
-        if not len_b:
-            break
+        k += 1
     return crc_a ^ crc_b
 
 

@@ -16,11 +16,14 @@ from .constants import (
     ALIGNMENT,
     BLOCK_ROW_BYTES,
     CHECKSUM_NAME,
+    CRC_DTYPE,
     FORMAT_VERSION,
     MAGIC,
+    MAX_CRC_PIECE_BYTES,
     MAX_FIELD_BYTES,
     MAX_HEADER_BYTES,
     MAX_SHARD_SAMPLES,
+    MIN_CRC_PIECE_BYTES,
     PREAMBLE,
     SHARD_FORMAT,
     SUPPORTED_VERSIONS,
@@ -51,6 +54,7 @@ class FieldLayout:
     regions: dict[str, Region]
     value_count: int | None = None  # ragged fields
     num_blocks: int | None = None  # block-coded fields
+    crc_piece_bytes: int | None = None  # raw fields with a ``crcs`` region
 
     def to_json(self) -> dict[str, Any]:
         out = self.field.to_json()
@@ -59,7 +63,15 @@ class FieldLayout:
             out["value_count"] = self.value_count
         if self.num_blocks is not None:
             out["num_blocks"] = self.num_blocks
+        if self.crc_piece_bytes is not None:
+            out["crc_piece_bytes"] = self.crc_piece_bytes
         return out
+
+    def pieces(self) -> int:
+        """How many CRC pieces the data region is cut into (0 without a ``crcs`` region)."""
+        if self.crc_piece_bytes is None:
+            return 0
+        return -(-self.regions["data"].length // self.crc_piece_bytes)
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,12 @@ def required_regions(f: Field) -> tuple[str, ...]:
         names += ["shapes", "offsets"]
     names += f.codec.regions
     return tuple(names)
+
+
+def has_pieces(f: Field) -> bool:
+    """Whether a field's data may carry a CRC per piece (SPEC.md §4: values stored as
+    they are)."""
+    return f.codec.regions == ("data",)
 
 
 def encode_header(num_samples: int, file_bytes: int, fields: Sequence[FieldLayout]) -> bytes:
@@ -195,22 +213,22 @@ def _field_layout(
         r = robj.get(rname)
         if not isinstance(r, dict):
             raise FormatError(path, f"{where}: region {rname!r} is missing")
-        rw = f"{where} region {rname!r}"
-        region = Region(
-            _int(path, r, "offset", rw), _int(path, r, "length", rw), _int(path, r, "crc32", rw)
-        )
-        if region.offset % ALIGNMENT:
+        regions[rname] = _region(path, f"{where} region {rname!r}", r, file_size)
+    piece = None
+    if has_pieces(f) and ("crcs" in robj or "crc_piece_bytes" in obj):
+        r = robj.get("crcs")
+        if not isinstance(r, dict) or "crc_piece_bytes" not in obj:
             raise FormatError(
-                path, f"{rw}: offset {region.offset} is not a multiple of {ALIGNMENT}"
+                path, f"{where}: region 'crcs' and key 'crc_piece_bytes' come together"
             )
-        if region.end > file_size:
+        piece = _int(path, obj, "crc_piece_bytes", where)
+        if not MIN_CRC_PIECE_BYTES <= piece <= MAX_CRC_PIECE_BYTES:
             raise FormatError(
                 path,
-                f"{rw}: bytes {region.offset}..{region.end} run past the end of the {file_size}-byte file",
+                f"{where}: crc_piece_bytes {piece} is outside "
+                f"{MIN_CRC_PIECE_BYTES}..{MAX_CRC_PIECE_BYTES}",
             )
-        if region.crc32 > 0xFFFFFFFF:
-            raise FormatError(path, f"{rw}: crc32 {region.crc32} does not fit 32 bits")
-        regions[rname] = region
+        regions["crcs"] = _region(path, f"{where} region 'crcs'", r, file_size)
     value_count = num_blocks = None
     if f.ragged:
         value_count = _int(path, obj, "value_count", where)
@@ -226,7 +244,27 @@ def _field_layout(
             value_count if value_count is not None else n * f.sample_bytes // f.itemsize
         ) * f.itemsize
         _expect_len(path, where, "data", regions["data"], total)
-    return FieldLayout(f, regions, value_count, num_blocks)
+    layout = FieldLayout(f, regions, value_count, num_blocks, piece)
+    if piece is not None:
+        _expect_len(path, where, "crcs", regions["crcs"], layout.pieces() * CRC_DTYPE.itemsize)
+    return layout
+
+
+def _region(path: object, rw: str, r: dict[str, Any], file_size: int) -> Region:
+    """A region entry checked against the file: aligned, inside it, a 32-bit CRC."""
+    region = Region(
+        _int(path, r, "offset", rw), _int(path, r, "length", rw), _int(path, r, "crc32", rw)
+    )
+    if region.offset % ALIGNMENT:
+        raise FormatError(path, f"{rw}: offset {region.offset} is not a multiple of {ALIGNMENT}")
+    if region.end > file_size:
+        raise FormatError(
+            path,
+            f"{rw}: bytes {region.offset}..{region.end} run past the end of the {file_size}-byte file",
+        )
+    if region.crc32 > 0xFFFFFFFF:
+        raise FormatError(path, f"{rw}: crc32 {region.crc32} does not fit 32 bits")
+    return region
 
 
 def _expect_len(path: object, where: str, rname: str, region: Region, want: int) -> None:

@@ -26,6 +26,7 @@ from .constants import (
     BLOCK_COLUMNS,
     BLOCK_DTYPE,
     BLOCK_ROW,
+    CRC_DTYPE,
     MAX_BLOCK_RAW_BYTES,
     MAX_DIM,
     MAX_SAMPLE_BYTES,
@@ -187,7 +188,7 @@ class ShardReader:
 
     def _load_metadata(self, st: _FieldState) -> None:
         f, n = st.field, self.num_samples
-        for rname in ("shapes", "offsets", "blocks"):
+        for rname in ("shapes", "offsets", "blocks", "crcs"):
             if rname in st.layout.regions:
                 self._check_crc(st, rname, st.layout.regions[rname])
         if f.ragged:
@@ -364,6 +365,19 @@ class ShardReader:
         st = self._st(name)
         return st.store.value_bytes(self, st)
 
+    def region_crc(self, name: str, region: str) -> int:
+        """The CRC-32 of one of a field's regions as it is in the file now."""
+        st = self._st(name)
+        r = st.layout.regions[region]
+        return _crc(self._u8[r.offset : r.end])
+
+    def piece_crcs(self, name: str) -> tuple[int, np.ndarray] | None:
+        """A raw field's CRC pieces (SPEC.md §4 ``crcs``): the piece size and one CRC-32
+        per piece of its data region, checked on open; None when the shard has none."""
+        st = self._st(name)
+        piece = st.layout.crc_piece_bytes
+        return None if piece is None else (piece, self._region(st, "crcs", CRC_DTYPE))
+
     def block_table(self, name: str) -> np.ndarray:
         """The block table of a block-coded field as ``[num_blocks]`` BLOCK_ROW records,
         columns by name: ``table["raw_length"]`` (SPEC.md §4)."""
@@ -466,6 +480,7 @@ class ShardReader:
             data = st.layout.regions["data"]
             found = st.store.verify(self, st)
             if _crc(self._u8[data.offset : data.end]) != data.crc32:
+                found += self._bad_pieces(name) if not found else []
                 if not found:
                     found.append(
                         Problem(
@@ -479,6 +494,28 @@ class ShardReader:
                 found.append(Problem(p, name, None, "bool field holds bytes other than 0 and 1"))
             problems += found
         return problems
+
+    def _bad_pieces(self, name: str) -> list[Problem]:
+        """The CRC pieces of a raw field's data that fail their checksum, each named."""
+        pieces = self.piece_crcs(name)
+        if pieces is None:
+            return []
+        size, crcs = pieces
+        data = self._st(name).layout.regions["data"]
+        bad = []
+        for i, want in enumerate(crcs.tolist()):
+            lo = data.offset + i * size
+            hi = min(lo + size, data.end)
+            if _crc(self._u8[lo:hi]) != want:
+                bad.append(
+                    Problem(
+                        str(self.path),
+                        name,
+                        None,
+                        f"data bytes {lo}..{hi} (CRC piece {i}): CRC-32 mismatch",
+                    )
+                )
+        return bad
 
     def mapped_size(self) -> int:
         """The current size of the mapped file itself (an fstat of the mapping's own

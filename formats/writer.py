@@ -31,6 +31,8 @@ from .codecs import BlockCoder
 from .constants import (
     BLOCK_COLUMNS,
     BLOCK_ROW,
+    CRC_DTYPE,
+    CRC_PIECE_BYTES,
     MAX_BLOCK_RAW_BYTES,
     MAX_DIM,
     MAX_FIELD_BYTES,
@@ -42,7 +44,15 @@ from .constants import (
 )
 from .crc import crc32, crc32_combine
 from .errors import SchemaError
-from .header import FieldLayout, Region, align, encode_header, header_end_for, required_regions
+from .header import (
+    FieldLayout,
+    Region,
+    align,
+    encode_header,
+    has_pieces,
+    header_end_for,
+    required_regions,
+)
 from .schema import Field, check_schema, footprint_bytes
 
 _COPY_CHUNK = 8 << 20
@@ -94,29 +104,69 @@ class _Spool:
 
     With ``base`` the file is the shard's own temporary file and the bytes are
     written from that offset on, where the region will stay; writeback of
-    each WRITEBACK_BYTES is started as they are written.
+    each WRITEBACK_BYTES is started as they are written. With ``piece`` the CRC
+    is kept per piece of that many bytes too (SPEC.md §4 ``crcs``), the region's
+    composed from theirs: the bytes are read once either way.
     """
 
-    def __init__(self, path: Path, base: int | None = None) -> None:
+    def __init__(self, path: Path, base: int | None = None, piece: int | None = None) -> None:
         self.path = path
         # a buffer large enough that small values (a few KiB each) reach the file in
         # few system calls, not one each
         self.file: IO[bytes] = open(path, "w+b", buffering=SPOOL_BUFFER)  # noqa: SIM115
         self.base = base
-        self.crc = 0
+        self.piece = piece
+        self.pieces = array("I")  # the CRC of each whole piece so far
+        self._whole = 0  # CRC of every byte (no pieces) or of the whole pieces
+        self._tail = self._tail_len = 0  # CRC and length of the piece being filled
         self.length = 0
         self._unsynced = 0
         if base is not None:
             self.file.seek(base)
 
+    @property
+    def crc(self) -> int:
+        return crc32_combine(self._whole, self._tail, self._tail_len)
+
+    def piece_crcs(self) -> bytes | None:
+        """The ``crcs`` region: one CRC-32 a piece, when the values fill more than one."""
+        if self.piece is None or self.length <= self.piece:
+            return None
+        tail = [self._tail] if self._tail_len else []
+        return np.array([*self.pieces, *tail], dtype=CRC_DTYPE).tobytes()
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.file.write(data)
-        self.crc = crc32(data, self.crc)
-        self.length += len(data)
+        n = len(data) if isinstance(data, (bytes, bytearray)) else data.nbytes
+        if self.piece is None:
+            self._whole = crc32(data, self._whole)
+        elif self._tail_len + n < self.piece:
+            self._tail = crc32(data, self._tail)
+            self._tail_len += n
+        else:
+            self._cut(
+                memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+            )
+        self.length += n
         if self.base is not None:
-            self._unsynced += len(data)
+            self._unsynced += n
             if self._unsynced >= WRITEBACK_BYTES:
                 self._writeback()
+
+    def _cut(self, view: memoryview) -> None:
+        """Folds ``view`` into the pieces, closing each one it fills."""
+        assert self.piece is not None
+        pos = 0
+        while len(view) - pos >= self.piece - self._tail_len:
+            take = self.piece - self._tail_len
+            done = crc32(view[pos : pos + take], self._tail)
+            self.pieces.append(done)
+            self._whole = crc32_combine(self._whole, done, self.piece)
+            self._tail = self._tail_len = 0
+            pos += take
+        if pos < len(view):
+            self._tail = crc32(view[pos:])
+            self._tail_len = len(view) - pos
 
     def _writeback(self) -> None:
         """Asks the kernel to start writing the bytes written since the last request."""
@@ -156,7 +206,8 @@ class _PlainSink:
         pass
 
     def small_regions(self) -> dict[str, bytes]:
-        return {}
+        crcs = self.data.piece_crcs()
+        return {} if crcs is None else {"crcs": crcs}
 
 
 class _BlockSink:
@@ -221,7 +272,7 @@ class _FieldSink:
     def __init__(self, field: Field, spool: Path, base: int | None = None) -> None:
         self.field = field
         self.name = field.name
-        self.data = _Spool(spool, base)
+        self.data = _Spool(spool, base, CRC_PIECE_BYTES if has_pieces(field) else None)
         self.want = field.np_dtype
         # A fixed-shape array field whose shape passes the per-sample bounds takes arrays of
         # exactly its dtype and shape as they are (encode); anything else goes through
@@ -403,7 +454,8 @@ class ShardWriter:
         for i in self._file_order():
             sink, small = self._sinks[i], smalls[i]
             regions[i] = {}
-            for rname in required_regions(sink.field):
+            names = required_regions(sink.field)
+            for rname in (*names, *(k for k in small if k not in names)):
                 if rname == "data":
                     length, crc = sink.data.length, sink.data.crc
                 else:
@@ -417,6 +469,7 @@ class ShardWriter:
                 regions[i],
                 sink.offsets[-1] if sink.offsets is not None else None,
                 sink.values.num_blocks,
+                sink.data.piece if "crcs" in regions[i] else None,
             )
             for i, sink in enumerate(self._sinks)
         ]
@@ -503,13 +556,14 @@ def reserved_header_end(fields: Sequence[Field]) -> int:
     big = (1 << 63) - 1
     layouts = []
     for f in fields:
-        names = required_regions(f)
+        names = required_regions(f) + (("crcs",) if has_pieces(f) else ())
         layouts.append(
             FieldLayout(
                 f,
                 {name: Region(big, big, 0xFFFFFFFF) for name in names},
                 big if f.ragged else None,
                 big if "blocks" in names else None,
+                big if has_pieces(f) else None,
             )
         )
     head = encode_header(MAX_SHARD_SAMPLES, big, layouts)
