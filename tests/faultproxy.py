@@ -4,6 +4,7 @@ forwards to an upstream server (moto's S3), injecting faults into chosen GETs.
     with FaultProxy(root=folder) as proxy:          # or FaultProxy(upstream=s3.endpoint)
         proxy.fail("shard-00002", "truncate")       # the next GET of that path
         proxy.fail("shard-00003", "corrupt", times=None)   # every GET of it
+        proxy.fail("shard-00003", "corrupt", at=1 << 20)   # the next GET of bytes from 1 MiB
         url = proxy.url + "/archive"
         proxy.gets["shard-00002"]                    # GETs whose path held that text
         proxy.sent_bytes("shard-")                    # body bytes sent for such paths
@@ -15,7 +16,8 @@ Faults: ``drop`` (close the connection without a response), ``slowdown`` (503
 with S3's SlowDown body), ``truncate`` (the full Content-Length announced,
 half the body sent, connection closed), ``corrupt`` (one byte flipped),
 ``stall`` (half the body sent, then the connection held open until the
-proxy closes), ``hang`` (the request read, nothing ever answered until the
+proxy closes), ``hold`` (the answer held back until ``proxy.let_through()``,
+then sent whole), ``hang`` (the request read, nothing ever answered until the
 proxy closes; HEAD requests too): ``proxy.fail("", "hang", times=None)`` makes
 a server that accepts connections and never answers.
 """
@@ -47,19 +49,26 @@ class FaultProxy:
         self.sent: Counter[str] = Counter()  # body bytes written per path
         self.wasted: Counter[str] = Counter()  # of those, bytes sent under a fault
         self.ranges: list[str] = []
+        self.ranged: list[tuple[str, str]] = []  # (path, Range) of each ranged GET
         self.lock = threading.Lock()
         self.closing = threading.Event()
+        self.through = threading.Event()  # held answers go on
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
         self.server.daemon_threads = True
         host, port = self.server.server_address[:2]
         self.url = f"http://{host}:{port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def fail(self, match: str, kind: str, times: int | None = 1) -> None:
+    def fail(self, match: str, kind: str, times: int | None = 1, at: int | None = None) -> None:
         """``kind`` for the next ``times`` requests (None: all) whose path holds ``match``,
-        or is exactly what follows ``=`` in it (``=/bucket``: the bucket's listings)."""
+        or is exactly what follows ``=`` in it (``=/bucket``: the bucket's listings), and
+        with ``at``, whose Range starts at that byte."""
         with self.lock:
-            self.faults.append([match, kind, times])
+            self.faults.append([match, kind, times, at])
+
+    def let_through(self) -> None:
+        """Sends the answers held back (``hold``), and those held from now on."""
+        self.through.set()
 
     def sent_bytes(self, match: str = "") -> int:
         with self.lock:
@@ -69,8 +78,9 @@ class FaultProxy:
         with self.lock:
             return sum(n for path, n in self.gets.items() if match in path)
 
-    def take_fault(self, path: str, head: bool = False) -> str | None:
-        """The fault for this request, if any (a HEAD request takes only ``hang``)."""
+    def take_fault(self, path: str, head: bool = False, start: int | None = None) -> str | None:
+        """The fault for this request, if any (a HEAD request takes only ``hang``);
+        ``start``: where its Range starts."""
         with self.lock:
             if not head:
                 self.gets[path] += 1
@@ -78,6 +88,7 @@ class FaultProxy:
                 if head and f[1] != "hang":
                     continue
                 hit = path == f[0][1:] if f[0].startswith("=") else f[0] in path
+                hit = hit and (f[3] is None or f[3] == start)
                 if hit and (f[2] is None or f[2] > 0):
                     if f[2] is not None:
                         f[2] -= 1
@@ -90,6 +101,7 @@ class FaultProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.closing.set()
+        self.through.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -118,6 +130,7 @@ class FaultProxy:
         rng = handler.headers.get("Range")
         if rng and rng.startswith("bytes="):
             self.ranges.append(rng)
+            self.ranged.append((urlsplit(handler.path).path, rng))
             first, _, last = rng[6:].partition("-")
             start = int(first) if first else total - int(last)
             stop = min(total, int(last) + 1) if first and last else total
@@ -167,7 +180,14 @@ class FaultProxy:
                     self.respond(200, {"Content-Type": "application/json"}, len(report))
                     self.wfile.write(report)
                     return
-                fault = proxy.take_fault(urlsplit(self.path).path)
+                rng = self.headers.get("Range") or ""
+                first = rng[6:].partition("-")[0] if rng.startswith("bytes=") else ""
+                start = int(first) if first.isdigit() else None
+                fault = proxy.take_fault(urlsplit(self.path).path, start=start)
+                if fault == "hold":
+                    while not (proxy.through.wait(0.05) or proxy.closing.is_set()):
+                        pass
+                    fault = None
                 if fault == "hang":
                     proxy.closing.wait()
                     return

@@ -167,13 +167,21 @@ class Fetched(Planner):
         self, indices: torch.Tensor, per_index: np.ndarray, touched: np.ndarray, out: Out
     ) -> tuple[Batch, CopyPlan]:
         key = tuple(touched.tolist())
-        readers = [self.source.shard(k) for k in key]
+        # A shard still arriving (runtime.storage.streamed) is read once the bytes of the
+        # batch's samples in it are verified.
+        ready = getattr(self.source, "ready", None)
+        shard = getattr(self.source, "partial_shard", self.source.shard)
+        readers = [shard(k) for k in key]
         self.source.check(touched)
         sizes = [r.num_samples for r in readers]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         if len(indices):  # global sample numbers to numbers within the touched shards
             where = np.searchsorted(touched, per_index)
             local = indices.numpy() - self.shard_starts[per_index]
+            if ready is not None:
+                names = list(self.fields)
+                for j, k in enumerate(key):  # (one shard: per_index is one number)
+                    ready(k, local if len(key) == 1 else local[where == j], names)
             indices = torch.from_numpy(starts[where] + local)
         compact = torch.from_numpy(starts[:-1].copy())
         gathers = self.planners.get(key, readers)

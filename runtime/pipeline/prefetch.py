@@ -83,6 +83,9 @@ class Asks:
         forget = getattr(archive.source, "forget_failures", None)
         if forget is not None:  # a new epoch's batches try failed shards again
             forget()
+        read_order = getattr(archive.source, "read_order", None)
+        if read_order is not None:  # a shard arriving in parts fetches the ones read first
+            read_order(batches)
 
     def ask_through(self, j: int) -> None:
         """Batch j (if not asked for yet) and the one after it."""

@@ -60,6 +60,19 @@ class Held:
     bytes: int
 
 
+@dataclass(frozen=True)
+class Arriving:
+    """A shard being written into the cache in place (``CacheDir.arrive``): its
+    temporary file, created at full size within the budget and locked exclusively
+    (``fd``), and the node's fetch lock on the shard (``lock_fd``, -1: none taken)."""
+
+    path: Path
+    tmp: Path
+    fd: int
+    lock_fd: int
+    size: int
+
+
 def _open(path: Path, flags: int = os.O_RDONLY) -> int:
     return os.open(path, flags | os.O_CLOEXEC, 0o644)
 
@@ -233,33 +246,83 @@ class CacheDir:
             data = write(data) if write is not None else data
             return self.store(path, data, wait=False) is not None
 
+    def arrive(self, path: Path, size: int, wait: bool = True) -> Held | Arriving | None:
+        """Shard ``path`` held, when cached (by another process meanwhile, whose fetch
+        is waited for); else its temporary file of ``size`` bytes, made within the
+        budget under the node's fetch lock for the caller to write in place and
+        ``publish`` (or ``abandon``). Without ``wait``: None when another process is
+        fetching it or the budget has no room now."""
+        held = self.hold(path)
+        if held is not None:
+            return held
+        lock = path.with_name(path.name + LOCK_SUFFIX)
+        try:
+            lock_fd = _open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)
+        except OSError as e:
+            raise CacheError(f"{lock}: cannot open the lock file ({e}); {FOREIGN}") from None
+        try:
+            if wait:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            elif not _try_lock(lock_fd, fcntl.LOCK_EX):
+                os.close(lock_fd)
+                return None
+            held = self.hold(path)  # another process fetched it while we waited
+            tmp = self.temp_name(path)
+            fd = None if held is not None else self.reserve(tmp, size, wait)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        if fd is None:
+            os.close(lock_fd)
+            return held
+        return Arriving(path, tmp, fd, lock_fd, size)
+
+    def publish(self, a: Arriving, keep: bool = False) -> Held:
+        """Makes the fully written and verified ``a`` the cached shard: synced, its stamp
+        written, renamed into place under the budget lock (a ``keep`` lock turns shared,
+        held, before any eviction sees the file), the fetch lock let go of."""
+        try:
+            os.fsync(a.fd)
+            _write_stamp(a.path, os.fstat(a.fd))
+            with locked(self.root / BUDGET_LOCK):
+                os.replace(a.tmp, a.path)
+                if keep:
+                    fcntl.flock(a.fd, fcntl.LOCK_SH)
+        except BaseException:
+            self.abandon(a)
+            raise
+        if a.lock_fd >= 0:
+            os.close(a.lock_fd)
+        if not keep:
+            os.close(a.fd)
+        return Held(a.path, a.fd if keep else -1, a.size)
+
+    def abandon(self, a: Arriving) -> None:
+        """Removes a shard that will not arrive whole, and lets go of its locks."""
+        with contextlib.suppress(FileNotFoundError):
+            a.tmp.unlink()
+        for fd in (a.fd, a.lock_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def temp_name(self, path: Path) -> Path:
+        return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
     def store(self, path: Path, data: bytes, wait: bool = True, keep: bool = False) -> Held | None:
-        """Writes ``data`` as ``path`` (room made under the budget lock; written, synced,
-        renamed into place under it too, so a ``keep`` lock turns shared, held, before any
-        eviction sees the file). Without ``wait``, None when there is no room at once."""
-        tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        """Writes ``data`` as ``path`` (room made under the budget lock, then published as
+        ``publish`` does). Without ``wait``, None when there is no room at once."""
+        tmp = self.temp_name(path)
         fd = self.reserve(tmp, len(data), wait)
         if fd is None:
             return None
+        a = Arriving(path, tmp, fd, -1, len(data))
         try:
-            view = memoryview(data)
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], done)
-            os.fsync(fd)
-            _write_stamp(path, os.fstat(fd))
-            with locked(self.root / BUDGET_LOCK):
-                os.replace(tmp, path)
-                if keep:
-                    fcntl.flock(fd, fcntl.LOCK_SH)
+            write_at(fd, data, 0)
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            os.close(fd)
+            self.abandon(a)
             raise
-        if not keep:
-            os.close(fd)
-        return Held(path, fd if keep else -1, len(data))
+        return self.publish(a, keep)
 
     def reserve(self, tmp: Path, size: int, wait: bool = True) -> int | None:
         """Creates ``tmp`` at ``size`` bytes, locked, once the budget has room for it;
@@ -337,6 +400,14 @@ class CacheDir:
 
 
 WriteFn = Callable[[bytes], bytes]
+
+
+def write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Writes all of ``data`` at ``offset`` of ``fd``."""
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _stamp(st: os.stat_result) -> bytes:

@@ -17,6 +17,11 @@ order (runtime.pipeline.prefetch.Asks): one background thread fetches the first
 process holds plus those ahead fit the budget, so a new window's shards are
 in place (a warm cache: only mapped) before its first batch asks for them.
 
+A raw shard streams (runtime.storage.streamed): it is mapped from its temporary
+file as soon as its front is verified, its values arriving part by part on the
+part threads, and ``ready`` holds a batch until the bytes of its samples are
+verified. A zstd shard, and one written before CRC pieces, is served whole.
+
 Budget checks count a shard at its size in the cache: for a block-coded (zstd)
 shard, the raw copy, bounded from its header (one small ranged read) before
 the shard itself is fetched. A shard whose fetch failed (retries spent) fails
@@ -39,13 +44,32 @@ from typing import Any
 import numpy as np
 
 from dlop.formats import ArchiveReader, Field, FormatError, ShardReader
-from dlop.formats.storage import DEFAULT_RETRY, Retry, Storage, checker
+from dlop.formats.storage import (
+    DEFAULT_RETRY,
+    FetchError,
+    Rejected,
+    Retry,
+    Storage,
+    checker,
+    fetch,
+    retrying,
+)
 from dlop.formats.transcode import needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import LoaderError, ShardChangedError, UsageError
-from .cache import CacheDir, Held
+from .cache import CacheDir, Held, write_at
 from .remote import fetch_bytes
 from .remote_sizes import ShardSizes
+from .streamed import (
+    DONE,
+    FLYING,
+    QUEUED,
+    Incoming,
+    PartQueue,
+    close_quietly,
+    fetch_front,
+    first_reads,
+)
 
 Client = Callable[[], Storage]  # this process's storage of the archive
 
@@ -106,6 +130,16 @@ class RemoteSource:
         self.ahead_pool: ThreadPoolExecutor | None = None
         self.ahead_skipped: set[int] = set()  # no room, or fetched elsewhere: try at the next ask
         self.ahead_errors: dict[int, Exception] = {}  # failed fetches, attempts spent
+        self.streams: dict[int, Incoming] = {}  # raw shards arriving part by part
+        self.fronting: dict[int, threading.Event] = {}  # set once the front is in or failed
+        self.parts: PartQueue | None = None
+        self.order: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # read_order's
+
+    def forget_parent(self) -> None:
+        """In a forked child: closes its copies of the parent's descriptors of shards still
+        arriving, so the parent's fetch locks end with the parent's own."""
+        for inc in self.streams.values():
+            close_quietly([inc.arriving.fd, inc.arriving.lock_fd])
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.reopen is None:
@@ -114,6 +148,7 @@ class RemoteSource:
 
     def mine(self) -> None:
         if self.pid != os.getpid():
+            self.forget_parent()
             self.fresh()  # a forked child: what the parent held is the parent's
 
     def ask(self, shards: Sequence[int]) -> None:
@@ -192,7 +227,7 @@ class RemoteSource:
         for i, k in enumerate(self.upcoming):
             if held + i + 1 > fit:
                 return None
-            if k in self.open or k in self.pending or k in self.ahead_skipped:
+            if k in self.open or k in self.pending or k in self.ahead_skipped or k in self.streams:
                 continue
             if k in self.ahead_errors:
                 continue
@@ -216,8 +251,11 @@ class RemoteSource:
             path = self.folder / info.file
             what = f"{self.url}: shard {k} ({info.file})"
             try:
-                fetch = functools.partial(self.fetch, k, what)
-                done = self.cache.prefetch(path, self.sizes.size(k), fetch, self.to_raw(path))
+                if self.transcode:
+                    fetch = functools.partial(self.fetch, k, what)
+                    done = self.cache.prefetch(path, self.sizes.size(k), fetch, self.to_raw(path))
+                else:
+                    done = self.stream(k, keep=False) is not None
             except Exception as e:
                 with self.lock:
                     self.ahead_errors.setdefault(k, e)
@@ -240,8 +278,17 @@ class RemoteSource:
         self.sizes.check_in_flight(self.asked)
 
     def shard(self, k: int) -> ShardReader:
-        """Shard ``k`` mapped from the cache: fetched now, or waited for if under way.
-        Callers hold it (``ask``) for as long as they read it."""
+        """Shard ``k`` mapped from the cache: fetched now, or waited for if under way,
+        whole and verified. Callers hold it (``ask``) for as long as they read it."""
+        reader = self.partial_shard(k)
+        inc = self.streams.get(k)
+        if inc is not None:
+            inc.wait_whole()
+        return reader
+
+    def partial_shard(self, k: int) -> ShardReader:
+        """Shard ``k`` as ``shard``, but possibly still arriving: read a sample only after
+        ``ready`` says its bytes are verified."""
         self.mine()
         with self.lock:
             got = self.open.get(k)
@@ -261,29 +308,314 @@ class RemoteSource:
         return future.result()
 
     def load(self, k: int) -> ShardReader:
-        """Fetches (once per node) and maps shard ``k``; called on a fetch thread or inline."""
+        """Fetches (once per node) and maps shard ``k``; called on a fetch thread or inline.
+        A raw shard is mapped once its front is in (runtime.storage.streamed), the rest
+        arriving meanwhile."""
         info = self.index.shards[k]
         path = self.folder / info.file
         what = f"{self.url}: shard {k} ({info.file})"
         try:
+            if not self.transcode:
+                got = self.stream(k, keep=True)
+                assert got is not None  # keep waits for the fetch lock and for room
+                return got
             held = self.cache.get(path, lambda: self.fetch(k, what), self.to_raw(path))
-            try:
-                reader = self.map(k, held)
-            except FormatError as e:
-                self.cache.let_go(held)
-                raise LoaderError(
-                    f"{what}: the cached copy does not read ({e}); remove it, or run "
-                    "dlop-inspect cache --clear, and read again: it is fetched anew"
-                ) from None
-            self.sizes.learn(k, held.bytes)
-            with self.lock:
-                self.open[k] = (reader, held)
-                if self.refs[k] == 0 and k not in self.loose:
-                    self.loose[k] = None  # fetched for a hold already let go of
-            return reader
+            return self.opened(k, held, what)
         finally:
             with self.lock:
                 self.pending.pop(k, None)
+
+    def opened(self, k: int, held: Held, what: str) -> ShardReader:
+        """Maps the cached shard ``k`` this process holds, and keeps it open."""
+        try:
+            reader = self.map(k, held)
+        except FormatError as e:
+            self.cache.let_go(held)
+            raise LoaderError(
+                f"{what}: the cached copy does not read ({e}); remove it, or run "
+                "dlop-inspect cache --clear, and read again: it is fetched anew"
+            ) from None
+        self.sizes.learn(k, held.bytes)
+        with self.lock:
+            self.open[k] = (reader, held)
+            if self.refs[k] == 0 and k not in self.loose:
+                self.loose[k] = None  # fetched for a hold already let go of
+        return reader
+
+    # -- streamed fetches (runtime.storage.streamed) ------------------------------------
+
+    def stream(self, k: int, keep: bool) -> ShardReader | None:
+        """Raw shard ``k``: mapped from the cache, or its fetch started part by part and
+        its front verified. ``keep``: held for batches (waits for the fetch lock and
+        room), else fetched ahead only: None when another process fetches it or the
+        budget has no room now."""
+        while True:
+            with self.lock:
+                inc = self.streams.get(k)
+                if inc is not None:  # arriving for a fetch ahead: batches hold it now
+                    if keep and not inc.keep:
+                        inc.keep = True
+                        a = inc.arriving
+                        self.open[k] = (inc.reader, Held(a.tmp, a.fd, a.size))
+                        if self.refs[k] == 0 and k not in self.loose:
+                            self.loose[k] = None
+                    return inc.reader
+                if (failed := self.ahead_errors.get(k)) is not None:
+                    raise failed
+                other = self.fronting.get(k)
+                if other is None:
+                    mine = self.fronting[k] = threading.Event()
+                    break
+            if not keep:
+                return None  # being fetched here already
+            other.wait()  # its front is in, or it failed: look again
+        try:
+            return self.start_stream(k, keep)
+        finally:
+            with self.lock:
+                del self.fronting[k]
+            mine.set()
+
+    def start_stream(self, k: int, keep: bool) -> ShardReader | None:
+        """``stream``'s fetch of shard ``k`` (none under way in this process)."""
+        info = self.index.shards[k]
+        path = self.folder / info.file
+        what = f"{self.url}: shard {k} ({info.file})"
+        got = self.cache.arrive(path, info.bytes, wait=keep)
+        if got is None:
+            return None
+        if isinstance(got, Held):
+            if not keep:
+                self.cache.let_go(got)
+                return None
+            return self.opened(k, got, what)
+        try:
+            reader, layout, fronts, head = fetch_front(
+                self.client(),
+                info.file,
+                info.bytes,
+                got,
+                what,
+                self.retry,
+                self.map_spans,
+                info.crc32,
+            )
+            inc = Incoming(k, got, reader, layout, fronts, head, self.retry.part_bytes, keep)
+            if reader.num_samples != info.num_samples:
+                reader.close()
+                raise LoaderError(
+                    f"{what}: holds {reader.num_samples} samples, index.json says {info.num_samples}"
+                )
+        except Exception as e:
+            self.cache.abandon(got)
+            if isinstance(e, FetchError):
+                e = LoaderError(str(e))
+            with self.lock:
+                self.ahead_errors[k] = e
+            raise e from None
+        with self.lock:
+            self.streams[k] = inc
+            if keep:
+                self.open[k] = (reader, Held(got.tmp, got.fd, got.size))
+                if self.refs[k] == 0 and k not in self.loose:
+                    self.loose[k] = None
+            first = self.first_reads(k)
+        if not inc.parts:
+            self.landed(inc)
+        else:
+            if self.parts is None:
+                self.parts = PartQueue(self.retry.parallel_parts)
+            ranks = inc.ranks(first)
+            self.parts.put(
+                [(r, functools.partial(self.fetch_part, inc, i)) for i, r in enumerate(ranks)]
+            )
+        return reader
+
+    def map_spans(
+        self, land: Callable[[tuple[int, int]], int], spans: list[tuple[int, int]]
+    ) -> list[int]:
+        """Runs a front's span fetches side by side (as a whole shard's ranged parts)."""
+        if len(spans) < 2 or self.retry.parallel_parts < 2:
+            return [land(s) for s in spans]
+        with ThreadPoolExecutor(min(self.retry.parallel_parts, len(spans))) as pool:
+            return list(pool.map(land, spans))
+
+    def fetch_part(self, inc: Incoming, i: int) -> None:
+        """Fetches, verifies and writes part ``i`` of a shard arriving (a part thread)."""
+        part = inc.parts[i]
+        with inc.cond:
+            if inc.error is not None or part.state != QUEUED:
+                return  # done, under way, or queued again ahead of this copy
+            part.state = FLYING
+        name = self.index.shards[inc.k].file
+        what = f"{self.url}: shard {inc.k} ({name}) bytes {part.lo}..{part.hi}"
+        store = self.client()
+        try:
+            data = fetch(
+                lambda: store.read_once(name, part.lo, part.hi),
+                inc.check(part),
+                what,
+                store.name_url(name),
+                self.retry,
+            )
+            with inc.cond:
+                if inc.error is not None:
+                    return
+                inc.writing += 1
+            try:
+                write_at(inc.arriving.fd, data, part.lo)
+            finally:
+                with inc.cond:
+                    inc.writing -= 1
+                    inc.cond.notify_all()
+        except Exception as e:
+            self.failed(inc, LoaderError(str(e)) if isinstance(e, FetchError) else e)
+            return
+        with inc.cond:
+            part.state = DONE
+            inc.pieced[part.region].verified[part.p0 : part.p1] = True
+            inc.left -= 1
+            last = inc.left == 0
+            inc.cond.notify_all()
+        if last:
+            self.landed(inc)
+
+    def landed(self, inc: Incoming) -> None:
+        """Every part of ``inc`` is in: checked whole against the index (its padding
+        fetched again while that fails), then published."""
+        info = self.index.shards[inc.k]
+        if inc.file_crc() != info.crc32:
+            try:
+                self.fetch_gaps(inc)
+            except Exception as e:
+                self.failed(inc, LoaderError(str(e)) if isinstance(e, FetchError) else e)
+                return
+        try:
+            os.fsync(inc.arriving.fd)
+            with self.lock:
+                held = self.cache.publish(inc.arriving, keep=inc.keep)
+                self.streams.pop(inc.k, None)
+                if inc.keep:
+                    self.open[inc.k] = (inc.reader, held)
+                    self.sizes.learn(inc.k, held.bytes)
+        except Exception as e:
+            self.failed(inc, e)
+            return
+        if not inc.keep:
+            inc.reader.close()
+        with inc.cond:
+            inc.done = True
+            inc.cond.notify_all()
+
+    def fetch_gaps(self, inc: Incoming) -> None:
+        """Fetches the front spans of ``inc`` again, writing only the bytes no checksum but
+        the file's covers (padding), until the whole file's CRC-32 is the index's; FetchError when it never is (the
+        object is not the one the index describes)."""
+        info = self.index.shards[inc.k]
+        store = self.client()
+
+        def once() -> None:
+            for lo, hi, _ in inc.fronts:
+                gaps = [(max(a, lo), min(b, hi)) for a, b in inc.gaps if a < hi and b > lo]
+                if not gaps:
+                    continue
+                data = store.read_once(info.file, lo, hi)
+                if len(data) != hi - lo:
+                    raise Rejected(
+                        f"got {len(data)} bytes of the {hi - lo} from {lo} (truncated transfer?)"
+                    )
+                with inc.cond:
+                    if inc.error is not None:
+                        raise inc.error
+                for a, b in gaps:  # only the padding: verified bytes are never written again
+                    write_at(inc.arriving.fd, memoryview(data)[a - lo : b - lo], a)
+            crc = inc.reader.file_crc32()
+            if crc != info.crc32:
+                raise Rejected(
+                    f"CRC-32 {crc:#010x} of the whole file, index.json says {info.crc32:#010x}: "
+                    "the object changed since the index was written, or its padding is corrupt"
+                )
+
+        retrying(
+            once, f"{self.url}: shard {inc.k} ({info.file})", store.name_url(info.file), self.retry
+        )
+
+    def failed(self, inc: Incoming, e: BaseException) -> None:
+        """``inc`` will not arrive: batches that read it fail with ``e`` until the next
+        epoch. Its mapping stays valid for views still using it (the file is removed)."""
+        with inc.cond:
+            if inc.error is not None or inc.done:
+                return
+            inc.error = e
+            while inc.writing:
+                inc.cond.wait()
+            inc.cond.notify_all()
+        with self.lock:
+            self.ahead_errors.setdefault(inc.k, e)  # type: ignore[arg-type]
+            self.streams.pop(inc.k, None)
+            got = self.open.get(inc.k)
+            held = got is not None and got[0] is inc.reader
+            if held:
+                del self.open[inc.k]
+                self.loose.pop(inc.k, None)
+                if self.on_drop is not None:
+                    self.on_drop(inc.k)
+        if not held:
+            inc.reader.close()  # a fetch ahead's: nothing reads it
+        self.cache.abandon(inc.arriving)
+
+    def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> None:
+        """Returns once every byte of ``samples`` (shard-local numbers) in fields ``names``
+        is verified; the parts they wait for jump the fetch queue."""
+        with self.lock:
+            inc = self.streams.get(k)
+            if inc is None and k not in self.open:  # held by the batch, so it failed
+                raise self.ahead_errors.get(k) or LoaderError(
+                    f"{self.url}: shard {k} was let go of while a batch read it"
+                )
+        if inc is None:
+            return
+        samples = np.asarray(samples, dtype=np.int64)
+        with inc.cond:
+            while True:
+                if inc.error is not None:
+                    raise inc.error
+                if inc.done:
+                    return
+                wanted = inc.missing(samples, names)
+                if not wanted:
+                    return
+                waiting = [i for i in wanted if inc.parts[i].state == QUEUED]
+                if waiting and self.parts is not None:
+                    jobs = [(-1, functools.partial(self.fetch_part, inc, i)) for i in waiting]
+                    inc.cond.release()
+                    try:
+                        self.parts.put(jobs)
+                    finally:
+                        inc.cond.acquire()
+                inc.cond.wait(0.5)
+
+    def read_order(self, batches: Sequence[np.ndarray]) -> None:
+        """This process's batches of the coming epoch (global sample numbers, in order):
+        a shard arriving fetches the parts that earlier batches read first."""
+        flat = np.concatenate(batches).astype(np.int64) if batches else np.zeros(0, np.int64)
+        starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
+        of = np.searchsorted(starts, flat, side="right") - 1
+        by_shard = np.argsort(of, kind="stable")
+        bounds = np.searchsorted(of[by_shard], np.arange(len(self.shard_sizes) + 1))
+        with self.lock:
+            self.order = (flat, by_shard, bounds)
+
+    def first_reads(self, k: int) -> np.ndarray | None:
+        """Per sample of shard ``k``, where this epoch first reads it (read_order); None
+        when no order was given (called under the lock)."""
+        if self.order is None:
+            return None
+        flat, by_shard, bounds = self.order
+        start = int(sum(self.shard_sizes[:k]))
+        return first_reads(
+            flat, start, start + self.shard_sizes[k], by_shard[bounds[k] : bounds[k + 1]]
+        )
 
     def fetch(self, k: int, what: str) -> bytes:
         """Shard k's verified bytes; a failure is noted under its fetch lock and raised
@@ -325,13 +657,18 @@ class RemoteSource:
         return reader
 
     def drop(self, k: int) -> None:
-        """Unmaps shard ``k`` and lets go of its hold (called under the lock)."""
+        """Unmaps shard ``k`` and lets go of its hold (called under the lock). A shard
+        still arriving goes on arriving, into the cache only."""
         self.loose.pop(k, None)
         got = self.open.pop(k, None)
         if got is not None:
             if self.on_drop is not None:
                 self.on_drop(k)
             reader, held = got
+            inc = self.streams.get(k)
+            if inc is not None and inc.reader is reader:
+                inc.keep = False  # landed() publishes it unheld and unmaps it
+                return
             reader.close()  # views still in use keep the mapping; the file may go meanwhile
             self.cache.let_go(held)
 
@@ -350,13 +687,21 @@ class RemoteSource:
         return sum(h.bytes for _, h in self.open.values())
 
     def close(self) -> None:
-        """Lets go of every shard and stops the fetch threads."""
+        """Lets go of every shard and stops the fetch threads; a shard still arriving is
+        removed."""
         with self.lock:
             for k in list(self.open):
                 self.drop(k)
             pools = [p for p in (self.pool, self.ahead_pool) if p is not None]
             self.pool = self.ahead_pool = None
             self.upcoming = []
+            parts, self.parts = self.parts, None
         if self.pid == os.getpid():
             for pool in pools:
                 pool.shutdown(wait=True, cancel_futures=True)
+            if parts is not None:
+                parts.close()
+            for inc in list(self.streams.values()):
+                self.failed(inc, LoaderError(f"{self.url}: the source was closed"))
+            with self.lock:
+                self.ahead_errors.clear()

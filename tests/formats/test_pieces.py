@@ -92,7 +92,7 @@ def test_a_corrupt_crcs_region_is_refused_on_open(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[crcs["offset"] + 1] ^= 1
     path.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match="region 'crcs'.*CRC-32 mismatch"):
+    with pytest.raises(ChecksumError, match=r"region 'crcs'.*CRC-32 mismatch"):
         ShardReader(path)
 
 

@@ -1,0 +1,388 @@
+"""A raw shard fetched into the node-local cache in ranged parts, written in place, and
+served piece by piece as its checksums pass: the first epoch streams.
+
+The shard's temporary cache file is made at full size within the budget
+(runtime.storage.cache ``arrive``). First its *front* arrives: every byte but the
+data of fields that carry CRC pieces (SPEC.md §4 ``crcs``): the header, the
+metadata regions, the data of fields without pieces, the padding. It is accepted
+as a whole once the header CRC, every metadata region's CRC (checked by opening
+it, formats.reader) and every piece-less data region's CRC pass; otherwise it is
+fetched again, as any failed try. Then the pieced data arrives in parts of
+``Retry.part_bytes``, fetched on the source's part threads in the order this
+process's epoch first reads their samples (``Incoming.ranks``), a part some batch
+waits for jumping the queue. A part is accepted once every piece in it matches its
+CRC, else fetched again; only then is it written, and its pieces marked verified.
+A batch reads a sample once every piece its bytes lie in is verified
+(``Incoming.missing``), so no unverified byte reaches a batch.
+
+When the last part lands, the whole file's CRC, composed from the parts', must
+equal the index's; the file is then synced and renamed into place like any cached
+shard. A shard without pieces (written before them) is all front: verified whole
+before it is served, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from dataclasses import field as made
+
+import numpy as np
+
+from dlop.formats import Field, FormatError, ShardReader
+from dlop.formats.constants import PREAMBLE
+from dlop.formats.crc import crc32, crc32_combine
+from dlop.formats.header import FieldLayout, ShardLayout, parse_header, read_preamble
+from dlop.formats.storage import Rejected, Retry, Storage, retrying
+
+from .cache import Arriving, write_at
+from .remote import HEAD_BYTES
+
+QUEUED, FLYING, DONE = 0, 1, 2
+UNREAD = np.iinfo(np.int64).max  # the rank of what this epoch does not read
+Span = tuple[int, int]
+
+
+@dataclass
+class Pieced:
+    """A data region that carries CRC pieces, and which of them are verified here."""
+
+    fdef: Field
+    offset: int  # of the data region in the file
+    length: int
+    size: int  # bytes a piece
+    crcs: np.ndarray  # one per piece (a copy: the file's own bytes are not trusted twice)
+    offsets: np.ndarray | None  # a ragged field's element offsets (verified on open)
+    verified: np.ndarray = made(init=False)
+    part_of: np.ndarray = made(init=False)
+
+    def __post_init__(self) -> None:
+        self.verified = np.zeros(len(self.crcs), bool)
+        self.part_of = np.zeros(len(self.crcs), np.int64)
+
+    def byte_spans(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each sample's values lie, in bytes from the region's start."""
+        f = self.fdef
+        if self.offsets is not None:
+            lo = self.offsets[samples].astype(np.int64) * f.itemsize
+            hi = self.offsets[samples + 1].astype(np.int64) * f.itemsize
+            return lo, hi
+        lo = samples.astype(np.int64) * f.sample_bytes
+        return lo, lo + f.sample_bytes
+
+    def pieces_of(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every piece the samples' bytes lie in, and the position in ``samples`` of the
+        sample each is for (an empty sample lies in none)."""
+        lo, hi = self.byte_spans(samples)
+        full = hi > lo
+        first, last = lo // self.size, (hi - 1) // self.size
+        count = np.where(full, last - first + 1, 0)
+        ends = np.cumsum(count)
+        owner = np.repeat(np.arange(len(samples)), count)
+        within = np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - count, count)
+        return np.repeat(first, count) + within, owner
+
+
+@dataclass
+class Part:
+    """Pieces ``p0:p1`` of pieced region ``region``: file bytes ``lo:hi``."""
+
+    region: int
+    p0: int
+    p1: int
+    lo: int
+    hi: int
+    state: int = QUEUED
+    crc: int = 0
+
+
+class Incoming:
+    """Shard ``k`` arriving into ``arriving`` (its temporary cache file): ``reader`` maps
+    it, the front verified; ``parts`` of its pieced data come in on part threads."""
+
+    def __init__(
+        self,
+        k: int,
+        arriving: Arriving,
+        reader: ShardReader,
+        layout: ShardLayout,
+        fronts: list[tuple[int, int, int]],
+        head: int,
+        part_bytes: int,
+        keep: bool,
+    ) -> None:
+        self.k = k
+        self.arriving = arriving
+        self.reader = reader
+        self.fronts = fronts  # (lo, hi, crc) of every front span
+        self.gaps = gaps_of(layout, arriving.size, head)
+        self.keep = keep  # held when it lands (a batch asked for it), or only cached
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.done = False
+        self.writing = 0
+        self.pieced = [pieced_region(reader, fl) for fl in layout.fields if is_pieced(fl)]
+        self.parts: list[Part] = []
+        for r, pc in enumerate(self.pieced):
+            step = max(1, part_bytes // pc.size)
+            for p0 in range(0, len(pc.crcs), step):
+                p1 = min(p0 + step, len(pc.crcs))
+                pc.part_of[p0:p1] = len(self.parts)
+                hi = min(pc.offset + p1 * pc.size, pc.offset + pc.length)
+                self.parts.append(Part(r, p0, p1, pc.offset + p0 * pc.size, hi))
+        self.left = len(self.parts)
+
+    def ranks(self, first: np.ndarray | None) -> list[int]:
+        """Each part's rank in the fetch queue: the earliest position in this process's
+        epoch at which a sample in it is read (``first``: per sample of the shard, its
+        first read, UNREAD if none); all 0 (file order) without one."""
+        if first is None:
+            return [0] * len(self.parts)
+        need = [np.full(len(pc.crcs), UNREAD, np.int64) for pc in self.pieced]
+        everyone = np.arange(self.reader.num_samples, dtype=np.int64)
+        for pc, want in zip(self.pieced, need, strict=True):
+            pieces, owner = pc.pieces_of(everyone)
+            np.minimum.at(want, pieces, first[owner])
+        return [int(need[p.region][p.p0 : p.p1].min()) for p in self.parts]
+
+    def missing(self, samples: np.ndarray, names: Sequence[str] | None) -> list[int]:
+        """The parts not verified yet that hold bytes of ``samples`` in fields ``names``
+        (None: every field); call under ``cond``."""
+        out: set[int] = set()
+        for pc in self.pieced:
+            if names is not None and pc.fdef.name not in names:
+                continue
+            pieces, _ = pc.pieces_of(samples)
+            out.update(np.unique(pc.part_of[pieces[~pc.verified[pieces]]]).tolist())
+        return sorted(out)
+
+    def check(self, part: Part) -> Callable[[bytes], str | None]:
+        """A fetch check for ``part``: its length, then each piece against its CRC (the
+        part's CRC, composed from the pieces', is kept for the file's)."""
+        pc = self.pieced[part.region]
+
+        def check(data: bytes) -> str | None:
+            if len(data) != part.hi - part.lo:
+                return f"got {len(data)} bytes of the {part.hi - part.lo} from {part.lo} (truncated transfer?)"
+            view, crc = memoryview(data), 0
+            for p in range(part.p0, part.p1):
+                at = (p - part.p0) * pc.size
+                piece = view[at : at + pc.size]
+                got = crc32(piece)
+                if got != int(pc.crcs[p]):
+                    return (
+                        f"field {pc.fdef.name!r} CRC piece {p} (bytes {part.lo + at}.."
+                        f"{part.lo + at + len(piece)}): CRC-32 {got:#010x}, its header says "
+                        f"{int(pc.crcs[p]):#010x} (corrupted transfer?)"
+                    )
+                crc = crc32_combine(crc, got, len(piece))
+            part.crc = crc
+            return None
+
+        return check
+
+    def file_crc(self) -> int:
+        """The whole file's CRC-32, from its front spans' and parts' (all landed)."""
+        return combined([*self.fronts, *((p.lo, p.hi, p.crc) for p in self.parts)])
+
+    def wait_whole(self) -> None:
+        with self.cond:
+            while not self.done and self.error is None:
+                self.cond.wait(0.5)
+            if self.error is not None:
+                raise self.error
+
+
+def combined(spans: Sequence[tuple[int, int, int]]) -> int:
+    """The CRC-32 of spans (lo, hi, crc) that cover a file, composed in file order."""
+    crc = 0
+    for lo, hi, c in sorted(spans):
+        crc = crc32_combine(crc, c, hi - lo)
+    return crc
+
+
+def is_pieced(fl: FieldLayout) -> bool:
+    return fl.crc_piece_bytes is not None and fl.regions["data"].length > 0
+
+
+def pieced_region(reader: ShardReader, fl: FieldLayout) -> Pieced:
+    got = reader.piece_crcs(fl.field.name)
+    assert got is not None and fl.crc_piece_bytes is not None
+    data = fl.regions["data"]
+    offsets = reader.offsets(fl.field.name).copy() if fl.field.ragged else None
+    return Pieced(fl.field, data.offset, data.length, got[0], got[1].copy(), offsets)
+
+
+def fronts_of(layout: ShardLayout, size: int) -> list[Span]:
+    """Every byte span of the file outside the pieced data regions, in file order."""
+    holes = sorted(
+        (fl.regions["data"].offset, fl.regions["data"].end) for fl in layout.fields if is_pieced(fl)
+    )
+    out, at = [], 0
+    for lo, hi in holes:
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < size:
+        out.append((at, size))
+    return out
+
+
+def gaps_of(layout: ShardLayout, size: int, head: int) -> list[Span]:
+    """The bytes no checksum but the whole file's covers: the padding after the header
+    (its first ``head`` bytes) and between regions."""
+    covered = sorted(
+        [(0, head), *((r.offset, r.end) for fl in layout.fields for r in fl.regions.values())]
+    )
+    out, at = [], 0
+    for lo, hi in covered:
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < size:
+        out.append((at, size))
+    return out
+
+
+MapSpans = Callable[[Callable[[Span], int], list[Span]], list[int]]
+
+
+def fetch_front(
+    store: Storage,
+    name: str,
+    size: int,
+    arriving: Arriving,
+    what: str,
+    retry: Retry,
+    map_spans: MapSpans,
+    whole_crc: int,
+) -> tuple[ShardReader, ShardLayout, list[tuple[int, int, int]], int]:
+    """Fetches and writes the front of shard ``name`` (``size`` bytes) into ``arriving``,
+    tried again until it verifies (the module docstring); the shard mapped, its layout,
+    the (lo, hi, crc) of each front span, and the bytes through the header. A shard
+    that is all front (no pieces) is checked against ``whole_crc`` (the index's) too,
+    before anything reads it."""
+    url = store.name_url(name)
+
+    def once() -> tuple[ShardReader, ShardLayout, list[tuple[int, int, int]], int]:
+        head = store.read_once(name, 0, min(size, HEAD_BYTES))
+        try:
+            hlen, crc = read_preamble(url, head, size)
+            if PREAMBLE.size + hlen > len(head):
+                head = store.read_once(name, 0, PREAMBLE.size + hlen)
+            if len(head) < PREAMBLE.size + hlen:
+                raise Rejected(f"got {len(head)} bytes of its header (truncated transfer?)")
+            layout = parse_header(url, head[PREAMBLE.size : PREAMBLE.size + hlen], crc, size)
+        except FormatError as e:
+            raise Rejected(str(e)) from None
+        spans = [
+            (a, min(a + retry.part_bytes, hi))
+            for lo, hi in fronts_of(layout, size)
+            for a in range(lo, hi, retry.part_bytes)
+        ]
+
+        def land(span: Span) -> int:
+            lo, hi = span
+            have = head[lo:hi] if lo < len(head) else b""
+            rest = store.read_once(name, lo + len(have), hi) if lo + len(have) < hi else b""
+            if len(have) + len(rest) != hi - lo:
+                raise Rejected(
+                    f"got {len(have) + len(rest)} bytes of the {hi - lo} from {lo} (truncated transfer?)"
+                )
+            write_at(arriving.fd, have, lo)
+            write_at(arriving.fd, rest, lo + len(have))
+            return crc32(rest, crc32(have))
+
+        crcs = map_spans(land, spans)
+        try:
+            reader = ShardReader(arriving.tmp, expected_bytes=size)  # header, metadata CRCs
+        except FormatError as e:
+            raise Rejected(str(e).replace(str(arriving.tmp), url)) from None
+        for fl in layout.fields:
+            data = fl.regions["data"]
+            if not is_pieced(fl) and reader.region_crc(fl.field.name, "data") != data.crc32:
+                reader.close()
+                raise Rejected(
+                    f"field {fl.field.name!r} data (bytes {data.offset}..{data.end}): CRC-32 "
+                    "mismatch (corrupted transfer?)"
+                )
+        fronts = [(lo, hi, c) for (lo, hi), c in zip(spans, crcs, strict=True)]
+        if not any(is_pieced(fl) for fl in layout.fields):
+            crc = combined(fronts)
+            if crc != whole_crc:
+                reader.close()
+                raise Rejected(
+                    f"CRC-32 {crc:#010x}, index.json says {whole_crc:#010x} (corrupted transfer?)"
+                )
+        return reader, layout, fronts, PREAMBLE.size + hlen
+
+    return retrying(once, what, url, retry)
+
+
+class PartQueue:
+    """Part fetches of one process, run on ``threads`` threads, lowest rank first."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self.cond = threading.Condition()
+        self.heap: list[tuple[int, int, Callable[[], None]]] = []
+        self.seq = itertools.count()
+        self.running: list[threading.Thread] = []
+        self.closed = False
+
+    def put(self, jobs: Sequence[tuple[int, Callable[[], None]]]) -> None:
+        with self.cond:
+            if self.closed:
+                return
+            for rank, job in jobs:
+                heapq.heappush(self.heap, (rank, next(self.seq), job))
+            while len(self.running) < self.threads:
+                t = threading.Thread(target=self.run, name="dlop-part", daemon=True)
+                self.running.append(t)
+                t.start()
+            self.cond.notify_all()
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.heap and not self.closed:
+                    self.cond.wait()
+                if self.closed:
+                    return
+                _, _, job = heapq.heappop(self.heap)
+            job()
+
+    def close(self) -> None:
+        """Stops the threads once their current part is done; queued parts are dropped."""
+        with self.cond:
+            self.closed = True
+            self.heap.clear()
+            self.cond.notify_all()
+            running, self.running = self.running, []
+        me = threading.current_thread()
+        for t in running:
+            if t is not me:
+                t.join()
+
+
+def first_reads(flat: np.ndarray, lo: int, hi: int, positions: np.ndarray) -> np.ndarray:
+    """Per sample of the shard holding global samples ``lo:hi``, the first position in
+    ``flat`` (this process's epoch, in read order) that reads it; ``positions``: the
+    positions reading the shard, ascending."""
+    first = np.full(hi - lo, UNREAD, np.int64)
+    local = flat[positions] - lo
+    seen, at = np.unique(local, return_index=True)
+    first[seen] = positions[at]
+    return first
+
+
+def close_quietly(fds: Sequence[int]) -> None:
+    for fd in fds:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,234 @@
+"""The first epoch streams: a raw shard from object storage is served part by part as
+its CRC pieces pass, never from an unverified byte, through the counting fault proxy."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dlop.formats import ArchiveWriter, Field
+from dlop.formats.constants import CRC_PIECE_BYTES
+from dlop.formats.storage import Retry
+from dlop.runtime import Loader, LoaderError
+from dlop.runtime.storage.remote import HEAD_BYTES
+from tests.faultproxy import FaultProxy
+from tests.formats.helpers import read_header
+from tests.runtime.helpers import open_remote
+
+PARTS = Retry(
+    attempts=4, backoff_s=0.001, max_backoff_s=0.01, part_bytes=CRC_PIECE_BYTES, parallel_parts=2
+)
+WAVE = 16384  # f32 values a sample: 64 KiB, 16 samples a piece
+
+
+def make(path: Path, n: int = 96) -> Path:
+    """Shards of about 4 MiB: a fixed and a ragged field long enough for pieces."""
+    rng = np.random.default_rng(11)
+    fields = [
+        Field.str_("key"),
+        Field("label", "i64", ()),
+        Field("wave", "f32", (WAVE,)),
+        Field("speech", "f32", (None,)),
+    ]
+    with ArchiveWriter(path, fields, shard_bytes=4 << 20) as w:
+        for i in range(n):
+            w.write(
+                {
+                    "key": f"k{i:03d}",
+                    "label": i,
+                    "wave": rng.standard_normal(WAVE).astype(np.float32),
+                    "speech": rng.standard_normal(int(rng.integers(0, 12000))).astype(np.float32),
+                }
+            )
+    return path
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("site")
+    make(root / "a")
+    return root
+
+
+def data_at(site: Path, field: str, shard: int = 0) -> int:
+    """Where ``field``'s values start in a shard of the served archive."""
+    header, _ = read_header(site / "a" / f"shard-{shard:05d}.dlop")
+    f = next(f for f in header["fields"] if f["name"] == field)
+    assert "crcs" in f["regions"], "the fixture's fields must carry pieces"
+    return int(f["regions"]["data"]["offset"])
+
+
+def copied(b: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+
+
+def batches(loader: Loader, epoch: int = 0) -> list[dict[str, Any]]:
+    loader.set_epoch(epoch)
+    return [copied(b) for b in loader]
+
+
+def same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    def eq(x: Any, y: Any) -> bool:
+        return bool(torch.equal(x, y)) if isinstance(x, torch.Tensor) else x == y
+
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x) for x, y in zip(a, b, strict=True)
+    )
+
+
+def shards(site: Path) -> list[str]:
+    return sorted(p.name for p in (site / "a").glob("shard-*"))
+
+
+def cached(cache: Path) -> list[str]:
+    """The shards whole in the cache (not those arriving, under temporary names)."""
+    return sorted(p.name for p in cache.rglob("shard-*.dlop"))
+
+
+SETTINGS = [
+    {"batch_size": 8, "shuffle": False},
+    {"batch_size": 8, "seed": 3},
+    {"batch_size": 8, "seed": 3, "order": "window", "window_shards": 1},
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["in order", "global", "window"])
+def test_cold_and_warm_epochs_equal_local(
+    site: Path, tmp_path: Path, settings: dict[str, Any]
+) -> None:
+    with FaultProxy(root=site) as proxy:
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        for epoch in (0, 1):  # cold, then warm from the cache
+            want = batches(Loader(site / "a", **settings), epoch)
+            assert same(batches(Loader(remote, **settings), epoch), want)
+        # The pieced data came in parts of one piece: ranged reads of 1 MiB.
+        assert (
+            f"bytes={data_at(site, 'wave')}-{data_at(site, 'wave') + CRC_PIECE_BYTES - 1}"
+            in proxy.ranges
+        )
+        assert cached(tmp_path / "c") == shards(site)
+        # Each shard sent once, but for its first read (header and up to 64 KiB after),
+        # of which the bytes past the header that a part brings again are not kept.
+        total = sum(p.stat().st_size for p in (site / "a").glob("shard-*"))
+        assert total <= proxy.sent_bytes("shard-") <= total + len(shards(site)) * HEAD_BYTES
+
+
+def test_batches_are_served_before_the_shard_is_whole(site: Path, tmp_path: Path) -> None:
+    """The part holding shard 0's last pieces is held back by the server: the first
+    batches, whose samples lie in its first pieces, arrive meanwhile."""
+    held = data_at(site, "wave") + 2 * CRC_PIECE_BYTES  # samples 32.. of shard 0
+    settings = {"batch_size": 8, "shuffle": False, "prefetch": 1}
+    want = batches(Loader(site / "a", **settings))
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00000", "hold", at=held)
+        safety = threading.Timer(30, proxy.let_through)  # a regression fails, never hangs
+        safety.start()
+        try:
+            remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+            loader = Loader(remote, **settings)
+            it = iter(loader)
+            first = [copied(next(it)) for _ in range(3)]  # samples 0..23
+            let_through_before = proxy.through.is_set()
+            assert "shard-00000.dlop" not in cached(tmp_path / "c")  # not whole yet
+            assert any(".tmp-" in p.name for p in (tmp_path / "c").rglob("shard-00000*"))
+            proxy.let_through()
+            rest = [copied(b) for b in it]
+        finally:
+            safety.cancel()
+        assert not let_through_before
+        assert same(first, want[:3]) and same(rest, want[3:])
+
+
+@pytest.mark.parametrize("field", ["wave", "speech"])
+def test_a_corrupt_part_being_served_is_fetched_again(
+    site: Path, tmp_path: Path, field: str
+) -> None:
+    """The part the first batch reads arrives corrupt twice: it is fetched again, and
+    every batch equals the local one (no sample from an unverified byte)."""
+    at = data_at(site, field)
+    settings = {"batch_size": 8, "shuffle": False}
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00000", "corrupt", times=2, at=at)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        assert same(batches(Loader(remote, **settings)), batches(Loader(site / "a", **settings)))
+        asked = [r for p, r in proxy.ranged if "shard-00000" in p and r.startswith(f"bytes={at}-")]
+        assert len(asked) == 3  # two corrupt copies, then the good one
+        assert cached(tmp_path / "c") == shards(site)
+
+
+@pytest.mark.parametrize("fault", ["drop", "slowdown", "truncate"])
+def test_part_faults_survived(site: Path, tmp_path: Path, fault: str) -> None:
+    at = data_at(site, "wave", 1) + CRC_PIECE_BYTES
+    settings = {"batch_size": 8, "seed": 1}
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00001", fault, times=2, at=at)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        assert same(batches(Loader(remote, **settings)), batches(Loader(site / "a", **settings)))
+        assert proxy.faults[0][2] == 0  # both faults met: the part was asked for again
+        asked = [r for p, r in proxy.ranged if "shard-00001" in p and r.startswith(f"bytes={at}-")]
+        assert len(asked) == (1 if fault in ("drop", "slowdown") else 3)  # answered in whole
+
+
+def test_a_part_never_verified_fails_its_batches_and_caches_nothing(
+    site: Path, tmp_path: Path
+) -> None:
+    at = data_at(site, "wave") + CRC_PIECE_BYTES
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00000", "corrupt", times=None, at=at)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        loader = Loader(remote, batch_size=8, shuffle=False)
+        got = []
+        with pytest.raises(LoaderError, match=r"shard 0 \(shard-00000\.dlop\).*CRC piece 1"):
+            for b in loader:
+                got.append(b["label"].clone())
+        # Batches before the bad piece came through; none holds a sample of it.
+        assert all(int(x) < 16 for labels in got for x in labels)
+        loader.close()
+        remote.close()
+        assert "shard-00000.dlop" not in cached(tmp_path / "c")
+        assert not [p for p in (tmp_path / "c").rglob("*") if ".tmp-" in p.name]
+
+
+def test_closing_while_a_shard_arrives_leaves_nothing_behind(site: Path, tmp_path: Path) -> None:
+    held = data_at(site, "wave") + 2 * CRC_PIECE_BYTES
+    settings = {"batch_size": 8, "shuffle": False, "prefetch": 1}
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00000", "hold", at=held)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        loader = Loader(remote, **settings)
+        next(iter(loader))
+        threading.Timer(0.5, proxy.let_through).start()  # the held part ends; close waits for it
+        loader.close()
+        remote.close()
+        assert not [p for p in (tmp_path / "c").rglob("*") if ".tmp-" in p.name]
+        # Its fetch lock went with it: a new reader of the same cache fetches and reads it.
+        again = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        assert same(batches(Loader(again, **settings)), batches(Loader(site / "a", **settings)))
+
+
+def test_parts_are_fetched_in_the_order_the_epoch_reads_them(site: Path, tmp_path: Path) -> None:
+    """Shuffled in reverse piece order: the piece the first batch reads is fetched first."""
+    settings = {"batch_size": 8, "seed": 7}
+    loader_local = Loader(site / "a", **settings)
+    first_key = batches(loader_local)[0]["key"][0]
+    first = int(first_key[1:])
+    with FaultProxy(root=site) as proxy:
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        starts = np.cumsum(remote.shard_sizes)
+        shard = int(np.searchsorted(starts, first, side="right"))
+        local = first - (int(starts[shard - 1]) if shard else 0)
+        lo = data_at(site, "wave", shard)
+        at = lo + (local * WAVE * 4 // CRC_PIECE_BYTES) * CRC_PIECE_BYTES
+        batches(Loader(remote, **settings))
+        starts_of_parts = {f"bytes={a}-" for a in range(lo, lo + (8 << 20), CRC_PIECE_BYTES)}
+        wave_parts = [
+            r
+            for p, r in proxy.ranged
+            if f"shard-{shard:05d}" in p and r[: r.index("-") + 1] in starts_of_parts
+        ]
+        assert f"bytes={at}-{at + CRC_PIECE_BYTES - 1}" in wave_parts[:2]
