@@ -400,7 +400,7 @@ class RemoteSource:
                 self.map_spans,
                 info.crc32,
             )
-            inc = Incoming(k, got, reader, layout, fronts, head, self.retry.part_bytes, keep)
+            inc = Incoming(k, got, reader, layout, fronts, head, self.retry, keep)
             if reader.num_samples != info.num_samples:
                 reader.close()
                 raise LoaderError(

@@ -8,7 +8,7 @@ metadata regions, the data of fields without pieces, the padding. It is accepted
 as a whole once the header CRC, every metadata region's CRC (checked by opening
 it, formats.reader) and every piece-less data region's CRC pass; otherwise it is
 fetched again, as any failed try. Then the pieced data arrives in parts of
-``Retry.part_bytes``, fetched on the source's part threads in the order this
+``Retry.part_bytes`` or more (``part_pieces``), fetched on the source's part threads in the order this
 process's epoch first reads their samples (``Incoming.ranks``), a part some batch
 waits for jumping the queue. A part is accepted once every piece in it matches its
 CRC, else fetched again; only then is it written, and its pieces marked verified.
@@ -113,7 +113,7 @@ class Incoming:
         layout: ShardLayout,
         fronts: list[tuple[int, int, int]],
         head: int,
-        part_bytes: int,
+        retry: Retry,
         keep: bool,
     ) -> None:
         self.k = k
@@ -129,7 +129,7 @@ class Incoming:
         self.pieced = [pieced_region(reader, fl) for fl in layout.fields if is_pieced(fl)]
         self.parts: list[Part] = []
         for r, pc in enumerate(self.pieced):
-            step = max(1, part_bytes // pc.size)
+            step = part_pieces(pc.length, pc.size, retry)
             for p0 in range(0, len(pc.crcs), step):
                 p1 = min(p0 + step, len(pc.crcs))
                 pc.part_of[p0:p1] = len(self.parts)
@@ -196,6 +196,16 @@ class Incoming:
                 self.cond.wait(0.5)
             if self.error is not None:
                 raise self.error
+
+
+def part_pieces(length: int, piece: int, retry: Retry) -> int:
+    """Pieces a part of a data region of ``length`` bytes: the region cut into as many
+    parts as run at once (``retry.parallel_parts``), each at least ``retry.part_bytes``
+    and at most four times that. Fewer, longer reads cost less on a server that reads
+    a whole object to answer a range of it, and no more on one that does not."""
+    pieces = -(-length // piece)
+    want = -(-pieces // max(1, retry.parallel_parts))  # as many parts as threads
+    return max(1, min(max(retry.part_bytes // piece, want), 4 * retry.part_bytes // piece))
 
 
 def combined(spans: Sequence[tuple[int, int, int]]) -> int:

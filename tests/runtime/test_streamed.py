@@ -11,17 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.formats import ArchiveWriter, Field
+from dlop.formats import ArchiveWriter, Field, ShardReader
 from dlop.formats.constants import CRC_PIECE_BYTES
 from dlop.formats.storage import Retry
 from dlop.runtime import Loader, LoaderError
+from dlop.runtime.storage.cache import Arriving
 from dlop.runtime.storage.remote import HEAD_BYTES
+from dlop.runtime.storage.streamed import Incoming, part_pieces
 from tests.faultproxy import FaultProxy
 from tests.formats.helpers import read_header
 from tests.runtime.helpers import open_remote
 
 PARTS = Retry(
-    attempts=4, backoff_s=0.001, max_backoff_s=0.01, part_bytes=CRC_PIECE_BYTES, parallel_parts=2
+    attempts=4, backoff_s=0.001, max_backoff_s=0.01, part_bytes=CRC_PIECE_BYTES, parallel_parts=4
 )
 WAVE = 16384  # f32 values a sample: 64 KiB, 16 samples a piece
 
@@ -211,24 +213,35 @@ def test_closing_while_a_shard_arrives_leaves_nothing_behind(site: Path, tmp_pat
         assert same(batches(Loader(again, **settings)), batches(Loader(site / "a", **settings)))
 
 
-def test_parts_are_fetched_in_the_order_the_epoch_reads_them(site: Path, tmp_path: Path) -> None:
-    """Shuffled in reverse piece order: the piece the first batch reads is fetched first."""
-    settings = {"batch_size": 8, "seed": 7}
-    loader_local = Loader(site / "a", **settings)
-    first_key = batches(loader_local)[0]["key"][0]
-    first = int(first_key[1:])
-    with FaultProxy(root=site) as proxy:
-        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
-        starts = np.cumsum(remote.shard_sizes)
-        shard = int(np.searchsorted(starts, first, side="right"))
-        local = first - (int(starts[shard - 1]) if shard else 0)
-        lo = data_at(site, "wave", shard)
-        at = lo + (local * WAVE * 4 // CRC_PIECE_BYTES) * CRC_PIECE_BYTES
-        batches(Loader(remote, **settings))
-        starts_of_parts = {f"bytes={a}-" for a in range(lo, lo + (8 << 20), CRC_PIECE_BYTES)}
-        wave_parts = [
-            r
-            for p, r in proxy.ranged
-            if f"shard-{shard:05d}" in p and r[: r.index("-") + 1] in starts_of_parts
-        ]
-        assert f"bytes={at}-{at + CRC_PIECE_BYTES - 1}" in wave_parts[:2]
+def test_parts_are_ranked_by_the_first_read_of_their_samples(site: Path) -> None:
+    """A part's place in the fetch queue is the earliest position in the epoch that reads
+    a sample in it: read in reverse, the last part goes first; without an order, file
+    order."""
+    path = site / "a" / "shard-00000.dlop"
+    with ShardReader(path) as reader:
+        layout = reader.layout
+        size = path.stat().st_size
+        arriving = Arriving(path, path, -1, -1, size)
+        one = Retry(part_bytes=CRC_PIECE_BYTES, parallel_parts=8)  # parts of one piece
+        inc = Incoming(0, arriving, reader, layout, [], 24, one, keep=False)
+        n = reader.num_samples
+        wave = [p for p in inc.parts if inc.pieced[p.region].fdef.name == "wave"]
+        assert len(wave) == -(-n * WAVE * 4 // CRC_PIECE_BYTES) >= 2
+        assert inc.ranks(None) == [0] * len(inc.parts)
+        reverse = np.arange(n, dtype=np.int64)[::-1].copy()  # sample s read at n-1-s
+        ranks = dict(zip(map(id, inc.parts), inc.ranks(reverse), strict=True))
+        got = [ranks[id(p)] for p in wave]
+        per_piece = CRC_PIECE_BYTES // (WAVE * 4)
+        assert got == [n - 1 - min(n - 1, (j + 1) * per_piece - 1) for j in range(len(wave))]
+        unread = np.full(n, np.iinfo(np.int64).max)
+        unread[-1] = 5  # only the last sample is read: every other wave part waits
+        assert [r for p, r in zip(inc.parts, inc.ranks(unread), strict=True) if p in wave][-1] == 5
+
+
+def test_part_sizes() -> None:
+    """As many parts as threads, each from part_bytes to four times it, whole pieces."""
+    mib = 1 << 20
+    assert part_pieces(211 * mib, mib, Retry()) == 53  # four parts
+    assert part_pieces(4 * mib, mib, Retry()) == 16  # one part of part_bytes at least
+    assert part_pieces(1 << 30, mib, Retry()) == 64  # at most four times part_bytes
+    assert part_pieces(10 * mib, 4 * mib, Retry(part_bytes=mib, parallel_parts=2)) == 1
