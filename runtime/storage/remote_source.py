@@ -63,11 +63,14 @@ from .remote_sizes import ShardSizes
 from .streamed import (
     DONE,
     FLYING,
+    LATER,
     QUEUED,
+    FrontFailed,
     Incoming,
     PartQueue,
     close_quietly,
     fetch_front,
+    fetch_header,
     first_reads,
 )
 
@@ -352,8 +355,8 @@ class RemoteSource:
         while True:
             with self.lock:
                 inc = self.streams.get(k)
-                if inc is not None:  # arriving for a fetch ahead: batches hold it now
-                    if keep and not inc.keep:
+                if inc is not None and inc.reader is not None:  # its front is in
+                    if keep and not inc.keep:  # a fetch ahead's: batches hold it now
                         inc.keep = True
                         a = inc.arriving
                         self.open[k] = (inc.reader, Held(a.tmp, a.fd, a.size))
@@ -389,47 +392,64 @@ class RemoteSource:
                 self.cache.let_go(got)
                 return None
             return self.opened(k, got, what)
+        store = self.client()
         try:
-            reader, layout, fronts, head = fetch_front(
-                self.client(),
-                info.file,
-                info.bytes,
-                got,
-                what,
-                self.retry,
-                self.map_spans,
-                info.crc32,
-            )
-            inc = Incoming(k, got, reader, layout, fronts, head, self.retry, keep)
-            if reader.num_samples != info.num_samples:
-                reader.close()
+            head, layout, head_len = fetch_header(store, info.file, info.bytes, what, self.retry)
+            if layout.num_samples != info.num_samples:
                 raise LoaderError(
-                    f"{what}: holds {reader.num_samples} samples, index.json says {info.num_samples}"
+                    f"{what}: holds {layout.num_samples} samples, index.json says {info.num_samples}"
                 )
         except Exception as e:
             self.cache.abandon(got)
-            if isinstance(e, FetchError):
-                e = LoaderError(str(e))
-            with self.lock:
-                self.ahead_errors[k] = e
-            raise e from None
+            raise self.note_failure(k, e) from None
+        inc = Incoming(k, got, layout, head_len, self.retry, keep)
+        with self.lock:
+            first = self.first_reads(k)
+        self.queue(inc, inc.ranks(first))  # fixed fields' values come in beside the front
+        try:
+            reader, fronts = fetch_front(
+                store, info.file, got, what, self.retry, self.map_spans, info.crc32, (head, layout)
+            )
+        except Exception as e:
+            failure = self.note_failure(k, e)
+            self.failed(inc, failure)
+            raise failure from None
         with self.lock:
             self.streams[k] = inc
             if keep:
                 self.open[k] = (reader, Held(got.tmp, got.fd, got.size))
                 if self.refs[k] == 0 and k not in self.loose:
                     self.loose[k] = None
-            first = self.first_reads(k)
+            inc.fronted(reader, fronts)
+        ragged = [p.rank == LATER for p in inc.parts]
+        if any(ragged):  # their samples' places are known now
+            self.queue(inc, inc.ranks(first), only=ragged)
         if not inc.parts:
             self.landed(inc)
-        else:
-            if self.parts is None:
-                self.parts = PartQueue(self.retry.parallel_parts)
-            ranks = inc.ranks(first)
-            self.parts.put(
-                [(r, functools.partial(self.fetch_part, inc, i)) for i, r in enumerate(ranks)]
-            )
         return reader
+
+    def note_failure(self, k: int, e: BaseException) -> BaseException:
+        """Records that shard ``k`` failed (its batches raise it until the next epoch)."""
+        if isinstance(e, FetchError):
+            e = LoaderError(str(e))
+        with self.lock:
+            self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
+        return e
+
+    def queue(self, inc: Incoming, ranks: list[int], only: list[bool] | None = None) -> None:
+        """Puts the parts of ``inc`` (those ``only`` marks) in the fetch queue at ``ranks``."""
+        jobs = []
+        with inc.cond:
+            for i, (part, rank) in enumerate(zip(inc.parts, ranks, strict=True)):
+                if (only is None or only[i]) and part.state == QUEUED:
+                    part.rank = rank
+                    jobs.append((rank, functools.partial(self.fetch_part, inc, i, rank)))
+        if jobs:
+            with self.lock:
+                if self.parts is None:
+                    self.parts = PartQueue(self.retry.parallel_parts)
+                parts = self.parts
+            parts.put(jobs)
 
     def map_spans(
         self, land: Callable[[tuple[int, int]], int], spans: list[tuple[int, int]]
@@ -440,12 +460,12 @@ class RemoteSource:
         with ThreadPoolExecutor(min(self.retry.parallel_parts, len(spans))) as pool:
             return list(pool.map(land, spans))
 
-    def fetch_part(self, inc: Incoming, i: int) -> None:
+    def fetch_part(self, inc: Incoming, i: int, rank: int) -> None:
         """Fetches, verifies and writes part ``i`` of a shard arriving (a part thread)."""
         part = inc.parts[i]
         with inc.cond:
-            if inc.error is not None or part.state != QUEUED:
-                return  # done, under way, or queued again ahead of this copy
+            if inc.error is not None or part.state != QUEUED or rank != part.rank:
+                return  # done, under way, or queued again at another rank
             part.state = FLYING
         name = self.index.shards[inc.k].file
         what = f"{self.url}: shard {inc.k} ({name}) bytes {part.lo}..{part.hi}"
@@ -457,6 +477,7 @@ class RemoteSource:
                 what,
                 store.name_url(name),
                 self.retry,
+                give_up=(FrontFailed,),
             )
             with inc.cond:
                 if inc.error is not None:
@@ -469,7 +490,7 @@ class RemoteSource:
                     inc.writing -= 1
                     inc.cond.notify_all()
         except Exception as e:
-            self.failed(inc, LoaderError(str(e)) if isinstance(e, FetchError) else e)
+            self.failed(inc, self.note_failure(inc.k, e))
             return
         with inc.cond:
             part.state = DONE
@@ -484,6 +505,8 @@ class RemoteSource:
         """Every part of ``inc`` is in: checked whole against the index (its padding
         fetched again while that fails), then published."""
         info = self.index.shards[inc.k]
+        reader = inc.reader
+        assert reader is not None  # parts are checked only once the front is in
         if inc.file_crc() != info.crc32:
             try:
                 self.fetch_gaps(inc)
@@ -496,13 +519,13 @@ class RemoteSource:
                 held = self.cache.publish(inc.arriving, keep=inc.keep)
                 self.streams.pop(inc.k, None)
                 if inc.keep:
-                    self.open[inc.k] = (inc.reader, held)
+                    self.open[inc.k] = (reader, held)
                     self.sizes.learn(inc.k, held.bytes)
         except Exception as e:
             self.failed(inc, e)
             return
         if not inc.keep:
-            inc.reader.close()
+            reader.close()
         with inc.cond:
             inc.done = True
             inc.cond.notify_all()
@@ -529,6 +552,7 @@ class RemoteSource:
                         raise inc.error
                 for a, b in gaps:  # only the padding: verified bytes are never written again
                     write_at(inc.arriving.fd, memoryview(data)[a - lo : b - lo], a)
+            assert inc.reader is not None
             crc = inc.reader.file_crc32()
             if crc != info.crc32:
                 raise Rejected(
@@ -560,7 +584,7 @@ class RemoteSource:
                 self.loose.pop(inc.k, None)
                 if self.on_drop is not None:
                     self.on_drop(inc.k)
-        if not held:
+        if not held and inc.reader is not None:
             inc.reader.close()  # a fetch ahead's: nothing reads it
         self.cache.abandon(inc.arriving)
 
@@ -585,12 +609,13 @@ class RemoteSource:
                 wanted = inc.missing(samples, names)
                 if not wanted:
                     return
-                waiting = [i for i in wanted if inc.parts[i].state == QUEUED]
-                if waiting and self.parts is not None:
-                    jobs = [(-1, functools.partial(self.fetch_part, inc, i)) for i in waiting]
+                waiting = {i for i in wanted if inc.parts[i].state == QUEUED}
+                waiting -= {i for i in waiting if inc.parts[i].rank == -1}
+                if waiting:  # to the front of the queue
                     inc.cond.release()
                     try:
-                        self.parts.put(jobs)
+                        jump = [i in waiting for i in range(len(inc.parts))]
+                        self.queue(inc, [-1] * len(inc.parts), only=jump)
                     finally:
                         inc.cond.acquire()
                 inc.cond.wait(0.5)

@@ -45,25 +45,32 @@ from .remote import HEAD_BYTES
 
 QUEUED, FLYING, DONE = 0, 1, 2
 UNREAD = np.iinfo(np.int64).max  # the rank of what this epoch does not read
+LATER = UNREAD - 1  # the rank of a part whose samples' places are not known yet
 Span = tuple[int, int]
 
 
 @dataclass
 class Pieced:
-    """A data region that carries CRC pieces, and which of them are verified here."""
+    """A data region that carries CRC pieces, and which of them are verified here; its
+    CRCs (and a ragged field's offsets) are known once the front is in."""
 
     fdef: Field
     offset: int  # of the data region in the file
     length: int
     size: int  # bytes a piece
-    crcs: np.ndarray  # one per piece (a copy: the file's own bytes are not trusted twice)
-    offsets: np.ndarray | None  # a ragged field's element offsets (verified on open)
+    crcs: np.ndarray | None = None  # one per piece (a copy: the file's bytes are read once)
+    offsets: np.ndarray | None = None  # a ragged field's element offsets (verified on open)
     verified: np.ndarray = made(init=False)
     part_of: np.ndarray = made(init=False)
 
     def __post_init__(self) -> None:
-        self.verified = np.zeros(len(self.crcs), bool)
-        self.part_of = np.zeros(len(self.crcs), np.int64)
+        self.count = -(-self.length // self.size)
+        self.verified = np.zeros(self.count, bool)
+        self.part_of = np.zeros(self.count, np.int64)
+
+    def spans_known(self) -> bool:
+        """Whether its samples' byte spans are known (a ragged field's: after the front)."""
+        return not self.fdef.ragged or self.offsets is not None
 
     def byte_spans(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Where each sample's values lie, in bytes from the region's start."""
@@ -99,53 +106,68 @@ class Part:
     hi: int
     state: int = QUEUED
     crc: int = 0
+    rank: int = 0  # its place in the fetch queue (-1: a batch waits for it)
 
 
 class Incoming:
-    """Shard ``k`` arriving into ``arriving`` (its temporary cache file): ``reader`` maps
-    it, the front verified; ``parts`` of its pieced data come in on part threads."""
+    """Shard ``k`` arriving into ``arriving`` (its temporary cache file), laid out as
+    ``layout`` says: ``parts`` of its pieced data come in on part threads, each checked
+    once the front is in (``fronted``: ``reader`` maps the file from then on)."""
 
     def __init__(
-        self,
-        k: int,
-        arriving: Arriving,
-        reader: ShardReader,
-        layout: ShardLayout,
-        fronts: list[tuple[int, int, int]],
-        head: int,
-        retry: Retry,
-        keep: bool,
+        self, k: int, arriving: Arriving, layout: ShardLayout, head: int, retry: Retry, keep: bool
     ) -> None:
         self.k = k
         self.arriving = arriving
-        self.reader = reader
-        self.fronts = fronts  # (lo, hi, crc) of every front span
+        self.num_samples = layout.num_samples
+        self.reader: ShardReader | None = None
+        self.fronts: list[tuple[int, int, int]] = []  # (lo, hi, crc) of every front span
         self.gaps = gaps_of(layout, arriving.size, head)
         self.keep = keep  # held when it lands (a batch asked for it), or only cached
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.done = False
         self.writing = 0
-        self.pieced = [pieced_region(reader, fl) for fl in layout.fields if is_pieced(fl)]
+        self.pieced = [
+            Pieced(fl.field, fl.regions["data"].offset, fl.regions["data"].length, piece)
+            for fl in layout.fields
+            if is_pieced(fl) and (piece := fl.crc_piece_bytes) is not None
+        ]
         self.parts: list[Part] = []
         for r, pc in enumerate(self.pieced):
             step = part_pieces(pc.length, pc.size, retry)
-            for p0 in range(0, len(pc.crcs), step):
-                p1 = min(p0 + step, len(pc.crcs))
+            for p0 in range(0, pc.count, step):
+                p1 = min(p0 + step, pc.count)
                 pc.part_of[p0:p1] = len(self.parts)
                 hi = min(pc.offset + p1 * pc.size, pc.offset + pc.length)
                 self.parts.append(Part(r, p0, p1, pc.offset + p0 * pc.size, hi))
         self.left = len(self.parts)
 
+    def fronted(self, reader: ShardReader, fronts: list[tuple[int, int, int]]) -> None:
+        """The front is in and verified: the pieces' CRCs are known, parts can be checked."""
+        for pc in self.pieced:
+            got = reader.piece_crcs(pc.fdef.name)
+            assert got is not None and got[0] == pc.size
+            pc.crcs = got[1].copy()
+            if pc.fdef.ragged:
+                pc.offsets = reader.offsets(pc.fdef.name).copy()
+        with self.cond:
+            self.reader, self.fronts = reader, fronts
+            self.cond.notify_all()
+
     def ranks(self, first: np.ndarray | None) -> list[int]:
         """Each part's rank in the fetch queue: the earliest position in this process's
         epoch at which a sample in it is read (``first``: per sample of the shard, its
-        first read, UNREAD if none); all 0 (file order) without one."""
+        first read, UNREAD if none); all 0 (file order) without one. A ragged field's
+        parts rank LATER until its offsets are known (the front)."""
         if first is None:
             return [0] * len(self.parts)
-        need = [np.full(len(pc.crcs), UNREAD, np.int64) for pc in self.pieced]
-        everyone = np.arange(self.reader.num_samples, dtype=np.int64)
+        need = [np.full(pc.count, UNREAD, np.int64) for pc in self.pieced]
+        everyone = np.arange(self.num_samples, dtype=np.int64)
         for pc, want in zip(self.pieced, need, strict=True):
+            if not pc.spans_known():
+                want[:] = LATER
+                continue
             pieces, owner = pc.pieces_of(everyone)
             np.minimum.at(want, pieces, first[owner])
         return [int(need[p.region][p.p0 : p.p1].min()) for p in self.parts]
@@ -162,13 +184,20 @@ class Incoming:
         return sorted(out)
 
     def check(self, part: Part) -> Callable[[bytes], str | None]:
-        """A fetch check for ``part``: its length, then each piece against its CRC (the
-        part's CRC, composed from the pieces', is kept for the file's)."""
+        """A fetch check for ``part``: its length, then (once the front is in) each piece
+        against its CRC; the part's CRC, composed from the pieces', is kept for the
+        file's. FrontFailed when the front never came."""
         pc = self.pieced[part.region]
 
         def check(data: bytes) -> str | None:
             if len(data) != part.hi - part.lo:
                 return f"got {len(data)} bytes of the {part.hi - part.lo} from {part.lo} (truncated transfer?)"
+            with self.cond:
+                while self.reader is None and self.error is None:
+                    self.cond.wait(0.5)
+                if self.error is not None:
+                    raise FrontFailed(str(self.error))
+            assert pc.crcs is not None
             view, crc = memoryview(data), 0
             for p in range(part.p0, part.p1):
                 at = (p - part.p0) * pc.size
@@ -216,16 +245,12 @@ def combined(spans: Sequence[tuple[int, int, int]]) -> int:
     return crc
 
 
+class FrontFailed(Exception):
+    """A part's shard failed before its front was in: nothing to check the part with."""
+
+
 def is_pieced(fl: FieldLayout) -> bool:
     return fl.crc_piece_bytes is not None and fl.regions["data"].length > 0
-
-
-def pieced_region(reader: ShardReader, fl: FieldLayout) -> Pieced:
-    got = reader.piece_crcs(fl.field.name)
-    assert got is not None and fl.crc_piece_bytes is not None
-    data = fl.regions["data"]
-    offsets = reader.offsets(fl.field.name).copy() if fl.field.ragged else None
-    return Pieced(fl.field, data.offset, data.length, got[0], got[1].copy(), offsets)
 
 
 def fronts_of(layout: ShardLayout, size: int) -> list[Span]:
@@ -262,24 +287,15 @@ def gaps_of(layout: ShardLayout, size: int, head: int) -> list[Span]:
 MapSpans = Callable[[Callable[[Span], int], list[Span]], list[int]]
 
 
-def fetch_front(
-    store: Storage,
-    name: str,
-    size: int,
-    arriving: Arriving,
-    what: str,
-    retry: Retry,
-    map_spans: MapSpans,
-    whole_crc: int,
-) -> tuple[ShardReader, ShardLayout, list[tuple[int, int, int]], int]:
-    """Fetches and writes the front of shard ``name`` (``size`` bytes) into ``arriving``,
-    tried again until it verifies (the module docstring); the shard mapped, its layout,
-    the (lo, hi, crc) of each front span, and the bytes through the header. A shard
-    that is all front (no pieces) is checked against ``whole_crc`` (the index's) too,
-    before anything reads it."""
+def fetch_header(
+    store: Storage, name: str, size: int, what: str, retry: Retry
+) -> tuple[bytes, ShardLayout, int]:
+    """The first bytes of shard ``name`` (``size`` bytes) through its header, read until
+    the header's CRC-32 passes: those bytes, its layout, and the bytes through the
+    header."""
     url = store.name_url(name)
 
-    def once() -> tuple[ShardReader, ShardLayout, list[tuple[int, int, int]], int]:
+    def once() -> tuple[bytes, ShardLayout, int]:
         head = store.read_once(name, 0, min(size, HEAD_BYTES))
         try:
             hlen, crc = read_preamble(url, head, size)
@@ -290,15 +306,44 @@ def fetch_front(
             layout = parse_header(url, head[PREAMBLE.size : PREAMBLE.size + hlen], crc, size)
         except FormatError as e:
             raise Rejected(str(e)) from None
-        spans = [
-            (a, min(a + retry.part_bytes, hi))
-            for lo, hi in fronts_of(layout, size)
-            for a in range(lo, hi, retry.part_bytes)
-        ]
+        return head, layout, PREAMBLE.size + hlen
+
+    return retrying(once, what, url, retry)
+
+
+def fetch_front(
+    store: Storage,
+    name: str,
+    arriving: Arriving,
+    what: str,
+    retry: Retry,
+    map_spans: MapSpans,
+    whole_crc: int,
+    first: tuple[bytes, ShardLayout],
+) -> tuple[ShardReader, list[tuple[int, int, int]]]:
+    """Fetches and writes the front of shard ``name`` into ``arriving``, tried again
+    until it verifies (the module docstring): the shard mapped, and the (lo, hi, crc)
+    of each front span. ``first``: its first bytes and layout (fetch_header), whose
+    bytes serve the first try. A shard that is all front (no pieces) is checked
+    against ``whole_crc`` (the index's) too, before anything reads it."""
+    url = store.name_url(name)
+    head, layout = first
+    size = arriving.size
+    spans = [
+        (a, min(a + retry.part_bytes, hi))
+        for lo, hi in fronts_of(layout, size)
+        for a in range(lo, hi, retry.part_bytes)
+    ]
+    tries = 0
+
+    def once() -> tuple[ShardReader, list[tuple[int, int, int]]]:
+        nonlocal tries
+        have_head = head if tries == 0 else b""  # a later try reads every byte again
+        tries += 1
 
         def land(span: Span) -> int:
             lo, hi = span
-            have = head[lo:hi] if lo < len(head) else b""
+            have = have_head[lo:hi] if lo < len(have_head) else b""
             rest = store.read_once(name, lo + len(have), hi) if lo + len(have) < hi else b""
             if len(have) + len(rest) != hi - lo:
                 raise Rejected(
@@ -313,6 +358,9 @@ def fetch_front(
             reader = ShardReader(arriving.tmp, expected_bytes=size)  # header, metadata CRCs
         except FormatError as e:
             raise Rejected(str(e).replace(str(arriving.tmp), url)) from None
+        if reader.layout != layout:
+            reader.close()
+            raise Rejected("its header changed between two reads (the object was replaced?)")
         for fl in layout.fields:
             data = fl.regions["data"]
             if not is_pieced(fl) and reader.region_crc(fl.field.name, "data") != data.crc32:
@@ -329,7 +377,7 @@ def fetch_front(
                 raise Rejected(
                     f"CRC-32 {crc:#010x}, index.json says {whole_crc:#010x} (corrupted transfer?)"
                 )
-        return reader, layout, fronts, PREAMBLE.size + hlen
+        return reader, fronts
 
     return retrying(once, what, url, retry)
 

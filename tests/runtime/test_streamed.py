@@ -17,7 +17,7 @@ from dlop.formats.storage import Retry
 from dlop.runtime import Loader, LoaderError
 from dlop.runtime.storage.cache import Arriving
 from dlop.runtime.storage.remote import HEAD_BYTES
-from dlop.runtime.storage.streamed import Incoming, part_pieces
+from dlop.runtime.storage.streamed import LATER, Incoming, part_pieces
 from tests.faultproxy import FaultProxy
 from tests.formats.helpers import read_header
 from tests.runtime.helpers import open_remote
@@ -223,7 +223,10 @@ def test_parts_are_ranked_by_the_first_read_of_their_samples(site: Path) -> None
         size = path.stat().st_size
         arriving = Arriving(path, path, -1, -1, size)
         one = Retry(part_bytes=CRC_PIECE_BYTES, parallel_parts=8)  # parts of one piece
-        inc = Incoming(0, arriving, reader, layout, [], 24, one, keep=False)
+        inc = Incoming(0, arriving, layout, 24, one, keep=False)
+        n = reader.num_samples
+        assert inc.ranks(np.arange(n))[-1] == LATER  # the ragged field's, before the front
+        inc.fronted(reader, [])
         n = reader.num_samples
         wave = [p for p in inc.parts if inc.pieced[p.region].fdef.name == "wave"]
         assert len(wave) == -(-n * WAVE * 4 // CRC_PIECE_BYTES) >= 2
