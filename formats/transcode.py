@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .codecs import Raw
-from .constants import PREAMBLE
+from .constants import CRC_DTYPE, CRC_PIECE_BYTES, PREAMBLE
 from .errors import FormatError
 from .header import align, header_end_for, parse_header, read_preamble, required_regions
 from .reader import BlockCache, ShardReader
@@ -72,8 +72,9 @@ def raw_size_bound(head: bytes, path: object, file_size: int) -> int:
     """At least the bytes ``transcode_raw`` writes for the shard whose first bytes are
     ``head`` (preamble and whole header, ``header_span`` bytes), from the header's
     declared sizes (SPEC.md §4): a fixed field's data is ``num_samples * prod(shape) *
-    itemsize`` raw, a ragged one's ``value_count * itemsize``; each region and the
-    header start on a 4096-byte boundary."""
+    itemsize`` raw, a ragged one's ``value_count * itemsize``, with a ``crcs`` region
+    when longer than one CRC piece; each region and the header start on a 4096-byte
+    boundary."""
     hlen, crc = read_preamble(path, head, file_size)
     if len(head) < PREAMBLE.size + hlen:
         raise FormatError(
@@ -92,4 +93,7 @@ def raw_size_bound(head: bytes, path: object, file_size: int) -> int:
                 length = layout.num_samples * f.sample_bytes
             body += align(length)
             regions += 1
+            if name == "data" and length > CRC_PIECE_BYTES:  # its crcs region and key
+                body += align(-(-length // CRC_PIECE_BYTES) * CRC_DTYPE.itemsize)
+                regions += 2
     return header_end_for(hlen + HEADER_GROWTH_PER_REGION * (regions + 1)) + body

@@ -172,6 +172,7 @@ class Fetched(Planner):
         ready = getattr(self.source, "ready", None)
         shard = getattr(self.source, "partial_shard", self.source.shard)
         readers = [shard(k) for k in key]
+        arriving = False  # a shard still arriving: its gathers are not kept
         self.source.check(touched)
         sizes = [r.num_samples for r in readers]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -181,15 +182,16 @@ class Fetched(Planner):
             if ready is not None:
                 names = list(self.fields)
                 for j, k in enumerate(key):  # (one shard: per_index is one number)
-                    ready(k, local if len(key) == 1 else local[where == j], names)
+                    arriving |= ready(k, local if len(key) == 1 else local[where == j], names)
             indices = torch.from_numpy(starts[where] + local)
         compact = torch.from_numpy(starts[:-1].copy())
-        gathers = self.planners.get(key, readers)
+        gathers = None if arriving else self.planners.get(key, readers)
         if gathers is None:
             gathers = {
                 n: gather_for(f, readers, compact, self.pad_value) for n, f in self.fields.items()
             }
-            self.planners.put(key, readers, gathers)
+            if not arriving:  # a gather may copy a whole shard's text once: only when whole
+                self.planners.put(key, readers, gathers)
         return plan_fields(gathers, indices, batch_groups(indices, compact), out)
 
 

@@ -280,17 +280,14 @@ class CacheDir:
     def publish(self, a: Arriving, keep: bool = False) -> Held:
         """Makes the fully written and verified ``a`` the cached shard: synced, its stamp
         written, renamed into place under the budget lock (a ``keep`` lock turns shared,
-        held, before any eviction sees the file), the fetch lock let go of."""
-        try:
-            os.fsync(a.fd)
-            _write_stamp(a.path, os.fstat(a.fd))
-            with locked(self.root / BUDGET_LOCK):
-                os.replace(a.tmp, a.path)
-                if keep:
-                    fcntl.flock(a.fd, fcntl.LOCK_SH)
-        except BaseException:
-            self.abandon(a)
-            raise
+        held, before any eviction sees the file), the fetch lock let go of. On an error
+        nothing is let go of: the caller abandons ``a``."""
+        os.fsync(a.fd)
+        _write_stamp(a.path, os.fstat(a.fd))
+        with locked(self.root / BUDGET_LOCK):
+            os.replace(a.tmp, a.path)
+            if keep:
+                fcntl.flock(a.fd, fcntl.LOCK_SH)
         if a.lock_fd >= 0:
             os.close(a.lock_fd)
         if not keep:
@@ -319,10 +316,10 @@ class CacheDir:
         a = Arriving(path, tmp, fd, -1, len(data))
         try:
             write_at(fd, data, 0)
+            return self.publish(a, keep)
         except BaseException:
             self.abandon(a)
             raise
-        return self.publish(a, keep)
 
     def reserve(self, tmp: Path, size: int, wait: bool = True) -> int | None:
         """Creates ``tmp`` at ``size`` bytes, locked, once the budget has room for it;

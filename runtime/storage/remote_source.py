@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,7 +58,7 @@ from dlop.formats.storage import (
 from dlop.formats.transcode import needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import LoaderError, ShardChangedError, UsageError
-from .cache import CacheDir, Held, write_at
+from .cache import Arriving, CacheDir, Held, write_at
 from .remote import fetch_bytes
 from .remote_sizes import ShardSizes
 from .streamed import (
@@ -75,6 +76,17 @@ from .streamed import (
 )
 
 Client = Callable[[], Storage]  # this process's storage of the archive
+
+_SOURCES: weakref.WeakSet[RemoteSource] = weakref.WeakSet()
+
+
+def _forget_parents() -> None:
+    """Run in a forked child before anything else (os.register_at_fork)."""
+    for source in list(_SOURCES):
+        source.forget_parent()
+
+
+os.register_at_fork(after_in_child=_forget_parents)
 
 
 class RemoteSource:
@@ -116,6 +128,7 @@ class RemoteSource:
         self.on_drop: Callable[[int], None] | None = None  # told when shard k is let go of
         self.pid = -1
         self.fresh()
+        _SOURCES.add(self)
 
     def fresh(self) -> None:
         """This process's state: nothing held, no fetches under way."""
@@ -135,14 +148,19 @@ class RemoteSource:
         self.ahead_errors: dict[int, Exception] = {}  # failed fetches, attempts spent
         self.streams: dict[int, Incoming] = {}  # raw shards arriving part by part
         self.fronting: dict[int, threading.Event] = {}  # set once the front is in or failed
+        self.arrivals: set[Arriving] = set()  # temporary files this process writes
+        self.closing = False
         self.parts: PartQueue | None = None
         self.order: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # read_order's
 
     def forget_parent(self) -> None:
-        """In a forked child: closes its copies of the parent's descriptors of shards still
-        arriving, so the parent's fetch locks end with the parent's own."""
-        for inc in self.streams.values():
-            close_quietly([inc.arriving.fd, inc.arriving.lock_fd])
+        """In a forked child, at once: closes its copies of the descriptors of the shards
+        the parent is writing, whose locks would otherwise outlive the parent's (a
+        ``flock`` belongs to every copy of a descriptor)."""
+        for a in self.arrivals:
+            close_quietly([a.fd, a.lock_fd])
+        self.arrivals = set()
+        self.streams = {}
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.reopen is None:
@@ -151,7 +169,6 @@ class RemoteSource:
 
     def mine(self) -> None:
         if self.pid != os.getpid():
-            self.forget_parent()
             self.fresh()  # a forked child: what the parent held is the parent's
 
     def ask(self, shards: Sequence[int]) -> None:
@@ -284,10 +301,17 @@ class RemoteSource:
         """Shard ``k`` mapped from the cache: fetched now, or waited for if under way,
         whole and verified. Callers hold it (``ask``) for as long as they read it."""
         reader = self.partial_shard(k)
-        inc = self.streams.get(k)
-        if inc is not None:
+        while True:
+            with self.lock:
+                inc = self.streams.get(k)
+                if inc is None:
+                    got = self.open.get(k)
+                    if got is not None and got[0] is reader:
+                        return reader
+                    raise self.ahead_errors.get(k) or LoaderError(
+                        f"{self.url}: shard {k} was let go of while a batch read it"
+                    )
             inc.wait_whole()
-        return reader
 
     def partial_shard(self, k: int) -> ShardReader:
         """Shard ``k`` as ``shard``, but possibly still arriving: read a sample only after
@@ -392,49 +416,61 @@ class RemoteSource:
                 self.cache.let_go(got)
                 return None
             return self.opened(k, got, what)
-        store = self.client()
+        with self.lock:
+            self.arrivals.add(got)
+        inc: Incoming | None = None
         try:
+            store = self.client()
             head, layout, head_len = fetch_header(store, info.file, info.bytes, what, self.retry)
             if layout.num_samples != info.num_samples:
                 raise LoaderError(
                     f"{what}: holds {layout.num_samples} samples, index.json says {info.num_samples}"
                 )
-        except Exception as e:
-            self.cache.abandon(got)
-            raise self.note_failure(k, e) from None
-        inc = Incoming(k, got, layout, head_len, self.retry, keep)
-        with self.lock:
-            first = self.first_reads(k)
-        self.queue(inc, inc.ranks(first))  # fixed fields' values come in beside the front
-        try:
+            inc = Incoming(k, got, layout, head_len, self.retry, keep)
+            with self.lock:
+                first = self.first_reads(k)
+            self.queue(inc, inc.ranks(first))  # fixed fields' values come in beside the front
             reader, fronts = fetch_front(
-                store, info.file, got, what, self.retry, self.map_spans, info.crc32, (head, layout)
+                store, info.file, inc, what, self.retry, self.map_spans, info.crc32, (head, layout)
             )
+            with self.lock, inc.cond:
+                if inc.error is not None:  # a part failed meanwhile: failed() cleaned up
+                    reader.close()
+                    raise inc.error
+                self.streams[k] = inc
+                if keep:
+                    self.open[k] = (reader, Held(got.tmp, got.fd, got.size))
+                    if self.refs[k] == 0 and k not in self.loose:
+                        self.loose[k] = None
+            inc.fronted(reader, fronts)
+            ragged = [p.rank == LATER for p in inc.parts]
+            if any(ragged):  # their samples' places are known now
+                self.queue(inc, inc.ranks(first), only=ragged)
         except Exception as e:
             failure = self.note_failure(k, e)
-            self.failed(inc, failure)
+            if inc is None:
+                self.let_go_of(got)
+            else:
+                self.failed(inc, failure)
             raise failure from None
-        with self.lock:
-            self.streams[k] = inc
-            if keep:
-                self.open[k] = (reader, Held(got.tmp, got.fd, got.size))
-                if self.refs[k] == 0 and k not in self.loose:
-                    self.loose[k] = None
-            inc.fronted(reader, fronts)
-        ragged = [p.rank == LATER for p in inc.parts]
-        if any(ragged):  # their samples' places are known now
-            self.queue(inc, inc.ranks(first), only=ragged)
         if not inc.parts:
             self.landed(inc)
         return reader
+
+    def let_go_of(self, a: Arriving) -> None:
+        """Removes a shard that will not arrive whole (once)."""
+        with self.lock:
+            if a not in self.arrivals:
+                return
+            self.arrivals.discard(a)
+        self.cache.abandon(a)
 
     def note_failure(self, k: int, e: BaseException) -> BaseException:
         """Records that shard ``k`` failed (its batches raise it until the next epoch)."""
         if isinstance(e, FetchError):
             e = LoaderError(str(e))
-        with self.lock:
-            self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
-        return e
+        with self.lock:  # the first failure is the one to report (a later one may be its echo)
+            return self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
 
     def queue(self, inc: Incoming, ranks: list[int], only: list[bool] | None = None) -> None:
         """Puts the parts of ``inc`` (those ``only`` marks) in the fetch queue at ``ranks``."""
@@ -446,6 +482,8 @@ class RemoteSource:
                     jobs.append((rank, functools.partial(self.fetch_part, inc, i, rank)))
         if jobs:
             with self.lock:
+                if self.closing:  # close() fails what is still arriving
+                    return
                 if self.parts is None:
                     self.parts = PartQueue(self.retry.parallel_parts)
                 parts = self.parts
@@ -469,8 +507,8 @@ class RemoteSource:
             part.state = FLYING
         name = self.index.shards[inc.k].file
         what = f"{self.url}: shard {inc.k} ({name}) bytes {part.lo}..{part.hi}"
-        store = self.client()
         try:
+            store = self.client()
             data = fetch(
                 lambda: store.read_once(name, part.lo, part.hi),
                 inc.check(part),
@@ -479,16 +517,8 @@ class RemoteSource:
                 self.retry,
                 give_up=(FrontFailed,),
             )
-            with inc.cond:
-                if inc.error is not None:
-                    return
-                inc.writing += 1
-            try:
+            with inc.writer():
                 write_at(inc.arriving.fd, data, part.lo)
-            finally:
-                with inc.cond:
-                    inc.writing -= 1
-                    inc.cond.notify_all()
         except Exception as e:
             self.failed(inc, self.note_failure(inc.k, e))
             return
@@ -506,29 +536,27 @@ class RemoteSource:
         fetched again while that fails), then published."""
         info = self.index.shards[inc.k]
         reader = inc.reader
-        assert reader is not None  # parts are checked only once the front is in
-        if inc.file_crc() != info.crc32:
-            try:
-                self.fetch_gaps(inc)
-            except Exception as e:
-                self.failed(inc, LoaderError(str(e)) if isinstance(e, FetchError) else e)
-                return
         try:
+            assert reader is not None  # parts are checked only once the front is in
+            if inc.file_crc() != info.crc32:
+                self.fetch_gaps(inc)
             os.fsync(inc.arriving.fd)
-            with self.lock:
+            with self.lock, inc.cond:
+                if inc.error is not None:
+                    return
                 held = self.cache.publish(inc.arriving, keep=inc.keep)
+                self.arrivals.discard(inc.arriving)
                 self.streams.pop(inc.k, None)
                 if inc.keep:
                     self.open[inc.k] = (reader, held)
                     self.sizes.learn(inc.k, held.bytes)
+                inc.done = True
+                inc.cond.notify_all()
         except Exception as e:
-            self.failed(inc, e)
+            self.failed(inc, self.note_failure(inc.k, e))
             return
         if not inc.keep:
             reader.close()
-        with inc.cond:
-            inc.done = True
-            inc.cond.notify_all()
 
     def fetch_gaps(self, inc: Incoming) -> None:
         """Fetches the front spans of ``inc`` again, writing only the bytes no checksum but
@@ -586,11 +614,14 @@ class RemoteSource:
                     self.on_drop(inc.k)
         if not held and inc.reader is not None:
             inc.reader.close()  # a fetch ahead's: nothing reads it
-        self.cache.abandon(inc.arriving)
+        self.let_go_of(inc.arriving)
 
-    def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> None:
+    def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> bool:
         """Returns once every byte of ``samples`` (shard-local numbers) in fields ``names``
-        is verified; the parts they wait for jump the fetch queue."""
+        is verified (the parts they wait for jump the fetch queue): True while the rest of
+        the shard is still arriving, when only those bytes may be read."""
+        if not self.streams and k in self.open:  # nothing arriving (a warm epoch): no lock
+            return False
         with self.lock:
             inc = self.streams.get(k)
             if inc is None and k not in self.open:  # held by the batch, so it failed
@@ -598,17 +629,17 @@ class RemoteSource:
                     f"{self.url}: shard {k} was let go of while a batch read it"
                 )
         if inc is None:
-            return
+            return False
         samples = np.asarray(samples, dtype=np.int64)
         with inc.cond:
             while True:
                 if inc.error is not None:
                     raise inc.error
                 if inc.done:
-                    return
+                    return False
                 wanted = inc.missing(samples, names)
                 if not wanted:
-                    return
+                    return True
                 waiting = {i for i in wanted if inc.parts[i].state == QUEUED}
                 waiting -= {i for i in waiting if inc.parts[i].rank == -1}
                 if waiting:  # to the front of the queue
@@ -715,6 +746,7 @@ class RemoteSource:
         """Lets go of every shard and stops the fetch threads; a shard still arriving is
         removed."""
         with self.lock:
+            self.closing = True
             for k in list(self.open):
                 self.drop(k)
             pools = [p for p in (self.pool, self.ahead_pool) if p is not None]
@@ -730,3 +762,4 @@ class RemoteSource:
                 self.failed(inc, LoaderError(f"{self.url}: the source was closed"))
             with self.lock:
                 self.ahead_errors.clear()
+                self.closing = False

@@ -28,7 +28,8 @@ import heapq
 import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from dataclasses import field as made
 
@@ -142,6 +143,21 @@ class Incoming:
                 hi = min(pc.offset + p1 * pc.size, pc.offset + pc.length)
                 self.parts.append(Part(r, p0, p1, pc.offset + p0 * pc.size, hi))
         self.left = len(self.parts)
+
+    @contextlib.contextmanager
+    def writer(self) -> Iterator[None]:
+        """A write into the file: refused (FrontFailed) once the shard has failed, and
+        waited for by ``failed`` before the file is closed."""
+        with self.cond:
+            if self.error is not None:
+                raise FrontFailed(str(self.error))
+            self.writing += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.writing -= 1
+                self.cond.notify_all()
 
     def fronted(self, reader: ShardReader, fronts: list[tuple[int, int, int]]) -> None:
         """The front is in and verified: the pieces' CRCs are known, parts can be checked."""
@@ -314,20 +330,21 @@ def fetch_header(
 def fetch_front(
     store: Storage,
     name: str,
-    arriving: Arriving,
+    inc: Incoming,
     what: str,
     retry: Retry,
     map_spans: MapSpans,
     whole_crc: int,
     first: tuple[bytes, ShardLayout],
 ) -> tuple[ShardReader, list[tuple[int, int, int]]]:
-    """Fetches and writes the front of shard ``name`` into ``arriving``, tried again
+    """Fetches and writes the front of shard ``name`` into the file of ``inc``, tried again
     until it verifies (the module docstring): the shard mapped, and the (lo, hi, crc)
     of each front span. ``first``: its first bytes and layout (fetch_header), whose
     bytes serve the first try. A shard that is all front (no pieces) is checked
     against ``whole_crc`` (the index's) too, before anything reads it."""
     url = store.name_url(name)
     head, layout = first
+    arriving = inc.arriving
     size = arriving.size
     spans = [
         (a, min(a + retry.part_bytes, hi))
@@ -349,8 +366,9 @@ def fetch_front(
                 raise Rejected(
                     f"got {len(have) + len(rest)} bytes of the {hi - lo} from {lo} (truncated transfer?)"
                 )
-            write_at(arriving.fd, have, lo)
-            write_at(arriving.fd, rest, lo + len(have))
+            with inc.writer():
+                write_at(arriving.fd, have, lo)
+                write_at(arriving.fd, rest, lo + len(have))
             return crc32(rest, crc32(have))
 
         crcs = map_spans(land, spans)
@@ -379,7 +397,7 @@ def fetch_front(
                 )
         return reader, fronts
 
-    return retrying(once, what, url, retry)
+    return retrying(once, what, url, retry, give_up=(FrontFailed,))
 
 
 class PartQueue:
@@ -413,7 +431,10 @@ class PartQueue:
                 if self.closed:
                     return
                 _, _, job = heapq.heappop(self.heap)
-            job()
+            try:
+                job()
+            except Exception:  # a job reports its own failure; the thread serves on
+                traceback.print_exc()
 
     def close(self) -> None:
         """Stops the threads once their current part is done; queued parts are dropped."""

@@ -45,8 +45,14 @@ def test_raw_size_bound_from_the_header_alone(tmp_path: Path) -> None:
     with ArchiveWriter(zeros, fields, shard_bytes=600_000) as w:
         for i in range(12):
             w.write({"x": np.zeros(16384, np.float32), "y": np.zeros(i * 100, np.uint8)})
+    # Fields over one CRC piece raw: their raw copies carry crcs regions too.
+    pieced = tmp_path / "pieced"
+    wide = [Field(n, "f32", (16384,), codec=Zstd()) for n in "abc"]
+    with ArchiveWriter(pieced, wide, shard_bytes=64 << 20) as w:
+        for _ in range(64):
+            w.write({n: np.zeros(16384, np.float32) for n in "abc"})
     ratios = []
-    for archive in (make_archive(tmp_path / "z", zstd=True), zeros):
+    for archive in (make_archive(tmp_path / "z", zstd=True), zeros, pieced):
         for info in ArchiveReader(archive).index.shards:
             data = (archive / info.file).read_bytes()
             head = data[: header_span(data[:24], info.file, len(data))]

@@ -3,6 +3,7 @@ its CRC pieces pass, never from an unverified byte, through the counting fault p
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,16 @@ WAVE = 16384  # f32 values a sample: 64 KiB, 16 samples a piece
 
 
 def make(path: Path, n: int = 96) -> Path:
-    """Shards of about 4 MiB: a fixed and a ragged field long enough for pieces."""
+    """Shards of about 8 MiB: fixed, ragged and text fields long enough for pieces."""
     rng = np.random.default_rng(11)
     fields = [
         Field.str_("key"),
         Field("label", "i64", ()),
         Field("wave", "f32", (WAVE,)),
         Field("speech", "f32", (None,)),
+        Field.str_("text"),  # 40 KiB a sample: pieces of text too
     ]
-    with ArchiveWriter(path, fields, shard_bytes=4 << 20) as w:
+    with ArchiveWriter(path, fields, shard_bytes=8 << 20) as w:
         for i in range(n):
             w.write(
                 {
@@ -45,6 +47,7 @@ def make(path: Path, n: int = 96) -> Path:
                     "label": i,
                     "wave": rng.standard_normal(WAVE).astype(np.float32),
                     "speech": rng.standard_normal(int(rng.integers(0, 12000))).astype(np.float32),
+                    "text": f"{i:05d}" * 8192,
                 }
             )
     return path
@@ -248,3 +251,53 @@ def test_part_sizes() -> None:
     assert part_pieces(4 * mib, mib, Retry()) == 16  # one part of part_bytes at least
     assert part_pieces(1 << 30, mib, Retry()) == 64  # at most four times part_bytes
     assert part_pieces(10 * mib, 4 * mib, Retry(part_bytes=mib, parallel_parts=2)) == 1
+
+
+def test_a_part_failing_before_the_front_is_in_fails_the_shard_cleanly(
+    site: Path, tmp_path: Path
+) -> None:
+    """A part's retries run out while the front is still arriving: the shard fails with
+    the part's error (nothing written to a closed file), leaves no temporary file, and
+    the next epoch fetches it."""
+    header, _ = read_header(site / "a" / "shard-00000.dlop")
+    wave = next(f for f in header["fields"] if f["name"] == "wave")["regions"]["data"]
+    tail = wave["offset"] + wave["length"]  # where the front's second span starts
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00000", "slowdown", times=PARTS.attempts, at=data_at(site, "wave"))
+        proxy.fail("shard-00000", "hold", at=tail)
+        threading.Timer(1.0, proxy.let_through).start()
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        loader = Loader(remote, batch_size=8, shuffle=False)
+        with pytest.raises(LoaderError, match=r"shard 0 \(shard-00000\.dlop\) bytes \d+\.\.\d+"):
+            batches(loader)
+        assert not list((tmp_path / "c").rglob("shard-00000.dlop.tmp-*"))
+        assert proxy.faults[1][2] == 0  # the front was held while the part failed
+        assert same(batches(loader, 1), batches(Loader(site / "a", batch_size=8, shuffle=False), 1))
+
+
+def test_a_forked_child_lets_go_of_the_shards_its_parent_writes(site: Path, tmp_path: Path) -> None:
+    """A flock belongs to every copy of a descriptor: a child forked while a shard
+    arrives closes its copies at once, so the parent's fetch lock ends with its own."""
+    held = data_at(site, "wave") + 2 * CRC_PIECE_BYTES
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00000", "hold", at=held)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        loader = Loader(remote, batch_size=8, shuffle=False, prefetch=0)
+        it = iter(loader)
+        next(it)
+        source = remote.source
+        arriving = [a for a in source.arrivals if a.path.name == "shard-00000.dlop"]
+        assert arriving  # shard 0 is still arriving
+        pid = os.fork()
+        if pid == 0:  # the child: are its copies of the parent's descriptors closed?
+            try:
+                os.fstat(arriving[0].lock_fd)
+                os._exit(1)
+            except OSError:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        os.fstat(arriving[0].lock_fd)  # the parent's own are open
+        proxy.let_through()
+        rest = [copied(b) for b in it]
+        assert len(rest) == len(batches(Loader(site / "a", batch_size=8, shuffle=False))) - 1
