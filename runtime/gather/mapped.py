@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
+
+from dlop.formats import ShardReader
 
 from .fields import (
     FieldGather,
@@ -20,6 +23,20 @@ from .fields import (
 )
 from .plan import Rows, Runs, Step, fill_runs
 
+_ROWS: weakref.WeakKeyDictionary[ShardReader, dict[tuple[str, int], torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def rows_of(shard: ShardReader, name: str, row_bytes: int) -> torch.Tensor:
+    """A mapped shard's fixed field as ``uint8`` rows, made once per shard: a source that
+    maps shards per batch builds a batch's gathers anew, but not these views."""
+    per = _ROWS.setdefault(shard, {})
+    got = per.get((name, row_bytes))
+    if got is None:
+        got = per[(name, row_bytes)] = as_bytes(shard.array(name), shard.num_samples, row_bytes)
+    return got
+
 
 class FixedRawGather(FieldGather):
     """Fixed-shape raw fields: one ``Rows`` step per shard the batch touches."""
@@ -27,9 +44,7 @@ class FixedRawGather(FieldGather):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.row_bytes = math.prod(self.trail) * self.out_dtype.itemsize
-        self.sources = [
-            as_bytes(s.array(self.field.name), s.num_samples, self.row_bytes) for s in self.shards
-        ]
+        self.sources = [rows_of(s, self.field.name, self.row_bytes) for s in self.shards]
 
     def buffer_numel(self, batch_size: int) -> int | None:
         return batch_size * math.prod(self.trail)

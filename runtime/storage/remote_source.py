@@ -233,7 +233,8 @@ class RemoteSource:
         with self.lock:
             self.upcoming = upcoming
             self.ahead_skipped.clear()
-            if upcoming and (self.ahead_job is None or self.ahead_job.done()):
+            mapped = all(k in self.open for k in upcoming)  # a warm epoch: nothing to fetch
+            if not mapped and (self.ahead_job is None or self.ahead_job.done()):
                 if self.ahead_pool is None:
                     self.ahead_pool = ThreadPoolExecutor(1, "dlop-ahead")
                 self.ahead_job = self.ahead_pool.submit(self.fetch_ahead)
@@ -730,7 +731,7 @@ class RemoteSource:
 
     def check(self, shards: Sequence[int] | np.ndarray) -> None:
         """Refuses a cached shard that shrank under its mapping (see LocalSource.check)."""
-        for k in np.unique(np.asarray(shards, dtype=np.int64)).tolist():
+        for k in set(np.asarray(shards, dtype=np.int64).tolist()):
             got = self.open.get(k)
             if got is not None and got[0].mapped_size() < got[1].bytes:
                 raise ShardChangedError(
