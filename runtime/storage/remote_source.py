@@ -66,6 +66,7 @@ from .streamed import (
     FLYING,
     LATER,
     QUEUED,
+    RIDE,
     FrontFailed,
     Incoming,
     PartQueue,
@@ -73,6 +74,7 @@ from .streamed import (
     fetch_front,
     fetch_header,
     first_reads,
+    fronts_of,
 )
 
 Client = Callable[[], Storage]  # this process's storage of the archive
@@ -428,9 +430,12 @@ class RemoteSource:
                     f"{what}: holds {layout.num_samples} samples, index.json says {info.num_samples}"
                 )
             inc = Incoming(k, got, layout, head_len, self.retry, keep)
+            inc.ride(fronts_of(layout, info.bytes), self.retry)
             with self.lock:
                 first = self.first_reads(k)
-            self.queue(inc, inc.ranks(first))  # fixed fields' values come in beside the front
+            ranks = inc.ranks(first)
+            ranks = [RIDE if p.end != p.hi else r for p, r in zip(inc.parts, ranks, strict=True)]
+            self.queue(inc, ranks)  # fixed fields' values come in beside the front
             reader, fronts = fetch_front(
                 store, info.file, inc, what, self.retry, self.map_spans, info.crc32, (head, layout)
             )
@@ -484,6 +489,7 @@ class RemoteSource:
         if jobs:
             with self.lock:
                 if self.closing:  # close() fails what is still arriving
+                    inc.settle_tail(None, LoaderError(f"{self.url}: the source was closed"))
                     return
                 if self.parts is None:
                     self.parts = PartQueue(self.retry.parallel_parts)
@@ -511,7 +517,7 @@ class RemoteSource:
         try:
             store = self.client()
             data = fetch(
-                lambda: store.read_once(name, part.lo, part.hi),
+                lambda: store.read_once(name, part.lo, part.end),
                 inc.check(part),
                 what,
                 store.name_url(name),
@@ -519,8 +525,9 @@ class RemoteSource:
                 give_up=(FrontFailed,),
             )
             with inc.writer():
-                write_at(inc.arriving.fd, data, part.lo)
+                write_at(inc.arriving.fd, memoryview(data)[: part.hi - part.lo], part.lo)
         except Exception as e:
+            inc.hand_tail(part, None, e)
             self.failed(inc, self.note_failure(inc.k, e))
             return
         with inc.cond:
@@ -603,6 +610,7 @@ class RemoteSource:
             while inc.writing:
                 inc.cond.wait()
             inc.cond.notify_all()
+        inc.settle_tail(None, e)  # a front waiting for its last span stops waiting
         with self.lock:
             self.ahead_errors.setdefault(inc.k, e)  # type: ignore[arg-type]
             self.streams.pop(inc.k, None)

@@ -301,3 +301,56 @@ def test_a_forked_child_lets_go_of_the_shards_its_parent_writes(site: Path, tmp_
         proxy.let_through()
         rest = [copied(b) for b in it]
         assert len(rest) == len(batches(Loader(site / "a", batch_size=8, shuffle=False))) - 1
+
+
+@pytest.mark.parametrize("fault", [None, "corrupt", "truncate"])
+def test_the_fronts_last_span_rides_with_the_part_before_it(
+    site: Path, tmp_path: Path, fault: str | None
+) -> None:
+    """With no more parts than threads, the metadata after the last values comes in the
+    same request as the last part: one request fewer per shard. A fault in that request
+    costs a retry of it."""
+    wide = Retry(attempts=4, backoff_s=0.001, part_bytes=CRC_PIECE_BYTES, parallel_parts=16)
+    path = site / "a" / "shard-00000.dlop"
+    size = path.stat().st_size
+    header, _ = read_header(path)
+    ends = sorted(
+        f["regions"]["data"]["offset"] + f["regions"]["data"]["length"]
+        for f in header["fields"]
+        if "crcs" in f["regions"]
+    )
+    tail = ends[-1]  # where the front's last span starts
+    last = tail - (tail - data_at(site, "text")) % CRC_PIECE_BYTES
+    last = last if last < tail else last - CRC_PIECE_BYTES
+    settings = {"batch_size": 8, "seed": 2}
+    with FaultProxy(root=site) as proxy:
+        if fault is not None:
+            proxy.fail("shard-00000", fault, times=2, at=last)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=wide)
+        assert same(batches(Loader(remote, **settings)), batches(Loader(site / "a", **settings)))
+        asked = [r for p, r in proxy.ranged if "shard-00000" in p]
+        # the last part and the span at once, again after each fault (the part's values
+        # failed their check; the span came whole with the first)
+        assert asked.count(f"bytes={last}-{size - 1}") == (1 if fault is None else 3)
+        assert not [r for r in asked if r.startswith(f"bytes={tail}-")]
+
+
+def test_a_front_whose_riding_part_fails_reads_its_span_itself(site: Path, tmp_path: Path) -> None:
+    wide = Retry(attempts=3, backoff_s=0.001, part_bytes=CRC_PIECE_BYTES, parallel_parts=16)
+    path = site / "a" / "shard-00000.dlop"
+    size = path.stat().st_size
+    header, _ = read_header(path)
+    tail = max(
+        f["regions"]["data"]["offset"] + f["regions"]["data"]["length"]
+        for f in header["fields"]
+        if "crcs" in f["regions"]
+    )
+    last = tail - (tail - data_at(site, "text")) % CRC_PIECE_BYTES
+    last = last if last < tail else last - CRC_PIECE_BYTES
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00000", "drop", times=None, at=last)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=wide)
+        with pytest.raises(LoaderError, match=rf"bytes {last}\.\.{tail}"):
+            batches(Loader(remote, batch_size=8, shuffle=False))
+        asked = [r for p, r in proxy.ranged if "shard-00000" in p]
+        assert f"bytes={tail}-{size - 1}" in asked  # the front read its last span itself
