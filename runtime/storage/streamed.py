@@ -323,27 +323,21 @@ def is_pieced(fl: FieldLayout) -> bool:
 
 def fronts_of(layout: ShardLayout, size: int) -> list[Span]:
     """Every byte span of the file outside the pieced data regions, in file order."""
-    holes = sorted(
-        (fl.regions["data"].offset, fl.regions["data"].end) for fl in layout.fields if is_pieced(fl)
-    )
-    out, at = [], 0
-    for lo, hi in holes:
-        if lo > at:
-            out.append((at, lo))
-        at = max(at, hi)
-    if at < size:
-        out.append((at, size))
-    return out
+    data = [fl.regions["data"] for fl in layout.fields if is_pieced(fl)]
+    return outside([(r.offset, r.end) for r in data], size)
 
 
 def gaps_of(layout: ShardLayout, size: int, head: int) -> list[Span]:
     """The bytes no checksum but the whole file's covers: the padding after the header
     (its first ``head`` bytes) and between regions."""
-    covered = sorted(
-        [(0, head), *((r.offset, r.end) for fl in layout.fields for r in fl.regions.values())]
-    )
+    regions = [(r.offset, r.end) for fl in layout.fields for r in fl.regions.values()]
+    return outside([(0, head), *regions], size)
+
+
+def outside(spans: list[Span], size: int) -> list[Span]:
+    """The spans of ``0..size`` that none of ``spans`` covers, in order."""
     out, at = [], 0
-    for lo, hi in covered:
+    for lo, hi in sorted(spans):
         if lo > at:
             out.append((at, lo))
         at = max(at, hi)

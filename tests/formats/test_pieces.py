@@ -69,15 +69,20 @@ def test_long_raw_data_carries_a_crc_per_piece(tmp_path: Path, in_place: bool) -
         assert np.array_equal(r.get("wave", 39), samples[39]["wave"])
 
 
+def flip(path: Path, region: str, at: int, mask: int = 0x10) -> dict[str, int]:
+    """Flips bits of byte ``at`` of field wave's ``region``; returns that region's entry."""
+    header, _ = read_header(path)
+    entry = next(f for f in header["fields"] if f["name"] == "wave")["regions"][region]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + at] ^= mask
+    path.write_bytes(bytes(data))
+    return dict(entry)
+
+
 def test_verification_names_the_corrupt_piece(tmp_path: Path) -> None:
     path = tmp_path / "s.dlop"
     write(path)
-    header, _ = read_header(path)
-    wave = next(f for f in header["fields"] if f["name"] == "wave")["regions"]["data"]
-    data = bytearray(path.read_bytes())
-    at = wave["offset"] + CRC_PIECE_BYTES + 77  # in the second piece
-    data[at] ^= 0x10
-    path.write_bytes(bytes(data))
+    wave = flip(path, "data", CRC_PIECE_BYTES + 77)  # in the second piece
     with ShardReader(path) as r:
         problems = [str(p) for p in r.verify()]
     lo, hi = wave["offset"] + CRC_PIECE_BYTES, wave["offset"] + wave["length"]  # the last, short
@@ -87,11 +92,7 @@ def test_verification_names_the_corrupt_piece(tmp_path: Path) -> None:
 def test_a_corrupt_crcs_region_is_refused_on_open(tmp_path: Path) -> None:
     path = tmp_path / "s.dlop"
     write(path)
-    header, _ = read_header(path)
-    crcs = next(f for f in header["fields"] if f["name"] == "wave")["regions"]["crcs"]
-    data = bytearray(path.read_bytes())
-    data[crcs["offset"] + 1] ^= 1
-    path.write_bytes(bytes(data))
+    flip(path, "crcs", 1, 1)
     with pytest.raises(ChecksumError, match=r"region 'crcs'.*CRC-32 mismatch"):
         ShardReader(path)
 

@@ -303,6 +303,20 @@ def test_a_forked_child_lets_go_of_the_shards_its_parent_writes(site: Path, tmp_
         assert len(rest) == len(batches(Loader(site / "a", batch_size=8, shuffle=False))) - 1
 
 
+def riding(site: Path) -> tuple[int, int, int]:
+    """Shard 0's size, where its last part starts (parts of one piece) and where the
+    front's last span starts (the end of the last pieced values)."""
+    path = site / "a" / "shard-00000.dlop"
+    header, _ = read_header(path)
+    tail = max(
+        f["regions"]["data"]["offset"] + f["regions"]["data"]["length"]
+        for f in header["fields"]
+        if "crcs" in f["regions"]
+    )
+    last = tail - (tail - data_at(site, "text")) % CRC_PIECE_BYTES
+    return path.stat().st_size, last if last < tail else last - CRC_PIECE_BYTES, tail
+
+
 @pytest.mark.parametrize("fault", [None, "corrupt", "truncate"])
 def test_the_fronts_last_span_rides_with_the_part_before_it(
     site: Path, tmp_path: Path, fault: str | None
@@ -311,17 +325,7 @@ def test_the_fronts_last_span_rides_with_the_part_before_it(
     same request as the last part: one request fewer per shard. A fault in that request
     costs a retry of it."""
     wide = Retry(attempts=4, backoff_s=0.001, part_bytes=CRC_PIECE_BYTES, parallel_parts=16)
-    path = site / "a" / "shard-00000.dlop"
-    size = path.stat().st_size
-    header, _ = read_header(path)
-    ends = sorted(
-        f["regions"]["data"]["offset"] + f["regions"]["data"]["length"]
-        for f in header["fields"]
-        if "crcs" in f["regions"]
-    )
-    tail = ends[-1]  # where the front's last span starts
-    last = tail - (tail - data_at(site, "text")) % CRC_PIECE_BYTES
-    last = last if last < tail else last - CRC_PIECE_BYTES
+    size, last, tail = riding(site)
     settings = {"batch_size": 8, "seed": 2}
     with FaultProxy(root=site) as proxy:
         if fault is not None:
@@ -337,16 +341,7 @@ def test_the_fronts_last_span_rides_with_the_part_before_it(
 
 def test_a_front_whose_riding_part_fails_reads_its_span_itself(site: Path, tmp_path: Path) -> None:
     wide = Retry(attempts=3, backoff_s=0.001, part_bytes=CRC_PIECE_BYTES, parallel_parts=16)
-    path = site / "a" / "shard-00000.dlop"
-    size = path.stat().st_size
-    header, _ = read_header(path)
-    tail = max(
-        f["regions"]["data"]["offset"] + f["regions"]["data"]["length"]
-        for f in header["fields"]
-        if "crcs" in f["regions"]
-    )
-    last = tail - (tail - data_at(site, "text")) % CRC_PIECE_BYTES
-    last = last if last < tail else last - CRC_PIECE_BYTES
+    size, last, tail = riding(site)
     with FaultProxy(root=site) as proxy:
         proxy.fail("shard-00000", "drop", times=None, at=last)
         remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=wide)
