@@ -66,7 +66,6 @@ from .streamed import (
     FLYING,
     LATER,
     QUEUED,
-    RIDE,
     FrontFailed,
     Incoming,
     PartQueue,
@@ -430,11 +429,14 @@ class RemoteSource:
                     f"{what}: holds {layout.num_samples} samples, index.json says {info.num_samples}"
                 )
             inc = Incoming(k, got, layout, head_len, self.retry, keep)
-            inc.ride(fronts_of(layout, info.bytes), self.retry)
+            inc.ride(fronts_of(layout, info.bytes), self.retry, len(head))
             with self.lock:
                 first = self.first_reads(k)
             ranks = inc.ranks(first)
-            ranks = [RIDE if p.end != p.hi else r for p, r in zip(inc.parts, ranks, strict=True)]
+            # The part the front waits for goes before the shard's others (whose samples'
+            # places are known: a ragged field's wait for the front).
+            ride = min((r for r in ranks if r < LATER), default=0) - 1
+            ranks = [ride if p.end != p.hi else r for p, r in zip(inc.parts, ranks, strict=True)]
             self.queue(inc, ranks)  # fixed fields' values come in beside the front
             reader, fronts = fetch_front(
                 store, info.file, inc, what, self.retry, self.map_spans, info.crc32, (head, layout)
@@ -487,14 +489,16 @@ class RemoteSource:
                     part.rank = rank
                     jobs.append((rank, functools.partial(self.fetch_part, inc, i, rank)))
         if jobs:
+            closed = LoaderError(f"{self.url}: the source was closed")
             with self.lock:
                 if self.closing:  # close() fails what is still arriving
-                    inc.settle_tail(None, LoaderError(f"{self.url}: the source was closed"))
+                    inc.settle_tail(None, closed)
                     return
                 if self.parts is None:
                     self.parts = PartQueue(self.retry.parallel_parts)
                 parts = self.parts
-            parts.put(jobs)
+            if not parts.put(jobs):
+                inc.settle_tail(None, closed)
 
     def map_spans(
         self, land: Callable[[tuple[int, int]], int], spans: list[tuple[int, int]]
@@ -516,8 +520,19 @@ class RemoteSource:
         what = f"{self.url}: shard {inc.k} ({name}) bytes {part.lo}..{part.hi}"
         try:
             store = self.client()
+
+            def read() -> bytes:
+                try:
+                    data = store.read_once(name, part.lo, part.end)
+                except Exception as e:
+                    inc.hand_tail(part, None, e)  # the front reads its span itself, now
+                    raise
+                if len(data) != part.end - part.lo:
+                    inc.hand_tail(part, None)
+                return data
+
             data = fetch(
-                lambda: store.read_once(name, part.lo, part.end),
+                read,
                 inc.check(part),
                 what,
                 store.name_url(name),
@@ -548,7 +563,8 @@ class RemoteSource:
             assert reader is not None  # parts are checked only once the front is in
             if inc.file_crc() != info.crc32:
                 self.fetch_gaps(inc)
-            os.fsync(inc.arriving.fd)
+            with inc.writer():
+                os.fsync(inc.arriving.fd)
             with self.lock, inc.cond:
                 if inc.error is not None:
                     return
@@ -586,8 +602,9 @@ class RemoteSource:
                 with inc.cond:
                     if inc.error is not None:
                         raise inc.error
-                for a, b in gaps:  # only the padding: verified bytes are never written again
-                    write_at(inc.arriving.fd, memoryview(data)[a - lo : b - lo], a)
+                with inc.writer():  # only the padding: verified bytes are never written again
+                    for a, b in gaps:
+                        write_at(inc.arriving.fd, memoryview(data)[a - lo : b - lo], a)
             assert inc.reader is not None
             crc = inc.reader.file_crc32()
             if crc != info.crc32:
@@ -766,7 +783,11 @@ class RemoteSource:
             for pool in pools:
                 pool.shutdown(wait=True, cancel_futures=True)
             if parts is not None:
-                parts.close()
+                for job in parts.close():  # a front waiting for a dropped part stops waiting
+                    if isinstance(job, functools.partial) and isinstance(job.args[0], Incoming):
+                        job.args[0].settle_tail(
+                            None, LoaderError(f"{self.url}: the source was closed")
+                        )
             for inc in list(self.streams.values()):
                 self.failed(inc, LoaderError(f"{self.url}: the source was closed"))
             with self.lock:

@@ -51,7 +51,6 @@ from .remote import HEAD_BYTES
 QUEUED, FLYING, DONE = 0, 1, 2
 UNREAD = np.iinfo(np.int64).max  # the rank of what this epoch does not read
 LATER = UNREAD - 1  # the rank of a part whose samples' places are not known yet
-RIDE = -2  # the rank of the part the front's last span rides with: before any other
 TAIL_WAIT_S = 60.0  # the longest the front waits for that part before reading the span itself
 Span = tuple[int, int]
 
@@ -158,15 +157,16 @@ class Incoming:
         # The front's last span when it rides with the part before it (``ride``).
         self.tail: tuple[Span, Future[bytes]] | None = None
 
-    def ride(self, front: list[Span], retry: Retry) -> None:
+    def ride(self, front: list[Span], retry: Retry, have: int) -> None:
         """Lets the front's last span ride with the part that ends where it starts, one
         request instead of two, when every part goes in the first wave (no more parts
-        than threads) and the span is one of the front's reads (at most part_bytes):
-        that part goes first, and hands the span's bytes to the front."""
+        than threads) and the span is one of the front's reads (at most part_bytes)
+        past the ``have`` bytes read first: that part goes before the shard's others,
+        and hands the span's bytes to the front."""
         if not self.parts or len(self.parts) > retry.parallel_parts or not front:
             return
         lo, hi = front[-1]
-        if hi - lo > retry.part_bytes:
+        if hi - lo > retry.part_bytes or hi <= have:  # long, or in the first read already
             return
         last = next((p for p in self.parts if p.hi == lo), None)
         if last is None or hi != self.arriving.size:
@@ -406,6 +406,9 @@ def fetch_front(
 
         def land(span: Span) -> int:
             lo, hi = span
+            with inc.cond:
+                if inc.error is not None:  # a part failed the shard: nothing more to read
+                    raise FrontFailed(str(inc.error))
             have = have_head[lo:hi] if lo < len(have_head) else b""
             if tries == 1 and inc.tail is not None and inc.tail[0] == span:
                 try:  # the bytes come with the part before them (Incoming.ride)
@@ -462,10 +465,11 @@ class PartQueue:
         self.running: list[threading.Thread] = []
         self.closed = False
 
-    def put(self, jobs: Sequence[tuple[int, Callable[[], None]]]) -> None:
+    def put(self, jobs: Sequence[tuple[int, Callable[[], None]]]) -> bool:
+        """Queues ``jobs`` (rank, job); False once closed (nothing queued)."""
         with self.cond:
             if self.closed:
-                return
+                return False
             for rank, job in jobs:
                 heapq.heappush(self.heap, (rank, next(self.seq), job))
             while len(self.running) < self.threads:
@@ -473,6 +477,7 @@ class PartQueue:
                 self.running.append(t)
                 t.start()
             self.cond.notify_all()
+        return True
 
     def run(self) -> None:
         while True:
@@ -487,10 +492,12 @@ class PartQueue:
             except Exception:  # a job reports its own failure; the thread serves on
                 traceback.print_exc()
 
-    def close(self) -> None:
-        """Stops the threads once their current part is done; queued parts are dropped."""
+    def close(self) -> list[Callable[[], None]]:
+        """Stops the threads once their current part is done; returns the queued jobs,
+        dropped."""
         with self.cond:
             self.closed = True
+            dropped = [job for _, _, job in self.heap]
             self.heap.clear()
             self.cond.notify_all()
             running, self.running = self.running, []
@@ -498,6 +505,7 @@ class PartQueue:
         for t in running:
             if t is not me:
                 t.join()
+        return dropped
 
 
 def first_reads(flat: np.ndarray, lo: int, hi: int, positions: np.ndarray) -> np.ndarray:
