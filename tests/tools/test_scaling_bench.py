@@ -13,7 +13,9 @@ from dlop.tools.bench import scaling_bench
 @pytest.mark.slow
 def test_scaling_rows(tmp_path: Path) -> None:
     pytest.importorskip("distributed")
-    args = argparse.Namespace(clips=32, repeats=1, listing_lines=[10_000])
+    # 16 clips: with 8 the pool's workers could live between two of the sampler's
+    # looks (every 0.1 s) on a loaded machine, and no worker peak was seen
+    args = argparse.Namespace(clips=64, repeats=1, listing_lines=[10_000])
     rows = scaling_bench.run(tmp_path, args)
     assert [r.pipeline for r in rows] == [*scaling_bench.ENGINES, "open_corpus manifest"]
     for r in rows[:3]:
