@@ -144,9 +144,7 @@ class _Spool:
             self._tail = crc32(data, self._tail)
             self._tail_len += n
         else:
-            self._cut(
-                memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
-            )
+            self._cut(memoryview(data).cast("B"))
         self.length += n
         if self.base is not None:
             self._unsynced += n

@@ -39,7 +39,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,10 +87,9 @@ def _try_lock(fd: int, kind: int) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def locked(path: Path, wait: bool = True) -> Iterator[bool]:
-    """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block;
-    without ``wait``, only if free at once (the block gets False when it was not)."""
+def take_lock(path: Path, wait: bool = True) -> int | None:
+    """A descriptor of ``path`` (created if missing) holding an exclusive ``flock`` on
+    it until closed; without ``wait``, None when it is not free at once."""
     try:
         fd = _open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)
     except OSError as e:  # a folder or a link in its place, a cache folder we may not write...
@@ -98,9 +97,32 @@ def locked(path: Path, wait: bool = True) -> Iterator[bool]:
     try:
         if wait:
             fcntl.flock(fd, fcntl.LOCK_EX)
-        yield wait or _try_lock(fd, fcntl.LOCK_EX)
+        elif not _try_lock(fd, fcntl.LOCK_EX):
+            os.close(fd)
+            return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def locked(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block;
+    without ``wait``, only if free at once (the block gets False when it was not)."""
+    fd = take_lock(path, wait)
+    try:
+        yield fd is not None
     finally:
-        os.close(fd)  # releases the lock
+        close_quietly([fd if fd is not None else -1])  # releases the lock
+
+
+def close_quietly(fds: Iterable[int]) -> None:
+    """Closes each descriptor (-1: none), whatever state it is in."""
+    for fd in fds:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def is_tmp(name: str) -> bool:
@@ -255,17 +277,10 @@ class CacheDir:
         held = self.hold(path)
         if held is not None:
             return held
-        lock = path.with_name(path.name + LOCK_SUFFIX)
+        lock_fd = take_lock(path.with_name(path.name + LOCK_SUFFIX), wait)
+        if lock_fd is None:
+            return None
         try:
-            lock_fd = _open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)
-        except OSError as e:
-            raise CacheError(f"{lock}: cannot open the lock file ({e}); {FOREIGN}") from None
-        try:
-            if wait:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            elif not _try_lock(lock_fd, fcntl.LOCK_EX):
-                os.close(lock_fd)
-                return None
             held = self.hold(path)  # another process fetched it while we waited
             tmp = self.temp_name(path)
             fd = None if held is not None else self.reserve(tmp, size, wait)
@@ -277,12 +292,13 @@ class CacheDir:
             return held
         return Arriving(path, tmp, fd, lock_fd, size)
 
-    def publish(self, a: Arriving, keep: bool = False) -> Held:
-        """Makes the fully written and verified ``a`` the cached shard: synced, its stamp
-        written, renamed into place under the budget lock (a ``keep`` lock turns shared,
-        held, before any eviction sees the file), the fetch lock let go of. On an error
-        nothing is let go of: the caller abandons ``a``."""
-        os.fsync(a.fd)
+    def publish(self, a: Arriving, keep: bool = False, synced: bool = False) -> Held:
+        """Makes the fully written and verified ``a`` the cached shard: synced (unless
+        the caller did), its stamp written, renamed into place under the budget lock (a
+        ``keep`` lock turns shared, held, before any eviction sees the file), the fetch
+        lock let go of. On an error nothing is let go of: the caller abandons ``a``."""
+        if not synced:
+            os.fsync(a.fd)
         _write_stamp(a.path, os.fstat(a.fd))
         with locked(self.root / BUDGET_LOCK):
             os.replace(a.tmp, a.path)
@@ -298,10 +314,7 @@ class CacheDir:
         """Removes a shard that will not arrive whole, and lets go of its locks."""
         with contextlib.suppress(FileNotFoundError):
             a.tmp.unlink()
-        for fd in (a.fd, a.lock_fd):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        close_quietly([a.fd, a.lock_fd])
 
     def temp_name(self, path: Path) -> Path:
         return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")

@@ -10,19 +10,22 @@ event loop) inherited from its parent.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from dlop.formats import INDEX_NAME, FormatError, storage, urls
+from dlop.formats.constants import PREAMBLE
+from dlop.formats.header import ShardLayout, parse_header, read_preamble
 from dlop.formats.storage import DEFAULT_RETRY, Retry, Storage
-from dlop.formats.transcode import header_span
 
 from ..errors import LoaderError
 
+T = TypeVar("T")
 ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "FSSPEC_")
 _clients: dict[tuple[int, str], Storage] = {}
 _clients_lock = threading.Lock()
@@ -73,15 +76,19 @@ def in_parallel(retry: Retry) -> storage.MapParts | None:
     """Runs a fetch's ranged parts on up to ``retry.parallel_parts`` threads."""
     if retry.parallel_parts < 2:
         return None
+    return functools.partial(each_span, retry=retry)
 
-    def run(
-        read: Callable[[tuple[int, int]], bytes], spans: Iterable[tuple[int, int]]
-    ) -> list[bytes]:
-        spans = list(spans)
-        with ThreadPoolExecutor(min(retry.parallel_parts, len(spans))) as pool:
-            return list(pool.map(read, spans))
 
-    return run
+def each_span(
+    read: Callable[[tuple[int, int]], T], spans: Iterable[tuple[int, int]], retry: Retry
+) -> list[T]:
+    """``read`` of each span, in order: side by side on up to ``retry.parallel_parts``
+    threads when there are several."""
+    spans = list(spans)
+    if len(spans) < 2 or retry.parallel_parts < 2:
+        return [read(s) for s in spans]
+    with ThreadPoolExecutor(min(retry.parallel_parts, len(spans))) as pool:
+        return list(pool.map(read, spans))
 
 
 def fetch_range(
@@ -96,17 +103,32 @@ def fetch_range(
 
 def fetch_head(
     store: Storage, name: str, file_size: int, what: str, retry: Retry = DEFAULT_RETRY
-) -> bytes:
-    """A shard's first bytes through its JSON header (SPEC.md §2): one ranged read of
-    ``HEAD_BYTES``, a second when the header is longer."""
-    data = fetch_range(store, name, min(file_size, HEAD_BYTES), what, retry)
+) -> tuple[bytes, ShardLayout]:
+    """A shard's first bytes through its JSON header (SPEC.md §2) and its layout: one
+    ranged read of ``HEAD_BYTES``, a second when the header is longer, tried again
+    while they come short or fail the header's checks (a corrupt transfer); LoaderError
+    names ``what`` when every try failed."""
+    url = store.name_url(name)
+
+    def once() -> tuple[bytes, ShardLayout]:
+        head = store.read_once(name, 0, min(file_size, HEAD_BYTES))
+        try:
+            hlen, crc = read_preamble(url, head, file_size)
+            span = PREAMBLE.size + hlen
+            if span > len(head):
+                head = store.read_once(name, 0, span)
+            if len(head) < span:
+                raise storage.Rejected(
+                    f"got {len(head)} of its first {span} bytes (truncated transfer?)"
+                )
+            return head, parse_header(url, head[PREAMBLE.size : span], crc, file_size)
+        except FormatError as e:
+            raise storage.Rejected(str(e)) from None
+
     try:
-        span = header_span(data, store.name_url(name), file_size)
-    except FormatError as e:
-        raise LoaderError(f"{what}: {e}") from None
-    if span > len(data):
-        data = fetch_range(store, name, span, what, retry)
-    return data
+        return storage.retrying(once, what, url, retry)
+    except storage.FetchError as e:
+        raise LoaderError(str(e)) from None
 
 
 def fetch_index(store: Storage, url: str, max_bytes: int, retry: Retry = DEFAULT_RETRY) -> bytes:

@@ -55,11 +55,11 @@ from dlop.formats.storage import (
     fetch,
     retrying,
 )
-from dlop.formats.transcode import needs_transcode, raw_fields, transcode_bytes
+from dlop.formats.transcode import header_span, needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import LoaderError, ShardChangedError, UsageError
-from .cache import Arriving, CacheDir, Held, write_at
-from .remote import fetch_bytes
+from .cache import Arriving, CacheDir, Held, close_quietly, write_at
+from .remote import fetch_bytes, fetch_head
 from .remote_sizes import ShardSizes
 from .streamed import (
     DONE,
@@ -69,9 +69,7 @@ from .streamed import (
     FrontFailed,
     Incoming,
     PartQueue,
-    close_quietly,
     fetch_front,
-    fetch_header,
     first_reads,
     fronts_of,
 )
@@ -113,6 +111,7 @@ class RemoteSource:
         # Block-coded fields are served decoded: the cache keeps shards raw.
         self.fields: Mapping[str, Field] = {f.name: f for f in raw_fields(index.fields)}
         self.shard_sizes = tuple(s.num_samples for s in index.shards)
+        self.starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
         self.shards: list[ShardReader] | None = None  # mapped per batch, never all at once
         self.reopen: tuple[Callable[..., RemoteSource], tuple[Any, ...]] | None = None
         self.cache = cache
@@ -279,8 +278,7 @@ class RemoteSource:
                 else:
                     done = self.stream(k, keep=False) is not None
             except Exception as e:
-                with self.lock:
-                    self.ahead_errors.setdefault(k, e)
+                self.note_failure(k, e)
                 continue
             if not done:
                 with self.lock:
@@ -310,9 +308,7 @@ class RemoteSource:
                     got = self.open.get(k)
                     if got is not None and got[0] is reader:
                         return reader
-                    raise self.ahead_errors.get(k) or LoaderError(
-                        f"{self.url}: shard {k} was let go of while a batch read it"
-                    )
+                    raise self.failure(k)
             inc.wait_whole()
 
     def partial_shard(self, k: int) -> ShardReader:
@@ -366,10 +362,21 @@ class RemoteSource:
             ) from None
         self.sizes.learn(k, held.bytes)
         with self.lock:
-            self.open[k] = (reader, held)
-            if self.refs[k] == 0 and k not in self.loose:
-                self.loose[k] = None  # fetched for a hold already let go of
+            self.keep_open(k, reader, held)
         return reader
+
+    def keep_open(self, k: int, reader: ShardReader, held: Held) -> None:
+        """Shard ``k`` mapped and held here; loose at once when no batch holds it any
+        more (fetched for a hold already let go of). Called under the lock."""
+        self.open[k] = (reader, held)
+        if self.refs[k] == 0 and k not in self.loose:
+            self.loose[k] = None
+
+    def failure(self, k: int) -> BaseException:
+        """Why shard ``k``, held by a batch, is no longer open here: its fetch failed."""
+        return self.ahead_errors.get(k) or LoaderError(
+            f"{self.url}: shard {k} was let go of while a batch read it"
+        )
 
     # -- streamed fetches (runtime.storage.streamed) ------------------------------------
 
@@ -384,10 +391,7 @@ class RemoteSource:
                 if inc is not None and inc.reader is not None:  # its front is in
                     if keep and not inc.keep:  # a fetch ahead's: batches hold it now
                         inc.keep = True
-                        a = inc.arriving
-                        self.open[k] = (inc.reader, Held(a.tmp, a.fd, a.size))
-                        if self.refs[k] == 0 and k not in self.loose:
-                            self.loose[k] = None
+                        self.keep_open(k, inc.reader, inc.held())
                     return inc.reader
                 if (failed := self.ahead_errors.get(k)) is not None:
                     raise failed
@@ -423,11 +427,12 @@ class RemoteSource:
         inc: Incoming | None = None
         try:
             store = self.client()
-            head, layout, head_len = fetch_header(store, info.file, info.bytes, what, self.retry)
+            head, layout = fetch_head(store, info.file, info.bytes, what, self.retry)
             if layout.num_samples != info.num_samples:
                 raise LoaderError(
                     f"{what}: holds {layout.num_samples} samples, index.json says {info.num_samples}"
                 )
+            head_len = header_span(head, store.name_url(info.file), info.bytes)
             inc = Incoming(k, got, layout, head_len, self.retry, keep)
             inc.ride(fronts_of(layout, info.bytes), self.retry, len(head))
             with self.lock:
@@ -439,7 +444,7 @@ class RemoteSource:
             ranks = [ride if p.end != p.hi else r for p, r in zip(inc.parts, ranks, strict=True)]
             self.queue(inc, ranks)  # fixed fields' values come in beside the front
             reader, fronts = fetch_front(
-                store, info.file, inc, what, self.retry, self.map_spans, info.crc32, (head, layout)
+                store, info.file, inc, what, self.retry, info.crc32, (head, layout)
             )
             with self.lock, inc.cond:
                 if inc.error is not None:  # a part failed meanwhile: failed() cleaned up
@@ -447,20 +452,16 @@ class RemoteSource:
                     raise inc.error
                 self.streams[k] = inc
                 if keep:
-                    self.open[k] = (reader, Held(got.tmp, got.fd, got.size))
-                    if self.refs[k] == 0 and k not in self.loose:
-                        self.loose[k] = None
+                    self.keep_open(k, reader, inc.held())
             inc.fronted(reader, fronts)
             ragged = [p.rank == LATER for p in inc.parts]
             if any(ragged):  # their samples' places are known now
                 self.queue(inc, inc.ranks(first), only=ragged)
         except Exception as e:
-            failure = self.note_failure(k, e)
             if inc is None:
                 self.let_go_of(got)
-            else:
-                self.failed(inc, failure)
-            raise failure from None
+                raise self.note_failure(k, e) from None
+            raise self.failed(inc, e) from None
         if not inc.parts:
             self.landed(inc)
         return reader
@@ -500,15 +501,6 @@ class RemoteSource:
             if not parts.put(jobs):
                 inc.settle_tail(None, closed)
 
-    def map_spans(
-        self, land: Callable[[tuple[int, int]], int], spans: list[tuple[int, int]]
-    ) -> list[int]:
-        """Runs a front's span fetches side by side (as a whole shard's ranged parts)."""
-        if len(spans) < 2 or self.retry.parallel_parts < 2:
-            return [land(s) for s in spans]
-        with ThreadPoolExecutor(min(self.retry.parallel_parts, len(spans))) as pool:
-            return list(pool.map(land, spans))
-
     def fetch_part(self, inc: Incoming, i: int, rank: int) -> None:
         """Fetches, verifies and writes part ``i`` of a shard arriving (a part thread)."""
         part = inc.parts[i]
@@ -543,7 +535,7 @@ class RemoteSource:
                 write_at(inc.arriving.fd, memoryview(data)[: part.hi - part.lo], part.lo)
         except Exception as e:
             inc.hand_tail(part, None, e)
-            self.failed(inc, self.note_failure(inc.k, e))
+            self.failed(inc, e)
             return
         with inc.cond:
             part.state = DONE
@@ -563,12 +555,12 @@ class RemoteSource:
             assert reader is not None  # parts are checked only once the front is in
             if inc.file_crc() != info.crc32:
                 self.fetch_gaps(inc)
-            with inc.writer():
+            with inc.writer():  # outside the lock: a sync takes long
                 os.fsync(inc.arriving.fd)
             with self.lock, inc.cond:
                 if inc.error is not None:
                     return
-                held = self.cache.publish(inc.arriving, keep=inc.keep)
+                held = self.cache.publish(inc.arriving, keep=inc.keep, synced=True)
                 self.arrivals.discard(inc.arriving)
                 self.streams.pop(inc.k, None)
                 if inc.keep:
@@ -577,7 +569,7 @@ class RemoteSource:
                 inc.done = True
                 inc.cond.notify_all()
         except Exception as e:
-            self.failed(inc, self.note_failure(inc.k, e))
+            self.failed(inc, e)
             return
         if not inc.keep:
             reader.close()
@@ -599,9 +591,6 @@ class RemoteSource:
                     raise Rejected(
                         f"got {len(data)} bytes of the {hi - lo} from {lo} (truncated transfer?)"
                     )
-                with inc.cond:
-                    if inc.error is not None:
-                        raise inc.error
                 with inc.writer():  # only the padding: verified bytes are never written again
                     for a, b in gaps:
                         write_at(inc.arriving.fd, memoryview(data)[a - lo : b - lo], a)
@@ -613,23 +602,23 @@ class RemoteSource:
                     "the object changed since the index was written, or its padding is corrupt"
                 )
 
-        retrying(
-            once, f"{self.url}: shard {inc.k} ({info.file})", store.name_url(info.file), self.retry
-        )
+        what = f"{self.url}: shard {inc.k} ({info.file})"
+        retrying(once, what, store.name_url(info.file), self.retry, give_up=(FrontFailed,))
 
-    def failed(self, inc: Incoming, e: BaseException) -> None:
-        """``inc`` will not arrive: batches that read it fail with ``e`` until the next
-        epoch. Its mapping stays valid for views still using it (the file is removed)."""
+    def failed(self, inc: Incoming, e: BaseException) -> BaseException:
+        """``inc`` will not arrive: batches that read it fail until the next epoch with
+        its first failure (``note_failure``), returned. Its mapping stays valid for views
+        still using it (the file is removed)."""
+        e = self.note_failure(inc.k, e)
         with inc.cond:
             if inc.error is not None or inc.done:
-                return
+                return e
             inc.error = e
             while inc.writing:
                 inc.cond.wait()
             inc.cond.notify_all()
         inc.settle_tail(None, e)  # a front waiting for its last span stops waiting
         with self.lock:
-            self.ahead_errors.setdefault(inc.k, e)  # type: ignore[arg-type]
             self.streams.pop(inc.k, None)
             got = self.open.get(inc.k)
             held = got is not None and got[0] is inc.reader
@@ -641,6 +630,7 @@ class RemoteSource:
         if not held and inc.reader is not None:
             inc.reader.close()  # a fetch ahead's: nothing reads it
         self.let_go_of(inc.arriving)
+        return e
 
     def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> bool:
         """Returns once every byte of ``samples`` (shard-local numbers) in fields ``names``
@@ -651,9 +641,7 @@ class RemoteSource:
         with self.lock:
             inc = self.streams.get(k)
             if inc is None and k not in self.open:  # held by the batch, so it failed
-                raise self.ahead_errors.get(k) or LoaderError(
-                    f"{self.url}: shard {k} was let go of while a batch read it"
-                )
+                raise self.failure(k)
         if inc is None:
             return False
         samples = np.asarray(samples, dtype=np.int64)
@@ -666,8 +654,8 @@ class RemoteSource:
                 wanted = inc.missing(samples, names)
                 if not wanted:
                     return True
-                waiting = {i for i in wanted if inc.parts[i].state == QUEUED}
-                waiting -= {i for i in waiting if inc.parts[i].rank == -1}
+                parts = inc.parts
+                waiting = {i for i in wanted if parts[i].state == QUEUED and parts[i].rank != -1}
                 if waiting:  # to the front of the queue
                     inc.cond.release()
                     try:
@@ -681,8 +669,7 @@ class RemoteSource:
         """This process's batches of the coming epoch (global sample numbers, in order):
         a shard arriving fetches the parts that earlier batches read first."""
         flat = np.concatenate(batches).astype(np.int64) if batches else np.zeros(0, np.int64)
-        starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
-        of = np.searchsorted(starts, flat, side="right") - 1
+        of = np.searchsorted(self.starts, flat, side="right") - 1
         by_shard = np.argsort(of, kind="stable")
         bounds = np.searchsorted(of[by_shard], np.arange(len(self.shard_sizes) + 1))
         with self.lock:
@@ -694,10 +681,8 @@ class RemoteSource:
         if self.order is None:
             return None
         flat, by_shard, bounds = self.order
-        start = int(sum(self.shard_sizes[:k]))
-        return first_reads(
-            flat, start, start + self.shard_sizes[k], by_shard[bounds[k] : bounds[k + 1]]
-        )
+        lo, hi = int(self.starts[k]), int(self.starts[k + 1])
+        return first_reads(flat, lo, hi, by_shard[bounds[k] : bounds[k + 1]])
 
     def fetch(self, k: int, what: str) -> bytes:
         """Shard k's verified bytes; a failure is noted under its fetch lock and raised
@@ -708,8 +693,7 @@ class RemoteSource:
         try:
             return self.fetch_checked(k, what)
         except Exception as e:
-            with self.lock:
-                self.ahead_errors[k] = e
+            self.note_failure(k, e)
             raise
 
     def fetch_checked(self, k: int, what: str) -> bytes:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-import os
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -40,13 +39,12 @@ from dataclasses import field as made
 import numpy as np
 
 from dlop.formats import Field, FormatError, ShardReader
-from dlop.formats.constants import PREAMBLE
 from dlop.formats.crc import crc32, crc32_combine
-from dlop.formats.header import FieldLayout, ShardLayout, parse_header, read_preamble
+from dlop.formats.header import FieldLayout, ShardLayout
 from dlop.formats.storage import Rejected, Retry, Storage, retrying
 
-from .cache import Arriving, write_at
-from .remote import HEAD_BYTES
+from .cache import Arriving, Held, write_at
+from .remote import each_span
 
 QUEUED, FLYING, DONE = 0, 1, 2
 UNREAD = np.iinfo(np.int64).max  # the rank of what this epoch does not read
@@ -64,13 +62,13 @@ class Pieced:
     offset: int  # of the data region in the file
     length: int
     size: int  # bytes a piece
+    count: int  # pieces
     crcs: np.ndarray | None = None  # one per piece (a copy: the file's bytes are read once)
     offsets: np.ndarray | None = None  # a ragged field's element offsets (verified on open)
     verified: np.ndarray = made(init=False)
     part_of: np.ndarray = made(init=False)
 
     def __post_init__(self) -> None:
-        self.count = -(-self.length // self.size)
         self.verified = np.zeros(self.count, bool)
         self.part_of = np.zeros(self.count, np.int64)
 
@@ -103,22 +101,18 @@ class Pieced:
 
 @dataclass
 class Part:
-    """Pieces ``p0:p1`` of pieced region ``region``: file bytes ``lo:hi``."""
+    """Pieces ``p0:p1`` of pieced region ``region``: file bytes ``lo:hi``, asked for as
+    ``lo:end``."""
 
     region: int
     p0: int
     p1: int
     lo: int
     hi: int
+    end: int  # where its request ends: ``hi``, or the file's end when the front's last span rides
     state: int = QUEUED
     crc: int = 0
     rank: int = 0  # its place in the fetch queue (-1: a batch waits for it)
-    end: int = (
-        0  # the end of its request: ``hi``, or the file's when the front's last span rides along
-    )
-
-    def __post_init__(self) -> None:
-        self.end = self.end or self.hi
 
 
 class Incoming:
@@ -141,9 +135,9 @@ class Incoming:
         self.done = False
         self.writing = 0
         self.pieced = [
-            Pieced(fl.field, fl.regions["data"].offset, fl.regions["data"].length, piece)
+            Pieced(fl.field, data.offset, data.length, piece, fl.pieces())
             for fl in layout.fields
-            if is_pieced(fl) and (piece := fl.crc_piece_bytes) is not None
+            if is_pieced(fl) and (piece := fl.crc_piece_bytes) and (data := fl.regions["data"])
         ]
         self.parts: list[Part] = []
         for r, pc in enumerate(self.pieced):
@@ -152,7 +146,7 @@ class Incoming:
                 p1 = min(p0 + step, pc.count)
                 pc.part_of[p0:p1] = len(self.parts)
                 hi = min(pc.offset + p1 * pc.size, pc.offset + pc.length)
-                self.parts.append(Part(r, p0, p1, pc.offset + p0 * pc.size, hi))
+                self.parts.append(Part(r, p0, p1, pc.offset + p0 * pc.size, hi, hi))
         self.left = len(self.parts)
         # The front's last span when it rides with the part before it (``ride``).
         self.tail: tuple[Span, Future[bytes]] | None = None
@@ -194,6 +188,11 @@ class Incoming:
                 self.tail[1].set_result(data)
             else:
                 self.tail[1].set_exception(error or FrontFailed("the part did not arrive"))
+
+    def held(self) -> Held:
+        """Its temporary file as a hold: the exclusive lock on it keeps it from eviction."""
+        a = self.arriving
+        return Held(a.tmp, a.fd, a.size)
 
     @contextlib.contextmanager
     def writer(self) -> Iterator[None]:
@@ -346,46 +345,18 @@ def outside(spans: list[Span], size: int) -> list[Span]:
     return out
 
 
-MapSpans = Callable[[Callable[[Span], int], list[Span]], list[int]]
-
-
-def fetch_header(
-    store: Storage, name: str, size: int, what: str, retry: Retry
-) -> tuple[bytes, ShardLayout, int]:
-    """The first bytes of shard ``name`` (``size`` bytes) through its header, read until
-    the header's CRC-32 passes: those bytes, its layout, and the bytes through the
-    header."""
-    url = store.name_url(name)
-
-    def once() -> tuple[bytes, ShardLayout, int]:
-        head = store.read_once(name, 0, min(size, HEAD_BYTES))
-        try:
-            hlen, crc = read_preamble(url, head, size)
-            if PREAMBLE.size + hlen > len(head):
-                head = store.read_once(name, 0, PREAMBLE.size + hlen)
-            if len(head) < PREAMBLE.size + hlen:
-                raise Rejected(f"got {len(head)} bytes of its header (truncated transfer?)")
-            layout = parse_header(url, head[PREAMBLE.size : PREAMBLE.size + hlen], crc, size)
-        except FormatError as e:
-            raise Rejected(str(e)) from None
-        return head, layout, PREAMBLE.size + hlen
-
-    return retrying(once, what, url, retry)
-
-
 def fetch_front(
     store: Storage,
     name: str,
     inc: Incoming,
     what: str,
     retry: Retry,
-    map_spans: MapSpans,
     whole_crc: int,
     first: tuple[bytes, ShardLayout],
 ) -> tuple[ShardReader, list[tuple[int, int, int]]]:
     """Fetches and writes the front of shard ``name`` into the file of ``inc``, tried again
     until it verifies (the module docstring): the shard mapped, and the (lo, hi, crc)
-    of each front span. ``first``: its first bytes and layout (fetch_header), whose
+    of each front span. ``first``: its first bytes and layout (remote.fetch_head), whose
     bytes serve the first try. A shard that is all front (no pieces) is checked
     against ``whole_crc`` (the index's) too, before anything reads it."""
     url = store.name_url(name)
@@ -425,7 +396,7 @@ def fetch_front(
                 write_at(arriving.fd, rest, lo + len(have))
             return crc32(rest, crc32(have))
 
-        crcs = map_spans(land, spans)
+        crcs = each_span(land, spans, retry)  # side by side, as a whole shard's parts
         try:
             reader = ShardReader(arriving.tmp, expected_bytes=size)  # header, metadata CRCs
         except FormatError as e:
@@ -517,10 +488,3 @@ def first_reads(flat: np.ndarray, lo: int, hi: int, positions: np.ndarray) -> np
     seen, at = np.unique(local, return_index=True)
     first[seen] = positions[at]
     return first
-
-
-def close_quietly(fds: Sequence[int]) -> None:
-    for fd in fds:
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)

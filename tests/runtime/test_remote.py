@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.formats import ArchiveWriter, Field, Zstd
-from dlop.formats.storage import Retry
+from dlop.formats import ArchiveReader, ArchiveWriter, Field, Zstd
+from dlop.formats.storage import LocalStorage, Retry
 from dlop.runtime import Archive, Loader, LoaderError, open_archive
 from dlop.runtime.errors import UsageError
 from dlop.runtime.storage.cache import CacheDir
 from dlop.runtime.storage.cache_folder import CacheError
-from dlop.runtime.storage.remote import fetch_index, storage_at
+from dlop.runtime.storage.remote import fetch_head, fetch_index, storage_at
+from dlop.runtime.storage.remote_sizes import ShardSizes
 from dlop.runtime.storage.remote_source import RemoteSource
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive, open_remote
@@ -453,3 +454,35 @@ def test_a_budget_the_caches_own_files_fill_is_refused_without_waiting(tmp_path:
     with pytest.raises(CacheError, match=r"a 100-byte shard does not fit beside the cache's own"):
         cache.get(folder / "s", lambda: b"s" * 100)
     cache.let_go(cache.get(folder / "t", lambda: b"t" * 40))  # what fits is cached
+
+
+class FlippedOnce(LocalStorage):
+    """A folder whose first read of each shard's start comes back with a byte of its
+    JSON header flipped, as a corrupt transfer would."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.flipped: set[str] = set()
+        self.reads = 0
+
+    def read_once(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        data = super().read_once(name, start, end)
+        self.reads += 1
+        if name.startswith("shard-") and not start and name not in self.flipped:
+            self.flipped.add(name)
+            return data[:30] + bytes([data[30] ^ 0x20]) + data[31:]
+        return data
+
+
+def test_a_header_corrupt_in_transfer_is_read_again(tmp_path: Path) -> None:
+    """A zstd shard's header failing its CRC on arrival, when its raw size is bounded
+    before the fetch, is read again (as a streamed shard's is), not refused at once."""
+    local = make_archive(tmp_path / "z", zstd=True)
+    index = ArchiveReader(local).index
+    store = FlippedOnce(local)
+    sizes = ShardSizes(str(local), index, 1 << 30, lambda: store, FAST)
+    clean = ShardSizes(str(local), index, 1 << 30, lambda: LocalStorage(local), FAST)
+    assert sizes.size(0) == clean.size(0) > 0
+    assert store.flipped == {index.shards[0].file} and store.reads == 2
+    head, layout = fetch_head(store, index.shards[1].file, index.shards[1].bytes, "shard 1", FAST)
+    assert layout.num_samples == index.shards[1].num_samples and head.startswith(b"DLOPSHRD")
