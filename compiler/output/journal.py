@@ -20,16 +20,21 @@ JOURNAL = PROGRESS_NAME  # the listing skips folders holding one, so it is named
 MAX_JOURNAL_BYTES = 64 << 10
 
 
-def changed_options(before: dict[str, Any], now: dict[str, Any], at: str = "") -> list[str]:
-    """``option was -> is now`` for each recipe option (nested ones dotted) that differs."""
+def changed_options(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``option was -> is now`` for each recipe option (nested ones dotted) that differs,
+    or one line saying that no option differs by name (the digests differ all the same)."""
+    return differing(before, now, "") or ["none by name (the digest differs)"]
+
+
+def differing(before: dict[str, Any], now: dict[str, Any], at: str) -> list[str]:
     out: list[str] = []
     for key in sorted(set(before) | set(now), key=str):
         name, a, b = f"{at}{key}", before.get(key), now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += changed_options(a, b, f"{name}.")
+            out += differing(a, b, f"{name}.")
         elif a != b:
             out.append(f"{name} {json.dumps(a)[:80]} -> {json.dumps(b)[:80]}")
-    return out or ["none by name (the digest differs)"]
+    return out
 
 
 class Journal:

@@ -18,7 +18,7 @@ from dlop.formats.heap import keep_freed_memory
 from ..batch import Batch, Collated
 from ..errors import SampleIndexError, UsageTypeError
 from ..gather.engine import CopyEngine
-from ..gather.fields import Allocate, FieldGather, as_tensor
+from ..gather.fields import Allocate, FieldGather, as_tensor, check_pad_value
 from ..gather.plan import CopyPlan
 from ..storage.source import LocalSource, ShardSource
 from .concat import ArchivePaths, archive_paths, check_compatible
@@ -117,6 +117,9 @@ class Archive(Dataset[dict[str, Any]]):
                     f"{what}: no field(s) {missing}; fields are {list(reader.fields)}"
                 )
         self.fields: dict[str, Field] = {n: source.fields[n] for n in stored}
+        for f in self.fields.values():
+            if f.kind == "array" and f.ragged:
+                check_pad_value(f, pad_value, str(self.path))
         self.pad_value = pad_value
         # shard_sizes[k]: samples in shard k of the whole; starts: first sample of each, then the total
         self.shard_sizes = source.shard_sizes

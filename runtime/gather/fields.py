@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from dlop.formats import Field, ShardReader
+from dlop.formats.constants import DTYPES
 
-from ..errors import UsageError
+from ..errors import UsageError, UsageTypeError
 from .plan import Step
 
 TORCH_DTYPES = {
@@ -156,6 +157,41 @@ def batch_groups(indices: torch.Tensor, starts: torch.Tensor) -> Groups:
     return Groups(runs, idx)
 
 
+def check_pad_value(field: Field, pad_value: object, where: str) -> None:
+    """Refuses a ``pad_value`` that the ragged array field ``field`` of the archive at
+    ``where`` cannot hold exactly: a value outside an integer type's range or with a
+    fraction, anything but 0 or 1 for ``bool``, a finite value beyond a float type's
+    largest. NaN and infinities pad float fields as given."""
+    if isinstance(pad_value, bool | np.bool_):
+        value: float | int = int(pad_value)
+    elif isinstance(pad_value, int | np.integer):
+        value = int(pad_value)
+    elif isinstance(pad_value, float | np.floating):
+        value = float(pad_value)
+    else:
+        raise UsageTypeError(
+            f"{where}: pad_value must be a number, got {type(pad_value).__name__} {pad_value!r:.40}"
+        )
+    dtype = TORCH_DTYPES[field.dtype]
+    if dtype == torch.bool:
+        holds, what = value in (0, 1), "0 or 1"
+    elif dtype.is_floating_point:
+        top = torch.finfo(dtype).max
+        holds = (isinstance(value, float) and not math.isfinite(value)) or -top <= value <= top
+        what = f"values from {-top:g} to {top:g}, infinities and NaN"
+    else:
+        info = np.iinfo(DTYPES[field.dtype])
+        whole = isinstance(value, int) or (math.isfinite(value) and value.is_integer())
+        holds = whole and int(info.min) <= value <= int(info.max)
+        what = f"whole numbers from {info.min} to {info.max}"
+    if not holds:
+        raise UsageError(
+            f"{where}: field {field.name!r} ({field.dtype}) is padded with "
+            f"pad_value={pad_value!r}, which it cannot hold ({field.dtype} holds {what}); "
+            "give a pad_value the field can hold, or leave out the field (fields=...)"
+        )
+
+
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a flat uint8 view."""
     return t.view(-1).view(torch.uint8)
@@ -189,14 +225,8 @@ class FieldGather:
         it; plans hold the buffer they read, so a queued copy keeps its own."""
         if self._pattern.numel() * self._pattern.element_size() < nbytes:
             count = max(-(-nbytes // self._pattern.element_size()), 1024)
-            try:
-                self._pattern = torch.full((count,), self.pad_value, dtype=self.out_dtype)
-            except RuntimeError as e:  # "value cannot be converted to type ..."
-                raise UsageError(
-                    f"field {self.field.name!r} ({self.field.dtype}): pad_value "
-                    f"{self.pad_value!r} does not fit its type ({e}); open the archive "
-                    "with a pad_value the field can hold"
-                ) from None
+            # the archive checked the value against the field's type (check_pad_value)
+            self._pattern = torch.full((count,), self.pad_value, dtype=self.out_dtype)
         return self._pattern
 
     def buffer_numel(self, batch_size: int) -> int | None:

@@ -10,18 +10,22 @@ Source ``s`` is read as an endless stream of passes over its pool, each pass
 a permutation seeded by (seed, pass, s): without replacement until the pool
 is used up, then the next pass, reshuffled. An epoch that crosses into a new
 pass repeats no sample as long as the source holds at least its share of an
-epoch (``pass_order``); a source smaller than its share repeats. Epoch ``e``
+epoch (``pass_order``); a source of ``n`` drawn ``c > n`` times gives each
+sample ``c // n`` or ``c // n + 1`` times (``stream_slice``: whole copies of
+the pool and ``c % n`` items of a stream of that many an epoch). Epoch ``e``
 takes the stream's items ``e * counts[s]`` to ``(e + 1) * counts[s]``, so an
 epoch is a pure function of (seed, epoch): resuming needs no index lists.
 
 The epoch's draws are then shuffled together (seed, epoch), or, unshuffled,
 interleaved evenly by source. Its size is ``samples_per_epoch`` rounded so
-that every rank gets the same number of samples without repeating any (up to
-a multiple of the world size, down with drop_last); with
-``batch_per_source`` or ``bucket_by``, to a multiple of ``batch_size`` times
-the world size, so that batches are whole and every rank gets as many
-(``batch_per_source`` also rounds each source's share to whole batches, by
-up to half a batch per source).
+that every rank gets the same number of samples (up to a multiple of the
+world size, down with drop_last); with ``batch_per_source`` or ``bucket_by``,
+to a multiple of ``batch_size`` times the world size, so that batches are
+whole and every rank gets as many (``batch_per_source`` also rounds each
+source's share to whole batches, by less than one batch per source). What
+rounding up adds is drawn from the sources by weight: with the sources' sizes
+as weights, an epoch of ``N`` rounded up to ``R`` repeats exactly ``R - N``
+samples.
 """
 
 from __future__ import annotations
@@ -301,10 +305,21 @@ def stream_slice(
     pool: np.ndarray, seed: int, source: int, start: int, count: int, shuffle: bool
 ) -> np.ndarray:
     """The ``count`` items of source ``source``'s endless stream of passes from ``start``
-    (the epoch's share; ``start`` a multiple of it)."""
+    (the epoch's share; ``start`` a multiple of it). Shuffled, a count above the pool's
+    size ``n`` gives each sample ``count // n`` or ``count // n + 1`` times, in no
+    particular order (the mixture shuffles the epoch's draws together)."""
     n = len(pool)
     if count == 0 or n == 0:
         return np.zeros(0, np.int64)
+    if shuffle and count > n:
+        # Every sample q or q + 1 times: q whole copies of the pool (the epoch's draws are
+        # shuffled together after), and r more from a stream of r a epoch, which repeats
+        # none within an epoch and gives each sample its turn across epochs. The stream's
+        # own passes at count c would straddle two passes unevenly: some samples twice,
+        # others not at all.
+        q, r = divmod(count, n)
+        more = stream_slice(pool, seed, source, start // count * r, r, shuffle)
+        return np.concatenate([np.tile(pool, q), more])
     first, last = start // n, (start + count - 1) // n
     parts = [
         pass_order(pool, seed, source, p, count) if shuffle else pool

@@ -16,7 +16,7 @@ import pytest
 from dlop.compiler.errors import CompileError
 from dlop.compiler.output import commit
 from dlop.compiler.output.guard import LOCK, OutputLock, committed_units
-from dlop.compiler.output.journal import JOURNAL, Journal
+from dlop.compiler.output.journal import JOURNAL, Journal, changed_options
 from dlop.compiler.output.store import open_store
 from dlop.compiler.run.units import UnitRecord, commit_name
 from dlop.formats import ArchiveWriter, ShardInfo, unit_shard_name
@@ -593,3 +593,30 @@ def test_a_full_disk_names_out_to_library_callers_too(
     recipe = build_recipe({"source": str(corpus), "layout": "esc50"})
     with pytest.raises(CompileError, match=rf"{out}: No space left on device while compiling"):
         compile_corpus(recipe, out, workers=1, progress=False)
+
+
+def test_a_resume_with_another_option_names_only_what_differs(
+    stopped: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus, _, template = stopped
+    out = copy_of(template, tmp_path / "out")
+    before = tree(out)
+    err = refused(
+        [str(corpus), "-o", str(out), "--resume", *UNITS_OF_ONE, "--n-mels", "64"], capsys
+    )
+    assert "--resume with a different recipe" in err
+    # the one option that differs, dotted, and nothing said of the options that match
+    said = err.split("options that differ: ")[1].split(")")[0]
+    assert said.startswith("features.n_mels ") and said.endswith(" -> 64")
+    assert ";" not in said and "none by name" not in err
+    assert tree(out) == before
+
+
+def test_options_that_differ_only_in_their_digest_say_so_once() -> None:
+    same = {"features": {"n_mels": 128, "f_min": 0}, "sample_rate": 16000}
+    assert changed_options(same, json.loads(json.dumps(same))) == [
+        "none by name (the digest differs)"
+    ]
+    other = {"features": {"n_mels": 64, "f_min": 0}, "sample_rate": 16000, "decode": {"mono": 1}}
+    with_decode = {**same, "decode": {"mono": 1}}
+    assert changed_options(with_decode, other) == ["features.n_mels 128 -> 64"]

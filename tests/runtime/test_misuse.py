@@ -130,9 +130,12 @@ def test_an_open_archive_with_other_fields_or_padding_is_refused(archive: Path) 
 def test_loader_errors_are_wrapped_alike_and_usage_errors_kept(
     archive: Path, prefetch: int
 ) -> None:
-    ds = open_archive(archive, fields=["image"], pad_value=-3.5)  # image is u8
-    with pytest.raises(UsageError, match=r"field 'image' \(u8\): pad_value -3.5 does not fit"):
-        list(Loader(ds, 8, shuffle=False, prefetch=prefetch))
+    # a pad value the field cannot hold is refused when the archive opens, not per batch
+    message = r"field 'image' \(u8\) is padded with pad_value=-3.5, which it cannot hold"
+    with pytest.raises(UsageError, match=message):
+        open_archive(archive, fields=["image"], pad_value=-3.5)  # image is u8
+    with pytest.raises(UsageError, match=message):
+        Loader(archive, 8, fields=["image"], pad_value=-3.5, prefetch=prefetch)
 
     class Failing:
         def __init__(self, inner: Any) -> None:
