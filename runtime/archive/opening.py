@@ -15,7 +15,7 @@ from dlop.formats import read_index
 from dlop.formats.transcode import needs_transcode
 from dlop.formats.urls import is_url
 
-from ..errors import UsageError
+from ..errors import UsageError, UsageTypeError
 from ..storage.cached import open_cached
 from .concat import ArchivePaths, archive_paths
 from .dataset import Archive
@@ -33,6 +33,7 @@ def open_archive(
     allow_recipe_mismatch: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     cache_bytes: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Archive:
     """Opens an archive, or several with one schema read as one, as a map-style Dataset
     of the samples ``where`` and ``indices`` choose (see Archive). A URL (``s3://``,
@@ -40,11 +41,26 @@ def open_archive(
     (runtime.storage.cached: ``cache_dir``, ``cache_bytes``), and so is a local
     archive with zstd fields given a ``cache_dir``. With a cache,
     ``cache_bytes`` is its byte budget; without, the local archive's decoded-block
-    cache (Archive's ``cache_bytes``)."""
-    if isinstance(path, str) and is_url(path):
+    cache (Archive's ``cache_bytes``). ``storage_options`` go to the fsspec filesystem of
+    an archive at a URL (credentials, an endpoint, client settings), and are never kept
+    in a loader state or shown in a message."""
+    url = isinstance(path, str) and is_url(path)
+    if storage_options is not None:
+        if not isinstance(storage_options, Mapping):
+            raise UsageTypeError(
+                f"storage_options must be a dict of fsspec options, got "
+                f"{type(storage_options).__name__}"
+            )
+        if not url:
+            raise UsageError(
+                f"{path}: storage_options= are for an archive at a URL (s3://..., "
+                "https://...); a local archive takes none"
+            )
+    if isinstance(path, str) and url:
         if where is not None or indices is not None:
             raise UsageError(f"{path}: where= and indices= take local archives for now")
-        return Archive.over(open_cached(path, cache_dir, cache_bytes), fields, pad_value)
+        source = open_cached(path, cache_dir, cache_bytes, storage_options)
+        return Archive.over(source, fields, pad_value)
     if cache_dir is not None:
         paths = archive_paths(path)
         coded = [p for p in paths if needs_transcode(read_index(p).fields)]

@@ -209,6 +209,11 @@ def choose_mixture(
         raise UsageError(f"{owner} got an empty dict of sources; name at least one archive")
     if open_options.get("indices") is not None:
         raise UsageError(f"{owner} indices= does not apply to a mixture; choose with where=")
+    if open_options.get("storage_options") is not None:
+        raise UsageError(
+            f"{owner} storage_options= are for an archive at a URL; a mixture's sources "
+            "are local archives"
+        )
     if order["mode"] != "global":
         raise UsageError(f"{owner} order='window' does not apply to a mixture; use order='global'")
     order = {**order, "nodes": 1}  # a mixture's sources are local: no shards dealt to nodes

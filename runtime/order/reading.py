@@ -58,6 +58,9 @@ class Reading:
     batch_per_source: bool = False
     cache_dir: str | os.PathLike[str] | None = None
     cache_bytes: int | None = None
+    # options of the fsspec filesystem of an archive at a URL (credentials, an endpoint,
+    # client settings): passed on, never kept in a state or shown
+    storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def given(
@@ -106,7 +109,11 @@ class Reading:
     def open_options(self) -> dict[str, Any]:
         """What to read, as runtime.order.choose takes it (the cache's only when given,
         so archives that take no cache see none)."""
-        cache = {"cache_dir": self.cache_dir, "cache_bytes": self.cache_bytes}
+        cache = {
+            "cache_dir": self.cache_dir,
+            "cache_bytes": self.cache_bytes,
+            "storage_options": self.storage_options,
+        }
         return {
             "fields": self.fields,
             "pad_value": self.pad_value,
@@ -154,6 +161,7 @@ CHOOSING = (
     "nodes",
     "node_rank",
     "node_share",
+    "storage_options",
 )
 
 

@@ -4,6 +4,7 @@ through faults injected by tests/faultproxy.py."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,7 @@ import torch
 
 from dlop.formats import ArchiveReader, ArchiveWriter, Field, Zstd
 from dlop.formats.storage import LocalStorage, Retry
-from dlop.runtime import Archive, Loader, LoaderError, open_archive
-from dlop.runtime.errors import UsageError
+from dlop.runtime import Archive, Loader, LoaderError, UsageError, UsageTypeError, open_archive
 from dlop.runtime.storage.cache import CacheDir
 from dlop.runtime.storage.cache_folder import CacheError
 from dlop.runtime.storage.remote import fetch_head, fetch_index, storage_at
@@ -486,3 +486,38 @@ def test_a_header_corrupt_in_transfer_is_read_again(tmp_path: Path) -> None:
     assert store.flipped == {index.shards[0].file} and store.reads == 2
     head, layout = fetch_head(store, index.shards[1].file, index.shards[1].bytes, "shard 1", FAST)
     assert layout.num_samples == index.shards[1].num_samples and head.startswith(b"DLOPSHRD")
+
+
+def test_storage_options_reach_the_store_and_are_never_kept(
+    s3: Any, served: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.utils.data import DataLoader
+
+    from dlop.runtime import IterableArchive, open_archive
+
+    s3.make_bucket("data")
+    s3.filesystem().put(str(served / "a"), "data/a", recursive=True)
+    # the environment names no endpoint and other keys: only storage_options reach the server
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "from-the-environment")
+    secret = "s3cr3t-never-shown"
+    options = {"endpoint_url": s3.endpoint, "key": s3.key, "secret": secret}
+    want = epoch_batches(Loader(served / "a", **SETTINGS), 0)
+    loader = Loader("s3://data/a", **SETTINGS, cache_dir=tmp_path / "c", storage_options=options)
+    assert [b["key"] for b in epoch_batches(loader, 0)] == [b["key"] for b in want]
+    assert secret not in repr(loader.reading) and secret not in json.dumps(loader.state_dict())
+    loader.close()
+    ds = open_archive("s3://data/a", cache_dir=tmp_path / "c2", storage_options=options)
+    assert len(ds) == sum(len(b["key"]) for b in want)
+    it = IterableArchive(
+        "s3://data/a", cache_dir=tmp_path / "c3", storage_options=options, **SETTINGS
+    )
+    got = [copied(b) for b in DataLoader(it, batch_size=None, num_workers=2)]
+    assert [b["key"] for b in got] == [b["key"] for b in want]
+    assert not any(secret in p.read_text(errors="replace") for p in tmp_path.rglob("*.txt"))
+    # refused where they cannot apply
+    with pytest.raises(UsageError, match="storage_options= are for an archive at a URL"):
+        open_archive(served / "a", storage_options=options)
+    with pytest.raises(UsageTypeError, match="storage_options must be a dict"):
+        open_archive("s3://data/a", cache_dir=tmp_path / "c2", storage_options="key=x")  # type: ignore[arg-type]
