@@ -29,7 +29,6 @@ from .constants import (
     MAX_ERRORS_RECORDS,
     MAX_INDEX_BYTES,
     MAX_NAME_CHARS,
-    MAX_SHARD_SAMPLES,
     MAX_SHARDS,
     SHARD_SUFFIX,
     SUPPORTED_VERSIONS,
@@ -211,18 +210,10 @@ def parse_index(path: str | os.PathLike[str], data: bytes) -> Index:
                 f"shard entry #{i}: file {name!r:.{MAX_NAME_CHARS + 8}} is not a plain file name "
                 f"of at most {MAX_NAME_CHARS} characters in the archive",
             )
-        nums = [s.get(k) for k in ("num_samples", "bytes", "crc32")]
-        limits = (MAX_SHARD_SAMPLES, (1 << 64) - 1, 0xFFFFFFFF)
-        if any(
-            isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= most
-            for v, most in zip(nums, limits, strict=True)
-        ):
-            raise FormatError(
-                path,
-                f"shard entry #{i} ({name}): num_samples, bytes and crc32 must be non-negative "
-                f"integers of at most {MAX_SHARD_SAMPLES}, 2^64-1 and 2^32-1; got {nums}",
-            )
-        infos.append(ShardInfo(name, int(nums[0]), int(nums[1]), int(nums[2])))  # type: ignore[arg-type]
+        try:
+            infos.append(ShardInfo.from_json(name, s))
+        except ValueError as e:
+            raise FormatError(path, f"shard entry #{i} ({name}): {e}") from None
     if len({s.file for s in infos}) != len(infos):
         raise FormatError(path, "a shard file is listed twice")
     total = obj.get("num_samples")
@@ -513,6 +504,16 @@ class ArchiveReader:
                 if crc != info.crc32 and not problems:
                     problems.append(
                         Problem(str(path), None, None, "whole-file CRC-32 differs from index.json")
+                    )
+                if info.header_crc32 not in (None, reader.header_crc32):
+                    problems.append(
+                        Problem(
+                            str(path),
+                            None,
+                            None,
+                            f"header CRC-32 {reader.header_crc32:#010x} differs from index.json's "
+                            f"header_crc32 {info.header_crc32:#010x}",
+                        )
                     )
                 return problems
             finally:

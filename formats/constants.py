@@ -30,14 +30,14 @@ ALIGNMENT = 4096
 # Bounds every reader enforces and every writer respects (SPEC.md §8).
 MAX_HEADER_BYTES = 64 << 20
 # An archive holds at most MAX_SHARDS shards. A shard entry as the writer writes it
-# (shard-NNNNNN.dlop and the largest counts) takes at most 136 bytes: 17 MiB for all
-# entries, leaving 15 MiB of the index for schema, recipe, provenance and metadata.
+# (shard-NNNNNN.dlop, the largest counts and header_crc32) takes at most 164 bytes: 21 MiB
+# for all entries, leaving 11 MiB of the index for schema, recipe, provenance and metadata.
 MAX_SHARDS = 1 << 17
 # Work units an index lists (SPEC.md §6.1): two counts each, at most 16 bytes and 2 values.
 MAX_UNITS = 1 << 17
 MAX_INDEX_BYTES = 32 << 20
 # JSON text of the header, index.json and one errors.jsonl record: nesting depth,
-# values and keys (a shard entry is 9), characters of one number token. The value
+# values and keys (a shard entry is 11), characters of one number token. The value
 # bound covers MAX_SHARDS entries with room to spare and caps a parse to a few hundred MB.
 MAX_JSON_DEPTH = 64
 MAX_JSON_VALUES = 1 << 21

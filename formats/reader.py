@@ -167,6 +167,7 @@ class ShardReader:
             hlen, crc = read_preamble(self.path, bytes(self._u8[: PREAMBLE.size]), size)
             body = bytes(self._u8[PREAMBLE.size : PREAMBLE.size + hlen])
             self.layout = parse_header(self.path, body, crc, size)
+            self.header_crc32 = crc  # checked: the header's bytes have this CRC
             self.num_samples = self.layout.num_samples
             self._state = {fl.field.name: _FieldState(fl) for fl in self.layout.fields}
             for st in self._state.values():

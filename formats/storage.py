@@ -63,8 +63,36 @@ class Retry:
 
 DEFAULT_RETRY = Retry()
 
-# Errors that retrying cannot fix: the object is not there, or we may not read it.
-PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
+
+def join_name(root: str, name: str) -> str:
+    """The object ``name`` under ``root``; for an HTTP(S) URL with a query (a token that
+    grants the whole folder, as an Azure SAS does), the name goes before the query."""
+    if not name:
+        return root
+    base, mark, query = root.partition("?")
+    if mark and urls.scheme(root) in ("http", "https"):
+        return f"{base.rstrip('/')}/{name}?{query}"
+    return f"{root.rstrip('/')}/{name}"
+
+
+class RangeIgnored(Exception):
+    """A server answered a ranged read with more bytes than asked for: it ignores Range."""
+
+
+# Errors that retrying cannot fix: the object is not there, we may not read it, or the
+# server cannot read it in parts.
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, RangeIgnored)
+# HTTP statuses that refuse the request itself (credentials, permission): never retried.
+REFUSED_STATUSES = (401, 403)
+
+
+def as_permanent(e: Exception) -> Exception:
+    """``e``, or a PermissionError in its place when it is an HTTP refusal (401, 403)
+    that a storage client reports as its own error type (aiohttp's, for HTTP)."""
+    status = getattr(e, "status", None) or getattr(e, "code", None)
+    if isinstance(status, int) and status in REFUSED_STATUSES:
+        return PermissionError(f"HTTP {status} ({type(e).__name__}: {e})")
+    return e
 
 
 def retry_here(fs: Any, storage_options: Mapping[str, Any] | None) -> Any:
@@ -132,7 +160,11 @@ def retrying(
         except Rejected as e:
             reasons.append(str(e))
         except Exception as e:
-            reasons.append(f"{type(e).__name__}: {e}"[:300])
+            refused = as_permanent(e)
+            if refused is not e:
+                raise FetchError(f"{what}: cannot read {path}: {refused}", refused) from None
+            said = str(e) or f"no message from the storage client, reading {path}"
+            reasons.append(f"{type(e).__name__}: {said}"[:300])
         if attempt + 1 < retry.attempts:
             retry.pause(attempt)
     raise FetchError(
@@ -178,7 +210,7 @@ class Storage:
     url: str
 
     def name_url(self, name: str) -> str:
-        return f"{self.url.rstrip('/')}/{name}" if name else self.url
+        return join_name(self.url, name)
 
     # one try of a read; the storage's own errors pass
     def read_once(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -360,10 +392,18 @@ class FsspecStorage(Storage):
         self.url = url
 
     def path(self, name: str) -> str:
-        return name if self.root is None else f"{self.root}/{name}" if name else self.root
+        return name if self.root is None else join_name(self.root, name)
 
     def read_once(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
-        return bytes(self.fs.cat_file(self.path(name), start=start, end=end))
+        data = bytes(self.fs.cat_file(self.path(name), start=start, end=end))
+        if end is not None and len(data) > end - (start or 0):
+            raise RangeIgnored(
+                f"asked for bytes {start or 0}..{end} ({end - (start or 0)} bytes), the server "
+                f"sent {len(data)}: it ignores HTTP Range requests, and an archive is read "
+                "in parts (a shard's header, pieces, a capped index.json); serve it from "
+                "storage that honours Range (S3, GCS, Azure, nginx, a CDN)"
+            )
+        return data
 
     def read_capped_once(self, name: str, cap: int) -> tuple[bytes, int | None]:
         with self.fs.open(self.path(name), "rb") as f:

@@ -54,6 +54,7 @@ from .header import (
     required_regions,
 )
 from .schema import Field, check_schema, footprint_bytes
+from .units import is_count
 
 _COPY_CHUNK = 8 << 20
 SPOOL_BUFFER = 64 << 10  # bytes a spool gathers before a write (larger values go straight)
@@ -89,14 +90,40 @@ class ShardInfo:
     num_samples: int
     bytes: int
     crc32: int
+    # The CRC-32 of the shard's header (its preamble's, SPEC.md §2): ties the header, and
+    # through it every region's and piece's CRC, to the index before the file is whole.
+    # None in indexes written before it.
+    header_crc32: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "file": self.file,
             "num_samples": self.num_samples,
             "bytes": self.bytes,
             "crc32": self.crc32,
         }
+        if self.header_crc32 is not None:
+            out["header_crc32"] = self.header_crc32
+        return out
+
+    @classmethod
+    def from_json(cls, file: str, entry: Mapping[str, Any]) -> ShardInfo:
+        """The entry of shard ``file`` as to_json wrote it; ValueError saying what is
+        wrong with its numbers (SPEC.md §6)."""
+        num_samples, size, crc = nums = [entry.get(k) for k in ("num_samples", "bytes", "crc32")]
+        if not (
+            is_count(num_samples, MAX_SHARD_SAMPLES)
+            and is_count(size, (1 << 64) - 1)
+            and is_count(crc, 0xFFFFFFFF)
+        ):
+            raise ValueError(
+                f"num_samples, bytes and crc32 must be non-negative integers of at most "
+                f"{MAX_SHARD_SAMPLES}, 2^64-1 and 2^32-1; got {nums}"
+            )
+        header = entry.get("header_crc32")
+        if header is not None and not is_count(header, 0xFFFFFFFF):
+            raise ValueError(f"header_crc32 must be an integer 0 ... 2^32-1; got {header!r:.40}")
+        return cls(file, num_samples, size, crc, header)
 
 
 class _Spool:
@@ -495,7 +522,8 @@ class ShardWriter:
         for s in self._sinks:
             s.data.close()
         os.replace(self._tmp, self.path)
-        return ShardInfo(self.path.name, self.num_samples, file_bytes, crc)
+        header_crc = PREAMBLE.unpack_from(head)[2]
+        return ShardInfo(self.path.name, self.num_samples, file_bytes, crc, header_crc)
 
     def _write_file(
         self,

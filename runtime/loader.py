@@ -147,6 +147,8 @@ class Loader:
             **self.reading.order_options("Loader", batch_size),
         )
         self.archive, self.spec = self.choice.archive, self.choice.spec
+        # an archive the Loader opened (from a path, a URL, a dict) is its own to close
+        self._owns_archive = not isinstance(archive, Archive)
         self.order, self.bucket_by = self.choice.order, self.reading.bucket_by
         check_transforms(transforms, self.archive, self.choice.mixture is not None)
         self.order.refuse_empty(str(self.archive.path))
@@ -333,12 +335,17 @@ class Loader:
         return LoaderThreads(self.prefetcher.thread, self.engine.helpers())
 
     def close(self) -> None:
-        """Stops the epoch in progress and every thread of this Loader, waiting for them."""
+        """Stops the epoch in progress and every thread of this Loader, waiting for them;
+        an archive the Loader opened itself lets go of what it holds (cached shards, their
+        descriptors and fetch threads: runtime.storage.remote_source), an open Archive
+        given to it is left to its owner (``Archive.close``)."""
         self._close_active()
         if getattr(self, "prefetcher", None) is not None:
             self.prefetcher.close()
         if getattr(self, "engine", None) is not None:
             self.engine.close()
+        if getattr(self, "_owns_archive", False):
+            self.archive.close()
 
     def __del__(self) -> None:
         self.close()

@@ -19,7 +19,13 @@ half the body sent, connection closed), ``corrupt`` (one byte flipped),
 proxy closes), ``hold`` (the answer held back until ``proxy.let_through()``,
 then sent whole), ``hang`` (the request read, nothing ever answered until the
 proxy closes; HEAD requests too): ``proxy.fail("", "hang", times=None)`` makes
-a server that accepts connections and never answers.
+a server that accepts connections and never answers; ``forbidden`` (403, as a
+refused credential), ``norange`` (the whole object with 200, as a server that
+ignores Range).
+
+``proxy.swap("unit-000000-0000", "unit-000000-0001")`` answers every request
+(GET and HEAD) for a path holding the first text as if it named the second, as
+an object replaced in place would be, until ``proxy.swap()`` ends it.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.closing = threading.Event()
         self.through = threading.Event()  # held answers go on
+        self.swapped: tuple[str, str] | None = None  # (text in a path, what answers for it)
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
         self.server.daemon_threads = True
         host, port = self.server.server_address[:2]
@@ -69,6 +76,20 @@ class FaultProxy:
     def let_through(self) -> None:
         """Sends the answers held back (``hold``), and those held from now on."""
         self.through.set()
+
+    def swap(self, match: str = "", to: str = "") -> None:
+        """Answers requests for paths holding ``match`` as if they held ``to`` instead
+        (no arguments: as they are again)."""
+        with self.lock:
+            self.swapped = (match, to) if match else None
+
+    def routed(self, path: str) -> str:
+        """``path`` as the swap in force answers it."""
+        with self.lock:
+            swapped = self.swapped
+        if swapped is not None and swapped[0] in path:
+            return path.replace(swapped[0], swapped[1])
+        return path
 
     def sent_bytes(self, match: str = "") -> int:
         with self.lock:
@@ -111,7 +132,7 @@ class FaultProxy:
             conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port)
             length = int(handler.headers.get("Content-Length") or 0)
             body = handler.rfile.read(length) if length else None
-            conn.request(handler.command, handler.path, body, dict(handler.headers))
+            conn.request(handler.command, self.routed(handler.path), body, dict(handler.headers))
             resp = conn.getresponse()
             data = resp.read()
             headers = {k: v for k, v in resp.getheaders() if k.lower() != "transfer-encoding"}
@@ -121,7 +142,7 @@ class FaultProxy:
 
     def serve_file(self, handler: BaseHTTPRequestHandler) -> tuple[int, dict[str, str], bytes]:
         assert self.root is not None
-        path = self.root / urlsplit(handler.path).path.lstrip("/")
+        path = self.root / urlsplit(self.routed(handler.path)).path.lstrip("/")
         if not path.is_file():
             return 404, {"Content-Type": "text/plain"}, b"not found"
         data = path.read_bytes()
@@ -194,6 +215,14 @@ class FaultProxy:
                 if fault == "drop":
                     self.close_connection = True
                     return
+                if fault == "forbidden":
+                    body = b"<Error><Code>AccessDenied</Code></Error>"
+                    self.respond(403, {"Content-Type": "application/xml"}, len(body))
+                    self.wfile.write(body)
+                    return
+                if fault == "norange":
+                    del self.headers["Range"]
+                    fault = None
                 if fault == "slowdown":
                     self.respond(503, {"Content-Type": "application/xml"}, len(SLOWDOWN))
                     self.wfile.write(SLOWDOWN)

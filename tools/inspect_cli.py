@@ -81,12 +81,16 @@ def archive_summary(reader: ArchiveReader, max_skipped: int = JSON_SKIPPED) -> d
         per_field[name] = entry
     total_bytes = sum(s.bytes for s in reader.index.shards)
     errors = reader.errors(limit=max_skipped)
+    recorded = sum(s.header_crc32 is not None for s in reader.index.shards)
     return {
         "path": str(reader.directory),
         "format_version": 1,
         "num_samples": reader.num_samples,
         "num_shards": reader.num_shards,
         "bytes": total_bytes,
+        # raw shards whose header the index records stream from object storage piece by
+        # verified piece; the others are served once whole (runtime.storage.streamed)
+        "headers_in_index": recorded,
         "fields": per_field,
         "shards": [s.to_json() for s in reader.index.shards],
         "recipe": reader.index.recipe,
@@ -111,6 +115,8 @@ def _fmt_bytes(n: float) -> str:
 def print_info(s: dict[str, Any]) -> None:
     print(f"archive   {s['path']}")
     print(f"samples   {s['num_samples']} in {s['num_shards']} shard(s), {_fmt_bytes(s['bytes'])}")
+    coded = any(not codec_from_json(f["codec"]).mappable for f in s["fields"].values())
+    print(f"remote    {remote_reading(s['headers_in_index'], s['num_shards'], coded)}")
     print("fields")
     rows = [["name", "kind", "dtype", "shape", "codec", "stored", "ratio", "ragged min/mean/max"]]
     for name, f in s["fields"].items():
@@ -155,6 +161,19 @@ def print_info(s: dict[str, Any]) -> None:
         print(f"  {e.get('path')}: {e.get('reason')}")
     if skipped["count"] > len(shown):
         print(f"  ... and {skipped['count'] - len(shown)} more in errors.jsonl")
+
+
+def remote_reading(recorded: int, shards: int, coded: bool) -> str:
+    """How the archive is read from object storage: by the shard headers its index
+    records, and whether block-coded fields make every shard come whole."""
+    if coded:
+        return "shards served once whole and verified, then decoded into the cache (zstd)"
+    if recorded == shards:
+        return "raw shards stream piece by verified piece (every shard's header in index.json)"
+    whole = "served once whole and verified: index.json was written before it recorded"
+    if recorded == 0:
+        return f"shards {whole} shard headers; recompile to stream the first epoch"
+    return f"{shards - recorded} of {shards} shards {whole} their headers"
 
 
 def describe_value(name: str, value: Any, f: Field) -> str:

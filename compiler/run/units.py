@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from dlop.formats import ArchiveWriter, Field, FormatError, ShardInfo, unit_shard_name
-from dlop.formats.constants import MAX_SHARD_SAMPLES
 from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
 from dlop.formats.units import is_count
@@ -112,11 +111,10 @@ def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitReco
     for j, s in enumerate(shards):
         if not isinstance(s, dict) or s.get("file") != unit_shard_name(unit, j):
             return None
-        nums = [s.get(k) for k in ("num_samples", "bytes", "crc32")]
-        limits = (MAX_SHARD_SAMPLES, (1 << 64) - 1, 0xFFFFFFFF)
-        if not all(is_count(v, most) for v, most in zip(nums, limits, strict=True)):
+        try:
+            infos.append(ShardInfo.from_json(s["file"], s))
+        except ValueError:
             return None
-        infos.append(ShardInfo(s["file"], s["num_samples"], s["bytes"], s["crc32"]))
     try:
         for k, r in enumerate(skipped):
             encode_record(r, k)

@@ -9,11 +9,15 @@ Only files, renames and ``flock`` are used: every lock dies with the process
 that holds it, so a crash leaves nothing that blocks the next run.
 
 - A shard becomes visible by rename only, after its checksum was verified;
-  what was verified (inode, size, modification time) is then written into its
-  ``<name>.lock``, and a shard whose file no longer matches that stamp (changed
-  in place, replaced, or cached by a version that wrote none) is fetched again
-  instead of served. Use refreshes a shard's access time only, which orders
-  eviction, so the modification time stays the content's;
+  what was verified (inode, size, modification time, and the CRC-32 of the
+  file's bytes) is then written into its ``<name>.lock``. A shard whose file no
+  longer matches that stamp (changed in place, replaced, or cached by a version
+  that wrote none) is fetched again instead of served; and before a process
+  holds a cached shard for the first time it reads the file once and checks its
+  CRC against the stamp's, so bytes that changed on disk with the rest of the
+  stamp kept (bit rot, a write that restored the modification time) are fetched
+  again too, never served. Use refreshes a shard's access time only, which
+  orders eviction, so the modification time stays the content's;
   it is written under ``<name>.tmp-<pid>-<random>`` while its writer holds an
   exclusive lock on it. A temporary file nobody holds is a crashed writer's:
   it is removed when a cache opens (and before eviction gives up).
@@ -35,19 +39,25 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import secrets
+import shutil
 import stat
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from dlop.formats.crc import crc32
 
 from .cache_folder import ARCHIVE_ID, BUDGET_LOCK, FOREIGN, WANTED, CacheError, archive_dirs, claim
 
 TMP_MARK = ".tmp-"
 LOCK_SUFFIX = ".lock"
-STAMP_BYTES = 64  # room kept with each shard for its stamp in <name>.lock (at most 63 bytes)
+STAMP_BYTES = 96  # room kept with each shard for its stamp in <name>.lock (at most 81 bytes)
 
 
 @dataclass(frozen=True)
@@ -221,8 +231,9 @@ class CacheDir:
             if st.st_nlink == 0:
                 return None
             raise CacheError(f"{path}: not a regular file; remove it: {FOREIGN}")
-        if _stamp(st) != _read_stamp(path):  # changed since it was verified: fetch again
-            os.close(fd)
+        stamp = _read_stamp(path)
+        if not stamp.startswith(_stamp_of(st)) or not content_verified(path, fd, stamp):
+            os.close(fd)  # changed since it was verified: fetch again
             return None
         with contextlib.suppress(OSError):  # the use, for eviction; the content's time kept
             os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
@@ -292,14 +303,17 @@ class CacheDir:
             return held
         return Arriving(path, tmp, fd, lock_fd, size)
 
-    def publish(self, a: Arriving, keep: bool = False, synced: bool = False) -> Held:
-        """Makes the fully written and verified ``a`` the cached shard: synced (unless
-        the caller did), its stamp written, renamed into place under the budget lock (a
-        ``keep`` lock turns shared, held, before any eviction sees the file), the fetch
-        lock let go of. On an error nothing is let go of: the caller abandons ``a``."""
+    def publish(self, a: Arriving, crc: int, keep: bool = False, synced: bool = False) -> Held:
+        """Makes the fully written and verified ``a``, whose bytes have CRC-32 ``crc``,
+        the cached shard: synced (unless the caller did), its stamp written, renamed
+        into place under the budget lock (a ``keep`` lock turns shared, held, before any
+        eviction sees the file), the fetch lock let go of. On an error nothing is let
+        go of: the caller abandons ``a``."""
         if not synced:
             os.fsync(a.fd)
-        _write_stamp(a.path, os.fstat(a.fd))
+        st = os.fstat(a.fd)
+        _write_stamp(a.path, st, crc)
+        remember_verified(a.path, _stamp(st, crc))  # this process wrote what it verified
         with locked(self.root / BUDGET_LOCK):
             os.replace(a.tmp, a.path)
             if keep:
@@ -329,7 +343,7 @@ class CacheDir:
         a = Arriving(path, tmp, fd, -1, len(data))
         try:
             write_at(fd, data, 0)
-            return self.publish(a, keep)
+            return self.publish(a, crc32(data), keep)
         except BaseException:
             self.abandon(a)
             raise
@@ -351,7 +365,13 @@ class CacheDir:
                 if used + size + STAMP_BYTES <= self.max_bytes:
                     fd = _open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
                     fcntl.flock(fd, fcntl.LOCK_EX)
-                    os.ftruncate(fd, size)
+                    try:
+                        self.allocate(fd, tmp, size)
+                    except BaseException:
+                        with contextlib.suppress(FileNotFoundError):
+                            tmp.unlink()
+                        os.close(fd)
+                        raise
                     return fd
                 fixed = self.fixed_bytes()
             if fixed + size + STAMP_BYTES > self.max_bytes:  # nothing evicted makes room
@@ -376,6 +396,29 @@ class CacheDir:
                 )
             time.sleep(0.05)
 
+    def allocate(self, fd: int, tmp: Path, size: int) -> None:
+        """Gives the new file ``tmp`` its ``size`` bytes on disk now (not a sparse file
+        that runs out of room mid-write), so a full disk is said at once, with the cache
+        folder and its budget."""
+        try:
+            if size:
+                os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                os.ftruncate(fd, size)  # a file system that cannot: written as it comes
+                return
+            if e.errno != errno.ENOSPC:
+                raise
+            free = shutil.disk_usage(self.root).free
+            raise CacheError(
+                f"{self.root}: the disk holding the shard cache is full: a {size}-byte shard "
+                f"({tmp.name.split(TMP_MARK)[0]}) does not fit in the {free} bytes it has "
+                f"free, though the cache's budget (cache_bytes, DLOP_CACHE_BYTES: "
+                f"{self.max_bytes} bytes) has room for it; free space on that disk, put the "
+                "cache on a larger one (cache_dir, DLOP_CACHE_DIR), or lower cache_bytes "
+                "below what the disk holds"
+            ) from None
+
     def make_room(self, size: int) -> int:
         """Evicts unheld shards, oldest use first, until ``size`` more bytes fit; returns
         the bytes in use after. Called under the budget lock."""
@@ -388,16 +431,39 @@ class CacheDir:
                 used -= st.st_size + (_drop_stamp(p) if is_shard(p.name) else 0)
         return used
 
+    def use(self, folder: Path) -> int:
+        """A descriptor whose shared lock on ``folder``'s ``index.json`` marks the archive
+        folder in use until it is closed (``clear`` removes no folder in use). Call
+        under the budget lock, with the index in place."""
+        index = folder / "index.json"
+        try:
+            fd = _open(index, os.O_NOFOLLOW)
+        except OSError as e:
+            raise CacheError(f"{index}: cannot open the cached index ({e}); {FOREIGN}") from None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
     def clear(self) -> int:
-        """Removes every shard, temporary file and archive folder no process holds;
-        returns the bytes freed."""
+        """Removes every shard, temporary file and archive folder no process holds,
+        writes or uses (``use``); returns the bytes freed."""
         freed = 0
         with locked(self.root / BUDGET_LOCK):
             for p, st in list(self.files()):
                 if (is_shard(p.name) or is_tmp(p.name)) and self._remove_if_free(p):
                     freed += st.st_size + (_drop_stamp(p) if is_shard(p.name) else 0)
             for sub in archive_dirs(self.root):
-                if not any(is_shard(p.name) for p in sub.iterdir()):
+                if any(is_shard(p.name) or is_tmp(p.name) for p in sub.iterdir()):
+                    continue  # held or being written
+                index = sub / "index.json"
+                try:
+                    fd = _open(index, os.O_NOFOLLOW)
+                except FileNotFoundError:
+                    fd = -1
+                except OSError:
+                    continue  # not a file dlop wrote: left alone
+                try:
+                    if fd >= 0 and not _try_lock(fd, fcntl.LOCK_EX):
+                        continue  # a process reads this archive: its locks stay
                     for p in sub.iterdir():
                         with contextlib.suppress(FileNotFoundError):
                             st = p.lstat()
@@ -406,6 +472,8 @@ class CacheDir:
                                 freed += st.st_size
                     with contextlib.suppress(OSError):
                         sub.rmdir()
+                finally:
+                    close_quietly([fd])
         return freed
 
 
@@ -420,18 +488,91 @@ def write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _stamp(st: os.stat_result) -> bytes:
-    """What identifies a cached shard's content as the one verified: inode, size, mtime."""
-    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns}\n".encode()
+def _stamp_of(st: os.stat_result) -> bytes:
+    """What identifies a cached shard's file as the one verified: inode, size, mtime."""
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns} ".encode()
 
 
-def _write_stamp(path: Path, st: os.stat_result) -> None:
+def _stamp(st: os.stat_result, crc: int) -> bytes:
+    """The whole stamp: the file's identity and the CRC-32 of its bytes."""
+    return _stamp_of(st) + f"{crc:08x}\n".encode()
+
+
+def stamp_crc(stamp: bytes) -> int | None:
+    """The CRC-32 a stamp records (None: a stamp without one, or not a stamp)."""
+    parts = stamp.split(b" ")
+    if len(parts) != 4 or len(parts[3]) != 9 or not parts[3].endswith(b"\n"):
+        return None
+    try:
+        return int(parts[3][:8], 16)
+    except ValueError:
+        return None
+
+
+def file_crc(fd: int, size: int) -> int:
+    """The CRC-32 of the first ``size`` bytes of ``fd``, read through a mapping."""
+    if size == 0:
+        return 0
+    # populated at once: faulting the pages in one by one costs more than the CRC
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ) as mm:
+        return crc32(memoryview(mm))
+
+
+# Cached shards this process has read and checked (path, stamp): checked once a process.
+_verified: set[tuple[str, bytes]] = set()
+_rotten: set[tuple[str, bytes]] = set()  # and those found changed
+_verified_lock = threading.Lock()
+MAX_VERIFIED = 1 << 20
+
+
+def remember_verified(path: Path, stamp: bytes) -> None:
+    with _verified_lock:
+        if len(_verified) >= MAX_VERIFIED:
+            _verified.clear()
+        _verified.add((str(path), stamp))
+
+
+def content_verified(path: Path, fd: int, stamp: bytes) -> bool:
+    """Whether the cached shard at ``path`` (open as ``fd``, its identity matching
+    ``stamp``) holds the bytes its stamp's CRC says: read and checked the first time
+    this process holds it, remembered after. A mismatch is warned of (the shard is
+    then fetched again)."""
+    key = (str(path), stamp)
+    with _verified_lock:
+        if key in _verified:
+            return True
+        if key in _rotten:  # found changed already: fetched again, warned of once
+            return False
+    want = stamp_crc(stamp)
+    if want is None:
+        return False  # cached by a version that recorded no CRC: fetched again
+    size = os.fstat(fd).st_size
+    got = file_crc(fd, size)
+    if got != want:
+        with _verified_lock:
+            if len(_rotten) >= MAX_VERIFIED:
+                _rotten.clear()
+            _rotten.add(key)
+        warnings.warn(
+            f"{path}: the cached shard's bytes changed on disk since they were verified "
+            f"(CRC-32 {got:#010x}, {want:#010x} when cached; bit rot, or a write into the "
+            "cache); it is fetched again",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    remember_verified(path, stamp)
+    return True
+
+
+def _write_stamp(path: Path, st: os.stat_result, crc: int) -> None:
     """Records the stamp of the verified shard about to be renamed to ``path`` in its
     ``.lock`` file (whose lock, not content, serializes fetches)."""
     lock = path.with_name(path.name + LOCK_SUFFIX)
     fd = _open(lock, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
     try:
-        os.write(fd, _stamp(st))
+        os.write(fd, _stamp(st, crc))
     finally:
         os.close(fd)
 

@@ -25,8 +25,14 @@ from dlop.formats.constants import MAX_INDEX_BYTES
 from dlop.formats.redact import redact
 from dlop.formats.storage import DEFAULT_RETRY, LocalStorage, Retry, Storage
 
-from .cache import CacheDir, is_shard
-from .cache_folder import CacheError, byte_budget, default_cache_bytes, default_cache_dir
+from .cache import CacheDir, close_quietly, is_shard, locked
+from .cache_folder import (
+    BUDGET_LOCK,
+    CacheError,
+    byte_budget,
+    default_cache_bytes,
+    default_cache_dir,
+)
 from .remote import fetch_index, storage_at
 from .remote_source import RemoteSource
 
@@ -70,12 +76,19 @@ def open_cached(
     )
     client = Client(url, options, local)
     data = fetch_index(client(), url, MAX_INDEX_BYTES, retry)
-    folder = cache.archive_dir(hashlib.sha256(data).hexdigest()[:24])
-    publish(folder / "index.json", data)
-    publish(folder / "source.txt", redact(url).encode() + b"\n")
-    reader = ArchiveReader(folder)  # the validated index; shards come from the source
-    check_shard_names(url, [s.file for s in reader.index.shards])
-    source = RemoteSource(url, reader, cache, folder, client, retry)
+    # the folder made, filled and marked in use at once: a --clear never sees it half made
+    with locked(cache.root / BUDGET_LOCK):
+        folder = cache.archive_dir(hashlib.sha256(data).hexdigest()[:24])
+        publish(folder / "index.json", data)
+        publish(folder / "source.txt", redact(url).encode() + b"\n")
+        in_use = cache.use(folder)
+    try:
+        reader = ArchiveReader(folder)  # the validated index; shards come from the source
+        check_shard_names(url, [s.file for s in reader.index.shards])
+        source = RemoteSource(url, reader, cache, folder, client, retry, in_use=in_use)
+    except BaseException:
+        close_quietly([in_use])
+        raise
     source.sizes.check_budget(2)
     # What reopens it in a DataLoader worker started by spawn: the same call.
     source.reopen = (

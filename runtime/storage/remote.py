@@ -102,18 +102,31 @@ def fetch_range(
 
 
 def fetch_head(
-    store: Storage, name: str, file_size: int, what: str, retry: Retry = DEFAULT_RETRY
+    store: Storage,
+    name: str,
+    file_size: int,
+    what: str,
+    retry: Retry = DEFAULT_RETRY,
+    header_crc32: int | None = None,
 ) -> tuple[bytes, ShardLayout]:
     """A shard's first bytes through its JSON header (SPEC.md §2) and its layout: one
     ranged read of ``HEAD_BYTES``, a second when the header is longer, tried again
-    while they come short or fail the header's checks (a corrupt transfer); LoaderError
-    names ``what`` when every try failed."""
+    while they come short or fail the header's checks (a corrupt transfer), or carry
+    another header CRC than ``header_crc32`` (the index's record of it, SPEC.md §6:
+    the object is not the one the index lists); LoaderError names ``what`` when every
+    try failed."""
     url = store.name_url(name)
 
     def once() -> tuple[bytes, ShardLayout]:
         head = store.read_once(name, 0, min(file_size, HEAD_BYTES))
         try:
             hlen, crc = read_preamble(url, head, file_size)
+            if header_crc32 is not None and crc != header_crc32:
+                raise storage.Rejected(
+                    f"its header's CRC-32 is {crc:#010x}, index.json records "
+                    f"{header_crc32:#010x}: the object is not the shard the index lists "
+                    "(replaced, by a compile uploaded since the index was read?)"
+                )
             span = PREAMBLE.size + hlen
             if span > len(head):
                 head = store.read_once(name, 0, span)

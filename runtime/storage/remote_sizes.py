@@ -68,7 +68,7 @@ class ShardSizes:
             store = self.client()
             info = self.index.shards[k]
             what = f"{self.url}: shard {k} ({info.file}) header"
-            head, _ = fetch_head(store, info.file, info.bytes, what, self.retry)
+            head, _ = fetch_head(store, info.file, info.bytes, what, self.retry, info.header_crc32)
             try:
                 known = raw_size_bound(head, store.name_url(info.file), info.bytes)
             except FormatError as e:

@@ -20,7 +20,8 @@ in place (a warm cache: only mapped) before its first batch asks for them.
 A raw shard streams (runtime.storage.streamed): it is mapped from its temporary
 file as soon as its front is verified, its values arriving part by part on the
 part threads, and ``ready`` holds a batch until the bytes of its samples are
-verified. A zstd shard, and one written before CRC pieces, is served whole.
+verified. A zstd shard, one written before CRC pieces, and one whose header the
+index does not record (an index written before ``header_crc32``), is served whole.
 
 Budget checks count a shard at its size in the cache: for a block-coded (zstd)
 shard, the raw copy, bounded from its header (one small ranged read) before
@@ -58,7 +59,8 @@ from dlop.formats.storage import (
 from dlop.formats.transcode import header_span, needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import LoaderError, ShardChangedError, UsageError
-from .cache import Arriving, CacheDir, Held, close_quietly, write_at
+from .cache import Arriving, CacheDir, Held, close_quietly, locked, write_at
+from .cache_folder import BUDGET_LOCK
 from .remote import fetch_bytes, fetch_head
 from .remote_sizes import ShardSizes
 from .streamed import (
@@ -104,8 +106,11 @@ class RemoteSource:
         fetch_threads: int = 2,
         ahead_shards: int = 16,
         loose_bytes: int | None = None,
+        in_use: int = -1,
     ) -> None:
         self.url = self.name = url
+        # the descriptor whose shared lock marks the cache folder in use (CacheDir.use)
+        self.in_use = in_use
         self.readers = [reader]
         index = self.index = reader.index
         # Block-coded fields are served decoded: the cache keeps shards raw.
@@ -162,6 +167,9 @@ class RemoteSource:
         self.arrivals = set()
         self.streams = {}
 
+    def __del__(self) -> None:
+        close_quietly([getattr(self, "in_use", -1)])  # the folder no longer in use here
+
     def __reduce__(self) -> tuple[Any, ...]:
         if self.reopen is None:
             raise TypeError(f"{self.url}: this source was not opened to be sent to a process")
@@ -174,6 +182,8 @@ class RemoteSource:
     def ask(self, shards: Sequence[int]) -> None:
         """Counts a hold on each shard and starts fetching those not cached here yet."""
         self.mine()
+        if self.in_use < 0:  # read again after close
+            self.use_folder()
         wanted = self.cache.wanted_stamp()
         with self.lock:
             if wanted != self.wanted:  # another process waits for room
@@ -272,11 +282,11 @@ class RemoteSource:
             path = self.folder / info.file
             what = f"{self.url}: shard {k} ({info.file})"
             try:
-                if self.transcode:
+                if self.streams_shard(k):
+                    done = self.stream(k, keep=False) is not None
+                else:
                     fetch = functools.partial(self.fetch, k, what)
                     done = self.cache.prefetch(path, self.sizes.size(k), fetch, self.to_raw(path))
-                else:
-                    done = self.stream(k, keep=False) is not None
             except Exception as e:
                 self.note_failure(k, e)
                 continue
@@ -340,7 +350,7 @@ class RemoteSource:
         path = self.folder / info.file
         what = f"{self.url}: shard {k} ({info.file})"
         try:
-            if not self.transcode:
+            if self.streams_shard(k):
                 got = self.stream(k, keep=True)
                 assert got is not None  # keep waits for the fetch lock and for room
                 return got
@@ -379,6 +389,12 @@ class RemoteSource:
         )
 
     # -- streamed fetches (runtime.storage.streamed) ------------------------------------
+
+    def streams_shard(self, k: int) -> bool:
+        """Whether shard ``k`` streams: a raw shard whose header the index records
+        (SPEC.md §6 ``header_crc32``), so its pieces' CRCs chain to the index. Others are
+        served once whole and matching the index's CRC."""
+        return not self.transcode and self.index.shards[k].header_crc32 is not None
 
     def stream(self, k: int, keep: bool) -> ShardReader | None:
         """Raw shard ``k``: mapped from the cache, or its fetch started part by part and
@@ -427,7 +443,9 @@ class RemoteSource:
         inc: Incoming | None = None
         try:
             store = self.client()
-            head, layout = fetch_head(store, info.file, info.bytes, what, self.retry)
+            head, layout = fetch_head(
+                store, info.file, info.bytes, what, self.retry, info.header_crc32
+            )
             if layout.num_samples != info.num_samples:
                 raise LoaderError(
                     f"{what}: holds {layout.num_samples} samples, index.json says {info.num_samples}"
@@ -560,7 +578,7 @@ class RemoteSource:
             with self.lock, inc.cond:
                 if inc.error is not None:
                     return
-                held = self.cache.publish(inc.arriving, keep=inc.keep, synced=True)
+                held = self.cache.publish(inc.arriving, info.crc32, keep=inc.keep, synced=True)
                 self.arrivals.discard(inc.arriving)
                 self.streams.pop(inc.k, None)
                 if inc.keep:
@@ -752,9 +770,21 @@ class RemoteSource:
     def held_bytes(self) -> int:
         return sum(h.bytes for _, h in self.open.values())
 
+    def use_folder(self) -> None:
+        """Marks the cache folder in use again (a source read after ``close``); a folder
+        cleared meanwhile is refused."""
+        with locked(self.cache.root / BUDGET_LOCK):
+            if not (self.folder / "index.json").exists():
+                raise LoaderError(
+                    f"{self.url}: its cache folder {self.folder} was cleared after the "
+                    "archive was closed; open the archive again"
+                )
+            self.in_use = self.cache.use(self.folder)
+
     def close(self) -> None:
-        """Lets go of every shard and stops the fetch threads; a shard still arriving is
-        removed."""
+        """Lets go of every shard, stops the fetch threads and marks the cache folder no
+        longer in use; a shard still arriving is removed. Read again, it takes them up
+        anew."""
         with self.lock:
             self.closing = True
             for k in list(self.open):
@@ -777,3 +807,5 @@ class RemoteSource:
             with self.lock:
                 self.ahead_errors.clear()
                 self.closing = False
+        in_use, self.in_use = self.in_use, -1
+        close_quietly([in_use])

@@ -1,0 +1,99 @@
+"""What a reader says when storage refuses or misbehaves: a refused permission and a
+server that ignores Range are not retried and are named as such, a reason never comes
+empty, a full disk names the cache, and a URL whose query grants the whole folder reads."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlop.formats import ArchiveWriter, Field
+from dlop.formats.storage import FetchError, Retry, retrying
+from dlop.runtime import Loader, LoaderError
+from dlop.runtime.storage.cache_folder import CacheError
+from dlop.runtime.storage.remote import HEAD_BYTES
+from tests.faultproxy import FaultProxy
+from tests.runtime.helpers import make_archive, open_remote
+
+FAST = Retry(attempts=4, backoff_s=0.001, max_backoff_s=0.01)
+SETTINGS: dict[str, Any] = {"batch_size": 4, "shuffle": False, "prefetch": 0}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``a``: small shards of every field kind; ``big``: shards past one header read."""
+    root = tmp_path_factory.mktemp("site")
+    make_archive(root / "a")
+    with ArchiveWriter(root / "big", [Field("x", "f32", (8192,))], shard_bytes=256 << 10) as w:
+        for i in range(24):
+            w.write({"x": np.full(8192, i, np.float32)})
+    assert (root / "big" / "shard-00001.dlop").stat().st_size > HEAD_BYTES
+    return root
+
+
+def keys(loader: Loader) -> list[str]:
+    return [k for b in loader for k in b["key"]]
+
+
+@pytest.mark.parametrize("fault", ["forbidden", "norange"])
+def test_a_refusal_no_retry_fixes_is_tried_once_and_named(
+    site: Path, tmp_path: Path, fault: str
+) -> None:
+    said = {"forbidden": "HTTP 403", "norange": "ignores HTTP Range requests"}[fault]
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00001", fault, times=None)
+        remote = open_remote(proxy.url + "/big", cache_dir=tmp_path / "c", retry=FAST)
+        with pytest.raises(LoaderError, match=said) as caught:
+            for _ in Loader(remote, **SETTINGS):
+                pass
+        assert "shard 1" in str(caught.value)
+        assert proxy.count("shard-00001") == 1  # not tried again
+
+
+def test_a_failure_without_a_message_says_its_type_and_what_was_read() -> None:
+    def once() -> bytes:
+        raise TimeoutError()
+
+    with pytest.raises(FetchError) as caught:
+        retrying(once, "shard 3", "https://host/a/shard-00003.dlop", FAST)
+    message = str(caught.value)
+    assert (
+        "TimeoutError: no message from the storage client, reading https://host/a/shard-00003.dlop"
+        in message
+    )
+
+
+def test_a_url_whose_query_grants_the_folder_reads(site: Path, tmp_path: Path) -> None:
+    want = keys(Loader(site / "a", **SETTINGS))
+    with FaultProxy(root=site) as proxy:
+        url = proxy.url + "/a?sv=2024-01-01&sig=s3cr3t"  # as an Azure SAS token for a folder
+        loader = Loader(url, **SETTINGS, cache_dir=tmp_path / "c")
+        assert keys(loader) == want
+        loader.close()
+        assert any(path.endswith("/a/shard-00000.dlop") for path, _ in proxy.ranged)
+    (source,) = (tmp_path / "c").rglob("source.txt")
+    assert "s3cr3t" not in source.read_text()
+
+
+def test_a_full_disk_names_the_cache_and_its_budget(
+    site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with FaultProxy(root=site) as proxy:
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        with pytest.raises((CacheError, LoaderError)) as caught:
+            keys(Loader(remote, **SETTINGS))
+        message = str(caught.value)
+        assert (
+            str(tmp_path / "c") in message and "the disk holding the shard cache is full" in message
+        )
+        assert "cache_bytes" in message
+        assert not list((tmp_path / "c").rglob("*.tmp-*"))  # nothing half made left behind
