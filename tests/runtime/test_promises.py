@@ -248,3 +248,122 @@ def test_batch_per_source_rounds_each_source_to_whole_batches(tmp_path: Path, wo
         if world == 1:  # the docs' example: 8 draws from one source, 4 from the other
             per = sorted(sum(k.startswith(n) for k in keys) for n in ("p", "q"))
             assert per == [4, 8]
+
+
+# The rest of what the two pages promise about padding and mixtures.
+
+
+def test_lengths_and_sources_are_int64(sources: dict[str, Path]) -> None:
+    batch = next(iter(Loader(sources, 4, prefetch=0)))
+    assert batch["x_lengths"].dtype == torch.int64 and batch["x_lengths"].shape == (4,)
+    assert batch["source"].dtype == torch.int64 and batch["source"].shape == (4,)
+    assert set(batch["source"].tolist()) <= {0, 1}
+
+
+def test_text_and_bytes_fields_take_any_pad_value(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    with ArchiveWriter(path, [Field.str_("s"), Field.bytes_("b")]) as w:
+        w.write({"s": "a", "b": b"xy"})
+        w.write({"s": "abc", "b": b""})
+    got = open_archive(path, pad_value=1e39).__getitems__([0, 1])
+    assert got["s"] == ["a", "abc"] and got["b"] == [b"xy", b""]
+
+
+def test_a_usage_error_while_padding_a_batch_is_not_wrapped(tmp_path: Path) -> None:
+    path = tmp_path / "wide"
+    with ArchiveWriter(path, [Field("g", "f32", (None, None))]) as w:
+        w.write({"g": np.zeros((1, 3_000_000), np.float32)})
+        w.write({"g": np.zeros((3_000_000, 1), np.float32)})
+    for prefetch in (0, 2):
+        loader = Loader(path, 2, shuffle=False, prefetch=prefetch)
+        with pytest.raises(UsageError) as caught:
+            list(loader)
+        assert type(caught.value) is UsageError  # as it is: not a LoaderError around it
+        loader.close()
+
+
+def test_what_a_mixture_refuses(sources: dict[str, Path], tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    with ArchiveWriter(other, [Field.str_("key"), Field("g", "i64", ())]) as w:
+        w.write({"key": "o0", "g": 1})
+    with pytest.raises(UsageError, match=r"'g'|field"):
+        Loader({**sources, "o": other}, 4)  # not one schema
+    with pytest.raises(UsageError, match="indices= does not apply to a mixture"):
+        Loader(sources, 4, indices=[0, 1])
+    with pytest.raises(UsageError, match="order='window' does not apply to a mixture"):
+        Loader(sources, 4, order="window")
+    named = tmp_path / "named"
+    with ArchiveWriter(named, [Field.str_("key"), Field("source", "i64", ())]) as w:
+        w.write({"key": "n0", "source": 1})
+    with pytest.raises(UsageError, match="leave it out with fields="):
+        Loader({"n": named, "m": named}, 1)
+    assert next(iter(Loader({"n": named}, 1, fields=["key"])))["key"] == ["n0"]
+    with pytest.raises(UsageError):
+        Loader({"a": sources["a"], "u": "s3://bucket/archive"}, 4)  # sources are local
+
+
+def test_an_open_archive_source_takes_the_loaders_fields_and_padding(
+    sources: dict[str, Path],
+) -> None:
+    opened = open_archive(sources["a"], fields=["key"], pad_value=3)
+    loader = Loader({"a": opened, "b": sources["b"]}, 41, fields=["key", "x"], pad_value=9)
+    batch = next(iter(loader))
+    assert "x" in batch and int(batch["x"].max()) == 9  # padded with the Loader's value
+
+
+def test_weights_counts_and_rounding_by_weight(sources: dict[str, Path]) -> None:
+    def per_source(epoch: int, **options: object) -> list[int]:
+        loader = Loader(sources, 4, prefetch=0, **options)
+        loader.set_epoch(epoch)
+        counts = [0, 0]
+        for b in loader:
+            for s in b["source"].tolist():
+                counts[s] += 1
+        return counts
+
+    # weight 0 leaves a source out; the default epoch is then the other's samples
+    assert [per_source(e, weights={"a": 1, "b": 0}) for e in range(2)] == [[30, 0]] * 2
+    # counts by largest remainders, the same every epoch: 100 * (1/3, 2/3) -> 33, 67
+    assert {
+        tuple(per_source(e, weights={"a": 1, "b": 2}, samples_per_epoch=100)) for e in range(3)
+    } == {(33, 67)}
+    # what rounding up adds is drawn by weight: 41 -> 44 at world 1 with bucket_by
+    assert per_source(0, weights={"a": 1, "b": 3}, bucket_by="x") == [11, 33]
+
+
+def test_drop_last_leaves_out_a_different_set_each_epoch(sources: dict[str, Path]) -> None:
+    left_out = []
+    for epoch in range(3):
+        keys = {k for r in epoch_keys(sources, 4, 4, epoch, drop_last=True) for k in r}
+        left_out.append(
+            frozenset({f"a{i}" for i in range(30)} | {f"b{i}" for i in range(11)}) - keys
+        )
+    assert all(left_out) and len(set(left_out)) == 3
+
+
+def test_batches_of_one_source_and_batches_that_mix(sources: dict[str, Path]) -> None:
+    def batches(seed: int, **options: object) -> list[set[int]]:
+        loader = Loader(sources, 4, prefetch=0, seed=seed, **options)
+        return [set(b["source"].tolist()) for b in loader]
+
+    orders = set()
+    for seed in range(6):
+        one = batches(seed, batch_per_source=True, weights={"a": 1, "b": 1}, samples_per_epoch=20)
+        assert all(len(s) == 1 for s in one)
+        order = tuple(next(iter(s)) for s in one)
+        assert sorted(order) == [0, 0, 0, 1, 1]  # weights apportion batches: 3 and 2
+        orders.add(order)
+    assert len(orders) > 1  # the batches of all sources are shuffled
+    assert any(len(s) > 1 for s in batches(0))  # otherwise batches mix sources
+
+
+def test_a_state_of_another_mixture_is_refused(sources: dict[str, Path]) -> None:
+    loader = Loader(sources, 4, samples_per_epoch=40)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    for other in ({"samples_per_epoch": 44}, {"samples_per_epoch": 40, "batch_per_source": True}):
+        with pytest.raises(UsageError, match="saved with"):
+            Loader(sources, 4, **other).load_state_dict(state)  # type: ignore[arg-type]
+    Loader(sources, 4, samples_per_epoch=40).load_state_dict(state)  # the same: taken
