@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import random
 import time
@@ -42,6 +43,39 @@ MapParts = Callable[
 ]
 
 
+# A fetch's default tries: 8 attempts, sleeping 0.25 s doubled after each failure (with
+# jitter of +-50%), at most 10 s a sleep: 25.75 s of back-off in all (13 to 39 s), so an
+# outage of half a minute or a burst of SlowDown answers is ridden out. The environment's
+# DLOP_FETCH_ATTEMPTS and DLOP_FETCH_MAX_BACKOFF (seconds) change the defaults.
+ATTEMPTS = 8
+BACKOFF_S = 0.25
+MAX_BACKOFF_S = 10.0
+RETRY_ENV = {"attempts": "DLOP_FETCH_ATTEMPTS", "max_backoff_s": "DLOP_FETCH_MAX_BACKOFF"}
+
+
+def retry_setting(name: str, default: float) -> float:
+    """A Retry default, or the environment's (``RETRY_ENV``) when set."""
+    var = RETRY_ENV[name]
+    text = os.environ.get(var, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    whole = name != "attempts" or value.is_integer()
+    if not (math.isfinite(value) and value >= (1 if name == "attempts" else 0) and whole):
+        raise urls.StorageError(
+            f"{var}={text!r}: give "
+            + (
+                "a whole number of attempts, at least 1"
+                if name == "attempts"
+                else "seconds, 0 or more"
+            )
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class Retry:
     """How hard a fetch tries: ``attempts`` in all, sleeping ``backoff_s`` doubled after
@@ -49,9 +83,11 @@ class Retry:
     ``parallel_parts`` say how the runtime cuts one try of a large object into ranged
     reads."""
 
-    attempts: int = 6
-    backoff_s: float = 0.05
-    max_backoff_s: float = 2.0
+    attempts: int = field(default_factory=lambda: int(retry_setting("attempts", ATTEMPTS)))
+    backoff_s: float = BACKOFF_S
+    max_backoff_s: float = field(
+        default_factory=lambda: retry_setting("max_backoff_s", MAX_BACKOFF_S)
+    )
     part_bytes: int = 16 << 20
     parallel_parts: int = 4
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
@@ -75,13 +111,17 @@ def join_name(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
 
 
-class RangeIgnored(Exception):
+class Refused(Exception):
+    """A try whose answer no retry changes (the reason is the message)."""
+
+
+class RangeIgnored(Refused):
     """A server answered a ranged read with more bytes than asked for: it ignores Range."""
 
 
-# Errors that retrying cannot fix: the object is not there, we may not read it, or the
-# server cannot read it in parts.
-PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, RangeIgnored)
+# Errors that retrying cannot fix: the object is not there, we may not read it, it is
+# not the object asked for, or the server cannot read it in parts.
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, Refused)
 # HTTP statuses that refuse the request itself (credentials, permission): never retried.
 REFUSED_STATUSES = (401, 403)
 

@@ -16,6 +16,7 @@ The buffer contract is in runtime.pipeline.ring.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, cast
@@ -31,6 +32,7 @@ from .gather.engine import CopyEngine
 from .gather.plan import CopyPlan
 from .gather.threads import JobThread, at_exit
 from .order.choose import choose
+from .order.distributed import launcher_nodes
 from .order.mixture import Source
 from .order.reading import CHOOSING, Reading, keywords
 from .pipeline.device import DeviceStage
@@ -152,10 +154,28 @@ class Loader:
         self.order, self.bucket_by = self.choice.order, self.reading.bucket_by
         check_transforms(transforms, self.archive, self.choice.mixture is not None)
         self.order.refuse_empty(str(self.archive.path))
+        self._check_budget()
         self._later_stages(device, transforms, self.reading.seed)
         _live.add(self)
 
     __init__.__signature__ = keywords(__init__, LOADER_ORDER)  # type: ignore[attr-defined]
+
+    def _check_budget(self) -> None:
+        """Refuses now a shard cache too small for what this order holds in flight in
+        any epoch (the batch being made, the next, the ``prefetch`` made ahead; every
+        rank on the node), rather than after some batches of a later epoch."""
+        told = launcher_nodes()
+        local = told[0] if told is not None else self.spec.local_size
+        held = self.prefetch + 2
+        spec = self.spec
+        window = f", window_shards={spec.window_shards}" if spec.mode == "window" else ""
+        bucket = f", bucket_window={spec.bucket_window}" if self.bucket_by else ""
+        why = (
+            f"order={spec.mode!r}{window}{bucket}, batch_size={spec.batch_size}, "
+            f"prefetch={self.prefetch}, {local} rank(s) on this node"
+        )
+        count = spec.shards_in_flight(held, self.bucket_by is not None, local)
+        self.archive.source.check_budget(count, why)
 
     def _later_stages(
         self, device: str | torch.device | None, transforms: Sequence[Transform], seed: int
@@ -339,13 +359,23 @@ class Loader:
         an archive the Loader opened itself lets go of what it holds (cached shards, their
         descriptors and fetch threads: runtime.storage.remote_source), an open Archive
         given to it is left to its owner (``Archive.close``)."""
+        owned = getattr(self, "_owns_archive", False)
+        ref = getattr(self, "_active", None)
+        active = ref() if ref is not None else None
+        if owned:
+            if active is not None:
+                active.halt()  # no more asks; then a batch waiting for a stalled fetch
+            self.archive.close()  # is answered at once, not after the fetch's timeouts
         self._close_active()
         if getattr(self, "prefetcher", None) is not None:
             self.prefetcher.close()
         if getattr(self, "engine", None) is not None:
             self.engine.close()
-        if getattr(self, "_owns_archive", False):
+        if owned:
             self.archive.close()
 
     def __del__(self) -> None:
-        self.close()
+        # at interpreter exit a Loader may be collected after the modules its close uses
+        # were torn down; the exit hooks closed it already
+        with contextlib.suppress(Exception):
+            self.close()

@@ -4,6 +4,11 @@ import pytest
 
 # Tests run on CPUs with few cores; keep torch from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Fetches that fail for good (the fault tests') give up after short back-offs, not the
+# half minute a job rides out by default (formats.storage.Retry; tested in
+# tests/formats/test_storage_retry.py without these).
+os.environ.setdefault("DLOP_FETCH_ATTEMPTS", "6")
+os.environ.setdefault("DLOP_FETCH_MAX_BACKOFF", "0.05")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

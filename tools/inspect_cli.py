@@ -333,8 +333,39 @@ def _print_where(terms: list[str], counts: dict[str, Any]) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.cache is not None:
+        if args.path is not None:
+            raise DlopError("verify takes an archive or --cache DIR, not both")
+        return _verify_cache(args)
+    if args.path is None:
+        raise DlopError("verify needs an archive (folder or URL), or --cache DIR")
     with open_reader(args.path, args.storage_option) as reader:
         return _verify(args, reader)
+
+
+def _verify_cache(args: argparse.Namespace) -> int:
+    """Every shard of a node's shard cache read and checked (CacheDir.verify)."""
+    from dlop.runtime.storage.cache import CacheDir
+    from dlop.runtime.storage.cache_folder import MARK, default_cache_bytes, is_cache
+
+    root = Path(args.cache)
+    if not root.is_dir() or not is_cache(root):
+        raise DlopError(f"{root}: not a dlop shard cache (no {MARK} mark)")
+
+    def progress(done: int) -> None:
+        if not args.quiet:
+            print(f"\rverified {done} cached shards", end="", file=sys.stderr, flush=True)
+
+    checked, problems = CacheDir(root, max_bytes=default_cache_bytes()).verify(progress)
+    if not args.quiet and checked:
+        print(file=sys.stderr)
+    for p in problems:
+        print(f"FAIL {p}")
+    if problems:
+        print(f"{len(problems)} problem(s) in the cache {root}")
+        return 1
+    print(f"OK {root}: {checked} cached shard(s), every byte as verified when cached")
+    return 0
 
 
 def _verify(args: argparse.Namespace, reader: ArchiveReader) -> int:
@@ -418,7 +449,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.set_defaults(run=cmd_info)
     verify = sub.add_parser("verify", help="check every checksum and offset; exit 1 on any failure")
-    verify.add_argument("path", help="archive folder or URL (s3://, gs://, https://)")
+    verify.add_argument("path", nargs="?", help="archive folder or URL (s3://, gs://, https://)")
+    verify.add_argument(
+        "--cache",
+        metavar="DIR",
+        help="check a node's shard cache instead: every cached shard against the CRC "
+        "recorded when it was verified",
+    )
     verify.add_argument(
         "--storage-option",
         action="append",

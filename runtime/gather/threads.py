@@ -25,7 +25,9 @@ HELPER_NICE = 5  # nice value added to copy helper threads (runtime.gather.engin
 # Every JobThread started and not yet seen to end: interpreter exit waits for them
 # all, including one whose owner was collected on that very thread.
 _threads: set[JobThread] = set()
-_threads_lock = threading.Lock()
+# Reentrant: a Loader collected while a thread holds it (the garbage collector runs
+# anywhere, JobThread.__init__ included) stops its own threads, which takes it again.
+_threads_lock = threading.RLock()
 # Run at exit before the threads are stopped: owners close what they hold first.
 _exit_hooks: list[Callable[[], None]] = []
 

@@ -106,6 +106,42 @@ class OrderSpec:
         """Ranks per node."""
         return self.world_size // self.nodes
 
+    def shards_in_flight(self, batches_held: int, bucketing: bool, local_ranks: int) -> int:
+        """At most how many distinct shards the ``local_ranks`` ranks of one node hold at
+        once, in any epoch, while each holds ``batches_held`` consecutive batches (the
+        one being made, those asked for ahead, those made and not yet taken), the ranks
+        taking their steps together (as DDP's collectives keep them).
+
+        In global order each sample of those batches may lie in another shard. In window
+        order the node's ranks take turns at the samples of the same windows of
+        ``window_shards`` shards: the held batches read a run of ``batches_held *
+        batch_size * local_ranks`` consecutive samples of the node's epoch, which reads
+        two windows in part and whole ones between, at most as many as the smallest
+        windows (the smallest shards, whatever shards an epoch puts together) fit in
+        it. With bucketing the epoch's batches are shuffled after they are cut, so each
+        held batch counts the windows of its own bucket window's run."""
+        sizes = sorted(n for n in self.shard_sizes if n > 0)
+        if not sizes:
+            return 0
+        # a node reads its share of the shards (dealt to nodes: at most one shard split)
+        node_shards = min(len(sizes), -(-len(sizes) // self.nodes) + (self.nodes > 1))
+        if self.mode == "global":
+            return min(node_shards, local_ranks * batches_held * self.batch_size)
+        smallest_first = np.cumsum(sizes)
+        w = self.window_shards
+
+        def windows(run: int) -> int:
+            whole = 0
+            while (whole + 1) * w <= len(sizes) and smallest_first[(whole + 1) * w - 1] <= run - 2:
+                whole += 1
+            return whole + 2
+
+        if bucketing:
+            count = batches_held * windows(self.bucket_window * self.batch_size * local_ranks)
+        else:
+            count = windows(batches_held * self.batch_size * local_ranks)
+        return min(node_shards, count * w)
+
     @property
     def node(self) -> int:
         return self.rank // self.local_size

@@ -126,6 +126,9 @@ class InlineRun:
     def __init__(self) -> None:
         self.closed = False
 
+    def halt(self) -> None:
+        self.closed = True
+
     def close(self) -> None:
         self.closed = True
 
@@ -312,6 +315,10 @@ class PrefetchIter:
         p.device.use(item.batch, item.event)
         p.held = item.slot
         return item.number, item.batch
+
+    def halt(self) -> None:
+        """Asks the producer to stop, without waiting for it (``close`` waits)."""
+        self.p.halt()
 
     def close(self) -> None:
         """Stops production and waits until the producer has left this epoch."""

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from dlop.formats.crc import crc32
 
+from ..errors import FetchFailed
 from .cache_folder import ARCHIVE_ID, BUDGET_LOCK, FOREIGN, WANTED, CacheError, archive_dirs, claim
 
 TMP_MARK = ".tmp-"
@@ -97,15 +98,18 @@ def _try_lock(fd: int, kind: int) -> bool:
     return True
 
 
-def take_lock(path: Path, wait: bool = True) -> int | None:
+def take_lock(path: Path, wait: bool = True, shard: Path | None = None) -> int | None:
     """A descriptor of ``path`` (created if missing) holding an exclusive ``flock`` on
-    it until closed; without ``wait``, None when it is not free at once."""
+    it until closed; without ``wait``, None when it is not free at once. With ``shard``,
+    ``path`` is that shard's fetch lock and the wait is bounded (``wait_for_peer``)."""
     try:
         fd = _open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)
     except OSError as e:  # a folder or a link in its place, a cache folder we may not write...
         raise CacheError(f"{path}: cannot open the lock file ({e}); {FOREIGN}") from None
     try:
-        if wait:
+        if wait and shard is not None:
+            wait_for_peer(path, fd, shard)
+        elif wait:
             fcntl.flock(fd, fcntl.LOCK_EX)
         elif not _try_lock(fd, fcntl.LOCK_EX):
             os.close(fd)
@@ -116,11 +120,87 @@ def take_lock(path: Path, wait: bool = True) -> int | None:
     return fd
 
 
+def lock_holders(fd: int) -> list[int]:
+    """The processes holding a ``flock`` on the file open as ``fd`` (from /proc/locks;
+    empty where that is not readable, or the holders live in another pid namespace)."""
+    st = os.fstat(fd)
+    inode = f":{st.st_ino}"
+    out = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5].endswith(inode):
+                dev = parts[5][: -len(inode)].split(":")
+                if len(dev) == 2 and os.makedev(int(dev[0], 16), int(dev[1], 16)) == st.st_dev:
+                    out.append(int(parts[4]))
+    return [pid for pid in out if pid > 0]
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (R, S, D, T for stopped...), None if gone."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat_line.rsplit(")", 1)[-1].split()[0]
+
+
+# A peer's fetch is waited for while it makes progress (its temporary file written) or
+# the lock's holder runs; a holder stopped this long (SIGSTOP, a suspended job), or no
+# progress for PEER_STALL_S, ends the wait with a CacheError naming it.
+STOPPED_GRACE_S = 5.0
+PEER_STALL_S = 600.0
+
+
+def writes_of(shard: Path) -> list[tuple[str, int]]:
+    """What shows a fetch of ``shard`` going on: its temporary files' modification times."""
+    out = []
+    for p in shard.parent.glob(f"{shard.name}{TMP_MARK}*"):
+        with contextlib.suppress(FileNotFoundError):
+            out.append((p.name, p.stat().st_mtime_ns))
+    return sorted(out)
+
+
+def wait_for_peer(lock: Path, fd: int, shard: Path, stall_s: float = PEER_STALL_S) -> None:
+    """Takes the exclusive ``flock`` on ``lock`` (open as ``fd``) that a peer process
+    holds while it fetches ``shard``, waiting while the peer runs and makes progress."""
+    seen: object = None
+    progress = stopped_since = time.monotonic()
+    delay = 0.005
+    while not _try_lock(fd, fcntl.LOCK_EX):
+        time.sleep(delay)
+        delay = min(delay * 2, 0.25)
+        now = time.monotonic()
+        mark = writes_of(shard)
+        if mark != seen:
+            seen, progress = mark, now
+        holders = lock_holders(fd)
+        states = {pid: process_state(pid) for pid in holders}
+        stopped = [pid for pid, st in states.items() if st in ("T", "t")]
+        if not stopped:
+            stopped_since = now
+        elif now - stopped_since > STOPPED_GRACE_S:
+            raise CacheError(
+                f"{shard}: process {stopped[0]} holds the node's fetch lock of this shard "
+                f"({lock.name}) and is stopped (SIGSTOP, a suspended job) for "
+                f"{now - stopped_since:.0f} s; resume it (kill -CONT {stopped[0]}) or end "
+                "it, and read again"
+            )
+        if now - progress > stall_s:
+            who = f"process {holders[0]}" if holders else "another process"
+            raise CacheError(
+                f"{shard}: {who} holds the node's fetch lock of this shard ({lock.name}) and "
+                f"wrote nothing of it for {now - progress:.0f} s; end that process, or "
+                "read again once it has"
+            )
+
+
 @contextlib.contextmanager
-def locked(path: Path, wait: bool = True) -> Iterator[bool]:
+def locked(path: Path, wait: bool = True, shard: Path | None = None) -> Iterator[bool]:
     """An exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block;
-    without ``wait``, only if free at once (the block gets False when it was not)."""
-    fd = take_lock(path, wait)
+    without ``wait``, only if free at once (the block gets False when it was not);
+    ``shard``: as take_lock."""
+    fd = take_lock(path, wait, shard)
     try:
         yield fd is not None
     finally:
@@ -249,10 +329,16 @@ class CacheDir:
         held = self.hold(path)
         if held is not None:
             return held
-        with locked(path.with_name(path.name + LOCK_SUFFIX)):
+        lock = path.with_name(path.name + LOCK_SUFFIX)
+        with locked(lock, shard=path):
             held = self.hold(path)  # another process fetched it while we waited
             if held is None:
-                data = fetch()
+                refuse_failed(lock, path)
+                try:
+                    data = fetch()
+                except FetchFailed as e:
+                    record_failure(lock, e)
+                    raise
                 held = self.store(path, write(data) if write is not None else data, keep=True)
         if held is None:  # reserve waits for room or raises: never here
             raise CacheError(f"{path}: no room was made for the shard")
@@ -288,11 +374,13 @@ class CacheDir:
         held = self.hold(path)
         if held is not None:
             return held
-        lock_fd = take_lock(path.with_name(path.name + LOCK_SUFFIX), wait)
+        lock_fd = take_lock(path.with_name(path.name + LOCK_SUFFIX), wait, path)
         if lock_fd is None:
             return None
         try:
             held = self.hold(path)  # another process fetched it while we waited
+            if held is None:
+                refuse_failed(path.with_name(path.name + LOCK_SUFFIX), path)
             tmp = self.temp_name(path)
             fd = None if held is not None else self.reserve(tmp, size, wait)
         except BaseException:
@@ -324,8 +412,12 @@ class CacheDir:
             os.close(a.fd)
         return Held(a.path, a.fd if keep else -1, a.size)
 
-    def abandon(self, a: Arriving) -> None:
-        """Removes a shard that will not arrive whole, and lets go of its locks."""
+    def abandon(self, a: Arriving, failure: BaseException | None = None) -> None:
+        """Removes a shard that will not arrive whole, and lets go of its locks; a
+        ``failure`` of its fetch (FetchFailed) is first recorded for the node's other
+        processes (``record_failure``)."""
+        if isinstance(failure, FetchFailed) and a.lock_fd >= 0:
+            record_failure(a.path.with_name(a.path.name + LOCK_SUFFIX), failure)
         with contextlib.suppress(FileNotFoundError):
             a.tmp.unlink()
         close_quietly([a.fd, a.lock_fd])
@@ -431,6 +523,60 @@ class CacheDir:
                 used -= st.st_size + (_drop_stamp(p) if is_shard(p.name) else 0)
         return used
 
+    def verify(self, progress: Callable[[int], None] | None = None) -> tuple[int, list[str]]:
+        """Reads every cached shard (a shared lock held meanwhile, so none is evicted
+        under it) and checks its bytes against the CRC-32 its stamp recorded when it was
+        verified, and a raw shard's against its archive's index too: (shards checked,
+        problems, each naming the file). A shard that fails would be fetched again when
+        next read, never served."""
+        from dlop.formats import ArchiveReader, FormatError
+        from dlop.formats.transcode import needs_transcode
+
+        checked, problems = 0, []
+        for sub in archive_dirs(self.root):
+            try:
+                index = ArchiveReader(sub).index
+                crcs = {s.file: s.crc32 for s in index.shards}
+                raw = not needs_transcode(index.fields)
+            except (FormatError, OSError) as e:
+                problems.append(f"{sub}: its index does not read ({e})")
+                continue
+            for p in sorted(sub.iterdir()):
+                if not is_shard(p.name) or not p.is_file():
+                    continue
+                try:
+                    fd = _open(p, os.O_NOFOLLOW)
+                except OSError:
+                    continue  # evicted meanwhile
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+                    st = os.fstat(fd)
+                    stamp = _read_stamp(p)
+                    want = stamp_crc(stamp) if stamp.startswith(_stamp_of(st)) else None
+                    got = file_crc(fd, st.st_size)
+                finally:
+                    os.close(fd)
+                checked += 1
+                if progress is not None:
+                    progress(checked)
+                if p.name not in crcs:
+                    problems.append(f"{p}: not a shard of the archive its folder holds")
+                elif want is None:
+                    problems.append(
+                        f"{p}: no verified stamp for it (cached by an earlier version, or "
+                        "changed since): it is fetched again when next read"
+                    )
+                elif got != want:
+                    problems.append(
+                        f"{p}: CRC-32 {got:#010x}, {want:#010x} when it was cached: its bytes "
+                        "changed on disk (it is fetched again when next read)"
+                    )
+                elif raw and got != crcs[p.name]:
+                    problems.append(
+                        f"{p}: CRC-32 {got:#010x}, index.json says {crcs[p.name]:#010x}"
+                    )
+        return checked, problems
+
     def use(self, folder: Path) -> int:
         """A descriptor whose shared lock on ``folder``'s ``index.json`` marks the archive
         folder in use until it is closed (``clear`` removes no folder in use). Call
@@ -486,6 +632,56 @@ def write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
+
+
+# A shard whose fetch failed (every attempt spent) is recorded in its lock file: for this
+# long, another process on the node that needs it takes that failure as its answer
+# instead of spending the attempts and timeouts again (then the shard is tried afresh).
+FAILURE_KEPT_S = 60.0
+FAILED_MARK = b"failed "
+
+
+class PeerFailed(FetchFailed):
+    """Another process on the node failed to fetch this shard moments ago (a process
+    answers its own batches with its own failure until its next epoch)."""
+
+
+def record_failure(lock: Path, failure: BaseException) -> None:
+    """Writes ``failure`` into the shard's lock file (held by the caller)."""
+    text = " ".join(str(failure).split())[:600]
+    with contextlib.suppress(OSError):
+        fd = _open(lock, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        try:
+            os.write(fd, FAILED_MARK + f"{time.time_ns()} {os.getpid()} {text}\n".encode())
+        finally:
+            os.close(fd)
+
+
+def refuse_failed(lock: Path, shard: Path) -> None:
+    """Raises PeerFailed when the shard's lock file records a failure of its fetch in the
+    last FAILURE_KEPT_S seconds (call with the fetch lock held)."""
+    try:
+        fd = _open(lock, os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        data = os.read(fd, 1024)
+    finally:
+        os.close(fd)
+    if not data.startswith(FAILED_MARK):
+        return
+    fields = data[len(FAILED_MARK) :].decode(errors="replace").split(" ", 2)
+    when, pid, text = [*fields, "", ""][:3]
+    try:
+        age = (time.time_ns() - int(when)) / 1e9
+        own = int(pid) == os.getpid()  # its own failures a process keeps itself (an epoch)
+    except ValueError:
+        return
+    if 0 <= age < FAILURE_KEPT_S and not own:
+        raise PeerFailed(
+            f"{shard.name}: another process on this node failed to fetch it {age:.0f} s ago "
+            f"(tried afresh {FAILURE_KEPT_S - age:.0f} s from now): {text.strip()}"
+        )
 
 
 def _stamp_of(st: os.stat_result) -> bytes:

@@ -23,7 +23,7 @@ from dlop.formats.constants import PREAMBLE
 from dlop.formats.header import ShardLayout, parse_header, read_preamble
 from dlop.formats.storage import DEFAULT_RETRY, Retry, Storage
 
-from ..errors import LoaderError
+from ..errors import FetchFailed, LoaderError
 
 T = TypeVar("T")
 ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "FSSPEC_")
@@ -44,7 +44,7 @@ def storage_at(url: str, storage_options: Mapping[str, Any] | None = None) -> St
             try:
                 got = _clients[key] = storage.open_url(url, options)
             except urls.StorageError as e:
-                raise LoaderError(str(e)) from None
+                raise FetchFailed(str(e)) from None
     return got
 
 
@@ -69,7 +69,7 @@ def fetch_bytes(
             name, check, size=size, retry=retry, what=what, map_parts=in_parallel(retry)
         )
     except storage.FetchError as e:
-        raise LoaderError(str(e)) from None
+        raise FetchFailed(str(e)) from None
 
 
 def in_parallel(retry: Retry) -> storage.MapParts | None:
@@ -98,7 +98,7 @@ def fetch_range(
     try:
         return store.fetch_range(name, 0, end, exact=exact, retry=retry, what=what)
     except storage.FetchError as e:
-        raise LoaderError(str(e)) from None
+        raise FetchFailed(str(e)) from None
 
 
 def fetch_head(
@@ -111,18 +111,18 @@ def fetch_head(
 ) -> tuple[bytes, ShardLayout]:
     """A shard's first bytes through its JSON header (SPEC.md §2) and its layout: one
     ranged read of ``HEAD_BYTES``, a second when the header is longer, tried again
-    while they come short or fail the header's checks (a corrupt transfer), or carry
-    another header CRC than ``header_crc32`` (the index's record of it, SPEC.md §6:
-    the object is not the one the index lists); LoaderError names ``what`` when every
-    try failed."""
+    while they come short or fail the header's checks (a corrupt transfer); a header
+    with another CRC than ``header_crc32`` (the index's record of it, SPEC.md §6: the
+    object is not the one the index lists) is refused at once. LoaderError names
+    ``what`` when every try failed."""
     url = store.name_url(name)
 
     def once() -> tuple[bytes, ShardLayout]:
         head = store.read_once(name, 0, min(file_size, HEAD_BYTES))
         try:
             hlen, crc = read_preamble(url, head, file_size)
-            if header_crc32 is not None and crc != header_crc32:
-                raise storage.Rejected(
+            if header_crc32 is not None and crc != header_crc32:  # no retry changes it
+                raise storage.Refused(
                     f"its header's CRC-32 is {crc:#010x}, index.json records "
                     f"{header_crc32:#010x}: the object is not the shard the index lists "
                     "(replaced, by a compile uploaded since the index was read?)"
@@ -141,7 +141,7 @@ def fetch_head(
     try:
         return storage.retrying(once, what, url, retry)
     except storage.FetchError as e:
-        raise LoaderError(str(e)) from None
+        raise FetchFailed(str(e)) from None
 
 
 def fetch_index(store: Storage, url: str, max_bytes: int, retry: Retry = DEFAULT_RETRY) -> bytes:

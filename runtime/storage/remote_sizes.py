@@ -92,22 +92,26 @@ class ShardSizes:
                 "window_shards"
             )
 
-    def check_budget(self, shards_in_flight: int) -> None:
+    def check_budget(self, shards_in_flight: int, why: str = "") -> None:
         """Refuses a budget below ``shards_in_flight`` times the largest shard as cached
         (for a block-coded archive, the raw copy of its largest stored shard): the
-        shards one rank holds at once could not all be cached."""
+        shards held at once (``why``: the settings that make it so) could not all be
+        cached."""
         stored = [s.bytes for s in self.index.shards]
         if self.transcode and stored:
             self.size(stored.index(max(stored)))
         n = min(shards_in_flight, len(stored))
         need = n * (self.largest + STAMP_BYTES)
         if need > self.max_bytes:
+            because = f" ({why})" if why else ""
             raise UsageError(
                 f"{self.url}: cache_bytes {self.max_bytes} is below what reading needs "
                 f"in flight: {n} shards x ({self.largest} bytes, the largest{self.note()}, "
-                f"+ {STAMP_BYTES} for its stamp) = {need}; raise cache_bytes "
-                f"(DLOP_CACHE_BYTES) to at least {need}, plus "
-                "room for the ranks sharing the cache folder"
+                f"+ {STAMP_BYTES} for its stamp) = {need}, {n} being what it holds at "
+                f"once at most{because}; raise "
+                f"cache_bytes (DLOP_CACHE_BYTES) to at least {need}, or hold fewer shards "
+                "at once (order='window' with fewer window_shards, a smaller prefetch or "
+                "batch_size)"
             )
 
     def check_fits(self, k: int, what: str) -> None:

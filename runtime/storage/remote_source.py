@@ -33,13 +33,17 @@ its own threads and storage client.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import dataclasses
 import functools
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +62,10 @@ from dlop.formats.storage import (
 )
 from dlop.formats.transcode import header_span, needs_transcode, raw_fields, transcode_bytes
 
-from ..errors import LoaderError, ShardChangedError, UsageError
+from ..errors import FetchFailed, LoaderError, ShardChangedError, UsageError
 from .cache import Arriving, CacheDir, Held, close_quietly, locked, write_at
 from .cache_folder import BUDGET_LOCK
+from .pool import DaemonPool
 from .remote import fetch_bytes, fetch_head
 from .remote_sizes import ShardSizes
 from .streamed import (
@@ -88,6 +93,28 @@ def _forget_parents() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_parents)
+
+# How long closing waits for a shard whose parts are all in to be synced and published,
+# and for fetch threads to end (one stuck in a network read is left to end with it).
+LANDING_WAIT_S = 30.0
+CLOSE_WAIT_S = 1.0
+
+
+def nap(stopping: threading.Event, url: str, seconds: float) -> None:
+    """A retry's sleep between attempts, cut short by its source's close()."""
+    if stopping.wait(seconds):
+        raise LoaderError(f"{url}: the source was closed")
+
+
+@atexit.register
+def _close_sources() -> None:
+    """At exit, every source this process still has open lets go of its shards and lands
+    those whose bytes are all in (their part threads are daemons: ended with the
+    interpreter, a shard mid-landing would stay a temporary file)."""
+    for source in list(_SOURCES):
+        if source.pid == os.getpid():
+            with contextlib.suppress(Exception):
+                source.close()
 
 
 class RemoteSource:
@@ -122,13 +149,14 @@ class RemoteSource:
         self.cache = cache
         self.folder = folder
         self.client = client
-        self.retry = retry
+        self.base_retry = retry  # self.retry: the same, its sleeps cut short by close()
         self.loose_shards = loose_shards
         self.loose_bytes = cache.max_bytes // 2 if loose_bytes is None else loose_bytes
         self.fetch_threads = fetch_threads
         self.ahead_shards = ahead_shards
         self.transcode = needs_transcode(index.fields)
         self.sizes = ShardSizes(url, index, cache.max_bytes, client, retry)
+        self.generation = 0  # one more at each close: fetches of an earlier one are stale
         cache.squeeze = self.squeeze
         self.on_drop: Callable[[int], None] | None = None  # told when shard k is let go of
         self.pid = -1
@@ -145,10 +173,14 @@ class RemoteSource:
         self.pending: dict[int, Future[ShardReader]] = {}
         self.loose: OrderedDict[int, None] = OrderedDict()  # oldest use first
         self.wanted = self.cache.wanted_stamp()
-        self.pool: ThreadPoolExecutor | None = None
+        self.stopping = threading.Event()  # set by close(): retries stop sleeping
+        self.retry = dataclasses.replace(
+            self.base_retry, sleep=functools.partial(nap, self.stopping, self.url)
+        )
+        self.pool: DaemonPool | None = None
         self.upcoming: list[int] = []  # shards later batches read first, in order
         self.ahead_job: Future[None] | None = None
-        self.ahead_pool: ThreadPoolExecutor | None = None
+        self.ahead_pool: DaemonPool | None = None
         self.ahead_skipped: set[int] = set()  # no room, or fetched elsewhere: try at the next ask
         self.ahead_errors: dict[int, Exception] = {}  # failed fetches, attempts spent
         self.streams: dict[int, Incoming] = {}  # raw shards arriving part by part
@@ -203,7 +235,7 @@ class RemoteSource:
             for k in sorted(set(shards)):
                 if k not in self.open and k not in self.pending:
                     if self.pool is None:
-                        self.pool = ThreadPoolExecutor(self.fetch_threads, "dlop-fetch")
+                        self.pool = DaemonPool(self.fetch_threads, "dlop-fetch")
                     self.pending[k] = self.pool.submit(self.load, k)
 
     def release(self, shards: Sequence[int]) -> None:
@@ -246,7 +278,7 @@ class RemoteSource:
             mapped = all(k in self.open for k in upcoming)  # a warm epoch: nothing to fetch
             if not mapped and (self.ahead_job is None or self.ahead_job.done()):
                 if self.ahead_pool is None:
-                    self.ahead_pool = ThreadPoolExecutor(1, "dlop-ahead")
+                    self.ahead_pool = DaemonPool(1, "dlop-ahead")
                 self.ahead_job = self.ahead_pool.submit(self.fetch_ahead)
 
     def next_ahead(self) -> int | None:
@@ -303,6 +335,9 @@ class RemoteSource:
         with self.lock:
             return self.drop_loose(keep=max(0, len(self.loose) - 1))
 
+    def check_budget(self, shards_in_flight: int, why: str = "") -> None:
+        self.sizes.check_budget(shards_in_flight, why)
+
     def check_in_flight(self) -> None:
         """Refuses holds that could never all be cached (called under the lock)."""
         self.sizes.check_in_flight(self.asked)
@@ -337,9 +372,13 @@ class RemoteSource:
             raise LoaderError(f"{self.url}: shard {k} neither open nor being fetched")
         if mine:
             try:
-                future.set_result(self.load(k))
+                loaded = self.load(k)
             except BaseException as e:
-                future.set_exception(e)
+                with contextlib.suppress(InvalidStateError):  # answered by close()
+                    future.set_exception(e)
+            else:
+                with contextlib.suppress(InvalidStateError):
+                    future.set_result(loaded)
         return future.result()
 
     def load(self, k: int) -> ShardReader:
@@ -349,16 +388,32 @@ class RemoteSource:
         info = self.index.shards[k]
         path = self.folder / info.file
         what = f"{self.url}: shard {k} ({info.file})"
+        generation = self.generation
         try:
             if self.streams_shard(k):
                 got = self.stream(k, keep=True)
                 assert got is not None  # keep waits for the fetch lock and for room
-                return got
-            held = self.cache.get(path, lambda: self.fetch(k, what), self.to_raw(path))
-            return self.opened(k, held, what)
+            else:
+                held = self.cache.get(path, lambda: self.fetch(k, what), self.to_raw(path))
+                got = self.opened(k, held, what)
+            if generation != self.generation:  # the source closed meanwhile: not kept
+                self.discard(k, got)
+                raise LoaderError(f"{self.url}: the source was closed")
+            return got
         finally:
             with self.lock:
                 self.pending.pop(k, None)
+
+    def discard(self, k: int, reader: ShardReader) -> None:
+        """Lets go of shard ``k`` (mapped as ``reader``) that a fetch of a closed
+        generation brought in after close() had let go of everything."""
+        with self.lock:
+            got = self.open.get(k)
+            if got is not None and got[0] is reader:
+                self.drop(k)
+            inc = self.streams.get(k)
+        if inc is not None and inc.reader is reader:
+            self.failed(inc, LoaderError(f"{self.url}: the source was closed"))
 
     def opened(self, k: int, held: Held, what: str) -> ShardReader:
         """Maps the cached shard ``k`` this process holds, and keeps it open."""
@@ -477,25 +532,27 @@ class RemoteSource:
                 self.queue(inc, inc.ranks(first), only=ragged)
         except Exception as e:
             if inc is None:
-                self.let_go_of(got)
-                raise self.note_failure(k, e) from None
+                failure = self.note_failure(k, e)
+                self.let_go_of(got, failure)
+                raise failure from None
             raise self.failed(inc, e) from None
         if not inc.parts:
             self.landed(inc)
         return reader
 
-    def let_go_of(self, a: Arriving) -> None:
-        """Removes a shard that will not arrive whole (once)."""
+    def let_go_of(self, a: Arriving, failure: BaseException | None = None) -> None:
+        """Removes a shard that will not arrive whole (once), recording a fetch
+        ``failure`` for the node's other processes (CacheDir.abandon)."""
         with self.lock:
             if a not in self.arrivals:
                 return
             self.arrivals.discard(a)
-        self.cache.abandon(a)
+        self.cache.abandon(a, failure)
 
     def note_failure(self, k: int, e: BaseException) -> BaseException:
         """Records that shard ``k`` failed (its batches raise it until the next epoch)."""
         if isinstance(e, FetchError):
-            e = LoaderError(str(e))
+            e = FetchFailed(str(e))
         with self.lock:  # the first failure is the one to report (a later one may be its echo)
             return self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
 
@@ -647,7 +704,7 @@ class RemoteSource:
                     self.on_drop(inc.k)
         if not held and inc.reader is not None:
             inc.reader.close()  # a fetch ahead's: nothing reads it
-        self.let_go_of(inc.arriving)
+        self.let_go_of(inc.arriving, e)
         return e
 
     def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> bool:
@@ -791,11 +848,21 @@ class RemoteSource:
                 self.drop(k)
             pools = [p for p in (self.pool, self.ahead_pool) if p is not None]
             self.pool = self.ahead_pool = None
+            self.stopping.set()  # a fetch sleeping between attempts gives up now
+            self.generation += 1
+            # a batch waiting for a fetch stuck in a network read is answered now; the
+            # fetch's own result, when it comes, is discarded (load, DaemonPool)
+            closed = LoaderError(f"{self.url}: the source was closed")
+            for future in self.pending.values():
+                with contextlib.suppress(InvalidStateError):
+                    if not future.done():
+                        future.set_exception(closed)
             self.upcoming = []
             parts, self.parts = self.parts, None
         if self.pid == os.getpid():
-            for pool in pools:
-                pool.shutdown(wait=True, cancel_futures=True)
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            for pool in pools:  # a fetch stuck in a read is not waited for past this
+                pool.shutdown(max(0.0, deadline - time.monotonic()), cancel_futures=True)
             if parts is not None:
                 for job in parts.close():  # a front waiting for a dropped part stops waiting
                     if isinstance(job, functools.partial) and isinstance(job.args[0], Incoming):
@@ -803,7 +870,10 @@ class RemoteSource:
                             None, LoaderError(f"{self.url}: the source was closed")
                         )
             for inc in list(self.streams.values()):
-                self.failed(inc, LoaderError(f"{self.url}: the source was closed"))
+                # a shard whose every part is in lands (synced, published) rather than
+                # being thrown away: a peer, or the next run, finds it whole
+                if not inc.whole_soon(LANDING_WAIT_S):
+                    self.failed(inc, LoaderError(f"{self.url}: the source was closed"))
             with self.lock:
                 self.ahead_errors.clear()
                 self.closing = False

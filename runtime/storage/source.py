@@ -74,6 +74,12 @@ class ShardSource(Protocol):
         """Raises when one of these shards can no longer be read safely."""
         ...
 
+    def check_budget(self, shards_in_flight: int, why: str = "") -> None:
+        """Refuses, before any batch, a reading that holds ``shards_in_flight`` shards at
+        once (``why``: the settings that make it so) where they could not all be held:
+        a cache budget below them. A source that maps shards in place takes any."""
+        ...
+
 
 def open_reader(path: Path, cache_bytes: int) -> ArchiveReader:
     """The one place a local archive path becomes a reader (``cache_bytes``: its
@@ -113,6 +119,9 @@ class LocalSource:
 
     def release(self, shards: Sequence[int]) -> None:
         pass
+
+    def check_budget(self, shards_in_flight: int, why: str = "") -> None:
+        pass  # every shard mapped in place: no budget
 
     def check(self, shards: Sequence[int] | np.ndarray) -> None:
         """Raises ShardChangedError when a shard among ``shards`` (numbers) has shrunk

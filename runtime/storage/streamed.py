@@ -30,6 +30,7 @@ import contextlib
 import heapq
 import itertools
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
@@ -285,6 +286,18 @@ class Incoming:
     def file_crc(self) -> int:
         """The whole file's CRC-32, from its front spans' and parts' (all landed)."""
         return combined([*self.fronts, *((p.lo, p.hi, p.crc) for p in self.parts)])
+
+    def whole_soon(self, timeout: float) -> bool:
+        """Whether the shard lands (published) within ``timeout`` seconds, waited for only
+        when every part is in already (its landing under way); False at once otherwise."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not self.done and self.error is None and self.left == 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.5))
+            return self.done
 
     def wait_whole(self) -> None:
         with self.cond:

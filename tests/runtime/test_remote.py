@@ -16,7 +16,7 @@ import torch
 from dlop.formats import ArchiveReader, ArchiveWriter, Field, Zstd
 from dlop.formats.storage import LocalStorage, Retry
 from dlop.runtime import Archive, Loader, LoaderError, UsageError, UsageTypeError, open_archive
-from dlop.runtime.storage.cache import CacheDir
+from dlop.runtime.storage.cache import STAMP_BYTES, CacheDir
 from dlop.runtime.storage.cache_folder import CacheError
 from dlop.runtime.storage.remote import fetch_head, fetch_index, storage_at
 from dlop.runtime.storage.remote_sizes import ShardSizes
@@ -275,7 +275,10 @@ def test_fetching_ahead_stays_within_the_budget(served: Path, tmp_path: Path) ->
     largest = max(p.stat().st_size for p in (served / "a").glob("shard-*"))
     with FaultProxy(root=served) as proxy:
         remote = open_remote(
-            proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=3 * largest, retry=FAST
+            proxy.url + "/a",
+            cache_dir=tmp_path / "c",
+            cache_bytes=3 * (largest + STAMP_BYTES),
+            retry=FAST,
         )
         loader = Loader(remote, prefetch=0, **{**SETTINGS, "window_shards": 1})
         it = iter(loader)

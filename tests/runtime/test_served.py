@@ -206,8 +206,14 @@ def test_bit_rot_in_the_node_cache_is_fetched_again_never_served(
         (cached,) = cache.rglob("shard-00000.dlop")
         header, _ = read_header(cached)
         wave = next(f for f in header["fields"] if f["name"] == "wave")
+        verify = [sys.executable, "-m", "dlop.tools.inspect_cli", "verify", "-q", "--cache"]
+        ok = subprocess.run([*verify, str(cache)], capture_output=True, text=True)
+        assert ok.returncode == 0 and f"{SHARDS} cached shard(s)" in ok.stdout
         flip(cached, int(wave["regions"]["data"]["offset"]) + 4)  # sample 0's x[1]
         flip(cached, int(wave["regions"]["data"]["offset"]) + 2)  # and its x[0]
+        bad = subprocess.run([*verify, str(cache)], capture_output=True, text=True)
+        assert bad.returncode == 1 and "shard-00000.dlop: CRC-32" in bad.stdout
+        assert "changed on disk" in bad.stdout
         before = proxy.count("shard-00000")
         # a new process (a new run on the node) holds the shard for the first time
         run = [sys.executable, "-c", READ_BACK, url, str(cache)]
@@ -263,3 +269,25 @@ def test_clearing_the_cache_while_a_shard_streams_breaks_nothing(
     gc.collect()  # the archive no longer open here: a clear now removes its folder
     subprocess.run(clear, capture_output=True, text=True, check=True)
     assert not [p for p in cache.iterdir() if p.is_dir()]
+
+
+EXIT_AFTER_EPOCH = """
+import sys
+from dlop.runtime import Loader
+loader = Loader(sys.argv[1], 8, shuffle=False, cache_dir=sys.argv[2])
+n = sum(1 for _ in loader)
+print(n)
+"""  # and exits at once, its last shard's parts just in
+
+
+def test_a_shard_whose_bytes_are_all_in_is_published_when_the_process_exits(
+    site: Path, tmp_path: Path
+) -> None:
+    with FaultProxy(root=site) as proxy:
+        for run in range(6):
+            cache = tmp_path / f"c{run}"
+            cmd = [sys.executable, "-c", EXIT_AFTER_EPOCH, proxy.url + "/a", str(cache)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            assert out.split()[-1] == str(PER_SHARD * SHARDS // 8)
+            assert not list(cache.rglob("*.tmp-*")), run  # none left half published
+            assert len(list(cache.rglob("shard-*.dlop"))) == SHARDS, run

@@ -97,3 +97,44 @@ def test_a_full_disk_names_the_cache_and_its_budget(
         )
         assert "cache_bytes" in message
         assert not list((tmp_path / "c").rglob("*.tmp-*"))  # nothing half made left behind
+
+
+READ_SHARD_1 = """
+import sys
+from dlop.runtime import Loader
+try:
+    for batch in Loader(sys.argv[1], 4, shuffle=False, cache_dir=sys.argv[2]):
+        pass
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_a_fetch_that_failed_is_the_answer_of_the_nodes_other_processes(
+    site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import sys
+
+    from dlop.runtime.storage import cache as cache_module
+
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00001", "slowdown", times=None)  # 503 to every request
+        url = proxy.url + "/big"
+        remote = open_remote(url, cache_dir=tmp_path / "c", retry=FAST)
+        with pytest.raises(LoaderError, match=r"shard 1 .*failed 4 times"):
+            for _ in Loader(remote, **SETTINGS):
+                pass
+        tried = proxy.count("shard-00001")
+        assert tried == 4
+        # another process on the node (another rank) needing shard 1 takes that answer
+        run = [sys.executable, "-c", READ_SHARD_1, url, str(tmp_path / "c")]
+        said = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+        assert "another process on this node failed to fetch it" in said
+        assert "503" in said or "SlowDown" in said
+        assert proxy.count("shard-00001") == tried  # no new wait, no new request
+        # the server well again and the record expired: tried afresh, and read
+        proxy.faults.clear()
+        monkeypatch.setattr(cache_module, "FAILURE_KEPT_S", 0.0)
+        remote = open_remote(url, cache_dir=tmp_path / "c", retry=FAST)
+        assert sum(len(b["x"]) for b in Loader(remote, **SETTINGS)) == 24
