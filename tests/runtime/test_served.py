@@ -37,22 +37,18 @@ PER_SHARD = 64
 SHARDS = 3
 
 
-def make(path: Path) -> Path:
-    """Three shards of the same size and sample count, each sample's values its number."""
-    fields = [Field("label", "i64", ()), Field("wave", "f32", (WAVE,))]
-    with ArchiveWriter(path, fields, shard_bytes=4 << 20) as w:
-        for i in range(PER_SHARD * SHARDS):
-            w.write({"label": i, "wave": np.full(WAVE, i, np.float32)})
-    shards = json.loads((path / "index.json").read_text())["shards"]
-    assert [s["num_samples"] for s in shards] == [PER_SHARD] * SHARDS
-    assert len({s["bytes"] for s in shards}) == 1
-    return path
-
-
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Archive ``a``: three shards of the same size and sample count, each sample's
+    values its number."""
     root = tmp_path_factory.mktemp("site")
-    make(root / "a")
+    fields = [Field("label", "i64", ()), Field("wave", "f32", (WAVE,))]
+    with ArchiveWriter(root / "a", fields, shard_bytes=4 << 20) as w:
+        for i in range(PER_SHARD * SHARDS):
+            w.write({"label": i, "wave": np.full(WAVE, i, np.float32)})
+    shards = json.loads((root / "a" / "index.json").read_text())["shards"]
+    assert [s["num_samples"] for s in shards] == [PER_SHARD] * SHARDS
+    assert len({s["bytes"] for s in shards}) == 1
     return root
 
 
