@@ -10,6 +10,7 @@ import gc
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -226,3 +227,33 @@ def test_the_budget_check_at_open_covers_every_epoch(
                 pass
         loader.close()
         assert 0 < peak[0] <= bound, (peak[0], bound)
+
+
+def test_dataloader_workers_are_counted_in_the_budget(tmp_path: Path) -> None:
+    from dlop.formats import Zstd
+    from dlop.runtime import UsageError, open_archive
+    from dlop.runtime.storage.cache import STAMP_BYTES
+
+    # a zstd archive read through the cache, 12 shards of 8 samples: in window order of
+    # one shard, batches of 8, one reader holds up to 3 shards, two workers 4
+    path = tmp_path / "z"
+    fields = [Field("label", "i64", ()), Field("x", "f32", (2048,), codec=Zstd())]
+    with ArchiveWriter(path, fields, shard_bytes=1) as w:
+        for k in range(12):
+            w.write_group(
+                [{"label": 8 * k + j, "x": np.full(2048, k, np.float32)} for j in range(8)]
+            )
+    probe = open_archive(path, cache_dir=tmp_path / "probe", cache_bytes=1 << 30)
+    raw = probe.source.sizes.size(0) + STAMP_BYTES  # type: ignore[attr-defined]
+    probe.close()
+    kw: dict[str, Any] = {
+        "order": "window",
+        "window_shards": 1,
+        "cache_dir": tmp_path / "c",
+        "cache_bytes": 3 * raw + raw // 2,
+    }
+    single = DataLoader(IterableArchive(path, 8, **kw), batch_size=None, num_workers=0)
+    assert sum(len(b["label"]) for b in single) == 96
+    two = DataLoader(IterableArchive(path, 8, **kw), batch_size=None, num_workers=2)
+    with pytest.raises(UsageError, match=r"2 DataLoader worker\(s\)"):
+        next(iter(two))
