@@ -100,10 +100,15 @@ LANDING_WAIT_S = 30.0
 CLOSE_WAIT_S = 1.0
 
 
+def closed(url: str) -> LoaderError:
+    """What a batch, a fetch or a retry of a closed source gets."""
+    return LoaderError(f"{url}: the source was closed")
+
+
 def nap(stopping: threading.Event, url: str, seconds: float) -> None:
     """A retry's sleep between attempts, cut short by its source's close()."""
     if stopping.wait(seconds):
-        raise LoaderError(f"{url}: the source was closed")
+        raise closed(url)
 
 
 @atexit.register
@@ -156,7 +161,6 @@ class RemoteSource:
         self.ahead_shards = ahead_shards
         self.transcode = needs_transcode(index.fields)
         self.sizes = ShardSizes(url, index, cache.max_bytes, client, retry)
-        self.generation = 0  # one more at each close: fetches of an earlier one are stale
         cache.squeeze = self.squeeze
         self.on_drop: Callable[[int], None] | None = None  # told when shard k is let go of
         self.pid = -1
@@ -173,10 +177,7 @@ class RemoteSource:
         self.pending: dict[int, Future[ShardReader]] = {}
         self.loose: OrderedDict[int, None] = OrderedDict()  # oldest use first
         self.wanted = self.cache.wanted_stamp()
-        self.stopping = threading.Event()  # set by close(): retries stop sleeping
-        self.retry = dataclasses.replace(
-            self.base_retry, sleep=functools.partial(nap, self.stopping, self.url)
-        )
+        self.next_generation()
         self.pool: DaemonPool | None = None
         self.upcoming: list[int] = []  # shards later batches read first, in order
         self.ahead_job: Future[None] | None = None
@@ -198,6 +199,14 @@ class RemoteSource:
             close_quietly([a.fd, a.lock_fd])
         self.arrivals = set()
         self.streams = {}
+
+    def next_generation(self) -> None:
+        """Fetches from here on belong to a new generation: ``stopping``, set by close(),
+        cuts their retries' sleeps short and marks what they bring in as stale."""
+        self.stopping = threading.Event()
+        self.retry = dataclasses.replace(
+            self.base_retry, sleep=functools.partial(nap, self.stopping, self.url)
+        )
 
     def __del__(self) -> None:
         close_quietly([getattr(self, "in_use", -1)])  # the folder no longer in use here
@@ -388,7 +397,7 @@ class RemoteSource:
         info = self.index.shards[k]
         path = self.folder / info.file
         what = f"{self.url}: shard {k} ({info.file})"
-        generation = self.generation
+        stopping = self.stopping
         try:
             if self.streams_shard(k):
                 got = self.stream(k, keep=True)
@@ -396,24 +405,24 @@ class RemoteSource:
             else:
                 held = self.cache.get(path, lambda: self.fetch(k, what), self.to_raw(path))
                 got = self.opened(k, held, what)
-            if generation != self.generation:  # the source closed meanwhile: not kept
+            if stopping.is_set():  # the source closed meanwhile: not kept
                 self.discard(k, got)
-                raise LoaderError(f"{self.url}: the source was closed")
+                raise closed(self.url)
             return got
         finally:
             with self.lock:
                 self.pending.pop(k, None)
 
     def discard(self, k: int, reader: ShardReader) -> None:
-        """Lets go of shard ``k`` (mapped as ``reader``) that a fetch of a closed
-        generation brought in after close() had let go of everything."""
+        """Lets go of shard ``k`` (mapped as ``reader``) that a fetch begun before close()
+        brought in after close() had let go of everything."""
         with self.lock:
             got = self.open.get(k)
             if got is not None and got[0] is reader:
                 self.drop(k)
             inc = self.streams.get(k)
         if inc is not None and inc.reader is reader:
-            self.failed(inc, LoaderError(f"{self.url}: the source was closed"))
+            self.failed(inc, closed(self.url))
 
     def opened(self, k: int, held: Held, what: str) -> ShardReader:
         """Maps the cached shard ``k`` this process holds, and keeps it open."""
@@ -565,16 +574,15 @@ class RemoteSource:
                     part.rank = rank
                     jobs.append((rank, functools.partial(self.fetch_part, inc, i, rank)))
         if jobs:
-            closed = LoaderError(f"{self.url}: the source was closed")
             with self.lock:
                 if self.closing:  # close() fails what is still arriving
-                    inc.settle_tail(None, closed)
+                    inc.settle_tail(None, closed(self.url))
                     return
                 if self.parts is None:
                     self.parts = PartQueue(self.retry.parallel_parts)
                 parts = self.parts
             if not parts.put(jobs):
-                inc.settle_tail(None, closed)
+                inc.settle_tail(None, closed(self.url))
 
     def fetch_part(self, inc: Incoming, i: int, rank: int) -> None:
         """Fetches, verifies and writes part ``i`` of a shard arriving (a part thread)."""
@@ -849,14 +857,12 @@ class RemoteSource:
             pools = [p for p in (self.pool, self.ahead_pool) if p is not None]
             self.pool = self.ahead_pool = None
             self.stopping.set()  # a fetch sleeping between attempts gives up now
-            self.generation += 1
             # a batch waiting for a fetch stuck in a network read is answered now; the
             # fetch's own result, when it comes, is discarded (load, DaemonPool)
-            closed = LoaderError(f"{self.url}: the source was closed")
             for future in self.pending.values():
                 with contextlib.suppress(InvalidStateError):
                     if not future.done():
-                        future.set_exception(closed)
+                        future.set_exception(closed(self.url))
             self.upcoming = []
             parts, self.parts = self.parts, None
         if self.pid == os.getpid():
@@ -866,16 +872,15 @@ class RemoteSource:
             if parts is not None:
                 for job in parts.close():  # a front waiting for a dropped part stops waiting
                     if isinstance(job, functools.partial) and isinstance(job.args[0], Incoming):
-                        job.args[0].settle_tail(
-                            None, LoaderError(f"{self.url}: the source was closed")
-                        )
+                        job.args[0].settle_tail(None, closed(self.url))
             for inc in list(self.streams.values()):
                 # a shard whose every part is in lands (synced, published) rather than
                 # being thrown away: a peer, or the next run, finds it whole
                 if not inc.whole_soon(LANDING_WAIT_S):
-                    self.failed(inc, LoaderError(f"{self.url}: the source was closed"))
+                    self.failed(inc, closed(self.url))
             with self.lock:
                 self.ahead_errors.clear()
                 self.closing = False
+                self.next_generation()  # read again, it fetches and retries anew
         in_use, self.in_use = self.in_use, -1
         close_quietly([in_use])

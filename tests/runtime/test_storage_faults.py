@@ -138,3 +138,21 @@ def test_a_fetch_that_failed_is_the_answer_of_the_nodes_other_processes(
         monkeypatch.setattr(cache_module, "FAILURE_KEPT_S", 0.0)
         remote = open_remote(url, cache_dir=tmp_path / "c", retry=FAST)
         assert sum(len(b["x"]) for b in Loader(remote, **SETTINGS)) == 24
+
+
+def test_a_source_read_again_after_close_still_retries(site: Path, tmp_path: Path) -> None:
+    # close() cuts the retries' sleeps short; a source read again after it retries as new
+    slept = Retry(attempts=4, backoff_s=0.001, max_backoff_s=0.01)
+    with FaultProxy(root=site) as proxy:
+        remote = open_remote(proxy.url + "/big", cache_dir=tmp_path / "c", retry=slept)
+        first = Loader(remote, **SETTINGS)
+        next(iter(first))
+        first.close()
+        remote.close()
+        for cached in (tmp_path / "c").rglob("shard-00002.dlop"):
+            cached.unlink()  # evicted: the next read fetches it again
+        proxy.fail("shard-00002", "slowdown", times=1)  # one 503, then the shard
+        again = Loader(remote, **SETTINGS)
+        assert sum(len(b["x"]) for b in again) == 24
+        again.close()
+        assert proxy.count("shard-00002") >= 2
