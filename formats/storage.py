@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import random
 import time
@@ -50,30 +49,16 @@ MapParts = Callable[
 ATTEMPTS = 8
 BACKOFF_S = 0.25
 MAX_BACKOFF_S = 10.0
-RETRY_ENV = {"attempts": "DLOP_FETCH_ATTEMPTS", "max_backoff_s": "DLOP_FETCH_MAX_BACKOFF"}
+ATTEMPTS_ENV, MAX_BACKOFF_ENV = "DLOP_FETCH_ATTEMPTS", "DLOP_FETCH_MAX_BACKOFF"
 
 
-def retry_setting(name: str, default: float) -> float:
-    """A Retry default, or the environment's (``RETRY_ENV``) when set."""
-    var = RETRY_ENV[name]
-    text = os.environ.get(var, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    whole = name != "attempts" or value.is_integer()
-    if not (math.isfinite(value) and value >= (1 if name == "attempts" else 0) and whole):
-        raise urls.StorageError(
-            f"{var}={text!r}: give "
-            + (
-                "a whole number of attempts, at least 1"
-                if name == "attempts"
-                else "seconds, 0 or more"
-            )
-        )
-    return value
+def default_attempts() -> int:
+    want = "a whole number of attempts, at least 1"
+    return int(urls.env_number(ATTEMPTS_ENV, ATTEMPTS, lambda v: v >= 1 and v.is_integer(), want))
+
+
+def default_max_backoff() -> float:
+    return urls.env_number(MAX_BACKOFF_ENV, MAX_BACKOFF_S, lambda v: v >= 0, "seconds, 0 or more")
 
 
 @dataclass(frozen=True)
@@ -83,11 +68,9 @@ class Retry:
     ``parallel_parts`` say how the runtime cuts one try of a large object into ranged
     reads."""
 
-    attempts: int = field(default_factory=lambda: int(retry_setting("attempts", ATTEMPTS)))
+    attempts: int = field(default_factory=default_attempts)
     backoff_s: float = BACKOFF_S
-    max_backoff_s: float = field(
-        default_factory=lambda: retry_setting("max_backoff_s", MAX_BACKOFF_S)
-    )
+    max_backoff_s: float = field(default_factory=default_max_backoff)
     part_bytes: int = 16 << 20
     parallel_parts: int = 4
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)

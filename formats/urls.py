@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import DlopError
@@ -37,20 +37,30 @@ class StorageError(DlopError):
     """A URL no installed fsspec backend opens, or storage options that do not fit it."""
 
 
+def env_number(name: str, default: float, ok: Callable[[float], bool], want: str) -> float:
+    """The environment variable ``name`` as a finite number passing ``ok``, or ``default``
+    when it is not set; StorageError saying ``want`` (what to give) otherwise."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and ok(value)):
+        raise StorageError(f"{name}={text!r}: give {want}")
+    return value
+
+
 def timeouts() -> tuple[float, float]:
     """(connect, read) seconds: CONNECT_S and READ_S, or the environment's settings."""
-    out = []
-    for kind, default in (("connect", CONNECT_S), ("read", READ_S)):
-        name = TIMEOUT_ENV[kind]
-        text = os.environ.get(name, "").strip()
-        try:
-            value = float(text) if text else default
-        except ValueError:
-            value = -1.0
-        if not (math.isfinite(value) and value > 0):
-            raise StorageError(f"{name}={text!r}: give the {kind} timeout in seconds, above 0")
-        out.append(value)
-    return out[0], out[1]
+    connect, read = (
+        env_number(
+            TIMEOUT_ENV[kind], default, lambda v: v > 0, f"the {kind} timeout in seconds, above 0"
+        )
+        for kind, default in (("connect", CONNECT_S), ("read", READ_S))
+    )
+    return connect, read
 
 
 def with_timeouts(proto: str, options: Mapping[str, Any]) -> dict[str, Any]:

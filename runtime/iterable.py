@@ -47,7 +47,6 @@ from .archive.dataset import Archive
 from .batch import Batch
 from .errors import UsageError, UsageTypeError, check_int
 from .order.choose import Choice, choose
-from .order.distributed import launcher_nodes
 from .order.epochs import BatchOrder, check_epoch
 from .order.mixture import Source
 from .order.reading import CHOOSING, Reading, keywords
@@ -216,7 +215,9 @@ class IterableArchive(IterableDataset[Batch]):
         start = self._claim(worker) if passes == 0 else 0
         batches = self.batch_order().batches(int(self._shared[_EPOCH]) + passes)
         choice = self.choice()
-        self._check_budget(choice, workers)
+        # each worker gathers one batch at a time, a rank's workers consecutive ones
+        bucketing = self.reading.bucket_by is not None
+        choice.check_budget(workers + 1, bucketing, f"{workers} DataLoader worker(s)")
         engine = choice.archive.own_engine()
         ring = self._worker_ring(worker) if info is not None else None
         self._handed_out = start
@@ -229,21 +230,6 @@ class IterableArchive(IterableDataset[Batch]):
             batch.position = j
             self._handed_out = j + 1  # with workers=1 (in process): batches yielded so far
             yield batch
-
-    def _check_budget(self, choice: Choice, workers: int) -> None:
-        """Refuses, before this pass's first batch, a shard cache too small for what the
-        order holds in flight on the node in any epoch: each worker gathers one batch at
-        a time, the workers of a rank consecutive batches, every rank on the node."""
-        told = launcher_nodes()
-        spec = self.batch_order().spec
-        local = told[0] if told is not None else spec.local_size
-        bucketing = self.reading.bucket_by is not None
-        count = spec.shards_in_flight(workers + 1, bucketing, local)
-        why = (
-            f"order={spec.mode!r}, batch_size={spec.batch_size}, {workers} DataLoader "
-            f"worker(s) each gathering a batch, {local} rank(s) on this node"
-        )
-        choice.archive.source.check_budget(count, why)
 
     def _worker_ring(self, worker: int) -> WorkerRing:
         """This worker's shared-memory slots, kept across iterations (persistent workers)."""

@@ -32,7 +32,6 @@ from .gather.engine import CopyEngine
 from .gather.plan import CopyPlan
 from .gather.threads import JobThread, at_exit
 from .order.choose import choose
-from .order.distributed import launcher_nodes
 from .order.mixture import Source
 from .order.reading import CHOOSING, Reading, keywords
 from .pipeline.device import DeviceStage
@@ -154,28 +153,14 @@ class Loader:
         self.order, self.bucket_by = self.choice.order, self.reading.bucket_by
         check_transforms(transforms, self.archive, self.choice.mixture is not None)
         self.order.refuse_empty(str(self.archive.path))
-        self._check_budget()
+        # a shard cache too small for this order in some epoch is refused now
+        self.choice.check_budget(
+            self.prefetch + 2, self.bucket_by is not None, f"prefetch={self.prefetch}"
+        )
         self._later_stages(device, transforms, self.reading.seed)
         _live.add(self)
 
     __init__.__signature__ = keywords(__init__, LOADER_ORDER)  # type: ignore[attr-defined]
-
-    def _check_budget(self) -> None:
-        """Refuses now a shard cache too small for what this order holds in flight in
-        any epoch (the batch being made, the next, the ``prefetch`` made ahead; every
-        rank on the node), rather than after some batches of a later epoch."""
-        told = launcher_nodes()
-        local = told[0] if told is not None else self.spec.local_size
-        held = self.prefetch + 2
-        spec = self.spec
-        window = f", window_shards={spec.window_shards}" if spec.mode == "window" else ""
-        bucket = f", bucket_window={spec.bucket_window}" if self.bucket_by else ""
-        why = (
-            f"order={spec.mode!r}{window}{bucket}, batch_size={spec.batch_size}, "
-            f"prefetch={self.prefetch}, {local} rank(s) on this node"
-        )
-        count = spec.shards_in_flight(held, self.bucket_by is not None, local)
-        self.archive.source.check_budget(count, why)
 
     def _later_stages(
         self, device: str | torch.device | None, transforms: Sequence[Transform], seed: int

@@ -44,22 +44,22 @@ def open_archive(
     cache (Archive's ``cache_bytes``). ``storage_options`` go to the fsspec filesystem of
     an archive at a URL (credentials, an endpoint, client settings), and are never kept
     in a loader state or shown in a message."""
-    url = isinstance(path, str) and is_url(path)
+    url = path if isinstance(path, str) and is_url(path) else None
     if storage_options is not None:
         if not isinstance(storage_options, Mapping):
             raise UsageTypeError(
                 f"storage_options must be a dict of fsspec options, got "
                 f"{type(storage_options).__name__}"
             )
-        if not url:
+        if url is None:
             raise UsageError(
                 f"{path}: storage_options= are for an archive at a URL (s3://..., "
                 "https://...); a local archive takes none"
             )
-    if isinstance(path, str) and url:
+    if url is not None:
         if where is not None or indices is not None:
             raise UsageError(f"{path}: where= and indices= take local archives for now")
-        source = open_cached(path, cache_dir, cache_bytes, storage_options)
+        source = open_cached(url, cache_dir, cache_bytes, storage_options)
         return Archive.over(source, fields, pad_value)
     if cache_dir is not None:
         paths = archive_paths(path)

@@ -27,7 +27,7 @@ from ..errors import UsageError, UsageTypeError, check_int
 from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate
 from ..gather.plan import CopyPlan
-from .distributed import placement
+from .distributed import launcher_nodes, placement
 from .epochs import NODE_SHARES, BatchOrder, OrderSpec, selection_draw
 from .mixture import (
     MAX_EPOCH_SAMPLES,
@@ -65,6 +65,24 @@ class Choice:
                 "mixture": self.mixture.settings(),
             }
         return {"archives": archives, "selection": digest(self.archive.selection), "mixture": None}
+
+    def check_budget(self, batches_held: int, bucketing: bool, readers: str) -> None:
+        """Refuses, before any batch, a shard cache too small for what this order holds
+        in flight on the node in any epoch (OrderSpec.shards_in_flight): each rank's
+        readers hold ``batches_held`` consecutive batches (``readers`` says how, for the
+        message), every rank on the node (the launcher's LOCAL_WORLD_SIZE, else
+        world_size / nodes) the same."""
+        told = launcher_nodes()
+        spec = self.spec
+        local = told[0] if told is not None else spec.local_size
+        window = f", window_shards={spec.window_shards}" if spec.mode == "window" else ""
+        bucket = f", bucket_window={spec.bucket_window}" if bucketing else ""
+        why = (
+            f"order={spec.mode!r}{window}{bucket}, batch_size={spec.batch_size}, "
+            f"{readers}, {local} rank(s) on this node"
+        )
+        count = spec.shards_in_flight(batches_held, bucketing, local)
+        self.archive.source.check_budget(count, why)
 
     def sources_of(self, indices: np.ndarray) -> torch.Tensor | None:
         """Each sample's source number (``int64 [B]``, an index into the mixture's

@@ -127,13 +127,12 @@ class OrderSpec:
         node_shards = min(len(sizes), -(-len(sizes) // self.nodes) + (self.nodes > 1))
         if self.mode == "global":
             return min(node_shards, local_ranks * batches_held * self.batch_size)
-        smallest_first = np.cumsum(sizes)
         w = self.window_shards
+        # samples in the k smallest windows conceivable, k = 1, 2, ...
+        smallest_windows = np.cumsum(sizes)[w - 1 :: w]
 
         def windows(run: int) -> int:
-            whole = 0
-            while (whole + 1) * w <= len(sizes) and smallest_first[(whole + 1) * w - 1] <= run - 2:
-                whole += 1
+            whole = int(np.searchsorted(smallest_windows, run - 2, side="right"))
             return whole + 2
 
         if bucketing:

@@ -51,7 +51,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlop.formats import ArchiveReader, FormatError
 from dlop.formats.crc import crc32
+from dlop.formats.transcode import needs_transcode
 
 from ..errors import FetchFailed
 from .cache_folder import ARCHIVE_ID, BUDGET_LOCK, FOREIGN, WANTED, CacheError, archive_dirs, claim
@@ -312,7 +314,7 @@ class CacheDir:
                 return None
             raise CacheError(f"{path}: not a regular file; remove it: {FOREIGN}")
         stamp = _read_stamp(path)
-        if not stamp.startswith(_stamp_of(st)) or not content_verified(path, fd, stamp):
+        if not stamp.startswith(_stamp_of(st)) or not content_verified(path, fd, st.st_size, stamp):
             os.close(fd)  # changed since it was verified: fetch again
             return None
         with contextlib.suppress(OSError):  # the use, for eviction; the content's time kept
@@ -399,9 +401,8 @@ class CacheDir:
         go of: the caller abandons ``a``."""
         if not synced:
             os.fsync(a.fd)
-        st = os.fstat(a.fd)
-        _write_stamp(a.path, st, crc)
-        remember_verified(a.path, _stamp(st, crc))  # this process wrote what it verified
+        stamp = _write_stamp(a.path, os.fstat(a.fd), crc)
+        remember(a.path, stamp, True)  # this process wrote what it verified
         with locked(self.root / BUDGET_LOCK):
             os.replace(a.tmp, a.path)
             if keep:
@@ -529,9 +530,6 @@ class CacheDir:
         verified, and a raw shard's against its archive's index too: (shards checked,
         problems, each naming the file). A shard that fails would be fetched again when
         next read, never served."""
-        from dlop.formats import ArchiveReader, FormatError
-        from dlop.formats.transcode import needs_transcode
-
         checked, problems = 0, []
         for sub in archive_dirs(self.root):
             try:
@@ -542,12 +540,15 @@ class CacheDir:
                 problems.append(f"{sub}: its index does not read ({e})")
                 continue
             for p in sorted(sub.iterdir()):
-                if not is_shard(p.name) or not p.is_file():
+                if not is_shard(p.name) or (p.is_dir() and not p.is_symlink()):
                     continue
                 try:
                     fd = _open(p, os.O_NOFOLLOW)
-                except OSError:
+                except FileNotFoundError:
                     continue  # evicted meanwhile
+                except OSError as e:  # a link in its place
+                    problems.append(f"{p}: cannot open the cached shard ({e}); {FOREIGN}")
+                    continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH)
                     st = os.fstat(fd)
@@ -715,41 +716,35 @@ def file_crc(fd: int, size: int) -> int:
         return crc32(memoryview(mm))
 
 
-# Cached shards this process has read and checked (path, stamp): checked once a process.
-_verified: set[tuple[str, bytes]] = set()
-_rotten: set[tuple[str, bytes]] = set()  # and those found changed
-_verified_lock = threading.Lock()
-MAX_VERIFIED = 1 << 20
+# Cached shards this process has read and checked, (path, stamp) -> whether the bytes
+# matched: each is read once a process, and one found changed is warned of once.
+_checked: dict[tuple[str, bytes], bool] = {}
+_checked_lock = threading.Lock()
+MAX_CHECKED = 1 << 20
 
 
-def remember_verified(path: Path, stamp: bytes) -> None:
-    with _verified_lock:
-        if len(_verified) >= MAX_VERIFIED:
-            _verified.clear()
-        _verified.add((str(path), stamp))
+def remember(path: Path, stamp: bytes, matched: bool) -> None:
+    with _checked_lock:
+        if len(_checked) >= MAX_CHECKED:
+            _checked.clear()
+        _checked[(str(path), stamp)] = matched
 
 
-def content_verified(path: Path, fd: int, stamp: bytes) -> bool:
-    """Whether the cached shard at ``path`` (open as ``fd``, its identity matching
-    ``stamp``) holds the bytes its stamp's CRC says: read and checked the first time
-    this process holds it, remembered after. A mismatch is warned of (the shard is
+def content_verified(path: Path, fd: int, size: int, stamp: bytes) -> bool:
+    """Whether the cached shard at ``path`` (open as ``fd``, ``size`` bytes, its identity
+    matching ``stamp``) holds the bytes its stamp's CRC says: read and checked the first
+    time this process holds it, remembered after. A mismatch is warned of (the shard is
     then fetched again)."""
-    key = (str(path), stamp)
-    with _verified_lock:
-        if key in _verified:
-            return True
-        if key in _rotten:  # found changed already: fetched again, warned of once
-            return False
+    with _checked_lock:
+        known = _checked.get((str(path), stamp))
+    if known is not None:
+        return known
     want = stamp_crc(stamp)
     if want is None:
         return False  # cached by a version that recorded no CRC: fetched again
-    size = os.fstat(fd).st_size
     got = file_crc(fd, size)
+    remember(path, stamp, got == want)
     if got != want:
-        with _verified_lock:
-            if len(_rotten) >= MAX_VERIFIED:
-                _rotten.clear()
-            _rotten.add(key)
         warnings.warn(
             f"{path}: the cached shard's bytes changed on disk since they were verified "
             f"(CRC-32 {got:#010x}, {want:#010x} when cached; bit rot, or a write into the "
@@ -758,19 +753,20 @@ def content_verified(path: Path, fd: int, stamp: bytes) -> bool:
             stacklevel=2,
         )
         return False
-    remember_verified(path, stamp)
     return True
 
 
-def _write_stamp(path: Path, st: os.stat_result, crc: int) -> None:
-    """Records the stamp of the verified shard about to be renamed to ``path`` in its
-    ``.lock`` file (whose lock, not content, serializes fetches)."""
+def _write_stamp(path: Path, st: os.stat_result, crc: int) -> bytes:
+    """Records (and returns) the stamp of the verified shard about to be renamed to
+    ``path`` in its ``.lock`` file (whose lock, not content, serializes fetches)."""
+    stamp = _stamp(st, crc)
     lock = path.with_name(path.name + LOCK_SUFFIX)
     fd = _open(lock, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
     try:
-        os.write(fd, _stamp(st, crc))
+        os.write(fd, stamp)
     finally:
         os.close(fd)
+    return stamp
 
 
 def _drop_stamp(path: Path) -> int:

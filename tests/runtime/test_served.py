@@ -287,3 +287,32 @@ def test_a_shard_whose_bytes_are_all_in_is_published_when_the_process_exits(
             assert out.split()[-1] == str(PER_SHARD * SHARDS // 8)
             assert not list(cache.rglob("*.tmp-*")), run  # none left half published
             assert len(list(cache.rglob("shard-*.dlop"))) == SHARDS, run
+
+
+@pytest.mark.parametrize("value", ["1234", -1, 2**32, True, 1.5, [1]])
+def test_an_index_with_a_malformed_header_crc_is_refused(
+    site: Path, tmp_path: Path, value: object
+) -> None:
+    from dlop.formats import FormatError, read_index
+
+    bad = old_index(site, tmp_path / "bad")
+    index = json.loads((bad / "index.json").read_text())
+    index["shards"][1]["header_crc32"] = value
+    (bad / "index.json").write_text(json.dumps(index))
+    with pytest.raises(FormatError, match=r"shard entry #1 .*header_crc32 must be an integer"):
+        read_index(bad)
+
+
+def test_verify_names_a_header_crc_the_index_records_wrongly(site: Path, tmp_path: Path) -> None:
+    bad = old_index(site, tmp_path / "bad")
+    index = json.loads((bad / "index.json").read_text())
+    index["shards"][2]["header_crc32"] = 12345
+    (bad / "index.json").write_text(json.dumps(index))
+    run = [sys.executable, "-m", "dlop.tools.inspect_cli", "verify", "-q", str(bad)]
+    said = subprocess.run(run, capture_output=True, text=True)
+    assert said.returncode == 1
+    assert "shard-00002.dlop" in said.stdout and "header_crc32 0x00003039" in said.stdout
+    with FaultProxy(root=tmp_path) as proxy:  # and read remotely, shard 2 is refused
+        remote = open_remote(proxy.url + "/bad", cache_dir=tmp_path / "c", retry=PARTS)
+        n, error = served(Loader(remote, 8, shuffle=False))
+        assert n == 2 * PER_SHARD // 8 and error is not None and "shard 2" in str(error)
