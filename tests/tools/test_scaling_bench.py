@@ -13,9 +13,9 @@ from dlop.tools.bench import scaling_bench
 @pytest.mark.slow
 def test_scaling_rows(tmp_path: Path) -> None:
     pytest.importorskip("distributed")
-    # 16 clips: with 8 the pool's workers could live between two of the sampler's
-    # looks (every 0.1 s) on a loaded machine, and no worker peak was seen
-    args = argparse.Namespace(clips=64, repeats=1, listing_lines=[10_000])
+    # 64 clips (clips // 4): the two workers' compile must outlast the sampler's looks
+    # (every 0.1 s); 16 clips took 0.12 s on a fast machine and were seen in half the runs
+    args = argparse.Namespace(clips=256, repeats=1, listing_lines=[10_000])
     rows = scaling_bench.run(tmp_path, args)
     assert [r.pipeline for r in rows] == [*scaling_bench.ENGINES, "open_corpus manifest"]
     for r in rows[:3]:
