@@ -15,6 +15,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -162,6 +163,7 @@ class ShardReader:
         finally:
             os.close(fd)
         self._u8 = np.frombuffer(self._mm, dtype=np.uint8)
+        self._derived: dict[Hashable, Any] = {}
         self._cache = block_cache if block_cache is not None else BlockCache()
         try:
             hlen, crc = read_preamble(self.path, bytes(self._u8[: PREAMBLE.size]), size)
@@ -300,6 +302,15 @@ class ShardReader:
 
     def layout_of(self, name: str) -> FieldLayout:
         return self._st(name).layout
+
+    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """What ``make()`` builds from this shard (views of its mapping a reader reuses
+        batch after batch), built once per key and kept until ``close``, which lets go of
+        it so the mapping and its descriptor can go at once."""
+        got = self._derived.get(key)
+        if got is None:
+            got = self._derived[key] = make()
+        return got
 
     def array(self, name: str) -> np.ndarray:
         """A fixed raw field as one zero-copy ``[num_samples, *shape]`` view."""
@@ -534,6 +545,7 @@ class ShardReader:
         if mm is None:
             return
         self._u8 = np.empty(0, np.uint8)
+        self._derived = {}
         for st in getattr(self, "_state", {}).values():
             st.offsets = st.shapes = st.table = st.first_samples = None
         # A caller may still hold a view; the mapping then goes when it does.

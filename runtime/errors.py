@@ -7,6 +7,7 @@ would expect (``ValueError``, ``TypeError``, ``IndexError``).
 from __future__ import annotations
 
 import operator
+import traceback
 
 from dlop.formats import DlopError
 
@@ -39,6 +40,21 @@ class FetchFailed(LoaderError):
 class ShardChangedError(DlopError):
     """A shard file shrank after the archive mapped it: reading its mapped pages past
     the new end would kill the process (SIGBUS), so the read is refused."""
+
+
+def kept(e: BaseException) -> BaseException:
+    """``e``, to be kept and raised later (in another thread, or by each batch that reads a
+    failed shard): its traceback keeps its lines but lets go of the frames' variables,
+    and so do the errors it chains to. Those variables hold views of mapped shards and
+    the very objects that keep the error: a cycle that would keep a closed Loader's
+    shards mapped, and their descriptors open, until Python's collector happens to run."""
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
+    return e
 
 
 def check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import numpy as np
@@ -23,19 +22,16 @@ from .fields import (
 )
 from .plan import Rows, Runs, Step, fill_runs
 
-_ROWS: weakref.WeakKeyDictionary[ShardReader, dict[tuple[str, int], torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
-
 
 def rows_of(shard: ShardReader, name: str, row_bytes: int) -> torch.Tensor:
-    """A mapped shard's fixed field as ``uint8`` rows, made once per shard: a source that
-    maps shards per batch builds a batch's gathers anew, but not these views."""
-    per = _ROWS.setdefault(shard, {})
-    got = per.get((name, row_bytes))
-    if got is None:
-        got = per[(name, row_bytes)] = as_bytes(shard.array(name), shard.num_samples, row_bytes)
-    return got
+    """A mapped shard's fixed field as ``uint8`` rows, made once per shard (kept by the
+    shard until it closes): a source that maps shards per batch builds a batch's gathers
+    anew, but not these views."""
+    rows: torch.Tensor = shard.derived(
+        ("rows", name, row_bytes),
+        lambda: as_bytes(shard.array(name), shard.num_samples, row_bytes),
+    )
+    return rows
 
 
 class FixedRawGather(FieldGather):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..batch import Batch
-from ..errors import LoaderError
+from ..errors import LoaderError, kept
 from ..gather.engine import CopyEngine, Ticket
 from ..gather.plan import CopyPlan
 from ..gather.threads import JobThread
@@ -201,7 +201,7 @@ class Production:
             while self.in_flight:
                 if not self._publish():
                     return False
-            self.ready.put(Ready(j, error=e, trace=trace))
+            self.ready.put(Ready(j, error=kept(e), trace=trace))
             return False
 
     def _publish(self) -> bool:
@@ -221,7 +221,8 @@ class Production:
             self.ready.put(Ready(j, batch, None if self.device.cuda else slot, event))
             return True
         except BaseException as e:
-            self.ready.put(Ready(j, error=e, trace=traceback.format_exc()))
+            trace = traceback.format_exc()
+            self.ready.put(Ready(j, error=kept(e), trace=trace))
             return False
 
     def _take_slot(self) -> Slot | None:

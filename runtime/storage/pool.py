@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
+from ..errors import kept
+
 T = TypeVar("T")
 
 
@@ -63,7 +65,7 @@ class DaemonPool:
                 got = fn(*args)
             except BaseException as e:
                 with contextlib.suppress(InvalidStateError):  # answered meanwhile
-                    future.set_exception(e)
+                    future.set_exception(kept(e))
             else:
                 with contextlib.suppress(InvalidStateError):
                     future.set_result(got)

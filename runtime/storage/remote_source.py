@@ -62,7 +62,7 @@ from dlop.formats.storage import (
 )
 from dlop.formats.transcode import header_span, needs_transcode, raw_fields, transcode_bytes
 
-from ..errors import FetchFailed, LoaderError, ShardChangedError, UsageError
+from ..errors import FetchFailed, LoaderError, ShardChangedError, UsageError, kept
 from .cache import Arriving, CacheDir, Held, close_quietly, locked, write_at
 from .cache_folder import BUDGET_LOCK
 from .pool import DaemonPool
@@ -562,6 +562,7 @@ class RemoteSource:
         """Records that shard ``k`` failed (its batches raise it until the next epoch)."""
         if isinstance(e, FetchError):
             e = FetchFailed(str(e))
+        kept(e)
         with self.lock:  # the first failure is the one to report (a later one may be its echo)
             return self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
 
