@@ -3,7 +3,8 @@
 A sample is a dict of str -> value, or a tuple/list of values (fields named
 ``0``, ``1``, ...); a value may itself be such a dict or tuple of leaves (one level
 of nesting: field ``"1.a"``). A leaf is a numpy array, a torch tensor, a Python or
-numpy scalar, a str, or bytes. ``flatten`` turns a sample into its structure (what
+numpy scalar, a str, bytes, or a list of Python numbers inside the sample (one 1-D
+array field: i64, f64 when one is a float, bool when all are). ``flatten`` turns a sample into its structure (what
 reading gives back: dict or tuple, tensors for arrays, Python values for scalars)
 and its leaves, by field name.
 
@@ -83,6 +84,9 @@ def flatten(sample: Any, item: str) -> tuple[dict[str, Any], dict[str, Leaf]]:
 
 
 def _node(value: Any, name: str, item: str, leaves: dict[str, Leaf], depth: int) -> dict[str, Any]:
+    if depth and _numbers(value):  # a list of numbers is one array field (token ids)
+        leaves[name] = numbers_leaf(value, f"{item}: field {name!r}")
+        return {"field": name, "value": "array"}
     if isinstance(value, Mapping | list | tuple):
         where = f"{item}: field {name!r}" if name else item
         if depth == 2:
@@ -114,6 +118,29 @@ def _node(value: Any, name: str, item: str, leaves: dict[str, Leaf], depth: int)
         return {"type": "leaf"}
     leaves[name] = leaf(value, item, name)
     return {"field": name, "value": leaves[name].back}
+
+
+def _numbers(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list of Python numbers (int, float, bool)."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(type(v) in (int, float, bool) for v in value)
+    )
+
+
+def numbers_leaf(value: list[Any], where: str) -> Leaf:
+    """A list of numbers as one 1-D array: bool when all are bools, i64 when all are ints
+    (bools counted as 0 and 1), else f64."""
+    kinds = {type(v) for v in value}
+    if kinds == {bool}:
+        return Leaf(np.array(value, np.bool_), "bool", "array")
+    if float not in kinds:
+        try:
+            return Leaf(np.array(value, np.int64), "i64", "array")
+        except OverflowError:
+            raise SampleError(f"{where}: an int in the list does not fit in 64 bits") from None
+    return Leaf(np.array(value, np.float64), "f64", "array")
 
 
 def leaf(value: Any, item: str, name: str) -> Leaf:

@@ -126,15 +126,25 @@ def finish_run(run: Run, engine: Engine, *, resume: bool, overwrite: bool) -> In
 
     if not resume or run.unit_inputs_given:  # else the journal's unit size counts
         check_unit_count(run)  # before OUT is touched
+    journal = Journal(
+        run.store().url,
+        run.recipe.digest(),
+        run.corpus.fingerprint,
+        run.unit_inputs,
+        len(run.corpus.items),
+        numerics.resume_key(numerics.target()),
+        run.recipe.to_json(),
+    )
+    journal.encoded()  # a recipe no journal (nor index) could hold: refused before OUT is taken
     remote = is_url(run.out)
     with _full_disk_named(run.out, remote):
         if remote:
             with _remote_output(run.store(), resume, overwrite):
-                return _run_units(run, engine, resume, created_dir=False)
+                return _run_units(run, engine, journal, resume, created_dir=False)
         out = Path(run.out)
         check_apart(out, run.recipe)
         with locked_output(out, resume, overwrite) as created_dir:
-            return _run_units(run, engine, resume, created_dir)
+            return _run_units(run, engine, journal, resume, created_dir)
 
 
 @contextlib.contextmanager
@@ -153,18 +163,11 @@ def _full_disk_named(out: str, remote: bool) -> Iterator[None]:
         ) from None
 
 
-def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool) -> Index:
+def _run_units(
+    run: Run, engine: Engine, journal: Journal, resume: bool, created_dir: bool
+) -> Index:
     store = run.store()
     total = len(run.corpus.items)
-    journal = Journal(
-        store.url,
-        run.recipe.digest(),
-        run.corpus.fingerprint,
-        run.unit_inputs,
-        total,
-        numerics.resume_key(numerics.target()),
-        run.recipe.to_json(),
-    )
     committed: dict[int, UnitRecord] = {}
     if resume:
         committed, finished = _take_over(run, store, journal)

@@ -9,6 +9,7 @@ import secrets
 from typing import Any, NoReturn
 
 from dlop.formats import FormatError
+from dlop.formats.constants import MAX_INDEX_BYTES
 from dlop.formats.files import loads_bounded
 from dlop.formats.units import MAX_COUNT, is_count
 
@@ -17,7 +18,10 @@ from ..errors import CompileError
 from .store import Store
 
 JOURNAL = PROGRESS_NAME  # the listing skips folders holding one, so it is named there
-MAX_JOURNAL_BYTES = 64 << 10
+# The journal holds the recipe that the archive's index will hold (a user's schema and
+# arguments as much as a preset's options), so it is bounded as the index is: a recipe
+# the index could hold is never too large for the journal.
+MAX_JOURNAL_BYTES = MAX_INDEX_BYTES
 
 
 def changed_options(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -67,6 +71,11 @@ class Journal:
         self.run = secrets.token_hex(8)
 
     def save(self, store: Store) -> None:
+        store.write(JOURNAL, self.encoded())
+
+    def encoded(self) -> bytes:
+        """The journal's bytes; a CompileError when they are more than any journal (or the
+        archive's index, which holds the same recipe) may be."""
         obj = {
             "recipe_digest": self.digest,
             "fingerprint": self.fingerprint,
@@ -76,7 +85,16 @@ class Journal:
             "numerics": self.numerics,
             "recipe": self.recipe,
         }
-        store.write(JOURNAL, json.dumps(obj).encode())
+        data = json.dumps(obj).encode()
+        if len(data) > MAX_JOURNAL_BYTES:
+            fields = self.recipe.get("fields")
+            many = f" ({len(fields)} fields)" if isinstance(fields, list) else ""
+            raise CompileError(
+                f"{self.where}: this compile's recipe{many} is {len(data)} bytes as JSON, more "
+                f"than the {MAX_JOURNAL_BYTES} an archive's index holds; give fewer fields "
+                "(an array for many numbers) or smaller arguments"
+            )
+        return data
 
     def check_run(self, store: Store) -> None:
         """Refuses to go on when the journal in OUT no longer names this compile: another

@@ -1,0 +1,91 @@
+"""Datasets a careless or hostile team might hand the compiler (tests/compiler/
+test_hostile.py): importable by name and picklable, each misbehaving in one way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+
+class TokenIds:
+    """Token ids padded to 512, as Python lists (a tokenizer's output)."""
+
+    def __init__(self, n: int = 20) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ids = [101 + (i * 7 + k) % 3000 for k in range(i % 5 + 3)]
+        return {"ids": ids + [0] * (512 - len(ids)), "mask": [True] * 3 + [False] * 2, "y": i}
+
+
+class ManyFields:
+    """A dict of ``width`` scalar fields a sample."""
+
+    def __init__(self, n: int = 12, width: int = 400) -> None:
+        self.n, self.width = n, width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {f"f{k:04d}": float(i * k) for k in range(self.width)}
+
+
+class Plain:
+    """Small samples whose values are their index; ``note`` only travels in the recipe."""
+
+    def __init__(self, n: int = 12, note: str = "") -> None:
+        self.n, self.note = n, note
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": np.full(4, i, np.float32), "y": i}
+
+
+class Misbehaving(Plain):
+    """Plain, but item ``at`` (each in ``at``) does ``what``: exit, kill, segv, hang,
+    thread (a non-daemon thread left running), late (float64 where the others give
+    float32), raise_str (an exception whose str raises), sysexit."""
+
+    def __init__(self, n: int, at: tuple[int, ...], what: str) -> None:
+        super().__init__(n)
+        self.at, self.what = at, what
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i in self.at:
+            w = self.what
+            if w == "exit":
+                os._exit(3)
+            if w == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if w == "segv":
+                import ctypes
+
+                ctypes.string_at(0)
+            if w == "hang":
+                while True:
+                    time.sleep(0.05)
+            if w == "thread":
+                threading.Thread(target=time.sleep, args=(3600,)).start()
+            if w == "late":
+                return {"x": np.full(4, i, np.float64), "y": i}
+            if w == "raise_str":
+                raise BadStr()
+            if w == "sysexit":
+                raise SystemExit(7)
+        return super().__getitem__(i)
+
+
+class BadStr(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no str for you")
