@@ -20,7 +20,7 @@ from dlop.compiler.errors import CompileError
 from dlop.compiler.run.faults import KILL_AT
 from dlop.runtime import open_archive
 
-from .hostile_data import ManyFields, Misbehaving, Plain, TokenIds
+from .hostile_data import Plain, TokenIds
 
 EPOCH = "1700000000"
 ROOT = Path(__file__).resolve().parents[2]
