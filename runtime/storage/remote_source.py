@@ -188,6 +188,7 @@ class RemoteSource:
         self.fronting: dict[int, threading.Event] = {}  # set once the front is in or failed
         self.arrivals: set[Arriving] = set()  # temporary files this process writes
         self.closing = False
+        self.closer: int | None = None  # the thread running close(), while it runs
         self.parts: PartQueue | None = None
         self.order: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # read_order's
 
@@ -851,6 +852,16 @@ class RemoteSource:
         """Lets go of every shard, stops the fetch threads and marks the cache folder no
         longer in use; a shard still arriving is removed. Read again, it takes them up
         anew."""
+        me = threading.get_ident()
+        if self.closer == me:  # called again inside this close (a Loader that the
+            return  # collector freed meanwhile closing its archive): this close does it all
+        self.closer = me
+        try:
+            self._close()
+        finally:
+            self.closer = None
+
+    def _close(self) -> None:
         with self.lock:
             self.closing = True
             for k in list(self.open):

@@ -257,3 +257,27 @@ def test_dataloader_workers_are_counted_in_the_budget(tmp_path: Path) -> None:
     two = DataLoader(IterableArchive(path, 8, **kw), batch_size=None, num_workers=2)
     with pytest.raises(UsageError, match=r"2 DataLoader worker\(s\)"):
         next(iter(two))
+
+
+def test_a_close_called_inside_a_close_returns(site: Path, tmp_path: Path) -> None:
+    """The collector may free a Loader in the middle of its archive's close (at exit, the
+    exit hook closes every source): the Loader's own close then closed the same source
+    again and waited forever for the lock the first close held."""
+    from dlop.runtime import open_archive
+    from tests.faultproxy import FaultProxy
+
+    with FaultProxy(root=site) as proxy:
+        archive = open_archive(proxy.url + "/a", cache_dir=tmp_path / "c")
+        source: Any = archive.source
+        then = source.next_generation
+
+        def collected_meanwhile() -> None:
+            source.close()  # as Loader.__del__ would
+            then()
+
+        source.next_generation = collected_meanwhile
+        closing = threading.Thread(target=source.close, daemon=True)
+        closing.start()
+        closing.join(20)
+        assert not closing.is_alive()
+        assert held_by_anyone(tmp_path / "c") == []
