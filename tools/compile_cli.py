@@ -93,9 +93,17 @@ def _custom_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--schema", type=Path, help="JSON: field -> dtype or {dtype, shape}")
     g.add_argument("--seed", type=int, help="seeds random, numpy and torch per item (default 0)")
     g.add_argument("--compression", help="the same as --codec")
+    g.add_argument(
+        "--item-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="an item running longer (with --workers 2 or more, or --dask) has its worker "
+        "killed and is recorded as bad (default: no limit)",
+    )
 
 
 _CUSTOM = {"dataset", "dataset_args", "map", "inputs", "schema", "seed", "compression"}
+_CUSTOM |= {"item_timeout"}
 # what a --dataset or --map compile takes besides its own options
 _CUSTOM_TOO = {"out", "codec", "shard_bytes", "workers", "unit_inputs", "dask", "on_error"}
 _CUSTOM_TOO |= {"resume", "overwrite", "quiet", "storage_option", "dtype"}
@@ -404,6 +412,7 @@ def _run_custom(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         "progress": not args.quiet,
         "storage_options": parse_storage_options(args.storage_option),
         "arguments": arguments,
+        "item_timeout": args.item_timeout,
     }
     from dlop.compiler.custom import compile_dataset, compile_map
 

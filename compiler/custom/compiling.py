@@ -39,15 +39,14 @@ from ..recipe import DTYPES, ON_ERROR_POLICIES, parse_size
 from ..run.items import CorpusShape
 from ..run.pipeline import heap_frozen, run_compile, unit_size
 from .code import changes, describe
-from .samples import Spec, given_schema, infer, merge, widened
+from .guard import Prober
+from .samples import SampleError, Spec, given_schema, infer, merge, widened
 from .work import (
     Inputs,
     UserWork,
     describe_shape,
     input_text,
     item_name,
-    reason,
-    sample_leaves,
 )
 
 if TYPE_CHECKING:
@@ -135,6 +134,9 @@ class Options(TypedDict, total=False):
     on_progress: Callable[[int], None] | None  # called with the items done so far
     storage_options: dict[str, Any] | None  # fsspec options for a URL OUT or inputs
     arguments: Any  # JSON values the Dataset or function was made with (recorded)
+    # seconds an item may take, with workers > 1 or Dask, before its worker process is
+    # killed and the item recorded as bad (None: no limit)
+    item_timeout: float | None
 
 
 DEFAULTS: dict[str, Any] = {
@@ -153,6 +155,7 @@ DEFAULTS: dict[str, Any] = {
     "on_progress": None,
     "storage_options": None,
     "arguments": None,
+    "item_timeout": None,
 }
 
 
@@ -239,6 +242,13 @@ def _compile(
     on_error = options["on_error"]
     if on_error not in ON_ERROR_POLICIES:
         raise CompileError(f"on_error {on_error!r} must be one of {ON_ERROR_POLICIES}")
+    timeout = options["item_timeout"]
+    if timeout is not None and (
+        type(timeout) not in (int, float) or not 0 < timeout < float("inf")
+    ):
+        raise CompileError(
+            f"item_timeout {timeout!r} must be a positive number of seconds (or None: no limit)"
+        )
     seed = options["seed"]
     if type(seed) is not int or seed < 0:
         raise CompileError(f"seed {seed!r} must be a non-negative integer")
@@ -285,13 +295,13 @@ def _compile(
     else:
         probe = UserWork(target, dataset, {}, seed, label)
         specs, structure, item_seconds = _probe(
-            probe, items, given, None if dtype is None else DTYPES[dtype], on_error
+            probe, items, given, None if dtype is None else DTYPES[dtype], on_error, timeout
         )
     resume, overwrite = options["resume"], options["overwrite"]
     while True:
         _check_lengths_names(specs)
         recipe = replace(recipe, specs=specs, structure=structure)
-        work = UserWork(target, dataset, specs, seed, label, item_seconds, structure)
+        work = UserWork(target, dataset, specs, seed, label, item_seconds, structure, timeout)
         run = _run(recipe, items, work, out_text, options)
         try:
             with _random_state_kept():  # one worker runs the items in this process
@@ -355,50 +365,60 @@ def _run(
 
 
 def _probe(
-    work: UserWork, items: Inputs, given: dict[str, Any], float_dtype: str | None, on_error: str
+    work: UserWork,
+    items: Inputs,
+    given: dict[str, Any],
+    float_dtype: str | None,
+    on_error: str,
+    limit: float | None,
 ) -> tuple[dict[str, Spec], dict[str, Any], float]:
-    """The schema and structure the first items make, computed here (their seeds as in a
-    worker; the caller's random state kept), and the seconds an item took. The probe stops
-    early once slow items have given two samples: any schema the probe misses, the
-    compile finds (and starts again), so its length changes only how soon."""
+    """The schema and structure the first items make, computed in a guarded process of
+    their own (guard.py: an item that exits, crashes or hangs there is a failed item; the
+    seeds as in a worker), and the seconds an item took. The probe stops early once slow
+    items have given two samples: any schema the probe misses, the compile finds (and
+    starts again), so its length changes only how soon."""
     specs: dict[str, Spec] | None = None
     structure: dict[str, Any] = {}
     failures: list[str] = []
-    good = calls = 0
+    good = 0
     started = time.perf_counter()
     took = [float("inf")]
-    with _random_state_kept():
-        for n in range(min(len(items), PROBE_TRIES)):
-            item = items[n]
-            name = item_name(work.label, item, work.dataset)
-            calls += 1
-            begun = time.perf_counter()
-            try:
-                sample = work.call(item)
-            except Exception as e:  # the user's code
-                failures.append(f"{name}: {reason(e)}")
-                if on_error == "fail":
-                    raise CompileError(f"{failures[-1]} (--on-error fail)") from None
-                continue
-            finally:
-                took.append(time.perf_counter() - begun)
-            if sample is None:
-                continue
-            shape, leaves = sample_leaves(sample, name)
-            if specs is None:
-                specs, structure = infer(leaves, name, given, float_dtype), shape
-            elif shape != structure:
-                first = next(iter(specs.values())).item
-                raise CompileError(
-                    f"{name} gives a sample of another shape than {first} "
-                    f"({describe_shape(shape)}, then {describe_shape(structure)}): every "
-                    "item must give the same dict or tuple"
-                )
-            specs = merge(specs, leaves, name)  # the values checked too (casts, ranges)
-            del sample, leaves  # one item held at a time, however large
-            good += 1
-            if good == PROBE_ITEMS or (good >= 2 and time.perf_counter() - started > PROBE_SECONDS):
-                break
+    prober = Prober(work, limit)
+    try:
+        with _random_state_kept():  # where the probe runs in this process
+            for n in range(min(len(items), PROBE_TRIES)):
+                item = items[n]
+                name = item_name(work.label, item, work.dataset)
+                got = prober.answer(item)
+                took.append(got.seconds)
+                if got.kind in ("raised", "died", "bad"):  # units record it as a bad item
+                    failures.append(got.text)
+                    if on_error == "fail":
+                        if got.kind == "bad":
+                            raise SampleError(got.text)
+                        raise CompileError(f"{failures[-1]} (--on-error fail)")
+                    continue
+                if got.kind == "none":
+                    continue
+                shape, leaves = got.shape, got.leaves
+                if specs is None:
+                    specs, structure = infer(leaves, name, given, float_dtype), shape
+                elif shape != structure:
+                    first = next(iter(specs.values())).item
+                    raise CompileError(
+                        f"{name} gives a sample of another shape than {first} "
+                        f"({describe_shape(shape)}, then {describe_shape(structure)}): every "
+                        "item must give the same dict or tuple"
+                    )
+                specs = merge(specs, leaves, name)  # the values checked too (casts, ranges)
+                del got, leaves  # one item held at a time, however large
+                good += 1
+                if good == PROBE_ITEMS or (
+                    good >= 2 and time.perf_counter() - started > PROBE_SECONDS
+                ):
+                    break
+    finally:
+        prober.close()
     if specs is None:
         tried = min(len(items), PROBE_TRIES)
         why = f"; the first: {failures[0]}" if failures else " (each gave None)"

@@ -16,7 +16,6 @@ import os
 import random
 import re
 import threading
-import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 
 from ..corpus.records import Item
 from ..run.items import Outcome
+from ..run.processes import time_limit
 from .samples import Mismatch, SampleError, Spec, conform, flatten
 
 # Items a local pool's worker is given at a time, at most: a chunk costs a round trip and
@@ -75,6 +75,7 @@ class UserWork:
     label: str  # the Dataset's class or the function, for item names
     item_seconds: float = 0.0  # what an item took in the probe (sizes the chunks)
     structure: dict[str, Any] | None = None  # the shape every sample must have
+    timeout: float | None = None  # seconds an item may take (item_timeout); None: no limit
 
     def chunk_items(self) -> int:
         if self.item_seconds <= 0:
@@ -88,6 +89,12 @@ class UserWork:
     def name(self, item: Item) -> str:
         return item_name(self.label, item, self.dataset)
 
+    def item_timeout(self) -> float | None:
+        return self.timeout
+
+    def guarded(self) -> bool:
+        return True
+
     def call(self, item: Item) -> Any:
         """The user's sample for one item (seeded first); raises what the code raises."""
         seed_item(self.seed, item.position)
@@ -97,11 +104,16 @@ class UserWork:
 
     def outcome(self, item: Item) -> Outcome:
         name = self.name(item)
-        with _ONE_AT_A_TIME:  # the generators are the process's: one item at a time
+        with _ONE_AT_A_TIME:  # the generators (and the timer) are the process's: one at a time
+            here = os.getcwd()
             try:
-                sample = self.call(item)
-            except Exception as e:  # the user's code: any failure is this item's
+                with time_limit(self.timeout):
+                    sample = self.call(item)
+            except (Exception, SystemExit) as e:  # the user's code: any failure is this item's
                 return Outcome(item.key, reason=reason(e), path=name)
+            finally:
+                if os.getcwd() != here:  # an item that changed directory: the next starts here
+                    os.chdir(here)
         if sample is None:
             return Outcome(item.key, reason="skipped: the code gave None for it", path=name)
         try:
@@ -114,10 +126,17 @@ class UserWork:
                     "item must give the same dict or tuple"
                 )
             return Outcome(item.key, samples=[conform(leaves, self.specs, name)])
-        except SampleError as e:
-            return Outcome(item.key, stop=str(e))
+        except SampleError as e:  # this item's sample: a bad item, as on_error says
+            return Outcome(item.key, reason=_unnamed(str(e), name), path=name)
         except Mismatch as e:
-            return Outcome(item.key, stop=e.message, widen=e.widen)
+            if e.widen is not None:  # the schema itself changes: the compile starts again
+                return Outcome(item.key, stop=e.message, widen=e.widen)
+            return Outcome(item.key, reason=_unnamed(e.message, name), path=name)
+
+
+def _unnamed(message: str, name: str) -> str:
+    """A message about an item without its leading name (errors.jsonl names it apart)."""
+    return message.removeprefix(f"{name}: ")
 
 
 # A Dask worker may run several units on threads of one process: seeding the process's
@@ -153,13 +172,22 @@ def reason(e: BaseException) -> str:
     """``Type: message (at file:line in function)``: the exception and its last frame. An
     object's address in the message becomes ``0x...`` and the file is named without its
     folder, so a failure reads the same in every run and on every host."""
-    text = _ADDRESS.sub("0x...", f"{type(e).__name__}: {e}")
+    try:
+        said = str(e)
+    except Exception as inner:  # an exception whose str() raises: the type still says much
+        said = f"(its message could not be made: {type(inner).__name__})"
+    text = _ADDRESS.sub("0x...", f"{type(e).__name__}: {said}")
     if len(text) > MAX_REASON_CHARS:
         text = text[:MAX_REASON_CHARS] + "..."
-    frames = traceback.extract_tb(e.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        code = tb.tb_frame.f_code
+        filename = code.co_filename
+        if filename.startswith("<"):  # code sent by value (cloudpickle) names no file:
+            filename = tb.tb_frame.f_globals.get("__file__") or filename  # its module does
+        text += f" (at {os.path.basename(filename)}:{tb.tb_lineno} in {code.co_name})"
     return text
 
 

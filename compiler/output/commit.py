@@ -190,10 +190,19 @@ def _run_units(
     try:
         for n, record in enumerate(records, 1):
             if record.failure is not None:
-                _discard(store, created_dir)
-                if record.widen is not None:
+                if record.widen is not None:  # compiled again from the start, the axis ragged
+                    _discard(store, created_dir)
                     raise AxisVaries(record.failure, *record.widen)
-                raise CompileError(record.failure)
+                if not committed:  # nothing finished: nothing of this compile is left
+                    _discard(store, created_dir)
+                    raise CompileError(record.failure)
+                _keep_committed(store)
+                raise CompileError(
+                    f"{record.failure}; the {len(committed)} units committed before it stay in "
+                    f"{store.url} (nothing finished is thrown away): fix the input or the code, "
+                    "then --resume where the recipe and inputs are unchanged, or start afresh "
+                    "with --overwrite"
+                )
             totals.add(record)
             committed[record.unit] = record
             if remote:
@@ -424,6 +433,13 @@ def _tidy(run: Run, store: Store) -> None:
     if isinstance(store, LocalStore):
         store.clear_staging()
     store.delete(JOURNAL)
+
+
+def _keep_committed(store: Store) -> None:
+    """After a bad input under --on-error fail once units are committed: they stay, with
+    the journal (a resume, or an --overwrite, is the user's call); only staging goes."""
+    if isinstance(store, LocalStore):
+        store.clear_staging()
 
 
 def _discard(store: Store, created_dir: bool) -> None:

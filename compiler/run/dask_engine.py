@@ -18,7 +18,7 @@ import importlib
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -45,9 +45,13 @@ def dask_client(address: str) -> Iterator[Any]:
         yield client
 
 
-def dask_records(client: Any, run: Run, pending: list[int]) -> Iterator[UnitRecord]:
+def dask_records(
+    client: Any, run: Run, pending: list[int], here: Callable[[list[int]], Iterator[UnitRecord]]
+) -> Iterator[UnitRecord]:
     """Runs the pending units on the cluster of ``client``; yields each record as its
-    unit commits."""
+    unit commits. A unit whose task killed every worker it was given (an item that exits,
+    crashes, or outlasts its time limit) runs ``here`` instead, where the item that kills
+    is found and recorded as bad."""
     distributed: Any = importlib.import_module("distributed")  # annotations are partial
     task = run.task()  # the recipe, schema and where OUT is
     # the Work by value (Dask pickles by reference where it can, and a worker may not
@@ -86,7 +90,10 @@ def dask_records(client: Any, run: Run, pending: list[int]) -> Iterator[UnitReco
     top_up()
     try:
         for future in running:
-            record: UnitRecord = future.result()
+            try:
+                record: UnitRecord = future.result()
+            except distributed.KilledWorker:
+                (record,) = here([futures[future]])  # run to its end: its pool stops
             futures.pop(future, None)
             future.release()
             run.advance(record.num_inputs)

@@ -25,17 +25,17 @@ import gc
 import itertools
 import math
 import mmap
+import multiprocessing
+import multiprocessing.context
 import os
 import pickle
-import select
-import signal
 import sys
-import threading
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,10 +91,11 @@ def _init_worker(
     numerics.require()
     torch.set_num_threads(1)
     set_decode_threads(decode_threads)
-    _die_with_driver(driver)
+    processes.die_with_driver(driver)
     close_inherited_locks()  # a forked worker must not keep the output lock alive after the driver
     if isinstance(work, bytes):  # a fork server's worker: by_value's pickle
         work = pickle.loads(work)
+    processes.arm_item_limits()  # an input past its time limit ends this worker
     _WORKER.update(
         work=work,
         spill_dir=spill_dir,
@@ -102,54 +103,6 @@ def _init_worker(
         systems={},  # this compile's fsspec filesystems in this worker (units.process_fetched)
     )
     gc.freeze()  # what the worker starts with is never garbage; see heap_frozen
-
-
-def _die_with_driver(driver: int = 0) -> None:
-    """Asks Linux to kill this worker when the driver dies (kill -9 included).
-
-    Without it, workers of a killed compile keep decoding until their queue
-    drains, holding memory and CPU that a --resume run needs. The parent of a
-    forkserver's worker is the fork server, which lives as long as any of its
-    workers does (each holds the server's keep-alive pipe, and its task queue's
-    both ends): such a worker watches the driver's pid, or neither would ever exit.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    if driver and os.getppid() != driver:
-        threading.Thread(target=_exit_with, args=(driver,), daemon=True).start()
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        return  # best effort: the compile is correct either way
-
-
-def _exit_with(pid: int) -> None:
-    """Kills this process once process ``pid`` has exited."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        fd = -1  # gone already
-    except OSError:  # no pidfd (Linux before 5.3): poll
-        while _alive(pid):
-            time.sleep(1.0)
-        fd = -1
-    if fd >= 0:
-        select.select([fd], [], [])
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process under that pid: alive
-    return True
 
 
 @dataclass(frozen=True)
@@ -309,7 +262,10 @@ def run_compile(
     # the cluster is reached before OUT is taken: a scheduler that does not answer
     # leaves OUT as it was
     with dask_client(dask) as client:
-        on_cluster = functools.partial(dask_records, client, run)
+        # a unit whose task killed every worker it ran on runs here, one item at a time
+        # where its items die (_results), so the item that kills is recorded
+        here = functools.partial(_local_records, run, workers=2)
+        on_cluster = functools.partial(dask_records, client, run, here=here)
         return finish_run(run, on_cluster, resume=resume, overwrite=overwrite)
 
 
@@ -404,9 +360,30 @@ def _results(
     spill_dir: Path,
 ) -> Generator[Outcome, None, None]:
     """Every input's outcome, in order, featurized in this process or a pool of ``workers``
-    (each fetching its chunks' URL inputs itself)."""
+    (each fetching its chunks' URL inputs itself). A pool whose worker dies, or whose
+    oldest chunk outlasts the Work's item time limit, is stopped; the chunks it had not
+    answered run again one input per process (``_guarded``), so the input that kills or
+    hangs its worker is recorded as a bad input and the rest compile, then a new pool
+    goes on with the chunks after them."""
     work = run.work()
-    if workers == 1:
+    ctx = processes.worker_context()
+    # a forked worker inherits the Work; any other gets it by value (a user's Dataset may
+    # be defined in a script or a notebook)
+    sent: Any = work
+    if workers > 1 or work.guarded():
+        try:
+            sent = work if ctx.get_start_method() == "fork" else by_value(work)
+        except CompileError as e:
+            if workers > 1:
+                raise
+            print(  # one worker: the code runs here, as it always can
+                f"dlop-compile: {e}; it runs in this process (an item that exits or hangs "
+                "there stops the compile)",
+                file=sys.stderr,
+                flush=True,
+            )
+            sent = None
+    if sent is None or (workers == 1 and not work.guarded()):
         numerics.require()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -417,45 +394,134 @@ def _results(
         finally:
             torch.set_num_threads(threads)
         return
-    ctx = processes.worker_context()
-    # a forked worker inherits the Work; any other gets it by value (a user's Dataset may
-    # be defined in a script or a notebook)
-    sent = work if ctx.get_start_method() == "fork" else by_value(work)
+    # absolute: an item may change its worker's directory
+    spill = os.path.abspath(spill_dir)
+    init = (sent, spill, os.getpid(), dict(os.environ), worker_decode_threads(workers))
+    limit = work.item_timeout()
     try:
-        with (
-            processes.main_module_hidden(),
-            ProcessPoolExecutor(
-                workers,
-                mp_context=ctx,
-                initializer=_init_worker,
-                initargs=(
-                    sent,
-                    str(spill_dir),
-                    os.getpid(),
-                    dict(os.environ),
-                    worker_decode_threads(workers),
-                ),
-            ) as pool,
-        ):
-            pending: deque[Future[tuple[list[Outcome], str | None]]] = deque()
-            try:
-                for chunk in chunks:
-                    pending.append(pool.submit(_run_chunk, chunk))
-                    if len(pending) >= 8 * workers:  # bounded: a few chunks per worker in flight
-                        yield from _unspill(pending.popleft().result())
-                while pending:
-                    yield from _unspill(pending.popleft().result())
-            except BrokenProcessPool:
-                raise CompileError(
-                    "a worker process died (killed, or out of memory); run again with --resume"
-                ) from None
-            finally:
-                for f in pending:
-                    f.cancel()
+        while True:
+            lost: list[tuple[list[Item], Future[Any]]] = []
+            yield from _pooled(chunks, ctx, init, workers, limit, lost)
+            if not lost:
+                return
+            for chunk, future in lost:  # in order: those answered before the loss stand
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    yield from _unspill(future.result())
+                    continue
+                for item in chunk:
+                    yield _guarded(ctx, init, work, item, limit)
     finally:
         # Chunks finished but never read (a stopped compile): their files go too.
         for leftover in spill_dir.glob(f"{SPILL_PREFIX}*"):
             leftover.unlink(missing_ok=True)
+
+
+def _pooled(
+    chunks: Iterator[list[Item]],
+    ctx: multiprocessing.context.BaseContext,
+    init: tuple[Any, ...],
+    workers: int,
+    limit: float | None,
+    lost: list[tuple[list[Item], Future[Any]]],
+) -> Generator[Outcome, None, None]:
+    """The outcomes of ``chunks`` from one pool, in order, until they end or the pool is
+    lost (a worker died, or the oldest chunk outlasted ``limit`` a item): then the pool's
+    workers are killed and ``lost`` holds the chunks it was given and not yet answered."""
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init)
+    pending: deque[tuple[list[Item], Future[Any]]] = deque()
+    try:
+        with processes.main_module_hidden():
+            for chunk in chunks:
+                pending.append((chunk, pool.submit(_run_chunk, chunk)))
+                if len(pending) >= 8 * workers:  # bounded: a few chunks per worker in flight
+                    break
+        while pending:
+            chunk, future = pending[0]
+            try:
+                # the oldest chunk is running (or done): it ends within its items' limits
+                result = future.result(None if limit is None else limit * len(chunk) + 1.0)
+            except (BrokenProcessPool, FuturesTimeout):
+                lost.extend(pending)
+                pending.clear()
+                _kill_workers(pool)
+                return
+            pending.popleft()
+            yield from _unspill(result)
+            for chunk in itertools.islice(chunks, 1):
+                with processes.main_module_hidden():
+                    pending.append((chunk, pool.submit(_run_chunk, chunk)))
+    finally:
+        for _, f in pending:
+            f.cancel()
+        _stop(pool)
+
+
+# How long a pool's idle workers may take to exit before they are killed: one held by a
+# thread a user's item started (its exit waits for every non-daemon thread) never does.
+WORKER_EXIT_S = 2.0
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Shuts the pool down, killing the workers that have not exited WORKER_EXIT_S after
+    being told to."""
+    procs = list((pool._processes or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + WORKER_EXIT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                proc.kill()
+    pool.shutdown(wait=True)
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """Kills the pool's worker processes (one may hang in a user's code; a pool has no call
+    that stops a running task). The executor's table of its processes is the one place
+    their handles are kept (Python 3.14 adds ``kill_workers`` for this)."""
+    table = pool._processes or {}
+    for proc in list(table.values()):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            proc.kill()
+
+
+def _guarded(
+    ctx: Any,
+    init: tuple[Any, ...],
+    work: Any,
+    item: Item,
+    limit: float | None,
+) -> Outcome:
+    """One input's outcome from a process of its own: when that process dies, or runs past
+    ``limit`` seconds (then it is killed), the input is recorded as bad with what happened."""
+    receive, send = ctx.Pipe(duplex=False)
+    with processes.main_module_hidden():
+        proc = ctx.Process(target=_run_guarded, args=(send, init, item), daemon=True)
+        proc.start()
+    send.close()
+    started = time.monotonic()
+    result: Any = None
+    try:
+        if receive.poll(limit):
+            with contextlib.suppress(EOFError, OSError):
+                result = receive.recv()
+    finally:
+        receive.close()
+    if result is None and proc.is_alive():
+        proc.kill()
+    proc.join()
+    if result is not None:
+        return _unspill(result)[0]
+    why = processes.how_it_ended(proc.exitcode, time.monotonic() - started, limit)
+    return Outcome(item.key, reason=why, path=work.name(item))
+
+
+def _run_guarded(send: Any, init: tuple[Any, ...], item: Item) -> None:
+    """A guarded process: one input's outcome (its arrays through a chunk file) sent back."""
+    _init_worker(*init)
+    send.send(_run_chunk([item]))
+    send.close()
+    os._exit(0)  # threads the item left behind are not waited for
 
 
 def worker_decode_threads(workers: int) -> int:

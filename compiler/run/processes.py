@@ -22,9 +22,11 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,3 +155,96 @@ def main_module_hidden() -> Iterator[None]:
             main.__dict__.update(saved)
             if "__spec__" not in saved:
                 main.__dict__.pop("__spec__", None)
+
+
+def how_it_ended(exitcode: int | None, took: float, limit: float | None) -> str:
+    """Why a worker process gave no answer for an input, as errors.jsonl records it: past
+    the item time limit (it was killed then), killed by a signal, or exited."""
+    if limit is not None and (took >= limit or exitcode == -signal.SIGALRM):
+        why = f"did not finish within the item time limit of {limit:g} s; its worker was killed"
+    elif exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = f"its worker process was killed by {name}"
+    else:
+        why = f"its worker process exited with status {exitcode} before the item ended"
+    return why  # no times: errors.jsonl is the same bytes on every engine and machine
+
+
+def die_with_driver(driver: int = 0) -> None:
+    """Asks Linux to kill this worker when the driver dies (kill -9 included).
+
+    Without it, workers of a killed compile keep decoding until their queue
+    drains, holding memory and CPU that a --resume run needs. The parent of a
+    forkserver's worker is the fork server, which lives as long as any of its
+    workers does (each holds the server's keep-alive pipe, and its task queue's
+    both ends): such a worker watches the driver's pid, or neither would ever exit.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    if driver and os.getppid() != driver:
+        threading.Thread(target=_exit_with, args=(driver,), daemon=True).start()
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # best effort: the compile is correct either way
+
+
+def _exit_with(pid: int) -> None:
+    """Kills this process once process ``pid`` has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = -1  # gone already
+    except OSError:  # no pidfd (Linux before 5.3): poll
+        while _alive(pid):
+            time.sleep(1.0)
+        fd = -1
+    if fd >= 0:
+        select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process under that pid: alive
+    return True
+
+
+# Whether this process runs inputs for a compile it is not (a pool's worker, a guarded
+# process, a Dask worker process): only there may an input's time limit end the process.
+_ARMED = [False]
+
+
+def arm_item_limits() -> None:
+    """Lets ``time_limit`` end this process: called where a compile's inputs run in a
+    process of their own, never in the compiling process."""
+    _ARMED[0] = True
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Ends this process (SIGALRM, whose default action stops a process hung in C code
+    too) when the block runs past ``seconds``; its driver then records which input it
+    was. Does nothing in the compiling process itself, or with ``seconds`` None. One
+    block at a time per process (the timer is the process's)."""
+    if seconds is None or not _ARMED[0]:
+        yield
+        return
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import pickle
 import resource
@@ -45,7 +46,7 @@ from ..corpus.records import Corpus, Item, fingerprint
 from ..errors import CompileError
 from ..output.journal import Journal
 from ..output.store import LocalStore, Store, open_store
-from . import faults
+from . import faults, processes
 from .items import CorpusShape, Outcome
 from .work import PresetWork
 
@@ -311,6 +312,8 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     unit's inputs), into OUT; returns its commit record. Pure and idempotent: running it
     again writes the same files under the same names."""
     faults.unit_delay(unit)
+    if multiprocessing.parent_process() is not None:  # a Dask worker process, not the driver
+        processes.arm_item_limits()
     work = task.worker()
     numerics.require()
     here = numerics.resume_key(numerics.environment())

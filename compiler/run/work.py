@@ -63,6 +63,20 @@ class Work(Protocol):
         worker reuses across chunks."""
         ...
 
+    def name(self, item: Item) -> str:
+        """The input as errors.jsonl names it."""
+        ...
+
+    def item_timeout(self) -> float | None:
+        """Seconds an input may take before its worker is killed and it is recorded as
+        bad; None: no limit."""
+        ...
+
+    def guarded(self) -> bool:
+        """Whether the inputs run only in worker processes, one worker too (a user's code,
+        which may exit, crash or hang), never in the compiling process."""
+        ...
+
 
 _RECIPES: dict[str, Recipe] = {}  # a worker builds each compile's recipe once
 
@@ -88,3 +102,12 @@ class PresetWork:
 
     def outcomes(self, chunk: list[Item], systems: dict[str, Any]) -> Iterable[Outcome]:
         return process_fetched(chunk, self.recipe, self.shape, self.storage_options, systems)
+
+    def name(self, item: Item) -> str:
+        return item.path or item.key
+
+    def item_timeout(self) -> float | None:
+        return None  # dlop's own decoders: a hostile file is an error, never a hang
+
+    def guarded(self) -> bool:
+        return False  # one worker featurizes in the compiling process, with no round trips

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -53,37 +54,60 @@ class Plain:
 
 
 class Misbehaving(Plain):
-    """Plain, but item ``at`` (each in ``at``) does ``what``: exit, kill, segv, hang,
+    """Plain, but each item in ``at`` does ``what``: raise, exit, kill, segv, hang,
     thread (a non-daemon thread left running), late (float64 where the others give
-    float32), raise_str (an exception whose str raises), sysexit."""
+    float32), raise_str (an exception whose str raises), sysexit, print (megabytes to
+    stdout), chdir, none (gives None)."""
 
     def __init__(self, n: int, at: tuple[int, ...], what: str) -> None:
         super().__init__(n)
         self.at, self.what = at, what
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        if i in self.at:
-            w = self.what
-            if w == "exit":
-                os._exit(3)
-            if w == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if w == "segv":
-                import ctypes
+        return self.misbehave(i, self.what) if i in self.at else super().__getitem__(i)
 
-                ctypes.string_at(0)
-            if w == "hang":
-                while True:
-                    time.sleep(0.05)
-            if w == "thread":
-                threading.Thread(target=time.sleep, args=(3600,)).start()
-            if w == "late":
-                return {"x": np.full(4, i, np.float64), "y": i}
-            if w == "raise_str":
-                raise BadStr()
-            if w == "sysexit":
-                raise SystemExit(7)
-        return super().__getitem__(i)
+    def misbehave(self, i: int, w: str) -> dict[str, Any]:
+        if w == "exit":
+            os._exit(3)
+        if w == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if w == "segv":
+            import ctypes
+
+            ctypes.string_at(0)
+        if w == "hang":
+            while True:
+                time.sleep(0.05)
+        if w == "thread":
+            threading.Thread(target=time.sleep, args=(3600,)).start()
+        if w == "late":
+            return {"x": np.full(4, i, np.float64), "y": i}
+        if w == "raise_str":
+            raise BadStr()
+        if w == "sysexit":
+            raise SystemExit(7)
+        if w == "raise":
+            raise ValueError(f"item {i} is unlucky")
+        if w == "print":
+            sys.stdout.write("x" * (4 << 20) + "\n")
+            sys.stdout.flush()
+        if w == "chdir":
+            os.chdir("/")
+        if w == "none":
+            return None  # type: ignore[return-value]
+        return Plain.__getitem__(self, i)
+
+
+class Hostile(Misbehaving):
+    """Plain, with the misbehaviour ``plan`` names for each of its items."""
+
+    def __init__(self, n: int, plan: dict[int, str]) -> None:
+        super().__init__(n, tuple(plan), "")
+        self.plan = plan
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        what = self.plan.get(i)
+        return self.misbehave(i, what) if what else Plain.__getitem__(self, i)
 
 
 class BadStr(Exception):

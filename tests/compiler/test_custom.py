@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,9 +143,17 @@ def test_a_failing_item_is_recorded_and_the_rest_compiled(tmp_path: Path) -> Non
     ],
 )
 def test_a_schema_change_midway_names_both_items(what: str, message: str, tmp_path: Path) -> None:
+    """A sample that breaks the schema is a bad item: recorded under skip, naming both
+    items; under fail the compile stops, and with no unit committed leaves nothing."""
+    compile_dataset(Drifting(20, 13, what), tmp_path / "a", workers=1, progress=False)
+    assert len(open_archive(tmp_path / "a")) == 13
+    lines = (tmp_path / "a" / "errors.jsonl").read_text().splitlines()
+    assert len(lines) == 7 and re.search(message.split(": ", 1)[1], lines[0])
     with pytest.raises(CompileError, match=message):
-        compile_dataset(Drifting(20, 13, what), tmp_path / "a", workers=1, progress=False)
-    assert not (tmp_path / "a").exists()  # nothing half-written is left
+        compile_dataset(
+            Drifting(20, 13, what), tmp_path / "b", workers=1, progress=False, on_error="fail"
+        )
+    assert not (tmp_path / "b").exists()  # nothing half-written is left
 
 
 def test_an_axis_found_to_vary_later_makes_the_field_ragged(
@@ -328,7 +337,6 @@ def _name_and_size(path: str) -> dict[str, Any]:
 
 
 def test_a_folder_or_url_prefix_lists_the_inputs(tmp_path: Path) -> None:
-    import fsspec
 
     folder = tmp_path / "inputs"
     for name in ("b.bin", "a.bin", "sub/c.bin"):
@@ -340,12 +348,19 @@ def test_a_folder_or_url_prefix_lists_the_inputs(tmp_path: Path) -> None:
     assert [local[i]["path"] for i in range(len(local))] == [
         str(folder / n) for n in ("a.bin", "b.bin", "sub/c.bin")
     ]
-    memory = fsspec.filesystem("memory")
-    for name in ("x/2.bin", "x/1.bin"):
-        memory.pipe(f"/custom-inputs/{name}", name.encode())
-    compile_map(
-        _name_and_size, "memory://custom-inputs/x", tmp_path / "url", workers=1, progress=False
-    )
+    # memory:// lives in one process: the compile's worker sees it by being forked from a
+    # process that runs no other thread (a fresh one)
+    script = f"""
+import fsspec
+from dlop.compiler import compile_map
+from tests.compiler.test_custom import _name_and_size
+memory = fsspec.filesystem("memory")
+for name in ("x/2.bin", "x/1.bin"):
+    memory.pipe(f"/custom-inputs/{{name}}", name.encode())
+compile_map(_name_and_size, "memory://custom-inputs/x", {str(tmp_path / "url")!r}, workers=1,
+            progress=False)
+"""
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True)
     url = open_archive(tmp_path / "url")
     assert [url[i]["path"] for i in range(2)] == [
         "memory://custom-inputs/x/1.bin",
@@ -452,10 +467,15 @@ def _shifting(x: int) -> Any:
 
 
 def test_a_sample_of_another_shape_names_both_items(tmp_path: Path) -> None:
+    compile_map(_shifting, list(range(20)), tmp_path / "a", workers=1, progress=False)
+    lines = (tmp_path / "a" / "errors.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and "gives a sample of another shape than input 0" in lines[0]
     with pytest.raises(
         CompileError, match=r"input 12 gives a sample of another shape than input 0"
     ):
-        compile_map(_shifting, list(range(20)), tmp_path / "a", workers=1, progress=False)
+        compile_map(
+            _shifting, list(range(20)), tmp_path / "b", workers=1, progress=False, on_error="fail"
+        )
 
 
 def test_a_reason_reads_the_same_on_every_run_and_host(tmp_path: Path) -> None:

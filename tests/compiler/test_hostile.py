@@ -20,7 +20,7 @@ from dlop.compiler.errors import CompileError
 from dlop.compiler.run.faults import KILL_AT
 from dlop.runtime import open_archive
 
-from .hostile_data import Plain, TokenIds
+from .hostile_data import Hostile, Misbehaving, Plain, TokenIds
 
 EPOCH = "1700000000"
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,3 +87,150 @@ def test_a_recipe_too_large_for_any_index_is_refused_before_any_work(tmp_path: P
             Plain(4), out, workers=1, progress=False, arguments={"note": "n" * (40 << 20)}
         )
     assert not out.exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("what", ["exit", "kill", "segv"])
+def test_an_item_that_kills_its_worker_is_recorded_and_the_rest_compile(
+    what: str, workers: int, tmp_path: Path
+) -> None:
+    """Item 5 dies while the schema is probed, item 33 in a unit: before, every run and
+    every --resume stopped at "a worker process died", naming no item (and with one
+    worker, or in the probe, the compile's own process died)."""
+    ds = Misbehaving(40, (5, 33), what)
+    compile_dataset(ds, tmp_path / "a", workers=workers, unit_inputs=16, progress=False)
+    archive = open_archive(tmp_path / "a")
+    assert len(archive) == 38
+    assert [int(archive[i]["y"]) for i in range(38)] == [i for i in range(40) if i not in (5, 33)]
+    bad = errors(tmp_path / "a")
+    assert [e["path"] for e in bad] == ["Misbehaving[5]", "Misbehaving[33]"]
+    said = {"exit": "exited with status 3", "kill": "killed by SIGKILL", "segv": "SIGSEGV"}
+    assert all(said[what] in str(e["reason"]) for e in bad), bad
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_item_that_hangs_is_recorded_past_the_item_timeout(workers: int, tmp_path: Path) -> None:
+    ds = Misbehaving(24, (3, 13), "hang")
+    compile_dataset(
+        ds, tmp_path / "a", workers=workers, unit_inputs=8, progress=False, item_timeout=2
+    )
+    assert len(open_archive(tmp_path / "a")) == 22
+    bad = errors(tmp_path / "a")
+    assert [e["path"] for e in bad] == ["Misbehaving[3]", "Misbehaving[13]"]
+    assert all("item time limit of 2 s" in str(e["reason"]) for e in bad), bad
+
+
+def test_under_dask_an_item_that_kills_or_hangs_is_recorded(tmp_path: Path) -> None:
+    """Before, the user got a raw distributed.scheduler.KilledWorker."""
+    from .fixtures import dask_cluster
+
+    with dask_cluster(2) as address:
+        kill = Misbehaving(24, (5, 17), "kill")
+        compile_dataset(kill, tmp_path / "k", dask=address, unit_inputs=8, progress=False)
+        hang = Misbehaving(24, (17,), "hang")
+        compile_dataset(
+            hang, tmp_path / "h", dask=address, unit_inputs=8, progress=False, item_timeout=2
+        )
+    assert len(open_archive(tmp_path / "k")) == 22
+    assert [e["path"] for e in errors(tmp_path / "k")] == ["Misbehaving[5]", "Misbehaving[17]"]
+    assert all("killed by SIGKILL" in str(e["reason"]) for e in errors(tmp_path / "k"))
+    assert len(open_archive(tmp_path / "h")) == 23
+    (bad,) = errors(tmp_path / "h")
+    assert bad["path"] == "Misbehaving[17]" and "time limit of 2 s" in str(bad["reason"])
+
+
+PLAN = {
+    2: "raise", 4: "kill", 6: "chdir", 9: "exit", 12: "segv", 15: "hang", 19: "thread",
+    22: "raise_str", 26: "sysexit", 30: "late", 34: "print", 38: "none",
+}  # fmt: skip
+BAD = [2, 4, 9, 12, 15, 22, 26, 30, 38]  # chdir, thread and print give good samples
+
+
+@pytest.mark.slow
+def test_a_hostile_dataset_compiles_the_same_on_every_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dozen misbehaviours in one Dataset, some while the schema is probed: on 1 worker,
+    2 workers and a 2-worker Dask cluster every good item is compiled and every bad one
+    recorded with its reason, in the same bytes (shards, index and errors.jsonl)."""
+    from .fixtures import dask_cluster
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)  # the index's creation time
+    ds = Hostile(48, PLAN)
+    options = {"unit_inputs": 8, "progress": False, "item_timeout": 3}
+    here = os.getcwd()
+    compile_dataset(ds, tmp_path / "one", workers=1, **options)
+    compile_dataset(ds, tmp_path / "two", workers=2, **options)
+    with dask_cluster(2) as address:
+        compile_dataset(ds, tmp_path / "dask", dask=address, **options)
+    assert os.getcwd() == here
+    whole = files(tmp_path / "one")
+    assert files(tmp_path / "two") == whole and files(tmp_path / "dask") == whole
+    archive = open_archive(tmp_path / "one")
+    assert [int(archive[i]["y"]) for i in range(len(archive))] == [
+        i for i in range(48) if i not in BAD
+    ]
+    reasons = {int(str(e["key"])): str(e["reason"]) for e in errors(tmp_path / "one")}
+    assert sorted(reasons) == BAD
+    assert reasons[2].startswith("ValueError: item 2 is unlucky")
+    assert "killed by SIGKILL" in reasons[4] and "exited with status 3" in reasons[9]
+    assert "SIGSEGV" in reasons[12] and "time limit of 3 s" in reasons[15]
+    assert reasons[22].startswith("BadStr: (its message could not be made: ValueError)")
+    assert reasons[26].startswith("SystemExit: 7")
+    assert "gives f64 [4], Hostile[0] gave f32 [4]" in reasons[30]
+    assert "gave None" in reasons[38]
+
+
+def test_a_late_schema_break_is_a_bad_item_and_never_deletes_committed_units(
+    tmp_path: Path,
+) -> None:
+    """Item 37 of 40 gives float64 where the others gave float32: before, OUT was deleted
+    with every committed unit, even under on_error="skip"."""
+    ds = Misbehaving(40, (37,), "late")
+    compile_dataset(ds, tmp_path / "skip", workers=2, unit_inputs=8, progress=False)
+    assert len(open_archive(tmp_path / "skip")) == 39
+    (bad,) = errors(tmp_path / "skip")
+    assert bad["path"] == "Misbehaving[37]" and "gives f64 [4]" in str(bad["reason"])
+    out = tmp_path / "fail"
+    with pytest.raises(CompileError, match=r"Misbehaving\[37\].*the 4 units committed"):
+        compile_dataset(ds, out, workers=2, unit_inputs=8, progress=False, on_error="fail")
+    kept = sorted(p.name for p in out.iterdir())
+    assert len([n for n in kept if n.startswith(".dlop-unit-")]) == 4, kept
+    assert ".dlop-progress.json" in kept and "index.json" not in kept
+    # the user's call: start afresh
+    compile_dataset(ds, out, workers=2, unit_inputs=8, progress=False, overwrite=True)
+    assert len(open_archive(out)) == 39
+
+
+RAISES = """
+import numpy as np
+
+
+class R:
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == 9:
+            raise ValueError("nine")
+        return {"x": np.full(3, i, np.float32)}
+"""
+
+
+def test_errors_name_the_same_frame_on_every_engine(tmp_path: Path) -> None:
+    """A Dataset given by file path reaches a Dask worker by value, whose code names no
+    file: errors.jsonl said "(at <dynamic-code>:9 ...)" there and "(at r5.py:9 ...)"
+    with forked workers."""
+    from dlop.tools.compile_cli import main
+
+    from .fixtures import dask_cluster
+
+    module = tmp_path / "r5.py"
+    module.write_text(RAISES)
+    args = ["--dataset", f"{module}:R", "-q"]
+    assert main([*args, "-o", str(tmp_path / "two"), "--workers", "2"]) == 0
+    with dask_cluster(1) as address:
+        assert main([*args, "-o", str(tmp_path / "dask"), "--dask", address]) == 0
+    said = (tmp_path / "two" / "errors.jsonl").read_bytes()
+    assert b"(at r5.py:11 in __getitem__)" in said
+    assert (tmp_path / "dask" / "errors.jsonl").read_bytes() == said

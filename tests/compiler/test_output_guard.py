@@ -16,7 +16,7 @@ import pytest
 from dlop.compiler.errors import CompileError
 from dlop.compiler.output import commit
 from dlop.compiler.output.guard import LOCK, OutputLock, committed_units
-from dlop.compiler.output.journal import JOURNAL, Journal, changed_options
+from dlop.compiler.output.journal import JOURNAL, MAX_JOURNAL_BYTES, Journal, changed_options
 from dlop.compiler.output.store import open_store
 from dlop.compiler.run.units import UnitRecord, commit_name
 from dlop.formats import ArchiveWriter, ShardInfo, unit_shard_name
@@ -282,7 +282,7 @@ def _edit_journal(obj: dict, how: str) -> object:
         ("not an object", "object"),
         ("nested 20000 deep", "nests"),
         ("not UTF-8", "UTF-8"),
-        ("over 64 KiB", "65536"),
+        ("over its bound", str(MAX_JOURNAL_BYTES)),
     ],
 )
 def test_a_damaged_journal_is_a_clear_error(
@@ -294,12 +294,12 @@ def test_a_damaged_journal_is_a_clear_error(
 ) -> None:
     corpus, _, template = stopped
     out = copy_of(template, tmp_path / "out")
-    if how == "nested 20000 deep":  # within the journal's 64 KiB
+    if how == "nested 20000 deep":  # within the journal's bound
         text = b'{"unit_inputs": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
     elif how == "not UTF-8":
         text = b'{"recipe_digest": "\xff"}'
-    elif how == "over 64 KiB":
-        text = b" " * (64 << 10) + (out / JOURNAL).read_bytes()
+    elif how == "over its bound":  # that of the index, which holds the same recipe
+        text = b" " * MAX_JOURNAL_BYTES + (out / JOURNAL).read_bytes()
     else:
         text = json.dumps(_edit_journal(json.loads((out / JOURNAL).read_text()), how)).encode()
     (out / JOURNAL).write_bytes(text)
