@@ -33,14 +33,25 @@ from dlop.formats.files import loads_bounded
 from ..corpus.records import Corpus
 from ..errors import AxisVaries, CompileError
 from ..output.commit import Run
-from ..output.journal import JOURNAL, MAX_JOURNAL_BYTES
+from ..output.guard import committed_units
+from ..output.journal import JOURNAL, MAX_JOURNAL_BYTES, Journal
 from ..output.store import open_store
 from ..recipe import DTYPES, ON_ERROR_POLICIES, parse_size
 from ..run.items import CorpusShape
 from ..run.pipeline import heap_frozen, run_compile, unit_size
+from ..run.units import sample_digest
 from .code import changes, describe
 from .guard import Prober
-from .samples import SampleError, Spec, given_schema, infer, merge, widened
+from .samples import (
+    Mismatch,
+    SampleError,
+    Spec,
+    conform,
+    given_schema,
+    infer,
+    merge,
+    widened,
+)
 from .work import (
     Inputs,
     UserWork,
@@ -291,7 +302,15 @@ def _compile(
     journal = _journal_recipe(out_text, storage_options) if options["resume"] else None
     item_seconds = 0.0  # unknown on a resume: chunks of CHUNK_ITEMS
     if journal is not None:
-        specs, structure = _resumed(recipe, journal, out_text)
+        specs, structure = _resumed(recipe, journal[0], out_text)
+        _check_witnesses(
+            UserWork(target, dataset, specs, seed, label, 0.0, structure, timeout),
+            replace(recipe, specs=specs, structure=structure),
+            items,
+            journal[1],
+            out_text,
+            storage_options,
+        )
     else:
         probe = UserWork(target, dataset, {}, seed, label)
         specs, structure, item_seconds = _probe(
@@ -439,19 +458,73 @@ def _random_state_kept() -> Iterator[None]:
         torch.set_rng_state(state[2])
 
 
-def _journal_recipe(out: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The recipe in OUT's journal (an interrupted compile), or None when there is none
-    (finish_run then says so)."""
+def _journal_recipe(
+    out: str, storage_options: dict[str, Any] | None
+) -> tuple[dict[str, Any], int] | None:
+    """The recipe and unit size in OUT's journal (an interrupted compile), or None when
+    there is none (finish_run then says so)."""
     data = open_store(out, storage_options).read(JOURNAL)
     if data is None or len(data) > MAX_JOURNAL_BYTES:
         return None
     try:
-        recipe = loads_bounded(out, data, "the journal").get("recipe")
+        obj = loads_bounded(out, data, "the journal")
+        recipe, unit_inputs = obj.get("recipe"), obj.get("unit_inputs")
     except (CompileError, AttributeError, ValueError):
         return None
     except Exception:  # a damaged journal: finish_run names what is wrong
         return None
-    return recipe if isinstance(recipe, dict) else None
+    if not isinstance(recipe, dict) or type(unit_inputs) is not int or unit_inputs < 1:
+        return None
+    return recipe, unit_inputs
+
+
+RESUME_CHECKS = 8  # items a resume computes again, spread over the committed units
+
+
+def _check_witnesses(
+    work: UserWork,
+    recipe: CustomRecipe,
+    items: Inputs,
+    unit_inputs: int,
+    out: str,
+    storage_options: dict[str, Any] | None,
+) -> None:
+    """Refuses a resume when items the interrupted compile wrote now give other samples:
+    up to RESUME_CHECKS of the inputs its committed units recorded a digest of
+    (units.witness_positions), spread over them, are computed again (guarded, as the
+    probe's) and compared. This sees what the recipe's digest cannot (data a Dataset
+    reads from elsewhere, a setting, a range it holds) where it changes those items."""
+    store = open_store(out, storage_options)
+    journal = Journal(store.url, recipe.digest(), "", unit_inputs, len(items))
+    seen = sorted(w for r in committed_units(store, journal).values() for w in r.witnesses)
+    if not seen:
+        return
+    chosen = [seen[k * len(seen) // RESUME_CHECKS] for k in range(min(RESUME_CHECKS, len(seen)))]
+    prober = Prober(work, work.timeout)
+    try:
+        for index, wrote in chosen:
+            item = items[index]
+            name = work.name(item)
+            got = prober.answer(item)
+            why = ""
+            if got.kind != "sample":
+                why = f"it now {'gives None' if got.kind == 'none' else 'fails: ' + got.text}"
+            else:
+                try:
+                    sample = conform(got.leaves, work.specs, name)
+                except Mismatch as e:
+                    why = e.message
+                else:
+                    if sample_digest([sample]) != wrote:
+                        why = "it now gives another sample than the one written"
+            if why:
+                raise CompileError(
+                    f"{out}: --resume refused: {name} was compiled by the interrupted compile "
+                    f"and {why}. The code, or data it reads from elsewhere, changed in a way "
+                    "its recipe cannot see; compile afresh (--overwrite)"
+                )
+    finally:
+        prober.close()
 
 
 def _resumed(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dlop.formats import ArchiveWriter, Field, FormatError, ShardInfo, unit_shard_name
@@ -78,6 +79,9 @@ class UnitRecord:
     # sha256 of the inputs' sizes as the unit started (input_sizes), when the corpus's
     # fingerprint leaves them out (Corpus.unit_sizes); "" otherwise
     input_sizes: str = ""
+    # (input, sample_digest of what it wrote) for a few inputs spread over the unit: a
+    # resume of a user's code computes some again and compares (compiler.custom)
+    witnesses: tuple[tuple[int, str], ...] = ()
 
     def to_json(self, digest: str) -> dict[str, Any]:
         return {
@@ -90,6 +94,7 @@ class UnitRecord:
             "worker": self.worker,
             "peak_rss": self.peak_rss,
             **({"input_sizes": self.input_sizes} if self.input_sizes else {}),
+            "witnesses": [list(w) for w in self.witnesses],
         }
 
 
@@ -122,6 +127,21 @@ def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitReco
     except (FormatError, ValueError, TypeError):
         return None
     worker, rss, sizes = obj.get("worker"), obj.get("peak_rss"), obj.get("input_sizes", "")
+    witnesses = obj.get("witnesses", [])
+    if (
+        not isinstance(witnesses, list)
+        or len(witnesses) > WITNESSES
+        or not all(
+            isinstance(w, list)
+            and len(w) == 2
+            and is_count(w[0], inputs.stop - 1)
+            and w[0] in inputs
+            and isinstance(w[1], str)
+            and len(w[1]) == 64
+            for w in witnesses
+        )
+    ):
+        return None
     return UnitRecord(
         unit,
         inputs.start,
@@ -131,7 +151,42 @@ def parse_record(data: bytes, unit: int, inputs: range, digest: str) -> UnitReco
         worker=worker if isinstance(worker, str) else "",
         peak_rss=rss if is_count(rss, 1 << 62) else 0,
         input_sizes=sizes if isinstance(sizes, str) else "",
+        witnesses=tuple((int(w[0]), str(w[1])) for w in witnesses),
     )
+
+
+WITNESSES = 4  # inputs a unit records the digest of: its first, a quarter, half, 3/4 in
+
+
+def witness_positions(count: int) -> set[int]:
+    """Which of a unit's ``count`` inputs (positions 0..count-1) are its witnesses."""
+    return {k * count // WITNESSES for k in range(WITNESSES)}
+
+
+def sample_digest(samples: list[dict[str, Any]]) -> str:
+    """sha256 of the samples one input wrote (each field's name, dtype, shape and bytes;
+    a str's UTF-8): the same on every engine, a bytes field given as bytes or as the
+    uint8 array a worker's chunk file hands back."""
+    h = hashlib.sha256()
+    for sample in samples:
+        for name in sorted(sample):
+            value = sample[name]
+            if isinstance(value, bytes | bytearray | memoryview):
+                value = np.frombuffer(value, np.uint8)
+            if isinstance(value, torch.Tensor):
+                value = value.numpy()
+            data: Any
+            if isinstance(value, str):
+                data, kind = value.encode("utf-8"), "str"
+            elif isinstance(value, np.ndarray | np.generic):
+                array = np.ascontiguousarray(value)  # a view when it is already (no copy)
+                data = array.reshape(-1).view(np.uint8)
+                kind = f"{array.dtype.str}{list(array.shape)}"
+            else:
+                data, kind = repr(value).encode(), type(value).__name__
+            h.update(f"{name}\0{kind}\0{len(data)}\0".encode())
+            h.update(data)
+    return h.hexdigest()
 
 
 def shards_in_place(store: Store, record: UnitRecord, listed: Mapping[str, int]) -> bool:
@@ -230,6 +285,9 @@ class UnitWriter:
     input_sizes: str = ""  # UnitRecord.input_sizes, set before commit
 
     def __post_init__(self) -> None:
+        self.added = 0  # outcomes given to add so far
+        self.witnessed = witness_positions(len(self.inputs))
+        self.witnesses: list[tuple[int, str]] = []
         self.staging = Path(tempfile.mkdtemp(prefix=f"u{self.unit}-", dir=self.store.staging()))
         self.writer = ArchiveWriter(
             self.staging,
@@ -261,7 +319,10 @@ class UnitWriter:
         if outcome.stop is not None:  # not the input's fault: the compile cannot go on
             self.failure, self.widen = outcome.stop, outcome.widen
             return False
+        at, self.added = self.added, self.added + 1
         if outcome.reason is None:
+            if at in self.witnessed and outcome.samples:
+                self.witnesses.append((self.inputs.start + at, sample_digest(outcome.samples)))
             self.writer.write_group(outcome.samples)
             return True
         path = text_path(outcome.path or outcome.key)
@@ -293,6 +354,7 @@ class UnitWriter:
                 worker=f"{socket.gethostname()}:{os.getpid()}",
                 peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 input_sizes=self.input_sizes,
+                witnesses=tuple(self.witnesses),
             )
             data = json.dumps(record.to_json(self.task.digest)).encode()
             self.check_run()

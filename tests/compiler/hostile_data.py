@@ -113,3 +113,31 @@ class Hostile(Misbehaving):
 class BadStr(Exception):
     def __str__(self) -> str:
         raise ValueError("no str for you")
+
+
+class FromFile:
+    """Items whose values come from a file the recipe does not hash (only its path)."""
+
+    def __init__(self, path: str, n: int = 24) -> None:
+        self.path, self.n = path, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        with open(self.path) as f:
+            offset = float(f.read())
+        return {"x": np.full(4, i + offset, np.float32)}
+
+
+class Ranged:
+    """Items drawn from a range it holds."""
+
+    def __init__(self, ids: range) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"id": self.ids[i]}

@@ -234,3 +234,44 @@ def test_errors_name_the_same_frame_on_every_engine(tmp_path: Path) -> None:
     said = (tmp_path / "two" / "errors.jsonl").read_bytes()
     assert b"(at r5.py:11 in __getitem__)" in said
     assert (tmp_path / "dask" / "errors.jsonl").read_bytes() == said
+
+
+CHANGED = """
+import sys
+from dlop.compiler import compile_dataset
+from tests.compiler.hostile_data import FromFile, Ranged
+ds = FromFile(sys.argv[2]) if sys.argv[3] == "file" else Ranged(range(int(sys.argv[2]), int(sys.argv[2]) + 24))
+compile_dataset(ds, sys.argv[1], workers=1, unit_inputs=4, progress=False,
+                resume=len(sys.argv) > 4)
+"""
+
+
+@pytest.mark.parametrize("what", ["file", "range"])
+def test_resume_refuses_items_that_now_give_other_samples(what: str, tmp_path: Path) -> None:
+    """A Dataset reading a file the recipe does not hash, or holding a range that changed
+    in a way its digest does not see: resumed, the archive mixed old and new items."""
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, "PYTHONPATH": str(ROOT)}
+    data = tmp_path / "offset.txt"
+    data.write_text("0")
+    arg = str(data) if what == "file" else "0"
+    out = tmp_path / "out"
+
+    def run(arg: str, *more: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-c", CHANGED, str(out), arg, what, *more]
+        return subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True)
+
+    killed = run(arg, **{KILL_AT: "unit:2"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    if what == "file":
+        data.write_text("1000")
+        changed = run(arg, "resume")
+    else:
+        changed = run("1000", "resume")  # range(1000, 1024): as many ids, others
+    assert changed.returncode != 0
+    assert "--resume refused" in changed.stderr and "recipe cannot see" in changed.stderr
+    data.write_text("0")
+    assert run(arg, "resume").returncode == 0  # as it was: it resumes
+    whole = tmp_path / "whole"
+    out, kept = whole, out
+    assert run(arg).returncode == 0
+    assert files(kept) == files(whole)
