@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from dlop.formats import Index
+from dlop.formats.constants import MAX_ARCHIVE_SAMPLES
 from dlop.formats.files import loads_bounded
 
 from ..corpus.records import Corpus
@@ -36,7 +37,13 @@ from ..output.commit import Run
 from ..output.guard import committed_units
 from ..output.journal import JOURNAL, MAX_JOURNAL_BYTES, Journal
 from ..output.store import open_store
-from ..recipe import DTYPES, ON_ERROR_POLICIES, parse_size
+from ..recipe import (
+    DTYPES,
+    MAX_SHARD_BYTES,
+    MIN_SHARD_BYTES,
+    ON_ERROR_POLICIES,
+    parse_size,
+)
 from ..run.items import CorpusShape
 from ..run.pipeline import heap_frozen, run_compile, unit_size
 from ..run.units import sample_digest
@@ -55,9 +62,11 @@ from .samples import (
 from .work import (
     Inputs,
     UserWork,
+    bare,
     describe_shape,
     input_text,
     item_name,
+    reason,
 )
 
 if TYPE_CHECKING:
@@ -187,17 +196,25 @@ def compile_dataset(dataset: Any, out: str | os.PathLike[str], **options: Unpack
     returns its index. Reading it back (dlop.runtime.open_archive) gives each item as the
     Dataset gave it, arrays as tensors (docs/custom.md). The keywords are Options'."""
     chosen = _chosen(options, "compile_dataset")
-    try:
-        count = len(dataset)
-        dataset.__getitem__  # noqa: B018 - a map-style Dataset, checked before any work
-    except (TypeError, AttributeError):
+    kind = type(dataset).__name__
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise CompileError(
-            f"compile_dataset: a {type(dataset).__name__} has no len() and [i]: give a "
-            "map-style Dataset, or compile an iterable with compile_map(fn, inputs)"
-        ) from None
+            f"compile_dataset: a {kind} has no len() and [i]: give a map-style Dataset, or "
+            "compile an iterable with compile_map(fn, inputs)"
+        )
+    try:
+        count = dataset.__len__()
+    except (Exception, SystemExit) as e:  # the user's code
+        raise CompileError(f"compile_dataset: len() of the {kind} failed: {reason(e)}") from None
     if type(count) is not int or count < 1:
         raise CompileError(
-            f"compile_dataset: the dataset holds {count!r} items; nothing to compile"
+            f"compile_dataset: len() of the {kind} is {count!r:.40}, not a positive int; "
+            "nothing to compile"
+        )
+    if count > MAX_ARCHIVE_SAMPLES:
+        raise CompileError(
+            f"compile_dataset: len() of the {kind} is {count}, more items than an archive "
+            f"holds ({MAX_ARCHIVE_SAMPLES})"
         )
     fingerprint = hashlib.sha256(f"dataset:{count}".encode()).hexdigest()
     inputs = {"count": count, "fingerprint": fingerprint}
@@ -229,6 +246,10 @@ def compile_map(
     for n, value in enumerate(values):
         try:
             digest.update(input_text(value).encode() + b"\n")
+        except RecursionError:
+            raise CompileError(
+                f"compile_map: input {n} nests too deep to record in the archive's fingerprint"
+            ) from None
         except (TypeError, ValueError):
             raise CompileError(
                 f"compile_map: input {n} is a {type(value).__name__}: inputs are JSON values "
@@ -253,6 +274,11 @@ def _compile(
     on_error = options["on_error"]
     if on_error not in ON_ERROR_POLICIES:
         raise CompileError(f"on_error {on_error!r} must be one of {ON_ERROR_POLICIES}")
+    workers = options["workers"]
+    if workers is not None and (type(workers) is not int or workers < 1):
+        raise CompileError(
+            f"workers {workers!r:.40} must be a positive int (or None: one per core)"
+        )
     timeout = options["item_timeout"]
     if timeout is not None and (
         type(timeout) not in (int, float) or not 0 < timeout < float("inf")
@@ -293,7 +319,7 @@ def _compile(
         or None,
         dtype,
         codec,
-        parse_size(options["shard_bytes"]),
+        _shard_bytes(options["shard_bytes"]),
         on_error,
     )
     label = code["qualname"] if dataset else getattr(target, "__name__", "fn")
@@ -340,6 +366,17 @@ def _compile(
                 flush=True,
             )
             resume, overwrite = False, True  # what the stopped compile wrote is gone
+
+
+def _shard_bytes(value: int | str) -> int:
+    """shard_bytes as bytes, within the presets' bounds (one shard per sample is not one)."""
+    size = parse_size(value)
+    if not MIN_SHARD_BYTES <= size <= MAX_SHARD_BYTES:
+        raise CompileError(
+            f"shard_bytes {value!r}: expected {MIN_SHARD_BYTES} bytes (4KiB) to "
+            f"{MAX_SHARD_BYTES} (1TiB)"
+        )
+    return size
 
 
 def _check_lengths_names(specs: dict[str, Spec]) -> None:
@@ -422,7 +459,7 @@ def _probe(
                 shape, leaves = got.shape, got.leaves
                 if specs is None:
                     specs, structure = infer(leaves, name, given, float_dtype), shape
-                elif shape != structure:
+                elif bare(shape) != bare(structure):
                     first = next(iter(specs.values())).item
                     raise CompileError(
                         f"{name} gives a sample of another shape than {first} "
@@ -571,6 +608,8 @@ def read_inputs(
     sizes in the fingerprint)."""
     from ..urls import is_url
 
+    if where.startswith("file://"):  # a local path written as a URL
+        where = where.removeprefix("file://")
     if where.endswith(".jsonl"):
         if is_url(where):
             data = open_store(where.rsplit("/", 1)[0], storage_options).read(
@@ -578,10 +617,20 @@ def read_inputs(
             )
             if data is None:
                 raise CompileError(f"{where}: not found")
-            text = data.decode("utf-8")
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CompileError(f"{where}: not UTF-8 text (byte {e.start})") from None
         else:
-            with open(where, encoding="utf-8") as f:
-                text = f.read()
+            try:
+                with open(where, "rb") as f:
+                    raw = f.read()
+            except OSError as e:
+                raise CompileError(f"{where}: cannot read it ({e.strerror or e})") from None
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CompileError(f"{where}: not UTF-8 text (byte {e.start})") from None
         values = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
@@ -592,7 +641,12 @@ def read_inputs(
         return values, {}
     if is_url(where):
         store = open_store(where, storage_options)
-        listed = sorted(store.sizes().items())
+        try:
+            listed = sorted(store.sizes().items())
+        except CompileError:
+            raise
+        except Exception as e:  # the storage's own (a refused connection, no such bucket)
+            raise CompileError(f"{where}: cannot list the inputs: {reason(e)}") from None
         base = where.rstrip("/")
         return [f"{base}/{name}" for name, _ in listed], {
             "source": base,

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from ..errors import CompileError
+from .work import reason
 
 
 def parse_arguments(text: str | None) -> Any:
@@ -49,8 +50,10 @@ def load_target(spec: str, arguments: Any = None, *, made: bool = False) -> Any:
     arguments = [] if arguments is None else arguments
     try:
         return target(**arguments) if isinstance(arguments, dict) else target(*arguments)
-    except TypeError as e:
-        raise CompileError(f"{spec}: calling it with {arguments!r:.80} failed: {e}") from None
+    except (Exception, SystemExit) as e:  # the user's factory: whatever it raises
+        raise CompileError(
+            f"{spec}: calling it with {arguments!r:.80} failed: {reason(e)}"
+        ) from None
 
 
 def _module(where: str) -> Any:
@@ -67,7 +70,11 @@ def _module(where: str) -> Any:
             raise CompileError(f"{where}: cannot be imported as a module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # its classes pickle (workers that fork find it)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except (Exception, SystemExit) as e:  # a syntax error, a raise or exit on import
+            sys.modules.pop(name, None)
+            raise CompileError(f"{where}: importing it failed: {reason(e)}") from None
         _by_value(module)
         return module
     if "" not in sys.path and os.getcwd() not in sys.path:
@@ -76,6 +83,8 @@ def _module(where: str) -> Any:
         return importlib.import_module(where)
     except ImportError as e:
         raise CompileError(f"{where}: cannot import it ({e}); is it on PYTHONPATH?") from None
+    except (Exception, SystemExit) as e:  # a syntax error, a raise or exit on import
+        raise CompileError(f"{where}: importing it failed: {reason(e)}") from None
 
 
 def _by_value(module: Any) -> None:

@@ -166,6 +166,11 @@ def leaf(value: Any, item: str, name: str) -> Leaf:
         array = np.asarray(value)
         back = "int" if value.dtype.kind in "iu" else "float" if value.dtype.kind == "f" else ""
         return Leaf(*_array(array, where), back or "array")
+    if isinstance(value, np.ma.MaskedArray):
+        raise SampleError(
+            f"{where} is a masked array: its mask would be lost; store .filled(value) and "
+            "the mask (np.ma.getmaskarray) as two fields"
+        )
     if isinstance(value, np.ndarray):
         return Leaf(*_array(value, where), "array")
     if _is_tensor(value):
@@ -200,6 +205,12 @@ def _is_tensor(value: Any) -> bool:
 def _tensor(value: Any, where: str) -> tuple[np.ndarray, str]:
     import torch
 
+    if value.layout != torch.strided or value.is_nested:
+        kind = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+        raise SampleError(
+            f"{where} is a {kind} tensor: store it dense (.to_dense(), or a nested tensor's "
+            "parts as fields)"
+        )
     t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16), "bf16"

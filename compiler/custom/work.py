@@ -118,7 +118,7 @@ class UserWork:
             return Outcome(item.key, reason="skipped: the code gave None for it", path=name)
         try:
             shape, leaves = sample_leaves(sample, name)
-            if self.structure and shape != self.structure:
+            if self.structure and bare(shape) != bare(self.structure):
                 first = next(iter(self.specs.values())).item  # whose sample set the shape
                 raise Mismatch(
                     f"{name} gives a sample of another shape than {first} "
@@ -153,6 +153,14 @@ def sample_leaves(sample: Any, name: str) -> tuple[dict[str, Any], dict[str, Any
         raise
     except Exception as e:  # the user's objects: whatever they raise is this item's
         raise SampleError(f"{name}: its sample cannot be stored: {reason(e)}") from None
+
+
+def bare(structure: dict[str, Any]) -> Any:
+    """A structure without its leaves' value types: two samples whose fields differ only in
+    a value's type have the same shape (conform names the field and both types)."""
+    if "fields" in structure:
+        return (structure.get("type"), [(c.get("key"), bare(c)) for c in structure["fields"]])
+    return structure.get("field")
 
 
 def describe_shape(structure: dict[str, Any]) -> str:

@@ -141,3 +141,35 @@ class Ranged:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"id": self.ids[i]}
+
+
+class Length:
+    """A Dataset whose __len__ gives ``n`` (or raises when ``n`` is None)."""
+
+    def __init__(self, n: Any) -> None:
+        self.n = n
+
+    def __len__(self) -> Any:
+        if self.n is None:
+            raise RuntimeError("no length today")
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": i}
+
+
+class Odd:
+    """Fine, but item 11 gives a masked array, 12 a sparse tensor, 13 a float for an int."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        x: Any = np.arange(3, dtype=np.float32)
+        if i == 11:
+            x = np.ma.masked_array(x, [True, False, False])
+        if i == 12:
+            x = torch.tensor(x).to_sparse()
+        return {"x": x, "a": 1.5 if i == 13 else i}

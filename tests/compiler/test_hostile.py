@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -275,3 +276,112 @@ def test_resume_refuses_items_that_now_give_other_samples(what: str, tmp_path: P
     out, kept = whole, out
     assert run(arg).returncode == 0
     assert files(kept) == files(whole)
+
+
+@pytest.mark.parametrize(
+    ("n", "said"),
+    [
+        (-1, r"len\(\) of the Length is -1, not a positive int"),
+        (3.0, r"len\(\) of the Length is 3.0, not a positive int"),
+        (2**63, r"more items than an archive holds"),
+        (None, r"len\(\) of the Length failed: RuntimeError: no length today"),
+    ],
+)
+def test_a_dataset_with_a_strange_length_is_refused_clearly(
+    n: object, said: str, tmp_path: Path
+) -> None:
+    from .hostile_data import Length
+
+    with pytest.raises(CompileError, match=said):
+        compile_dataset(Length(n), tmp_path / "a", workers=1, progress=False)
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        ({"workers": "2"}, "workers '2' must be a positive int"),
+        ({"workers": 0}, "workers 0 must be a positive int"),
+        ({"workers": -3}, "workers -3 must be a positive int"),
+        ({"shard_bytes": 1}, "shard_bytes 1: expected 4096 bytes"),
+        ({"item_timeout": 0}, "item_timeout 0 must be a positive number"),
+    ],
+)
+def test_options_out_of_range_are_refused(
+    option: dict[str, object], said: str, tmp_path: Path
+) -> None:
+    with pytest.raises(CompileError, match=said):
+        compile_dataset(Plain(4), tmp_path / "a", progress=False, **option)  # type: ignore[arg-type]
+    assert not (tmp_path / "a").exists()
+
+
+def test_inputs_that_cannot_be_read_or_recorded_are_refused_clearly(tmp_path: Path) -> None:
+    from dlop.compiler import compile_map
+
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(CompileError, match=rf"{missing}: cannot read it"):
+        compile_map(str, str(missing), tmp_path / "a", progress=False)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'"caf\xe9"\n')
+    with pytest.raises(CompileError, match=rf"{latin}: not UTF-8 text \(byte 4\)"):
+        compile_map(str, str(latin), tmp_path / "a", progress=False)
+    deep: list[object] = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(CompileError, match="input 1 nests too deep"):
+        compile_map(str, [1, deep], tmp_path / "a", progress=False)
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        ("def broken(:\n", "importing it failed: SyntaxError"),
+        ("import sys\nsys.exit(3)\n", "importing it failed: SystemExit: 3"),
+        ("def make():\n    raise KeyError('k')\n", "calling it with .* failed: KeyError"),
+    ],
+)
+def test_a_module_that_breaks_on_import_or_a_raising_factory_is_named(
+    source: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dlop.tools.compile_cli import main
+
+    module = tmp_path / "mine.py"
+    module.write_text(source + "\nclass Data:\n    pass\n")
+    name = "make" if "make" in source else "Data"
+    assert main(["--dataset", f"{module}:{name}", "-o", str(tmp_path / "a"), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(said, err) and "Traceback" not in err, err
+
+
+def test_values_no_archive_holds_are_bad_items_named_clearly(tmp_path: Path) -> None:
+    from .hostile_data import Odd
+
+    compile_dataset(Odd(), tmp_path / "a", workers=1, progress=False)
+    reasons = {int(str(e["key"])): str(e["reason"]) for e in errors(tmp_path / "a")}
+    assert sorted(reasons) == [11, 12, 13]
+    assert "masked array: its mask would be lost" in reasons[11]
+    assert "sparse_coo tensor: store it dense" in reasons[12]
+    assert "field 'a': Odd[13] gives a Python float, Odd[0] gave a Python int" in reasons[13]
+
+
+def _length(path: str) -> dict[str, int]:
+    return {"n": len(path)}
+
+
+def test_inputs_as_a_file_url_or_an_unreachable_prefix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlop.compiler import compile_map
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("a")
+    compile_map(_length, f"file://{tmp_path / 'in'}", tmp_path / "a", workers=1, progress=False)
+    assert len(open_archive(tmp_path / "a")) == 1
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    closed = {"endpoint_url": "http://127.0.0.1:9"}  # nothing listens there
+    with pytest.raises(CompileError, match=r"s3://nobucket/pre: cannot list the inputs: "):
+        compile_map(
+            _length, "s3://nobucket/pre", tmp_path / "b", storage_options=closed, progress=False
+        )
