@@ -23,6 +23,9 @@ import zstandard
 from .constants import DEFAULT_BLOCK_BYTES, DEFAULT_ZSTD_LEVEL, MAX_BLOCK_RAW_BYTES
 from .errors import SchemaError
 
+# One block's value bytes as an encoder takes them: any buffer, never copied to bytes.
+Buffer = bytes | bytearray | memoryview
+
 
 class FrameError(ValueError):
     """A stored frame does not decode to what its block-table row says; the reader
@@ -37,7 +40,7 @@ class BlockCoder(Protocol):
         """A writer closes a block once it holds at least this many uncompressed bytes."""
         ...
 
-    def encoder(self, itemsize: int) -> Callable[[bytes], bytes]:
+    def encoder(self, itemsize: int) -> Callable[[Buffer], bytes]:
         """A function from one block's value bytes to its stored frame (one per writer field)."""
         ...
 
@@ -251,14 +254,14 @@ class Zstd(Codec):
             raise SchemaError(f"codec {text!r}: the third part may only be 'shuffle'")
         return cls(level=level, shuffle=shuffle)
 
-    def encoder(self, itemsize: int) -> Callable[[bytes], bytes]:
+    def encoder(self, itemsize: int) -> Callable[[Buffer], bytes]:
         # Content checksum and size make each frame self-checking and bound its output.
         cctx = zstandard.ZstdCompressor(
             level=self.level, write_checksum=True, write_content_size=True
         )
         if not self.shuffle:
             return cctx.compress
-        return lambda raw: cctx.compress(shuffle_bytes(raw, itemsize).tobytes())
+        return lambda raw: cctx.compress(shuffle_bytes(raw, itemsize).data)  # no copy of it
 
     def decode(self, frame: memoryview, raw_length: int, itemsize: int) -> np.ndarray:
         try:
@@ -274,9 +277,9 @@ class Zstd(Codec):
         return unshuffle_bytes(u8, itemsize) if self.shuffle else u8
 
 
-def shuffle_bytes(block: bytes | np.ndarray, itemsize: int) -> np.ndarray:
+def shuffle_bytes(block: bytes | bytearray | memoryview | np.ndarray, itemsize: int) -> np.ndarray:
     """Byte-shuffle: ``(count*itemsize,) u8 -> (itemsize*count,) u8`` planes."""
-    arr = np.frombuffer(block, np.uint8) if isinstance(block, bytes | bytearray) else block
+    arr = block if isinstance(block, np.ndarray) else np.frombuffer(block, np.uint8)
     if itemsize == 1:
         return arr
     return np.ascontiguousarray(arr.reshape(-1, itemsize).T).reshape(-1)

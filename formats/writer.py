@@ -268,6 +268,9 @@ class _BlockSink:
             self.flush()  # a block never decodes to more than the limit
         if self.block_samples == 0:
             self.block_first = index
+            if len(payload) >= self.block_bytes:  # a block of its own: encoded as it is,
+                self._emit(payload)  # never copied (a large sample is not held twice more)
+                return
         self.block += payload
         self.block_samples += 1
         if len(self.block) >= self.block_bytes:
@@ -276,18 +279,22 @@ class _BlockSink:
     def flush(self) -> None:
         if not self.block_samples:
             return
-        frame = self.encode(bytes(self.block))
+        self._emit(self.block)
+        self.block.clear()
+        self.block_samples = 0
+
+    def _emit(self, raw: bytes | bytearray | memoryview) -> None:
+        """Stores ``raw`` (the samples from ``block_first`` on) as one frame."""
+        frame = self.encode(raw)
         row = {
             "comp_offset": self.data.length,
             "comp_length": len(frame),
             "first_sample": self.block_first,
-            "raw_length": len(self.block),
+            "raw_length": len(raw),
             "crc32": crc32(frame),
         }
         self.rows.append(tuple(row[c] for c in BLOCK_COLUMNS))
         self.data.write(frame)
-        self.block.clear()
-        self.block_samples = 0
 
     def small_regions(self) -> dict[str, bytes]:
         return {"blocks": np.array(self.rows, dtype=BLOCK_ROW).tobytes()}
