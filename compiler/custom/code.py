@@ -8,8 +8,10 @@ it, and its arguments, so that --resume refuses a compile whose code changed.
   import from elsewhere is not hashed.
 - ``state``: sha256 of the Dataset's attributes, or the function's bound arguments
   (functools.partial, defaults, closure), in a canonical form: plain data (numbers,
-  str, bytes, arrays, paths, lists, dicts, and objects holding those) by value,
-  anything else by its type.
+  str, bytes, arrays, tensors, paths, ranges, pandas DataFrames and Series, lists,
+  dicts, sets, and objects holding those, 32 levels deep) by value, anything else by
+  its type. What the code reads from elsewhere (a file, a module-level setting) is
+  not in it: a resume checks some items' samples for that (compiling.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import json
-import math
 import os
 import sys
 import sysconfig
@@ -112,22 +112,22 @@ def _installed(top: str) -> str:
 
 def _state(target: Any, dataset: bool) -> Any:
     if dataset:
-        return _canonical(target, 0)
+        return target
     parts: list[Any] = []
     fn = target
     while isinstance(fn, functools.partial):
-        parts.append([_canonical(list(fn.args), 1), _canonical(fn.keywords, 1)])
+        parts.append([list(fn.args), fn.keywords])
         fn = fn.func
     if inspect.ismethod(fn):
-        parts.append(_canonical(fn.__self__, 1))
+        parts.append(fn.__self__)
         fn = fn.__func__
     elif not inspect.isfunction(fn):  # a callable object: its attributes are its arguments
-        parts.append(_canonical(fn, 1))
+        parts.append(fn)
         fn = type(fn).__call__
-    parts.append(_canonical(getattr(fn, "__defaults__", None), 1))
-    parts.append(_canonical(getattr(fn, "__kwdefaults__", None), 1))
+    parts.append(getattr(fn, "__defaults__", None))
+    parts.append(getattr(fn, "__kwdefaults__", None))
     cells = getattr(fn, "__closure__", None) or ()
-    parts.append([_canonical(_cell(c), 1) for c in cells])
+    parts.append([_cell(c) for c in cells])
     return parts
 
 
@@ -138,60 +138,110 @@ def _cell(cell: Any) -> Any:
         return None
 
 
-MAX_DEPTH = 6
+MAX_DEPTH = 32  # deeper than this, a value is recorded by its type
 
 
-def _canonical(value: Any, depth: int) -> Any:
+def _digest(state: Any) -> str:
+    """sha256 of ``state`` in a canonical form (see the module docstring), fed as it is
+    walked: memory does not grow with the data (a million metadata rows take seconds)."""
+    h = hashlib.sha256()
+    _feed(h, state, 0, set())
+    return h.hexdigest()
+
+
+def _tag(h: Any, tag: bytes, data: bytes = b"") -> None:
+    h.update(tag + len(data).to_bytes(8, "little") + data)
+
+
+def _feed(h: Any, value: Any, depth: int, seen: set[int]) -> None:
     """Plain data by value, anything else by type (see the module docstring)."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, bytes | bytearray):
-        return {"bytes": hashlib.sha256(value).hexdigest()}
-    if isinstance(value, os.PathLike):
-        return {"path": os.fspath(value)}
-    if isinstance(value, np.ndarray | np.generic):
+    kind = type(value)
+    if value is None:
+        _tag(h, b"N")
+    elif kind is str:
+        _tag(h, b"s", value.encode("utf-8", "surrogatepass"))
+    elif kind is bool:
+        _tag(h, b"b", b"1" if value else b"0")
+    elif kind is int or (isinstance(value, int) and not isinstance(value, bool)):
+        _tag(h, b"i", str(int(value)).encode())
+    elif isinstance(value, float):
+        _tag(h, b"f", repr(float(value)).encode())
+    elif isinstance(value, bytes | bytearray):
+        _tag(h, b"y", hashlib.sha256(value).digest())
+    elif isinstance(value, os.PathLike):
+        _tag(h, b"p", os.fsencode(value))
+    elif isinstance(value, range):
+        _tag(h, b"r", f"{value.start},{value.stop},{value.step}".encode())
+    elif isinstance(value, np.ndarray | np.generic):
         array = np.ascontiguousarray(value)
         if array.dtype.hasobject:
-            return {"type": "object array", "shape": list(array.shape)}
-        return {
-            "array": str(array.dtype),
-            "shape": list(array.shape),
-            "sha256": hashlib.sha256(array.view(np.uint8).reshape(-1).data).hexdigest(),
-        }
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
+            _tag(h, b"o", f"{list(array.shape)}".encode())
+            _feed(h, array.reshape(-1).tolist(), depth + 1, seen)
+        else:
+            _tag(h, b"a", f"{array.dtype.str}{list(array.shape)}".encode())
+            h.update(array.view(np.uint8).reshape(-1).data)
+    elif _is_tensor(value):
         t = value.detach().cpu().contiguous()
-        return {
-            "tensor": str(t.dtype),
-            "shape": list(t.shape),
-            "sha256": hashlib.sha256(t.view(-1).view(torch.uint8).numpy().data).hexdigest()
-            if t.numel()
-            else "",
-        }
-    if depth >= MAX_DEPTH:
-        return {"type": _type_name(value)}
-    if isinstance(value, list | tuple):
-        return [_canonical(v, depth + 1) for v in value]
-    if isinstance(value, dict):
-        items = [[_canonical(k, depth + 1), _canonical(v, depth + 1)] for k, v in value.items()]
-        return {"dict": sorted(items, key=lambda kv: json.dumps(kv, sort_keys=True, default=str))}
-    if isinstance(value, set | frozenset):
-        members = [_canonical(v, depth + 1) for v in value]
-        return {"set": sorted(members, key=lambda m: json.dumps(m, sort_keys=True, default=str))}
-    if inspect.isfunction(value) or inspect.isclass(value) or inspect.ismodule(value):
-        return {"code": f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"}
-    state = getattr(value, "__dict__", None)
-    if isinstance(state, dict) and type(value).__module__ not in ("builtins",):
-        return {"type": _type_name(value), "state": _canonical(state, depth + 1)}
-    return {"type": _type_name(value)}
+        _tag(h, b"t", f"{t.dtype}{list(t.shape)}".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(sys.modules["torch"].uint8).numpy().data)
+    elif _pandas(value):
+        pd: Any = sys.modules["pandas"]  # imported: the value is one of its objects
+        _tag(h, b"P", _type_name(value).encode())
+        _feed(h, [str(c) for c in getattr(value, "columns", [getattr(value, "name", "")])], 0, seen)
+        h.update(pd.util.hash_pandas_object(value, index=True).to_numpy().data)
+    elif depth >= MAX_DEPTH or id(value) in seen:
+        _tag(h, b"T", _type_name(value).encode())
+    elif isinstance(value, list | tuple):
+        _tag(h, b"l", str(len(value)).encode())
+        seen.add(id(value))
+        for v in value:
+            _feed(h, v, depth + 1, seen)
+        seen.discard(id(value))
+    elif isinstance(value, dict | set | frozenset):
+        seen.add(id(value))
+        pairs = value.items() if isinstance(value, dict) else ((v, None) for v in value)
+        _tag(h, b"d" if isinstance(value, dict) else b"S", str(len(value)).encode())
+        if all(type(k) is str for k in (value.keys() if isinstance(value, dict) else value)):
+            for k, v in sorted(pairs, key=lambda kv: kv[0]):  # the common case: str keys
+                _tag(h, b"s", k.encode("utf-8", "surrogatepass"))
+                _feed(h, v, depth + 1, seen)
+        else:  # any keys: each entry digested apart, the digests sorted
+            entries = []
+            for k, v in pairs:
+                sub = hashlib.sha256()
+                _feed(sub, k, depth + 1, seen)
+                _feed(sub, v, depth + 1, seen)
+                entries.append(sub.digest())
+            for e in sorted(entries):
+                h.update(e)
+        seen.discard(id(value))
+    elif inspect.isfunction(value) or inspect.isclass(value) or inspect.ismodule(value):
+        code = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+        _tag(h, b"c", code.encode())
+    else:
+        state = getattr(value, "__dict__", None)
+        _tag(h, b"T", _type_name(value).encode())
+        if isinstance(state, dict) and type(value).__module__ != "builtins":
+            seen.add(id(value))
+            _feed(h, state, depth + 1, seen)
+            seen.discard(id(value))
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _pandas(value: Any) -> bool:
+    """A pandas DataFrame, Series or Index: hashed by value (pandas' own row hash)."""
+    module = type(value).__module__
+    return (
+        module.partition(".")[0] == "pandas"
+        and hasattr(value, "to_numpy")
+        and ("pandas" in sys.modules)
+    )
 
 
 def _type_name(value: Any) -> str:
     return f"{type(value).__module__}.{type(value).__qualname__}"
-
-
-def _digest(state: Any) -> str:
-    text = json.dumps(state, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()

@@ -385,3 +385,43 @@ def test_inputs_as_a_file_url_or_an_unreachable_prefix(
         compile_map(
             _length, "s3://nobucket/pre", tmp_path / "b", storage_options=closed, progress=False
         )
+
+
+class _Holds:
+    def __init__(self, held: object) -> None:
+        self.held = held
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"x": i}
+
+
+def _nested(depth: int, leaf: object) -> object:
+    value: object = leaf
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
+def test_the_recipe_sees_data_a_dataset_holds_by_value() -> None:
+    """A range, a DataFrame read from another CSV and a dict nested 7 deep changed without
+    the recorded digest changing: resume=True mixed old and new items."""
+    import pandas as pd
+
+    from dlop.compiler.custom.code import describe
+
+    def state(held: object) -> str:
+        return str(describe(_Holds(held), True)["state"])
+
+    assert state(range(0, 3000)) != state(range(3000, 6000))
+    a = pd.DataFrame({"path": ["a.wav", "b.wav"], "label": [0, 1]})
+    b = pd.DataFrame({"path": ["a.wav", "c.wav"], "label": [0, 1]})
+    assert state(a) != state(b) and state(a) == state(a.copy())
+    assert state(_nested(7, 1)) != state(_nested(7, 2))
+    assert state({"b": 1, "a": 2}) == state({"a": 2, "b": 1})  # order is no change
+    assert state({1: "x", "1": "y"}) != state({1: "y", "1": "x"})
+    loop: list[object] = []
+    loop.append(loop)
+    assert state(loop) == state(loop)  # a cycle is walked once
