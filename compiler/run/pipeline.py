@@ -255,12 +255,16 @@ def run_compile(
     """Runs a compile on its engine: ``workers`` local processes, or the Dask cluster at
     ``dask`` (``local:N``: a LocalCluster of N worker processes)."""
     if dask is None:
-        local = functools.partial(_local_records, run, workers=processes.local_workers(workers))
+        count = processes.local_workers(workers)
+        if count > 1 and processes.worker_context().get_start_method() != "fork":
+            by_value(run.work())  # what cannot reach a worker is refused before OUT is taken
+        local = functools.partial(_local_records, run, workers=count)
         return finish_run(run, local, resume=resume, overwrite=overwrite)
     from .dask_engine import dask_client, dask_records
 
     # the cluster is reached before OUT is taken: a scheduler that does not answer
     # leaves OUT as it was
+    by_value(run.work())  # what cannot reach the cluster is refused before OUT is taken
     with dask_client(dask) as client:
         # a unit whose task killed every worker it ran on runs here, one item at a time
         # where its items die (_results), so the item that kills is recorded

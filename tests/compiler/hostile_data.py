@@ -173,3 +173,11 @@ class Odd:
         if i == 12:
             x = torch.tensor(x).to_sparse()
         return {"x": x, "a": 1.5 if i == 13 else i}
+
+
+class Locked(Plain):
+    """Holds a lock: it cannot be pickled for a fork server's or Dask's workers."""
+
+    def __init__(self, n: int = 12) -> None:
+        super().__init__(n)
+        self.lock = threading.Lock()

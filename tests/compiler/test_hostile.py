@@ -425,3 +425,26 @@ def test_the_recipe_sees_data_a_dataset_holds_by_value() -> None:
     loop: list[object] = []
     loop.append(loop)
     assert state(loop) == state(loop)  # a cycle is walked once
+
+
+def test_a_dataset_that_cannot_reach_its_workers_is_refused_before_out_is_taken(
+    tmp_path: Path,
+) -> None:
+    """With a thread running, workers come from a fork server, which needs the Dataset
+    pickled: the refusal came after OUT was taken, leaving its journal behind."""
+    import threading
+
+    from .hostile_data import Locked
+
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait, daemon=True)  # the caller runs a thread
+    busy.start()
+    try:
+        with pytest.raises(CompileError, match="cannot be sent to worker processes"):
+            compile_dataset(Locked(), tmp_path / "a", workers=2, progress=False)
+        assert not (tmp_path / "a").exists()
+        # one worker: it runs in this process instead, and says so
+        compile_dataset(Locked(), tmp_path / "b", workers=1, progress=False)
+        assert len(open_archive(tmp_path / "b")) == 12
+    finally:
+        stop.set()
