@@ -448,3 +448,19 @@ def test_a_dataset_that_cannot_reach_its_workers_is_refused_before_out_is_taken(
         assert len(open_archive(tmp_path / "b")) == 12
     finally:
         stop.set()
+
+
+def test_a_refused_connection_is_named_as_such_not_as_not_found(tmp_path: Path) -> None:
+    """fsspec's HTTP file system reports a refused connection as FileNotFoundError: the
+    compile said "not found" (and did not retry)."""
+    from dlop.compiler import compile_map
+
+    from .test_urls import _http_server
+
+    with pytest.raises(CompileError, match="Cannot connect to host") as refused:
+        compile_map(_length, "http://127.0.0.1:9/x.jsonl", tmp_path / "a", progress=False)
+    assert "not found" not in str(refused.value)
+    (tmp_path / "site").mkdir()
+    with _http_server(tmp_path / "site") as url:  # a server that answers 404: not found
+        with pytest.raises(CompileError, match=r"x.jsonl: not found"):
+            compile_map(_length, f"{url}/x.jsonl", tmp_path / "b", progress=False)
