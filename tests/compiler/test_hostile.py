@@ -461,6 +461,8 @@ def test_a_refused_connection_is_named_as_such_not_as_not_found(tmp_path: Path) 
         compile_map(_length, "http://127.0.0.1:9/x.jsonl", tmp_path / "a", progress=False)
     assert "not found" not in str(refused.value)
     (tmp_path / "site").mkdir()
-    with _http_server(tmp_path / "site") as url:  # a server that answers 404: not found
-        with pytest.raises(CompileError, match=r"x.jsonl: not found"):
-            compile_map(_length, f"{url}/x.jsonl", tmp_path / "b", progress=False)
+    with (
+        _http_server(tmp_path / "site") as url,  # a server that answers 404: not found
+        pytest.raises(CompileError, match=r"x.jsonl: not found"),
+    ):
+        compile_map(_length, f"{url}/x.jsonl", tmp_path / "b", progress=False)
