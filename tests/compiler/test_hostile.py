@@ -466,3 +466,25 @@ def test_a_refused_connection_is_named_as_such_not_as_not_found(tmp_path: Path) 
         pytest.raises(CompileError, match=r"x.jsonl: not found"),
     ):
         compile_map(_length, f"{url}/x.jsonl", tmp_path / "b", progress=False)
+
+
+AFTER_MATMUL = """
+import sys, torch
+from dlop.compiler import compile_dataset
+from tests.compiler.hostile_data import Plain
+a = torch.randn(256, 256)
+a @ a  # the caller's own torch work first: its thread pool is up
+compile_dataset(Plain(12), sys.argv[1], workers=int(sys.argv[2]), progress=False)
+"""
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_caller_that_used_torch_first_compiles(workers: str, tmp_path: Path) -> None:
+    """After ``a @ a`` in the calling script, one worker was reported refused with advice
+    to use more, which then failed in the workers' initializer. That did not reproduce
+    on this machine before the change either; the case is kept so it stays working."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", AFTER_MATMUL, str(tmp_path / "a"), workers]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(open_archive(tmp_path / "a")) == 12
