@@ -24,7 +24,7 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -429,7 +429,7 @@ class FsspecStorage(Storage):
         return data
 
     def read_capped_once(self, name: str, cap: int) -> tuple[bytes, int | None]:
-        with _unmasked(), self.fs.open(self.path(name), "rb") as f:
+        with self.fs.open(self.path(name), "rb") as f:
             size = getattr(f, "size", None)
             said = size if isinstance(size, int) and not isinstance(size, bool) else None
             if said is not None and said > cap:
@@ -437,8 +437,7 @@ class FsspecStorage(Storage):
             return bytes(f.read(cap + 1)), said
 
     def open_read(self, name: str) -> IO[bytes]:
-        with _unmasked():
-            f: IO[bytes] = self.fs.open(self.path(name), "rb")
+        f: IO[bytes] = self.fs.open(self.path(name), "rb")
         return f
 
     def write(self, name: str, data: bytes) -> None:
@@ -475,21 +474,6 @@ class FsspecStorage(Storage):
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(name))
-
-
-@contextlib.contextmanager
-def _unmasked() -> Iterator[None]:
-    """fsspec's HTTP file system answers any failure to ask an object's size (a refused
-    connection, a timeout) with FileNotFoundError, a fault no retry changes: the failure
-    it masks is raised instead, and is retried (or named) as what it is."""
-    try:
-        yield
-    except FileNotFoundError as e:
-        cause = e.__cause__
-        gone = getattr(cause, "status", None) in (404, 410)  # the answer was: no such object
-        if isinstance(cause, Exception) and not isinstance(cause, FileNotFoundError) and not gone:
-            raise cause from None
-        raise
 
 
 def open_url(url: str, storage_options: Mapping[str, Any] | None = None) -> FsspecStorage:

@@ -134,8 +134,20 @@ class FsspecStore(storage.FsspecStorage):
             ) from None
         except storage.FetchError as e:
             if isinstance(e.cause, FileNotFoundError):
+                self._confirm_missing(name)
                 return None
             raise CompileError(str(e)) from None
+
+    def _confirm_missing(self, name: str) -> None:
+        """Returns once the object is indeed missing: an HTTP server that could not be
+        reached is reported as missing by fsspec, and is named as what it is."""
+        url = f"{self.url}/{name}"
+        try:
+            missing = urls.confirm_missing(self.fs, self.path(name))
+        except Exception as e:  # the failure the missing object masked
+            raise CompileError(urls.storage_failure(url, e)) from None
+        if not missing:
+            raise CompileError(f"{url}: the storage said it is missing, then that it is there")
 
     def list(self, prefix: str = "") -> list[str]:
         return sorted(self.sizes(prefix))
