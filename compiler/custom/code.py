@@ -9,8 +9,9 @@ it, and its arguments, so that --resume refuses a compile whose code changed.
 - ``state``: sha256 of the Dataset's attributes, or the function's bound arguments
   (functools.partial, defaults, closure), in a canonical form: plain data (numbers,
   str, bytes, arrays, tensors, paths, ranges, pandas DataFrames and Series, lists,
-  dicts, sets, and objects holding those, 32 levels deep) by value, anything else by
-  its type. What the code reads from elsewhere (a file, a module-level setting) is
+  dicts, sets, and objects holding those, 32 levels deep) by value (an array over
+  64 MiB by 64 slices of 1 MiB spread over it: bounded time), anything else by its
+  type. What the code reads from elsewhere (a file, a module-level setting) is
   not in it: a resume checks some items' samples for that (compiling.py).
 """
 
@@ -167,7 +168,8 @@ def _feed(h: Any, value: Any, depth: int, seen: set[int]) -> None:
     elif isinstance(value, float):
         _tag(h, b"f", repr(float(value)).encode())
     elif isinstance(value, bytes | bytearray):
-        _tag(h, b"y", hashlib.sha256(value).digest())
+        _tag(h, b"y")
+        _bytes(h, np.frombuffer(value, np.uint8))
     elif isinstance(value, os.PathLike):
         _tag(h, b"p", os.fsencode(value))
     elif isinstance(value, range):
@@ -179,12 +181,12 @@ def _feed(h: Any, value: Any, depth: int, seen: set[int]) -> None:
             _feed(h, array.reshape(-1).tolist(), depth + 1, seen)
         else:
             _tag(h, b"a", f"{array.dtype.str}{list(array.shape)}".encode())
-            h.update(array.view(np.uint8).reshape(-1).data)
+            _bytes(h, array.reshape(-1).view(np.uint8))
     elif _is_tensor(value):
         t = value.detach().cpu().contiguous()
         _tag(h, b"t", f"{t.dtype}{list(t.shape)}".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(sys.modules["torch"].uint8).numpy().data)
+            _bytes(h, t.reshape(-1).view(sys.modules["torch"].uint8).numpy())
     elif _pandas(value):
         pd: Any = sys.modules["pandas"]  # imported: the value is one of its objects
         _tag(h, b"P", _type_name(value).encode())
@@ -226,6 +228,25 @@ def _feed(h: Any, value: Any, depth: int, seen: set[int]) -> None:
             seen.add(id(value))
             _feed(h, state, depth + 1, seen)
             seen.discard(id(value))
+
+
+# A value's bytes are hashed whole up to this size; past it, SAMPLED_SLICES slices of
+# SLICE_BYTES spread evenly over them (and their length): describing a Dataset that holds
+# large arrays takes bounded time, the same slices on every run.
+WHOLE_BYTES = 64 << 20
+SAMPLED_SLICES, SLICE_BYTES = 64, 1 << 20
+
+
+def _bytes(h: Any, data: np.ndarray) -> None:
+    """Feeds ``data`` (1-D uint8): whole when small, else the same evenly spread slices."""
+    size = len(data)
+    h.update(size.to_bytes(8, "little"))
+    if size <= WHOLE_BYTES:
+        h.update(data.data)
+        return
+    step = (size - SLICE_BYTES) // (SAMPLED_SLICES - 1)
+    for k in range(SAMPLED_SLICES):
+        h.update(data[k * step : k * step + SLICE_BYTES].data)
 
 
 def _is_tensor(value: Any) -> bool:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -428,6 +429,10 @@ def test_the_recipe_sees_data_a_dataset_holds_by_value() -> None:
     loop: list[object] = []
     loop.append(loop)
     assert state(loop) == state(loop)  # a cycle is walked once
+    big = np.zeros(100 << 20, np.uint8)  # past 64 MiB: evenly spread slices, in bounded time
+    other = big.copy()
+    other[0] = 1
+    assert state(big) == state(big.copy()) and state(big) != state(other)
 
 
 def test_a_dataset_that_cannot_reach_its_workers_is_refused_before_out_is_taken(
