@@ -463,7 +463,7 @@ def _probe(
                     first = next(iter(specs.values())).item
                     raise CompileError(
                         f"{name} gives a sample of another shape than {first} "
-                        f"({describe_shape(shape)}, then {describe_shape(structure)}): every "
+                        f"({describe_shape(structure)}, then {describe_shape(shape)}): every "
                         "item must give the same dict or tuple"
                     )
                 specs = merge(specs, leaves, name)  # the values checked too (casts, ranges)

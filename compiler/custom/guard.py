@@ -51,7 +51,8 @@ def answer(work: UserWork, item: Item) -> Answer:
     begun = time.perf_counter()
     here = os.getcwd()
     try:
-        sample = work.call(item)
+        with processes.time_limit(work.timeout):  # ends a guarded process, not this one
+            sample = work.call(item)
     except (Exception, SystemExit) as e:  # the user's code
         return Answer("raised", f"{name}: {reason(e)}", seconds=time.perf_counter() - begun)
     finally:
@@ -96,15 +97,11 @@ class Prober:
             return answer(self.work, item)
         if self.proc is None:
             self._start()
-        begun = time.monotonic()
-        self.conn.send(item)
-        got: Answer | None = None
         with contextlib.suppress(EOFError, OSError):
-            if self.conn.poll(self.limit):
-                got = self.conn.recv()
+            self.conn.send(item)
+        got, took = processes.answer_of(self.conn, self.limit)
         if got is not None:
             return unspilled(got)
-        took = time.monotonic() - begun
         self.close()  # killed when still running; the next item gets a new process
         why = processes.how_it_ended(self.exitcode, took, self.limit)
         return Answer("died", f"{self.work.name(item)}: {why}", seconds=took)
@@ -141,6 +138,7 @@ def _serve(conn: Any, sent: Any, driver: int) -> None:
             item = conn.recv()
         except (EOFError, OSError):
             break
+        conn.send(processes.STARTED)  # the item's time counts from here
         conn.send(_spilled(answer(work, item)))
     os._exit(0)  # threads an item left behind are not waited for
 

@@ -403,8 +403,8 @@ def conform(leaves: dict[str, Leaf], specs: dict[str, Spec], item: str) -> dict[
         lf = leaves[name]
         if lf.back != spec.back:
             raise Mismatch(
-                f"field {name!r}: {item} gives a {_what(lf.back)}, {spec.item} gave a "
-                f"{_what(spec.back)}: a field keeps one type in every item"
+                f"field {name!r}: {spec.item} gave a {_what(spec.back)}, {item} gives a "
+                f"{_what(lf.back)}: a field keeps one type in every item"
             )
         if spec.kind != "array":
             out[name] = lf.value
@@ -412,15 +412,15 @@ def conform(leaves: dict[str, Leaf], specs: dict[str, Spec], item: str) -> dict[
         shape = lf.shape
         if len(shape) != len(spec.shape):
             raise Mismatch(
-                f"field {name!r}: {item} gives rank {len(shape)} {list(shape)}, {spec.item} gave "
-                f"rank {len(spec.shape)} {list(spec.shape)}: a field keeps its rank in every item"
+                f"field {name!r}: {spec.item} gave rank {len(spec.shape)} {list(spec.shape)}, "
+                f"{item} gives rank {len(shape)} {list(shape)}: a field keeps its rank in every item"
             )
         value = lf.value
         if lf.dtype != spec.source:
             if not spec.given:
                 raise Mismatch(
-                    f"field {name!r}: {item} gives {lf.dtype} {list(shape)}, {spec.item} gave "
-                    f"{spec.source} {list(spec.shape)}: a field keeps its dtype in every item "
+                    f"field {name!r}: {spec.item} gave {spec.source} {list(spec.shape)}, {item} "
+                    f"gives {lf.dtype} {list(shape)}: a field keeps its dtype in every item "
                     "(or pass schema= to store it as one dtype)"
                 )
             try:
@@ -446,7 +446,7 @@ def conform(leaves: dict[str, Leaf], specs: dict[str, Spec], item: str) -> dict[
                     f"{{{name!r}: {{'shape': [...]}}}} with null for each varying axis"
                 )
             raise Mismatch(
-                f"field {name!r}: axis {axis} is {have} long in {item}, {want} in {spec.item}",
+                f"field {name!r}: axis {axis} is {want} long in {spec.item}, {have} in {item}",
                 (name, axis),
             )
         out[name] = value

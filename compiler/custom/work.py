@@ -122,7 +122,7 @@ class UserWork:
                 first = next(iter(self.specs.values())).item  # whose sample set the shape
                 raise Mismatch(
                     f"{name} gives a sample of another shape than {first} "
-                    f"({describe_shape(shape)}, then {describe_shape(self.structure)}): every "
+                    f"({describe_shape(self.structure)}, then {describe_shape(shape)}): every "
                     "item must give the same dict or tuple"
                 )
             return Outcome(item.key, samples=[conform(leaves, self.specs, name)])

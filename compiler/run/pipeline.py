@@ -503,12 +503,8 @@ def _guarded(
         proc = ctx.Process(target=_run_guarded, args=(send, init, item), daemon=True)
         proc.start()
     send.close()
-    started = time.monotonic()
-    result: Any = None
     try:
-        if receive.poll(limit):
-            with contextlib.suppress(EOFError, OSError):
-                result = receive.recv()
+        result, took = processes.answer_of(receive, limit)
     finally:
         receive.close()
     if result is None and proc.is_alive():
@@ -516,13 +512,14 @@ def _guarded(
     proc.join()
     if result is not None:
         return _unspill(result)[0]
-    why = processes.how_it_ended(proc.exitcode, time.monotonic() - started, limit)
+    why = processes.how_it_ended(proc.exitcode, took, limit)
     return Outcome(item.key, reason=why, path=work.name(item))
 
 
 def _run_guarded(send: Any, init: tuple[Any, ...], item: Item) -> None:
     """A guarded process: one input's outcome (its arrays through a chunk file) sent back."""
     _init_worker(*init)
+    send.send(processes.STARTED)  # the item's time counts from here
     send.send(_run_chunk([item]))
     send.close()
     os._exit(0)  # threads the item left behind are not waited for

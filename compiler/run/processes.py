@@ -248,3 +248,28 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+# How long past an input's time limit the driver waits for its process: the process's own
+# timer (time_limit) ends it at the limit; this only covers a process that cannot be.
+LIMIT_GRACE_S = 5.0
+STARTED = "started"  # what a guarded process sends as it begins an input
+
+
+def answer_of(conn: Any, limit: float | None) -> tuple[Any, float]:
+    """(the answer a guarded process sends on ``conn`` for one input, or None when it
+    ended or ran past ``limit`` + LIMIT_GRACE_S without one; the seconds since it began
+    the input). Its start (imports, unpickling the work) is not counted: it sends
+    STARTED first."""
+    begun = time.monotonic()
+    try:
+        first = conn.recv()  # EOF when the process dies before it begins the input
+        if first == STARTED:
+            begun = time.monotonic()
+            wait = None if limit is None else limit + LIMIT_GRACE_S
+            if conn.poll(wait):
+                return conn.recv(), time.monotonic() - begun
+            return None, time.monotonic() - begun
+        return first, time.monotonic() - begun
+    except (EOFError, OSError):
+        return None, time.monotonic() - begun

@@ -179,7 +179,7 @@ def test_a_hostile_dataset_compiles_the_same_on_every_engine(
     assert "SIGSEGV" in reasons[12] and "time limit of 3 s" in reasons[15]
     assert reasons[22].startswith("BadStr: (its message could not be made: ValueError)")
     assert reasons[26].startswith("SystemExit: 7")
-    assert "gives f64 [4], Hostile[0] gave f32 [4]" in reasons[30]
+    assert "Hostile[0] gave f32 [4], Hostile[30] gives f64 [4]" in reasons[30]
     assert "gave None" in reasons[38]
 
 
@@ -366,7 +366,7 @@ def test_values_no_archive_holds_are_bad_items_named_clearly(tmp_path: Path) -> 
     assert sorted(reasons) == [11, 12, 13]
     assert "masked array: its mask would be lost" in reasons[11]
     assert "sparse_coo tensor: store it dense" in reasons[12]
-    assert "field 'a': Odd[13] gives a Python float, Odd[0] gave a Python int" in reasons[13]
+    assert "field 'a': Odd[0] gave a Python int, Odd[13] gives a Python float" in reasons[13]
 
 
 def _length(path: str) -> dict[str, int]:
