@@ -503,13 +503,14 @@ def _guarded(
         proc = ctx.Process(target=_run_guarded, args=(send, init, item), daemon=True)
         proc.start()
     send.close()
+    result: Any = None
     try:
         result, took = processes.answer_of(receive, limit)
     finally:
         receive.close()
-    if result is None and proc.is_alive():
-        proc.kill()
-    proc.join()
+        if result is None and proc.is_alive():
+            proc.kill()
+        proc.join()
     if result is not None:
         return _unspill(result)[0]
     why = processes.how_it_ended(proc.exitcode, took, limit)

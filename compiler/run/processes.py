@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import CompileError
 from ..urls import is_url
 
 # The module the fork server imports first: it runs _init_worker and the chunks.
@@ -256,14 +257,26 @@ LIMIT_GRACE_S = 5.0
 STARTED = "started"  # what a guarded process sends as it begins an input
 
 
+class WorkerStartFailed(CompileError):
+    """A worker process ended before it began any input: its start failed (an import, the
+    numeric environment, the work that could not be unpickled), which is no input's fault."""
+
+
 def answer_of(conn: Any, limit: float | None) -> tuple[Any, float]:
     """(the answer a guarded process sends on ``conn`` for one input, or None when it
     ended or ran past ``limit`` + LIMIT_GRACE_S without one; the seconds since it began
     the input). Its start (imports, unpickling the work) is not counted: it sends
-    STARTED first."""
+    STARTED first; ending before that raises WorkerStartFailed."""
     begun = time.monotonic()
     try:
-        first = conn.recv()  # EOF when the process dies before it begins the input
+        first = conn.recv()
+    except (EOFError, OSError):
+        raise WorkerStartFailed(
+            "a worker process ended before it began any input: its start failed (see the "
+            "messages above); nothing is recorded against the inputs. Fix it, then run "
+            "again with --resume"
+        ) from None
+    try:
         if first == STARTED:
             begun = time.monotonic()
             wait = None if limit is None else limit + LIMIT_GRACE_S

@@ -181,3 +181,14 @@ class Locked(Plain):
     def __init__(self, n: int = 12) -> None:
         super().__init__(n)
         self.lock = threading.Lock()
+
+
+class Unloadable(Plain):
+    """Cannot be unpickled in a worker: every worker process's start fails."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
+def _refuse() -> None:
+    raise RuntimeError("this Dataset cannot be rebuilt in a worker")

@@ -497,3 +497,22 @@ def test_a_caller_that_used_torch_first_compiles(workers: str, tmp_path: Path) -
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert len(open_archive(tmp_path / "a")) == 12
+
+
+def test_workers_that_cannot_start_stop_the_compile_blaming_no_input(tmp_path: Path) -> None:
+    """A worker whose start fails dies before any input: had that been an input's fault,
+    every input would be recorded as bad and an archive of none written."""
+    import threading
+
+    from .hostile_data import Unloadable
+
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait, daemon=True)  # workers from a fork server
+    busy.start()
+    try:
+        with pytest.raises(CompileError, match="ended before it began any input"):
+            compile_dataset(Unloadable(12), tmp_path / "a", workers=2, progress=False)
+    finally:
+        stop.set()
+    assert not (tmp_path / "a" / "index.json").exists()
+    assert not errors(tmp_path / "a")
