@@ -606,10 +606,9 @@ def read_inputs(
     """A function's inputs from ``where``: a .jsonl file (one JSON value a line), or a
     folder or URL prefix whose files, sorted, are the inputs as path strings (with their
     sizes in the fingerprint)."""
-    from ..urls import is_url
+    from ..urls import is_url, local_path
 
-    if where.startswith("file://"):  # a local path written as a URL
-        where = where.removeprefix("file://")
+    where = local_path(where)  # a file:// URL is the path it names
     if where.endswith(".jsonl"):
         if is_url(where):
             data = open_store(where.rsplit("/", 1)[0], storage_options).read(

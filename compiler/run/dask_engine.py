@@ -26,7 +26,7 @@ from dlop.formats import urls
 
 from ..errors import CompileError
 from ..output.commit import Run
-from .units import UnitRecord, by_value, run_unit, unit_corpus
+from .units import UnitRecord, run_unit, unit_corpus
 
 UNITS_PER_WORKER = 2  # units in flight per worker, besides one more each to start on
 
@@ -46,17 +46,18 @@ def dask_client(address: str) -> Iterator[Any]:
 
 
 def dask_records(
-    client: Any, run: Run, pending: list[int], here: Callable[[list[int]], Iterator[UnitRecord]]
+    client: Any,
+    run: Run,
+    pickled: bytes,
+    pending: list[int],
+    here: Callable[[list[int]], Iterator[UnitRecord]],
 ) -> Iterator[UnitRecord]:
     """Runs the pending units on the cluster of ``client``; yields each record as its
     unit commits. A unit whose task killed every worker it was given (an item that exits,
     crashes, or outlasts its time limit) runs ``here`` instead, where the item that kills
     is found and recorded as bad."""
     distributed: Any = importlib.import_module("distributed")  # annotations are partial
-    task = run.task()  # the recipe, schema and where OUT is
-    # the Work by value (Dask pickles by reference where it can, and a worker may not
-    # import the module a user's Dataset was loaded from)
-    task = replace(task, work=by_value(task.work))
+    task = replace(run.task(), work=pickled)  # the recipe, schema, OUT; the Work by value
     todo = iter(pending)
     running = distributed.as_completed()
     futures: dict[Any, int] = {}

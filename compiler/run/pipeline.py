@@ -256,20 +256,24 @@ def run_compile(
     ``dask`` (``local:N``: a LocalCluster of N worker processes)."""
     if dask is None:
         count = processes.local_workers(workers)
+        pickled = None  # made once, before OUT is taken: what cannot reach a worker is refused
         if count > 1 and processes.worker_context().get_start_method() != "fork":
-            by_value(run.work())  # what cannot reach a worker is refused before OUT is taken
-        local = functools.partial(_local_records, run, workers=count)
+            pickled = by_value(run.work())
+        local = functools.partial(_local_records, run, workers=count, pickled=pickled)
         return finish_run(run, local, resume=resume, overwrite=overwrite)
     from .dask_engine import dask_client, dask_records
 
     # the cluster is reached before OUT is taken: a scheduler that does not answer
     # leaves OUT as it was
-    by_value(run.work())  # what cannot reach the cluster is refused before OUT is taken
+    # by value (Dask pickles by reference where it can, and a worker may not import the
+    # module a user's Dataset was loaded from); made before OUT is taken: what cannot reach
+    # the cluster is refused then
+    pickled = by_value(run.work())
     with dask_client(dask) as client:
         # a unit whose task killed every worker it ran on runs here, one item at a time
         # where its items die (_results), so the item that kills is recorded
-        here = functools.partial(_local_records, run, workers=2)
-        on_cluster = functools.partial(dask_records, client, run, here=here)
+        here = functools.partial(_local_records, run, workers=2, pickled=pickled)
+        on_cluster = functools.partial(dask_records, client, run, pickled, here=here)
         return finish_run(run, on_cluster, resume=resume, overwrite=overwrite)
 
 
@@ -319,8 +323,11 @@ def unit_size(unit_inputs: int | None, media: str) -> int:
     return size
 
 
-def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitRecord]:
-    """Runs the pending units in unit order on this machine; yields each committed record."""
+def _local_records(
+    run: Run, pending: list[int], workers: int, pickled: bytes | None = None
+) -> Iterator[UnitRecord]:
+    """Runs the pending units in unit order on this machine; yields each committed record.
+    ``pickled``: the Work by value, when the caller made it already."""
     store, done = run.store(), [0]
     units = [(u, run.inputs_of(u)) for u in pending]
 
@@ -335,7 +342,7 @@ def _local_records(run: Run, pending: list[int], workers: int) -> Iterator[UnitR
         for unit, inputs in units
         for chunk in chunked(unit_items(run.corpus, unit, inputs, sizes), size)
     )
-    outcomes = _results(chunks, run, workers, store.staging())
+    outcomes = _results(chunks, run, workers, store.staging(), pickled)
     with contextlib.closing(outcomes):
         consumed = 0
         for unit, inputs in units:
@@ -362,6 +369,7 @@ def _results(
     run: Run,
     workers: int,
     spill_dir: Path,
+    pickled: bytes | None = None,
 ) -> Generator[Outcome, None, None]:
     """Every input's outcome, in order, featurized in this process or a pool of ``workers``
     (each fetching its chunks' URL inputs itself). A pool whose worker dies, or whose
@@ -376,7 +384,10 @@ def _results(
     sent: Any = work
     if workers > 1 or work.guarded():
         try:
-            sent = work if ctx.get_start_method() == "fork" else by_value(work)
+            if ctx.get_start_method() == "fork":
+                sent = work
+            else:
+                sent = pickled if pickled is not None else by_value(work)
         except CompileError as e:
             if workers > 1:
                 raise
@@ -447,7 +458,6 @@ def _pooled(
             except (BrokenProcessPool, FuturesTimeout):
                 lost.extend(pending)
                 pending.clear()
-                _kill_workers(pool)
                 return
             pending.popleft()
             yield from _unspill(result)
@@ -457,7 +467,9 @@ def _pooled(
     finally:
         for _, f in pending:
             f.cancel()
-        _stop(pool)
+        # a lost pool's workers are killed at once (one may hang in a user's code, and a
+        # pool has no call that stops a running task)
+        _stop(pool, 0.0 if lost else WORKER_EXIT_S)
 
 
 # How long a pool's idle workers may take to exit before they are killed: one held by a
@@ -465,28 +477,19 @@ def _pooled(
 WORKER_EXIT_S = 2.0
 
 
-def _stop(pool: ProcessPoolExecutor) -> None:
-    """Shuts the pool down, killing the workers that have not exited WORKER_EXIT_S after
-    being told to."""
+def _stop(pool: ProcessPoolExecutor, grace: float) -> None:
+    """Shuts the pool down, killing the workers that have not exited ``grace`` seconds
+    after being told to. The executor's table of its processes is the one place their
+    handles are kept (Python 3.14 adds ``kill_workers`` for this)."""
     procs = list((pool._processes or {}).values())
     pool.shutdown(wait=False, cancel_futures=True)
-    deadline = time.monotonic() + WORKER_EXIT_S
+    deadline = time.monotonic() + grace
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 proc.kill()
     pool.shutdown(wait=True)
-
-
-def _kill_workers(pool: ProcessPoolExecutor) -> None:
-    """Kills the pool's worker processes (one may hang in a user's code; a pool has no call
-    that stops a running task). The executor's table of its processes is the one place
-    their handles are kept (Python 3.14 adds ``kill_workers`` for this)."""
-    table = pool._processes or {}
-    for proc in list(table.values()):
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            proc.kill()
 
 
 def _guarded(

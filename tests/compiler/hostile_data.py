@@ -192,3 +192,14 @@ class Unloadable(Plain):
 
 def _refuse() -> None:
     raise RuntimeError("this Dataset cannot be rebuilt in a worker")
+
+
+PICKLED = [0]  # how often a CountsPickles was pickled in this process
+
+
+class CountsPickles(Plain):
+    """Counts its pickles: a large Dataset pickled twice costs twice."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        PICKLED[0] += 1
+        return dict(self.__dict__)

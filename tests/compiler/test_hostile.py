@@ -516,3 +516,24 @@ def test_workers_that_cannot_start_stop_the_compile_blaming_no_input(tmp_path: P
         stop.set()
     assert not (tmp_path / "a" / "index.json").exists()
     assert not errors(tmp_path / "a")
+
+
+def test_a_dataset_is_pickled_once_for_its_workers(tmp_path: Path) -> None:
+    """Checked before OUT is taken, then pickled again for the pool: twice the time and
+    memory for a Dataset holding a large table."""
+    import threading
+
+    from . import hostile_data
+
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait, daemon=True)  # workers from a fork server
+    busy.start()
+    try:
+        hostile_data.PICKLED[0] = 0
+        compile_dataset(hostile_data.CountsPickles(12), tmp_path / "a", workers=2, progress=False)
+    finally:
+        stop.set()
+    # once for the probe's process, once for the pool (it was three: the pool's pickle
+    # was made twice, checked before OUT is taken and again for the workers)
+    assert hostile_data.PICKLED[0] == 2
+    assert len(open_archive(tmp_path / "a")) == 12
