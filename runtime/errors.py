@@ -7,6 +7,7 @@ would expect (``ValueError``, ``TypeError``, ``IndexError``).
 from __future__ import annotations
 
 import operator
+import threading
 import traceback
 
 from dlop.formats import DlopError
@@ -42,18 +43,32 @@ class ShardChangedError(DlopError):
     the new end would kill the process (SIGBUS), so the read is refused."""
 
 
-def kept(e: BaseException) -> BaseException:
+RAISED_IN = "--- raised in "
+
+
+def kept(e: BaseException, note: bool = True) -> BaseException:
     """``e``, to be kept and raised later (in another thread, or by each batch that reads a
-    failed shard): its traceback keeps its lines but lets go of the frames' variables,
-    and so do the errors it chains to. Those variables hold views of mapped shards and
-    the very objects that keep the error: a cycle that would keep a closed Loader's
-    shards mapped, and their descriptors open, until Python's collector happens to run."""
+    failed shard), without its traceback or those of the errors it chains to. A traceback's
+    frames hold views of mapped shards and the very objects that keep the error, and a
+    cleared frame still holds its function, whose closure (a comprehension's) may hold
+    the shard readers: a cycle that would keep a closed Loader's shards mapped, and their
+    descriptors open, until Python's collector happens to run. Where an error that is no
+    DlopError (a defect, not a failure the message explains) was raised stays readable:
+    its trace is kept as a note (once), unless ``note`` is False (the caller keeps the text)."""
     seen: set[int] = set()
-    err: BaseException | None = e
-    while err is not None and id(err) not in seen:
+    todo: list[BaseException] = [e]
+    while todo:
+        err = todo.pop()
+        if id(err) in seen:
+            continue
         seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)
-        err = err.__cause__ or err.__context__
+        tb = err.__traceback__
+        told = any(str(n).startswith(RAISED_IN) for n in getattr(err, "__notes__", ()))
+        if tb is not None and note and not told and not isinstance(err, DlopError):
+            lines = "".join(traceback.format_tb(tb)).rstrip()
+            err.add_note(f"{RAISED_IN}{threading.current_thread().name}:\n{lines}")
+        err.__traceback__ = None
+        todo.extend(x for x in (err.__cause__, err.__context__) if x is not None)
     return e
 
 

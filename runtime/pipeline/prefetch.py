@@ -201,7 +201,7 @@ class Production:
             while self.in_flight:
                 if not self._publish():
                     return False
-            self.ready.put(Ready(j, error=kept(e), trace=trace))
+            self.ready.put(Ready(j, error=kept(e, note=False), trace=trace))
             return False
 
     def _publish(self) -> bool:
@@ -222,7 +222,7 @@ class Production:
             return True
         except BaseException as e:
             trace = traceback.format_exc()
-            self.ready.put(Ready(j, error=kept(e), trace=trace))
+            self.ready.put(Ready(j, error=kept(e, note=False), trace=trace))
             return False
 
     def _take_slot(self) -> Slot | None:
