@@ -5,8 +5,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,7 +93,7 @@ class Archive(Dataset[dict[str, Any]]):
         """The archive's state over ``source``: the one way every Archive is made."""
         self.source = source
         # A URL stands where a local archive has its folder: messages name it.
-        self.paths: tuple[Path, ...] = getattr(source, "paths", None) or (cast(Path, source.name),)
+        self.paths = source.paths
         self.path = self.paths[0]
         names = field_names(self.path, fields)
         self._options: dict[str, Any] = {
@@ -274,9 +273,7 @@ class Archive(Dataset[dict[str, Any]]):
     def close(self) -> None:
         """Lets go of what the source holds (cached shards; a local source keeps its
         shards mapped until the archive is dropped)."""
-        close = getattr(self.source, "close", None)
-        if close is not None:
-            close()
+        self.source.close()
 
     # DataLoader workers started with spawn/forkserver get the archive by pickle: the
     # source pickles as what reopens it (paths or a URL and options), never as mappings.

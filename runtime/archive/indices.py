@@ -12,7 +12,7 @@ import torch
 from ..errors import SampleIndexError, UsageError, UsageTypeError
 
 
-def field_names(path: Path, fields: Sequence[str] | str | None) -> list[str] | None:
+def field_names(path: Path | str, fields: Sequence[str] | str | None) -> list[str] | None:
     """``fields`` as a list of names: a str is one name."""
     if fields is None:
         return None
@@ -31,7 +31,9 @@ def field_names(path: Path, fields: Sequence[str] | str | None) -> list[str] | N
     return names
 
 
-def batch_indices(path: Path, indices: Sequence[int] | torch.Tensor, size: int) -> torch.Tensor:
+def batch_indices(
+    path: Path | str, indices: Sequence[int] | torch.Tensor, size: int
+) -> torch.Tensor:
     """``indices`` as a flat int64 tensor, each checked against 0..size-1."""
     if isinstance(indices, str | bytes):
         raise UsageTypeError(f"{path}: __getitems__ takes sample numbers, got {indices!r}")

@@ -151,7 +151,7 @@ class Fetched(Planner):
 
     def made_gathers(self) -> dict[str, FieldGather]:
         self.planners = Planners()
-        self.source.on_drop = self.planners.forget  # type: ignore[attr-defined]
+        self.source.on_drop(self.planners.forget)
         return {n: Sizing(f, [], self.starts, self.pad_value) for n, f in self.fields.items()}
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
@@ -169,9 +169,7 @@ class Fetched(Planner):
         key = tuple(touched.tolist())
         # A shard still arriving (runtime.storage.streamed) is read once the bytes of the
         # batch's samples in it are verified.
-        ready = getattr(self.source, "ready", None)
-        shard = getattr(self.source, "partial_shard", self.source.shard)
-        readers = [shard(k) for k in key]
+        readers = [self.source.partial_shard(k) for k in key]
         arriving = False  # a shard still arriving: its gathers are not kept
         self.source.check(touched)
         sizes = [r.num_samples for r in readers]
@@ -179,10 +177,11 @@ class Fetched(Planner):
         if len(indices):  # global sample numbers to numbers within the touched shards
             where = np.searchsorted(touched, per_index)
             local = indices.numpy() - self.shard_starts[per_index]
-            if ready is not None:
-                names = list(self.fields)
-                for j, k in enumerate(key):  # (one shard: per_index is one number)
-                    arriving |= ready(k, local if len(key) == 1 else local[where == j], names)
+            names = list(self.fields)
+            for j, k in enumerate(key):  # (one shard: per_index is one number)
+                arriving |= self.source.ready(
+                    k, local if len(key) == 1 else local[where == j], names
+                )
             indices = torch.from_numpy(starts[where] + local)
         compact = torch.from_numpy(starts[:-1].copy())
         gathers = None if arriving else self.planners.get(key, readers)

@@ -71,21 +71,16 @@ class Asks:
     """The source stage's side of one epoch: batch j's shards asked for once, while
     batch j-1 is made (a remote source fetches them meanwhile), and let go of once:
     when j has been copied, or by ``release_all`` when the epoch ends early. A source
-    with ``ahead`` (a remote one) also hears, at each ask, the shards later batches
-    read first, in order, to fetch them ahead."""
+    that maps shards per batch (a remote one) also hears, at each ask, the shards later
+    batches read first, in order, to fetch them ahead."""
 
     def __init__(self, archive: Archive, batches: list[np.ndarray]) -> None:
         self.archive = archive
         self.batches = batches
         self.out: dict[int, list[int]] = {}  # asked for, not yet let go of
-        self.ahead = getattr(archive.source, "ahead", None)
         self.firsts: tuple[np.ndarray, np.ndarray] | None = None
-        forget = getattr(archive.source, "forget_failures", None)
-        if forget is not None:  # a new epoch's batches try failed shards again
-            forget()
-        read_order = getattr(archive.source, "read_order", None)
-        if read_order is not None:  # a shard arriving in parts fetches the ones read first
-            read_order(batches)
+        archive.source.forget_failures()  # a new epoch's batches try failed shards again
+        archive.source.read_order(batches)  # a shard arriving in parts: those read first
 
     def ask_through(self, j: int) -> None:
         """Batch j (if not asked for yet) and the one after it."""
@@ -94,8 +89,8 @@ class Asks:
                 shards = self.archive.shards_of(torch.from_numpy(self.batches[k])).tolist()
                 self.archive.source.ask(shards)
                 self.out[k] = shards
-        if self.ahead is not None:
-            self.ahead(self.first_read_after(j + 1))
+        if self.archive.source.shards is None:  # a source that fetches: ahead too
+            self.archive.source.ahead(self.first_read_after(j + 1))
 
     def first_read_after(self, j: int) -> np.ndarray:
         """The shards that batches after j read and none up to j does, in first-read order."""

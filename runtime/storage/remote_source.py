@@ -68,6 +68,7 @@ from .cache_folder import BUDGET_LOCK
 from .pool import DaemonPool
 from .remote import fetch_bytes, fetch_head
 from .remote_sizes import ShardSizes
+from .source import ShardSource
 from .streamed import (
     DONE,
     FLYING,
@@ -122,7 +123,7 @@ def _close_sources() -> None:
                 source.close()
 
 
-class RemoteSource:
+class RemoteSource(ShardSource):
     """Shards of the archive at ``url``, cached under ``folder`` of ``cache``; ``reader``
     holds its validated index (runtime.storage.cached opens one)."""
 
@@ -141,6 +142,7 @@ class RemoteSource:
         in_use: int = -1,
     ) -> None:
         self.url = self.name = url
+        self.paths = (url,)  # a URL stands where a local archive has its folder
         # the descriptor whose shared lock marks the cache folder in use (CacheDir.use)
         self.in_use = in_use
         self.readers = [reader]
@@ -162,7 +164,7 @@ class RemoteSource:
         self.transcode = needs_transcode(index.fields)
         self.sizes = ShardSizes(url, index, cache.max_bytes, client, retry)
         cache.squeeze = self.squeeze
-        self.on_drop: Callable[[int], None] | None = None  # told when shard k is let go of
+        self.dropped: Callable[[int], None] | None = None  # told when shard k is let go of
         self.pid = -1
         self.fresh()
         _SOURCES.add(self)
@@ -344,6 +346,9 @@ class RemoteSource:
         """Lets go of the oldest loose shard (this process needs room); True if one went."""
         with self.lock:
             return self.drop_loose(keep=max(0, len(self.loose) - 1))
+
+    def on_drop(self, forget: Callable[[int], None]) -> None:
+        self.dropped = forget
 
     def check_budget(self, shards_in_flight: int, why: str = "") -> None:
         self.sizes.check_budget(shards_in_flight, why)
@@ -710,8 +715,8 @@ class RemoteSource:
             if held:
                 del self.open[inc.k]
                 self.loose.pop(inc.k, None)
-                if self.on_drop is not None:
-                    self.on_drop(inc.k)
+                if self.dropped is not None:
+                    self.dropped(inc.k)
         if not held and inc.reader is not None:
             inc.reader.close()  # a fetch ahead's: nothing reads it
         self.let_go_of(inc.arriving, e)
@@ -813,8 +818,8 @@ class RemoteSource:
         self.loose.pop(k, None)
         got = self.open.pop(k, None)
         if got is not None:
-            if self.on_drop is not None:
-                self.on_drop(k)
+            if self.dropped is not None:
+                self.dropped(k)
             reader, held = got
             inc = self.streams.get(k)
             if inc is not None and inc.reader is reader:

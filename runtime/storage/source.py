@@ -20,10 +20,11 @@ its mappings.
 
 from __future__ import annotations
 
+import abc
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -32,53 +33,75 @@ from dlop.formats import ArchiveReader, Field, ShardReader
 from ..errors import ShardChangedError
 
 
-class ShardSource(Protocol):
-    """What the runtime asks of a shard source.
+class ShardSource(abc.ABC):
+    """Everything the runtime asks of a shard source; what a source that maps every
+    shard for good does not need is a no-op here, and a source that fetches overrides it.
 
-    ``name`` names the archive(s) in messages (a folder or a URL); ``readers`` hold
-    each archive's validated index; ``fields`` are the fields its shards serve
-    (a remote source serves block-coded fields decoded); ``shard_sizes`` counts
-    the samples of every shard, numbered one archive after another. ``shards``
-    lists every shard when all are mapped for good, else None (shards are
-    mapped per batch: ``shard(k)`` between ``ask`` and ``release``).
+    ``name`` names the archive(s) in messages (a folder or a URL); ``paths`` are the
+    archives read (local folders, or the URL standing for one); ``readers`` hold each
+    archive's validated index; ``fields`` are the fields its shards serve (a remote
+    source serves block-coded fields decoded); ``shard_sizes`` counts the samples of
+    every shard, numbered one archive after another. ``shards`` lists every shard when
+    all are mapped for good, else None (shards are mapped per batch: ``shard(k)``
+    between ``ask`` and ``release``).
     """
 
-    @property
-    def name(self) -> str: ...
+    name: str
+    paths: tuple[Path | str, ...]
+    readers: list[ArchiveReader]
+    fields: Mapping[str, Field]
+    shard_sizes: tuple[int, ...]
+    shards: list[ShardReader] | None
 
-    @property
-    def readers(self) -> list[ArchiveReader]: ...
-
-    @property
-    def fields(self) -> Mapping[str, Field]: ...
-
-    @property
-    def shard_sizes(self) -> tuple[int, ...]: ...
-
-    @property
-    def shards(self) -> list[ShardReader] | None: ...
-
+    @abc.abstractmethod
     def shard(self, k: int) -> ShardReader:
         """Shard ``k``, opened and validated."""
-        ...
+
+    @abc.abstractmethod
+    def check(self, shards: Sequence[int] | np.ndarray) -> None:
+        """Raises when one of these shards can no longer be read safely."""
 
     def ask(self, shards: Sequence[int]) -> None:
         """These shards will be read soon (a hint; reading does not depend on it)."""
-        ...
 
     def release(self, shards: Sequence[int]) -> None:
         """A batch that asked for these shards is done with them."""
-        ...
 
-    def check(self, shards: Sequence[int] | np.ndarray) -> None:
-        """Raises when one of these shards can no longer be read safely."""
-        ...
+    def ahead(self, shards: Sequence[int] | np.ndarray) -> None:
+        """The shards later batches read first, in order (asked at each ``ask``): a
+        source that fetches may fetch them ahead."""
+
+    def read_order(self, batches: Sequence[np.ndarray]) -> None:
+        """This process's batches of the coming epoch (global sample numbers, in order):
+        a shard arriving in parts may fetch first the parts earlier batches read."""
+
+    def forget_failures(self) -> None:
+        """A new epoch begins: shards that failed to arrive are tried again."""
+
+    def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> bool:
+        """Returns once every byte of ``samples`` (shard-local numbers) of shard ``k`` in
+        fields ``names`` can be read: True while the rest of the shard is still arriving
+        (only those bytes may be read), False when the whole shard is there."""
+        return False
+
+    def partial_shard(self, k: int) -> ShardReader:
+        """Shard ``k`` as ``shard``, or while it is still arriving (read only what
+        ``ready`` allows)."""
+        return self.shard(k)
+
+    def on_drop(self, forget: Callable[[int], None]) -> None:
+        """``forget(k)`` is called when shard ``k`` is unmapped, so views of it kept
+        elsewhere go with it. A source that maps its shards for good never calls it."""
 
     def check_budget(self, shards_in_flight: int, why: str = "") -> None:
         """Refuses, before any batch, a reading that holds ``shards_in_flight`` shards at
         once (``why``: the settings that make it so) where they could not all be held:
         a cache budget below them. A source that maps shards in place takes any."""
-        ...
+
+    def close(self) -> None:
+        """Lets go of what the source holds (cached shards, their descriptors, fetch
+        threads); a source that maps its archive in place keeps its mappings until it
+        is dropped."""
 
 
 def open_reader(path: Path, cache_bytes: int) -> ArchiveReader:
@@ -87,41 +110,32 @@ def open_reader(path: Path, cache_bytes: int) -> ArchiveReader:
     return ArchiveReader(path, block_cache_bytes=cache_bytes)
 
 
-class LocalSource:
+class LocalSource(ShardSource):
     """Shards of local archives (one, or several read as one: their shards numbered one
     archive after another), memory-mapped once when the source opens."""
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], cache_bytes: int) -> None:
-        self.paths = tuple(Path(p) for p in paths)
+        self.folders = tuple(Path(p) for p in paths)
+        self.paths = self.folders
         self.cache_bytes = cache_bytes
-        self.readers = [open_reader(p, cache_bytes) for p in self.paths]
+        self.readers = [open_reader(p, cache_bytes) for p in self.folders]
         first = self.readers[0]
         self.name = (
-            str(self.paths[0])
-            if len(self.paths) == 1
-            else f"{len(self.paths)} archives {self.paths[0]}, ..."
+            str(self.folders[0])
+            if len(self.folders) == 1
+            else f"{len(self.folders)} archives {self.folders[0]}, ..."
         )
         self.fields: Mapping[str, Field] = first.fields
-        self.shards: list[ShardReader] = [
-            r.shard(k) for r in self.readers for k in range(r.num_shards)
-        ]
+        self.mapped = [r.shard(k) for r in self.readers for k in range(r.num_shards)]
+        self.shards = self.mapped
         self.shard_sizes = tuple(i.num_samples for r in self.readers for i in r.index.shards)
         self.sizes = [info.bytes for r in self.readers for info in r.index.shards]  # as validated
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (LocalSource, ([str(p) for p in self.paths], self.cache_bytes))
+        return (LocalSource, ([str(p) for p in self.folders], self.cache_bytes))
 
     def shard(self, k: int) -> ShardReader:
-        return self.shards[k]
-
-    def ask(self, shards: Sequence[int]) -> None:
-        pass  # mapped already; the page cache reads ahead
-
-    def release(self, shards: Sequence[int]) -> None:
-        pass
-
-    def check_budget(self, shards_in_flight: int, why: str = "") -> None:
-        pass  # every shard mapped in place: no budget
+        return self.mapped[k]
 
     def check(self, shards: Sequence[int] | np.ndarray) -> None:
         """Raises ShardChangedError when a shard among ``shards`` (numbers) has shrunk
@@ -131,9 +145,9 @@ class LocalSource:
         """
         for k in np.unique(np.asarray(shards, dtype=np.int64)).tolist():
             # fstat of the mapping's own descriptor: the mapped file, whatever its path names now
-            size, now = self.sizes[k], self.shards[k].mapped_size()
+            size, now = self.sizes[k], self.mapped[k].mapped_size()
             if now < size:
-                path = self.shards[k].path
+                path = self.mapped[k].path
                 raise ShardChangedError(
                     f"{path}: shard shrank from {size} to {now} bytes after the "
                     "archive opened it; rewrite shards under a new name and os.replace "
