@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ from .errors import UsageError, UsageTypeError, check_int
 from .order.choose import Choice, choose
 from .order.epochs import BatchOrder, check_epoch
 from .order.mixture import Source
-from .order.reading import CHOOSING, Reading, keywords
+from .order.reading import Reading, ReadingOptions
 from .pipeline.loader_state import check_settings, order_settings, same
 from .pipeline.shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
 
@@ -63,24 +63,6 @@ _EPOCH, _DONE, _SERVED, _CLAIMS = 0, 1, 2, 3
 # then 1 + the worker count those iterations ran with (0: none yet).
 _PASSES = _CLAIMS + MAX_WORKERS
 _WORKER_COUNT = _PASSES + MAX_WORKERS
-
-
-# IterableArchive's arguments after archive and batch_size, in the order it takes them by position.
-ITERABLE_ORDER = (
-    "shuffle",
-    "seed",
-    "drop_last",
-    "rank",
-    "world_size",
-    "fields",
-    "pad_value",
-    "order",
-    "window_shards",
-    "bucket_by",
-    "bucket_window",
-    "worker_buffers",
-    *CHOOSING,
-)
 
 
 class IterableArchive(IterableDataset[Batch]):
@@ -101,20 +83,14 @@ class IterableArchive(IterableDataset[Batch]):
         self,
         archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths | Source],
         batch_size: int,
-        *positional: Any,
+        *,
         worker_buffers: int = 4,
-        **options: Any,
+        **options: Unpack[ReadingOptions],
     ) -> None:
         self.path = archive
-        reading, own = Reading.given(
-            "IterableArchive",
-            options,
-            positional,
-            ITERABLE_ORDER,
-            {"worker_buffers": (worker_buffers, 4)},
-        )
+        reading = Reading.given("IterableArchive", options, ("worker_buffers",))
         self.worker_buffers = check_int(
-            "IterableArchive worker_buffers", own["worker_buffers"], low=0, high=MAX_SLOTS
+            "IterableArchive worker_buffers", worker_buffers, low=0, high=MAX_SLOTS
         )
         # rank and world size are the parent's: workers have no process group
         self.reading = reading.in_this_process()
@@ -126,8 +102,6 @@ class IterableArchive(IterableDataset[Batch]):
         # opens the archive and checks the settings here, not in a worker
         chosen = self.choice()
         chosen.order.refuse_empty(str(chosen.archive.path))
-
-    __init__.__signature__ = keywords(__init__, ITERABLE_ORDER)  # type: ignore[attr-defined]
 
     def _share_with_workers(self) -> None:
         """What the workers share with this process: epoch and resume point, slot releases."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Unpack, cast
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from .gather.plan import CopyPlan
 from .gather.threads import JobThread, at_exit
 from .order.choose import choose
 from .order.mixture import Source
-from .order.reading import CHOOSING, Reading, keywords
+from .order.reading import Reading, ReadingOptions
 from .pipeline.device import DeviceStage
 from .pipeline.loader_state import STATE_FORMAT, STATE_SETTINGS, check_state, loader_state
 from .pipeline.prefetch import (
@@ -65,26 +65,6 @@ def _close_all() -> None:
 at_exit(_close_all)
 
 
-# The Loader's arguments after archive and batch_size, in the order it takes them by position.
-LOADER_ORDER = (
-    "shuffle",
-    "seed",
-    "drop_last",
-    "device",
-    "rank",
-    "world_size",
-    "transforms",
-    "bucket_by",
-    "prefetch",
-    "order",
-    "window_shards",
-    "bucket_window",
-    "fields",
-    "pad_value",
-    *CHOOSING,
-)
-
-
 class LoaderThreads(NamedTuple):
     """A Loader's threads: the producer (None before the first prefetching epoch) and
     the copy engine's helpers."""
@@ -111,9 +91,9 @@ class Loader:
     What to train on (docs/choosing.md): ``archive`` may be a list of paths
     read as one (``allow_recipe_mismatch`` lets recipes differ); ``where`` and
     ``indices`` choose samples (runtime.archive.selection); a dict of source name ->
-    path(s) or Archive is a mixture (runtime.order.mixture), each epoch
-    ``samples_per_epoch`` samples drawn by ``weights`` (default: the sources'
-    sizes), each batch from one source with ``batch_per_source``; its batches
+    path(s), Archive or ``Source`` (its weight and selection) is a mixture
+    (runtime.order.mixture), each epoch ``samples_per_epoch`` samples drawn by the
+    sources' weights (default: their sizes), each batch from one source with ``batch_per_source``; its batches
     name each sample's source in ``batch["source"]`` (an index into
     ``loader.sources``). An archive URL (``s3://``, any fsspec URL) is read through
     the node-local shard cache ``cache_dir`` within ``cache_bytes`` (runtime.storage.cached).
@@ -126,20 +106,13 @@ class Loader:
         self,
         archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths | Source],
         batch_size: int,
-        *positional: Any,
+        *,
         device: str | torch.device | None = None,
         transforms: Sequence[Transform] = (),
         prefetch: int = 2,
-        **options: Any,
+        **reading: Unpack[ReadingOptions],
     ) -> None:
-        self.reading, own = Reading.given(
-            "Loader",
-            options,
-            positional,
-            LOADER_ORDER,
-            {"device": (device, None), "transforms": (transforms, ()), "prefetch": (prefetch, 2)},
-        )
-        device, transforms, prefetch = own["device"], own["transforms"], own["prefetch"]
+        self.reading = Reading.given("Loader", reading, ("device", "transforms", "prefetch"))
         self.prefetch = check_int("Loader prefetch", prefetch, low=0)
         self.choice = choose(
             archive,
@@ -159,8 +132,6 @@ class Loader:
         )
         self._later_stages(device, transforms, self.reading.seed)
         _live.add(self)
-
-    __init__.__signature__ = keywords(__init__, LOADER_ORDER)  # type: ignore[attr-defined]
 
     def _later_stages(
         self, device: str | torch.device | None, transforms: Sequence[Transform], seed: int

@@ -1,7 +1,8 @@
 """What a Loader trains on: its archive argument opened, and its order stage built.
 
 The argument is a path, a list of paths read as one, an open ``Archive``, or
-a mixture: a dict of source name -> any of those, drawn by ``weights``
+a mixture: a dict of source name -> any of those or a ``Source`` (its weight, its
+selection)
 (runtime.order.mixture). ``where``/``indices`` choose samples (runtime.archive.selection);
 the order stage then orders the selection, or draws the mixture.
 """
@@ -131,13 +132,12 @@ def choose(
     archive: Any, open_options: dict[str, Any], owner: str = "Loader", **order: Any
 ) -> Choice:
     """Opens ``archive`` with ``open_options`` (fields, pad_value, where, indices,
-    allow_recipe_mismatch; plus weights, samples_per_epoch and batch_per_source for a
-    mixture) and builds the order stage from ``order`` (OrderSpec's settings, rank and
+    allow_recipe_mismatch; plus samples_per_epoch and batch_per_source for a mixture) and builds the order stage from ``order`` (OrderSpec's settings, rank and
     world_size as the Loader takes them, bucket_by); ``owner`` (Loader, IterableArchive)
     is who errors name."""
     if order["mode"] not in ("global", "window"):
         raise UsageError(f"{owner} order must be 'global' or 'window', got {order['mode']!r}")
-    mixing = {k: open_options.pop(k) for k in ("weights", "samples_per_epoch", "batch_per_source")}
+    mixing = {k: open_options.pop(k) for k in ("samples_per_epoch", "batch_per_source")}
     order["rank"], order["world_size"], order["nodes"] = placement(
         order["rank"], order["world_size"], order["nodes"], order.pop("node_rank"), owner
     )
@@ -157,7 +157,7 @@ def choose(
     if given:
         raise UsageError(
             f"{owner} {given[0]}= is for mixtures: pass the archives as a dict of "
-            f"source name -> path, e.g. {owner}({{'a': path_a, 'b': path_b}}, weights=...)"
+            f"source name -> path, e.g. {owner}({{'a': path_a, 'b': path_b}}, {given[0]}=...)"
         )
     if isinstance(archive, Sequence) and not isinstance(archive, str | bytes):
         local_only(list(archive), f"{owner} got a list of archives", owner)
@@ -225,8 +225,12 @@ def choose_mixture(
 ) -> Choice:
     if not sources:
         raise UsageError(f"{owner} got an empty dict of sources; name at least one archive")
-    if open_options.get("indices") is not None:
-        raise UsageError(f"{owner} indices= does not apply to a mixture; choose with where=")
+    for key in ("where", "indices"):  # a source's own selection is its Source's
+        if open_options.get(key) is not None:
+            raise UsageError(
+                f"{owner} {key}= does not apply to a mixture: give each source its own "
+                f"selection, {owner}({{'a': Source(path_a, where=...), ...}})"
+            )
     if open_options.get("storage_options") is not None:
         raise UsageError(
             f"{owner} storage_options= are for an archive at a URL; a mixture's sources "
@@ -251,14 +255,10 @@ def choose_mixture(
     pools = []
     for s, (_, own) in enumerate(parts):
         lo, hi = int(reader_starts[firsts[s]]), int(reader_starts[firsts[s + 1]])
-        pool = np.arange(lo, hi, dtype=np.int64) if own is None else own + lo
-        if ds.selection is not None:
-            pool = pool[np.isin(pool, ds.selection)]
-        pools.append(pool)
+        pools.append(np.arange(lo, hi, dtype=np.int64) if own is None else own + lo)
     batch_size, world = order["batch_size"], order["world_size"]
     per_source = bool(mixing["batch_per_source"])
-    given = source_weights(sources, mixing["weights"], owner)
-    weights = check_weights(names, given, [len(p) for p in pools])
+    weights = check_weights(names, source_weights(sources, owner), [len(p) for p in pools])
     wanted = mixing["samples_per_epoch"]
     if wanted is None:  # the pools the weights draw from
         wanted = sum(len(p) for p, w in zip(pools, weights, strict=True) if w > 0)

@@ -54,34 +54,28 @@ MAX_PASSES_PER_EPOCH = 1 << 16
 @dataclass(frozen=True)
 class Source:
     """One source of a mixture with its settings beside it (as MosaicML Streaming's
-    ``Stream``): ``path`` is an archive, a list of archives read as one, or an open
-    Archive; ``weight`` its share of each epoch (given for every source or for none,
-    and then not as ``weights=`` too); ``where`` a selection of its own samples, kept
-    besides the Loader's ``where=``, which every source's samples must also pass.
+    ``Stream``), the one place a source's settings are given: ``path`` is an archive, a
+    list of archives read as one, or an open Archive; ``weight`` its share of each
+    epoch (given for every source, or for none: then the sources' sizes); ``where`` a
+    selection of its own samples.
 
     ``Loader({"ls": Source("ls.dlop", weight=0.7), "ps": Source("ps.dlop", weight=0.3,
-    where={"split": "clean"})}, 32)`` reads as ``Loader({"ls": "ls.dlop", "ps":
-    open_archive("ps.dlop", where={"split": "clean"})}, 32, weights={"ls": 0.7, "ps":
-    0.3})``."""
+    where={"split": "clean"})}, 32)`` draws 70% of each epoch from ls.dlop and 30%
+    from the clean samples of ps.dlop; a bare path stands for ``Source(path)``."""
 
     path: Any
     weight: float | None = None
     where: Mapping[str, Any] | None = None
 
 
-def source_weights(sources: Mapping[Any, Any], weights: object, owner: str) -> object:
-    """The mixture's weights: ``weights=``, or the sources' own (Source.weight), which
-    must then be given for every source; never both."""
+def source_weights(sources: Mapping[Any, Any], owner: str) -> dict[Any, float] | None:
+    """The mixture's weights, the sources' own (Source.weight): given for every source,
+    or for none (None: proportional to the sources' sizes)."""
     own = {
         n: s.weight for n, s in sources.items() if isinstance(s, Source) and s.weight is not None
     }
     if not own:
-        return weights
-    if weights is not None:
-        raise UsageError(
-            f"{owner} got weights= and sources with a weight of their own "
-            f"({sorted(map(str, own))}); give the weights in one place"
-        )
+        return None
     lacking = [str(n) for n in sources if n not in own]
     if lacking:
         raise UsageError(
@@ -115,47 +109,38 @@ class Mixture:
         }
 
 
-def check_weights(names: Sequence[str], weights: object, sizes: Sequence[int]) -> list[float]:
-    """``weights`` (source name -> weight; None: proportional to the sources' sizes) as a
-    list in source order, summing to 1."""
+def check_weights(
+    names: Sequence[str], weights: Mapping[Any, float] | None, sizes: Sequence[int]
+) -> list[float]:
+    """``weights`` (source name -> Source.weight; None: proportional to the sources'
+    sizes) as a list in source order, summing to 1."""
     if weights is None:
         raw = [float(n) for n in sizes]
     else:
-        if not isinstance(weights, Mapping):
-            raise UsageTypeError(
-                f"Loader weights must be a dict of source name -> weight, got {type(weights).__name__}"
-            )
-        if set(weights) != set(names):
-            extra = sorted(map(str, set(weights) - set(names)))
-            lacking = sorted(set(names) - set(weights))
-            raise UsageError(
-                f"Loader weights name sources {sorted(map(str, weights))}, the sources are "
-                f"{list(names)} (unknown: {extra}, without a weight: {lacking}); give one "
-                "weight per source"
-            )
         bad = [n for n in names if isinstance(weights[n], bool) or not _is_number(weights[n])]
         if bad:
             raise UsageTypeError(
-                f"Loader weights[{bad[0]!r}] must be a number, got {weights[bad[0]]!r}"
+                f"mixture source {bad[0]!r}: Source weight must be a number, got "
+                f"{weights[bad[0]]!r}"
             )
         raw = [float(weights[n]) for n in names]
         wrong = [n for n, w in zip(names, raw, strict=True) if not math.isfinite(w) or w < 0]
         if wrong:
             raise UsageError(
-                f"Loader weights[{wrong[0]!r}] is {weights[wrong[0]]!r}; weights must be "
-                "finite and at least 0"
+                f"mixture source {wrong[0]!r}: Source weight is {weights[wrong[0]]!r}; "
+                "weights must be finite and at least 0"
             )
     top = max(raw, default=0.0)
     if not top > 0:
-        raise UsageError(f"Loader weights {raw} add up to 0; give some source a positive weight")
+        raise UsageError(f"mixture weights {raw} add up to 0; give some source a positive weight")
     # weights near the float maximum add up to inf: then scaled to the largest first
     scaled = raw if math.isfinite(sum(raw)) else [w / top for w in raw]
     total = sum(scaled)
     empty = [n for n, w, k in zip(names, raw, sizes, strict=True) if w > 0 and k == 0]
     if empty:
         raise UsageError(
-            f"Loader source {empty[0]!r} has weight {raw[list(names).index(empty[0])]} "
-            "but no samples (after where=); give it weight 0 or choose samples it holds"
+            f"mixture source {empty[0]!r} has weight {raw[list(names).index(empty[0])]} "
+            "but no samples (after its where=); give it weight 0 or choose samples it holds"
         )
     return [w / total for w in scaled]
 

@@ -3,29 +3,63 @@
 The Loader and IterableArchive take the same settings after their archive and
 batch size (docs/choosing.md): how batches are ordered (shuffle, seed, ranks,
 nodes, window order, bucketing, shares) and what is read (fields, padding, a
-selection, a mixture's weights, the node-local cache). Each front end adds
+selection, a mixture's epoch, the node-local cache). Each front end adds
 only its own (the Loader: device, transforms, prefetch; IterableArchive: worker
-buffers) and takes the rest as keywords checked here, so an option is declared,
-defaulted and named in errors in one place. Each front end still takes its
-arguments by position in the order it always has (its ``*_ORDER`` tuple names
-that order, nothing else); ``keywords`` shows them in its signature
-(``help(Loader)``, ``inspect.signature``) as they were written out before.
+buffers) and takes the rest as keywords, typed by ``ReadingOptions`` (editors
+complete them, a type checker checks a call) and checked here at run time, so an
+option is declared, defaulted and named in errors in one place. Everything after
+the archive and batch size is given by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from ..errors import UsageTypeError, check_int
 from .distributed import placement
+
+
+class ReadingOptions(TypedDict, total=False):
+    """The keywords a Loader and an IterableArchive share, as a type checker sees them:
+    ``Reading``'s fields, each optional (its default is Reading's)."""
+
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    rank: int | None
+    world_size: int | None
+    order: str
+    window_shards: int
+    bucket_by: str | None
+    bucket_window: int
+    even_shares: bool
+    nodes: int | None
+    node_rank: int | None
+    node_share: str
+    fields: Sequence[str] | str | None
+    pad_value: float | None
+    where: Mapping[str, Any] | None
+    indices: Sequence[int] | np.ndarray | None
+    allow_recipe_mismatch: bool
+    samples_per_epoch: int | None
+    batch_per_source: bool
+    cache_dir: str | os.PathLike[str] | None
+    cache_bytes: int | None
+    storage_options: Mapping[str, Any] | None
+
+
+# Settings that belong elsewhere: where they are given instead.
+MOVED = {
+    "weights": "; a mixture source's weight is its Source's: "
+    "{'a': Source(path_a, weight=0.7), 'b': Source(path_b, weight=0.3)}",
+}
 
 
 @dataclass(frozen=True)
@@ -53,7 +87,6 @@ class Reading:
     where: Mapping[str, Any] | None = None
     indices: Sequence[int] | np.ndarray | None = None
     allow_recipe_mismatch: bool = False
-    weights: Mapping[str, float] | None = None
     samples_per_epoch: int | None = None
     batch_per_source: bool = False
     cache_dir: str | os.PathLike[str] | None = None
@@ -63,39 +96,18 @@ class Reading:
     storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
-    def given(
-        cls,
-        owner: str,
-        options: Mapping[str, Any],
-        positional: Sequence[Any] = (),
-        order: Sequence[str] = (),
-        own: Mapping[str, tuple[Any, Any]] | None = None,
-    ) -> tuple[Reading, dict[str, Any]]:
-        """The settings of ``options`` (keywords given to ``owner``) and ``positional``
-        (the values after the batch size, named by ``order``: the front end's order of
-        arguments), refusing a name that is none of them with the closest one; and the
-        front end's ``own`` arguments (name -> (value given by name, its default)), with
-        those given by position in their place."""
-        own = dict(own or {})
-        if len(positional) > len(order):
-            raise UsageTypeError(
-                f"{owner} takes at most {len(order) + 2} arguments by position (archive, "
-                f"batch_size, {', '.join(order)}), got {len(positional) + 2}"
-            )
+    def given(cls, owner: str, options: Mapping[str, Any], own: Sequence[str] = ()) -> Reading:
+        """The settings of ``options`` (keywords given to ``owner``), refusing a name that
+        is none of them, nor one of the front end's ``own`` keywords, with the closest one
+        (a type checker does so before the run; this is for a call it did not check)."""
         names = [f.name for f in dataclasses.fields(cls)]
         for key in options:
             if key not in names:
                 near = difflib.get_close_matches(key, [*names, *own], n=1)
                 hint = f"; did you mean {near[0]}=?" if near else ""
+                hint = MOVED.get(key, hint)
                 raise UsageTypeError(f"{owner} got an unexpected keyword {key}={hint}")
-        by_position = dict(zip(order, positional, strict=False))
-        for key in by_position:
-            named, default = own.get(key, (None, None))
-            if key in options or (key in own and named is not default):
-                raise UsageTypeError(f"{owner} got {key} both by position and by name")
-        settings = {k: v for k, v in by_position.items() if k not in own}
-        resolved = {k: by_position.get(k, given) for k, (given, _) in own.items()}
-        return cls(**settings, **options), resolved
+        return cls(**options)
 
     def in_this_process(self, owner: str = "IterableArchive") -> Reading:
         """The settings with ``rank``, ``world_size`` and ``nodes`` worked out here (from
@@ -120,7 +132,6 @@ class Reading:
             "where": self.where,
             "indices": None if self.indices is None else np.asarray(self.indices),
             "allow_recipe_mismatch": self.allow_recipe_mismatch,
-            "weights": self.weights,
             "samples_per_epoch": self.samples_per_epoch,
             "batch_per_source": self.batch_per_source,
             **{k: v for k, v in cache.items() if v is not None},
@@ -144,44 +155,3 @@ class Reading:
             "node_rank": self.node_rank,
             "node_share": self.node_share,
         }
-
-
-# The arguments both front ends take last by position, in this order (what to choose and
-# where the cache lives); each front end's order names what comes before them.
-CHOOSING = (
-    "where",
-    "indices",
-    "allow_recipe_mismatch",
-    "weights",
-    "samples_per_epoch",
-    "batch_per_source",
-    "cache_dir",
-    "cache_bytes",
-    "even_shares",
-    "nodes",
-    "node_rank",
-    "node_share",
-    "storage_options",
-)
-
-
-def keywords(init: Callable[..., None], order: Sequence[str]) -> inspect.Signature:
-    """``init``'s signature as a caller sees it: its ``*positional`` and ``**options``
-    spelled out as the arguments of ``order`` (by position or by name, defaults from
-    ``init``'s own keywords or Reading's), then Reading's other settings by name."""
-    own = inspect.signature(init)
-    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    params = [p for p in own.parameters.values() if p.kind not in kinds]
-    first = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
-    mine = {p.name: p for p in params if p.kind is p.KEYWORD_ONLY}
-    fields = {f.name: f for f in dataclasses.fields(Reading)}
-
-    def param(name: str, kind: Any) -> inspect.Parameter:
-        if name in mine:
-            return mine[name].replace(kind=kind)
-        f = fields[name]
-        return inspect.Parameter(name, kind, default=f.default, annotation=f.type)
-
-    listed = [param(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in order]
-    rest = [param(n, inspect.Parameter.KEYWORD_ONLY) for n in [*mine, *fields] if n not in order]
-    return own.replace(parameters=[*first, *listed, *rest])

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dlop.formats import ArchiveWriter, Field, Zstd
-from dlop.runtime import Archive
+from dlop.runtime import Archive, Source
 from dlop.runtime.storage.cached import open_cached
 
 
@@ -49,3 +50,8 @@ def open_remote(url: str, fields: Any = None, pad_value: float = 0.0, **options:
     """The archive at ``url`` through the node-local cache, with the source's own options
     (``retry``, ``storage_options``) that ``open_archive`` leaves at their defaults."""
     return Archive.over(open_cached(url, **options), fields, pad_value)
+
+
+def weighted(paths: Mapping[str, Any], weights: Mapping[str, float]) -> dict[str, Source]:
+    """A mixture's sources ``paths`` with their ``weights``."""
+    return {name: Source(path, weight=weights[name]) for name, path in paths.items()}

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import IterableArchive, Loader, LoaderError, batch_as_is, open_archive
+from dlop.runtime import IterableArchive, Loader, LoaderError, Source, batch_as_is, open_archive
 from dlop.runtime.batch import Batch
 from dlop.runtime.errors import UsageError, UsageTypeError
 from dlop.runtime.gather import memory
@@ -765,10 +765,8 @@ def test_archives_as_one_with_indices_are_the_loaders(folds: Path, odd: Path) ->
 
 
 def test_a_mixture_through_workers_is_the_loaders_with_its_sources(folds: Path, odd: Path) -> None:
-    kw = dict(
-        batch_size=6, seed=4, fields=["label"], weights={"a": 1, "b": 3}, samples_per_epoch=48
-    )
-    sources = {"a": odd, "b": folds}
+    kw = dict(batch_size=6, seed=4, fields=["label"], samples_per_epoch=48)
+    sources = {"a": Source(odd, weight=1), "b": Source(folds, weight=3)}
     loader = Loader(sources, **kw)  # type: ignore[arg-type]
     loader.set_epoch(2)
     want = [(b["label"].tolist(), b["source"].tolist()) for b in loader]
@@ -784,7 +782,8 @@ def test_a_mixture_through_workers_is_the_loaders_with_its_sources(folds: Path, 
     again = IterableArchive(sources, **kw)  # type: ignore[arg-type]
     again.load_state_dict(state)
     assert [b["label"].tolist() for b in again] == [x for x, _ in want[5:]]
-    reweighted = IterableArchive(sources, **{**kw, "weights": {"a": 1, "b": 1}})  # type: ignore[arg-type]
+    even = {"a": Source(odd, weight=1), "b": Source(folds, weight=1)}
+    reweighted = IterableArchive(even, **kw)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="mixture"):
         reweighted.load_state_dict(state)
     with pytest.raises(UsageError, match="IterableArchive order='window' does not apply"):

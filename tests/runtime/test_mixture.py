@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import Loader, UsageError, UsageTypeError
+from dlop.runtime import Loader, Source, UsageError, UsageTypeError
 from dlop.runtime.order import mixture
 from dlop.runtime.order.mixture import stream_slice
+
+from .helpers import weighted
 
 SIZES = {"ls": 300, "ps": 500, "cv": 60}
 
@@ -45,7 +47,7 @@ def keys(loader: Loader) -> list[list[str]]:
 def test_proportions_over_an_epoch_of_100000(corpora: dict[str, Path]) -> None:
     weights = {"ls": 0.2, "ps": 0.5, "cv": 0.3}
     loader = Loader(
-        corpora, 2000, weights=weights, samples_per_epoch=100_000, fields="label", seed=1
+        weighted(corpora, weights), 2000, samples_per_epoch=100_000, fields="label", seed=1
     )
     counts: Counter[int] = Counter()
     for batch in loader:
@@ -57,7 +59,7 @@ def test_proportions_over_an_epoch_of_100000(corpora: dict[str, Path]) -> None:
 
 def test_same_seed_same_order_new_order_each_epoch(corpora: dict[str, Path]) -> None:
     def make(seed: int) -> Loader:
-        return Loader(corpora, 16, weights={"ls": 1, "ps": 1, "cv": 1}, seed=seed, prefetch=0)
+        return Loader(weighted(corpora, {"ls": 1, "ps": 1, "cv": 1}), 16, seed=seed, prefetch=0)
 
     a, b = make(5), make(5)
     assert all(np.array_equal(x, y) for x, y in zip(a.batches(0), b.batches(0), strict=True))
@@ -71,9 +73,8 @@ def test_same_seed_same_order_new_order_each_epoch(corpora: dict[str, Path]) -> 
 def test_a_source_is_drawn_without_replacement_until_used_up(corpora: dict[str, Path]) -> None:
     # ps (500) gives 200 samples an epoch: epochs 0-1 and the first half of 2 are one pass
     loader = Loader(
-        {"ls": corpora["ls"], "ps": corpora["ps"]},
+        weighted({"ls": corpora["ls"], "ps": corpora["ps"]}, {"ls": 0.6, "ps": 0.4}),
         50,
-        weights={"ls": 0.6, "ps": 0.4},
         samples_per_epoch=500,
         fields="key",
     )
@@ -96,9 +97,8 @@ def test_no_sample_twice_across_ranks(corpora: dict[str, Path], per_source: bool
         seen: list[str] = []
         for rank in range(world):
             loader = Loader(
-                sources,
+                weighted(sources, weights),
                 8,
-                weights=weights,
                 samples_per_epoch=301,
                 batch_per_source=per_source,
                 rank=rank,
@@ -124,9 +124,8 @@ def test_bucketed_mixture_repeats_no_sample_across_ranks(
     batches = []
     for rank in range(world):
         loader = Loader(
-            {"cv": corpora["cv"], "ls": corpora["ls"]},
+            weighted({"cv": corpora["cv"], "ls": corpora["ls"]}, {"cv": 1, "ls": 1}),
             8,
-            weights={"cv": 1, "ls": 1},
             samples_per_epoch=100,
             bucket_by="speech",
             bucket_window=2,
@@ -150,9 +149,8 @@ def test_a_source_between_one_and_two_shares_repeats_nothing_in_an_epoch(
 ) -> None:
     # cv holds 60 and gives 40 a share: epochs cross passes at every offset
     loader = Loader(
-        {"cv": corpora["cv"], "ls": corpora["ls"]},
+        weighted({"cv": corpora["cv"], "ls": corpora["ls"]}, {"cv": 0.5, "ls": 0.5}),
         10,
-        weights={"cv": 0.5, "ls": 0.5},
         samples_per_epoch=80,
         fields="key",
         prefetch=0,
@@ -182,15 +180,15 @@ def test_every_pass_is_a_permutation_and_no_epoch_repeats() -> None:
 
 
 def test_resume_mid_epoch(corpora: dict[str, Path]) -> None:
+    mixed = weighted(corpora, {"ls": 0.5, "ps": 0.25, "cv": 0.25})
     kw = dict(
-        weights={"ls": 0.5, "ps": 0.25, "cv": 0.25},
         samples_per_epoch=400,
         bucket_by="speech",
         rank=1,
         world_size=2,
         seed=9,
     )
-    loader = Loader(corpora, 16, **kw)  # type: ignore[arg-type]
+    loader = Loader(mixed, 16, **kw)  # type: ignore[arg-type]
     loader.set_epoch(4)
     full = [(b["key"], b["source"].tolist()) for b in loader]
     loader.set_epoch(4)
@@ -199,11 +197,11 @@ def test_resume_mid_epoch(corpora: dict[str, Path]) -> None:
     state = loader.state_dict()
     del it
     assert isinstance(state["mixture"], dict) and "batches_done" in state
-    resumed = Loader(corpora, 16, **kw)  # type: ignore[arg-type]
+    resumed = Loader(mixed, 16, **kw)  # type: ignore[arg-type]
     resumed.load_state_dict(state)
     resumed.set_epoch(4)
     assert head + [(b["key"], b["source"].tolist()) for b in resumed] == full
-    other = Loader(corpora, 16, **{**kw, "weights": {"ls": 0.4, "ps": 0.35, "cv": 0.25}})  # type: ignore[arg-type]
+    other = Loader(weighted(corpora, {"ls": 0.4, "ps": 0.35, "cv": 0.25}), 16, **kw)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="mixture"):
         other.load_state_dict(state)
 
@@ -224,18 +222,19 @@ def test_bucketing_across_the_mixture(corpora: dict[str, Path]) -> None:
 
 def test_mixture_errors(corpora: dict[str, Path]) -> None:
     two = {"ls": corpora["ls"], "ps": corpora["ps"]}
-    with pytest.raises(UsageError, match=r"unknown: \['cv'\].*without a weight: \['ps'\]"):
-        Loader(two, 4, weights={"ls": 1, "cv": 1})
     with pytest.raises(UsageError, match="at least 0"):
-        Loader(two, 4, weights={"ls": -1, "ps": 2})
+        Loader(weighted(two, {"ls": -1, "ps": 2}), 4)
     with pytest.raises(UsageError, match="add up to 0"):
-        Loader(two, 4, weights={"ls": 0, "ps": 0})
+        Loader(weighted(two, {"ls": 0, "ps": 0}), 4)
     with pytest.raises(UsageTypeError, match="must be a number"):
-        Loader(two, 4, weights={"ls": "1", "ps": 1})
-    with pytest.raises(UsageError, match=r"'ls' has weight 1\.0 but no samples"):
-        Loader(two, 4, weights={"ls": 1, "ps": 1}, where={"label": list(range(300, 400))})
-    with pytest.raises(UsageError, match="for mixtures"):
-        Loader(corpora["ls"], 4, weights={"ls": 1})
+        Loader(weighted(two, {"ls": "1", "ps": 1}), 4)
+    with pytest.raises(UsageError, match=r"ls: where=.* selects no sample of 300"):
+        high = {"label": list(range(300, 400))}
+        Loader({"ls": Source(two["ls"], weight=1, where=high), "ps": Source(two["ps"], 1)}, 4)
+    with pytest.raises(UsageError, match="samples_per_epoch= is for mixtures"):
+        Loader(corpora["ls"], 4, samples_per_epoch=10)
+    with pytest.raises(UsageTypeError, match="unexpected keyword weights="):
+        Loader(two, 4, weights={"ls": 1, "ps": 1})  # type: ignore[call-arg]
     with pytest.raises(UsageError, match="window"):
         Loader(two, 4, order="window")
     with pytest.raises(UsageTypeError, match="must be a path"):
@@ -293,9 +292,8 @@ def test_a_state_of_a_far_epoch_loads_without_computing_every_pass(
 ) -> None:
     # pass p followed from pass 0 one at a time: a state's epoch of 2**62 (hostile, or
     # a long run resumed in a fresh process) took a pass per epoch, forever
-    two = {"ls": corpora["ls"], "cv": corpora["cv"]}
-    kw: dict[str, Any] = {"weights": {"ls": 1, "cv": 1}, "samples_per_epoch": 100}
-    loader = Loader(two, 10, fields="key", prefetch=0, **kw)  # cv: 50 of 60 an epoch
+    two = weighted({"ls": corpora["ls"], "cv": corpora["cv"]}, {"ls": 1, "cv": 1})
+    loader = Loader(two, 10, fields="key", prefetch=0, samples_per_epoch=100)  # cv: 50 of 60
     state = {**loader.state_dict(), "epoch": 2**62}
     made: list[int] = []
     permutation = mixture.pass_permutation
@@ -330,14 +328,14 @@ def test_an_epoch_too_large_to_plan_is_refused_at_once(
 def test_a_source_drawn_too_many_times_over_is_refused(corpora: dict[str, Path]) -> None:
     weights = {"ls": 0, "ps": 0, "cv": 1}  # cv holds 60 samples
     with pytest.raises(UsageError, match=r"from source 'cv' of 60, each 166666 times"):
-        Loader(corpora, 16, weights=weights, samples_per_epoch=10**7)
-    Loader(corpora, 16, weights=weights, samples_per_epoch=60 * 1000)  # 1000 times over is fine
+        Loader(weighted(corpora, weights), 16, samples_per_epoch=10**7)
+    Loader(weighted(corpora, weights), 16, samples_per_epoch=60 * 1000)  # 1000 times over is fine
 
 
 def test_a_source_carries_its_weight_and_selection(corpora: dict[str, Path]) -> None:
-    """Source(path, weight=, where=) reads exactly as the same mixture given by weights=
-    and an Archive opened with that where, batch for batch and state for state."""
-    from dlop.runtime import Source, open_archive
+    """Source(path, weight=, where=) reads exactly as the same mixture of an Archive
+    opened with that where, batch for batch and state for state."""
+    from dlop.runtime import open_archive
 
     even = {"label": list(range(0, SIZES["ps"], 2))}
     as_sources = Loader(
@@ -348,36 +346,28 @@ def test_a_source_carries_its_weight_and_selection(corpora: dict[str, Path]) -> 
         samples_per_epoch=400,
     )
     as_before = Loader(
-        {"ls": corpora["ls"], "ps": open_archive(corpora["ps"], where=even)},
+        {"ls": Source(corpora["ls"], 2), "ps": Source(open_archive(corpora["ps"], where=even), 1)},
         8,
         fields=["key", "label"],
         seed=3,
         samples_per_epoch=400,
-        weights={"ls": 2, "ps": 1},
     )
     got, want = keys(as_sources), keys(as_before)
     assert got == want and len(got) == 50
     drawn = [k for batch in got for k in batch if k.startswith("ps")]
     assert drawn and all(int(k[2:]) % 2 == 0 for k in drawn)  # the source's own where held
     assert as_sources.state_dict() == as_before.state_dict()
-    # the Loader's where= applies to every source besides a source's own
-    both = Loader(
-        {"ps": Source(corpora["ps"], where=even), "cv": corpora["cv"]},
-        4,
-        fields=["key"],
-        where={"label": list(range(0, 60))},
-    )
-    assert {k for batch in keys(both) for k in batch} == {
-        *(f"ps{i}" for i in range(0, 60, 2)),
-        *(f"cv{i}" for i in range(60)),
-    }
+    # a selection is a source's own: where= and indices= for the whole mixture are refused
+    for key, value in (("where", {"label": [1]}), ("indices", [1])):
+        with pytest.raises(UsageError, match=rf"{key}= does not apply to a mixture: give each"):
+            Loader(
+                {"ps": Source(corpora["ps"], where=even), "cv": corpora["cv"]}, 4, **{key: value}
+            )  # type: ignore[arg-type]
 
 
 def test_source_weights_are_given_in_one_place(corpora: dict[str, Path]) -> None:
-    from dlop.runtime import Source, open_archive
+    from dlop.runtime import open_archive
 
-    with pytest.raises(UsageError, match=r"weights= and sources with a weight of their own"):
-        Loader({"ls": Source(corpora["ls"], weight=1), "cv": corpora["cv"]}, 4, weights={"ls": 1})
     with pytest.raises(UsageError, match=r"sources \['cv'\] have no weight while \['ls'\]"):
         Loader({"ls": Source(corpora["ls"], weight=1), "cv": Source(corpora["cv"])}, 4)
     narrowed = open_archive(corpora["cv"], where={"label": [1, 2]})

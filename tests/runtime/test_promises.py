@@ -5,7 +5,9 @@ a mixture's repeats per epoch and per rank are the ones the docs' rule counts.""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ import torch
 
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import IterableArchive, Loader, UsageError, UsageTypeError, open_archive
+
+from .helpers import weighted
 
 RAGGED = {
     "u8": np.uint8,
@@ -135,7 +139,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def epoch_keys(
-    sources: dict[str, Path], batch_size: int, world: int, epoch: int, **options: object
+    sources: Mapping[str, Any], batch_size: int, world: int, epoch: int, **options: object
 ) -> list[list[str]]:
     """Each rank's keys in one epoch."""
     ranks = []
@@ -200,11 +204,10 @@ def test_an_upsampled_source_gives_every_sample_as_evenly_as_it_can(
     epochs = 11
     for epoch in range(epochs):
         (keys,) = epoch_keys(
-            sources,
+            weighted(sources, weights),
             4,
             1,
             epoch,
-            weights=weights,
             samples_per_epoch=spe,
             batch_per_source=per_source,
         )
@@ -312,8 +315,8 @@ def test_an_open_archive_source_takes_the_loaders_fields_and_padding(
 
 
 def test_weights_counts_and_rounding_by_weight(sources: dict[str, Path]) -> None:
-    def per_source(epoch: int, **options: object) -> list[int]:
-        loader = Loader(sources, 4, prefetch=0, **options)
+    def per_source(epoch: int, weights: dict[str, float], **options: object) -> list[int]:
+        loader = Loader(weighted(sources, weights), 4, prefetch=0, **options)
         loader.set_epoch(epoch)
         counts = [0, 0]
         for b in loader:
@@ -342,8 +345,11 @@ def test_drop_last_leaves_out_a_different_set_each_epoch(sources: dict[str, Path
 
 
 def test_batches_of_one_source_and_batches_that_mix(sources: dict[str, Path]) -> None:
-    def batches(seed: int, **options: object) -> list[set[int]]:
-        loader = Loader(sources, 4, prefetch=0, seed=seed, **options)
+    def batches(
+        seed: int, weights: dict[str, float] | None = None, **options: object
+    ) -> list[set[int]]:
+        mixed = sources if weights is None else weighted(sources, weights)
+        loader = Loader(mixed, 4, prefetch=0, seed=seed, **options)
         return [set(b["source"].tolist()) for b in loader]
 
     orders = set()

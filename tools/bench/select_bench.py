@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.runtime import Loader
+from dlop.runtime import Loader, Source
 
 from .common import Row, interleaved, loader_epoch, rate_row
 from .format_bench import FRAMES, MELS, synthetic_logmel
@@ -41,11 +41,10 @@ def run(work: Path, args: argparse.Namespace) -> list[Row]:
     plain = Loader(whole, BATCH, seed=0, fields=fields)
     where = Loader(whole, BATCH, seed=0, fields=fields, where={"fold": [1, 2, 3, 4]})
     mixture = Loader(
-        {"a": parts[0], "b": parts[1], "c": parts[2]},
+        {name: Source(part, weight=1) for name, part in zip("abc", parts, strict=True)},
         BATCH,
         seed=0,
         fields=fields,
-        weights={"a": 1, "b": 1, "c": 1},
         samples_per_epoch=n,
     )
     counts = {"plain": n, "where": len(where.archive), "mixture": mixture.spec.num_samples}
