@@ -58,12 +58,12 @@ class Archive(Dataset[dict[str, Any]]):
         path: ArchivePaths,
         fields: Sequence[str] | str | None = None,
         pad_value: float = 0.0,
-        cache_bytes: int = 256 << 20,
+        block_cache_bytes: int = 256 << 20,
         where: Mapping[str, Any] | None = None,
         indices: Sequence[int] | np.ndarray | None = None,
         allow_recipe_mismatch: bool = False,
     ) -> None:
-        source = LocalSource(archive_paths(path), cache_bytes)
+        source = LocalSource(archive_paths(path), block_cache_bytes)
         self.build(source, fields, pad_value, where, indices, allow_recipe_mismatch)
 
     @classmethod

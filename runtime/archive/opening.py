@@ -33,15 +33,15 @@ def open_archive(
     allow_recipe_mismatch: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     cache_bytes: int | None = None,
+    block_cache_bytes: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Archive:
     """Opens an archive, or several with one schema read as one, as a map-style Dataset
     of the samples ``where`` and ``indices`` choose (see Archive). A URL (``s3://``,
     ``https://``, any fsspec URL) is read through the node-local shard cache
-    (runtime.storage.cached: ``cache_dir``, ``cache_bytes``), and so is a local
-    archive with zstd fields given a ``cache_dir``. With a cache,
-    ``cache_bytes`` is its byte budget; without, the local archive's decoded-block
-    cache (Archive's ``cache_bytes``). ``storage_options`` go to the fsspec filesystem of
+    (runtime.storage.cached: ``cache_dir``, ``cache_bytes`` its byte budget), and so
+    is a local archive with zstd fields given a ``cache_dir``. ``block_cache_bytes``
+    sizes a local archive's decoded-block cache (Archive's). ``storage_options`` go to the fsspec filesystem of
     an archive at a URL (credentials, an endpoint, client settings), and are never kept
     in a loader state or shown in a message."""
     url = path if isinstance(path, str) and is_url(path) else None
@@ -59,6 +59,7 @@ def open_archive(
     if url is not None:
         if where is not None or indices is not None:
             raise UsageError(f"{path}: where= and indices= take local archives for now")
+        refuse_block_cache(path, block_cache_bytes)
         source = open_cached(url, cache_dir, cache_bytes, storage_options)
         return Archive.over(source, fields, pad_value)
     if cache_dir is not None:
@@ -66,8 +67,14 @@ def open_archive(
         coded = [p for p in paths if needs_transcode(read_index(p).fields)]
         if coded:  # without block-coded fields the archive is mapped in place
             refuse_cached(coded[0], len(paths), where, indices)
+            refuse_block_cache(coded[0], block_cache_bytes)
             source = open_cached(paths[0], cache_dir, cache_bytes, local=True)
             return Archive.over(source, fields, pad_value)
+    elif cache_bytes is not None:
+        raise UsageError(
+            f"{path}: cache_bytes= is the shard cache's budget, for an archive at a URL or "
+            "given a cache_dir=; a local archive's decoded-block cache is block_cache_bytes="
+        )
     archive_paths(path, distinct=True)  # a list naming one archive twice is refused
     return Archive(
         path,
@@ -76,7 +83,7 @@ def open_archive(
         where=where,
         indices=indices,
         allow_recipe_mismatch=allow_recipe_mismatch,
-        **({"cache_bytes": cache_bytes} if cache_bytes is not None and cache_dir is None else {}),
+        **({} if block_cache_bytes is None else {"block_cache_bytes": block_cache_bytes}),
     )
 
 
@@ -91,6 +98,17 @@ def refuse_cached(path: Path, count: int, where: Mapping[str, Any] | None, indic
         raise UsageError(
             f"{path}: where= and indices= do not take cache_dir yet; choose samples "
             "without cache_dir (zstd blocks decoded per batch), or drop the selection"
+        )
+
+
+def refuse_block_cache(path: object, block_cache_bytes: int | None) -> None:
+    """Refuses a decoded-block budget for an archive read through the shard cache, which
+    keeps its shards decoded."""
+    if block_cache_bytes is not None:
+        raise UsageError(
+            f"{path}: block_cache_bytes= sizes a local archive's decoded-block cache, and "
+            "this one is read through the shard cache, which keeps shards decoded "
+            "(its budget is cache_bytes=)"
         )
 
 

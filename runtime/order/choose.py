@@ -231,11 +231,12 @@ def choose_mixture(
                 f"{owner} {key}= does not apply to a mixture: give each source its own "
                 f"selection, {owner}({{'a': Source(path_a, where=...), ...}})"
             )
-    if open_options.get("storage_options") is not None:
-        raise UsageError(
-            f"{owner} storage_options= are for an archive at a URL; a mixture's sources "
-            "are local archives"
-        )
+    for key in ("storage_options", "cache_dir", "cache_bytes"):
+        if open_options.get(key) is not None:
+            raise UsageError(
+                f"{owner} {key}= is for an archive read through the shard cache (at a URL); "
+                "a mixture's sources are local archives, mapped in place"
+            )
     if order["mode"] != "global":
         raise UsageError(f"{owner} order='window' does not apply to a mixture; use order='global'")
     order = {**order, "nodes": 1}  # a mixture's sources are local: no shards dealt to nodes

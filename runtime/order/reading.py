@@ -52,6 +52,7 @@ class ReadingOptions(TypedDict, total=False):
     batch_per_source: bool
     cache_dir: str | os.PathLike[str] | None
     cache_bytes: int | None
+    block_cache_bytes: int | None
     storage_options: Mapping[str, Any] | None
 
 
@@ -91,6 +92,7 @@ class Reading:
     batch_per_source: bool = False
     cache_dir: str | os.PathLike[str] | None = None
     cache_bytes: int | None = None
+    block_cache_bytes: int | None = None
     # options of the fsspec filesystem of an archive at a URL (credentials, an endpoint,
     # client settings): passed on, never kept in a state or shown
     storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
@@ -124,6 +126,7 @@ class Reading:
         cache = {
             "cache_dir": self.cache_dir,
             "cache_bytes": self.cache_bytes,
+            "block_cache_bytes": self.block_cache_bytes,
             "storage_options": self.storage_options,
         }
         return {

@@ -104,21 +104,21 @@ class ShardSource(abc.ABC):
         is dropped."""
 
 
-def open_reader(path: Path, cache_bytes: int) -> ArchiveReader:
-    """The one place a local archive path becomes a reader (``cache_bytes``: its
+def open_reader(path: Path, block_cache_bytes: int) -> ArchiveReader:
+    """The one place a local archive path becomes a reader (``block_cache_bytes``: its
     decoded-block cache)."""
-    return ArchiveReader(path, block_cache_bytes=cache_bytes)
+    return ArchiveReader(path, block_cache_bytes=block_cache_bytes)
 
 
 class LocalSource(ShardSource):
     """Shards of local archives (one, or several read as one: their shards numbered one
     archive after another), memory-mapped once when the source opens."""
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], cache_bytes: int) -> None:
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], block_cache_bytes: int) -> None:
         self.folders = tuple(Path(p) for p in paths)
         self.paths = self.folders
-        self.cache_bytes = cache_bytes
-        self.readers = [open_reader(p, cache_bytes) for p in self.folders]
+        self.block_cache_bytes = block_cache_bytes
+        self.readers = [open_reader(p, block_cache_bytes) for p in self.folders]
         first = self.readers[0]
         self.name = (
             str(self.folders[0])
@@ -132,7 +132,7 @@ class LocalSource(ShardSource):
         self.sizes = [info.bytes for r in self.readers for info in r.index.shards]  # as validated
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (LocalSource, ([str(p) for p in self.folders], self.cache_bytes))
+        return (LocalSource, ([str(p) for p in self.folders], self.block_cache_bytes))
 
     def shard(self, k: int) -> ShardReader:
         return self.mapped[k]

@@ -76,13 +76,23 @@ def test_without_cache_dir_no_cache_is_touched(
     zstd: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DLOP_CACHE_DIR", str(tmp_path / "env-cache"))
-    ds = open_archive(zstd, cache_bytes=123_456)
+    ds = open_archive(zstd, block_cache_bytes=123_456)
     assert type(ds) is Archive
-    assert ds.reader.block_cache.max_bytes == 123_456  # cache_bytes: decoded zstd blocks
+    assert ds.reader.block_cache.max_bytes == 123_456  # decoded zstd blocks
     assert same(
-        batches(Loader(zstd, cache_bytes=123_456, **SETTINGS)), batches(Loader(ds, **SETTINGS))
+        batches(Loader(zstd, block_cache_bytes=123_456, **SETTINGS)),
+        batches(Loader(ds, **SETTINGS)),
     )
     assert not (tmp_path / "env-cache").exists()
+
+
+def test_each_cache_budget_has_one_name(zstd: Path, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="cache_bytes= is the shard cache's budget"):
+        open_archive(zstd, cache_bytes=123_456)
+    with pytest.raises(UsageError, match="block_cache_bytes= sizes a local archive's"):
+        open_archive(zstd, cache_dir=tmp_path / "c", block_cache_bytes=123_456)
+    with pytest.raises(UsageError, match="block_cache_bytes= sizes a local archive's"):
+        Loader("s3://bucket/a", 4, block_cache_bytes=123_456)
 
 
 def test_with_cache_dir_cache_bytes_is_the_budget(zstd: Path, tmp_path: Path) -> None:

@@ -237,6 +237,9 @@ def test_mixture_errors(corpora: dict[str, Path]) -> None:
         Loader(two, 4, weights={"ls": 1, "ps": 1})  # type: ignore[call-arg]
     with pytest.raises(UsageError, match="window"):
         Loader(two, 4, order="window")
+    for key in ("cache_dir", "cache_bytes", "storage_options"):  # not a TypeError
+        with pytest.raises(UsageError, match=rf"{key}= is for an archive read through the"):
+            Loader(two, 4, **{key: {"a": 1} if key == "storage_options" else 1})  # type: ignore[arg-type]
     with pytest.raises(UsageTypeError, match="must be a path"):
         Loader({"ls": 3}, 4)
 

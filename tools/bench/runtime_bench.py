@@ -162,7 +162,7 @@ def run(
     index = compile_corpus(recipe, zpath, workers=workers, progress=False, overwrite=True)
     # A block cache far smaller than the decoded features, so epochs decode rather than hit.
     zloader = Loader(
-        Archive(zpath, fields=["logmel", "label"], cache_bytes=16 << 20), BATCH, seed=0
+        Archive(zpath, fields=["logmel", "label"], block_cache_bytes=16 << 20), BATCH, seed=0
     )
     rows.append(
         rate_row(
