@@ -6,11 +6,10 @@ import hashlib
 import json
 import math
 import os
+import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from dlop.formats import INDEX_NAME, Codec, FormatError, SchemaError, parse_codec, sizes
 from dlop.formats.constants import ARCHIVE_FORMAT, MAX_INDEX_BYTES

@@ -12,7 +12,7 @@ import stat
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +118,7 @@ def now_utc() -> str:
     """The creation time written into indexes: now, or SOURCE_DATE_EPOCH (seconds) when set,
     so that rebuilding an archive can reproduce its index byte for byte."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
-    when = (
-        datetime.fromtimestamp(int(epoch), timezone.utc)
-        if epoch.isdigit()
-        else datetime.now(timezone.utc)
-    )
+    when = datetime.fromtimestamp(int(epoch), UTC) if epoch.isdigit() else datetime.now(UTC)
     return when.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
