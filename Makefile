@@ -64,18 +64,17 @@ fuzz: env
 	DLOP_FUZZ_RANDOM=1 DLOP_FUZZ_EXAMPLES=$${DLOP_FUZZ_EXAMPLES:-5000} $(VENV)/bin/python -m pytest -q tests/formats/test_fuzz.py
 	DLOP_EXIT_RUNS=$${DLOP_EXIT_RUNS:-300} $(VENV)/bin/python -m pytest -q tests/runtime/test_exit.py
 
-# mypy: one strict run over the whole dlop package (scope and settings in pyproject.toml);
-# then a user's calls of the front ends: tests/typing/spelt.py checks clean, and each
-# mistake in misspelt.py is reported.
+# mypy: one strict run over the whole dlop package (settings in pyproject.toml; the modules
+# from its package-dir mapping, which .ci/typecheck.py reads), with a user's calls of the
+# front ends: tests/typing/spelt.py checks clean, and each mistake in misspelt.py is reported.
 MISSPELT := 'Unexpected keyword argument "shufle" for "Loader"' \
 	'Unexpected keyword argument "worker_bufers" for "IterableArchive"' \
 	'Argument "seed" to "Loader" has incompatible type "str"'
 lint: env
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy --strict tests/typing/spelt.py
-	$(VENV)/bin/mypy --strict tests/typing/misspelt.py > $(VENV)/misspelt.txt; \
+	$(PY) .ci/typecheck.py tests/typing/spelt.py
+	$(PY) .ci/typecheck.py tests/typing/misspelt.py > $(VENV)/misspelt.txt; \
 		for m in $(MISSPELT); do grep -qF "$$m" $(VENV)/misspelt.txt || \
 		{ echo "mypy did not report: $$m"; cat $(VENV)/misspelt.txt; exit 1; }; done
 

@@ -1,5 +1,6 @@
-"""`import dlop.X` resolves to the same files from the checkout, an editable
-install and a wheel; a non-editable install gives working CLIs and imports."""
+"""The package-dir mapping of pyproject.toml: `import dlop.X` finds the top-level
+folders through an editable install, and a wheel holds them as dlop/X with working
+CLIs and imports."""
 
 from __future__ import annotations
 
@@ -8,38 +9,100 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBPACKAGES = ("formats", "compiler", "runtime", "tools")
-MODULES = ("dlop.formats", "dlop.compiler", "dlop.runtime", "dlop.tools", "dlop.tools.bench")
+SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+MAPPED = {"dlop.formats": "formats", "dlop.compiler": "compiler", "dlop.runtime": "runtime"}
+# Subpackages and nested modules, each from its folder.
+MODULES = {
+    "dlop.formats": "formats/__init__.py",
+    "dlop.formats.reader": "formats/reader.py",
+    "dlop.compiler.corpus.layouts.folder": "compiler/corpus/layouts/folder.py",
+    "dlop.runtime.gather.engine": "runtime/gather/engine.py",
+    "dlop.tools.inspect_cli": "tools/inspect_cli.py",
+    "dlop.tools.bench.cli": "tools/bench/cli.py",
+}
+# The compiled extensions (optional: an install without a C compiler has none), built
+# in place by an editable install.
+EXTENSIONS = {
+    "dlop.formats._crc32": "formats",
+    "dlop.compiler.audio._kernels": "compiler/audio",
+    "dlop.runtime.gather._copy": "runtime/gather",
+}
 
-# Run in a fresh interpreter: import every subpackage and report where each
-# came from and whether the compiled copier loaded.
-PROBE = f"""
-import importlib, json
-mods = {{m: importlib.import_module(m).__file__ for m in {MODULES!r}}}
-import dlop.runtime.gather.engine as engine
-print(json.dumps({{"files": mods, "native": engine.compiled() is not None}}))
+# Run in a fresh interpreter: where each module came from (None: not importable).
+PROBE = """
+import importlib, json, sys
+found = {}
+for name in sys.argv[1:]:
+    try:
+        found[name] = importlib.import_module(name).__file__
+    except ImportError:
+        found[name] = None
+print(json.dumps(found))
 """
 
 
-def test_dlop_subpackages_are_relative_links_to_the_top_level_folders() -> None:
-    for name in SUBPACKAGES:
-        link = ROOT / "dlop" / name
-        assert link.is_symlink(), f"{link} should be a symlink to ../{name}"
-        assert os.readlink(link) == f"../{name}", os.readlink(link)
-        assert link.resolve() == ROOT / name
-
-
-def probe(py: Path, cwd: Path, env: dict[str, str]) -> dict[str, object]:
-    res = subprocess.run([str(py), "-c", PROBE], capture_output=True, text=True, cwd=cwd, env=env)
-    assert res.returncode == 0, f"imports failed with cwd={cwd}:\n{res.stderr}"
-    found: dict[str, object] = json.loads(res.stdout)
+def probe(py: Path | str, cwd: Path, names: list[str]) -> dict[str, str | None]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run(
+        [str(py), "-c", PROBE, *names], capture_output=True, text=True, cwd=cwd, env=env
+    )
+    assert res.returncode == 0, f"the probe failed with cwd={cwd}:\n{res.stderr}"
+    found: dict[str, str | None] = json.loads(res.stdout)
     return found
+
+
+def package_folder(package: str) -> Path:
+    """The folder of a listed package under the package-dir mapping (setuptools' rule: the
+    longest mapped prefix, then one folder per further name)."""
+    mapping: dict[str, str] = SETUPTOOLS["package-dir"]
+    parts = package.split(".")
+    for n in range(len(parts), 0, -1):
+        base = mapping.get(".".join(parts[:n]))
+        if base is not None:
+            return ROOT.joinpath(base, *parts[n:])
+    raise AssertionError(f"{package} is under no mapped folder")
+
+
+def test_the_package_holds_no_links() -> None:
+    """dlop/ is the top package's own folder; the subpackages are mapped, not linked."""
+    assert [p.name for p in (ROOT / "dlop").iterdir() if p.is_symlink()] == []
+    for package, folder in MAPPED.items():
+        assert package_folder(package) == ROOT / folder
+
+
+def test_every_package_folder_is_listed_for_the_wheel() -> None:
+    """A subpackage missing from pyproject's list would be left out of a wheel (its
+    imports fail only after a non-editable install)."""
+    listed = set(SETUPTOOLS["packages"])
+    for package in listed:
+        assert (package_folder(package) / "__init__.py").is_file(), package
+    found = {
+        ".".join([package, *init.parent.relative_to(ROOT / folder).parts])
+        for package, folder in SETUPTOOLS["package-dir"].items()
+        for init in (ROOT / folder).rglob("__init__.py")
+        if "peers-env" not in init.parts  # the benchmark's stand-in, never installed
+    }
+    assert found == listed
+
+
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_the_editable_install_imports_the_top_level_folders(where: str, tmp_path: Path) -> None:
+    """The test environment's editable install (make env): from the repository root (which
+    comes first on sys.path, so dlop/ is the checkout's) and from anywhere else, every
+    module comes from its top-level folder, the compiled extensions built in place."""
+    found = probe(sys.executable, ROOT if where == "root" else tmp_path, [*MODULES, *EXTENSIONS])
+    for name, rel in MODULES.items():
+        assert found[name] == str(ROOT / rel), f"{name} came from {found[name]}"
+    for name, folder in EXTENSIONS.items():
+        built = sorted((ROOT / folder).glob(name.rpartition(".")[2] + ".*.so"))
+        assert found[name] == (str(built[0]) if built else None), f"{name}: {found[name]}"
 
 
 @pytest.mark.slow
@@ -64,15 +127,16 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path: Path) -> None:
     (wheel,) = wheels.glob("dlop-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-        # The links are followed: the wheel holds the real files.
-        for mod in MODULES:
-            init = mod.replace(".", "/") + "/__init__.py"
+        for package in SETUPTOOLS["packages"]:
+            init = package.replace(".", "/") + "/__init__.py"
             assert init in names, f"{init} missing from {wheel.name}"
         assert "dlop/formats/SPEC.md" in names
         assert not any(i.external_attr >> 28 == 0o12 for i in zf.infolist()), "symlink in wheel"
-        has_native = any(
-            n.startswith("dlop/runtime/gather/_copy") and n.endswith(".so") for n in names
-        )
+        compiled = {
+            name.split(".")[0].replace("/", ".")
+            for name in names
+            if name.endswith(".so") and name.startswith("dlop/")
+        }
     venv = tmp_path / "fresh"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -102,30 +166,15 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path: Path) -> None:
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+
+    # Away from the checkout every module comes from the installed copies.
+    found = probe(py, elsewhere, [*MODULES, *compiled])
+    for name, file in found.items():
+        assert file is not None, f"{name} did not import"
+        assert Path(file).is_relative_to(Path(site) / "dlop"), f"{name} came from {file}"
+    assert (Path(site) / "dlop" / "formats" / "SPEC.md").is_file()
+
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-
-    # Away from the checkout every subpackage comes from the installed copies.
-    installed = probe(py, elsewhere, env)
-    files = installed["files"]
-    assert isinstance(files, dict)
-    for mod, file in files.items():
-        path = Path(file)
-        assert path.is_relative_to(venv), f"{mod} came from {file}, not the venv"
-        assert not path.parent.is_symlink(), f"{mod}: installed as a link, not files"
-    assert (Path(files["dlop.formats"]).parent / "SPEC.md").exists()
-    assert installed["native"] == has_native
-
-    # In the repository root the checkout comes first on sys.path: its dlop/
-    # must then hold every subpackage (through the links), not shadow the install.
-    checkout = probe(py, ROOT, env)
-    files = checkout["files"]
-    assert isinstance(files, dict)
-    for mod, file in files.items():
-        path = Path(file)
-        assert path.is_relative_to(ROOT / "dlop"), f"{mod} came from {file}"
-        rel = mod.split(".", 1)[1].replace(".", "/")
-        assert path.resolve() == ROOT / rel / "__init__.py", f"{mod} came from {file}"
-
     for tool in ("dlop-inspect", "dlop-compile", "dlop-bench"):
         res = subprocess.run(
             [str(venv / "bin" / tool), "--help"],
@@ -136,20 +185,3 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path: Path) -> None:
         )
         assert res.returncode == 0, res.stderr
         assert "usage" in res.stdout
-
-
-def test_every_package_folder_is_listed_for_the_wheel() -> None:
-    """A subpackage missing from pyproject's list would be left out of a wheel (its
-    imports fail only after a non-editable install)."""
-    import tomllib
-
-    listed = set(
-        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    )
-    found = {
-        ".".join(["dlop", *init.parent.relative_to(ROOT).parts])
-        for name in SUBPACKAGES
-        for init in (ROOT / name).rglob("__init__.py")
-        if "peers-env" not in init.parts  # the benchmark's stand-in, never installed
-    }
-    assert found | {"dlop"} == listed
