@@ -10,6 +10,7 @@ STAMP := $(VENV)/.dlop-installed
 env: $(STAMP)
 
 # torch is pinned to the CPU build; an unpinned torch pulls a multi-GB CUDA build.
+# The dev extra holds the compile extra and every other, for the demo, tests and bench.
 $(STAMP): pyproject.toml runtime/gather/_copy.c compiler/audio/_kernels.c formats/_crc32.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -40,7 +41,7 @@ bench-peers:
 	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
 	$(PEERS)/bin/pip install -q --upgrade pip
 	$(PEERS)/bin/pip install -q torch==2.13.0
-	$(PEERS)/bin/pip install -q -e .
+	$(PEERS)/bin/pip install -q -e '.[compile]'
 	$(PEERS)/bin/pip install -q --no-deps litdata==0.2.76 mosaicml-streaming==0.13.0
 	$(PEERS)/bin/pip install -q filelock lightning-utilities requests urllib3 tifffile boto3 's3fs>=2024.2' 'moto[server]' \
 		obstore 'numpy<2.2' 'xxhash<4' zstd Brotli python-snappy catalogue tqdm pillow \
