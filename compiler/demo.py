@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dlop.formats.extras import needs_extra
+
 CLASSES = ("tone", "chirp", "noise_burst", "formant_sweep", "click_train")
 # (extension, soundfile format, subtype, sample rate, channels), cycled over clips
 FORMATS = (
@@ -55,7 +57,8 @@ def make_demo_corpus(
 ) -> Path:
     """Writes ``root/audio/*`` and ``root/meta/esc50.csv``; returns root. ``on_clip(done,
     total)`` is called after each clip written."""
-    import soundfile as sf
+    with needs_extra("compile", "writing the demo corpus"):
+        import soundfile as sf
 
     root = Path(root)
     (root / "audio").mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import DlopError
+from .extras import install_hint
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 # The extra that installs each protocol's fsspec backend.
@@ -104,7 +105,7 @@ def is_url(text: object) -> bool:
 def missing_extra(proto: str, e: BaseException) -> str:
     """What to tell a user whose fsspec has no backend for ``proto``."""
     extra = EXTRAS.get(proto)
-    how = f"pip install 'dlop[{extra}]'" if extra else f"install the fsspec backend for {proto}://"
+    how = install_hint(extra) if extra else f"install the fsspec backend for {proto}://"
     return f"{proto}:// URLs need an fsspec backend that is not installed ({e}); {how}"
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dlop.formats import Field
+from dlop.formats.extras import needs_extra
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -358,7 +359,8 @@ def draw_sample(
 ) -> tuple[Figure, list[str]]:
     """The figure of the sample's visual fields and the names drawn, in the order
     clips, images, masks, spectrograms, waveforms."""
-    from matplotlib.figure import Figure
+    with needs_extra("compile", "drawing a sample"):
+        from matplotlib.figure import Figure
 
     recipe = recipe or {}
     metadata = metadata or {}

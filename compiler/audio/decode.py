@@ -26,6 +26,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from dlop.formats.extras import needs_extra
+
 from ..errors import InputError
 from . import wav
 
@@ -162,15 +164,16 @@ def probe_rate(source: Source) -> int | None:
         found = _first_mpeg_frame(head[_mpeg_audio_start(head[:10]) :][: 1 << 14])
         if found is not None:
             return found[1][0][2]
-    import soundfile as sf
+    with needs_extra("compile", "decoding audio"):
+        import soundfile as sf
 
     try:
         return int(sf.info(io.BytesIO(head)).samplerate)
     except Exception:  # not a header libsndfile reads: ask PyAV's container header
         pass
-    try:
+    with needs_extra("compile", "decoding audio"):  # outside the try, which passes over errors
         import av
-
+    try:
         with av.open(io.BytesIO(head), "r", metadata_errors="ignore") as container:
             streams = container.streams.audio
             return int(streams[0].rate) if streams and streams[0].rate else None
@@ -340,7 +343,8 @@ def _check_length(
 
 def _soundfile(source: Source, name: str, span: _Span) -> tuple[np.ndarray, int] | None:
     """Decoded audio, or None when soundfile does not recognize the file."""
-    import soundfile as sf
+    with needs_extra("compile", "decoding audio"):
+        import soundfile as sf
 
     # soundfile encodes a str path strictly; the bytes of the path also open a file whose
     # name is not UTF-8 (os.fsdecode's surrogates)
@@ -788,7 +792,8 @@ class _Collector:
 
 
 def _pyav(source: Source, name: str, span: _Span) -> tuple[np.ndarray, int]:
-    import av
+    with needs_extra("compile", "decoding audio"):
+        import av
 
     handle = io.BytesIO(source) if isinstance(source, bytes) else str(source)
     decoded = 0

@@ -528,15 +528,24 @@ class _LogProgress:
             self.line()
 
 
+def _tqdm() -> Any:
+    """tqdm's bar, or None without the compile extra (a compile of one's own Dataset
+    needs none of it): progress is then told in lines, as off a terminal."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm
+
+
 def _progress_bar(total: int, initial: int, units: int, units_done: int, enabled: bool) -> Any:
     if not enabled:
         return None
-    if not sys.stderr.isatty():
+    tqdm = _tqdm() if sys.stderr.isatty() else None
+    if tqdm is None:
         log = _LogProgress(total, initial)
         log.set_postfix_str(f"units {units_done}/{units}")
         return log
-    from tqdm import tqdm
-
     tqdm.monitor_interval = 0  # no monitor thread, so workers can be forked
 
     bar = tqdm(

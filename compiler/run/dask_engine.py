@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from dlop.formats import urls
+from dlop.formats.extras import needs_extra
 
 from ..errors import CompileError
 from ..output.commit import Run
@@ -35,12 +36,8 @@ UNITS_PER_WORKER = 2  # units in flight per worker, besides one more each to sta
 def dask_client(address: str) -> Iterator[Any]:
     """A client of the cluster at ``address`` (``local:N``: a LocalCluster of N processes,
     started here and stopped when the block ends)."""
-    try:
+    with needs_extra("dask", "--dask"):
         import distributed as dd
-    except ImportError:
-        raise CompileError(
-            "--dask needs Dask distributed, which is not installed: pip install 'dlop[dask]'"
-        ) from None
     with _client(dd, address) as client:
         yield client
 

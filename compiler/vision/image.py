@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from dlop.formats.extras import needs_extra
+
 from ..audio.decode import check_file
 from ..errors import InputError
 from .options import VisionConfig, resized_hw, shape_pil, tile_origins
@@ -42,7 +44,8 @@ def _open(
     whichever way EXIF turns it), recorded as ``info[DRAFT_SCALE]``. The image
     is then held to the cap at its full size, the size its masks are shaped at.
     """
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    with needs_extra("compile", "decoding images"):
+        from PIL import Image, ImageOps, UnidentifiedImageError
 
     check_file(source, name)
     handle: Any = io.BytesIO(source) if isinstance(source, bytes) else str(source)
@@ -148,7 +151,8 @@ def load_image(
 
 def load_mask(source: Source, name: str, cfg: VisionConfig | None = None) -> Any:
     """A Pillow ``L`` image of labels, upright (always decoded at full size: labels are exact)."""
-    from PIL import Image
+    with needs_extra("compile", "decoding images"):
+        from PIL import Image
 
     image = _open(source, name, cfg or VisionConfig())
     if image.mode == "L":

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from dlop.formats.extras import needs_extra
+
 CLIP_MODES = ("uniform", "dense")
 MISSING_MASK_RULES = ("fill", "skip")
 # 150 megapixels: a Sentinel-2 tile (10980 x 10980, 121 MP) and Gleason
@@ -208,7 +210,8 @@ def shape_pil(
 
 def shape_image(array: np.ndarray, cfg: VisionConfig, *, nearest: bool = False) -> np.ndarray:
     """Resize (short side) then centre-crop one image, frame or mask array as the config says."""
-    from PIL import Image
+    with needs_extra("compile", "resizing images and video frames"):
+        from PIL import Image
 
     return shape_pil(Image.fromarray(array), cfg, nearest=nearest)
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from dlop.formats.extras import needs_extra
+
 from ..audio.decode import check_file
 from ..errors import InputError
 from .options import VisionConfig, rotate, shape_image
@@ -69,7 +71,8 @@ class VideoInfo:
 
 
 def _open(source: str | os.PathLike[str] | bytes) -> Any:
-    import av
+    with needs_extra("compile", "decoding video"):
+        import av
 
     handle = io.BytesIO(source) if isinstance(source, bytes) else str(source)
     return av.open(handle, metadata_errors="ignore")
@@ -257,7 +260,8 @@ def decode_clips(
     source: str | os.PathLike[str] | bytes, name: str, cfg: VisionConfig
 ) -> tuple[list[Clip], VideoInfo]:
     """Samples, rotates, resizes and crops every clip the config asks of one video."""
-    import av
+    with needs_extra("compile", "decoding video"):
+        import av
 
     check_file(source, name)
     try:

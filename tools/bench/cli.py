@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 import tempfile
@@ -12,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from dlop.formats.extras import MissingExtraError
 
 from .common import Row, machine, markdown_table, peak_rss_mib, print_table, write_json
 
@@ -210,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # every section writes, decodes or draws media: a missing module is told before any runs
+    for module in ("soundfile", "av", "PIL", "matplotlib"):
+        if importlib.util.find_spec(module) is None:
+            parser.error(str(MissingExtraError("benchmarking", module, "compile")))
     rows: list[Row] = []
     started = time.time()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dlop.formats.extras import needs_extra
+
 from ...errors import CompileError
 from ..listing import (
     AUDIO_EXTS,
@@ -50,12 +52,8 @@ _PATTERNS = ("*.parquet", "*/*.parquet", "*/*/*.parquet")
 
 
 def _pq() -> Any:
-    try:
+    with needs_extra("hf", "reading Parquet (layout hf)"):
         import pyarrow.parquet as pq
-    except ImportError:
-        raise CompileError(
-            "reading Parquet (layout hf) needs pyarrow: pip install 'dlop[hf]'"
-        ) from None
     return pq
 
 

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dlop.formats.extras import needs_extra
+
 from ...errors import CompileError
 from ..listing import (
     AUDIO_EXTS,
@@ -146,7 +148,8 @@ def _sample_key(name: str) -> str | None:
     """The key webdataset groups a member under (everything before the first '.' of the
     basename), or None for a member it passes over: a name with no '.' (a README) or a
     ``__meta__`` name. The listing groups as the stream will."""
-    from webdataset.tariterators import base_plus_ext
+    with needs_extra("compile", "reading WebDataset tars (layout webdataset)"):
+        from webdataset.tariterators import base_plus_ext
 
     if _META.match(name) or ("/" not in name and name.startswith("__") and name.endswith("__")):
         return None
@@ -165,7 +168,8 @@ def stream_webdataset(corpus: Corpus, start: int = 0, stop: int | None = None) -
     the bad input it is, and one the tar stream cannot deliver becomes a bad
     input naming the stream's error.
     """
-    import webdataset as wds
+    with needs_extra("compile", "reading WebDataset tars (layout webdataset)"):
+        import webdataset as wds
 
     items = corpus.items[start:stop]
     for tar, run in itertools.groupby(items, key=lambda it: (it.member or ("", ""))[0]):
