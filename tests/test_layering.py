@@ -1,4 +1,7 @@
-"""The package layering of STYLE.md, checked on the import statements."""
+"""The package layering, checked on the import statements: formats needs neither torch
+nor the other packages, compiler and runtime never import each other (both import
+formats; tools may import all), every folder is imported as dlop.X only, formats starts
+no threads, and no module imports another around a circle."""
 
 from __future__ import annotations
 
