@@ -40,8 +40,8 @@ from dlop.formats.units import MAX_COUNT
 from ..audio import numerics
 from ..corpus.records import Corpus
 from ..errors import AxisVaries, CompileError
+from ..faults import fault_at
 from ..recipe import Recipe
-from ..run import faults
 from ..run.items import CorpusShape
 from ..run.units import COMMIT_PREFIX, UnitRecord, UnitTask, input_sizes
 from .guard import COMPILE_FILE, LOCK, check_apart, clear_for_resume, committed_units, locked_output
@@ -179,7 +179,7 @@ def _run_units(
     if not resume:
         journal.save(store)  # from the start, so that an interruption at any point can --resume
     run.journal_run = journal.run
-    faults.at("start")
+    fault_at("start")
     pending = [u for u in range(run.num_units) if u not in committed]
     run.consumed = sum(r.num_inputs for r in committed.values())
     run._bar = _progress_bar(total, run.consumed, run.num_units, len(committed), run.progress)
@@ -213,7 +213,7 @@ def _run_units(
                 )
             if run._bar is not None:
                 run._bar.set_postfix_str(f"units {len(committed)}/{run.num_units}", refresh=False)
-            faults.at(f"unit:{n}")
+            fault_at(f"unit:{n}")
         if remote:
             journal.check_run(store)
         index = _write_archive(run, store, committed)
@@ -233,7 +233,7 @@ def _run_units(
             records.close()  # type: ignore[attr-defined]
         if run._bar is not None:
             run._bar.close()
-    faults.at("tidy")
+    fault_at("tidy")
     _tidy(run, store)
     return index
 
@@ -378,7 +378,7 @@ def _write_archive(run: Run, store: Store, committed: dict[int, UnitRecord]) -> 
     index, errors = _merged(run, committed, now_utc())
     if errors is not None:
         store.write(ERRORS_NAME, errors)
-    faults.at("index")
+    fault_at("index")
     store.write(INDEX_NAME, encode_index(index, f"{store.url}/{INDEX_NAME}"))
     return index
 
@@ -429,7 +429,7 @@ def _tidy(run: Run, store: Store) -> None:
     for n, name in enumerate(records):
         store.delete(name)
         if n == 0:
-            faults.at("tidying")
+            fault_at("tidying")
     if isinstance(store, LocalStore):
         store.clear_staging()
     store.delete(JOURNAL)

@@ -51,11 +51,12 @@ from ..audio.decode import probe_rate
 from ..corpus.layouts import open_corpus
 from ..corpus.records import Corpus, Item
 from ..errors import CompileError, CompileWarning
+from ..faults import fault_at
 from ..output.commit import Run, finish_run
 from ..output.guard import SPILL_PREFIX, check_apart, close_inherited_locks
 from ..recipe import Recipe
 from ..urls import is_url
-from . import faults, processes
+from . import processes
 from .items import CorpusShape, Outcome, schema_for
 from .units import (
     UNIT_INPUTS,
@@ -333,7 +334,7 @@ def _local_records(
 
     def after_put(_: object) -> None:
         done[0] += 1
-        faults.at(f"shard:{done[0]}")
+        fault_at(f"shard:{done[0]}")
 
     sizes: dict[int, str] = {}  # unit -> its inputs' sizes, taken as its inputs go out
     size = run.work().chunk_items()
@@ -353,7 +354,7 @@ def _local_records(
                     if not writer.add(outcome):
                         break
                     run.advance(1)
-                    faults.at(f"input:{consumed}")
+                    fault_at(f"input:{consumed}")
                 writer.input_sizes = sizes.pop(unit, "")
                 record = writer.commit()
             except BaseException:

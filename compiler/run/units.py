@@ -45,9 +45,10 @@ from ..corpus.layouts import stream_items
 from ..corpus.listing import text_path
 from ..corpus.records import Corpus, Item, fingerprint
 from ..errors import CompileError
+from ..faults import unit_delay, worker_dies
 from ..output.journal import Journal
 from ..output.store import LocalStore, Store, open_store
-from . import faults, processes
+from . import processes
 from .items import CorpusShape, Outcome
 from .work import PresetWork
 
@@ -373,7 +374,7 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     """Compiles one unit, whose inputs are ``corpus.items`` (a corpus holding only this
     unit's inputs), into OUT; returns its commit record. Pure and idempotent: running it
     again writes the same files under the same names."""
-    faults.unit_delay(unit)
+    unit_delay(unit)
     if multiprocessing.parent_process() is not None:  # a Dask worker process, not the driver
         processes.arm_item_limits()
     work = task.worker()
@@ -403,7 +404,7 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
         for n, outcome in enumerate(outcomes, 1):
             if not writer.add(outcome):
                 break
-            faults.worker_dies(unit, n)
+            worker_dies(unit, n)
         writer.input_sizes = sizes.get(unit, "")
         return writer.commit()
     except BaseException:

@@ -29,9 +29,9 @@ from dlop.compiler.audio.features import (
     frame_signal,
 )
 from dlop.compiler.audio.options import PRESETS, FeatureConfig, feature_config
+from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
 from dlop.compiler.output.journal import JOURNAL
 from dlop.compiler.run import items, pipeline
-from dlop.compiler.run.faults import KILL_AT as TEST_KILL_AT
 from dlop.compiler.run.units import COMMIT_PREFIX
 from dlop.tools.compile_cli import main
 

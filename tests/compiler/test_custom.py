@@ -21,7 +21,7 @@ import torch
 
 from dlop.compiler import compile_dataset, compile_map
 from dlop.compiler.errors import CompileError
-from dlop.compiler.run.faults import KILL_AT
+from dlop.compiler.faults import KILL_AT
 from dlop.runtime import Loader, open_archive
 from dlop.tools.compile_cli import main
 
@@ -453,7 +453,7 @@ class Scaled:
 def test_an_interrupted_compile_resumes_with_a_declared_scalar(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlop.compiler.run.faults import SIGNAL
+    from dlop.compiler.faults import SIGNAL
 
     options: dict[str, Any] = {"unit_inputs": 2, "workers": 1, "progress": False}
     schema = {"n": {"dtype": "int32", "shape": []}}
@@ -517,8 +517,8 @@ def test_a_field_named_as_a_ragged_fields_lengths_is_refused(tmp_path: Path) -> 
 def test_damaged_inputs_journal_and_schema_files_are_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from dlop.compiler.faults import SIGNAL
     from dlop.compiler.output.journal import JOURNAL
-    from dlop.compiler.run.faults import SIGNAL
 
     lines = tmp_path / "in.jsonl"
     lines.write_text('1\n2\n{"half": \n')

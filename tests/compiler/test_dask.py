@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dlop.compiler.run.faults import KILL_WORKER as TEST_KILL_WORKER
-from dlop.compiler.run.faults import UNIT_DELAY as TEST_UNIT_DELAY
+from dlop.compiler.faults import KILL_WORKER as TEST_KILL_WORKER
+from dlop.compiler.faults import UNIT_DELAY as TEST_UNIT_DELAY
 from dlop.tools.compile_cli import main
 
 from .fixtures import dask_cluster, esc50_corpus

@@ -19,7 +19,7 @@ import torch
 
 from dlop.compiler import compile_dataset
 from dlop.compiler.errors import CompileError
-from dlop.compiler.run.faults import KILL_AT
+from dlop.compiler.faults import KILL_AT
 from dlop.runtime import open_archive
 
 from .hostile_data import Hostile, Misbehaving, Plain, TokenIds

@@ -15,8 +15,8 @@ import pytest
 
 from dlop.compiler.audio import numerics
 from dlop.compiler.errors import CompileError
+from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
 from dlop.compiler.output.journal import JOURNAL
-from dlop.compiler.run.faults import KILL_AT as TEST_KILL_AT
 from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_corpus

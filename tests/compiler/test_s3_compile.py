@@ -25,10 +25,10 @@ import pytest
 
 from dlop.compiler.corpus.records import Item
 from dlop.compiler.errors import CompileError
+from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
 from dlop.compiler.output.guard import check_apart
 from dlop.compiler.output.journal import JOURNAL
 from dlop.compiler.recipe import build_recipe
-from dlop.compiler.run.faults import KILL_AT as TEST_KILL_AT
 from dlop.compiler.run.items import CorpusShape
 from dlop.compiler.run.pipeline import compile_corpus
 from dlop.compiler.run.work import process_fetched

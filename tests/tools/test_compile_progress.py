@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dlop.compiler.run.faults import KILL_AT as TEST_KILL_AT
-from dlop.compiler.run.faults import SIGNAL as TEST_SIGNAL
+from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
+from dlop.compiler.faults import SIGNAL as TEST_SIGNAL
 from tests.compiler.fixtures import esc50_corpus
 
 

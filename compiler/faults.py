@@ -4,7 +4,7 @@ tests), every point is a dictionary lookup that does nothing.
 
 - ``DLOP_TEST_KILL_AT=start|input:N|shard:N|unit:N|index|tidy|tidying``: the compile
   sends itself ``DLOP_TEST_SIGNAL`` (KILL, or e.g. STOP, INT) at that moment
-  (``at``), so the resume tests kill it between any two steps (docs/compile.md).
+  (``fault_at``), so the resume tests kill it between any two steps (docs/compile.md).
 - ``DLOP_TEST_UNIT_DELAY="UNIT:SECONDS,..."``: those units start late (``unit_delay``).
 - ``DLOP_TEST_KILL_WORKER="UNIT:INPUT:MARKER"``: the process running that unit kills
   itself after its INPUT-th input, once: whoever creates the MARKER file first
@@ -23,7 +23,7 @@ UNIT_DELAY = "DLOP_TEST_UNIT_DELAY"
 KILL_WORKER = "DLOP_TEST_KILL_WORKER"
 
 
-def at(moment: str) -> None:
+def fault_at(moment: str) -> None:
     """Signals this process when KILL_AT names this moment."""
     if os.environ.get(KILL_AT) == moment:
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get(SIGNAL, "KILL")))
