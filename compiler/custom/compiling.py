@@ -33,7 +33,6 @@ from dlop.formats.files import loads_bounded
 
 from ..corpus.records import Corpus
 from ..errors import AxisVaries, CompileError
-from ..output.commit import Run
 from ..output.guard import committed_units
 from ..output.journal import JOURNAL, MAX_JOURNAL_BYTES, Journal
 from ..output.store import open_store
@@ -44,6 +43,7 @@ from ..recipe import (
     ON_ERROR_POLICIES,
     parse_size,
 )
+from ..run.driver import Run
 from ..run.items import CorpusShape
 from ..run.pipeline import heap_frozen, run_compile, unit_size
 from ..run.units import sample_digest

@@ -26,7 +26,7 @@ from dlop.formats import urls
 from dlop.formats.extras import needs_extra
 
 from ..errors import CompileError
-from ..output.commit import Run
+from .driver import Run
 from .units import UnitRecord, run_unit, unit_corpus
 
 UNITS_PER_WORKER = 2  # units in flight per worker, besides one more each to start on

@@ -52,11 +52,11 @@ from ..corpus.layouts import open_corpus
 from ..corpus.records import Corpus, Item
 from ..errors import CompileError, CompileWarning
 from ..faults import fault_at
-from ..output.commit import Run, finish_run
 from ..output.guard import SPILL_PREFIX, check_apart, close_inherited_locks
 from ..recipe import Recipe
 from ..urls import is_url
 from . import processes
+from .driver import Run, finish_run
 from .items import CorpusShape, Outcome, schema_for
 from .units import (
     UNIT_INPUTS,

@@ -14,10 +14,10 @@ from unittest.mock import Mock
 import pytest
 
 from dlop.compiler.errors import CompileError
-from dlop.compiler.output import commit
 from dlop.compiler.output.guard import LOCK, OutputLock, committed_units
 from dlop.compiler.output.journal import JOURNAL, MAX_JOURNAL_BYTES, Journal, changed_options
 from dlop.compiler.output.store import open_store
+from dlop.compiler.run import driver
 from dlop.compiler.run.units import UnitRecord, commit_name
 from dlop.formats import ArchiveWriter, ShardInfo, unit_shard_name
 from dlop.tools.compile_cli import main
@@ -427,7 +427,7 @@ def stopped_after_index(corpus: Path, out: Path, monkeypatch: pytest.MonkeyPatch
     """Resumes a stopped compile in OUT up to its index, then stops it before it removes
     the commit records and the journal."""
     with monkeypatch.context() as mp:
-        mp.setattr(commit, "_tidy", Mock(side_effect=KeyboardInterrupt))
+        mp.setattr(driver, "_tidy", Mock(side_effect=KeyboardInterrupt))
         assert main([str(corpus), "-o", str(out), "--resume", *UNITS_OF_ONE]) == 130
     assert (out / "index.json").exists() and (out / JOURNAL).exists() and (out / RECORD0).exists()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlop.compiler.output import commit
+from dlop.compiler.run import driver
 from dlop.formats import ArchiveReader, FormatError, read_index, unit_shard_name
 from dlop.formats.constants import MAX_UNITS
 from dlop.tools.compile_cli import main
@@ -181,7 +181,7 @@ def test_too_many_units_are_refused_before_out_is_touched(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(commit, "MAX_UNITS", 3)  # 8 inputs in units of 2 make 4
+    monkeypatch.setattr(driver, "MAX_UNITS", 3)  # 8 inputs in units of 2 make 4
     out = tmp_path / "out"
     assert main(args(images, out, "--unit-inputs", "2", "--workers", "1")) == 1
     err = capsys.readouterr().err
@@ -294,7 +294,7 @@ def test_archive_limits_stop_the_compile_at_the_first_unit_past_them(
     from dlop.compiler.run.units import commit_name
     from dlop.formats import archive as archive_module
 
-    monkeypatch.setattr(commit, "MAX_SHARDS", 2)
+    monkeypatch.setattr(driver, "MAX_SHARDS", 2)
     monkeypatch.setattr(archive_module, "MAX_SHARDS", 2)
     out = tmp_path / "out"
     # units of 2 inputs, each 1 shard: the third unit's record passes the bound

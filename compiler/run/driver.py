@@ -41,12 +41,20 @@ from ..audio import numerics
 from ..corpus.records import Corpus
 from ..errors import AxisVaries, CompileError
 from ..faults import fault_at
+from ..output.guard import (
+    COMPILE_FILE,
+    LOCK,
+    check_apart,
+    clear_for_resume,
+    committed_units,
+    locked_output,
+)
+from ..output.journal import JOURNAL, Journal
+from ..output.store import LocalStore, Store, open_store
 from ..recipe import Recipe
-from ..run.items import CorpusShape
-from ..run.units import COMMIT_PREFIX, UnitRecord, UnitTask, input_sizes
-from .guard import COMPILE_FILE, LOCK, check_apart, clear_for_resume, committed_units, locked_output
-from .journal import JOURNAL, Journal
-from .store import LocalStore, Store, open_store
+from .items import CorpusShape
+from .units import COMMIT_PREFIX, UnitRecord, UnitTask, input_sizes
+from .work import PresetWork
 
 Engine = Callable[[list[int]], Iterator[UnitRecord]]
 
@@ -88,11 +96,9 @@ class Run:
         return range(start, min(start + self.unit_inputs, len(self.corpus.items)))
 
     def work(self) -> Any:
-        """The run/work.py Work each worker runs."""
+        """The work.py Work each worker runs."""
         if self.custom_work is not None:
             return self.custom_work
-        from ..run.work import PresetWork
-
         return PresetWork(
             self.recipe.to_json(), self.recipe.digest(), self.shape, self.storage_options
         )
