@@ -1,6 +1,7 @@
-"""The output folder of a compile: where OUT may be, its lock, what --overwrite and --resume
-may delete, and the journal an interrupted compile resumes from (with the commit
-records of its finished work units, units.py).
+"""The output folder of a compile: where OUT may be, its lock (a URL OUT has none: the same
+checks without it), what --overwrite and --resume may delete, the journal an interrupted
+compile resumes from (with the commit records of its finished work units, units.py),
+and what goes once the compile ends: tidied up after its index, or discarded.
 
 A compile deletes only names it writes itself (COMPILE_FILE); OUT holding anything
 else makes --overwrite and --resume refuse before anything is deleted.
@@ -13,6 +14,7 @@ import errno
 import fcntl
 import os
 import re
+import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from dlop.formats.constants import (
 from dlop.formats.files import loads_bounded, read_capped
 
 from ..errors import CompileError
+from ..faults import fault_at
 from ..recipe import Recipe
 from ..run.units import COMMIT_PREFIX, UnitRecord, commit_name, parse_record, shards_in_place
 from .journal import JOURNAL, Journal
@@ -292,6 +295,36 @@ def _check_archive_index(path: Path) -> None:
         ) from None
 
 
+# -- a URL OUT -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def remote_output(store: Store, resume: bool, overwrite: bool) -> Iterator[None]:
+    """A URL OUT: the checks a local OUT gets (no lock: object stores have none). Only names
+    a compile writes are ever deleted; anything else under OUT refuses the compile."""
+    names = store.list()
+    foreign = [n for n in names if not COMPILE_FILE.fullmatch(n)]
+    has_index, has_journal = INDEX_NAME in names, JOURNAL in names
+    if resume and not has_journal:  # an index beside a journal: tidying up was left (resume)
+        why = "already a complete archive" if has_index else f"no interrupted compile ({JOURNAL})"
+        raise CompileError(f"{store.url}: {why}; nothing to resume")
+    if foreign:
+        raise CompileError(
+            f"{store.url}: holds {', '.join(foreign[:5])} besides what a compile writes; nothing "
+            "was deleted. Choose an empty prefix, or move them away"
+        )
+    if names and not resume:
+        if not overwrite:
+            raise CompileError(
+                f"{store.url}: already holds an archive or an interrupted compile; --resume it, "
+                "--overwrite it, or choose a new prefix"
+            )
+        store.delete(INDEX_NAME)  # first: a crash never leaves a stale but valid-looking archive
+        for name in names:
+            store.delete(name)
+    yield
+
+
 # -- the journal ---------------------------------------------------------------------
 
 
@@ -334,4 +367,40 @@ def clear_for_resume(
         if name in keep or not COMPILE_FILE.fullmatch(name):
             continue
         if root is None or _written_by_a_compile(root, name):
+            store.delete(name)
+
+
+# -- after the compile ---------------------------------------------------------------
+
+
+def tidy(store: Store) -> None:
+    """After the index: the commit records go, the staging folder, and the journal last."""
+    # listed, not taken from ``committed``: after merge.intact_index, whatever records are left
+    records = [n for n in store.list(COMMIT_PREFIX) if COMPILE_FILE.fullmatch(n)]
+    for n, name in enumerate(records):
+        store.delete(name)
+        if n == 0:
+            fault_at("tidying")
+    if isinstance(store, LocalStore):
+        store.clear_staging()
+    store.delete(JOURNAL)
+
+
+def keep_committed(store: Store) -> None:
+    """After a bad input under --on-error fail once units are committed: they stay, with
+    the journal (a resume, or an --overwrite, is the user's call); only staging goes."""
+    if isinstance(store, LocalStore):
+        store.clear_staging()
+
+
+def discard(store: Store, created_dir: bool) -> None:
+    """After a bad input under --on-error fail: removes everything this compile wrote."""
+    store.delete(JOURNAL)  # first: a unit task still running publishes nothing more
+    if isinstance(store, LocalStore):
+        store.clear_staging()
+        if created_dir:
+            shutil.rmtree(store.root, ignore_errors=True)
+            return
+    for name in store.list():
+        if name != LOCK and COMPILE_FILE.fullmatch(name):
             store.delete(name)

@@ -1,5 +1,7 @@
-"""The client side of a compile: take OUT, journal, run the pending units on an engine,
-merge their commit records in unit order into errors.jsonl and index.json, tidy up.
+"""A compile's run, from taking OUT to its index: the Run (what it compiles, where to, how
+its inputs are cut into units, its progress) and finish_run, the client side: take OUT
+(output.guard), journal, run the pending units on an engine, have their commit records
+merged in unit order into errors.jsonl and index.json (output.merge), tidy up.
 
 An engine is a function of the pending units' numbers that yields each unit's
 commit record once the unit is published (in any order); pipeline.py has the
@@ -10,31 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from dlop.formats import (
-    ERRORS_NAME,
-    INDEX_NAME,
-    Field,
-    FormatError,
-    Index,
-    UnitTable,
-    encode_index,
-    num_units,
-    parse_index,
-)
-from dlop.formats.archive import now_utc
-from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_ERRORS_RECORDS, MAX_SHARDS, MAX_UNITS
-from dlop.formats.files import loads_bounded
-from dlop.formats.redact import redact
-from dlop.formats.skipped import encode_record
+from dlop.formats import Field, Index, num_units
+from dlop.formats.constants import MAX_UNITS
 from dlop.formats.units import MAX_COUNT
 
 from ..audio import numerics
@@ -42,18 +28,21 @@ from ..corpus.records import Corpus
 from ..errors import AxisVaries, CompileError
 from ..faults import fault_at
 from ..output.guard import (
-    COMPILE_FILE,
-    LOCK,
     check_apart,
     clear_for_resume,
     committed_units,
+    discard,
+    keep_committed,
     locked_output,
+    remote_output,
+    tidy,
 )
-from ..output.journal import JOURNAL, Journal
+from ..output.journal import Journal
+from ..output.merge import IndexPlan, Totals, finished_index, intact_index, write_archive
 from ..output.store import LocalStore, Store, open_store
 from ..recipe import Recipe
 from .items import CorpusShape
-from .units import COMMIT_PREFIX, UnitRecord, UnitTask, input_sizes
+from .units import UnitRecord, UnitTask, input_sizes
 from .work import PresetWork
 
 Engine = Callable[[list[int]], Iterator[UnitRecord]]
@@ -117,6 +106,11 @@ class Run:
             self.work(),
         )
 
+    def index_plan(self) -> IndexPlan:
+        """What the index holds besides the units' records, by the unit size as it is now
+        (a resume takes the journal's)."""
+        return IndexPlan(self.recipe, self.corpus, self.fields, self.unit_inputs)
+
     def advance(self, inputs: int) -> None:
         """Counts inputs done (for the progress bar and ``on_progress``)."""
         self.consumed += inputs
@@ -145,7 +139,7 @@ def finish_run(run: Run, engine: Engine, *, resume: bool, overwrite: bool) -> In
     remote = is_url(run.out)
     with _full_disk_named(run.out, remote):
         if remote:
-            with _remote_output(run.store(), resume, overwrite):
+            with remote_output(run.store(), resume, overwrite):
                 return _run_units(run, engine, journal, resume, created_dir=False)
         out = Path(run.out)
         check_apart(out, run.recipe)
@@ -178,7 +172,7 @@ def _run_units(
     if resume:
         committed, finished = _take_over(run, store, journal)
         if finished is not None:  # stopped after its index: only the tidying up was left
-            _tidy(run, store)
+            tidy(store)
             return finished
     # a URL OUT, unlocked: its journal names the compile running now (Journal.check_run)
     remote = not isinstance(store, LocalStore)
@@ -197,12 +191,12 @@ def _run_units(
         for n, record in enumerate(records, 1):
             if record.failure is not None:
                 if record.widen is not None:  # compiled again from the start, the axis ragged
-                    _discard(store, created_dir)
+                    discard(store, created_dir)
                     raise AxisVaries(record.failure, *record.widen)
                 if not committed:  # nothing finished: nothing of this compile is left
-                    _discard(store, created_dir)
+                    discard(store, created_dir)
                     raise CompileError(record.failure)
-                _keep_committed(store)
+                keep_committed(store)
                 raise CompileError(
                     f"{record.failure}; the {len(committed)} units committed before it stay in "
                     f"{store.url} (nothing finished is thrown away): fix the input or the code, "
@@ -222,7 +216,7 @@ def _run_units(
             fault_at(f"unit:{n}")
         if remote:
             journal.check_run(store)
-        index = _write_archive(run, store, committed)
+        index = write_archive(run.index_plan(), store, committed)
     except BaseException as e:
         if run._bar is not None:  # closed first: the bar's last frame would cover the message
             run._bar.close()
@@ -240,45 +234,8 @@ def _run_units(
         if run._bar is not None:
             run._bar.close()
     fault_at("tidy")
-    _tidy(run, store)
+    tidy(store)
     return index
-
-
-@dataclass
-class Totals:
-    """The archive-wide counts of the records merged so far, held to the bounds of SPEC.md §8
-    as each record arrives: a compile stops at the first unit past one, not after its last."""
-
-    shards: int = 0
-    skipped: int = 0
-    errors_bytes: int = 0  # errors.jsonl
-
-    def add(self, record: UnitRecord) -> None:
-        self.shards += len(record.shards)
-        self.skipped += len(record.skipped)
-        self.errors_bytes += sum(len(encode_record(s, 0)) for s in record.skipped)
-        where = f"{self.shards} shards after unit {record.unit}"
-        if self.shards > MAX_SHARDS:
-            self._stop(f"{where}; an archive holds at most {MAX_SHARDS}", "a larger --shard-bytes")
-        if self.skipped > MAX_ERRORS_RECORDS:
-            self._stop(
-                f"{self.skipped} skipped inputs after unit {record.unit}; errors.jsonl holds at "
-                f"most {MAX_ERRORS_RECORDS}",
-                "the corpus and the decoders checked",
-            )
-        if self.errors_bytes > MAX_ERRORS_BYTES:
-            self._stop(
-                f"errors.jsonl would be {self.errors_bytes} bytes after unit {record.unit}; it "
-                f"holds at most {MAX_ERRORS_BYTES}",
-                "the corpus and the decoders checked",
-            )
-
-    @staticmethod
-    def _stop(problem: str, remedy: str) -> NoReturn:
-        raise CompileError(
-            f"{problem} (SPEC.md §8), so no index could list them; stopped here. Compile again "
-            f"with {remedy} (--overwrite)"
-        )
 
 
 def check_unit_count(run: Run) -> None:
@@ -317,148 +274,13 @@ def _take_over(
             if r.input_sizes
             == input_sizes(run.corpus, items[r.first_input : r.first_input + r.num_inputs])
         }
-    finished = _finished_index(run, store, committed)
+    finished = finished_index(run.index_plan(), store, committed)
     if finished is None and len(committed) < run.num_units:
-        finished = _intact_index(run, store, committed)
-        if finished is not None:  # stopped while deleting the records: _tidy deletes the rest
+        finished = intact_index(run.index_plan(), store, committed)
+        if finished is not None:  # stopped while deleting the records: tidy deletes the rest
             return committed, finished
     clear_for_resume(store, committed, keep_archive=finished is not None)
     return committed, finished
-
-
-def _intact_index(run: Run, store: Store, committed: dict[int, UnitRecord]) -> Index | None:
-    """The index in OUT when it reads cleanly as this compile's archive (same recipe, corpus
-    and units), agrees with the commit records left, and every shard it lists, and
-    errors.jsonl when it counts skipped inputs, is in OUT at its size: a compile stopped
-    while _tidy deleted the commit records."""
-    data = store.read(INDEX_NAME)
-    if data is None:
-        return None
-    try:
-        index = parse_index(f"{run.out}/{INDEX_NAME}", data)  # the format's bounds and checks
-    except FormatError:
-        return None
-    source = index.provenance.get("source")
-    units = index.units
-    if (
-        index.recipe != run.recipe.to_json()
-        or not isinstance(source, dict)
-        or source.get("fingerprint") != run.corpus.fingerprint
-        or units is None
-        or (units.unit_inputs, units.num_inputs) != (run.unit_inputs, len(run.corpus.items))
-    ):
-        return None
-    first = list(itertools.accumulate(units.shards, initial=0))
-    for u, r in committed.items():
-        if index.shards[first[u] : first[u + 1]] != r.shards or units.skipped[u] != len(r.skipped):
-            return None
-    listed = store.sizes()  # one listing: no request per shard for a URL OUT
-    if index.skipped_count and ERRORS_NAME not in listed:
-        return None
-    if any(listed.get(s.file) != s.bytes for s in index.shards):
-        return None
-    return index
-
-
-def _finished_index(run: Run, store: Store, committed: dict[int, UnitRecord]) -> Index | None:
-    """The index in OUT when it is, byte for byte, the one these records make (with its
-    own creation time), with the errors.jsonl they make beside it; else None."""
-    data = store.read(INDEX_NAME) if len(committed) == run.num_units else None
-    if data is None:
-        return None
-    try:
-        provenance = loads_bounded(INDEX_NAME, data, "index").get("provenance")
-        created = provenance.get("created")
-    except (FormatError, AttributeError):
-        return None
-    if not isinstance(created, str):
-        return None
-    index, errors = _merged(run, committed, created)
-    if encode_index(index, INDEX_NAME) != data or store.read(ERRORS_NAME) != errors:
-        return None
-    return index
-
-
-def _write_archive(run: Run, store: Store, committed: dict[int, UnitRecord]) -> Index:
-    """errors.jsonl, then index.json last, both merged from the records in unit order."""
-    index, errors = _merged(run, committed, now_utc())
-    if errors is not None:
-        store.write(ERRORS_NAME, errors)
-    fault_at("index")
-    store.write(INDEX_NAME, encode_index(index, f"{store.url}/{INDEX_NAME}"))
-    return index
-
-
-def _merged(run: Run, committed: dict[int, UnitRecord], created: str) -> tuple[Index, bytes | None]:
-    """The index and the errors.jsonl bytes (None when nothing was skipped) that the
-    records make, merged in unit order."""
-    records = [committed[u] for u in range(run.num_units)]
-    shards = tuple(s for r in records for s in r.shards)
-    skipped = [s for r in records for s in r.skipped]
-    errors = b"".join(encode_record(s, k) for k, s in enumerate(skipped)) if skipped else None
-    from dlop import __version__
-
-    corpus = run.corpus
-    source = {
-        "layout": corpus.layout,
-        "path": redact(corpus.root),  # never a URL's credentials
-        "num_inputs": len(corpus.items),
-        "fingerprint": corpus.fingerprint,
-    }
-    index = Index(
-        run.fields,
-        shards,
-        sum(s.num_samples for s in shards),
-        run.recipe.to_json(),
-        {
-            "dlop_version": __version__,
-            "created": created,
-            "source": source,
-            "numerics": numerics.target(),
-        },
-        len(skipped),
-        {**corpus.metadata, "feature_field": run.recipe.feature_name},
-        UnitTable(
-            run.unit_inputs,
-            len(corpus.items),
-            tuple(len(r.shards) for r in records),
-            tuple(len(r.skipped) for r in records),
-        ),
-    )
-    return index, errors
-
-
-def _tidy(run: Run, store: Store) -> None:
-    """After the index: the commit records go, the staging folder, and the journal last."""
-    # listed, not taken from ``committed``: after _intact_index, whatever records are left
-    records = [n for n in store.list(COMMIT_PREFIX) if COMPILE_FILE.fullmatch(n)]
-    for n, name in enumerate(records):
-        store.delete(name)
-        if n == 0:
-            fault_at("tidying")
-    if isinstance(store, LocalStore):
-        store.clear_staging()
-    store.delete(JOURNAL)
-
-
-def _keep_committed(store: Store) -> None:
-    """After a bad input under --on-error fail once units are committed: they stay, with
-    the journal (a resume, or an --overwrite, is the user's call); only staging goes."""
-    if isinstance(store, LocalStore):
-        store.clear_staging()
-
-
-def _discard(store: Store, created_dir: bool) -> None:
-    """After a bad input under --on-error fail: removes everything this compile wrote."""
-    store.delete(JOURNAL)  # first: a unit task still running publishes nothing more
-    if isinstance(store, LocalStore):
-        store.clear_staging()
-        if created_dir:
-            shutil.rmtree(store.root, ignore_errors=True)
-            return
-    for name in store.list():
-        if name != LOCK and COMPILE_FILE.fullmatch(name):
-            store.delete(name)
 
 
 def _resumable(e: BaseException) -> bool:
@@ -467,33 +289,6 @@ def _resumable(e: BaseException) -> bool:
     if isinstance(e, OSError):
         return e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS)
     return isinstance(e, KeyboardInterrupt)
-
-
-@contextlib.contextmanager
-def _remote_output(store: Store, resume: bool, overwrite: bool) -> Iterator[None]:
-    """A URL OUT: the checks a local OUT gets (no lock: object stores have none). Only names
-    a compile writes are ever deleted; anything else under OUT refuses the compile."""
-    names = store.list()
-    foreign = [n for n in names if not COMPILE_FILE.fullmatch(n)]
-    has_index, has_journal = INDEX_NAME in names, JOURNAL in names
-    if resume and not has_journal:  # an index beside a journal: tidying up was left (resume)
-        why = "already a complete archive" if has_index else f"no interrupted compile ({JOURNAL})"
-        raise CompileError(f"{store.url}: {why}; nothing to resume")
-    if foreign:
-        raise CompileError(
-            f"{store.url}: holds {', '.join(foreign[:5])} besides what a compile writes; nothing "
-            "was deleted. Choose an empty prefix, or move them away"
-        )
-    if names and not resume:
-        if not overwrite:
-            raise CompileError(
-                f"{store.url}: already holds an archive or an interrupted compile; --resume it, "
-                "--overwrite it, or choose a new prefix"
-            )
-        store.delete(INDEX_NAME)  # first: a crash never leaves a stale but valid-looking archive
-        for name in names:
-            store.delete(name)
-    yield
 
 
 LOG_EVERY_S = 30.0  # a progress line this often when stderr is not a terminal

@@ -427,7 +427,7 @@ def stopped_after_index(corpus: Path, out: Path, monkeypatch: pytest.MonkeyPatch
     """Resumes a stopped compile in OUT up to its index, then stops it before it removes
     the commit records and the journal."""
     with monkeypatch.context() as mp:
-        mp.setattr(driver, "_tidy", Mock(side_effect=KeyboardInterrupt))
+        mp.setattr(driver, "tidy", Mock(side_effect=KeyboardInterrupt))
         assert main([str(corpus), "-o", str(out), "--resume", *UNITS_OF_ONE]) == 130
     assert (out / "index.json").exists() and (out / JOURNAL).exists() and (out / RECORD0).exists()
 

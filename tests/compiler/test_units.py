@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dlop.compiler.output import merge
 from dlop.compiler.run import driver
 from dlop.formats import ArchiveReader, FormatError, read_index, unit_shard_name
 from dlop.formats.constants import MAX_UNITS
@@ -294,7 +295,7 @@ def test_archive_limits_stop_the_compile_at_the_first_unit_past_them(
     from dlop.compiler.run.units import commit_name
     from dlop.formats import archive as archive_module
 
-    monkeypatch.setattr(driver, "MAX_SHARDS", 2)
+    monkeypatch.setattr(merge, "MAX_SHARDS", 2)
     monkeypatch.setattr(archive_module, "MAX_SHARDS", 2)
     out = tmp_path / "out"
     # units of 2 inputs, each 1 shard: the third unit's record passes the bound
