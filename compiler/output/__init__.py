@@ -1,1 +1,1 @@
-"""Where a compile writes: the guarded output folder, its journal, commits and store."""
+"""Where a compile writes: OUT guarded, its journal, units' commit records, index and store."""

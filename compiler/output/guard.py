@@ -1,6 +1,6 @@
 """The output folder of a compile: where OUT may be, its lock (a URL OUT has none: the same
 checks without it), what --overwrite and --resume may delete, the journal an interrupted
-compile resumes from (with the commit records of its finished work units, units.py),
+compile resumes from (with the commit records of its finished work units, commit.py),
 and what goes once the compile ends: tidied up after its index, or discarded.
 
 A compile deletes only names it writes itself (COMPILE_FILE); OUT holding anything
@@ -30,7 +30,7 @@ from dlop.formats.files import loads_bounded, read_capped
 from ..errors import CompileError
 from ..faults import fault_at
 from ..recipe import Recipe
-from ..run.units import COMMIT_PREFIX, UnitRecord, commit_name, parse_record, shards_in_place
+from .commit import COMMIT_PREFIX, UnitRecord, commit_name, parse_record, shards_in_place
 from .journal import JOURNAL, Journal
 from .store import STAGING, LocalStore, Store
 

@@ -31,7 +31,7 @@ from ..corpus.records import Corpus
 from ..errors import CompileError
 from ..faults import fault_at
 from ..recipe import Recipe
-from ..run.units import UnitRecord
+from .commit import UnitRecord
 from .store import Store
 
 

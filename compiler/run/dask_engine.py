@@ -26,8 +26,9 @@ from dlop.formats import urls
 from dlop.formats.extras import needs_extra
 
 from ..errors import CompileError
+from ..output.commit import UnitRecord
 from .driver import Run
-from .units import UnitRecord, run_unit, unit_corpus
+from .units import run_unit, unit_corpus
 
 UNITS_PER_WORKER = 2  # units in flight per worker, besides one more each to start on
 

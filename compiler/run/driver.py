@@ -27,6 +27,7 @@ from ..audio import numerics
 from ..corpus.records import Corpus
 from ..errors import AxisVaries, CompileError
 from ..faults import fault_at
+from ..output.commit import UnitRecord
 from ..output.guard import (
     check_apart,
     clear_for_resume,
@@ -42,7 +43,7 @@ from ..output.merge import IndexPlan, Totals, finished_index, intact_index, writ
 from ..output.store import LocalStore, Store, open_store
 from ..recipe import Recipe
 from .items import CorpusShape
-from .units import UnitRecord, UnitTask, input_sizes
+from .units import UnitTask, input_sizes
 from .work import PresetWork
 
 Engine = Callable[[list[int]], Iterator[UnitRecord]]

@@ -52,6 +52,7 @@ from ..corpus.layouts import open_corpus
 from ..corpus.records import Corpus, Item
 from ..errors import CompileError, CompileWarning
 from ..faults import fault_at
+from ..output.commit import UnitRecord
 from ..output.guard import SPILL_PREFIX, check_apart, close_inherited_locks
 from ..recipe import Recipe
 from ..urls import is_url
@@ -60,7 +61,6 @@ from .driver import Run, finish_run
 from .items import CorpusShape, Outcome, schema_for
 from .units import (
     UNIT_INPUTS,
-    UnitRecord,
     UnitWriter,
     by_value,
     chunked,

@@ -30,9 +30,9 @@ from dlop.compiler.audio.features import (
 )
 from dlop.compiler.audio.options import PRESETS, FeatureConfig, feature_config
 from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
+from dlop.compiler.output.commit import COMMIT_PREFIX
 from dlop.compiler.output.journal import JOURNAL
 from dlop.compiler.run import items, pipeline
-from dlop.compiler.run.units import COMMIT_PREFIX
 from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_row, write_audio, write_esc50_csv

@@ -14,11 +14,11 @@ from unittest.mock import Mock
 import pytest
 
 from dlop.compiler.errors import CompileError
+from dlop.compiler.output.commit import UnitRecord, commit_name
 from dlop.compiler.output.guard import LOCK, OutputLock, committed_units
 from dlop.compiler.output.journal import JOURNAL, MAX_JOURNAL_BYTES, Journal, changed_options
 from dlop.compiler.output.store import open_store
 from dlop.compiler.run import driver
-from dlop.compiler.run.units import UnitRecord, commit_name
 from dlop.formats import ArchiveWriter, ShardInfo, unit_shard_name
 from dlop.tools.compile_cli import main
 

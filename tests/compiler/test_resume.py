@@ -26,9 +26,9 @@ import pytest
 
 from dlop.compiler.faults import KILL_AT as TEST_KILL_AT
 from dlop.compiler.faults import SIGNAL as TEST_SIGNAL
+from dlop.compiler.output.commit import COMMIT_PREFIX
 from dlop.compiler.output.guard import LOCK
 from dlop.compiler.output.journal import JOURNAL
-from dlop.compiler.run.units import COMMIT_PREFIX
 from dlop.formats import ArchiveReader, ArchiveWriter, Field
 from dlop.tools.compile_cli import main
 

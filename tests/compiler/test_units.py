@@ -256,10 +256,11 @@ def test_a_unit_publishes_nothing_once_out_is_not_its_compiles(
     """A Dask task may outlive its client: once OUT's journal names another run (or is gone),
     its shards and record stay out of OUT."""
     from dlop.compiler.errors import CompileError
+    from dlop.compiler.output.commit import commit_name
     from dlop.compiler.output.journal import JOURNAL, Journal
     from dlop.compiler.output.store import LocalStore
     from dlop.compiler.run.items import CorpusShape
-    from dlop.compiler.run.units import UnitTask, UnitWriter, commit_name
+    from dlop.compiler.run.units import UnitTask, UnitWriter
     from dlop.formats import Field
 
     store = LocalStore(tmp_path)
@@ -292,7 +293,7 @@ def test_archive_limits_stop_the_compile_at_the_first_unit_past_them(
 ) -> None:
     """As if the archive's 2^17 shards were 2: the compile stops at the unit that passes the
     bound, not after the last unit."""
-    from dlop.compiler.run.units import commit_name
+    from dlop.compiler.output.commit import commit_name
     from dlop.formats import archive as archive_module
 
     monkeypatch.setattr(merge, "MAX_SHARDS", 2)
