@@ -206,3 +206,48 @@ def test_the_circle_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None
     graph = import_graph(tmp_path)
     assert graph["dlop.runtime.b"] == {"dlop.runtime", "dlop.runtime.c"}
     assert circles(graph) == [["dlop.runtime.a", "dlop.runtime.b", "dlop.runtime.c"]]
+
+
+# -- flows run one way ---------------------------------------------------------------
+
+# (lower, upper): no module of the lower package imports one of the upper, at the top,
+# lazily or for typing alike (STYLE.md, "Flows run one way"). A compile's run
+# (compiler/run) drives what it writes and how (compiler/output), which never reaches
+# back up into the run.
+ONE_WAY = (("dlop.compiler.output", "dlop.compiler.run"),)
+
+
+def _inside(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def reaches_back(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of ``graph`` that go against ONE_WAY, as 'module imports name'."""
+    return sorted(
+        f"{module} imports {name}"
+        for lower, upper in ONE_WAY
+        for module, names in graph.items()
+        if _inside(module, lower)
+        for name in names
+        if _inside(name, upper)
+    )
+
+
+def test_a_compile_s_output_never_imports_its_run() -> None:
+    assert reaches_back(import_graph(ROOT)) == []
+
+
+def test_the_one_way_check_catches_a_planted_import(tmp_path: Path) -> None:
+    for package in (*TOP_LEVEL, "compiler/output", "compiler/run"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "compiler" / "run" / "units.py").write_text("from ..output.store import put\n")
+    (tmp_path / "compiler" / "output" / "store.py").write_text("def put():\n    pass\n")
+    (tmp_path / "compiler" / "output" / "guard.py").write_text(
+        "def f():\n    from ..run.units import x\n"
+    )
+    (tmp_path / "compiler" / "output" / "merge.py").write_text("import dlop.compiler.run\n")
+    assert reaches_back(import_graph(tmp_path)) == [
+        "dlop.compiler.output.guard imports dlop.compiler.run.units",
+        "dlop.compiler.output.merge imports dlop.compiler.run",
+    ]
