@@ -65,8 +65,27 @@ def _linux() -> bool:
     return sys.platform.startswith("linux")
 
 
+def mkl_on_another_path() -> bool:
+    """Whether MKL already ran in this process on another code path than the COMPATIBLE
+    one a compile needs (a torch matrix product before the featurizers were imported): a
+    forked worker would inherit it and refuse to featurize (numerics.require), so workers
+    start from the fork server instead, whose processes take the COMPATIBLE path as they
+    import."""
+    if "torch" not in sys.modules:  # nothing has run MKL; and torch is not loaded for this
+        return False
+    from ..audio import numerics
+
+    numerics.prefer()  # where MKL has not run yet, it takes the COMPATIBLE path now
+    return numerics.mkl_mode() not in (None, "COMPATIBLE")
+
+
 def _forks() -> bool:
-    return _linux() and threading.active_count() == 1 and not cuda_in_use()
+    return (
+        _linux()
+        and threading.active_count() == 1
+        and not cuda_in_use()
+        and not mkl_on_another_path()
+    )
 
 
 def _forkserver() -> multiprocessing.context.BaseContext:
@@ -78,7 +97,8 @@ def _forkserver() -> multiprocessing.context.BaseContext:
 def worker_context() -> multiprocessing.context.BaseContext:
     """fork when this process runs a single thread (workers start at once, torch
     already imported); otherwise forkserver, since forking a threaded process can
-    copy a lock that another thread holds. Workers use no CUDA either way."""
+    copy a lock that another thread holds. Workers use no CUDA either way, and
+    forkserver too where this process's MKL is past choosing its code path."""
     return multiprocessing.get_context("fork") if _forks() else _forkserver()
 
 

@@ -85,6 +85,7 @@ def test_which_compiles_start_a_server(
     pytest.importorskip("s3fs")
     monkeypatch.setattr(threading, "active_count", lambda: threads)
     monkeypatch.setattr(processes, "cuda_in_use", lambda: False)
+    monkeypatch.setattr(processes, "mkl_on_another_path", lambda: False)
     calls: list[None] = []  # the decision alone: the tests around start a real server
     monkeypatch.setattr(multiprocessing.forkserver, "ensure_running", lambda: calls.append(None))
     assert processes.start_fork_server(source, workers, dask) is started
@@ -143,3 +144,35 @@ def test_a_handler_set_outside_python_is_left_alone(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(signal, "signal", lambda number, handler: set_to.append(handler))
     assert processes.start_fork_server("/data/esc", 2, None)
     assert set_to == []
+
+
+@pytest.mark.parametrize(("mode", "method"), [("COMPATIBLE", "fork"), ("AVX2", "forkserver")])
+def test_workers_fork_only_where_they_can_take_mkl_s_path(
+    monkeypatch: pytest.MonkeyPatch, mode: str, method: str
+) -> None:
+    from dlop.compiler.audio import numerics
+
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    monkeypatch.setattr(processes, "cuda_in_use", lambda: False)
+    monkeypatch.setattr(numerics, "prefer", lambda: None)
+    monkeypatch.setattr(numerics, "mkl_mode", lambda: mode)
+    assert processes.worker_context().get_start_method() == method
+
+
+def test_a_script_that_ran_mkl_first_still_compiles_on_workers(tmp_path: Path) -> None:
+    """A matrix product before the compile leaves this process's MKL on its default path,
+    which a forked worker would inherit and refuse; workers start fresh instead."""
+    corpus = esc50_corpus(tmp_path / "esc", [("wav", 16000, 1)] * 3, seconds=0.3)
+    script = f"""
+import torch
+torch.randn(64, 64) @ torch.randn(64, 64)
+from dlop.compiler import build_recipe, compile_corpus
+recipe = build_recipe({{"source": {str(corpus)!r}, "duration": 0.3}})
+index = compile_corpus(recipe, {str(tmp_path / "out")!r}, workers=2, progress=False)
+print(index.num_samples)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "3"
