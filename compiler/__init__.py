@@ -2,22 +2,40 @@
 
 ``corpus`` lists a SOURCE by its layout into inputs; ``audio`` and ``vision`` decode
 and featurize them; ``run`` processes them in work units on local processes or Dask
-(``run.pipeline.compile_corpus`` is the entry point); ``output`` guards OUT and
-commits what the units write. ``recipe`` holds the options, ``urls`` the storage a
-compile reads and writes through, ``errors`` the compiler's errors. ``custom`` compiles
-a user's own Dataset or function (``compile_dataset``, ``compile_map``, importable from
-here).
+and drives the compile from taking OUT to its index; ``output`` is what a compile
+writes and how (OUT's guard, the journal, the units' commit records, the index merged
+from them), below the run and never importing it. ``recipe`` holds the options,
+``urls`` the storage a compile reads and writes through, ``errors`` the compiler's
+errors. ``custom`` compiles a user's own Dataset or function.
+
+Importable from here: ``compile_corpus``, the preset compile (``dlop-compile SOURCE``)
+of a ``Recipe`` that ``build_recipe`` makes from a recipe file's options; and
+``compile_dataset`` and ``compile_map``.
 """
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["compile_dataset", "compile_map"]
+if TYPE_CHECKING:  # the names below, for type checkers; at run time imported on first use
+    from .custom import compile_dataset, compile_map
+    from .recipe import Recipe, build_recipe
+    from .run.pipeline import compile_corpus
+
+__all__ = ["Recipe", "build_recipe", "compile_corpus", "compile_dataset", "compile_map"]
+
+# the module each name comes from
+_HOMES = {
+    "Recipe": ".recipe",
+    "build_recipe": ".recipe",
+    "compile_corpus": ".run.pipeline",
+    "compile_dataset": ".custom",
+    "compile_map": ".custom",
+}
 
 
 def __getattr__(name: str) -> Any:
     # imported on first use: `import dlop.compiler` stays light (no torch)
-    if name in __all__:
-        from . import custom
-
-        return getattr(custom, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home, __name__), name)

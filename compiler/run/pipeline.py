@@ -1,6 +1,7 @@
-"""The compile driver: inputs cut into work units (units.py), each unit's inputs ->
-worker processes (decode, resample, featurize) -> the unit's own shards -> its
-commit record; once every unit is committed, the index lists them in unit order.
+"""The preset compile (compile_corpus) and its local engine: inputs cut into work units
+(units.py), each unit's inputs -> worker processes (decode, resample, featurize) -> the
+unit's own shards -> its commit record; once every unit is committed, the index lists
+them in unit order (driver.py runs a compile on its engine, from taking OUT to its index).
 
 Engines: the local one runs units one after another, in unit order, spreading
 each unit's featurizing over a process pool; the Dask one (dask_engine.py) runs
@@ -11,8 +12,8 @@ and errors.jsonl are merged in unit order; so the archive's bytes depend only on
 the corpus, the recipe and the unit size, never on the engine, the worker count,
 the order units finish in, or where a resumed compile picked up.
 
-Output safety (output.py): a local OUT lies apart from the corpus and is locked for
-the whole compile. The journal exists from the moment OUT is taken; a unit
+Output safety (output/guard.py): a local OUT lies apart from the corpus and is locked
+for the whole compile. The journal exists from the moment OUT is taken; a unit
 counts once its commit record is published after its shards, so --resume redoes
 exactly the units without one.
 """
@@ -211,10 +212,18 @@ def compile_corpus(
     dask: str | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> Index:
-    """Compiles recipe.source into an archive at ``out``; returns its index.
+    """Compiles ``recipe.source`` into an archive at ``out`` (a folder, or a URL prefix);
+    returns its index. What ``dlop-compile SOURCE -o OUT`` runs: ``recipe`` is
+    build_recipe of the options a recipe file holds, and each keyword is the command's
+    option of that name (docs/compile.md).
 
-    ``unit_inputs``: inputs per work unit (default by media, UNIT_INPUTS). ``dask``: a scheduler address, or ``local:N`` for a LocalCluster of N
-    worker processes; None runs ``workers`` local processes.
+    ``workers``: local worker processes (None: one per core). ``dask``: a scheduler
+    address, or ``local:N`` for a LocalCluster of N worker processes, instead of local
+    workers. ``unit_inputs``: inputs per work unit (None: by media, UNIT_INPUTS).
+    ``resume`` finishes an interrupted compile in ``out``; ``overwrite`` replaces the
+    archive or interrupted compile there. ``progress``: a bar on stderr (a line every
+    30 s where stderr is not a terminal); ``on_progress`` is called with the number of
+    inputs done so far. ``storage_options``: fsspec options for a URL SOURCE or OUT.
     """
     if is_url(out):  # before the listing: a refused OUT costs no listing of the corpus
         check_apart(os.fspath(out), recipe)
