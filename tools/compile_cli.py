@@ -334,7 +334,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # Where workers will come from a fork server, it imports while this process does.
     start_fork_server(recipe.source, workers, args.dask)
     # torch and the media libraries load here, not at start-up: --help stays instant
-    from dlop.compiler.run.pipeline import compile_corpus
+    from dlop.compiler import compile_corpus
 
     started = time.perf_counter()
     index = compile_corpus(
