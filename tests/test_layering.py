@@ -211,7 +211,7 @@ def test_the_circle_check_sees_lazy_and_relative_imports(tmp_path: Path) -> None
 # -- flows run one way ---------------------------------------------------------------
 
 # (lower, upper): no module of the lower package imports one of the upper, at the top,
-# lazily or for typing alike (STYLE.md, "Flows run one way"). A compile's run
+# lazily or for typing alike: flows run one way. A compile's run
 # (compiler/run) drives what it writes and how (compiler/output), which never reaches
 # back up into the run.
 ONE_WAY = (("dlop.compiler.output", "dlop.compiler.run"),)

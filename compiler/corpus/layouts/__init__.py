@@ -1,4 +1,4 @@
-"""The corpus layouts (REFERENCE §5): one module per layout, found here and asked in one place.
+"""The corpus layouts (docs/compile.md, Layouts): one module per layout, found here and asked in one place.
 
 A layout module defines::
 
