@@ -63,6 +63,7 @@ from dlop.formats.storage import (
 from dlop.formats.transcode import header_span, needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import FetchFailed, LoaderError, ShardChangedError, UsageError, kept
+from .ahead import FetchAhead
 from .cache import Arriving, CacheDir, Held, close_quietly, locked, write_at
 from .cache_folder import BUDGET_LOCK
 from .pool import DaemonPool
@@ -181,10 +182,7 @@ class RemoteSource(ShardSource):
         self.wanted = self.cache.wanted_stamp()
         self.next_generation()
         self.pool: DaemonPool | None = None
-        self.upcoming: list[int] = []  # shards later batches read first, in order
-        self.ahead_job: Future[None] | None = None
-        self.ahead_pool: DaemonPool | None = None
-        self.ahead_skipped: set[int] = set()  # no room, or fetched elsewhere: try at the next ask
+        self.fetch_ahead = FetchAhead(self, self.ahead_shards)
         self.ahead_errors: dict[int, Exception] = {}  # failed fetches, attempts spent
         self.streams: dict[int, Incoming] = {}  # raw shards arriving part by part
         self.fronting: dict[int, threading.Event] = {}  # set once the front is in or failed
@@ -280,63 +278,13 @@ class RemoteSource(ShardSource):
         return gone
 
     def ahead(self, shards: Sequence[int] | np.ndarray) -> None:
-        """Shards later batches read first, in the order they do (none asked for yet):
-        the first ``ahead_shards`` are fetched into the cache in the background."""
+        """Shards later batches read first (runtime.storage.ahead fetches them)."""
         self.mine()
-        upcoming = [int(k) for k in shards[: self.ahead_shards]]
-        with self.lock:
-            self.upcoming = upcoming
-            self.ahead_skipped.clear()
-            mapped = all(k in self.open for k in upcoming)  # a warm epoch: nothing to fetch
-            if not mapped and (self.ahead_job is None or self.ahead_job.done()):
-                if self.ahead_pool is None:
-                    self.ahead_pool = DaemonPool(1, "dlop-ahead")
-                self.ahead_job = self.ahead_pool.submit(self.fetch_ahead)
+        self.fetch_ahead.hear(shards)
 
-    def next_ahead(self) -> int | None:
-        """The first upcoming shard not cached yet whose fetch keeps what batches hold
-        plus the shards before it within the budget; loose shards not upcoming are let
-        go of, oldest first, to make that room (called under the lock)."""
-        held = self.asked + sum(1 for k in self.pending if self.refs[k] == 0)
-        fit = self.cache.max_bytes // max(1, self.sizes.largest)
-        for i, k in enumerate(self.upcoming):
-            if held + i + 1 > fit:
-                return None
-            if k in self.open or k in self.pending or k in self.ahead_skipped or k in self.streams:
-                continue
-            if k in self.ahead_errors:
-                continue
-            if not (self.folder / self.index.shards[k].file).exists():
-                soon = set(self.upcoming[: i + 1])
-                spare = [j for j in self.loose if j not in soon]
-                while spare and held + i + 1 + len(self.loose) > fit:
-                    self.drop(spare.pop(0))
-                return k
-        return None
-
-    def fetch_ahead(self) -> None:
-        """Fetches upcoming shards into the cache, one at a time, until none is left that
-        fits (runs on the ahead thread)."""
-        while True:
-            with self.lock:
-                k = self.next_ahead()
-            if k is None:
-                return
-            info = self.index.shards[k]
-            path = self.folder / info.file
-            what = f"{self.url}: shard {k} ({info.file})"
-            try:
-                if self.streams_shard(k):
-                    done = self.stream(k, keep=False) is not None
-                else:
-                    fetch = functools.partial(self.fetch, k, what)
-                    done = self.cache.prefetch(path, self.sizes.size(k), fetch, self.to_raw(path))
-            except Exception as e:
-                self.note_failure(k, e)
-                continue
-            if not done:
-                with self.lock:
-                    self.ahead_skipped.add(k)
+    def arriving(self, k: int) -> bool:
+        """Whether shard ``k`` is arriving part by part here (under the lock)."""
+        return k in self.streams
 
     def forget_failures(self) -> None:  # a new epoch: shards that failed are tried again
         with self.lock:
@@ -871,8 +819,8 @@ class RemoteSource(ShardSource):
             self.closing = True
             for k in list(self.open):
                 self.drop(k)
-            pools = [p for p in (self.pool, self.ahead_pool) if p is not None]
-            self.pool = self.ahead_pool = None
+            pools = [p for p in (self.pool, self.fetch_ahead.stop()) if p is not None]
+            self.pool = None
             self.stopping.set()  # a fetch sleeping between attempts gives up now
             # a batch waiting for a fetch stuck in a network read is answered now; the
             # fetch's own result, when it comes, is discarded (load, DaemonPool)
@@ -880,7 +828,6 @@ class RemoteSource(ShardSource):
                 with contextlib.suppress(InvalidStateError):
                     if not future.done():
                         future.set_exception(closed(self.url))
-            self.upcoming = []
             parts, self.parts = self.parts, None
         if self.pid == os.getpid():
             deadline = time.monotonic() + CLOSE_WAIT_S

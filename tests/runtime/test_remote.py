@@ -258,7 +258,7 @@ def test_later_windows_are_fetched_ahead(served: Path, tmp_path: Path) -> None:
         loader = Loader(remote, prefetch=0, **SETTINGS)  # windows of 2 of the 6 shards
         it = iter(loader)
         first = copied(next(it))
-        job = remote.source.ahead_job
+        job = remote.source.fetch_ahead.job
         assert job is not None
         job.result(timeout=30)
         # The shards of every later window are cached before a batch asks for them.
@@ -283,7 +283,7 @@ def test_fetching_ahead_stays_within_the_budget(served: Path, tmp_path: Path) ->
         loader = Loader(remote, prefetch=0, **{**SETTINGS, "window_shards": 1})
         it = iter(loader)
         next(it)
-        job = remote.source.ahead_job
+        job = remote.source.fetch_ahead.job
         assert job is not None
         job.result(timeout=30)
         # batch 0 and 1 hold a shard each (or one between them): one more fits, not all six
