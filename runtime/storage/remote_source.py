@@ -11,16 +11,16 @@ first, when this process needs their room (a fetch, a fetch ahead) and all at
 once when another process on the node waits for room (it stamps the cache's
 ``.wanted``, looked at in each ``ask``) or the source closes.
 
-Ahead of the asks, ``ahead`` hears which shards later batches read first, in
-order (runtime.pipeline.prefetch.Asks): one background thread fetches the first
-``ahead_shards`` of them into the cache, not held, while the shards this
-process holds plus those ahead fit the budget, so a new window's shards are
-in place (a warm cache: only mapped) before its first batch asks for them.
-
-A raw shard streams (runtime.storage.streamed): it is mapped from its temporary
-file as soon as its front is verified, its values arriving part by part on the
-part threads, and ``ready`` holds a batch until the bytes of its samples are
-verified. A zstd shard, one written before CRC pieces, and one whose header the
+This module holds the shards (holding and eviction) and serves them; two concerns
+live beside it. Ahead of the asks, ``ahead`` hears which shards later batches read
+first, in order (runtime.pipeline.prefetch.Asks), and ``FetchAhead``
+(runtime.storage.ahead) fetches the first ``ahead_shards`` of them into the cache,
+not held, while the shards this process holds plus those ahead fit the budget, so a
+new window's shards are in place (a warm cache: only mapped) before its first batch
+asks for them. A raw shard streams (``Arrivals``, runtime.storage.arrival): it is
+mapped from its temporary file as soon as its front is verified, its values
+arriving part by part on the part threads, and ``ready`` holds a batch until the
+bytes of its samples are verified. A zstd shard, one written before CRC pieces, and one whose header the
 index does not record (an index written before ``header_crc32``), is served whole.
 
 Budget checks count a shard at its size in the cache: for a block-coded (zstd)
@@ -53,34 +53,23 @@ from dlop.formats import ArchiveReader, Field, FormatError, ShardReader
 from dlop.formats.storage import (
     DEFAULT_RETRY,
     FetchError,
-    Rejected,
     Retry,
     Storage,
     checker,
-    fetch,
-    retrying,
 )
-from dlop.formats.transcode import header_span, needs_transcode, raw_fields, transcode_bytes
+from dlop.formats.transcode import needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import FetchFailed, LoaderError, ShardChangedError, UsageError, kept
 from .ahead import FetchAhead
-from .cache import Arriving, CacheDir, Held, close_quietly, locked, write_at
+from .arrival import Arrivals, closed
+from .cache import CacheDir, Held, close_quietly, locked
 from .cache_folder import BUDGET_LOCK
 from .pool import DaemonPool
-from .remote import fetch_bytes, fetch_head
+from .remote import fetch_bytes
 from .remote_sizes import ShardSizes
 from .source import ShardSource
 from .streamed import (
-    DONE,
-    FLYING,
-    LATER,
-    QUEUED,
-    FrontFailed,
     Incoming,
-    PartQueue,
-    fetch_front,
-    first_reads,
-    fronts_of,
 )
 
 Client = Callable[[], Storage]  # this process's storage of the archive
@@ -100,11 +89,6 @@ os.register_at_fork(after_in_child=_forget_parents)
 # and for fetch threads to end (one stuck in a network read is left to end with it).
 LANDING_WAIT_S = 30.0
 CLOSE_WAIT_S = 1.0
-
-
-def closed(url: str) -> LoaderError:
-    """What a batch, a fetch or a retry of a closed source gets."""
-    return LoaderError(f"{url}: the source was closed")
 
 
 def nap(stopping: threading.Event, url: str, seconds: float) -> None:
@@ -184,22 +168,17 @@ class RemoteSource(ShardSource):
         self.pool: DaemonPool | None = None
         self.fetch_ahead = FetchAhead(self, self.ahead_shards)
         self.ahead_errors: dict[int, Exception] = {}  # failed fetches, attempts spent
-        self.streams: dict[int, Incoming] = {}  # raw shards arriving part by part
-        self.fronting: dict[int, threading.Event] = {}  # set once the front is in or failed
-        self.arrivals: set[Arriving] = set()  # temporary files this process writes
+        self.arrive = Arrivals(self)  # raw shards arriving part by part (runtime.storage.arrival)
         self.closing = False
         self.closer: int | None = None  # the thread running close(), while it runs
-        self.parts: PartQueue | None = None
-        self.order: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # read_order's
 
     def forget_parent(self) -> None:
         """In a forked child, at once: closes its copies of the descriptors of the shards
         the parent is writing, whose locks would otherwise outlive the parent's (a
         ``flock`` belongs to every copy of a descriptor)."""
-        for a in self.arrivals:
+        for a in self.arrive.arrivals:
             close_quietly([a.fd, a.lock_fd])
-        self.arrivals = set()
-        self.streams = {}
+        self.arrive = Arrivals(self)
 
     def next_generation(self) -> None:
         """Fetches from here on belong to a new generation: ``stopping``, set by close(),
@@ -284,7 +263,7 @@ class RemoteSource(ShardSource):
 
     def arriving(self, k: int) -> bool:
         """Whether shard ``k`` is arriving part by part here (under the lock)."""
-        return k in self.streams
+        return k in self.arrive.streams
 
     def forget_failures(self) -> None:  # a new epoch: shards that failed are tried again
         with self.lock:
@@ -311,7 +290,7 @@ class RemoteSource(ShardSource):
         reader = self.partial_shard(k)
         while True:
             with self.lock:
-                inc = self.streams.get(k)
+                inc = self.arrive.streams.get(k)
                 if inc is None:
                     got = self.open.get(k)
                     if got is not None and got[0] is reader:
@@ -354,7 +333,7 @@ class RemoteSource(ShardSource):
         stopping = self.stopping
         try:
             if self.streams_shard(k):
-                got = self.stream(k, keep=True)
+                got = self.arrive.stream(k, keep=True)
                 assert got is not None  # keep waits for the fetch lock and for room
             else:
                 held = self.cache.get(path, lambda: self.fetch(k, what), self.to_raw(path))
@@ -374,9 +353,9 @@ class RemoteSource(ShardSource):
             got = self.open.get(k)
             if got is not None and got[0] is reader:
                 self.drop(k)
-            inc = self.streams.get(k)
+            inc = self.arrive.streams.get(k)
         if inc is not None and inc.reader is reader:
-            self.failed(inc, closed(self.url))
+            self.arrive.failed(inc, closed(self.url))
 
     def opened(self, k: int, held: Held, what: str) -> ShardReader:
         """Maps the cached shard ``k`` this process holds, and keeps it open."""
@@ -415,102 +394,13 @@ class RemoteSource(ShardSource):
         return not self.transcode and self.index.shards[k].header_crc32 is not None
 
     def stream(self, k: int, keep: bool) -> ShardReader | None:
-        """Raw shard ``k``: mapped from the cache, or its fetch started part by part and
-        its front verified. ``keep``: held for batches (waits for the fetch lock and
-        room), else fetched ahead only: None when another process fetches it or the
-        budget has no room now."""
-        while True:
-            with self.lock:
-                inc = self.streams.get(k)
-                if inc is not None and inc.reader is not None:  # its front is in
-                    if keep and not inc.keep:  # a fetch ahead's: batches hold it now
-                        inc.keep = True
-                        self.keep_open(k, inc.reader, inc.held())
-                    return inc.reader
-                if (failed := self.ahead_errors.get(k)) is not None:
-                    raise failed
-                other = self.fronting.get(k)
-                if other is None:
-                    mine = self.fronting[k] = threading.Event()
-                    break
-            if not keep:
-                return None  # being fetched here already
-            other.wait()  # its front is in, or it failed: look again
-        try:
-            return self.start_stream(k, keep)
-        finally:
-            with self.lock:
-                del self.fronting[k]
-            mine.set()
+        return self.arrive.stream(k, keep)
 
-    def start_stream(self, k: int, keep: bool) -> ShardReader | None:
-        """``stream``'s fetch of shard ``k`` (none under way in this process)."""
-        info = self.index.shards[k]
-        path = self.folder / info.file
-        what = f"{self.url}: shard {k} ({info.file})"
-        got = self.cache.arrive(path, info.bytes, wait=keep)
-        if got is None:
-            return None
-        if isinstance(got, Held):
-            if not keep:
-                self.cache.let_go(got)
-                return None
-            return self.opened(k, got, what)
-        with self.lock:
-            self.arrivals.add(got)
-        inc: Incoming | None = None
-        try:
-            store = self.client()
-            head, layout = fetch_head(
-                store, info.file, info.bytes, what, self.retry, info.header_crc32
-            )
-            if layout.num_samples != info.num_samples:
-                raise LoaderError(
-                    f"{what}: holds {layout.num_samples} samples, index.json says {info.num_samples}"
-                )
-            head_len = header_span(head, store.name_url(info.file), info.bytes)
-            inc = Incoming(k, got, layout, head_len, self.retry, keep)
-            inc.ride(fronts_of(layout, info.bytes), self.retry, len(head))
-            with self.lock:
-                first = self.first_reads(k)
-            ranks = inc.ranks(first)
-            # The part the front waits for goes before the shard's others (whose samples'
-            # places are known: a ragged field's wait for the front).
-            ride = min((r for r in ranks if r < LATER), default=0) - 1
-            ranks = [ride if p.end != p.hi else r for p, r in zip(inc.parts, ranks, strict=True)]
-            self.queue(inc, ranks)  # fixed fields' values come in beside the front
-            reader, fronts = fetch_front(
-                store, info.file, inc, what, self.retry, info.crc32, (head, layout)
-            )
-            with self.lock, inc.cond:
-                if inc.error is not None:  # a part failed meanwhile: failed() cleaned up
-                    reader.close()
-                    raise inc.error
-                self.streams[k] = inc
-                if keep:
-                    self.keep_open(k, reader, inc.held())
-            inc.fronted(reader, fronts)
-            ragged = [p.rank == LATER for p in inc.parts]
-            if any(ragged):  # their samples' places are known now
-                self.queue(inc, inc.ranks(first), only=ragged)
-        except Exception as e:
-            if inc is None:
-                failure = self.note_failure(k, e)
-                self.let_go_of(got, failure)
-                raise failure from None
-            raise self.failed(inc, e) from None
-        if not inc.parts:
-            self.landed(inc)
-        return reader
+    def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> bool:
+        return self.arrive.ready(k, samples, names)
 
-    def let_go_of(self, a: Arriving, failure: BaseException | None = None) -> None:
-        """Removes a shard that will not arrive whole (once), recording a fetch
-        ``failure`` for the node's other processes (CacheDir.abandon)."""
-        with self.lock:
-            if a not in self.arrivals:
-                return
-            self.arrivals.discard(a)
-        self.cache.abandon(a, failure)
+    def read_order(self, batches: Sequence[np.ndarray]) -> None:
+        self.arrive.read_order(batches)
 
     def note_failure(self, k: int, e: BaseException) -> BaseException:
         """Records that shard ``k`` failed (its batches raise it until the next epoch)."""
@@ -519,208 +409,6 @@ class RemoteSource(ShardSource):
         kept(e)
         with self.lock:  # the first failure is the one to report (a later one may be its echo)
             return self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
-
-    def queue(self, inc: Incoming, ranks: list[int], only: list[bool] | None = None) -> None:
-        """Puts the parts of ``inc`` (those ``only`` marks) in the fetch queue at ``ranks``."""
-        jobs = []
-        with inc.cond:
-            for i, (part, rank) in enumerate(zip(inc.parts, ranks, strict=True)):
-                if (only is None or only[i]) and part.state == QUEUED:
-                    part.rank = rank
-                    jobs.append((rank, functools.partial(self.fetch_part, inc, i, rank)))
-        if jobs:
-            with self.lock:
-                if self.closing:  # close() fails what is still arriving
-                    inc.settle_tail(None, closed(self.url))
-                    return
-                if self.parts is None:
-                    self.parts = PartQueue(self.retry.parallel_parts)
-                parts = self.parts
-            if not parts.put(jobs):
-                inc.settle_tail(None, closed(self.url))
-
-    def fetch_part(self, inc: Incoming, i: int, rank: int) -> None:
-        """Fetches, verifies and writes part ``i`` of a shard arriving (a part thread)."""
-        part = inc.parts[i]
-        with inc.cond:
-            if inc.error is not None or part.state != QUEUED or rank != part.rank:
-                return  # done, under way, or queued again at another rank
-            part.state = FLYING
-        name = self.index.shards[inc.k].file
-        what = f"{self.url}: shard {inc.k} ({name}) bytes {part.lo}..{part.hi}"
-        try:
-            store = self.client()
-
-            def read() -> bytes:
-                try:
-                    data = store.read_once(name, part.lo, part.end)
-                except Exception as e:
-                    inc.hand_tail(part, None, e)  # the front reads its span itself, now
-                    raise
-                if len(data) != part.end - part.lo:
-                    inc.hand_tail(part, None)
-                return data
-
-            data = fetch(
-                read,
-                inc.check(part),
-                what,
-                store.name_url(name),
-                self.retry,
-                give_up=(FrontFailed,),
-            )
-            with inc.writer():
-                write_at(inc.arriving.fd, memoryview(data)[: part.hi - part.lo], part.lo)
-        except Exception as e:
-            inc.hand_tail(part, None, e)
-            self.failed(inc, e)
-            return
-        with inc.cond:
-            part.state = DONE
-            inc.pieced[part.region].verified[part.p0 : part.p1] = True
-            inc.left -= 1
-            last = inc.left == 0
-            inc.cond.notify_all()
-        if last:
-            self.landed(inc)
-
-    def landed(self, inc: Incoming) -> None:
-        """Every part of ``inc`` is in: checked whole against the index (its padding
-        fetched again while that fails), then published."""
-        info = self.index.shards[inc.k]
-        reader = inc.reader
-        try:
-            assert reader is not None  # parts are checked only once the front is in
-            if inc.file_crc() != info.crc32:
-                self.fetch_gaps(inc)
-            with inc.writer():  # outside the lock: a sync takes long
-                os.fsync(inc.arriving.fd)
-            with self.lock, inc.cond:
-                if inc.error is not None:
-                    return
-                held = self.cache.publish(inc.arriving, info.crc32, keep=inc.keep, synced=True)
-                self.arrivals.discard(inc.arriving)
-                self.streams.pop(inc.k, None)
-                if inc.keep:
-                    self.open[inc.k] = (reader, held)
-                    self.sizes.learn(inc.k, held.bytes)
-                inc.done = True
-                inc.cond.notify_all()
-        except Exception as e:
-            self.failed(inc, e)
-            return
-        if not inc.keep:
-            reader.close()
-
-    def fetch_gaps(self, inc: Incoming) -> None:
-        """Fetches the front spans of ``inc`` again, writing only the bytes no checksum but
-        the file's covers (padding), until the whole file's CRC-32 is the index's; FetchError when it never is (the
-        object is not the one the index describes)."""
-        info = self.index.shards[inc.k]
-        store = self.client()
-
-        def once() -> None:
-            for lo, hi, _ in inc.fronts:
-                gaps = [(max(a, lo), min(b, hi)) for a, b in inc.gaps if a < hi and b > lo]
-                if not gaps:
-                    continue
-                data = store.read_once(info.file, lo, hi)
-                if len(data) != hi - lo:
-                    raise Rejected(
-                        f"got {len(data)} bytes of the {hi - lo} from {lo} (truncated transfer?)"
-                    )
-                with inc.writer():  # only the padding: verified bytes are never written again
-                    for a, b in gaps:
-                        write_at(inc.arriving.fd, memoryview(data)[a - lo : b - lo], a)
-            assert inc.reader is not None
-            crc = inc.reader.file_crc32()
-            if crc != info.crc32:
-                raise Rejected(
-                    f"CRC-32 {crc:#010x} of the whole file, index.json says {info.crc32:#010x}: "
-                    "the object changed since the index was written, or its padding is corrupt"
-                )
-
-        what = f"{self.url}: shard {inc.k} ({info.file})"
-        retrying(once, what, store.name_url(info.file), self.retry, give_up=(FrontFailed,))
-
-    def failed(self, inc: Incoming, e: BaseException) -> BaseException:
-        """``inc`` will not arrive: batches that read it fail until the next epoch with
-        its first failure (``note_failure``), returned. Its mapping stays valid for views
-        still using it (the file is removed)."""
-        e = self.note_failure(inc.k, e)
-        with inc.cond:
-            if inc.error is not None or inc.done:
-                return e
-            inc.error = e
-            while inc.writing:
-                inc.cond.wait()
-            inc.cond.notify_all()
-        inc.settle_tail(None, e)  # a front waiting for its last span stops waiting
-        with self.lock:
-            self.streams.pop(inc.k, None)
-            got = self.open.get(inc.k)
-            held = got is not None and got[0] is inc.reader
-            if held:
-                del self.open[inc.k]
-                self.loose.pop(inc.k, None)
-                if self.dropped is not None:
-                    self.dropped(inc.k)
-        if not held and inc.reader is not None:
-            inc.reader.close()  # a fetch ahead's: nothing reads it
-        self.let_go_of(inc.arriving, e)
-        return e
-
-    def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> bool:
-        """Returns once every byte of ``samples`` (shard-local numbers) in fields ``names``
-        is verified (the parts they wait for jump the fetch queue): True while the rest of
-        the shard is still arriving, when only those bytes may be read."""
-        if not self.streams and k in self.open:  # nothing arriving (a warm epoch): no lock
-            return False
-        with self.lock:
-            inc = self.streams.get(k)
-            if inc is None and k not in self.open:  # held by the batch, so it failed
-                raise self.failure(k)
-        if inc is None:
-            return False
-        samples = np.asarray(samples, dtype=np.int64)
-        with inc.cond:
-            while True:
-                if inc.error is not None:
-                    raise inc.error
-                if inc.done:
-                    return False
-                wanted = inc.missing(samples, names)
-                if not wanted:
-                    return True
-                parts = inc.parts
-                waiting = {i for i in wanted if parts[i].state == QUEUED and parts[i].rank != -1}
-                if waiting:  # to the front of the queue
-                    inc.cond.release()
-                    try:
-                        jump = [i in waiting for i in range(len(inc.parts))]
-                        self.queue(inc, [-1] * len(inc.parts), only=jump)
-                    finally:
-                        inc.cond.acquire()
-                inc.cond.wait(0.5)
-
-    def read_order(self, batches: Sequence[np.ndarray]) -> None:
-        """This process's batches of the coming epoch (global sample numbers, in order):
-        a shard arriving fetches the parts that earlier batches read first."""
-        flat = np.concatenate(batches).astype(np.int64) if batches else np.zeros(0, np.int64)
-        of = np.searchsorted(self.starts, flat, side="right") - 1
-        by_shard = np.argsort(of, kind="stable")
-        bounds = np.searchsorted(of[by_shard], np.arange(len(self.shard_sizes) + 1))
-        with self.lock:
-            self.order = (flat, by_shard, bounds)
-
-    def first_reads(self, k: int) -> np.ndarray | None:
-        """Per sample of shard ``k``, where this epoch first reads it (read_order); None
-        when no order was given (called under the lock)."""
-        if self.order is None:
-            return None
-        flat, by_shard, bounds = self.order
-        lo, hi = int(self.starts[k]), int(self.starts[k + 1])
-        return first_reads(flat, lo, hi, by_shard[bounds[k] : bounds[k + 1]])
 
     def fetch(self, k: int, what: str) -> bytes:
         """Shard k's verified bytes; a failure is noted under its fetch lock and raised
@@ -769,7 +457,7 @@ class RemoteSource(ShardSource):
             if self.dropped is not None:
                 self.dropped(k)
             reader, held = got
-            inc = self.streams.get(k)
+            inc = self.arrive.streams.get(k)
             if inc is not None and inc.reader is reader:
                 inc.keep = False  # landed() publishes it unheld and unmaps it
                 return
@@ -828,7 +516,7 @@ class RemoteSource(ShardSource):
                 with contextlib.suppress(InvalidStateError):
                     if not future.done():
                         future.set_exception(closed(self.url))
-            parts, self.parts = self.parts, None
+            parts, self.arrive.parts = self.arrive.parts, None
         if self.pid == os.getpid():
             deadline = time.monotonic() + CLOSE_WAIT_S
             for pool in pools:  # a fetch stuck in a read is not waited for past this
@@ -837,11 +525,11 @@ class RemoteSource(ShardSource):
                 for job in parts.close():  # a front waiting for a dropped part stops waiting
                     if isinstance(job, functools.partial) and isinstance(job.args[0], Incoming):
                         job.args[0].settle_tail(None, closed(self.url))
-            for inc in list(self.streams.values()):
+            for inc in list(self.arrive.streams.values()):
                 # a shard whose every part is in lands (synced, published) rather than
                 # being thrown away: a peer, or the next run, finds it whole
                 if not inc.whole_soon(LANDING_WAIT_S):
-                    self.failed(inc, closed(self.url))
+                    self.arrive.failed(inc, closed(self.url))
             with self.lock:
                 self.ahead_errors.clear()
                 self.closing = False

@@ -286,7 +286,7 @@ def test_a_forked_child_lets_go_of_the_shards_its_parent_writes(site: Path, tmp_
         it = iter(loader)
         next(it)
         source = remote.source
-        arriving = [a for a in source.arrivals if a.path.name == "shard-00000.dlop"]
+        arriving = [a for a in source.arrive.arrivals if a.path.name == "shard-00000.dlop"]
         assert arriving  # shard 0 is still arriving
         pid = os.fork()
         if pid == 0:  # the child: are its copies of the parent's descriptors closed?
