@@ -13,8 +13,6 @@ A warm epoch (every upcoming shard mapped already) starts nothing.
 from __future__ import annotations
 
 import functools
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,29 +21,18 @@ from typing import Protocol
 import numpy as np
 
 from dlop.formats import ShardReader
-from dlop.formats.archive import Index
 
-from .cache import CacheDir, Held
+from .holder import Holder
 from .pool import DaemonPool
-from .remote_sizes import ShardSizes
 
 
-class AheadHost(Protocol):
-    """What fetching ahead reads of the source that holds the shards, all under its
-    ``lock``: what is held, open, pending and loose, and how to fetch one shard."""
+class AheadHost(Holder, Protocol):
+    """What fetching ahead reads of the source besides ``Holder``: the holds and the
+    fetches under way, and how to fetch one shard."""
 
-    url: str
-    lock: threading.Lock
-    index: Index
-    folder: Path
-    cache: CacheDir
-    sizes: ShardSizes
     asked: int
     refs: list[int]
-    open: dict[int, tuple[ShardReader, Held]]
     pending: dict[int, Future[ShardReader]]
-    loose: OrderedDict[int, None]
-    ahead_errors: dict[int, Exception]
 
     def arriving(self, k: int) -> bool: ...
 
@@ -58,8 +45,6 @@ class AheadHost(Protocol):
     def fetch(self, k: int, what: str) -> bytes: ...
 
     def to_raw(self, path: Path) -> Callable[[bytes], bytes] | None: ...
-
-    def note_failure(self, k: int, e: BaseException) -> BaseException: ...
 
 
 class FetchAhead:

@@ -17,22 +17,19 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from dlop.formats import ShardReader
-from dlop.formats.archive import Index
 from dlop.formats.storage import Rejected, Retry, Storage, fetch, retrying
 from dlop.formats.transcode import header_span
 
 from ..errors import LoaderError
-from .cache import Arriving, CacheDir, Held, write_at
+from .cache import Arriving, Held, write_at
+from .holder import Holder
 from .remote import fetch_head
-from .remote_sizes import ShardSizes
 from .streamed import (
     DONE,
     FLYING,
@@ -52,31 +49,21 @@ def closed(url: str) -> LoaderError:
     return LoaderError(f"{url}: the source was closed")
 
 
-class ArrivalHost(Protocol):
-    """What streamed arrival uses of the source that holds the shards, under its
-    ``lock``: what is open and loose, the failures recorded, the cache and storage."""
+class ArrivalHost(Holder, Protocol):
+    """What streamed arrival uses of the source besides ``Holder``: its storage and
+    retries, whether it is closing, who hears of a dropped shard, and how a shard
+    is kept open."""
 
-    url: str
-    lock: threading.Lock
-    index: Index
-    folder: Path
-    cache: CacheDir
-    sizes: ShardSizes
     retry: Retry
     client: Callable[[], Storage]
     closing: bool
     dropped: Callable[[int], None] | None
     starts: np.ndarray
     shard_sizes: tuple[int, ...]
-    open: dict[int, tuple[ShardReader, Held]]
-    loose: OrderedDict[int, None]
-    ahead_errors: dict[int, Exception]
 
     def keep_open(self, k: int, reader: ShardReader, held: Held) -> None: ...
 
     def opened(self, k: int, held: Held, what: str) -> ShardReader: ...
-
-    def note_failure(self, k: int, e: BaseException) -> BaseException: ...
 
     def failure(self, k: int) -> BaseException: ...
 
