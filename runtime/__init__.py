@@ -37,6 +37,7 @@ _WHERE = {
     "epoch_order": ".order.epochs",
     "rank_batches": ".order.epochs",
     "Source": ".order.mixture",
+    "ReadingOptions": ".order.reading",
     "Mixup": ".transforms.audio",
     "RandomTimeCrop": ".transforms.audio",
     "SpecAugment": ".transforms.audio",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from .loader import Loader
     from .order.epochs import OrderSpec, epoch_order, rank_batches
     from .order.mixture import Source
+    from .order.reading import ReadingOptions
     from .transforms.audio import Mixup, RandomTimeCrop, SpecAugment
     from .transforms.vision import (
         Normalize,
@@ -90,6 +92,7 @@ __all__ = [
     "RandomResizedCrop",
     "RandomTemporalCrop",
     "RandomTimeCrop",
+    "ReadingOptions",
     "SampleIndexError",
     "ShardChangedError",
     "Source",

@@ -269,9 +269,11 @@ class Loader:
         """What the training loop raises for batch ``number``'s error ``e``: a usage
         error (or a BaseException that is no Exception) as it is, any other a
         ``LoaderError`` naming the archive, batch and epoch (``e`` its cause)."""
-        if isinstance(e, USAGE_ERRORS) or not isinstance(e, Exception):
-            return e
         where = f"\n--- in the loader thread:\n{trace}" if trace else ""
+        if isinstance(e, USAGE_ERRORS) or not isinstance(e, Exception):
+            if where:  # raised as it is: where it was raised, as a note
+                e.add_note(where.lstrip("\n"))
+            return e
         return LoaderError(
             f"{self.archive.path}: gathering batch {number} of epoch {epoch} failed: "
             f"{type(e).__name__}: {e}{where}"

@@ -234,8 +234,8 @@ def choose_mixture(
     for key in ("storage_options", "cache_dir", "cache_bytes"):
         if open_options.get(key) is not None:
             raise UsageError(
-                f"{owner} {key}= is for an archive read through the shard cache (at a URL); "
-                "a mixture's sources are local archives, mapped in place"
+                f"{owner} {key}= is for an archive read through the shard cache (at a URL, or "
+                "a local zstd archive); a mixture's sources are local archives, read in place"
             )
     if order["mode"] != "global":
         raise UsageError(f"{owner} order='window' does not apply to a mixture; use order='global'")

@@ -140,7 +140,7 @@ def check_weights(
     if empty:
         raise UsageError(
             f"mixture source {empty[0]!r} has weight {raw[list(names).index(empty[0])]} "
-            "but no samples (after its where=); give it weight 0 or choose samples it holds"
+            "but no samples; give it weight 0 or an archive that holds samples"
         )
     return [w / total for w in scaled]
 

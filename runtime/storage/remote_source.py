@@ -266,8 +266,17 @@ class RemoteSource(ShardSource):
         return k in self.arrive.streams
 
     def forget_failures(self) -> None:  # a new epoch: shards that failed are tried again
+        self.mine()
         with self.lock:
-            self.ahead_errors.clear()
+            self.forget_errors()
+
+    def forget_errors(self) -> None:
+        """Forgets the recorded failures (under the lock). Raised again since they were
+        recorded, each may hold frames of the reads that raised it (and through them
+        mapped shards): let go of here, not when Python's collector runs."""
+        for e in self.ahead_errors.values():
+            kept(e)
+        self.ahead_errors.clear()
 
     def squeeze(self) -> bool:
         """Lets go of the oldest loose shard (this process needs room); True if one went."""
@@ -400,6 +409,7 @@ class RemoteSource(ShardSource):
         return self.arrive.ready(k, samples, names)
 
     def read_order(self, batches: Sequence[np.ndarray]) -> None:
+        self.mine()  # a forked child's first epoch: its own state takes the order
         self.arrive.read_order(batches)
 
     def note_failure(self, k: int, e: BaseException) -> BaseException:
@@ -531,7 +541,7 @@ class RemoteSource(ShardSource):
                 if not inc.whole_soon(LANDING_WAIT_S):
                     self.arrive.failed(inc, closed(self.url))
             with self.lock:
-                self.ahead_errors.clear()
+                self.forget_errors()
                 self.closing = False
                 self.next_generation()  # read again, it fetches and retries anew
         in_use, self.in_use = self.in_use, -1

@@ -311,3 +311,57 @@ def test_a_close_called_inside_a_close_returns(site: Path, tmp_path: Path) -> No
         closing.join(20)
         assert not closing.is_alive()
         assert held_by_anyone(tmp_path / "c") == []
+
+
+def test_failures_raised_again_hold_nothing_once_forgotten(site: Path, tmp_path: Path) -> None:
+    """A recorded fetch failure is raised again by each read of its shard, taking the
+    reading frames each time; a new epoch (or close) forgets it and what it held, without
+    waiting for Python's collector."""
+    from dlop.runtime import open_archive
+    from tests.faultproxy import FaultProxy
+
+    with FaultProxy(root=site) as proxy:
+        archive = open_archive(proxy.url + "/a", cache_dir=tmp_path / "c")
+        source = archive.source
+        source.ahead_errors[0] = ValueError("shard 0: simulated failure")  # recorded
+
+        def read_again(readers: list[Held]) -> None:  # a batch's read of the failed shard
+            failed = source.ahead_errors[0]
+            raise failed
+
+        held = Held()
+        alive = weakref.ref(held)
+        with contextlib.suppress(ValueError):
+            read_again([held])
+        del held
+        assert alive() is not None  # the failure's frames hold it, and the failure
+        source.forget_failures()
+        assert alive() is None
+        archive.close()
+
+
+def test_a_forked_child_keeps_the_read_order_it_is_given(site: Path, tmp_path: Path) -> None:
+    """read_order is the first thing a DataLoader worker's epoch tells the source; in a
+    forked child it must land in the child's own state, not the parent's (which the
+    child's first ask throws away)."""
+    from dlop.runtime import open_archive
+    from tests.faultproxy import FaultProxy
+
+    with FaultProxy(root=site) as proxy:
+        archive = open_archive(proxy.url + "/a", cache_dir=tmp_path / "c")
+        source = archive.source
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: answers whether its order survived its first ask
+            try:
+                source.read_order([np.arange(40, dtype=np.int64)])
+                source.mine()  # what its first ask does first
+                os.write(write, b"1" if source.arrive.order is not None else b"0")
+            finally:
+                os._exit(0)
+        os.close(write)
+        got = os.read(read, 1)
+        os.waitpid(pid, 0)
+        os.close(read)
+        archive.close()
+    assert got == b"1"

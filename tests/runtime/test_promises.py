@@ -282,6 +282,9 @@ def test_a_usage_error_while_padding_a_batch_is_not_wrapped(tmp_path: Path) -> N
         with pytest.raises(UsageError) as caught:
             list(loader)
         assert type(caught.value) is UsageError  # as it is: not a LoaderError around it
+        if prefetch:  # where in the loader thread it was raised, as a note
+            notes = "".join(getattr(caught.value, "__notes__", []))
+            assert "in the loader thread" in notes and "Traceback" in notes
         loader.close()
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dlop.runtime import IterableArchive, Loader, UsageTypeError
-from dlop.runtime.order.reading import Reading, ReadingOptions
+from dlop.runtime import IterableArchive, Loader, ReadingOptions, UsageTypeError
+from dlop.runtime.order.reading import Reading
 
 from .helpers import make_archive
 
