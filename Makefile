@@ -70,7 +70,8 @@ fuzz: env
 # front ends: tests/typing/spelt.py checks clean, and each mistake in misspelt.py is reported.
 MISSPELT := 'Unexpected keyword argument "shufle" for "Loader"' \
 	'Unexpected keyword argument "worker_bufers" for "IterableArchive"' \
-	'Argument "seed" to "Loader" has incompatible type "str"'
+	'Argument "seed" to "Loader" has incompatible type "str"' \
+	'Argument "order" to "IterableArchive" has incompatible type'
 lint: env
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -18,12 +18,16 @@ import difflib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 
 from ..errors import UsageTypeError, check_int
 from .distributed import placement
+
+# The words ``order`` and ``node_share`` take (checked at run time too, naming them).
+OrderMode = Literal["global", "window"]
+NodeShare = Literal["keep", "redeal"]
 
 
 class ReadingOptions(TypedDict, total=False):
@@ -35,14 +39,14 @@ class ReadingOptions(TypedDict, total=False):
     drop_last: bool
     rank: int | None
     world_size: int | None
-    order: str
+    order: OrderMode
     window_shards: int
     bucket_by: str | None
     bucket_window: int
     even_shares: bool
     nodes: int | None
     node_rank: int | None
-    node_share: str
+    node_share: NodeShare
     fields: Sequence[str] | str | None
     pad_value: float | None
     where: Mapping[str, Any] | None
@@ -74,14 +78,14 @@ class Reading:
     drop_last: bool = False
     rank: int | None = None
     world_size: int | None = None
-    order: str = "global"
+    order: OrderMode = "global"
     window_shards: int = 8
     bucket_by: str | None = None
     bucket_window: int = 64
     even_shares: bool = True
     nodes: int | None = None
     node_rank: int | None = None
-    node_share: str = "keep"
+    node_share: NodeShare = "keep"
     # what is read (runtime.archive, runtime.order.mixture, runtime.storage.cached)
     fields: Sequence[str] | str | None = None
     pad_value: float | None = None
