@@ -8,13 +8,13 @@ again. The client merges the records in unit order into the index (merge.py).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dlop.formats import FormatError, ShardInfo, unit_shard_name
+from dlop.formats.crc import crc32
 from dlop.formats.files import loads_bounded
 from dlop.formats.skipped import encode_record
 from dlop.formats.units import is_count
@@ -141,5 +141,5 @@ def _file_crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return crc

@@ -152,6 +152,7 @@ class Fetched(Planner):
     def made_gathers(self) -> dict[str, FieldGather]:
         self.planners = Planners()
         self.source.on_drop(self.planners.forget)
+        self.names = list(self.fields)  # what ready() waits for, the same every batch
         return {n: Sizing(f, [], self.starts, self.pad_value) for n, f in self.fields.items()}
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
@@ -177,10 +178,9 @@ class Fetched(Planner):
         if len(indices):  # global sample numbers to numbers within the touched shards
             where = np.searchsorted(touched, per_index)
             local = indices.numpy() - self.shard_starts[per_index]
-            names = list(self.fields)
             for j, k in enumerate(key):  # (one shard: per_index is one number)
                 arriving |= self.source.ready(
-                    k, local if len(key) == 1 else local[where == j], names
+                    k, local if len(key) == 1 else local[where == j], self.names
                 )
             indices = torch.from_numpy(starts[where] + local)
         compact = torch.from_numpy(starts[:-1].copy())

@@ -109,9 +109,10 @@ class Reading:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in options:
             if key not in names:
-                near = difflib.get_close_matches(key, [*names, *own], n=1)
-                hint = f"; did you mean {near[0]}=?" if near else ""
-                hint = MOVED.get(key, hint)
+                hint = MOVED.get(key)
+                if hint is None:
+                    near = difflib.get_close_matches(key, [*names, *own], n=1)
+                    hint = f"; did you mean {near[0]}=?" if near else ""
                 raise UsageTypeError(f"{owner} got an unexpected keyword {key}={hint}")
         return cls(**options)
 

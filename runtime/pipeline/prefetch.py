@@ -79,6 +79,7 @@ class Asks:
         self.batches = batches
         self.out: dict[int, list[int]] = {}  # asked for, not yet let go of
         self.firsts: tuple[np.ndarray, np.ndarray] | None = None
+        self.fetches = archive.source.shards is None  # per batch: a source that fetches
         archive.source.forget_failures()  # a new epoch's batches try failed shards again
         archive.source.read_order(batches)  # a shard arriving in parts: those read first
 
@@ -89,7 +90,7 @@ class Asks:
                 shards = self.archive.shards_of(torch.from_numpy(self.batches[k])).tolist()
                 self.archive.source.ask(shards)
                 self.out[k] = shards
-        if self.archive.source.shards is None:  # a source that fetches: ahead too
+        if self.fetches:  # ahead too
             self.archive.source.ahead(self.first_read_after(j + 1))
 
     def first_read_after(self, j: int) -> np.ndarray:

@@ -115,27 +115,27 @@ class LocalSource(ShardSource):
     archive after another), memory-mapped once when the source opens."""
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], block_cache_bytes: int) -> None:
-        self.folders = tuple(Path(p) for p in paths)
-        self.paths = self.folders
+        self.paths: tuple[Path, ...] = tuple(Path(p) for p in paths)
         self.block_cache_bytes = block_cache_bytes
-        self.readers = [open_reader(p, block_cache_bytes) for p in self.folders]
+        self.readers = [open_reader(p, block_cache_bytes) for p in self.paths]
         first = self.readers[0]
         self.name = (
-            str(self.folders[0])
-            if len(self.folders) == 1
-            else f"{len(self.folders)} archives {self.folders[0]}, ..."
+            str(self.paths[0])
+            if len(self.paths) == 1
+            else f"{len(self.paths)} archives {self.paths[0]}, ..."
         )
         self.fields: Mapping[str, Field] = first.fields
-        self.mapped = [r.shard(k) for r in self.readers for k in range(r.num_shards)]
-        self.shards = self.mapped
+        self.shards: list[ShardReader] = [
+            r.shard(k) for r in self.readers for k in range(r.num_shards)
+        ]
         self.shard_sizes = tuple(i.num_samples for r in self.readers for i in r.index.shards)
         self.sizes = [info.bytes for r in self.readers for info in r.index.shards]  # as validated
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (LocalSource, ([str(p) for p in self.folders], self.block_cache_bytes))
+        return (LocalSource, ([str(p) for p in self.paths], self.block_cache_bytes))
 
     def shard(self, k: int) -> ShardReader:
-        return self.mapped[k]
+        return self.shards[k]
 
     def check(self, shards: Sequence[int] | np.ndarray) -> None:
         """Raises ShardChangedError when a shard among ``shards`` (numbers) has shrunk
@@ -145,9 +145,9 @@ class LocalSource(ShardSource):
         """
         for k in np.unique(np.asarray(shards, dtype=np.int64)).tolist():
             # fstat of the mapping's own descriptor: the mapped file, whatever its path names now
-            size, now = self.sizes[k], self.mapped[k].mapped_size()
+            size, now = self.sizes[k], self.shards[k].mapped_size()
             if now < size:
-                path = self.mapped[k].path
+                path = self.shards[k].path
                 raise ShardChangedError(
                     f"{path}: shard shrank from {size} to {now} bytes after the "
                     "archive opened it; rewrite shards under a new name and os.replace "
