@@ -91,20 +91,33 @@ class Prober:
         self.proc: Any = None
         self.conn: Any = None
         self.exitcode: int | None = None
+        self.answered = 0  # items the running process has answered
 
     def answer(self, item: Item) -> Answer:
         if self.here:
             return answer(self.work, item)
-        if self.proc is None:
-            self._start()
-        with contextlib.suppress(EOFError, OSError):
-            self.conn.send(item)
-        got, took = processes.answer_of(self.conn, self.limit)
+        try:
+            got, took = self._asked(item)
+        except processes.WorkerStartFailed:
+            if not self.answered:
+                raise  # its start failed: no new process would do better
+            # it died idle, between items (a thread an earlier item left, the OOM
+            # killer): this item was never begun, and goes to a new process
+            self.close()
+            got, took = self._asked(item)
+        self.answered += 1
         if got is not None:
             return unspilled(got)
         self.close()  # killed when still running; the next item gets a new process
         why = processes.how_it_ended(self.exitcode, took, self.limit)
         return Answer("died", f"{self.work.name(item)}: {why}", seconds=took)
+
+    def _asked(self, item: Item) -> tuple[Any, float]:
+        if self.proc is None:
+            self._start()
+        with contextlib.suppress(EOFError, OSError):
+            self.conn.send(item)
+        return processes.answer_of(self.conn, self.limit)
 
     def _start(self) -> None:
         here, there = self.ctx.Pipe(duplex=True)
@@ -114,7 +127,7 @@ class Prober:
             )
             self.proc.start()
         there.close()
-        self.conn = here
+        self.conn, self.answered = here, 0
 
     def close(self) -> None:
         if self.proc is None:

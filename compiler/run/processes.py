@@ -274,35 +274,46 @@ def time_limit(seconds: float | None) -> Iterator[None]:
 # How long past an input's time limit the driver waits for its process: the process's own
 # timer (time_limit) ends it at the limit; this only covers a process that cannot be.
 LIMIT_GRACE_S = 5.0
+# How long a worker process may take to begin an input (its imports, unpickling the work)
+# before it is taken for one whose start hangs: generous, since a loaded machine can take
+# tens of seconds to import torch and a user's modules, but bounded.
+START_LIMIT_S = 300.0
 STARTED = "started"  # what a guarded process sends as it begins an input
 
 
 class WorkerStartFailed(CompileError):
-    """A worker process ended before it began any input: its start failed (an import, the
-    numeric environment, the work that could not be unpickled), which is no input's fault."""
+    """A worker process ended, or hung, before it began an input: its start failed (an
+    import, the numeric environment, the work that could not be unpickled), or it died
+    idle between inputs, which is no input's fault either."""
 
 
 def answer_of(conn: Any, limit: float | None) -> tuple[Any, float]:
     """(the answer a guarded process sends on ``conn`` for one input, or None when it
     ended or ran past ``limit`` + LIMIT_GRACE_S without one; the seconds since it began
     the input). Its start (imports, unpickling the work) is not counted: it sends
-    STARTED first; ending before that raises WorkerStartFailed."""
-    begun = time.monotonic()
+    STARTED first; ending, or sending nothing for START_LIMIT_S, before that raises
+    WorkerStartFailed (the input was never begun)."""
     try:
+        if not conn.poll(START_LIMIT_S):
+            raise WorkerStartFailed(
+                f"a worker process did not begin its input within {START_LIMIT_S:g} s: its "
+                "start hangs (an import, or the work being unpickled); nothing is recorded "
+                "against the inputs. Fix it, then run again with --resume"
+            )
         first = conn.recv()
     except (EOFError, OSError):
         raise WorkerStartFailed(
-            "a worker process ended before it began any input: its start failed (see the "
+            "a worker process ended before it began its input: its start failed (see the "
             "messages above); nothing is recorded against the inputs. Fix it, then run "
             "again with --resume"
         ) from None
+    if first != STARTED:
+        raise WorkerStartFailed(f"a worker process sent {first!r} before it began its input")
+    begun = time.monotonic()
+    wait = None if limit is None else limit + LIMIT_GRACE_S
     try:
-        if first == STARTED:
-            begun = time.monotonic()
-            wait = None if limit is None else limit + LIMIT_GRACE_S
-            if conn.poll(wait):
-                return conn.recv(), time.monotonic() - begun
-            return None, time.monotonic() - begun
-        return first, time.monotonic() - begun
+        if conn.poll(wait):
+            return conn.recv(), time.monotonic() - begun
     except (EOFError, OSError):
-        return None, time.monotonic() - begun
+        pass
+    return None, time.monotonic() - begun

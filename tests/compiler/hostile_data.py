@@ -194,6 +194,18 @@ def _refuse() -> None:
     raise RuntimeError("this Dataset cannot be rebuilt in a worker")
 
 
+class Unhurried(Plain):
+    """Hangs as it is unpickled in a worker: every worker process's start hangs."""
+
+    def __reduce__(self) -> Any:
+        return (_hang, ())
+
+
+def _hang() -> None:
+    while True:
+        time.sleep(0.05)
+
+
 PICKLED = [0]  # how often a CountsPickles was pickled in this process
 
 

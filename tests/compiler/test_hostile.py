@@ -510,7 +510,7 @@ def test_workers_that_cannot_start_stop_the_compile_blaming_no_input(tmp_path: P
     busy = threading.Thread(target=stop.wait, daemon=True)  # workers from a fork server
     busy.start()
     try:
-        with pytest.raises(CompileError, match="ended before it began any input"):
+        with pytest.raises(CompileError, match="ended before it began its input"):
             compile_dataset(Unloadable(12), tmp_path / "a", workers=2, progress=False)
     finally:
         stop.set()
@@ -537,3 +537,50 @@ def test_a_dataset_is_pickled_once_for_its_workers(tmp_path: Path) -> None:
     # was made twice, checked before OUT is taken and again for the workers)
     assert hostile_data.PICKLED[0] == 2
     assert len(open_archive(tmp_path / "a")) == 12
+
+
+def test_a_guarded_process_that_dies_idle_costs_no_item() -> None:
+    """A probe process killed between items (the OOM killer, a thread an earlier item
+    left) stopped the whole compile as a failed start; the next item goes to a new one."""
+    import multiprocessing
+
+    from dlop.compiler.corpus.records import Item
+    from dlop.compiler.custom.guard import Prober
+    from dlop.compiler.custom.work import UserWork
+
+    prober = Prober(UserWork(Plain(4), True, {}, 0, "Plain"), None)
+    prober.ctx = multiprocessing.get_context("fork")
+    try:
+        assert prober.answer(Item(key="0", position=0)).kind == "sample"
+        first = prober.proc.pid
+        os.kill(first, signal.SIGKILL)
+        prober.proc.join()
+        got = prober.answer(Item(key="1", position=1))
+        assert got.kind == "sample" and int(got.leaves["y"].value) == 1
+        assert prober.proc.pid != first
+    finally:
+        prober.close()
+
+
+def test_a_worker_whose_start_hangs_stops_the_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that never begins its input (its Dataset hangs as it is unpickled) held
+    the compile forever; past the start limit it stops, blaming no input."""
+    import threading
+
+    from dlop.compiler.run import processes
+
+    from .hostile_data import Unhurried
+
+    monkeypatch.setattr(processes, "START_LIMIT_S", 2.0)
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait, daemon=True)  # workers from a fork server
+    busy.start()
+    try:
+        with pytest.raises(CompileError, match="did not begin its input within 2 s"):
+            compile_dataset(Unhurried(12), tmp_path / "a", workers=2, progress=False)
+    finally:
+        stop.set()
+    assert not (tmp_path / "a" / "index.json").exists()
+    assert not errors(tmp_path / "a")
