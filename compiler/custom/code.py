@@ -35,6 +35,16 @@ _INSTALLED = tuple(
 )
 
 
+# A module loaded from a file whose name another module already holds in this process is
+# loaded under this prefix (never shadowing the other); the recipe records the file's own
+# name, so that what it records does not depend on what this process imported before.
+LOADED_PREFIX = "dlop_user_"
+
+
+def _recorded(name: str) -> str:
+    return name.removeprefix(LOADED_PREFIX)
+
+
 def describe(target: Any, dataset: bool) -> dict[str, Any]:
     """The recipe's ``code`` entry for a Dataset (``dataset``) or a function."""
     fn = _unwrapped(target)
@@ -48,9 +58,9 @@ def describe(target: Any, dataset: bool) -> dict[str, Any]:
     for owner in owners:
         name = getattr(owner, "__module__", None)
         if name and name not in sources:
-            sources[name] = _module_digest(name, owner)
+            sources[_recorded(name)] = _module_digest(name, owner)
     return {
-        "module": module,
+        "module": _recorded(module),
         "qualname": qualname,
         "sources": sources,
         "state": _digest(_state(target, dataset)),
@@ -219,7 +229,7 @@ def _feed(h: Any, value: Any, depth: int, seen: set[int]) -> None:
                 h.update(e)
         seen.discard(id(value))
     elif inspect.isfunction(value) or inspect.isclass(value) or inspect.ismodule(value):
-        code = f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+        code = _recorded(f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}")
         _tag(h, b"c", code.encode())
     else:
         state = getattr(value, "__dict__", None)
@@ -265,4 +275,4 @@ def _pandas(value: Any) -> bool:
 
 
 def _type_name(value: Any) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}"
+    return _recorded(f"{type(value).__module__}.{type(value).__qualname__}")

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from ..errors import CompileError
+from .code import LOADED_PREFIX
 from .work import reason
 
 
@@ -64,7 +65,7 @@ def _module(where: str) -> Any:
         name = os.path.splitext(os.path.basename(path))[0]
         existing = getattr(sys.modules.get(name), "__file__", None)
         if existing is not None and os.path.abspath(existing) != path:
-            name = f"dlop_user_{name}"  # never shadow another module (utils, datasets)
+            name = LOADED_PREFIX + name  # never shadow another module (utils, datasets)
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
             raise CompileError(f"{where}: cannot be imported as a module")

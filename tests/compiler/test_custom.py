@@ -274,6 +274,35 @@ def test_kill_9_then_resume_is_byte_identical(
     assert files(out) == whole
 
 
+def test_what_a_recipe_records_does_not_depend_on_modules_loaded_before(tmp_path: Path) -> None:
+    """A file loaded where another module of its name was imported before (a notebook that
+    loaded another mine.py) was recorded as dlop_user_mine: its resume from the command
+    line, a fresh process, was refused as other code."""
+    import types
+
+    from dlop.compiler.custom.code import describe
+    from dlop.compiler.custom.loading import load_target
+
+    module = tmp_path / "mine.py"
+    module.write_text(DATA_FILE.read_text())
+    held = {name: sys.modules.pop(name, None) for name in ("mine", "dlop_user_mine")}
+    try:
+        alone = describe(load_target(f"{module}:Everything", [6], made=True), True)
+        other = types.ModuleType("mine")
+        other.__file__ = str(tmp_path / "elsewhere" / "mine.py")
+        sys.modules["mine"] = other
+        target = load_target(f"{module}:Everything", [6], made=True)
+        assert type(target).__module__ == "dlop_user_mine"  # the other is not shadowed
+        assert sys.modules["mine"] is other
+        assert describe(target, True) == alone
+        assert alone["module"] == "mine" and "mine" in alone["sources"]
+    finally:
+        for name, was in held.items():
+            sys.modules.pop(name, None)
+            if was is not None:
+                sys.modules[name] = was
+
+
 def test_resume_refuses_changed_code_or_arguments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
