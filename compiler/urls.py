@@ -1,27 +1,27 @@
-"""Object storage for SOURCE and OUT: fsspec URLs (``s3://``, ``gs://``, ``https://``).
+"""SOURCE and OUT at fsspec URLs (``s3://``, ``gs://``, ``https://``), over the one
+storage interface (formats.storage): every listing, question and byte below goes
+through a ``Storage`` opened once, with its retries and checks.
 
-A local path (or a ``file://`` URL, which ``local_path`` turns into one) never
-comes here: the local compile stays on plain files. For a URL:
+A local path (or a ``file://`` URL, which ``formats.urls.local_path`` turns into
+one) never comes here: the local compile stays on plain files. For a URL:
 
-- ``filesystem(url, options)`` is the fsspec filesystem and the path inside it.
-  Credentials and endpoints come from the usual environment (for S3-compatible
-  servers ``AWS_ENDPOINT_URL``) or from ``--storage-option key=value`` pairs
-  (``parse_storage_options``); a missing backend is a CompileError naming the
-  extra to install.
 - ``url_path(url, options)`` is the path the layouts list through: a
   ``pathlib.Path`` subclass (``UrlPath``) whose ``/``, ``name``, ``stem``,
   ``suffix``, ``parent``, ``relative_to`` are the usual ones and whose
   ``exists``, ``is_file``, ``is_dir``, ``iterdir``, ``glob``, ``open``,
-  ``read_bytes`` and ``stat`` ask the filesystem. A folder is listed once, whole,
+  ``read_bytes`` and ``stat`` ask its storage. A folder is listed once, whole,
   with its sizes (one paginated bucket listing), and every later question below
   it is answered from that listing: no per-file round trips. ``str()`` gives the
   URL back. It has no ``os.fspath``: passing one to ``open()`` or ``os.walk``
   raises instead of touching a local path of the same name. ``compiler.corpus.listing``
   (walk_files, subfolders, read_bytes, file_size, like) dispatches on it, so a
   layout written against those helpers and the Path methods above lists URLs too.
-  HTTP(S) cannot be listed: an ``https://`` SOURCE is one manifest or tar (or a
-  brace pattern of tars), and its inputs' sizes are not asked (the fingerprint is
-  the manifest's or the tars' names and sizes).
+  A storage that cannot list (``Storage.lists`` false: HTTP) holds one manifest or
+  tar (or a brace pattern of tars) as SOURCE, and its inputs' sizes are not asked
+  (the fingerprint is the manifest's or the tars' names and sizes).
+- Credentials and endpoints come from the usual environment (for S3-compatible
+  servers ``AWS_ENDPOINT_URL``) or from ``--storage-option key=value`` pairs
+  (``parse_storage_options``); a missing backend is a StorageError naming the extra.
 - ``fetch_inputs(items, options)`` gives a worker the bytes of URL inputs (and of
   their masks) as ``Item.fetched``, for decode to read from memory.
 - OUT, local or a URL, is a storage (compiler.output.store over formats.storage).
@@ -34,27 +34,18 @@ import io
 import json
 import os
 import stat
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path, PosixPath
 from typing import Any, TypeVar
 
-from dlop.formats import storage, urls
-from dlop.formats.storage import DEFAULT_RETRY, Retry
+from dlop.formats import DlopError, storage
 from dlop.formats.urls import is_url as is_url
 from dlop.formats.urls import scheme as scheme
 
 from .errors import CompileError
 
-UNLISTABLE = ("http", "https")
 # One input fetched into a worker's memory; a larger one is a bad input.
 MAX_FETCH_BYTES = 4 << 30
-
-
-def local_path(text: str) -> str:
-    """A ``file://`` URL as the local path it names; anything else unchanged."""
-    if scheme(text) == "file":
-        return text[len("file://") :] or "/"
-    return text
 
 
 def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -74,14 +65,6 @@ def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     return options
 
 
-def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """(the fsspec filesystem, the path inside it) for ``url`` (formats.urls)."""
-    try:
-        return urls.filesystem(url, storage_options)
-    except urls.StorageError as e:
-        raise CompileError(str(e)) from None
-
-
 T = TypeVar("T")
 
 
@@ -89,40 +72,23 @@ T = TypeVar("T")
 
 
 class _Tree:
-    """One filesystem and what its listings said: each folder is listed at most once, whole.
+    """One storage (formats.storage, names as whole filesystem paths) and what its
+    listings said: each folder is listed at most once, whole.
 
-    ``fs`` streams objects (``UrlPath.open``: its client's own retries stay on); questions
-    (listings, sizes, small reads) go to ``lister``, whose client tries once, through the
-    retry policy every storage read follows (formats.storage)."""
+    Questions (listings, sizes, small reads) go through the storage, so through the
+    retry policy every storage read follows; ``open`` streams an object through its
+    filesystem."""
 
-    def __init__(self, fs: Any, url_scheme: str, lister: Any, retry: Retry = DEFAULT_RETRY) -> None:
-        self.fs = fs
-        self.lister = lister
-        self.retry = retry
+    def __init__(self, store: storage.FsspecStorage, url_scheme: str) -> None:
+        self.store = store
         self.scheme = url_scheme  # "s3"
-        self.listable = url_scheme not in UNLISTABLE
+        self.listable = store.lists
         self.entries: dict[str, dict[str, Any]] = {}  # fs path -> {"type", "size"}
         self.listed: list[str] = []  # folders whose whole subtree is in entries
 
     def fs_path(self, path: PosixPath) -> str:
         text = PosixPath.__str__(path)[1:]  # "/bucket/key" -> "bucket/key"
         return f"{self.scheme}://{text}" if not self.listable else text
-
-    def url(self, p: str) -> str:
-        return p if not self.listable else f"{self.scheme}://{p}"
-
-    def ask(self, p: str, call: Callable[[], T]) -> T:
-        """``call()``, a request about ``p``, tried again through passing faults:
-        FileNotFoundError passes (the object is not there); any other failure that
-        outlasts the retries (a refused connection, a timeout, an unknown bucket, the
-        storage client's own errors) is a CompileError naming the URL."""
-        url = self.url(p)
-        try:
-            return storage.retrying(call, url, url, self.retry)
-        except storage.FetchError as e:
-            if isinstance(e.cause, FileNotFoundError):
-                raise e.cause from None
-            raise CompileError(urls.storage_failure(url, e)) from None
 
     def _covered(self, p: str) -> bool:
         return any(p == f or p.startswith(f + "/") for f in self.listed)
@@ -131,14 +97,8 @@ class _Tree:
         """Lists folder ``p`` whole (sizes included), once."""
         if not self.listable or self._covered(p):
             return
-        try:
-            found = self.ask(p, lambda: self.lister.find(p, withdirs=True, detail=True))
-        except FileNotFoundError:
-            found = {}
-        for name, info in found.items():
-            name = name.rstrip("/")
-            kind = "directory" if info.get("type") == "directory" else "file"
-            self.entries[name] = {"type": kind, "size": int(info.get("size") or 0)}
+        found = self.store.below(p)
+        self.entries.update(found)
         if found:
             self.entries.setdefault(p, {"type": "directory", "size": 0})
         self.listed.append(p)
@@ -148,16 +108,11 @@ class _Tree:
             return self.entries.get(p)
         if p in self.entries:
             return self.entries[p]
-        try:
-            info = self.ask(p, lambda: self.lister.info(p))
-        except FileNotFoundError:
-            if self.ask(p, lambda: urls.confirm_missing(self.lister, p)):
-                return None
-            info = {"type": "file", "size": 0}  # there, though its size was not told
-        kind = "directory" if info.get("type") == "directory" else "file"
-        got = {"type": kind, "size": int(info.get("size") or 0)}
+        got = self.store.info(p)
+        if got is None:
+            return None
         self.entries[p] = got
-        if kind == "directory":
+        if got["type"] == "directory":
             self.list_folder(p)
         return got
 
@@ -260,18 +215,18 @@ class UrlPath(PosixPath):
     ) -> Any:
         if mode not in ("r", "rb"):
             raise CompileError(f"{self}: URLs are read only (asked to open it with mode {mode!r})")
-        handle = self._tree.fs.open(self.fs_path, "rb")
+        handle = self._tree.store.open_read(self.fs_path)
         if mode == "rb":
             return handle
         return io.TextIOWrapper(handle, encoding=encoding, errors=errors, newline=newline)
 
     def read_bytes(self) -> bytes:
-        p = self.fs_path
         try:
-            data: bytes = self._tree.ask(p, lambda: self._tree.lister.cat_file(p))
-        except FileNotFoundError:
-            raise FileNotFoundError(2, "no such object", str(self)) from None
-        return data
+            return self._tree.store.fetch(self.fs_path, what=str(self))
+        except storage.FetchError as e:
+            if isinstance(e.cause, FileNotFoundError):
+                raise FileNotFoundError(2, "no such object", str(self)) from None
+            raise
 
     def with_url(self, url: str) -> UrlPath:
         """Another URL on the same filesystem, as a path."""
@@ -285,9 +240,9 @@ def _make(cls: type[UrlPath], url: str) -> UrlPath:
 
 def url_path(url: str, storage_options: dict[str, Any] | None = None) -> UrlPath:
     """``url`` as a path the layouts can list (see the module docstring)."""
-    fs, _ = filesystem(url, storage_options)
-    lister = storage.retry_here(filesystem(url, storage_options)[0], storage_options)
-    tree = _Tree(fs, scheme(url) or "", lister)
+    store = storage.open_storage(url, storage_options, names="urls")
+    assert isinstance(store, storage.FsspecStorage)
+    tree = _Tree(store, scheme(url) or "")
     # Paths made from this one (/, parent, relative_to) share its class, so its tree.
     cls = type("UrlPath", (UrlPath,), {"_tree": tree})
     return _make(cls, url)
@@ -306,23 +261,6 @@ def size_of(path: str, like: Path) -> int:
 # -- input bytes for a worker ---------------------------------------------------------------
 
 
-def fetch_bytes(
-    fs: Any, url: str, cap: int = MAX_FETCH_BYTES, retry: Retry = DEFAULT_RETRY
-) -> bytes:
-    """The whole object at ``url`` (at most ``cap`` bytes), as many bytes as the storage
-    says it holds, tried again through passing faults as the runtime's fetches are
-    (formats.storage); FetchError when no try succeeded (its ``cause`` FileNotFoundError
-    for a missing object), CompileError when the object is over the cap."""
-    try:
-        return storage.FsspecStorage(fs, None, url).fetch(url, cap=cap, retry=retry)
-    except storage.TooLargeError:
-        raise _too_large(url, cap) from None
-
-
-def _too_large(url: str, cap: int) -> CompileError:
-    return CompileError(f"{url}: larger than the {cap}-byte cap on one input read into memory")
-
-
 def fetch_inputs(
     items: Sequence[Any],
     storage_options: dict[str, Any] | None = None,
@@ -330,7 +268,7 @@ def fetch_inputs(
 ) -> None:
     """Fills ``Item.fetched`` with the bytes of every URL an item reads (its input and its
     masks), so decode reads them from memory; a URL that cannot be read makes the item a
-    bad input naming why. Local items are left alone. ``systems`` (scheme -> filesystem)
+    bad input naming why. Local items are left alone. ``systems`` (scheme -> storage)
     is filled and reused across calls when given: a new S3 client costs more than a
     chunk's fetches."""
     systems = {} if systems is None else systems
@@ -338,21 +276,22 @@ def fetch_inputs(
         if item.error is not None:
             continue
         wanted = [item.path, *(item.masks or {}).values()]
-        urls = [u for u in wanted if u is not None and is_url(u)]
-        if not urls:
+        remote = [u for u in wanted if u is not None and is_url(u)]
+        if not remote:
             continue
         fetched: dict[str, bytes] = {}
-        for url in urls:
+        for url in remote:
             proto = scheme(url) or ""
             if proto not in systems:
-                fs = filesystem(url, storage_options)[0]
-                systems[proto] = storage.retry_here(fs, storage_options)
+                systems[proto] = storage.open_storage(url, storage_options, names="urls")
             try:
-                fetched[url] = fetch_bytes(systems[proto], url)
+                fetched[url] = systems[proto].fetch(url, cap=MAX_FETCH_BYTES)
+            except storage.TooLargeError:
+                item.error = f"{url}: larger than the {MAX_FETCH_BYTES}-byte cap on one input read into memory"
             except storage.FetchError as e:
                 missing = isinstance(e.cause, FileNotFoundError)
                 item.error = f"{url}: no such object" if missing else f"{url}: cannot be read ({e})"
-            except (OSError, CompileError) as e:
+            except (OSError, DlopError) as e:
                 item.error = f"{url}: cannot be read ({e})"
             if item.error is not None:
                 break

@@ -15,7 +15,7 @@ from .archive import (
 )
 from .codecs import Codec, Raw, Zstd, codec_from_json, parse_codec
 from .constants import ALIGNMENT, ERRORS_NAME, FORMAT_VERSION, INDEX_NAME
-from .errors import ChecksumError, DlopError, FormatError, SchemaError
+from .errors import ChecksumError, DlopError, FormatError, SchemaError, StorageError
 from .reader import BlockCache, Problem, ShardReader
 from .schema import Field
 from .units import UnitTable, num_units, unit_shard_name
@@ -41,6 +41,7 @@ __all__ = [
     "ShardInfo",
     "ShardReader",
     "ShardWriter",
+    "StorageError",
     "UnitTable",
     "Zstd",
     "codec_from_json",

@@ -26,3 +26,9 @@ class ChecksumError(FormatError):
 
 class SchemaError(DlopError, ValueError):
     """A field definition or a sample does not fit the schema."""
+
+
+class StorageError(DlopError):
+    """Storage that could not be read or written as asked: a URL no installed fsspec
+    backend opens, options that do not fit it, or a read that failed every try (the
+    message names the URL and each try's reason)."""

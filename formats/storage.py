@@ -11,8 +11,14 @@ inputs and OUT, the runtime's shard fetches into the node-local cache and
 A read is tried again after a failure that a new try can get past (a timeout, a
 reset or dropped connection, a 5xx or SlowDown answer, a short or corrupt body),
 with backoff, and accepted only once its bytes pass the caller's check (a
-length, a CRC-32 the index records): ``fetch`` is that loop. Each caller turns
-``StorageError`` into its own error type.
+length, a CRC-32 the index records): ``fetch`` is that loop. Its errors are
+``StorageError``s (a ``DlopError``) naming the URL; callers add context to the
+message where they have some, not a type of their own.
+
+A location becomes a storage once, where it enters the program (a command-line
+argument, a Python call): ``open_storage``. What a storage can do is stated on
+it, not inferred from its scheme: ``lists`` (an HTTP server cannot list),
+``writes``.
 
 Nothing here starts a thread (the runtime brings its own for parallel parts).
 """
@@ -20,19 +26,21 @@ Nothing here starts a thread (the runtime brings its own for parallel parts).
 from __future__ import annotations
 
 import contextlib
+import functools
+import io
 import itertools
 import os
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from . import urls
 from .crc import crc32 as crc_of
+from .errors import StorageError
 from .files import atomic_write
-from .urls import StorageError
 
 T = TypeVar("T")
 
@@ -192,8 +200,9 @@ def retrying(
             retry.pause(attempt)
     raise FetchError(
         f"{what}: {path} failed {retry.attempts} times; last: {reasons[-1]} "
-        f"(all: {'; '.join(reasons)[:1500]}); check the storage and the network, or "
-        "recompile the archive if the object itself is damaged"
+        f"(all: {'; '.join(reasons)[:1500]}); check the URL, the endpoint and the network "
+        "(timeouts: DLOP_CONNECT_TIMEOUT, DLOP_READ_TIMEOUT), or the object itself if its "
+        "bytes are damaged"
     )
 
 
@@ -231,6 +240,8 @@ class Storage:
     messages. Subclasses read one try (``read_once``) and write, list and delete."""
 
     url: str
+    lists = True  # sizes() and listing below a folder work
+    writes = True  # write, put and delete work
 
     def name_url(self, name: str) -> str:
         return join_name(self.url, name)
@@ -282,7 +293,28 @@ class Storage:
                 return f"got {len(data)} bytes of the {said} it holds (truncated transfer?)"
             return None if check is None else check(data)
 
-        return fetch(read, whole, what, self.name_url(name), retry, give_up=(TooLargeError,))
+        with self.missing_confirmed(name):
+            return fetch(read, whole, what, self.name_url(name), retry, give_up=(TooLargeError,))
+
+    @contextlib.contextmanager
+    def missing_confirmed(self, name: str) -> Iterator[None]:
+        """Runs the block; a FetchError that says ``name`` is missing passes only once the
+        storage confirms it (``confirm_missing``)."""
+        try:
+            yield
+        except FetchError as e:
+            if isinstance(e.cause, FileNotFoundError) and not self.confirm_missing(name):
+                raise StorageError(
+                    f"{self.name_url(name)}: the storage said it is missing, then that it is there"
+                ) from None
+            raise
+
+    def confirm_missing(self, name: str) -> bool:
+        """After a request was told ``name`` is not there: True when it is indeed missing,
+        False when it is there after all. Where the storage reports every failure as a
+        missing object (fsspec's HTTP does: a refused connection, a timeout), the real
+        failure is found by asking for one byte, and raised as StorageError."""
+        return True
 
     def fetch_range(
         self,
@@ -329,7 +361,8 @@ class Storage:
                     copied += len(part)
             return copied
 
-        return retrying(once, what or self.name_url(name), self.name_url(name), retry)
+        with self.missing_confirmed(name):
+            return retrying(once, what or self.name_url(name), self.name_url(name), retry)
 
     def write(self, name: str, data: bytes) -> None:
         """Publishes ``data`` as ``name``, whole or not at all."""
@@ -400,6 +433,38 @@ class LocalStorage(Storage):
                 os.close(fd)
 
 
+class MemoryStorage(Storage):
+    """Objects held in this process's memory (a dict of name -> bytes): a storage for
+    tests, with every capability, whose reads never fail of themselves."""
+
+    def __init__(self, url: str = "mem://") -> None:
+        self.url = url
+        self.objects: dict[str, bytes] = {}
+
+    def read_once(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        try:
+            data = self.objects[name]
+        except KeyError:
+            raise FileNotFoundError(2, "no such object", self.name_url(name)) from None
+        return data[start or 0 : end]
+
+    def open_read(self, name: str) -> IO[bytes]:
+        return io.BytesIO(self.read_once(name))
+
+    def write(self, name: str, data: bytes) -> None:
+        self.objects[name] = bytes(data)
+
+    def put(self, local: Path, name: str) -> None:
+        self.objects[name] = local.read_bytes()
+        local.unlink(missing_ok=True)
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        return {n: len(d) for n, d in self.objects.items() if n.startswith(prefix)}
+
+    def delete(self, name: str) -> None:
+        self.objects.pop(name, None)
+
+
 class TooLargeError(StorageError):
     """An object over the cap its reader set (``Storage.fetch(cap=...)``)."""
 
@@ -409,13 +474,67 @@ class FsspecStorage(Storage):
     appears only once its PUT completes), a listing of the whole prefix. ``root`` None
     takes names as whole URLs of ``fs`` (a corpus's inputs)."""
 
-    def __init__(self, fs: Any, root: str | None, url: str) -> None:
+    def __init__(
+        self, fs: Any, root: str | None, url: str, streams: Callable[[], Any] | None = None
+    ) -> None:
         self.fs = fs
         self.root = None if root is None else root.rstrip("/")
         self.url = url
+        http = urls.scheme(url) in urls.HTTP
+        self.lists = self.writes = not http
+        # open_read streams through a filesystem whose client keeps its own retries (a
+        # stream cannot be tried again whole), made on first use
+        self._streams = streams
+        self._stream_fs: Any = None if streams is not None else fs
+
+    def confirm_missing(self, name: str) -> bool:
+        if urls.scheme(self.name_url(name)) not in urls.HTTP:
+            return True
+        try:
+            self.fs.cat_file(self.path(name), start=0, end=1)
+        except FileNotFoundError:
+            return True
+        except Exception as e:  # the failure the missing object stood for
+            raise StorageError(urls.storage_failure(self.name_url(name), e)) from None
+        return False
+
+    def info(self, name: str) -> dict[str, Any] | None:
+        """``name``'s kind ("file" or "directory") and size (one request, tried again as a
+        read is), None when it is not there."""
+        url = self.name_url(name)
+        try:
+            return _entry(retrying(lambda: self.fs.info(self.path(name)), "looking it up", url))
+        except FetchError as e:
+            if not isinstance(e.cause, FileNotFoundError):
+                raise
+        # there after all: a server that answers reads but not questions about size
+        return None if self.confirm_missing(name) else {"type": "file", "size": 0}
+
+    def below(self, folder: str) -> dict[str, dict[str, Any]]:
+        """Every object and folder below ``folder`` (names as ``path`` gives them), with its
+        kind and size, from one paginated listing; empty when nothing is there."""
+        where = self.path(folder)
+        try:
+            found = retrying(
+                lambda: self.fs.find(where, withdirs=True, detail=True),
+                "listing",
+                self.name_url(folder),
+            )
+        except FetchError as e:
+            if isinstance(e.cause, FileNotFoundError):
+                return {}
+            raise
+        return {name.rstrip("/"): _entry(info) for name, info in found.items()}
 
     def path(self, name: str) -> str:
         return name if self.root is None else join_name(self.root, name)
+
+    def name_url(self, name: str) -> str:
+        if self.root is not None:
+            return join_name(self.url, name)
+        if urls.scheme(name) is None:  # a path of the filesystem: "bucket/key"
+            return f"{urls.scheme(self.url)}://{name}"
+        return name
 
     def read_once(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         data = bytes(self.fs.cat_file(self.path(name), start=start, end=end))
@@ -437,7 +556,9 @@ class FsspecStorage(Storage):
             return bytes(f.read(cap + 1)), said
 
     def open_read(self, name: str) -> IO[bytes]:
-        f: IO[bytes] = self.fs.open(self.path(name), "rb")
+        if self._stream_fs is None and self._streams is not None:
+            self._stream_fs = self._streams()
+        f: IO[bytes] = self._stream_fs.open(self.path(name), "rb")
         return f
 
     def write(self, name: str, data: bytes) -> None:
@@ -453,10 +574,15 @@ class FsspecStorage(Storage):
         self.fs.invalidate_cache()
         root = self.path("")
         folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        where = self.path(folder) if folder else root
         try:
-            found = self.fs.find(self.path(folder) if folder else root, detail=True)
-        except FileNotFoundError:
-            return {}
+            found = retrying(
+                lambda: self.fs.find(where, detail=True), "listing", self.name_url(folder)
+            )
+        except FetchError as e:
+            if isinstance(e.cause, FileNotFoundError):
+                return {}
+            raise
         out = {}
         for p, info in found.items():
             name = p[len(root) + 1 :] if p.startswith(root + "/") else None
@@ -476,8 +602,34 @@ class FsspecStorage(Storage):
             self.fs.rm_file(self.path(name))
 
 
-def open_url(url: str, storage_options: Mapping[str, Any] | None = None) -> FsspecStorage:
-    """The storage at ``url`` (formats.urls.filesystem: timeouts set, StorageError when
-    the backend is missing), its client's own retries cut to one (``retry_here``)."""
-    fs, root = urls.filesystem(url, storage_options)
-    return FsspecStorage(retry_here(fs, storage_options), root, url)
+def _entry(info: Mapping[str, Any]) -> dict[str, Any]:
+    kind = "directory" if info.get("type") == "directory" else "file"
+    size = info.get("size")
+    ok = isinstance(size, int) and not isinstance(size, bool)
+    return {"type": kind, "size": size if ok else 0}
+
+
+def open_storage(
+    location: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    names: str = "relative",
+) -> Storage:
+    """The storage at ``location``: a LocalStorage for a local path or ``file://`` URL,
+    an FsspecStorage for any other URL (formats.urls.filesystem: timeouts set,
+    StorageError when the backend is missing), its client's own retries cut to one
+    (``retry_here``). With ``names="urls"`` a URL storage takes whole URLs on its
+    filesystem as names (a corpus's inputs, wherever they lie)."""
+    text = os.fspath(location)
+    if not urls.is_url(text):
+        return LocalStorage(urls.local_path(text))
+    fs, root = urls.filesystem(text, storage_options)
+    streams = None
+    if "retries" not in (storage_options or {}) and hasattr(fs, "retries"):
+        streams = functools.partial(_stream_fs, text, storage_options)
+    named = None if names == "urls" else root
+    return FsspecStorage(retry_here(fs, storage_options), named, text, streams)
+
+
+def _stream_fs(url: str, storage_options: Mapping[str, Any] | None) -> Any:
+    return urls.filesystem(url, storage_options)[0]

@@ -21,9 +21,10 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import DlopError
+from .errors import StorageError
 from .extras import install_hint
 
+HTTP = ("http", "https")  # schemes whose servers cannot list or write
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 # The extra that installs each protocol's fsspec backend.
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
@@ -32,10 +33,6 @@ EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "h
 CONNECT_S = 10.0  # seconds to open a connection
 READ_S = 30.0  # seconds a read may receive nothing
 TIMEOUT_ENV = {"connect": "DLOP_CONNECT_TIMEOUT", "read": "DLOP_READ_TIMEOUT"}
-
-
-class StorageError(DlopError):
-    """A URL no installed fsspec backend opens, or storage options that do not fit it."""
 
 
 def env_number(name: str, default: float, ok: Callable[[float], bool], want: str) -> float:
@@ -102,6 +99,13 @@ def is_url(text: object) -> bool:
     return found is not None and found != "file"
 
 
+def local_path(text: str) -> str:
+    """A ``file://`` URL as the local path it names; anything else unchanged."""
+    if scheme(text) == "file":
+        return text[len("file://") :] or "/"
+    return text
+
+
 def missing_extra(proto: str, e: BaseException) -> str:
     """What to tell a user whose fsspec has no backend for ``proto``."""
     extra = EXTRAS.get(proto)
@@ -116,21 +120,6 @@ def storage_failure(url: str, e: BaseException) -> str:
         f"{url}: the storage did not answer as asked ({type(e).__name__}: {e}); check the "
         "URL, the endpoint and the network (timeouts: DLOP_CONNECT_TIMEOUT, DLOP_READ_TIMEOUT)"
     )
-
-
-def confirm_missing(fs: Any, path: str) -> bool:
-    """After ``fs`` said ``path`` is not there (FileNotFoundError): True when it is indeed
-    missing, False when it is there after all; the real failure is raised where the
-    backend reports every failure as missing (fsspec's HTTP info does, a refused
-    connection or a timeout included), found by asking for one byte of it."""
-    protocol = getattr(fs, "protocol", ())
-    if "http" not in (protocol if isinstance(protocol, tuple | list) else (protocol,)):
-        return True
-    try:
-        fs.cat_file(path, start=0, end=1)
-    except FileNotFoundError:
-        return True
-    return False
 
 
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:

@@ -51,7 +51,13 @@ if TYPE_CHECKING:
     from .archive.dataset import Archive
     from .archive.opening import count_selected, open_archive
     from .batch import Batch, batch_as_is
-    from .errors import LoaderError, SampleIndexError, ShardChangedError, UsageError, UsageTypeError
+    from .errors import (
+        LoaderError,
+        SampleIndexError,
+        ShardChangedError,
+        UsageError,
+        UsageTypeError,
+    )
     from .iterable import IterableArchive
     from .loader import Loader
     from .order.epochs import OrderSpec, epoch_order, rank_batches

@@ -31,13 +31,6 @@ class LoaderError(DlopError):
     not allocate), raised in the training loop naming the archive, batch and epoch."""
 
 
-class FetchFailed(LoaderError):
-    """Every attempt to fetch a shard failed, or it was refused in a way no retry changes:
-    for a while the node's other processes take this as their answer too
-    (runtime.storage.cache ``record_failure``) instead of waiting through the attempts
-    again."""
-
-
 class ShardChangedError(DlopError):
     """A shard file shrank after the archive mapped it: reading its mapped pages past
     the new end would kill the process (SIGBUS), so the read is refused."""

@@ -29,9 +29,10 @@ from dlop.compiler.recipe import (
     build_recipe,
     load_recipe_file,
 )
-from dlop.compiler.urls import local_path, parse_storage_options
+from dlop.compiler.urls import parse_storage_options
 from dlop.compiler.vision import options as vision
 from dlop.formats import DlopError
+from dlop.formats.urls import local_path
 from dlop.tools.output import exit_now, redacted_output
 
 

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from dlop.compiler.urls import is_url, local_path, parse_storage_options
+from dlop.compiler.urls import is_url, parse_storage_options
 from dlop.formats import (
     ERRORS_NAME,
     INDEX_NAME,
@@ -33,7 +33,7 @@ from dlop.formats import (
 )
 from dlop.formats.archive import read_index
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
-from dlop.formats.urls import StorageError, confirm_missing, storage_failure
+from dlop.formats.urls import local_path
 
 from . import cache_cli
 from .output import exit_now, redacted_output
@@ -207,7 +207,7 @@ FETCH_CHUNK = 8 << 20  # what one fetch holds in memory at a time
 
 
 def _fetch_into(
-    store: storage.FsspecStorage, name: str, folder: Path, cap: int, *, exact: bool = False
+    store: storage.Storage, name: str, folder: Path, cap: int, *, exact: bool = False
 ) -> None:
     """OUT/name into folder/name, copied in chunks through the storage's retrying
     download, at most ``cap`` bytes. A shard (``exact``) is fetched up to one byte more
@@ -218,15 +218,9 @@ def _fetch_into(
         copied = store.download(name, folder / name, cap + 1, chunk=FETCH_CHUNK)
     except storage.FetchError as e:
         (folder / name).unlink(missing_ok=True)
-        if not isinstance(e.cause, FileNotFoundError):
-            raise DlopError(str(e)) from None
-        try:
-            missing = confirm_missing(store.fs, store.path(name))
-        except Exception as e:  # the storage clients' errors share no base class
-            raise DlopError(storage_failure(where, e)) from None
-        if missing:
+        if isinstance(e.cause, FileNotFoundError):
             return  # the reader reports the missing file where it needs it
-        raise DlopError(f"{where}: the storage says it is missing, yet serves it") from None
+        raise
     if copied > cap and not exact:
         raise DlopError(
             f"{where}: larger than its {cap}-byte cap (SPEC.md §8); not a dlop archive's {name}"
@@ -238,10 +232,7 @@ def fetch_archive(
 ) -> None:
     """The archive at ``url`` into ``folder``: index.json (validated before anything else is
     fetched), errors.jsonl and the shards numbered in ``shards`` (all when None)."""
-    try:
-        store = storage.open_url(url.rstrip("/"), options)
-    except StorageError as e:
-        raise DlopError(str(e)) from None
+    store = storage.open_storage(url.rstrip("/"), options)
     _fetch_into(store, INDEX_NAME, folder, MAX_INDEX_BYTES)
     if not (folder / INDEX_NAME).exists():
         raise DlopError(

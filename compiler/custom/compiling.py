@@ -606,30 +606,25 @@ def read_inputs(
     """A function's inputs from ``where``: a .jsonl file (one JSON value a line), or a
     folder or URL prefix whose files, sorted, are the inputs as path strings (with their
     sizes in the fingerprint)."""
-    from ..urls import is_url, local_path
+    from dlop.formats.urls import is_url, local_path
 
     where = local_path(where)  # a file:// URL is the path it names
     if where.endswith(".jsonl"):
         if is_url(where):
-            data = open_store(where.rsplit("/", 1)[0], storage_options).read(
-                where.rsplit("/", 1)[1]
-            )
-            if data is None:
+            folder, _, name = where.rpartition("/")
+            raw = open_store(folder, storage_options).read(name)
+            if raw is None:
                 raise CompileError(f"{where}: not found")
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CompileError(f"{where}: not UTF-8 text (byte {e.start})") from None
         else:
             try:
                 with open(where, "rb") as f:
                     raw = f.read()
             except OSError as e:
                 raise CompileError(f"{where}: cannot read it ({e.strerror or e})") from None
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CompileError(f"{where}: not UTF-8 text (byte {e.start})") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CompileError(f"{where}: not UTF-8 text (byte {e.start})") from None
         values = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
@@ -639,13 +634,7 @@ def read_inputs(
                     raise CompileError(f"{where}:{n}: not a JSON value ({e.msg})") from None
         return values, {}
     if is_url(where):
-        store = open_store(where, storage_options)
-        try:
-            listed = sorted(store.sizes().items())
-        except CompileError:
-            raise
-        except Exception as e:  # the storage's own (a refused connection, no such bucket)
-            raise CompileError(f"{where}: cannot list the inputs: {reason(e)}") from None
+        listed = sorted(open_store(where, storage_options).sizes().items())
         base = where.rstrip("/")
         return [f"{base}/{name}" for name, _ in listed], {
             "source": base,

@@ -76,7 +76,7 @@ def _source_folders(recipe: Recipe) -> list[tuple[Path, bool]]:
     whole (listed recursively). A file source (a manifest, a .tar, a brace pattern)
     counts as the folder holding it, which is not read whole; --images and --masks
     folders are."""
-    from ..urls import local_path
+    from dlop.formats.urls import local_path
 
     source = local_path(recipe.source)  # a file:// SOURCE is the folder it names
     if "{" in source:  # a brace pattern: the folder of the text before the first brace

@@ -107,12 +107,7 @@ class FsspecStore(storage.FsspecStorage):
     one PUT and read back through the retrying fetch; names are '/'-separated and
     relative to OUT."""
 
-    def __init__(self, out: str, storage_options: dict[str, Any] | None = None) -> None:
-        try:
-            # the client keeps its own retries here: writes have no other
-            fs, root = urls.filesystem(out, storage_options)
-        except urls.StorageError as e:
-            raise CompileError(str(e)) from None
+    def __init__(self, fs: Any, root: str, out: str) -> None:
         super().__init__(fs, root, out)
         self._staging: Path | None = None
 
@@ -134,27 +129,17 @@ class FsspecStore(storage.FsspecStorage):
             ) from None
         except storage.FetchError as e:
             if isinstance(e.cause, FileNotFoundError):
-                self._confirm_missing(name)
                 return None
-            raise CompileError(str(e)) from None
-
-    def _confirm_missing(self, name: str) -> None:
-        """Returns once the object is indeed missing: an HTTP server that could not be
-        reached is reported as missing by fsspec, and is named as what it is."""
-        url = f"{self.url}/{name}"
-        try:
-            missing = urls.confirm_missing(self.fs, self.path(name))
-        except Exception as e:  # the failure the missing object masked
-            raise CompileError(urls.storage_failure(url, e)) from None
-        if not missing:
-            raise CompileError(f"{url}: the storage said it is missing, then that it is there")
+            raise
 
     def list(self, prefix: str = "") -> list[str]:
         return sorted(self.sizes(prefix))
 
 
 def open_store(out: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:
-    """The store of OUT: a LocalStore for a local path, an FsspecStore for a URL."""
-    if urls.is_url(out):
-        return FsspecStore(os.fspath(out), storage_options)
-    return LocalStore(out)
+    """The store of OUT: a LocalStore for a local path, an FsspecStore for a URL (its
+    client keeps its own retries: writes have no other)."""
+    if not urls.is_url(out):
+        return LocalStore(out)
+    fs, root = urls.filesystem(os.fspath(out), storage_options)
+    return FsspecStore(fs, root, os.fspath(out))

@@ -33,7 +33,7 @@ def process_fetched(
     """process_items on one chunk, the bytes of its URL inputs fetched first and let go
     after it (a worker holds one chunk's input bytes at a time). An object that cannot be
     read is a bad input, recorded with the reason. The items given are not changed.
-    ``systems``: the fsspec filesystems, by scheme, that one compile's worker reuses
+    ``systems``: the storages, by scheme, that one compile's worker reuses
     across its chunks (a new S3 client costs more than a chunk's fetches)."""
     copies = [replace(item) for item in chunk]
     fetch_inputs(copies, storage_options, systems)
@@ -59,7 +59,7 @@ class Work(Protocol):
         ...
 
     def outcomes(self, chunk: list[Item], systems: dict[str, Any]) -> Iterable[Outcome]:
-        """Each input's outcome, in order. ``systems``: the fsspec filesystems one
+        """Each input's outcome, in order. ``systems``: the storages one
         worker reuses across chunks."""
         ...
 

@@ -53,9 +53,9 @@ from pathlib import Path
 
 from dlop.formats import ArchiveReader, FormatError
 from dlop.formats.crc import crc32
+from dlop.formats.storage import FetchError
 from dlop.formats.transcode import needs_transcode
 
-from ..errors import FetchFailed
 from .cache_folder import ARCHIVE_ID, BUDGET_LOCK, FOREIGN, WANTED, CacheError, archive_dirs, claim
 
 TMP_MARK = ".tmp-"
@@ -338,7 +338,7 @@ class CacheDir:
                 refuse_failed(lock, path)
                 try:
                     data = fetch()
-                except FetchFailed as e:
+                except FetchError as e:
                     record_failure(lock, e)
                     raise
                 held = self.store(path, write(data) if write is not None else data, keep=True)
@@ -415,9 +415,9 @@ class CacheDir:
 
     def abandon(self, a: Arriving, failure: BaseException | None = None) -> None:
         """Removes a shard that will not arrive whole, and lets go of its locks; a
-        ``failure`` of its fetch (FetchFailed) is first recorded for the node's other
+        ``failure`` of its fetch (FetchError) is first recorded for the node's other
         processes (``record_failure``)."""
-        if isinstance(failure, FetchFailed) and a.lock_fd >= 0:
+        if isinstance(failure, FetchError) and a.lock_fd >= 0:
             record_failure(a.path.with_name(a.path.name + LOCK_SUFFIX), failure)
         with contextlib.suppress(FileNotFoundError):
             a.tmp.unlink()
@@ -642,7 +642,7 @@ FAILURE_KEPT_S = 60.0
 FAILED_MARK = b"failed "
 
 
-class PeerFailed(FetchFailed):
+class PeerFailed(FetchError):
     """Another process on the node failed to fetch this shard moments ago (a process
     answers its own batches with its own failure until its next epoch)."""
 

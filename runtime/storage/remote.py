@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from dlop.formats import INDEX_NAME, FormatError, storage, urls
+from dlop.formats import INDEX_NAME, FormatError, storage
 from dlop.formats.constants import PREAMBLE
 from dlop.formats.header import ShardLayout, parse_header, read_preamble
 from dlop.formats.storage import DEFAULT_RETRY, Retry, Storage
 
-from ..errors import FetchFailed, LoaderError
+from ..errors import LoaderError
 
 T = TypeVar("T")
 ENV_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "FSSPEC_")
@@ -32,8 +32,8 @@ _clients_lock = threading.Lock()
 
 
 def storage_at(url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
-    """This process's storage of the archive at ``url`` (formats.storage.open_url), its
-    client made once per process, options and storage environment."""
+    """This process's storage of the archive at ``url`` (formats.storage.open_storage),
+    its client made once per process, options and storage environment."""
     options = dict(storage_options or {})
     # Clients also read their settings from the environment (AWS_ENDPOINT_URL, ...).
     env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
@@ -41,35 +41,12 @@ def storage_at(url: str, storage_options: Mapping[str, Any] | None = None) -> St
     with _clients_lock:
         got = _clients.get(key)
         if got is None:
-            try:
-                got = _clients[key] = storage.open_url(url, options)
-            except urls.StorageError as e:
-                raise FetchFailed(str(e)) from None
+            got = _clients[key] = storage.open_storage(url, options)
     return got
 
 
 # A shard's first bytes fetched to read its header: most headers fit, longer ones take a second read.
 HEAD_BYTES = 64 << 10
-
-
-def fetch_bytes(
-    store: Storage,
-    name: str,
-    size: int,
-    check: Callable[[bytes], str | None],
-    what: str,
-    retry: Retry = DEFAULT_RETRY,
-) -> bytes:
-    """Object ``name`` of ``store``, ``size`` bytes (in ranged parts fetched in parallel
-    when large), accepted once ``check(data)`` returns None (else a reason); timeouts,
-    resets, 5xx, SlowDown, truncated or corrupt data are retried with backoff, and
-    LoaderError names ``what`` and the URL when every attempt failed."""
-    try:
-        return store.fetch(
-            name, check, size=size, retry=retry, what=what, map_parts=in_parallel(retry)
-        )
-    except storage.FetchError as e:
-        raise FetchFailed(str(e)) from None
 
 
 def in_parallel(retry: Retry) -> storage.MapParts | None:
@@ -91,16 +68,6 @@ def each_span(
         return list(pool.map(read, spans))
 
 
-def fetch_range(
-    store: Storage, name: str, end: int, what: str, retry: Retry, exact: bool = True
-) -> bytes:
-    """The first ``end`` bytes of ``name`` (one ranged read a try), LoaderError as fetch_bytes."""
-    try:
-        return store.fetch_range(name, 0, end, exact=exact, retry=retry, what=what)
-    except storage.FetchError as e:
-        raise FetchFailed(str(e)) from None
-
-
 def fetch_head(
     store: Storage,
     name: str,
@@ -113,7 +80,7 @@ def fetch_head(
     ranged read of ``HEAD_BYTES``, a second when the header is longer, tried again
     while they come short or fail the header's checks (a corrupt transfer); a header
     with another CRC than ``header_crc32`` (the index's record of it, SPEC.md §6: the
-    object is not the one the index lists) is refused at once. LoaderError names
+    object is not the one the index lists) is refused at once. FetchError names
     ``what`` when every try failed."""
     url = store.name_url(name)
 
@@ -138,17 +105,15 @@ def fetch_head(
         except FormatError as e:
             raise storage.Rejected(str(e)) from None
 
-    try:
-        return storage.retrying(once, what, url, retry)
-    except storage.FetchError as e:
-        raise FetchFailed(str(e)) from None
+    return storage.retrying(once, what, url, retry)
 
 
 def fetch_index(store: Storage, url: str, max_bytes: int, retry: Retry = DEFAULT_RETRY) -> bytes:
     """The archive's ``index.json`` (bytes, at most ``max_bytes``): one ranged read of
     ``max_bytes + 1`` bytes, so an index over the cap is refused at once without being
     read whole (a server that ignores Range still sends it all)."""
-    data = fetch_range(store, INDEX_NAME, max_bytes + 1, f"{url}: index.json", retry, exact=False)
+    what = f"{url}: index.json"
+    data = store.fetch_range(INDEX_NAME, 0, max_bytes + 1, exact=False, retry=retry, what=what)
     if len(data) > max_bytes:
         raise LoaderError(
             f"{url}: index.json: {store.name_url(INDEX_NAME)} holds more than its "

@@ -52,20 +52,19 @@ import numpy as np
 from dlop.formats import ArchiveReader, Field, FormatError, ShardReader
 from dlop.formats.storage import (
     DEFAULT_RETRY,
-    FetchError,
     Retry,
     Storage,
     checker,
 )
 from dlop.formats.transcode import needs_transcode, raw_fields, transcode_bytes
 
-from ..errors import FetchFailed, LoaderError, ShardChangedError, UsageError, kept
+from ..errors import LoaderError, ShardChangedError, UsageError, kept
 from .ahead import FetchAhead
 from .arrival import Arrivals, closed
 from .cache import CacheDir, Held, close_quietly, locked
 from .cache_folder import BUDGET_LOCK
 from .pool import DaemonPool
-from .remote import fetch_bytes
+from .remote import in_parallel
 from .remote_sizes import ShardSizes
 from .source import ShardSource
 from .streamed import (
@@ -414,8 +413,6 @@ class RemoteSource(ShardSource):
 
     def note_failure(self, k: int, e: BaseException) -> BaseException:
         """Records that shard ``k`` failed (its batches raise it until the next epoch)."""
-        if isinstance(e, FetchError):
-            e = FetchFailed(str(e))
         kept(e)
         with self.lock:  # the first failure is the one to report (a later one may be its echo)
             return self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
@@ -439,7 +436,14 @@ class RemoteSource(ShardSource):
                 self.check_in_flight()
         info = self.index.shards[k]
         check = checker(info.bytes, info.crc32)
-        return fetch_bytes(self.client(), info.file, info.bytes, check, what, self.retry)
+        return self.client().fetch(
+            info.file,
+            check,
+            size=info.bytes,
+            retry=self.retry,
+            what=what,
+            map_parts=in_parallel(self.retry),
+        )
 
     def to_raw(self, path: Path) -> Callable[[bytes], bytes] | None:
         """Decodes a block-coded shard once, as it arrives: the cache keeps it raw."""

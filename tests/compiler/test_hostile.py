@@ -20,6 +20,7 @@ import torch
 from dlop.compiler import compile_dataset
 from dlop.compiler.errors import CompileError
 from dlop.compiler.faults import KILL_AT
+from dlop.formats import StorageError
 from dlop.runtime import open_archive
 
 from .hostile_data import Hostile, Misbehaving, Plain, TokenIds
@@ -385,7 +386,8 @@ def test_inputs_as_a_file_url_or_an_unreachable_prefix(
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
     closed = {"endpoint_url": "http://127.0.0.1:9"}  # nothing listens there
-    with pytest.raises(CompileError, match=r"s3://nobucket/pre: cannot list the inputs: "):
+    listing = r"listing: s3://nobucket/pre failed \d+ times; last: EndpointConnectionError"
+    with pytest.raises(StorageError, match=listing):
         compile_map(
             _length, "s3://nobucket/pre", tmp_path / "b", storage_options=closed, progress=False
         )
@@ -466,7 +468,7 @@ def test_a_refused_connection_is_named_as_such_not_as_not_found(tmp_path: Path) 
     from .test_urls import _http_server
 
     said = r"did not answer as asked.*Cannot connect"
-    with pytest.raises(CompileError, match=said) as refused:
+    with pytest.raises(StorageError, match=said) as refused:
         compile_map(_length, "http://127.0.0.1:9/x.jsonl", tmp_path / "a", progress=False)
     assert "not found" not in str(refused.value)
     (tmp_path / "site").mkdir()

@@ -21,6 +21,8 @@ from dlop.compiler.corpus.layouts import open_corpus, stream_items
 from dlop.compiler.corpus.records import Corpus, Item
 from dlop.compiler.errors import CompileError
 from dlop.compiler.output import store as output_store
+from dlop.formats import StorageError
+from dlop.formats import urls as formats_urls
 from tests.compiler.fixtures import (
     esc50_corpus,
     librispeech_corpus,
@@ -32,8 +34,8 @@ from tests.compiler.fixtures import (
 def test_urls_and_plain_paths() -> None:
     assert urls.is_url("s3://b/x") and urls.is_url("https://h/m.jsonl")
     assert not urls.is_url("/data/corpus") and not urls.is_url("file:///data/corpus")
-    assert urls.local_path("file:///data/corpus") == "/data/corpus"
-    assert urls.local_path("rel/path") == "rel/path"
+    assert formats_urls.local_path("file:///data/corpus") == "/data/corpus"
+    assert formats_urls.local_path("rel/path") == "rel/path"
 
 
 def test_storage_options_parse_json_values_and_refuse_bare_words() -> None:
@@ -55,8 +57,8 @@ def test_a_missing_backend_names_the_extra() -> None:
         import gcsfs  # noqa: F401
 
         pytest.skip("gcsfs is installed here")
-    with pytest.raises(CompileError, match=r"pip install 'dlop\[gcs\]'"):
-        urls.filesystem("gs://bucket/corpus")
+    with pytest.raises(StorageError, match=r"pip install 'dlop\[gcs\]'"):
+        urls.url_path("gs://bucket/corpus")
 
 
 def test_an_output_prefix_must_lie_apart_from_the_corpus_prefix() -> None:
@@ -100,14 +102,14 @@ class _Counting:
 @pytest.fixture
 def counting(monkeypatch: pytest.MonkeyPatch) -> list[_Counting]:
     made: list[_Counting] = []
-    real = urls.filesystem
+    real = formats_urls.filesystem
 
     def wrapped(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
         fs, path = real(url, options)
         made.append(_Counting(fs))
         return made[-1], path
 
-    monkeypatch.setattr(urls, "filesystem", wrapped)
+    monkeypatch.setattr(formats_urls, "filesystem", wrapped)
     return made
 
 
@@ -187,7 +189,7 @@ def test_workers_fetch_url_inputs_as_bytes(s3: Any, tmp_path: Path) -> None:
 
 def test_fsspec_store_publishes_reads_lists_and_deletes(s3: Any, tmp_path: Path) -> None:
     s3.make_bucket("out")
-    store = output_store.FsspecStore("s3://out/archive")
+    store = output_store.open_store("s3://out/archive")
     assert store.read("index.json") is None and store.list() == []
     staged = store.staging() / "shard.tmp"
     staged.write_bytes(b"x" * 1000)
@@ -212,7 +214,7 @@ def test_fsspec_store_reads_small_files_within_a_cap(
     s3: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s3.make_bucket("cap")
-    store = output_store.FsspecStore("s3://cap/a")
+    store = output_store.open_store("s3://cap/a")
     store.write("index.json", b"y" * 101)
     monkeypatch.setattr(output_store, "MAX_READ_BYTES", 100)
     with pytest.raises(CompileError, match="100-byte cap"):
@@ -276,24 +278,28 @@ class _Flaky:
 
 
 def test_an_input_read_is_tried_again_through_resets_and_short_bodies() -> None:
-    from dlop.formats.storage import Retry
+    from dlop.formats.storage import FsspecStorage, Retry
 
     fast = Retry(attempts=4, backoff_s=0.0)
     fs = _Flaky(b"0123456789", ["reset", "short", "reset"])
-    assert urls.fetch_bytes(fs, "s3://b/x.wav", retry=fast) == b"0123456789"
+    inputs = FsspecStorage(fs, None, "s3://")
+    assert inputs.fetch("s3://b/x.wav", cap=urls.MAX_FETCH_BYTES, retry=fast) == b"0123456789"
     assert fs.opens == 4
-    always = _Flaky(b"0123456789", ["short"] * 4)
+    always = FsspecStorage(_Flaky(b"0123456789", ["short"] * 4), None, "s3://")
     with pytest.raises(
         Exception, match=r"s3://b/x.wav failed 4 times; last: got 5 bytes of the 10"
     ):
-        urls.fetch_bytes(always, "s3://b/x.wav", retry=fast)
+        always.fetch("s3://b/x.wav", cap=urls.MAX_FETCH_BYTES, retry=fast)
     # a missing object is not tried again, and the compile records it as such
     gone = _Flaky(b"", ["missing"])
     item = Item("x", path="s3://b/gone.wav")
-    urls.fetch_inputs([item], None, {"s3": gone})
+    urls.fetch_inputs([item], None, {"s3": FsspecStorage(gone, None, "s3://")})
     assert gone.opens == 1 and item.error == "s3://b/gone.wav: no such object"
     # an object over the cap is refused at once, from the size the storage gives
     big = _Flaky(b"x" * 100, [])
-    with pytest.raises(CompileError, match="larger than the 10-byte cap"):
-        urls.fetch_bytes(big, "s3://b/big.wav", cap=10, retry=fast)
+    item = Item("big", path="s3://b/big.wav")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(urls, "MAX_FETCH_BYTES", 10)
+        urls.fetch_inputs([item], None, {"s3": FsspecStorage(big, None, "s3://")})
+    assert item.error == "s3://b/big.wav: larger than the 10-byte cap on one input read into memory"
     assert big.opens == 1

@@ -17,13 +17,31 @@ from dlop.formats.storage import FetchError, Retry, TooLargeError
 FAST = Retry(attempts=3, backoff_s=0.0, max_backoff_s=0.0)
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "fsspec", "in-memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[storage.Storage]:
     if request.param == "local":
-        yield storage.LocalStorage(tmp_path)
+        yield storage.open_storage(tmp_path)
+        return
+    if request.param == "in-memory":
+        yield storage.MemoryStorage()
         return
     pytest.importorskip("fsspec")
-    yield storage.open_url(f"memory://dlop-{uuid.uuid4().hex}/archive")
+    yield storage.open_storage(f"memory://dlop-{uuid.uuid4().hex}/archive")
+
+
+def test_a_location_is_opened_as_the_storage_it_names(tmp_path: Path) -> None:
+    assert isinstance(storage.open_storage(tmp_path), storage.LocalStorage)
+    local = storage.open_storage(f"file://{tmp_path}")
+    assert isinstance(local, storage.LocalStorage) and local.root == tmp_path
+    pytest.importorskip("fsspec")
+    remote = storage.open_storage("memory://b/archive")
+    assert isinstance(remote, storage.FsspecStorage) and remote.lists and remote.writes
+    assert remote.name_url("index.json") == "memory://b/archive/index.json"
+    whole = storage.open_storage("memory://b", names="urls")
+    assert whole.name_url("memory://b/x/y.wav") == "memory://b/x/y.wav"
+    pytest.importorskip("aiohttp")
+    http = storage.open_storage("https://example.invalid/a")
+    assert not http.lists and not http.writes  # stated, not found out by a failure
 
 
 def test_write_read_list_delete(store: storage.Storage, tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
+from dlop.formats import StorageError
 from dlop.formats.storage import ATTEMPTS, MAX_BACKOFF_S, FetchError, Retry, retrying
-from dlop.formats.urls import StorageError
 
 SHOW = """
 import json

@@ -1,5 +1,5 @@
 """formats.urls: which texts are URLs, and the fsspec filesystem of one, as the
-compiler and the runtime both use it (each with its own error type)."""
+compiler and the runtime both use it (one error type, StorageError, for both)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import contextlib
 
 import pytest
 
-from dlop.compiler.errors import CompileError
-from dlop.compiler.urls import filesystem as compiler_filesystem
-from dlop.formats import urls
-from dlop.runtime.errors import LoaderError
+from dlop.compiler.urls import url_path
+from dlop.formats import StorageError, storage, urls
 from dlop.runtime.storage.remote import storage_at
 
 
@@ -26,22 +24,19 @@ def test_memory_filesystem_and_the_path_inside() -> None:
     assert type(fs).__name__ == "MemoryFileSystem" and path.endswith("bucket/archive")
 
 
-def test_a_missing_backend_names_the_extra_in_each_callers_error() -> None:
+def test_a_missing_backend_names_the_extra_wherever_a_storage_is_opened() -> None:
     with contextlib.suppress(ImportError):
         import gcsfs  # noqa: F401
 
         pytest.skip("gcsfs is installed here")
     extra = r"gs://b/a: gs:// URLs need an fsspec backend .*pip install 'dlop\[gcs\]'"
-    with pytest.raises(urls.StorageError, match=extra):
-        urls.filesystem("gs://b/a")
-    with pytest.raises(CompileError, match=extra):
-        compiler_filesystem("gs://b/a")
-    with pytest.raises(LoaderError, match=extra):
-        storage_at("gs://b/a")
+    for opening in (urls.filesystem, storage.open_storage, url_path, storage_at):
+        with pytest.raises(StorageError, match=extra):
+            opening("gs://b/a")
 
 
 def test_an_unknown_protocol_is_refused() -> None:
-    with pytest.raises(urls.StorageError, match="nosuchproto://b/a: not a URL fsspec knows"):
+    with pytest.raises(StorageError, match="nosuchproto://b/a: not a URL fsspec knows"):
         urls.filesystem("nosuchproto://b/a")
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dlop.formats import ArchiveWriter, Field
+from dlop.formats import ArchiveWriter, Field, StorageError
 from dlop.formats.constants import CRC_PIECE_BYTES
 from dlop.formats.storage import Retry
 from dlop.runtime import IterableArchive, Loader, LoaderError
@@ -67,7 +67,7 @@ def served(batches: Any) -> tuple[int, BaseException | None]:
         for b in batches:
             check_batch(b)
             n += 1
-    except LoaderError as e:
+    except (LoaderError, StorageError) as e:  # a Loader's batch, or a DataLoader worker's
         return n, e
     return n, None
 

@@ -114,12 +114,14 @@ def test_a_fetched_shard_is_copied_in_chunks_not_read_whole(
         return f
 
     monkeypatch.setattr(inspect_cli, "FETCH_CHUNK", 64)
-    real_url = storage.open_url
+    real_storage = storage.open_storage
 
     def same_client(u: str, o: Any) -> storage.FsspecStorage:
-        return storage.FsspecStorage(fs, real_url(u, o).root, u)
+        root = real_storage(u, o)
+        assert isinstance(root, storage.FsspecStorage)
+        return storage.FsspecStorage(fs, root.root, u)
 
-    monkeypatch.setattr(storage, "open_url", same_client)
+    monkeypatch.setattr(storage, "open_storage", same_client)
     monkeypatch.setattr(fs, "open", open_counting)
     assert main(["verify", "-q", url]) == 0
     assert f"OK {url}" in capsys.readouterr().out

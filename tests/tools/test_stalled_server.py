@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
+from dlop.formats import StorageError
 from dlop.formats.urls import timeouts
 from dlop.runtime import IterableArchive, Loader, LoaderError, open_archive
 from dlop.tools import compile_cli, inspect_cli
@@ -51,9 +52,9 @@ def test_the_timeouts_come_from_the_environment(monkeypatch: pytest.MonkeyPatch)
 
 def test_open_archive_and_loader_end_on_a_silent_server(silent: str, tmp_path: Path) -> None:
     kw: dict[str, Any] = {"cache_dir": tmp_path / "c", "cache_bytes": "64MiB"}
-    with pytest.raises(LoaderError, match=f"{silent}/a"):
+    with pytest.raises(StorageError, match=f"{silent}/a"):
         open_archive(f"{silent}/a", **kw)
-    with pytest.raises(LoaderError, match=f"{silent}/a"):
+    with pytest.raises(StorageError, match=f"{silent}/a"):
         Loader(f"{silent}/a", 4, **kw)
 
 
@@ -64,7 +65,7 @@ def test_stalled_shards_end_the_loader_and_dataloader_workers(
     with pytest.raises(LoaderError, match=r"shard \d+ .*failed \d+ times"):
         next(iter(Loader(stalled_shards, 4, **kw)))
     workers = DataLoader(IterableArchive(stalled_shards, 4, **kw), batch_size=None, num_workers=1)
-    with pytest.raises(LoaderError, match=r"shard \d+ .*failed"):
+    with pytest.raises(StorageError, match=r"shard \d+ .*failed"):
         next(iter(workers))
 
 
@@ -72,7 +73,7 @@ def test_an_s3_endpoint_that_never_answers(
     silent: str, tmp_path: Path, s3_env: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     s3_env(silent)
-    with pytest.raises(LoaderError, match="s3://bucket/a"):
+    with pytest.raises(StorageError, match="s3://bucket/a"):
         open_archive("s3://bucket/a", cache_dir=tmp_path / "c", cache_bytes="64MiB")
     out = tmp_path / "out"
     assert compile_cli.main(["s3://bucket/corpus", "-o", str(out), "-q"]) == 1

@@ -43,8 +43,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dlop.formats.urls import local_path
+
 from ...errors import CompileError
-from ...urls import is_url, local_path, url_path
+from ...urls import is_url, url_path
 from ..listing import MEDIA, forget_real_paths, is_archive
 from ..records import Corpus, Item, ListOptions
 
