@@ -38,7 +38,7 @@ from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path, PosixPath
 from typing import Any, TypeVar
 
-from dlop.formats import DlopError, storage
+from dlop.formats import storage
 from dlop.formats.urls import is_url as is_url
 from dlop.formats.urls import scheme as scheme
 
@@ -215,7 +215,7 @@ class UrlPath(PosixPath):
     ) -> Any:
         if mode not in ("r", "rb"):
             raise CompileError(f"{self}: URLs are read only (asked to open it with mode {mode!r})")
-        handle = self._tree.store.open_read(self.fs_path)
+        handle = self._tree.store.open_stream(self.fs_path)
         if mode == "rb":
             return handle
         return io.TextIOWrapper(handle, encoding=encoding, errors=errors, newline=newline)
@@ -240,8 +240,7 @@ def _make(cls: type[UrlPath], url: str) -> UrlPath:
 
 def url_path(url: str, storage_options: dict[str, Any] | None = None) -> UrlPath:
     """``url`` as a path the layouts can list (see the module docstring)."""
-    store = storage.open_storage(url, storage_options, names="urls")
-    assert isinstance(store, storage.FsspecStorage)
+    store = storage.FsspecStorage.at(url, storage_options, whole_urls=True)
     tree = _Tree(store, scheme(url) or "")
     # Paths made from this one (/, parent, relative_to) share its class, so its tree.
     cls = type("UrlPath", (UrlPath,), {"_tree": tree})
@@ -267,10 +266,11 @@ def fetch_inputs(
     systems: dict[str, Any] | None = None,
 ) -> None:
     """Fills ``Item.fetched`` with the bytes of every URL an item reads (its input and its
-    masks), so decode reads them from memory; a URL that cannot be read makes the item a
-    bad input naming why. Local items are left alone. ``systems`` (scheme -> storage)
-    is filled and reused across calls when given: a new S3 client costs more than a
-    chunk's fetches."""
+    masks), so decode reads them from memory. An object that is missing, refused (no
+    permission, no ranged reads) or over the cap makes the item a bad input naming why;
+    a store that could not be reached (every try failed) raises, stopping the unit. Local
+    items are left alone. ``systems`` (scheme -> storage) is filled and reused across
+    calls when given: a new S3 client costs more than a chunk's fetches."""
     systems = {} if systems is None else systems
     for item in items:
         if item.error is not None:
@@ -283,16 +283,19 @@ def fetch_inputs(
         for url in remote:
             proto = scheme(url) or ""
             if proto not in systems:
-                systems[proto] = storage.open_storage(url, storage_options, names="urls")
+                systems[proto] = storage.open_storage(url, storage_options, whole_urls=True)
             try:
                 fetched[url] = systems[proto].fetch(url, cap=MAX_FETCH_BYTES)
             except storage.TooLargeError:
-                item.error = f"{url}: larger than the {MAX_FETCH_BYTES}-byte cap on one input read into memory"
+                item.error = (
+                    f"{url}: larger than the {MAX_FETCH_BYTES}-byte cap on one input read "
+                    "into memory"
+                )
             except storage.FetchError as e:
+                if e.cause is None:  # every try failed: the store, not the input (the unit
+                    raise  # stops, and a --resume tries it again)
                 missing = isinstance(e.cause, FileNotFoundError)
                 item.error = f"{url}: no such object" if missing else f"{url}: cannot be read ({e})"
-            except (OSError, DlopError) as e:
-                item.error = f"{url}: cannot be read ({e})"
             if item.error is not None:
                 break
         item.fetched = None if item.error is not None else fetched

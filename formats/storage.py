@@ -31,11 +31,12 @@ import io
 import itertools
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, Self, TypeVar
 
 from . import urls
 from .crc import crc32 as crc_of
@@ -181,6 +182,7 @@ def retrying(
     """``once()``, tried again after a failure as ``fetch`` describes (a ``Rejected``
     try counts as a failure with its reason)."""
     reasons: list[str] = []
+    checked_out = False  # a try's bytes arrived but failed the caller's check
     for attempt in range(retry.attempts):
         try:
             return once()
@@ -190,6 +192,7 @@ def retrying(
             raise FetchError(f"{what}: cannot read {path}: {e}", e) from None
         except Rejected as e:
             reasons.append(str(e))
+            checked_out = True
         except Exception as e:
             refused = as_permanent(e)
             if refused is not e:
@@ -201,8 +204,8 @@ def retrying(
     raise FetchError(
         f"{what}: {path} failed {retry.attempts} times; last: {reasons[-1]} "
         f"(all: {'; '.join(reasons)[:1500]}); check the URL, the endpoint and the network "
-        "(timeouts: DLOP_CONNECT_TIMEOUT, DLOP_READ_TIMEOUT), or the object itself if its "
-        "bytes are damaged"
+        "(timeouts: DLOP_CONNECT_TIMEOUT, DLOP_READ_TIMEOUT)"
+        + (", or the object itself: recompile it if its bytes are damaged" if checked_out else "")
     )
 
 
@@ -240,6 +243,7 @@ class Storage:
     messages. Subclasses read one try (``read_once``) and write, list and delete."""
 
     url: str
+    retry: Retry = DEFAULT_RETRY  # how hard a request is tried, unless a call says
     lists = True  # sizes() and listing below a folder work
     writes = True  # write, put and delete work
 
@@ -261,7 +265,7 @@ class Storage:
         check: Callable[[bytes], str | None] | None = None,
         *,
         size: int | None = None,
-        retry: Retry = DEFAULT_RETRY,
+        retry: Retry | None = None,
         what: str | None = None,
         map_parts: MapParts | None = None,
         cap: int | None = None,
@@ -273,6 +277,7 @@ class Storage:
         ``cap`` bytes is refused at once (TooLargeError). FetchError names ``what``
         (default the object's URL)."""
         what = what or self.name_url(name)
+        retry = retry or self.retry
         said: int | None = None  # the size the storage gave with the latest try
 
         def read() -> bytes:
@@ -304,7 +309,7 @@ class Storage:
             yield
         except FetchError as e:
             if isinstance(e.cause, FileNotFoundError) and not self.confirm_missing(name):
-                raise StorageError(
+                raise FetchError(
                     f"{self.name_url(name)}: the storage said it is missing, then that it is there"
                 ) from None
             raise
@@ -323,12 +328,13 @@ class Storage:
         end: int,
         *,
         exact: bool = True,
-        retry: Retry = DEFAULT_RETRY,
+        retry: Retry | None = None,
         what: str | None = None,
     ) -> bytes:
         """Bytes ``start:end`` of ``name``: exactly that many (``exact``), or at most that
         many (an object may be shorter), tried again as ``fetch`` is."""
         want = end - start
+        retry = retry or self.retry
         check = length_is(want, f"the {want} bytes from {start}") if exact else (lambda _: None)
         what = what or self.name_url(name)
         return fetch(
@@ -336,8 +342,14 @@ class Storage:
         )
 
     def open_read(self, name: str) -> IO[bytes]:
-        """``name`` opened for reading in a stream (one try)."""
+        """``name`` opened for reading in a stream, each request one try (``download``
+        tries the whole stream again)."""
         raise NotImplementedError
+
+    def open_stream(self, name: str) -> IO[bytes]:
+        """``name`` opened for reading in a stream that is read once, never tried again
+        whole (a tar read as it goes): its requests keep the client's own retries."""
+        return self.open_read(name)
 
     def download(
         self,
@@ -346,7 +358,7 @@ class Storage:
         limit: int,
         *,
         chunk: int = 8 << 20,
-        retry: Retry = DEFAULT_RETRY,
+        retry: Retry | None = None,
         what: str | None = None,
     ) -> int:
         """Copies at most ``limit`` bytes of ``name`` into the local file ``target`` a
@@ -362,7 +374,9 @@ class Storage:
             return copied
 
         with self.missing_confirmed(name):
-            return retrying(once, what or self.name_url(name), self.name_url(name), retry)
+            return retrying(
+                once, what or self.name_url(name), self.name_url(name), retry or self.retry
+            )
 
     def write(self, name: str, data: bytes) -> None:
         """Publishes ``data`` as ``name``, whole or not at all."""
@@ -470,32 +484,62 @@ class TooLargeError(StorageError):
 
 
 class FsspecStorage(Storage):
-    """Objects under an fsspec URL (``open_url`` makes one): one PUT per write (an object
+    """Objects under an fsspec URL (``at`` opens one): one PUT per write (an object
     appears only once its PUT completes), a listing of the whole prefix. ``root`` None
-    takes names as whole URLs of ``fs`` (a corpus's inputs)."""
+    takes names as whole URLs of ``fs`` (a corpus's inputs).
+
+    Two clients: ``fs``, whose own retries are cut to one, for every request the retry
+    policy here tries again (reads, questions, listings); and one that keeps its own
+    retries (``retrying``, made on first use) for what is done once: writes and streams
+    read as they go."""
 
     def __init__(
-        self, fs: Any, root: str | None, url: str, streams: Callable[[], Any] | None = None
+        self, fs: Any, root: str | None, url: str, retrying: Callable[[], Any] | None = None
     ) -> None:
         self.fs = fs
         self.root = None if root is None else root.rstrip("/")
         self.url = url
         http = urls.scheme(url) in urls.HTTP
         self.lists = self.writes = not http
-        # open_read streams through a filesystem whose client keeps its own retries (a
-        # stream cannot be tried again whole), made on first use
-        self._streams = streams
-        self._stream_fs: Any = None if streams is not None else fs
+        self._retrying = retrying
+        self._retrying_fs: Any = None if retrying is not None else fs
+        self._lock = threading.Lock()
+
+    @classmethod
+    def at(
+        cls,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        whole_urls: bool = False,
+    ) -> Self:
+        """The storage at ``url`` (formats.urls.filesystem: timeouts set, StorageError when
+        the backend is missing). ``whole_urls``: names are whole URLs on its filesystem."""
+        fs, root = urls.filesystem(url, storage_options)
+        again = None
+        if "retries" not in (storage_options or {}) and hasattr(fs, "retries"):
+            again = functools.partial(_client, url, storage_options)
+        cut = retry_here(fs, storage_options)
+        return cls(cut, None if whole_urls else root, url, again)
+
+    def client_retrying(self) -> Any:
+        """The client that keeps its own retries (made once, on first use)."""
+        with self._lock:
+            if self._retrying_fs is None and self._retrying is not None:
+                self._retrying_fs = self._retrying()
+            return self._retrying_fs
 
     def confirm_missing(self, name: str) -> bool:
         if urls.scheme(self.name_url(name)) not in urls.HTTP:
             return True
-        try:
-            self.fs.cat_file(self.path(name), start=0, end=1)
-        except FileNotFoundError:
-            return True
-        except Exception as e:  # the failure the missing object stood for
-            raise StorageError(urls.storage_failure(self.name_url(name), e)) from None
+        url = self.name_url(name)
+        try:  # one byte, asked as a read is: passing faults tried again
+            one = lambda: self.fs.cat_file(self.path(name), start=0, end=1)  # noqa: E731
+            retrying(one, url, url, self.retry)
+        except FetchError as e:
+            if isinstance(e.cause, FileNotFoundError):
+                return True
+            raise FetchError(urls.storage_failure(url, e)) from None
         return False
 
     def info(self, name: str) -> dict[str, Any] | None:
@@ -503,7 +547,10 @@ class FsspecStorage(Storage):
         read is), None when it is not there."""
         url = self.name_url(name)
         try:
-            return _entry(retrying(lambda: self.fs.info(self.path(name)), "looking it up", url))
+            asked = retrying(
+                lambda: self.fs.info(self.path(name)), "looking it up", url, self.retry
+            )
+            return _entry(asked)
         except FetchError as e:
             if not isinstance(e.cause, FileNotFoundError):
                 raise
@@ -519,6 +566,7 @@ class FsspecStorage(Storage):
                 lambda: self.fs.find(where, withdirs=True, detail=True),
                 "listing",
                 self.name_url(folder),
+                self.retry,
             )
         except FetchError as e:
             if isinstance(e.cause, FileNotFoundError):
@@ -556,16 +604,18 @@ class FsspecStorage(Storage):
             return bytes(f.read(cap + 1)), said
 
     def open_read(self, name: str) -> IO[bytes]:
-        if self._stream_fs is None and self._streams is not None:
-            self._stream_fs = self._streams()
-        f: IO[bytes] = self._stream_fs.open(self.path(name), "rb")
+        f: IO[bytes] = self.fs.open(self.path(name), "rb")
+        return f
+
+    def open_stream(self, name: str) -> IO[bytes]:
+        f: IO[bytes] = self.client_retrying().open(self.path(name), "rb")
         return f
 
     def write(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self.path(name), data)
+        self.client_retrying().pipe_file(self.path(name), data)
 
     def put(self, local: Path, name: str) -> None:
-        self.fs.put_file(os.fspath(local), self.path(name))
+        self.client_retrying().put_file(os.fspath(local), self.path(name))
         local.unlink(missing_ok=True)
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
@@ -577,7 +627,10 @@ class FsspecStorage(Storage):
         where = self.path(folder) if folder else root
         try:
             found = retrying(
-                lambda: self.fs.find(where, detail=True), "listing", self.name_url(folder)
+                lambda: self.fs.find(where, detail=True),
+                "listing",
+                self.name_url(folder),
+                self.retry,
             )
         except FetchError as e:
             if isinstance(e.cause, FileNotFoundError):
@@ -604,32 +657,28 @@ class FsspecStorage(Storage):
 
 def _entry(info: Mapping[str, Any]) -> dict[str, Any]:
     kind = "directory" if info.get("type") == "directory" else "file"
-    size = info.get("size")
-    ok = isinstance(size, int) and not isinstance(size, bool)
-    return {"type": kind, "size": size if ok else 0}
+    try:
+        size = int(info.get("size") or 0)  # some backends say it as a float or a str
+    except (TypeError, ValueError):
+        size = 0
+    return {"type": kind, "size": size}
 
 
 def open_storage(
     location: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None = None,
     *,
-    names: str = "relative",
+    whole_urls: bool = False,
 ) -> Storage:
-    """The storage at ``location``: a LocalStorage for a local path or ``file://`` URL,
-    an FsspecStorage for any other URL (formats.urls.filesystem: timeouts set,
-    StorageError when the backend is missing), its client's own retries cut to one
-    (``retry_here``). With ``names="urls"`` a URL storage takes whole URLs on its
+    """The storage at ``location``, chosen once where the location enters: a LocalStorage
+    for a local path or ``file://`` URL, an FsspecStorage for any other URL
+    (``FsspecStorage.at``). ``whole_urls``: a URL storage takes whole URLs on its
     filesystem as names (a corpus's inputs, wherever they lie)."""
     text = os.fspath(location)
     if not urls.is_url(text):
         return LocalStorage(urls.local_path(text))
-    fs, root = urls.filesystem(text, storage_options)
-    streams = None
-    if "retries" not in (storage_options or {}) and hasattr(fs, "retries"):
-        streams = functools.partial(_stream_fs, text, storage_options)
-    named = None if names == "urls" else root
-    return FsspecStorage(retry_here(fs, storage_options), named, text, streams)
+    return FsspecStorage.at(text, storage_options, whole_urls=whole_urls)
 
 
-def _stream_fs(url: str, storage_options: Mapping[str, Any] | None) -> Any:
+def _client(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     return urls.filesystem(url, storage_options)[0]

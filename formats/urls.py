@@ -2,8 +2,8 @@
 texts are URLs, and the fsspec filesystem of one.
 
 Shared by the compiler (SOURCE and OUT, compiler.urls) and the runtime (archives
-read through the shard cache, runtime.storage.remote); each turns ``StorageError`` into
-its own error type. Pure: fsspec is imported only when a filesystem is asked
+read through the shard cache, runtime.storage.remote), through formats.storage; its
+failures are ``StorageError``s whatever the caller. Pure: fsspec is imported only when a filesystem is asked
 for, and nothing here starts threads or keeps clients.
 
 No network wait is endless: every filesystem made here has a connect timeout and

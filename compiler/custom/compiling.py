@@ -39,6 +39,7 @@ from ..output.store import open_store
 from ..recipe import (
     DTYPES,
     MAX_SHARD_BYTES,
+    MAX_WORKERS,
     MIN_SHARD_BYTES,
     ON_ERROR_POLICIES,
     parse_size,
@@ -275,9 +276,10 @@ def _compile(
     if on_error not in ON_ERROR_POLICIES:
         raise CompileError(f"on_error {on_error!r} must be one of {ON_ERROR_POLICIES}")
     workers = options["workers"]
-    if workers is not None and (type(workers) is not int or workers < 1):
+    if workers is not None and (type(workers) is not int or not 1 <= workers <= MAX_WORKERS):
         raise CompileError(
-            f"workers {workers!r:.40} must be a positive int (or None: one per core)"
+            f"workers {workers!r:.40} must be an int from 1 to {MAX_WORKERS} (or None: one "
+            "per core)"
         )
     timeout = options["item_timeout"]
     if timeout is not None and (
@@ -606,15 +608,24 @@ def read_inputs(
     """A function's inputs from ``where``: a .jsonl file (one JSON value a line), or a
     folder or URL prefix whose files, sorted, are the inputs as path strings (with their
     sizes in the fingerprint)."""
+    from dlop.formats.storage import FetchError, TooLargeError, open_storage
     from dlop.formats.urls import is_url, local_path
+
+    from ..urls import MAX_FETCH_BYTES
 
     where = local_path(where)  # a file:// URL is the path it names
     if where.endswith(".jsonl"):
         if is_url(where):
-            folder, _, name = where.rpartition("/")
-            raw = open_store(folder, storage_options).read(name)
-            if raw is None:
-                raise CompileError(f"{where}: not found")
+            try:
+                raw = open_storage(where, storage_options, whole_urls=True).fetch(
+                    where, cap=MAX_FETCH_BYTES
+                )
+            except TooLargeError:
+                raise CompileError(f"{where}: larger than its {MAX_FETCH_BYTES}-byte cap") from None
+            except FetchError as e:
+                if isinstance(e.cause, FileNotFoundError):
+                    raise CompileError(f"{where}: not found") from None
+                raise
         else:
             try:
                 with open(where, "rb") as f:
@@ -634,7 +645,13 @@ def read_inputs(
                     raise CompileError(f"{where}:{n}: not a JSON value ({e.msg})") from None
         return values, {}
     if is_url(where):
-        listed = sorted(open_store(where, storage_options).sizes().items())
+        inputs = open_storage(where, storage_options)
+        if not inputs.lists:
+            raise CompileError(
+                f"{where}: this storage cannot be listed; give the inputs as a .jsonl file of "
+                "their URLs"
+            )
+        listed = sorted(inputs.sizes().items())
         base = where.rstrip("/")
         return [f"{base}/{name}" for name, _ in listed], {
             "source": base,

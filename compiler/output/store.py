@@ -107,8 +107,8 @@ class FsspecStore(storage.FsspecStorage):
     one PUT and read back through the retrying fetch; names are '/'-separated and
     relative to OUT."""
 
-    def __init__(self, fs: Any, root: str, out: str) -> None:
-        super().__init__(fs, root, out)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._staging: Path | None = None
 
     def staging(self) -> Path:
@@ -137,9 +137,14 @@ class FsspecStore(storage.FsspecStorage):
 
 
 def open_store(out: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:
-    """The store of OUT: a LocalStore for a local path, an FsspecStore for a URL (its
-    client keeps its own retries: writes have no other)."""
+    """The store of OUT: a LocalStore for a local path, an FsspecStore for a URL (reads
+    and listings tried by the retry policy, writes by the client's own retries)."""
     if not urls.is_url(out):
         return LocalStore(out)
-    fs, root = urls.filesystem(os.fspath(out), storage_options)
-    return FsspecStore(fs, root, os.fspath(out))
+    store = FsspecStore.at(os.fspath(out), storage_options)
+    if not store.writes or not store.lists:
+        raise CompileError(
+            f"{store.url}: a compile cannot write its archive there (its storage cannot "
+            "write and list objects); choose a local folder or an object store (s3://, gs://)"
+        )
+    return store

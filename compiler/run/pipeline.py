@@ -102,7 +102,7 @@ def _init_worker(
         work=work,
         spill_dir=spill_dir,
         chunks=itertools.count(),
-        systems={},  # this compile's fsspec filesystems in this worker (units.process_fetched)
+        systems={},  # this compile's storages by scheme in this worker (units.process_fetched)
     )
     gc.freeze()  # what the worker starts with is never garbage; see heap_frozen
 

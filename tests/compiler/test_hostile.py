@@ -305,9 +305,10 @@ def test_a_dataset_with_a_strange_length_is_refused_clearly(
 @pytest.mark.parametrize(
     ("option", "said"),
     [
-        ({"workers": "2"}, "workers '2' must be a positive int"),
-        ({"workers": 0}, "workers 0 must be a positive int"),
-        ({"workers": -3}, "workers -3 must be a positive int"),
+        ({"workers": "2"}, "workers '2' must be an int from 1 to 1024"),
+        ({"workers": 0}, "workers 0 must be an int from 1 to 1024"),
+        ({"workers": -3}, "workers -3 must be an int from 1 to 1024"),
+        ({"workers": 5000}, "workers 5000 must be an int from 1 to 1024"),  # as the CLI's cap
         ({"shard_bytes": 1}, "shard_bytes 1: expected 4096 bytes"),
         ({"item_timeout": 0}, "item_timeout 0 must be a positive number"),
     ],

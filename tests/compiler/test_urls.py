@@ -278,7 +278,7 @@ class _Flaky:
 
 
 def test_an_input_read_is_tried_again_through_resets_and_short_bodies() -> None:
-    from dlop.formats.storage import FsspecStorage, Retry
+    from dlop.formats.storage import FetchError, FsspecStorage, Retry
 
     fast = Retry(attempts=4, backoff_s=0.0)
     fs = _Flaky(b"0123456789", ["reset", "short", "reset"])
@@ -303,3 +303,22 @@ def test_an_input_read_is_tried_again_through_resets_and_short_bodies() -> None:
         urls.fetch_inputs([item], None, {"s3": FsspecStorage(big, None, "s3://")})
     assert item.error == "s3://b/big.wav: larger than the 10-byte cap on one input read into memory"
     assert big.opens == 1
+    # a store that cannot be reached is no input's fault: the unit stops, nothing recorded
+    down = FsspecStorage(_Flaky(b"0123456789", ["reset"] * 4), None, "s3://")
+    down.retry = fast
+    item = Item("d", path="s3://b/d.wav")
+    with pytest.raises(FetchError, match=r"s3://b/d.wav failed 4 times"):
+        urls.fetch_inputs([item], None, {"s3": down})
+    assert item.error is None and item.fetched is None
+
+
+def test_a_storage_that_cannot_list_or_write_is_refused_where_it_enters() -> None:
+    """An https:// OUT or prefix of inputs was taken as any other: fsspec "lists" an HTTP
+    folder by scraping its page for links, and cannot write at all."""
+    pytest.importorskip("aiohttp")
+    from dlop.compiler.custom.compiling import read_inputs
+
+    with pytest.raises(CompileError, match="cannot write its archive there"):
+        output_store.open_store("https://example.invalid/out")
+    with pytest.raises(CompileError, match=r"cannot be listed; give the inputs as a \.jsonl"):
+        read_inputs("https://example.invalid/inputs/")

@@ -37,7 +37,7 @@ def test_a_location_is_opened_as_the_storage_it_names(tmp_path: Path) -> None:
     remote = storage.open_storage("memory://b/archive")
     assert isinstance(remote, storage.FsspecStorage) and remote.lists and remote.writes
     assert remote.name_url("index.json") == "memory://b/archive/index.json"
-    whole = storage.open_storage("memory://b", names="urls")
+    whole = storage.open_storage("memory://b", whole_urls=True)
     assert whole.name_url("memory://b/x/y.wav") == "memory://b/x/y.wav"
     pytest.importorskip("aiohttp")
     http = storage.open_storage("https://example.invalid/a")
