@@ -1,7 +1,7 @@
 """The Loader: the runtime's stages composed, in the order the bytes move.
 
     order (runtime.order.epochs)      which samples make batch j of this epoch
-      -> source (runtime.storage.source)   the mapped shards they live in
+      -> supply (runtime.storage.supply)  the mapped shards they live in
       -> gather (runtime.gather.fields*)  indices -> a copy plan into a ring slot
       -> engine (runtime.gather.engine)   executes the plan on the copy threads
       -> ring/prefetch (runtime.pipeline.ring, runtime.pipeline.prefetch)  slots, back-pressure
@@ -315,7 +315,7 @@ class Loader:
     def close(self) -> None:
         """Stops the epoch in progress and every thread of this Loader, waiting for them;
         an archive the Loader opened itself lets go of what it holds (cached shards, their
-        descriptors and fetch threads: runtime.storage.remote_source), an open Archive
+        descriptors and fetch threads: runtime.storage.remote_supply), an open Archive
         given to it is left to its owner (``Archive.close``)."""
         owned = getattr(self, "_owns_archive", False)
         ref = getattr(self, "_active", None)

@@ -1,6 +1,6 @@
 """Several archives read as one: the paths an archive argument names and the check
-that they hold the same schema (their shards come from one LocalSource,
-runtime.storage.source).
+that they hold the same schema (their shards come from one LocalSupply,
+runtime.storage.supply).
 
 The shards of archives ``a, b, ...`` are numbered one after another, so the
 gathers (which address a list of shards by ``starts``) read across archives

@@ -19,7 +19,7 @@ from ..errors import SampleIndexError, UsageTypeError
 from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate, FieldGather, as_tensor, check_pad_value
 from ..gather.plan import CopyPlan
-from ..storage.source import LocalSource, ShardSource
+from ..storage.supply import LocalSupply, ShardSupply
 from .concat import ArchivePaths, archive_paths, check_compatible
 from .indices import batch_indices, field_names
 from .planning import held, planner, shards_of
@@ -48,7 +48,7 @@ class Archive(Dataset[dict[str, Any]]):
     ``__getitems__`` then count the selected samples only, while ``plan`` and
     ``gather`` take sample numbers of the whole (``selection[i]``).
 
-    Stages: the shards come from a source (runtime.storage.source), each field's gather
+    Stages: the shards come from a supply (runtime.storage.supply), each field's gather
     (runtime.gather.fields) turns a batch of indices into a copy plan, and the copy
     engine (runtime.gather.engine) executes it: ``plan`` and ``gather``.
     """
@@ -63,37 +63,37 @@ class Archive(Dataset[dict[str, Any]]):
         indices: Sequence[int] | np.ndarray | None = None,
         allow_recipe_mismatch: bool = False,
     ) -> None:
-        source = LocalSource(archive_paths(path), block_cache_bytes)
-        self.build(source, fields, pad_value, where, indices, allow_recipe_mismatch)
+        supply = LocalSupply(archive_paths(path), block_cache_bytes)
+        self.build(supply, fields, pad_value, where, indices, allow_recipe_mismatch)
 
     @classmethod
     def over(
         cls,
-        source: ShardSource,
+        supply: ShardSupply,
         fields: Sequence[str] | str | None = None,
         pad_value: float = 0.0,
         where: Mapping[str, Any] | None = None,
         indices: Sequence[int] | np.ndarray | None = None,
         allow_recipe_mismatch: bool = False,
     ) -> Archive:
-        """The archive whose shards come from ``source`` (runtime.storage.source)."""
+        """The archive whose shards come from ``supply`` (runtime.storage.supply)."""
         archive = cls.__new__(cls)
-        archive.build(source, fields, pad_value, where, indices, allow_recipe_mismatch)
+        archive.build(supply, fields, pad_value, where, indices, allow_recipe_mismatch)
         return archive
 
     def build(
         self,
-        source: ShardSource,
+        supply: ShardSupply,
         fields: Sequence[str] | str | None,
         pad_value: float,
         where: Mapping[str, Any] | None,
         indices: Sequence[int] | np.ndarray | None,
         allow_recipe_mismatch: bool,
     ) -> None:
-        """The archive's state over ``source``: the one way every Archive is made."""
-        self.source = source
+        """The archive's state over ``supply``: the one way every Archive is made."""
+        self.supply = supply
         # A URL stands where a local archive has its folder: messages name it.
-        self.paths = source.paths
+        self.paths = supply.paths
         self.path = self.paths[0]
         names = field_names(self.path, fields)
         self._options: dict[str, Any] = {
@@ -103,34 +103,34 @@ class Archive(Dataset[dict[str, Any]]):
             "indices": indices,
             "allow_recipe_mismatch": allow_recipe_mismatch,
         }
-        self.readers = source.readers
+        self.readers = supply.readers
         self.reader = self.readers[0]
         # archives that differ first, naming both; then a field none of them holds
         check_compatible(self.readers, names, allow_recipe_mismatch)
-        stored = list(source.fields) if names is None else names
+        stored = list(supply.fields) if names is None else names
         for reader in self.readers:
             missing = [n for n in stored if n not in reader.fields]
             if missing:
-                what = source.name if len(self.readers) == 1 else reader.directory
+                what = supply.name if len(self.readers) == 1 else reader.directory
                 raise SchemaError(
                     f"{what}: no field(s) {missing}; fields are {list(reader.fields)}"
                 )
-        self.fields: dict[str, Field] = {n: source.fields[n] for n in stored}
+        self.fields: dict[str, Field] = {n: supply.fields[n] for n in stored}
         for f in self.fields.values():
             if f.kind == "array" and f.ragged:
                 check_pad_value(f, pad_value, str(self.path))
         self.pad_value = pad_value
         # shard_sizes[k]: samples in shard k of the whole; starts: first sample of each, then the total
-        self.shard_sizes = source.shard_sizes
+        self.shard_sizes = supply.shard_sizes
         self.shard_starts = np.cumsum((0, *self.shard_sizes), dtype=np.int64)
         self.num_samples = int(self.shard_starts[-1])
         self.starts = torch.from_numpy(self.shard_starts[:-1].copy())
-        self.shards = source.shards or []  # empty when the source maps shards per batch
-        self.selection = select(source.fields, self.shards, where, indices, source.name)
-        self.planner = planner(source, self.fields, self.shard_starts, pad_value)
+        self.shards = supply.shards or []  # empty when the supply maps shards per batch
+        self.selection = select(supply.fields, self.shards, where, indices, supply.name)
+        self.planner = planner(supply, self.fields, self.shard_starts, pad_value)
         # a user's own Dataset compiled (compiler.custom): samples come back in its shape
         # when every field of it is read
-        shaped = Structure.of(source.name, self.reader.index.metadata, source.fields)
+        shaped = Structure.of(supply.name, self.reader.index.metadata, supply.fields)
         self.structure = shaped if shaped and set(shaped.names) <= set(self.fields) else None
         self.gathers: dict[str, FieldGather] = self.planner.gathers
         self._engine: CopyEngine | None = None
@@ -161,7 +161,7 @@ class Archive(Dataset[dict[str, Any]]):
             raise SampleIndexError(f"{self.path}: sample {i} out of range 0..{n - 1} (or -{n}..-1)")
         i = i + n if i < 0 else i
         g = i if self.selection is None else int(self.selection[i])
-        if self.source.shards is None:  # mapped per batch: copies, not views of a mapping
+        if self.supply.shards is None:  # mapped per batch: copies, not views of a mapping
             batch = self.gather(torch.tensor([g]))
             one = {name: batch[name][0] for name in self.fields}  # one sample: no padding
             return one if self.structure is None else self.structure.sample(one)
@@ -204,8 +204,8 @@ class Archive(Dataset[dict[str, Any]]):
 
     def check_shards(self, shards: Sequence[int] | np.ndarray) -> None:
         """Raises ShardChangedError when a shard among ``shards`` (numbers) has shrunk
-        since it was mapped (see runtime.storage.source.LocalSource.check)."""
-        self.source.check(shards)
+        since it was mapped (see runtime.storage.supply.LocalSupply.check)."""
+        self.supply.check(shards)
 
     def shards_of(self, indices: torch.Tensor) -> np.ndarray:
         """The shard numbers that global ``indices`` fall in."""
@@ -225,7 +225,7 @@ class Archive(Dataset[dict[str, Any]]):
         Its tensors are views of ``out`` (flat buffers by field name, see
         ``buffer_numel``), made by ``out`` (an allocator), or fresh; they hold
         the batch once an engine has run the plan. Nothing is copied here;
-        zstd blocks are decoded here. A source that maps shards per batch holds the
+        zstd blocks are decoded here. A supply that maps shards per batch holds the
         shards the batch touches while it is planned (runtime.archive.planning).
         """
         return self.planner.plan(indices, out)
@@ -266,19 +266,19 @@ class Archive(Dataset[dict[str, Any]]):
         axis = next(i for i, d in enumerate(f.shape) if d is None)
         parts = []
         for k in range(len(self.shard_sizes)):
-            with held(self.source, [k]):
-                parts.append(self.source.shard(k).shapes(name)[:, axis].copy())
+            with held(self.supply, [k]):
+                parts.append(self.supply.shard(k).shapes(name)[:, axis].copy())
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def close(self) -> None:
-        """Lets go of what the source holds (cached shards; a local source keeps its
+        """Lets go of what the supply holds (cached shards; a local supply keeps its
         shards mapped until the archive is dropped)."""
-        self.source.close()
+        self.supply.close()
 
     # DataLoader workers started with spawn/forkserver get the archive by pickle: the
-    # source pickles as what reopens it (paths or a URL and options), never as mappings.
+    # supply pickles as what reopens it (paths or a URL and options), never as mappings.
     def __getstate__(self) -> dict[str, Any]:
-        return {"source": self.source, **self._options}
+        return {"supply": self.supply, **self._options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.build(**state)

@@ -60,16 +60,16 @@ def open_archive(
         if where is not None or indices is not None:
             raise UsageError(f"{path}: where= and indices= take local archives for now")
         refuse_block_cache(path, block_cache_bytes)
-        source = open_cached(url, cache_dir, cache_bytes, storage_options)
-        return Archive.over(source, fields, pad_value)
+        supply = open_cached(url, cache_dir, cache_bytes, storage_options)
+        return Archive.over(supply, fields, pad_value)
     if cache_dir is not None:
         paths = archive_paths(path)
         coded = [p for p in paths if needs_transcode(read_index(p).fields)]
         if coded:  # without block-coded fields the archive is mapped in place
             refuse_cached(coded[0], len(paths), where, indices)
             refuse_block_cache(coded[0], block_cache_bytes)
-            source = open_cached(paths[0], cache_dir, cache_bytes, local=True)
-            return Archive.over(source, fields, pad_value)
+            supply = open_cached(paths[0], cache_dir, cache_bytes, local=True)
+            return Archive.over(supply, fields, pad_value)
     elif cache_bytes is not None:
         raise UsageError(
             f"{path}: cache_bytes= is the shard cache's budget, for an archive at a URL or "

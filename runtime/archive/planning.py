@@ -1,7 +1,7 @@
-"""How an Archive plans a batch over its source's shards.
+"""How an Archive plans a batch over its supply's shards.
 
 Each field's gather (runtime.gather.fields) addresses a list of shards by their
-first sample numbers. When the source maps every shard for good (local
+first sample numbers. When the supply maps every shard for good (local
 archives), one gather per field over all of them is made when the archive
 opens: ``Mapped``. When shards are mapped per batch (the node-local cache), a
 batch is planned over the shards it touches only, held for the while
@@ -27,7 +27,7 @@ from ..gather.fields import Allocate, FieldGather, Groups, batch_groups
 from ..gather.mapped import FixedRawGather, RaggedRowsGather
 from ..gather.plan import CopyPlan
 from ..gather.samples import PerSampleGather, TextGather
-from ..storage.source import ShardSource
+from ..storage.supply import ShardSupply
 
 Out = dict[str, torch.Tensor] | Allocate | None
 
@@ -61,17 +61,17 @@ def shards_of(shard_starts: np.ndarray, indices: torch.Tensor) -> np.ndarray:
 
 
 class Planner:
-    """Plans batches of an archive over ``source``: ``gathers`` (one per field, what
+    """Plans batches of an archive over ``supply``: ``gathers`` (one per field, what
     the Loader sizes its buffers by) and ``plan``."""
 
     def __init__(
         self,
-        source: ShardSource,
+        supply: ShardSupply,
         fields: Mapping[str, Field],
         shard_starts: np.ndarray,
         pad_value: float,
     ) -> None:
-        self.source = source
+        self.supply = supply
         self.fields = dict(fields)
         self.shard_starts = shard_starts  # the first sample of each shard, then the total
         self.starts = torch.from_numpy(shard_starts[:-1].copy())
@@ -87,22 +87,22 @@ class Planner:
 
 
 class Mapped(Planner):
-    """Plans over every shard of a source that maps them all for good."""
+    """Plans over every shard of a supply that maps them all for good."""
 
     def made_gathers(self) -> dict[str, FieldGather]:
-        shards = self.source.shards
+        shards = self.supply.shards
         assert shards is not None
         return {
             n: gather_for(f, shards, self.starts, self.pad_value) for n, f in self.fields.items()
         }
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
-        self.source.check(shards_of(self.shard_starts, indices))
+        self.supply.check(shards_of(self.shard_starts, indices))
         return plan_fields(self.gathers, indices, batch_groups(indices, self.starts), out)
 
 
 class Sizing(FieldGather):
-    """The Loader's buffer sizes for a field of a source that maps shards per batch:
+    """The Loader's buffer sizes for a field of a supply that maps shards per batch:
     fixed fields get a reusable buffer, others fresh tensors (their longest sample is
     not known before every shard was read)."""
 
@@ -146,23 +146,23 @@ class Planners:
 
 
 class Fetched(Planner):
-    """Plans over the shards a batch touches, held from the source while planned (the
+    """Plans over the shards a batch touches, held from the supply while planned (the
     Loader holds them besides until the copies are done)."""
 
     def made_gathers(self) -> dict[str, FieldGather]:
         self.planners = Planners()
-        self.source.on_drop(self.planners.forget)
+        self.supply.on_drop(self.planners.forget)
         self.names = list(self.fields)  # what ready() waits for, the same every batch
         return {n: Sizing(f, [], self.starts, self.pad_value) for n, f in self.fields.items()}
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
         per_index = shards_of(self.shard_starts, indices)
         touched = np.unique(per_index)
-        self.source.ask(touched.tolist())
+        self.supply.ask(touched.tolist())
         try:
             return self.plan_over(indices, per_index, touched, out)
         finally:
-            self.source.release(touched.tolist())
+            self.supply.release(touched.tolist())
 
     def plan_over(
         self, indices: torch.Tensor, per_index: np.ndarray, touched: np.ndarray, out: Out
@@ -170,16 +170,16 @@ class Fetched(Planner):
         key = tuple(touched.tolist())
         # A shard still arriving (runtime.storage.streamed) is read once the bytes of the
         # batch's samples in it are verified.
-        readers = [self.source.partial_shard(k) for k in key]
+        readers = [self.supply.partial_shard(k) for k in key]
         arriving = False  # a shard still arriving: its gathers are not kept
-        self.source.check(touched)
+        self.supply.check(touched)
         sizes = [r.num_samples for r in readers]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         if len(indices):  # global sample numbers to numbers within the touched shards
             where = np.searchsorted(touched, per_index)
             local = indices.numpy() - self.shard_starts[per_index]
             for j, k in enumerate(key):  # (one shard: per_index is one number)
-                arriving |= self.source.ready(
+                arriving |= self.supply.ready(
                     k, local if len(key) == 1 else local[where == j], self.names
                 )
             indices = torch.from_numpy(starts[where] + local)
@@ -209,18 +209,18 @@ def plan_fields(
 
 
 def planner(
-    source: ShardSource, fields: Mapping[str, Field], shard_starts: np.ndarray, pad_value: float
+    supply: ShardSupply, fields: Mapping[str, Field], shard_starts: np.ndarray, pad_value: float
 ) -> Planner:
-    """The planner for how ``source`` maps its shards."""
-    kind = Mapped if source.shards is not None else Fetched
-    return kind(source, fields, shard_starts, pad_value)
+    """The planner for how ``supply`` maps its shards."""
+    kind = Mapped if supply.shards is not None else Fetched
+    return kind(supply, fields, shard_starts, pad_value)
 
 
 @contextmanager
-def held(source: ShardSource, shards: Sequence[int]) -> Iterator[None]:
-    """``with held(source, [k]):`` holds shards ``k`` while the block reads them."""
-    source.ask(shards)
+def held(supply: ShardSupply, shards: Sequence[int]) -> Iterator[None]:
+    """``with held(supply, [k]):`` holds shards ``k`` while the block reads them."""
+    supply.ask(shards)
     try:
         yield
     finally:
-        source.release(shards)
+        supply.release(shards)

@@ -25,7 +25,7 @@ from .plan import Rows, Runs, Step, fill_runs
 
 def rows_of(shard: ShardReader, name: str, row_bytes: int) -> torch.Tensor:
     """A mapped shard's fixed field as ``uint8`` rows, made once per shard (kept by the
-    shard until it closes): a source that maps shards per batch builds a batch's gathers
+    shard until it closes): a supply that maps shards per batch builds a batch's gathers
     anew, but not these views."""
     rows: torch.Tensor = shard.derived(
         ("rows", name, row_bytes),

@@ -83,7 +83,7 @@ class Choice:
             f"{readers}, {local} rank(s) on this node"
         )
         count = spec.shards_in_flight(batches_held, bucketing, local)
-        self.archive.source.check_budget(count, why)
+        self.archive.supply.check_budget(count, why)
 
     def sources_of(self, indices: np.ndarray) -> torch.Tensor | None:
         """Each sample's source number (``int64 [B]``, an index into the mixture's

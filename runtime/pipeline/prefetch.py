@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ..archive.dataset import Archive
 
 PlanBatch = Callable[[int, Slot], tuple[Batch, CopyPlan]]
-Copied = Callable[[int], None]  # batch j's copies are done (its source may let go)
+Copied = Callable[[int], None]  # batch j's copies are done (its supply may let go)
 Ended = Callable[[], None]  # the production has ended, its copies done (let go of the rest)
 
 
@@ -68,9 +68,9 @@ STOPPED_MESSAGE = (
 
 
 class Asks:
-    """The source stage's side of one epoch: batch j's shards asked for once, while
-    batch j-1 is made (a remote source fetches them meanwhile), and let go of once:
-    when j has been copied, or by ``release_all`` when the epoch ends early. A source
+    """The supply stage's side of one epoch: batch j's shards asked for once, while
+    batch j-1 is made (a remote supply fetches them meanwhile), and let go of once:
+    when j has been copied, or by ``release_all`` when the epoch ends early. A supply
     that maps shards per batch (a remote one) also hears, at each ask, the shards later
     batches read first, in order, to fetch them ahead."""
 
@@ -79,19 +79,19 @@ class Asks:
         self.batches = batches
         self.out: dict[int, list[int]] = {}  # asked for, not yet let go of
         self.firsts: tuple[np.ndarray, np.ndarray] | None = None
-        self.fetches = archive.source.shards is None  # per batch: a source that fetches
-        archive.source.forget_failures()  # a new epoch's batches try failed shards again
-        archive.source.read_order(batches)  # a shard arriving in parts: those read first
+        self.fetches = archive.supply.shards is None  # per batch: a supply that fetches
+        archive.supply.forget_failures()  # a new epoch's batches try failed shards again
+        archive.supply.read_order(batches)  # a shard arriving in parts: those read first
 
     def ask_through(self, j: int) -> None:
         """Batch j (if not asked for yet) and the one after it."""
         for k in (j, j + 1):
             if k < len(self.batches) and k not in self.out:
                 shards = self.archive.shards_of(torch.from_numpy(self.batches[k])).tolist()
-                self.archive.source.ask(shards)
+                self.archive.supply.ask(shards)
                 self.out[k] = shards
         if self.fetches:  # ahead too
-            self.archive.source.ahead(self.first_read_after(j + 1))
+            self.archive.supply.ahead(self.first_read_after(j + 1))
 
     def first_read_after(self, j: int) -> np.ndarray:
         """The shards that batches after j read and none up to j does, in first-read order."""
@@ -108,7 +108,7 @@ class Asks:
     def release(self, j: int) -> None:
         shards = self.out.pop(j, None)
         if shards is not None:
-            self.archive.source.release(shards)
+            self.archive.supply.release(shards)
 
     def release_all(self) -> None:
         for j in list(self.out):

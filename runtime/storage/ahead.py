@@ -1,7 +1,7 @@
 """Fetching ahead: the shards later batches read first, fetched into the node-local
-cache before a batch asks for them (a remote source's, runtime.storage.remote_source).
+cache before a batch asks for them (a remote supply's, runtime.storage.remote_supply).
 
-The source hears, at each ask, which shards later batches read first, in order
+The supply hears, at each ask, which shards later batches read first, in order
 (runtime.pipeline.prefetch.Asks). One background thread fetches the first ``count``
 of them into the cache, not held, one at a time, while the shards the process holds
 plus those ahead fit the cache's budget: loose shards that are not upcoming are let
@@ -27,7 +27,7 @@ from .pool import DaemonPool
 
 
 class AheadHost(Holder, Protocol):
-    """What fetching ahead reads of the source besides ``Holder``: the holds and the
+    """What fetching ahead reads of the supply besides ``Holder``: the holds and the
     fetches under way, and how to fetch one shard."""
 
     asked: int
@@ -48,7 +48,7 @@ class AheadHost(Holder, Protocol):
 
 
 class FetchAhead:
-    """The fetch-ahead of one source (``host``): up to ``count`` upcoming shards."""
+    """The fetch-ahead of one supply (``host``): up to ``count`` upcoming shards."""
 
     def __init__(self, host: AheadHost, count: int) -> None:
         self.host = host

@@ -1,5 +1,5 @@
 """Streamed arrival: a raw shard mapped as soon as its front is verified, its values
-arriving part by part (a remote source's, runtime.storage.remote_source; the file and
+arriving part by part (a remote supply's, runtime.storage.remote_supply; the file and
 its parts: runtime.storage.streamed).
 
 ``stream`` maps shard ``k`` from the cache or starts its fetch: the header checked
@@ -45,12 +45,12 @@ from .streamed import (
 
 
 def closed(url: str) -> LoaderError:
-    """What a batch, a fetch or a retry of a closed source gets."""
-    return LoaderError(f"{url}: the source was closed")
+    """What a batch, a fetch or a retry of a closed supply gets."""
+    return LoaderError(f"{url}: the supply was closed")
 
 
 class ArrivalHost(Holder, Protocol):
-    """What streamed arrival uses of the source besides ``Holder``: its storage and
+    """What streamed arrival uses of the supply besides ``Holder``: its storage and
     retries, whether it is closing, who hears of a dropped shard, and how a shard
     is kept open."""
 
@@ -69,7 +69,7 @@ class ArrivalHost(Holder, Protocol):
 
 
 class Arrivals:
-    """The shards of one source (``host``) arriving part by part in this process."""
+    """The shards of one supply (``host``) arriving part by part in this process."""
 
     def __init__(self, host: ArrivalHost) -> None:
         self.host = host

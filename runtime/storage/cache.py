@@ -31,7 +31,7 @@ that holds it, so a crash leaves nothing that blocks the next run.
   node-wide lock (``<root>/.budget.lock``), before any byte is written.
 - A process that waits for room stamps ``<root>/.wanted`` (its mtime); one that
   keeps shards mapped in case it reads them again (loose shards,
-  runtime.storage.remote_source) lets them go at its next batch when the stamp changed.
+  runtime.storage.remote_supply) lets them go at its next batch when the stamp changed.
 """
 
 from __future__ import annotations

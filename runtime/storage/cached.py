@@ -1,4 +1,4 @@
-"""Opening a source whose shards are read through the node-local cache: an archive at a
+"""Opening a supply whose shards are read through the node-local cache: an archive at a
 URL (any fsspec URL: ``s3://``, ``https://``, ``memory://``...), or a local archive with
 block-coded (zstd) fields given a ``cache_dir``.
 
@@ -7,7 +7,7 @@ hash of its bytes), so the same archive read from disk and from object storage
 shares its cached shards. Block-coded shards are decoded once on the node as they
 arrive and cached raw, so the gathers read them like raw shards: zero-copy views
 of the mapped file, where a local zstd archive read in place decodes a block per
-sample. The source itself (runtime.storage.remote_source) fetches, holds and lets
+sample. The supply itself (runtime.storage.remote_supply) fetches, holds and lets
 go of the shards.
 """
 
@@ -34,7 +34,7 @@ from .cache_folder import (
     default_cache_dir,
 )
 from .remote import fetch_index, storage_at
-from .remote_source import RemoteSource
+from .remote_supply import RemoteSupply
 
 # A local read that fails or reads corrupt bytes fails the same way again.
 LOCAL_RETRY = Retry(attempts=1)
@@ -62,8 +62,8 @@ def open_cached(
     storage_options: Mapping[str, Any] | None = None,
     retry: Retry | None = None,
     local: bool = False,
-) -> RemoteSource:
-    """The source of the archive at ``where`` (a URL, or with ``local`` a folder) whose
+) -> RemoteSupply:
+    """The supply of the archive at ``where`` (a URL, or with ``local`` a folder) whose
     shards are cached under ``cache_dir`` (default ``DLOP_CACHE_DIR``, else a per-user
     cache folder) within ``cache_bytes`` (default ``DLOP_CACHE_BYTES``, else 16 GiB).
     A local archive's reads are not retried (``retry`` default: one attempt)."""
@@ -83,19 +83,19 @@ def open_cached(
         publish(folder / "source.txt", redact(url).encode() + b"\n")
         in_use = cache.use(folder)
     try:
-        reader = ArchiveReader(folder)  # the validated index; shards come from the source
+        reader = ArchiveReader(folder)  # the validated index; shards come from the supply
         check_shard_names(url, [s.file for s in reader.index.shards])
-        source = RemoteSource(url, reader, cache, folder, client, retry, in_use=in_use)
+        supply = RemoteSupply(url, reader, cache, folder, client, retry, in_use=in_use)
     except BaseException:
         close_quietly([in_use])
         raise
-    source.sizes.check_budget(2)
+    supply.sizes.check_budget(2)
     # What reopens it in a DataLoader worker started by spawn: the same call.
-    source.reopen = (
+    supply.reopen = (
         open_cached,
         (url, None if cache_dir is None else str(cache_dir), cache_bytes, options, retry, local),
     )
-    return source
+    return supply
 
 
 def publish(path: Path, data: bytes) -> None:

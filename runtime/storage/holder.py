@@ -1,5 +1,5 @@
-"""What the concerns beside a remote source (runtime.storage.ahead, .arrival) read of
-the source that holds the shards: ``Holder``, all under its ``lock``."""
+"""What the concerns beside a remote supply (runtime.storage.ahead, .arrival) read of
+the supply that holds the shards: ``Holder``, all under its ``lock``."""
 
 from __future__ import annotations
 

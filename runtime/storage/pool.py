@@ -1,12 +1,12 @@
 """Fetch threads that never hold up a close or the interpreter's exit.
 
-``DaemonPool`` is the part of ``ThreadPoolExecutor`` the shard source uses (``submit``
+``DaemonPool`` is the part of ``ThreadPoolExecutor`` the shard supply uses (``submit``
 returning a Future, ``shutdown`` cancelling what is queued) over daemon threads, and its
 ``shutdown`` waits a bounded time. A thread of ``ThreadPoolExecutor`` blocked in a
 network read (a stalled server: up to the read timeout, for every attempt) held up
 ``close()`` and, through the executor's own exit hook, Ctrl-C for minutes; a daemon
-thread still in such a read when its source closes is left to end with its read, its
-result discarded by the source (runtime.storage.remote_source), or with the process.
+thread still in such a read when its supply closes is left to end with its read, its
+result discarded by the supply (runtime.storage.remote_supply), or with the process.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What each shard of a remote archive takes in the node-local cache, and the budget
-checks made on it (runtime.storage.remote_source).
+checks made on it (runtime.storage.remote_supply).
 
 A raw shard is cached as stored: its size is the index's. A block-coded (zstd)
 shard is cached raw (formats.transcode), often several times its stored size:

@@ -1,4 +1,4 @@
-"""A remote archive's source stage: shards fetched into the node-local cache on ``ask``
+"""A remote archive's supply stage: shards fetched into the node-local cache on ``ask``
 (in the background), held while batches read them, let go of on ``release``.
 
 A shard is held (a shared lock on its cached file, runtime.storage.cache) for as long
@@ -9,7 +9,7 @@ shards used last stay while they take at most ``loose_bytes`` (by default half
 the budget; at least ``loose_shards`` of them stay). They are let go of, oldest
 first, when this process needs their room (a fetch, a fetch ahead) and all at
 once when another process on the node waits for room (it stamps the cache's
-``.wanted``, looked at in each ``ask``) or the source closes.
+``.wanted``, looked at in each ``ask``) or the supply closes.
 
 This module holds the shards (holding and eviction) and serves them; two concerns
 live beside it. Ahead of the asks, ``ahead`` hears which shards later batches read
@@ -66,20 +66,20 @@ from .cache_folder import BUDGET_LOCK
 from .pool import DaemonPool
 from .remote import in_parallel
 from .remote_sizes import ShardSizes
-from .source import ShardSource
 from .streamed import (
     Incoming,
 )
+from .supply import ShardSupply
 
 Client = Callable[[], Storage]  # this process's storage of the archive
 
-_SOURCES: weakref.WeakSet[RemoteSource] = weakref.WeakSet()
+_SUPPLIES: weakref.WeakSet[RemoteSupply] = weakref.WeakSet()
 
 
 def _forget_parents() -> None:
     """Run in a forked child before anything else (os.register_at_fork)."""
-    for source in list(_SOURCES):
-        source.forget_parent()
+    for supply in list(_SUPPLIES):
+        supply.forget_parent()
 
 
 os.register_at_fork(after_in_child=_forget_parents)
@@ -91,23 +91,23 @@ CLOSE_WAIT_S = 1.0
 
 
 def nap(stopping: threading.Event, url: str, seconds: float) -> None:
-    """A retry's sleep between attempts, cut short by its source's close()."""
+    """A retry's sleep between attempts, cut short by its supply's close()."""
     if stopping.wait(seconds):
         raise closed(url)
 
 
 @atexit.register
-def _close_sources() -> None:
-    """At exit, every source this process still has open lets go of its shards and lands
+def _close_supplies() -> None:
+    """At exit, every supply this process still has open lets go of its shards and lands
     those whose bytes are all in (their part threads are daemons: ended with the
     interpreter, a shard mid-landing would stay a temporary file)."""
-    for source in list(_SOURCES):
-        if source.pid == os.getpid():
+    for supply in list(_SUPPLIES):
+        if supply.pid == os.getpid():
             with contextlib.suppress(Exception):
-                source.close()
+                supply.close()
 
 
-class RemoteSource(ShardSource):
+class RemoteSupply(ShardSupply):
     """Shards of the archive at ``url``, cached under ``folder`` of ``cache``; ``reader``
     holds its validated index (runtime.storage.cached opens one)."""
 
@@ -136,7 +136,7 @@ class RemoteSource(ShardSource):
         self.shard_sizes = tuple(s.num_samples for s in index.shards)
         self.starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
         self.shards: list[ShardReader] | None = None  # mapped per batch, never all at once
-        self.reopen: tuple[Callable[..., RemoteSource], tuple[Any, ...]] | None = None
+        self.reopen: tuple[Callable[..., RemoteSupply], tuple[Any, ...]] | None = None
         self.cache = cache
         self.folder = folder
         self.client = client
@@ -151,7 +151,7 @@ class RemoteSource(ShardSource):
         self.dropped: Callable[[int], None] | None = None  # told when shard k is let go of
         self.pid = -1
         self.fresh()
-        _SOURCES.add(self)
+        _SUPPLIES.add(self)
 
     def fresh(self) -> None:
         """This process's state: nothing held, no fetches under way."""
@@ -192,7 +192,7 @@ class RemoteSource(ShardSource):
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.reopen is None:
-            raise TypeError(f"{self.url}: this source was not opened to be sent to a process")
+            raise TypeError(f"{self.url}: this supply was not opened to be sent to a process")
         return self.reopen
 
     def mine(self) -> None:
@@ -346,7 +346,7 @@ class RemoteSource(ShardSource):
             else:
                 held = self.cache.get(path, lambda: self.fetch(k, what), self.to_raw(path))
                 got = self.opened(k, held, what)
-            if stopping.is_set():  # the source closed meanwhile: not kept
+            if stopping.is_set():  # the supply closed meanwhile: not kept
                 self.discard(k, got)
                 raise closed(self.url)
             return got
@@ -479,7 +479,7 @@ class RemoteSource(ShardSource):
             self.cache.let_go(held)
 
     def check(self, shards: Sequence[int] | np.ndarray) -> None:
-        """Refuses a cached shard that shrank under its mapping (see LocalSource.check)."""
+        """Refuses a cached shard that shrank under its mapping (see LocalSupply.check)."""
         for k in set(np.asarray(shards, dtype=np.int64).tolist()):
             got = self.open.get(k)
             if got is not None and got[0].mapped_size() < got[1].bytes:
@@ -493,7 +493,7 @@ class RemoteSource(ShardSource):
         return sum(h.bytes for _, h in self.open.values())
 
     def use_folder(self) -> None:
-        """Marks the cache folder in use again (a source read after ``close``); a folder
+        """Marks the cache folder in use again (a supply read after ``close``); a folder
         cleared meanwhile is refused."""
         with locked(self.cache.root / BUDGET_LOCK):
             if not (self.folder / "index.json").exists():

@@ -8,7 +8,7 @@ metadata regions, the data of fields without pieces, the padding. It is accepted
 as a whole once the header CRC, every metadata region's CRC (checked by opening
 it, formats.reader) and every piece-less data region's CRC pass; otherwise it is
 fetched again, as any failed try. Then the pieced data arrives in parts of
-``Retry.part_bytes`` or more (``part_pieces``), fetched on the source's part threads in the order this
+``Retry.part_bytes`` or more (``part_pieces``), fetched on the supply's part threads in the order this
 process's epoch first reads their samples (``Incoming.ranks``), a part some batch
 waits for jumping the queue. A part is accepted once every piece in it matches its
 CRC, else fetched again; only then is it written, and its pieces marked verified.
@@ -181,7 +181,7 @@ class Incoming:
 
     def settle_tail(self, data: bytes | None, error: BaseException | None = None) -> None:
         """Ends the front's wait for its last span: its bytes, or an error (the part
-        will not bring them: the shard failed, the source closes)."""
+        will not bring them: the shard failed, the supply closes)."""
         if self.tail is None:
             return
         with contextlib.suppress(InvalidStateError):  # settled already

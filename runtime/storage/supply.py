@@ -1,19 +1,19 @@
-"""Where a shard's bytes come from: the source stage.
+"""Where a shard's bytes come from: the supply stage.
 
-An Archive (runtime.archive.dataset) reads every shard through its source, and
-the sources differ only in where the bytes come from: ``LocalSource`` maps one
+An Archive (runtime.archive.dataset) reads every shard through its supply, and
+the supplies differ only in where the bytes come from: ``LocalSupply`` maps one
 local archive, or several read as one, when it opens (the page cache does the
-rest); a remote source (runtime.storage.remote_source) fetches shards of an
+rest); a remote supply (runtime.storage.remote_supply) fetches shards of an
 archive in object storage, or of a local block-coded archive, into the
 node-local cache and maps them there.
 
-A source hands out opened shards (``dlop.formats.ShardReader``) by number,
+A supply hands out opened shards (``dlop.formats.ShardReader``) by number,
 and hears ahead of time which shards a batch will read (``ask``) and when a
 batch is done with them (``release``). The Loader asks for batch j's and
 j+1's shards as it plans batch j (so a shard may be asked for more than once)
-and releases batch j's once its copies are done. A local source needs neither;
+and releases batch j's once its copies are done. A local supply needs neither;
 a remote one fetches on ``ask`` and may evict after ``release``. Before each
-read, ``check`` refuses a shard that changed under its mapping. A source
+read, ``check`` refuses a shard that changed under its mapping. A supply
 pickles as what reopens it (DataLoader workers started by spawn), never as
 its mappings.
 """
@@ -33,14 +33,14 @@ from dlop.formats import ArchiveReader, Field, ShardReader
 from ..errors import ShardChangedError
 
 
-class ShardSource(abc.ABC):
-    """Everything the runtime asks of a shard source; what a source that maps every
-    shard for good does not need is a no-op here, and a source that fetches overrides it.
+class ShardSupply(abc.ABC):
+    """Everything the runtime asks of a shard supply; what a supply that maps every
+    shard for good does not need is a no-op here, and a supply that fetches overrides it.
 
     ``name`` names the archive(s) in messages (a folder or a URL); ``paths`` are the
     archives read (local folders, or the URL standing for one); ``readers`` hold each
     archive's validated index; ``fields`` are the fields its shards serve (a remote
-    source serves block-coded fields decoded); ``shard_sizes`` counts the samples of
+    supply serves block-coded fields decoded); ``shard_sizes`` counts the samples of
     every shard, numbered one archive after another. ``shards`` lists every shard when
     all are mapped for good, else None (shards are mapped per batch: ``shard(k)``
     between ``ask`` and ``release``).
@@ -69,7 +69,7 @@ class ShardSource(abc.ABC):
 
     def ahead(self, shards: Sequence[int] | np.ndarray) -> None:
         """The shards later batches read first, in order (asked at each ``ask``): a
-        source that fetches may fetch them ahead."""
+        supply that fetches may fetch them ahead."""
 
     def read_order(self, batches: Sequence[np.ndarray]) -> None:
         """This process's batches of the coming epoch (global sample numbers, in order):
@@ -91,16 +91,16 @@ class ShardSource(abc.ABC):
 
     def on_drop(self, forget: Callable[[int], None]) -> None:
         """``forget(k)`` is called when shard ``k`` is unmapped, so views of it kept
-        elsewhere go with it. A source that maps its shards for good never calls it."""
+        elsewhere go with it. A supply that maps its shards for good never calls it."""
 
     def check_budget(self, shards_in_flight: int, why: str = "") -> None:
         """Refuses, before any batch, a reading that holds ``shards_in_flight`` shards at
         once (``why``: the settings that make it so) where they could not all be held:
-        a cache budget below them. A source that maps shards in place takes any."""
+        a cache budget below them. A supply that maps shards in place takes any."""
 
     def close(self) -> None:
-        """Lets go of what the source holds (cached shards, their descriptors, fetch
-        threads); a source that maps its archive in place keeps its mappings until it
+        """Lets go of what the supply holds (cached shards, their descriptors, fetch
+        threads); a supply that maps its archive in place keeps its mappings until it
         is dropped."""
 
 
@@ -110,9 +110,9 @@ def open_reader(path: Path, block_cache_bytes: int) -> ArchiveReader:
     return ArchiveReader(path, block_cache_bytes=block_cache_bytes)
 
 
-class LocalSource(ShardSource):
+class LocalSupply(ShardSupply):
     """Shards of local archives (one, or several read as one: their shards numbered one
-    archive after another), memory-mapped once when the source opens."""
+    archive after another), memory-mapped once when the supply opens."""
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], block_cache_bytes: int) -> None:
         self.paths: tuple[Path, ...] = tuple(Path(p) for p in paths)
@@ -132,7 +132,7 @@ class LocalSource(ShardSource):
         self.sizes = [info.bytes for r in self.readers for info in r.index.shards]  # as validated
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (LocalSource, ([str(p) for p in self.paths], self.block_cache_bytes))
+        return (LocalSupply, ([str(p) for p in self.paths], self.block_cache_bytes))
 
     def shard(self, k: int) -> ShardReader:
         return self.shards[k]

@@ -47,7 +47,7 @@ def make_archive(path: Path, n: int = 37, shard_bytes: int = 1000, zstd: bool = 
 
 
 def open_remote(url: str, fields: Any = None, pad_value: float = 0.0, **options: Any) -> Archive:
-    """The archive at ``url`` through the node-local cache, with the source's own options
+    """The archive at ``url`` through the node-local cache, with the supply's own options
     (``retry``, ``storage_options``) that ``open_archive`` leaves at their defaults."""
     return Archive.over(open_cached(url, **options), fields, pad_value)
 

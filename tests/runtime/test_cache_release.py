@@ -213,9 +213,9 @@ def test_the_budget_check_at_open_covers_every_epoch(
     world: int,
 ) -> None:
     from dlop.formats import Zstd
-    from dlop.runtime.storage.remote_source import RemoteSource
+    from dlop.runtime.storage.remote_supply import RemoteSupply
 
-    # a zstd archive read through the cache (a RemoteSource over the local folder), shards
+    # a zstd archive read through the cache (a RemoteSupply over the local folder), shards
     # of uneven sizes (5 to 12 samples)
     path = tmp_path / "z"
     rng = np.random.default_rng(7)
@@ -229,13 +229,13 @@ def test_the_budget_check_at_open_covers_every_epoch(
             w.write_group(group)
             i += int(size)
     peak = [0]
-    checked = RemoteSource.check_in_flight
+    checked = RemoteSupply.check_in_flight
 
-    def watch(self: RemoteSource) -> None:
+    def watch(self: RemoteSupply) -> None:
         peak[0] = max(peak[0], self.asked)
         checked(self)
 
-    monkeypatch.setattr(RemoteSource, "check_in_flight", watch)
+    monkeypatch.setattr(RemoteSupply, "check_in_flight", watch)
     for rank in range(world):
         loader = Loader(
             path,
@@ -274,7 +274,7 @@ def test_dataloader_workers_are_counted_in_the_budget(tmp_path: Path) -> None:
                 [{"label": 8 * k + j, "x": np.full(2048, k, np.float32)} for j in range(8)]
             )
     probe = open_archive(path, cache_dir=tmp_path / "probe", cache_bytes=1 << 30)
-    raw = probe.source.sizes.size(0) + STAMP_BYTES  # type: ignore[attr-defined]
+    raw = probe.supply.sizes.size(0) + STAMP_BYTES  # type: ignore[attr-defined]
     probe.close()
     kw: dict[str, Any] = {
         "order": "window",
@@ -298,7 +298,7 @@ def test_a_close_called_inside_a_close_returns(site: Path, tmp_path: Path) -> No
 
     with FaultProxy(root=site) as proxy:
         archive = open_archive(proxy.url + "/a", cache_dir=tmp_path / "c")
-        source: Any = archive.source
+        source: Any = archive.supply
         then = source.next_generation
 
         def collected_meanwhile() -> None:
@@ -322,7 +322,7 @@ def test_failures_raised_again_hold_nothing_once_forgotten(site: Path, tmp_path:
 
     with FaultProxy(root=site) as proxy:
         archive = open_archive(proxy.url + "/a", cache_dir=tmp_path / "c")
-        source = archive.source
+        source = archive.supply
         source.ahead_errors[0] = ValueError("shard 0: simulated failure")  # recorded
 
         def read_again(readers: list[Held]) -> None:  # a batch's read of the failed shard
@@ -349,7 +349,7 @@ def test_a_forked_child_keeps_the_read_order_it_is_given(site: Path, tmp_path: P
 
     with FaultProxy(root=site) as proxy:
         archive = open_archive(proxy.url + "/a", cache_dir=tmp_path / "c")
-        source = archive.source
+        source = archive.supply
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: answers whether its order survived its first ask

@@ -420,13 +420,13 @@ def test_a_shard_truncated_after_its_check_raises_shard_changed(
     if compiled() is None:
         pytest.skip("compiled copier not built")
     from dlop.runtime import ShardChangedError
-    from dlop.runtime.storage.source import LocalSource
+    from dlop.runtime.storage.supply import LocalSupply
 
     with ArchiveWriter(tmp_path / "a", [Field("x", "u8", (8192,))], shard_bytes=1 << 20) as w:
         for i in range(64):
             w.write({"x": np.full(8192, i, np.uint8)})
     ds = open_archive(tmp_path / "a")
-    monkeypatch.setattr(LocalSource, "check", lambda self, shards: None)  # the race's window
+    monkeypatch.setattr(LocalSupply, "check", lambda self, shards: None)  # the race's window
     (shard,) = (tmp_path / "a").glob("shard-*")
     os.truncate(shard, 4096)
     with pytest.raises(ShardChangedError, match=r"SIGBUS.*a shard file was truncated"):

@@ -263,7 +263,7 @@ def test_synchronous_loader_matches_the_threaded_one_and_resumes(archive: Path) 
     )
 
 
-class RecordingSource:
+class RecordingSupply:
     """A source stage that records what it hears, around the archive's own."""
 
     def __init__(self, inner: Any) -> None:
@@ -289,7 +289,7 @@ class RecordingSource:
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_the_source_hears_of_shards_ahead_and_lets_go_after(archive: Path, prefetch: int) -> None:
-    source = RecordingSource(open_archive(archive).source)
+    source = RecordingSupply(open_archive(archive).supply)
     ds = Archive.over(source)
     loader = Loader(ds, 6, seed=1, prefetch=prefetch)
     batches = loader.batches()
@@ -305,7 +305,7 @@ def test_the_source_hears_of_shards_ahead_and_lets_go_after(archive: Path, prefe
     loader.close()
 
 
-class CountingSource(RecordingSource):
+class CountingSupply(RecordingSupply):
     """Counts asks against releases per shard; ``fail_at`` makes that read fail."""
 
     def __init__(self, inner: Any, fail_at: int | None = None) -> None:
@@ -327,7 +327,7 @@ class CountingSource(RecordingSource):
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("end", ["full", "stop", "error"])
 def test_every_ask_is_released_once(archive: Path, prefetch: int, end: str) -> None:
-    source = CountingSource(open_archive(archive).source, fail_at=3 if end == "error" else None)
+    source = CountingSupply(open_archive(archive).supply, fail_at=3 if end == "error" else None)
     ds = Archive.over(source)
     loader = Loader(ds, 4, seed=2, prefetch=prefetch)
     batches = loader.batches()
@@ -362,7 +362,7 @@ elif case == "close-from-another-thread":
         def __init__(self, inner): self.inner = inner
         def __getattr__(self, name): return getattr(self.inner, name)
         def check(self, shards): time.sleep(0.5); self.inner.check(shards)
-    loader.archive.planner.source = Slow(loader.archive.source)  # the source planning reads
+    loader.archive.planner.supply = Slow(loader.archive.supply)  # the supply planning reads
     threading.Timer(0.2, loader.close).start()
 try:
     while True:

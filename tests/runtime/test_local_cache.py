@@ -14,7 +14,7 @@ import torch
 from dlop.formats import read_index
 from dlop.runtime import Archive, Loader, LoaderError, open_archive
 from dlop.runtime.errors import UsageError
-from dlop.runtime.storage import remote_source
+from dlop.runtime.storage import remote_supply
 from tests.runtime.helpers import make_archive
 
 SETTINGS: dict[str, Any] = {"batch_size": 4, "seed": 3, "order": "window", "window_shards": 2}
@@ -43,16 +43,16 @@ def test_each_shard_is_decoded_once_into_the_cache(
     zstd: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     decoded: list[str] = []
-    real = remote_source.transcode_bytes
+    real = remote_supply.transcode_bytes
 
     def counted(data: bytes, name: str = "shard") -> bytes:
         decoded.append(name)
         return real(data, name)
 
-    monkeypatch.setattr(remote_source, "transcode_bytes", counted)
+    monkeypatch.setattr(remote_supply, "transcode_bytes", counted)
     cache = tmp_path / "cache"
     ds = open_archive(zstd, cache_dir=cache, cache_bytes=4 << 20)
-    assert isinstance(ds.source, remote_source.RemoteSource)
+    assert isinstance(ds.supply, remote_supply.RemoteSupply)
     want = batches(Loader(zstd, **SETTINGS))
     assert same(batches(Loader(ds, **SETTINGS)), want)
     shards = [s.file for s in read_index(zstd).shards]
@@ -68,7 +68,7 @@ def test_each_shard_is_decoded_once_into_the_cache(
     assert sorted(decoded) == sorted(shards)
     # DataLoader workers get it by pickle and reopen it over the same cache.
     again = pickle.loads(pickle.dumps(ds))
-    assert isinstance(again.source, remote_source.RemoteSource) and again[7]["key"] == "k007"
+    assert isinstance(again.supply, remote_supply.RemoteSupply) and again[7]["key"] == "k007"
     again.close()
 
 
@@ -98,7 +98,7 @@ def test_each_cache_budget_has_one_name(zstd: Path, tmp_path: Path) -> None:
 def test_with_cache_dir_cache_bytes_is_the_budget(zstd: Path, tmp_path: Path) -> None:
     ds = open_archive(zstd, cache_dir=tmp_path / "c", cache_bytes=3 << 20)
     assert (
-        isinstance(ds.source, remote_source.RemoteSource) and ds.source.cache.max_bytes == 3 << 20
+        isinstance(ds.supply, remote_supply.RemoteSupply) and ds.supply.cache.max_bytes == 3 << 20
     )
     with pytest.raises(UsageError, match="cache_bytes 1000 is below"):
         open_archive(zstd, cache_dir=tmp_path / "c", cache_bytes=1000)

@@ -150,7 +150,7 @@ def test_loader_errors_are_wrapped_alike_and_usage_errors_kept(
                 raise OSError("simulated read failure")
             self.inner.check(shards)
 
-    ds = Archive.over(Failing(open_archive(archive).source))
+    ds = Archive.over(Failing(open_archive(archive).supply))
     loader = Loader(ds, 4, shuffle=False, prefetch=prefetch)
     message = r"/a: gathering batch 1 of epoch 0 failed: OSError: simulated read failure"
     with pytest.raises(LoaderError, match=message) as caught:

@@ -20,7 +20,7 @@ from dlop.runtime.storage.cache import STAMP_BYTES, CacheDir
 from dlop.runtime.storage.cache_folder import CacheError
 from dlop.runtime.storage.remote import fetch_head, fetch_index, storage_at
 from dlop.runtime.storage.remote_sizes import ShardSizes
-from dlop.runtime.storage.remote_source import RemoteSource
+from dlop.runtime.storage.remote_supply import RemoteSupply
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive, open_remote
 
@@ -231,7 +231,7 @@ def test_open_archive_and_loader_take_urls(
     with FaultProxy(root=served) as proxy:
         url = proxy.url + "/z"
         ds = open_archive(url, cache_dir=tmp_path / "c", cache_bytes=1 << 20)
-        assert isinstance(ds.source, RemoteSource) and ds[5]["key"] == "k005"
+        assert isinstance(ds.supply, RemoteSupply) and ds[5]["key"] == "k005"
         assert list((tmp_path / "c").rglob("shard-*.dlop"))
         want = epoch_batches(Loader(served / "z", batch_size=8, seed=2), 1)
         got = epoch_batches(Loader(url, batch_size=8, seed=2), 1)  # cache from the environment
@@ -258,7 +258,7 @@ def test_later_windows_are_fetched_ahead(served: Path, tmp_path: Path) -> None:
         loader = Loader(remote, prefetch=0, **SETTINGS)  # windows of 2 of the 6 shards
         it = iter(loader)
         first = copied(next(it))
-        job = remote.source.fetch_ahead.job
+        job = remote.supply.fetch_ahead.job
         assert job is not None
         job.result(timeout=30)
         # The shards of every later window are cached before a batch asks for them.
@@ -283,7 +283,7 @@ def test_fetching_ahead_stays_within_the_budget(served: Path, tmp_path: Path) ->
         loader = Loader(remote, prefetch=0, **{**SETTINGS, "window_shards": 1})
         it = iter(loader)
         next(it)
-        job = remote.source.fetch_ahead.job
+        job = remote.supply.fetch_ahead.job
         assert job is not None
         job.result(timeout=30)
         # batch 0 and 1 hold a shard each (or one between them): one more fits, not all six

@@ -1,4 +1,4 @@
-"""A remote source keeps the shards it read mapped (loose) while they fit its share of
+"""A remote supply keeps the shards it read mapped (loose) while they fit its share of
 the budget, so warm epochs map nothing again; it lets them go when this process or
 another one on the node needs the room."""
 
@@ -39,20 +39,20 @@ def test_warm_epochs_map_no_shard_again(site: Path, tmp_path: Path) -> None:
         )
         loader = Loader(remote, **SETTINGS)
         keys(loader, 0)
-        assert sorted(remote.source.open) == list(range(6))  # all loose, still mapped
+        assert sorted(remote.supply.open) == list(range(6))  # all loose, still mapped
         holds: list[Path] = []
-        hold = remote.source.cache.hold
+        hold = remote.supply.cache.hold
 
         def counted(path: Path) -> Any:
             holds.append(path)
             return hold(path)
 
-        remote.source.cache.hold = counted  # type: ignore[method-assign]
+        remote.supply.cache.hold = counted  # type: ignore[method-assign]
         assert keys(loader, 1) == keys(Loader(site / "a", **SETTINGS), 1)
         assert holds == []  # nothing opened, locked or mapped again
         loader.close()
         remote.close()
-        assert not remote.source.open and not remote.planner.planners.kept
+        assert not remote.supply.open and not remote.planner.planners.kept
 
 
 def test_loose_shards_stay_within_their_bytes(site: Path, tmp_path: Path) -> None:
@@ -63,8 +63,8 @@ def test_loose_shards_stay_within_their_bytes(site: Path, tmp_path: Path) -> Non
         )
         loader = Loader(remote, **SETTINGS)
         assert keys(loader, 0) == keys(Loader(site / "a", **SETTINGS), 0)
-        assert remote.source.loose_bytes == 4 * largest  # half the budget by default
-        assert 2 <= len(remote.source.open) <= 4
+        assert remote.supply.loose_bytes == 4 * largest  # half the budget by default
+        assert 2 <= len(remote.supply.open) <= 4
         loader.close()
         remote.close()
 
@@ -75,10 +75,10 @@ def test_another_process_waiting_for_room_gets_the_loose_shards(site: Path, tmp_
             proxy.url + "/a", cache_dir=tmp_path / "c", cache_bytes=1 << 20, retry=FAST
         )
         keys(Loader(remote, **SETTINGS), 0)
-        assert len(remote.source.open) == 6
+        assert len(remote.supply.open) == 6
         # Another cache on the same folder (its own descriptors: its locks conflict with
         # ours as another process's would) whose budget has no room while ours are held.
-        other = CacheDir(tmp_path / "c", max_bytes=remote.source.cache.used_bytes() + 100_000)
+        other = CacheDir(tmp_path / "c", max_bytes=remote.supply.cache.used_bytes() + 100_000)
         before = other.wanted_stamp()
         stored: list[Any] = []
         writer = threading.Thread(
@@ -116,7 +116,7 @@ def test_gathers_are_kept_per_set_of_shards_and_forgotten_with_them(
         again = remote.gather(torch.tensor([3, 1]))  # the same shard: the same gathers
         assert first["key"] == ["k000", "k001", "k002"] and again["key"] == ["k003", "k001"]
         assert remote.planner.planners.kept == kept and len(kept) == 1
-        assert remote.source.squeeze()  # shard 0, loose, let go of: its gathers go too
+        assert remote.supply.squeeze()  # shard 0, loose, let go of: its gathers go too
         assert not remote.planner.planners.kept
         assert remote.gather(torch.tensor([4]))["key"] == ["k004"]
         remote.close()

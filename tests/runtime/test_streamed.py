@@ -285,7 +285,7 @@ def test_a_forked_child_lets_go_of_the_shards_its_parent_writes(site: Path, tmp_
         loader = Loader(remote, batch_size=8, shuffle=False, prefetch=0)
         it = iter(loader)
         next(it)
-        source = remote.source
+        source = remote.supply
         arriving = [a for a in source.arrive.arrivals if a.path.name == "shard-00000.dlop"]
         assert arriving  # shard 0 is still arriving
         pid = os.fork()
