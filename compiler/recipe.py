@@ -25,8 +25,8 @@ from .audio.options import (
     feature_config,
     with_options,
 )
-from .corpus.layouts import detect_layout, layout_media, names, source_path
-from .corpus.listing import MEDIA
+from .corpus.layouts import detect_layout, layout_media, names
+from .corpus.listing import MEDIA, source_path
 from .errors import CompileError
 from .urls import is_url
 from .vision.options import VisionConfig

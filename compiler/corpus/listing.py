@@ -18,8 +18,10 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dlop.formats.constants import ARCHIVE_FORMAT, INDEX_NAME, JOURNAL_NAME
+from dlop.formats.urls import local_path
 
 from ..errors import CompileError
 
@@ -28,6 +30,15 @@ from ..urls import UrlPath as UrlPath
 from ..urls import is_url as is_url
 from ..urls import size_of
 from ..urls import url_path as url_path
+
+
+def source_path(text: str, storage_options: dict[str, Any] | None = None) -> Path:
+    """A location as the path layouts list and open, resolved once where it enters: a
+    local Path (a ``file://`` URL is the path it names), or a UrlPath over its storage."""
+    if is_url(text):
+        return url_path(text, storage_options)
+    return Path(local_path(text))
+
 
 AUDIO_EXTS = (
     ".wav",

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from .samples import is_tensor
+
 _INSTALLED = tuple(
     str(Path(p).resolve())
     for p in {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
@@ -192,7 +194,7 @@ def _feed(h: Any, value: Any, depth: int, seen: set[int]) -> None:
         else:
             _tag(h, b"a", f"{array.dtype.str}{list(array.shape)}".encode())
             _bytes(h, array.reshape(-1).view(np.uint8))
-    elif _is_tensor(value):
+    elif is_tensor(value):
         t = value.detach().cpu().contiguous()
         _tag(h, b"t", f"{t.dtype}{list(t.shape)}".encode())
         if t.numel():
@@ -257,11 +259,6 @@ def _bytes(h: Any, data: np.ndarray) -> None:
     step = (size - SLICE_BYTES) // (SAMPLED_SLICES - 1)
     for k in range(SAMPLED_SLICES):
         h.update(data[k * step : k * step + SLICE_BYTES].data)
-
-
-def _is_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _pandas(value: Any) -> bool:

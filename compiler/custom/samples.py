@@ -18,6 +18,7 @@ dtype (with the casts stated in ``cast``) and its shape (``None`` for a ragged a
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -173,7 +174,7 @@ def leaf(value: Any, item: str, name: str) -> Leaf:
         )
     if isinstance(value, np.ndarray):
         return Leaf(*_array(value, where), "array")
-    if _is_tensor(value):
+    if is_tensor(value):
         return Leaf(*_tensor(value, where), "array")
     if value is None:
         raise SampleError(f"{where} is None: return None for the whole sample to skip the item")
@@ -197,8 +198,10 @@ def _array(array: np.ndarray, where: str) -> tuple[np.ndarray, str]:
     return (array if array.flags.c_contiguous else array.copy(order="C")), name
 
 
-def _is_tensor(value: Any) -> bool:
-    torch = __import__("sys").modules.get("torch")
+def is_tensor(value: Any) -> bool:
+    """A torch.Tensor (torch is not imported to find out: a value can be one only once
+    torch is loaded)."""
+    torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
 
 

@@ -298,7 +298,7 @@ def input_sizes(corpus: Corpus, items: Iterable[Item]) -> str:
     """sha256 over the inputs' (key, size, offset, duration): what a unit of a corpus whose
     fingerprint leaves out its inputs' sizes (Corpus.unit_sizes) records as it starts,
     and what a resume compares, redoing the unit when they differ."""
-    from ..corpus.layouts import source_path
+    from ..corpus.listing import source_path
 
     return fingerprint(items, b"", source_path(corpus.root, corpus.storage_options))
 

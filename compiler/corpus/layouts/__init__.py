@@ -43,11 +43,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dlop.formats.urls import local_path
-
 from ...errors import CompileError
-from ...urls import is_url, url_path
-from ..listing import MEDIA, forget_real_paths, is_archive
+from ..listing import MEDIA, forget_real_paths, is_archive, source_path
 from ..records import Corpus, Item, ListOptions
 
 
@@ -186,13 +183,6 @@ def _exactly(items: Iterator[Item], want: int, layout: str, start: int) -> Itera
             f"{'more' if got > want else got}; a layout's stream must give exactly the items "
             "asked for"
         )
-
-
-def source_path(source: str, storage_options: dict[str, Any] | None = None) -> Path:
-    """SOURCE as the path layouts list: a local Path, or a UrlPath for a URL (compiler.urls)."""
-    if is_url(source):
-        return url_path(source, storage_options)
-    return Path(local_path(source))
 
 
 def open_corpus(

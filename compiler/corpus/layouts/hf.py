@@ -35,7 +35,7 @@ from ..listing import (
     is_url,
     name_bytes,
     name_key,
-    url_path,
+    source_path,
     walk_files,
 )
 from ..records import MAX_LABEL, Corpus, Item, ListOptions, fingerprint
@@ -75,7 +75,7 @@ def _files(source: Path) -> list[Path]:
 
 def _path(text: str, storage_options: dict[str, Any]) -> Path:
     """A listed file's path (or URL) as a path to open again."""
-    return url_path(text, storage_options) if is_url(text) else Path(text)
+    return source_path(text, storage_options)
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
@@ -377,7 +377,7 @@ class _Files:
     def __init__(self, corpus: Corpus) -> None:
         self.root_text = corpus.root
         source = corpus.root
-        self.source = url_path(source, corpus.storage_options) if is_url(source) else Path(source)
+        self.source = source_path(source, corpus.storage_options)
 
     def path(self, text: str) -> Path:
         if isinstance(self.source, UrlPath) and is_url(text):

@@ -35,12 +35,11 @@ from ..listing import (
     confined,
     file_size,
     is_text,
-    is_url,
     key_name,
     lines,
     name_bytes,
     name_key,
-    url_path,
+    source_path,
     utf8,
     walk_files,
 )
@@ -247,7 +246,7 @@ def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
         corpus.items[start:stop], key=lambda it: (it.member or ("", ""))[0]
     ):
         if tar:
-            path = url_path(tar, corpus.storage_options) if is_url(tar) else Path(tar)
+            path = source_path(tar, corpus.storage_options)
             yield from _stream_tar(path, list(run))
         else:
             yield from run
