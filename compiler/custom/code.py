@@ -263,12 +263,8 @@ def _bytes(h: Any, data: np.ndarray) -> None:
 
 def _pandas(value: Any) -> bool:
     """A pandas DataFrame, Series or Index: hashed by value (pandas' own row hash)."""
-    module = type(value).__module__
-    return (
-        module.partition(".")[0] == "pandas"
-        and hasattr(value, "to_numpy")
-        and ("pandas" in sys.modules)
-    )
+    pd = sys.modules.get("pandas")  # a value can be one only once pandas is loaded
+    return pd is not None and isinstance(value, pd.DataFrame | pd.Series | pd.Index)
 
 
 def _type_name(value: Any) -> str:
