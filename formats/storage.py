@@ -183,26 +183,27 @@ def retrying(
     try counts as a failure with its reason)."""
     reasons: list[str] = []
     checked_out = False  # a try's bytes arrived but failed the caller's check
+    said_what = "" if what == path else f"{what}: "  # a URL named once
     for attempt in range(retry.attempts):
         try:
             return once()
         except give_up:
             raise
         except PERMANENT as e:
-            raise FetchError(f"{what}: cannot read {path}: {e}", e) from None
+            raise FetchError(f"{said_what}cannot read {path}: {e}", e) from None
         except Rejected as e:
             reasons.append(str(e))
             checked_out = True
         except Exception as e:
             refused = as_permanent(e)
             if refused is not e:
-                raise FetchError(f"{what}: cannot read {path}: {refused}", refused) from None
+                raise FetchError(f"{said_what}cannot read {path}: {refused}", refused) from None
             said = str(e) or f"no message from the storage client, reading {path}"
             reasons.append(f"{type(e).__name__}: {said}"[:300])
         if attempt + 1 < retry.attempts:
             retry.pause(attempt)
     raise FetchError(
-        f"{what}: {path} failed {retry.attempts} times; last: {reasons[-1]} "
+        f"{said_what}{path} failed {retry.attempts} times; last: {reasons[-1]} "
         f"(all: {'; '.join(reasons)[:1500]}); check the URL, the endpoint and the network "
         "(timeouts: DLOP_CONNECT_TIMEOUT, DLOP_READ_TIMEOUT)"
         + (", or the object itself: recompile it if its bytes are damaged" if checked_out else "")
