@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 
@@ -9,6 +10,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # tests/formats/test_storage_retry.py without these).
 os.environ.setdefault("DLOP_FETCH_ATTEMPTS", "6")
 os.environ.setdefault("DLOP_FETCH_MAX_BACKOFF", "0.05")
+# The Ctrl-C tests send SIGINT to dlop processes as a terminal would. A suite started as a
+# background job by a shell without job control inherits SIGINT ignored, and so would
+# every process it starts; the suite takes it back, so they meet a terminal's Ctrl-C.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
