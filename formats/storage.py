@@ -500,8 +500,8 @@ class FsspecStorage(Storage):
         self.fs = fs
         self.root = None if root is None else root.rstrip("/")
         self.url = url
-        http = urls.scheme(url) in urls.HTTP
-        self.lists = self.writes = not http
+        self.http = urls.scheme(url) in urls.HTTP  # reports every failure as missing
+        self.lists = self.writes = not self.http
         self._retrying = retrying
         self._retrying_fs: Any = None if retrying is not None else fs
         self._lock = threading.Lock()
@@ -531,7 +531,7 @@ class FsspecStorage(Storage):
             return self._retrying_fs
 
     def confirm_missing(self, name: str) -> bool:
-        if urls.scheme(self.name_url(name)) not in urls.HTTP:
+        if not self.http:
             return True
         url = self.name_url(name)
         try:  # one byte, asked as a read is: passing faults tried again
@@ -561,10 +561,16 @@ class FsspecStorage(Storage):
     def below(self, folder: str) -> dict[str, dict[str, Any]]:
         """Every object and folder below ``folder`` (names as ``path`` gives them), with its
         kind and size, from one paginated listing; empty when nothing is there."""
+        found = self._find(folder, withdirs=True)
+        return {name.rstrip("/"): _entry(info) for name, info in found.items()}
+
+    def _find(self, folder: str, withdirs: bool = False) -> dict[str, Any]:
+        """fsspec's ``find`` of ``folder`` (a name below the root; "" the root itself), with
+        details, tried as a read is; empty when nothing is there."""
         where = self.path(folder)
         try:
-            found = retrying(
-                lambda: self.fs.find(where, withdirs=True, detail=True),
+            found: dict[str, Any] = retrying(
+                lambda: self.fs.find(where, withdirs=withdirs, detail=True),
                 "listing",
                 self.name_url(folder),
                 self.retry,
@@ -573,7 +579,7 @@ class FsspecStorage(Storage):
             if isinstance(e.cause, FileNotFoundError):
                 return {}
             raise
-        return {name.rstrip("/"): _entry(info) for name, info in found.items()}
+        return found
 
     def path(self, name: str) -> str:
         return name if self.root is None else join_name(self.root, name)
@@ -625,18 +631,7 @@ class FsspecStorage(Storage):
         self.fs.invalidate_cache()
         root = self.path("")
         folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        where = self.path(folder) if folder else root
-        try:
-            found = retrying(
-                lambda: self.fs.find(where, detail=True),
-                "listing",
-                self.name_url(folder),
-                self.retry,
-            )
-        except FetchError as e:
-            if isinstance(e.cause, FileNotFoundError):
-                return {}
-            raise
+        found = self._find(folder)
         out = {}
         for p, info in found.items():
             name = p[len(root) + 1 :] if p.startswith(root + "/") else None
