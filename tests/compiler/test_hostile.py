@@ -23,7 +23,7 @@ from dlop.compiler.faults import KILL_AT
 from dlop.formats import StorageError
 from dlop.runtime import open_archive
 
-from .hostile_data import Hostile, Misbehaving, Plain, TokenIds
+from .hostile_data import Hostile, Misbehaving, Plain, TokenIds, Unhurried, Unloadable
 
 EPOCH = "1700000000"
 ROOT = Path(__file__).resolve().parents[2]
@@ -502,19 +502,31 @@ def test_a_caller_that_used_torch_first_compiles(workers: str, tmp_path: Path) -
     assert len(open_archive(tmp_path / "a")) == 12
 
 
-def test_workers_that_cannot_start_stop_the_compile_blaming_no_input(tmp_path: Path) -> None:
-    """A worker whose start fails dies before any input: had that been an input's fault,
-    every input would be recorded as bad and an archive of none written."""
+@pytest.mark.parametrize(
+    ("dataset", "said"),
+    [
+        (Unloadable, "ended before it began its input"),
+        (Unhurried, "did not begin its input within 2 s"),
+    ],
+)
+def test_workers_that_cannot_start_stop_the_compile_blaming_no_input(
+    dataset: type[Plain], said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose start fails (its Dataset cannot be unpickled) dies before any input,
+    one whose start hangs (its Dataset hangs as it is unpickled) held the compile forever:
+    had either been an input's fault, every input would be recorded as bad and an archive
+    of none written. A start hanging past the limit stops the compile."""
     import threading
 
-    from .hostile_data import Unloadable
+    from dlop.compiler.run import processes
 
+    monkeypatch.setattr(processes, "START_LIMIT_S", 2.0)
     stop = threading.Event()
     busy = threading.Thread(target=stop.wait, daemon=True)  # workers from a fork server
     busy.start()
     try:
-        with pytest.raises(CompileError, match="ended before it began its input"):
-            compile_dataset(Unloadable(12), tmp_path / "a", workers=2, progress=False)
+        with pytest.raises(CompileError, match=said):
+            compile_dataset(dataset(12), tmp_path / "a", workers=2, progress=False)
     finally:
         stop.set()
     assert not (tmp_path / "a" / "index.json").exists()
@@ -563,27 +575,3 @@ def test_a_guarded_process_that_dies_idle_costs_no_item() -> None:
         assert prober.proc.pid != first
     finally:
         prober.close()
-
-
-def test_a_worker_whose_start_hangs_stops_the_compile(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A worker that never begins its input (its Dataset hangs as it is unpickled) held
-    the compile forever; past the start limit it stops, blaming no input."""
-    import threading
-
-    from dlop.compiler.run import processes
-
-    from .hostile_data import Unhurried
-
-    monkeypatch.setattr(processes, "START_LIMIT_S", 2.0)
-    stop = threading.Event()
-    busy = threading.Thread(target=stop.wait, daemon=True)  # workers from a fork server
-    busy.start()
-    try:
-        with pytest.raises(CompileError, match="did not begin its input within 2 s"):
-            compile_dataset(Unhurried(12), tmp_path / "a", workers=2, progress=False)
-    finally:
-        stop.set()
-    assert not (tmp_path / "a" / "index.json").exists()
-    assert not errors(tmp_path / "a")
