@@ -26,7 +26,8 @@ from .audio.options import (
     with_options,
 )
 from .corpus.layouts import detect_layout, layout_media, names
-from .corpus.listing import MEDIA, source_path
+from .corpus.listing import MEDIA
+from .corpus.place import source_place
 from .errors import CompileError
 from .urls import is_url
 from .vision.options import VisionConfig
@@ -403,7 +404,7 @@ def build_recipe(options: dict[str, Any], storage_options: dict[str, Any] | None
     except (TypeError, ValueError) as e:
         raise CompileError(str(e)) from None
     resampler = opts.get("resampler")
-    source = source_path(str(opts["source"]), storage_options)  # a Path, or a UrlPath
+    source = source_place(str(opts["source"]), storage_options)
     layout = opts.get("layout") or detect_layout(source)
     media = opts.get("media") or layout_media(layout, source)
     masks = opts.get("masks")

@@ -562,7 +562,15 @@ class FsspecStorage(Storage):
         """Every object and folder below ``folder`` (names as ``path`` gives them), with its
         kind and size, from one paginated listing; empty when nothing is there."""
         found = self._find(folder, withdirs=True)
-        return {name.rstrip("/"): _entry(info) for name, info in found.items()}
+        # the names as asked: a backend may spell them its own way ("/b/x" for "b/x")
+        asked = self.path(folder)
+        where = str(self.fs._strip_protocol(asked)).rstrip("/")
+        out = {}
+        for name, info in found.items():
+            name = name.rstrip("/")
+            if name == where or name.startswith(where + "/"):
+                out[asked + name[len(where) :]] = _entry(info)
+        return out
 
     def _find(self, folder: str, withdirs: bool = False) -> dict[str, Any]:
         """fsspec's ``find`` of ``folder`` (a name below the root; "" the root itself), with

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import listing
+from .place import Place
 
 MAX_LABEL = 2**31 - 1  # largest single class index a corpus may give
 MAX_MULTI_LABELS = 1 << 16  # widest multi-hot ``labels`` vector (one byte per class per sample)
@@ -70,7 +70,7 @@ class Corpus:
     # them, a manifest): each work unit records its inputs' sizes as it starts, and a
     # resume redoes a unit whose inputs' sizes have changed since.
     unit_sizes: bool = False
-    # folders and URL prefixes outside SOURCE its paths may name (listing.confined)
+    # folders and URL prefixes outside SOURCE its paths may name (Place.confine)
     allow_paths: tuple[str, ...] = ()
 
 
@@ -84,13 +84,13 @@ class ListOptions:
     text_column: str | None = None  # hf: the transcript column (default: text, sentence, ...)
     label_column: str | None = None  # hf: the class column (default: label, or a ClassLabel)
     keep_columns: tuple[str, ...] = ()  # hf: scalar columns carried as fields
-    # folders and URL prefixes outside SOURCE the corpus's paths may name (listing.confined)
+    # folders and URL prefixes outside SOURCE the corpus's paths may name (Place.confine)
     allow_paths: tuple[str, ...] = ()
 
 
-def fingerprint(items: Iterable[Item], extra: bytes = b"", root: Path | None = None) -> str:
+def fingerprint(items: Iterable[Item], extra: bytes = b"", root: Place | None = None) -> str:
     """sha256 over every input's key and size plus the corpus's listing files (``extra``);
-    ``root`` is the SOURCE path, whose listing gives the sizes of URL inputs."""
+    ``root`` is SOURCE's place, whose listing gives the sizes of URL inputs."""
     return listing.fingerprint(
         ((it.key, it.path, it.offset, it.duration) for it in items), extra, root
     )

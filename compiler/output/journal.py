@@ -9,15 +9,14 @@ import secrets
 from typing import Any, NoReturn
 
 from dlop.formats import FormatError
-from dlop.formats.constants import MAX_INDEX_BYTES
+from dlop.formats.constants import JOURNAL_NAME, MAX_INDEX_BYTES
 from dlop.formats.files import loads_bounded
 from dlop.formats.units import MAX_COUNT, is_count
 
-from ..corpus.listing import PROGRESS_NAME
 from ..errors import CompileError
 from .store import Store
 
-JOURNAL = PROGRESS_NAME  # the listing skips folders holding one, so it is named there
+JOURNAL = JOURNAL_NAME  # a corpus listing skips folders holding one (corpus.place)
 # The journal holds the recipe that the archive's index will hold (a user's schema and
 # arguments as much as a preset's options), so it is bounded as the index is: a recipe
 # the index could hold is never too large for the journal.

@@ -298,9 +298,9 @@ def input_sizes(corpus: Corpus, items: Iterable[Item]) -> str:
     """sha256 over the inputs' (key, size, offset, duration): what a unit of a corpus whose
     fingerprint leaves out its inputs' sizes (Corpus.unit_sizes) records as it starts,
     and what a resume compares, redoing the unit when they differ."""
-    from ..corpus.listing import source_path
+    from ..corpus.place import source_place
 
-    return fingerprint(items, b"", source_path(corpus.root, corpus.storage_options))
+    return fingerprint(items, b"", source_place(corpus.root, corpus.storage_options))
 
 
 def unit_items(

@@ -11,13 +11,17 @@ from typing import Any
 
 import pytest
 
-from dlop.compiler.corpus.listing import confined
+from dlop.compiler.corpus.place import LocalPlace, Place, source_place
 from dlop.compiler.recipe import build_recipe
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 
 from .fixtures import esc50_row, write_audio, write_esc50_csv
 from .signals import make_signal
+
+
+def _confined(root: Path | Place, text: str, allowed: tuple[str, ...] = ()) -> str:
+    return (root if isinstance(root, Place) else LocalPlace(root)).confine(text, allowed)
 
 
 def outside_files(tmp_path: Path) -> tuple[Path, Path]:
@@ -71,33 +75,31 @@ def test_confined_resolves_inside_and_refuses_the_rest(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     os.symlink(tmp_path / "out", root / "out-link")
     os.symlink(root / "a", root / "in-link")
-    assert confined(root, "a/x.wav") == str(root / "a" / "x.wav")
-    assert confined(root, "a/../a/x.wav") == str(root / "a/../a/x.wav")
-    assert confined(root, "in-link/x.wav") == str(root / "in-link" / "x.wav")  # a link inside
+    assert _confined(root, "a/x.wav") == str(root / "a" / "x.wav")
+    assert _confined(root, "a/../a/x.wav") == str(root / "a/../a/x.wav")
+    assert _confined(root, "in-link/x.wav") == str(root / "in-link" / "x.wav")  # a link inside
     for text in ("../out/x.wav", "/etc/passwd", "a/../../out/x.wav", "s3://bucket/x.wav"):
         with pytest.raises(ValueError, match="lies outside the corpus; pass --allow-path"):
-            confined(root, text)
+            _confined(root, text)
     with pytest.raises(ValueError, match="leads out of the corpus through a link"):
-        confined(root, "out-link/x.wav")
+        _confined(root, "out-link/x.wav")
     allowed = (str(tmp_path / "out"), "s3://bucket/audio")
-    assert confined(root, "out-link/x.wav", allowed) == str(root / "out-link" / "x.wav")
-    assert confined(root, "../out/x.wav", allowed) == str(root / "../out/x.wav")
-    assert confined(root, "s3://bucket/audio/x.wav", allowed) == "s3://bucket/audio/x.wav"
+    assert _confined(root, "out-link/x.wav", allowed) == str(root / "out-link" / "x.wav")
+    assert _confined(root, "../out/x.wav", allowed) == str(root / "../out/x.wav")
+    assert _confined(root, "s3://bucket/audio/x.wav", allowed) == "s3://bucket/audio/x.wav"
     with pytest.raises(ValueError, match="outside"):
-        confined(root, "s3://bucket/audio/../private/x.wav", allowed)
+        _confined(root, "s3://bucket/audio/../private/x.wav", allowed)
     with pytest.raises(ValueError, match="outside"):
-        confined(root, "s3://bucket/audiobook/x.wav", allowed)
+        _confined(root, "s3://bucket/audiobook/x.wav", allowed)
 
 
 def test_a_url_source_reads_no_local_file(tmp_path: Path) -> None:
-    from dlop.compiler.urls import url_path
-
-    root = url_path("memory://corpus/ds", {})
-    assert confined(root, "clips/a.wav") == "memory://corpus/ds/clips/a.wav"
-    assert confined(root, "memory://corpus/ds/clips/a.wav") == "memory://corpus/ds/clips/a.wav"
+    root = source_place("memory://corpus/ds", {})
+    assert _confined(root, "clips/a.wav") == "memory://corpus/ds/clips/a.wav"
+    assert _confined(root, "memory://corpus/ds/clips/a.wav") == "memory://corpus/ds/clips/a.wav"
     for text in ("/etc/passwd", "../other/a.wav", "memory://corpus/other/a.wav"):
         with pytest.raises(ValueError, match="outside the corpus"):
-            confined(root, text)
+            _confined(root, text)
 
 
 def test_manifest_paths_out_of_the_corpus_are_bad_inputs(tmp_path: Path) -> None:
@@ -200,7 +202,7 @@ def test_the_roots_links_are_resolved_once_not_per_path(
 
     monkeypatch.setattr(os.path, "realpath", counted)
     for n in range(100):
-        confined(root, f"a/{n}.wav")
+        _confined(root, f"a/{n}.wav")
     assert asked.count(str(root)) <= 1 and len(asked) <= 101
 
 
@@ -214,5 +216,5 @@ def test_a_listed_path_reads_as_its_folder_joined_with_the_name(tmp_path: Path) 
         ".hidden.wav", "wav/../f.wav", "x y.wav", "é.wav", "a.", "..b",
     ]  # fmt: skip
     for name in names:
-        assert confined(root, name) == str(root / name), name
-    assert confined(Path("."), "a.wav") == "a.wav"  # a relative root as pathlib spells it
+        assert _confined(root, name) == str(root / name), name
+    assert _confined(Path("."), "a.wav") == "a.wav"  # a relative root as pathlib spells it

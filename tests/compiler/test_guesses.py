@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dlop.compiler.corpus.layouts import folder
-from dlop.compiler.corpus.listing import files_below
+from dlop.compiler.corpus.place import LocalPlace
 from dlop.compiler.errors import CompileError
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
@@ -96,8 +96,10 @@ def test_links_inside_the_corpus_are_followed(
     os.symlink(tmp_path / "c" / "all" / "spk1", tmp_path / "c" / "a" / "spk1")
     os.symlink(tmp_path / "c" / "a", tmp_path / "c" / "a" / "spk1-again")
     os.symlink(tmp_path / "c", tmp_path / "c" / "b" / "up")
-    listed = files_below(tmp_path / "c" / "a", (".wav",), corpus=tmp_path / "c", allowed=())
-    assert [p.relative_to(tmp_path / "c").as_posix() for p in listed] == [
+    listed = LocalPlace(tmp_path / "c" / "a").files_below(
+        (".wav",), corpus=LocalPlace(tmp_path / "c"), allowed=()
+    )
+    assert [p.relative_to(LocalPlace(tmp_path / "c")).as_posix() for p in listed] == [
         "a/spk1/z.wav",
         "a/x.wav",
     ]
@@ -115,13 +117,13 @@ def test_a_link_out_of_the_corpus_is_refused_unless_allowed(
     os.symlink(outside, corpus / "a" / "more")
     os.symlink(outside / "secret.wav", corpus / "b" / "one.wav")
     with pytest.raises(CompileError, match=r"a/more: a link that leads out of the corpus"):
-        files_below(corpus / "a", (".wav",), corpus=corpus, allowed=())
+        LocalPlace(corpus / "a").files_below((".wav",), corpus=LocalPlace(corpus), allowed=())
     assert main([str(corpus), "-o", str(tmp_path / "o"), "--workers", "1"]) == 1
     err = capsys.readouterr().err
     assert "leads out of the corpus" in err and "--allow-path" in err
     assert not (tmp_path / "o").exists()
     # detection only probes: the link out is passed over there, refused by the listing
-    assert folder.detect(corpus)
+    assert folder.detect(LocalPlace(corpus))
     _compile(
         [str(corpus), "-o", str(tmp_path / "o"), "--workers", "1", "--allow-path", str(outside)],
         capsys,

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dlop.compiler.corpus.layouts import hf, open_corpus, stream_items
+from dlop.compiler.corpus.place import LocalPlace
 from dlop.compiler.errors import CompileError
 from dlop.compiler.recipe import build_recipe
 from dlop.formats import ArchiveReader
@@ -260,7 +261,7 @@ def test_peoples_speech_hub_form(tmp_path: Path) -> None:
     assert [r.sample(i)["key"] for i in range(3)] == columns["id"]
     assert [r.sample(i)["text"] for i in range(3)] == columns["text"]
     assert r.sample(2)["duration_ms"] == 500
-    assert hf.detect(source) and hf.detect(tmp_path)
+    assert hf.detect(LocalPlace(source)) and hf.detect(LocalPlace(tmp_path))
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dlop.compiler.corpus.layouts import detect_layout, open_corpus
+from dlop.compiler.corpus.place import LocalPlace
 from dlop.compiler.errors import CompileError
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
@@ -104,7 +105,7 @@ def test_segments_compile_like_the_same_spans_of_plain_files(
 ) -> None:
     root = lhotse_corpus(tmp_path / "lh", monkeypatch)
     source = root / "demo_supervisions_dev.jsonl.gz" if form == "supervisions" else root / "cuts"
-    assert detect_layout(source) == "lhotse"
+    assert detect_layout(LocalPlace(source)) == "lhotse"
     # cuts/ names its audio from the working directory (root), outside the cuts folder
     allow = ["--allow-path", str(root)] if form == "cuts" else []
     compile_ok(str(source), *allow, "-o", str(tmp_path / "a"))

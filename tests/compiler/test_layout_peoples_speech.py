@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dlop.compiler.corpus.layouts import detect_layout, open_corpus, stream_items
+from dlop.compiler.corpus.place import LocalPlace
 from dlop.formats import ArchiveReader
 from dlop.tools.compile_cli import main
 
@@ -86,7 +87,7 @@ def compile_ok(*args: str) -> None:
 @pytest.mark.parametrize("tars", [True, False], ids=["tar-shards", "folders"])
 def test_segments_compile_like_the_same_flac_files(tmp_path: Path, tars: bool) -> None:
     source = ps_corpus(tmp_path / "ps", tars=tars)
-    assert detect_layout(source) == "peoples-speech"
+    assert detect_layout(LocalPlace(source)) == "peoples-speech"
     compile_ok(str(source), "-o", str(tmp_path / "a"))
     compile_ok(str(tmp_path / "ps" / "plain" / "plain.jsonl"), "-o", str(tmp_path / "b"))
     a, b = ArchiveReader(tmp_path / "a"), ArchiveReader(tmp_path / "b")

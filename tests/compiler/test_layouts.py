@@ -13,6 +13,7 @@ import pytest
 
 from dlop.compiler import recipe
 from dlop.compiler.corpus import layouts
+from dlop.compiler.corpus.place import LocalPlace
 from dlop.compiler.errors import CompileError
 
 from .fixtures import esc50_corpus
@@ -25,22 +26,20 @@ BUILT_IN |= {"hf", "peoples-speech", "lhotse"}
 
 # A whole layout, as a file: a folder holding ``items.lst`` whose lines name inputs.
 FAKE_LAYOUT = """
-from pathlib import Path
-
+from dlop.compiler.corpus.place import Place
 from dlop.compiler.corpus.records import Corpus, Item, ListOptions, fingerprint
-from dlop.compiler.corpus.listing import read_bytes
 
 NAME = "fakelist"
 MEDIA = ("audio",)
 SIGNS = "items.lst"
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     return (source / "items.lst").is_file()
 
 
-def list_corpus(source: Path, options: ListOptions) -> Corpus:
-    raw = read_bytes(source / "items.lst")
+def list_corpus(source: Place, options: ListOptions) -> Corpus:
+    raw = (source / "items.lst").read_bytes()
     items = [Item(key=k, path=str(source / k)) for k in raw.decode().split()]
     return Corpus(NAME, str(source), items, False, False, {}, {}, fingerprint(items, raw))
 """
@@ -113,8 +112,8 @@ def test_a_new_layout_module_is_detected_and_listed(
     root.mkdir()
     (root / "items.lst").write_text("a.wav\nb.wav\n")
     assert "fakelist" in layouts.names()
-    assert layouts.detect_layout(root) == "fakelist"
-    assert layouts.layout_media("fakelist", root) == "audio"
+    assert layouts.detect_layout(LocalPlace(root)) == "fakelist"
+    assert layouts.layout_media("fakelist", LocalPlace(root)) == "audio"
     corpus = layouts.open_corpus(str(root), None)
     assert corpus.layout == "fakelist"
     assert [it.key for it in corpus.items] == ["a.wav", "b.wav"]
@@ -122,11 +121,11 @@ def test_a_new_layout_module_is_detected_and_listed(
         layouts.open_corpus(str(root), "fakelist", media="video")
     # its signs join the message when nothing matches, and it can be ambiguous like any other
     with pytest.raises(CompileError, match=r"cannot tell the layout.*items\.lst"):
-        layouts.detect_layout(tmp_path)
+        layouts.detect_layout(LocalPlace(tmp_path))
     both = esc50_corpus(tmp_path / "esc", [("wav", 16000, 1)])
     (both / "items.lst").write_text("audio/x.wav\n")
     with pytest.raises(CompileError, match=r"ambiguous.*esc50 and fakelist"):
-        layouts.detect_layout(both)
+        layouts.detect_layout(LocalPlace(both))
 
 
 def test_a_layout_module_must_define_its_names() -> None:
@@ -154,8 +153,8 @@ def test_no_layout_module_imports_another() -> None:
     for path in LAYOUT_FILES:
         got = imported_modules(path)
         assert not (got & (others | {"corpus.layouts"})), f"{path.name} imports {got & others}"
-        # only the shared listing, records and errors of the compiler
-        shared = ("corpus.records", "corpus.listing", "errors")
+        # only the shared place, listing, records and errors of the compiler
+        shared = ("corpus.records", "corpus.listing", "corpus.place", "errors")
         assert all(m.startswith(shared) for m in got), (path.name, got)
 
 
@@ -179,6 +178,7 @@ def test_the_import_check_sees_a_layout_importing_another(tmp_path: Path) -> Non
 def test_the_listing_modules_never_import_the_runtime() -> None:
     for path in [
         COMPILER / "corpus" / "listing.py",
+        COMPILER / "corpus" / "place.py",
         COMPILER / "corpus" / "records.py",
         *LAYOUT_FILES,
     ]:

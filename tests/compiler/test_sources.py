@@ -15,6 +15,7 @@ import soundfile as sf
 
 from dlop.compiler.corpus.layouts import charades, detect_layout, open_corpus
 from dlop.compiler.corpus.listing import key_name, name_key
+from dlop.compiler.corpus.place import LocalPlace
 from dlop.compiler.corpus.records import Item, ListOptions
 from dlop.compiler.errors import CompileError, InputError
 from dlop.compiler.run.items import CorpusShape, _labels
@@ -86,15 +87,15 @@ def test_an_archive_is_never_a_source(tmp_path: Path) -> None:
     wav(root / "cat" / "a.wav")
     compile_ok(str(root), "-o", str(tmp_path / "arch"))
     with pytest.raises(CompileError, match="dlop archive"):
-        detect_layout(tmp_path / "arch")
+        detect_layout(LocalPlace(tmp_path / "arch"))
     only = tmp_path / "only"
     compile_ok(str(root), "-o", str(only / "old"))
     with pytest.raises(CompileError, match="cannot tell the layout"):
-        detect_layout(only)
+        detect_layout(LocalPlace(only))
     # librispeech transcripts inside an archive folder are not found either
     (only / "old" / "1-2.trans.txt").write_text("1-2-3 HELLO\n")
     with pytest.raises(CompileError, match="cannot tell the layout"):
-        detect_layout(only)
+        detect_layout(LocalPlace(only))
 
 
 # -- item 3: labels are bounded and consistent ---------------------------------------------
@@ -293,7 +294,7 @@ def test_short_charades_row_is_a_bad_input(tmp_path: Path) -> None:
     (root / "Charades_v1_train.csv").write_bytes(
         b"id,subject,scene,actions\nAB12,s,kitchen,c001 0.0 1.0\nCD34\nEF\xff56,s,x,\n"
     )
-    corpus = charades.list_corpus(root, ListOptions(media="video"))
+    corpus = charades.list_corpus(LocalPlace(root), ListOptions(media="video"))
     errors = [it.error or "" for it in corpus.items]
     assert "line 3" in errors[1] and "columns" in errors[1]
     assert "line 4" in errors[2] and "UTF-8" in errors[2]

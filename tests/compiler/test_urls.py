@@ -18,6 +18,7 @@ import pytest
 
 from dlop.compiler import urls
 from dlop.compiler.corpus.layouts import open_corpus, stream_items
+from dlop.compiler.corpus.place import source_place
 from dlop.compiler.corpus.records import Corpus, Item
 from dlop.compiler.errors import CompileError
 from dlop.compiler.output import store as output_store
@@ -58,7 +59,7 @@ def test_a_missing_backend_names_the_extra() -> None:
 
         pytest.skip("gcsfs is installed here")
     with pytest.raises(StorageError, match=r"pip install 'dlop\[gcs\]'"):
-        urls.url_path("gs://bucket/corpus")
+        source_place("gs://bucket/corpus")
 
 
 def test_an_output_prefix_must_lie_apart_from_the_corpus_prefix() -> None:
@@ -69,12 +70,12 @@ def test_an_output_prefix_must_lie_apart_from_the_corpus_prefix() -> None:
             urls.check_url_apart(out, ["s3://b/corpus"])
 
 
-def test_a_url_path_has_no_local_meaning() -> None:
-    p = urls.url_path("s3://bucket/corpus") / "meta" / "esc50.csv"
-    assert str(p) == "s3://bucket/corpus/meta/esc50.csv"
+def test_a_url_place_has_no_local_meaning() -> None:
+    p = source_place("s3://bucket/corpus") / "meta" / "esc50.csv"
+    assert str(p) == "s3://bucket/corpus/meta/esc50.csv" and p.local is None
     assert str(p.relative_to(p.parent.parent)) == "meta/esc50.csv"
-    with pytest.raises(TypeError, match="is a URL, not a local path"):
-        open(p)  # noqa: SIM115 - the point: no local file of that name is opened
+    with pytest.raises(TypeError, match="StoredPlace"):
+        open(p)  # type: ignore[call-overload]  # noqa: SIM115 - the point: no local file is opened
 
 
 # -- listing from S3 ---------------------------------------------------------------------

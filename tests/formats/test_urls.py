@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from dlop.compiler.urls import url_path
+from dlop.compiler.corpus.place import source_place
 from dlop.formats import StorageError, storage, urls
 from dlop.runtime.storage.remote import storage_at
 
@@ -30,7 +30,7 @@ def test_a_missing_backend_names_the_extra_wherever_a_storage_is_opened() -> Non
 
         pytest.skip("gcsfs is installed here")
     extra = r"gs://b/a: gs:// URLs need an fsspec backend .*pip install 'dlop\[gcs\]'"
-    for opening in (urls.filesystem, storage.open_storage, url_path, storage_at):
+    for opening in (urls.filesystem, storage.open_storage, source_place, storage_at):
         with pytest.raises(StorageError, match=extra):
             opening("gs://b/a")
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from dlop.compiler.corpus.place import LocalPlace
 from dlop.tools.bench import vision_bench
 
 
@@ -29,7 +30,7 @@ def test_speech_corpus_is_librispeech(tmp_path: Path) -> None:
     from dlop.tools.bench import speech_peers
 
     root, seconds = speech_peers.speech_corpus(tmp_path / "c", 3)
-    assert detect_layout(root) == "librispeech"
+    assert detect_layout(LocalPlace(root)) == "librispeech"
     utts = speech_peers.utterances(root)
     assert len(utts) == 3
     lengths = [sf.info(path).duration for _, path, _ in utts]
@@ -44,7 +45,7 @@ def test_short_corpus_is_a_manifest_of_short_wavs(tmp_path: Path) -> None:
     from dlop.tools.bench import speech_peers
 
     manifest, seconds = speech_peers.short_corpus(tmp_path / "c", 40)
-    assert detect_layout(manifest) == "manifest"
+    assert detect_layout(LocalPlace(manifest)) == "manifest"
     utts = speech_peers.utterances(manifest)
     assert len(utts) == 40 and all(text for _, _, text in utts)
     infos = [sf.info(path) for _, path, _ in utts]

@@ -6,19 +6,19 @@ A layout module defines::
     MEDIA = ("audio",)             # the media it can hold; the first is its default
     SIGNS = "meta/esc50.csv"       # what detection looks for, for messages
     FALLBACK = False               # optional: asked only when no other layout matches
-    def detect(source: Path) -> bool
-    def list_corpus(source: Path, options: ListOptions) -> Corpus
-    def source_media(source: Path) -> str   # optional: the media this SOURCE holds
+    def detect(source: Place) -> bool
+    def list_corpus(source: Place, options: ListOptions) -> Corpus
+    def source_media(source: Place) -> str   # optional: the media this SOURCE holds
     def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]
         # optional: the items [start, stop) with their bytes filled in (Item.data), read
         # in corpus order; for layouts whose inputs live inside container files (tar
         # members, Parquet rows) and are cheaper to read in one pass than one by one.
         # Without it a compile takes corpus.items[start:stop] as listed.
 
-SOURCE may be a URL (``s3://``, ``gs://``, ``https://``): the layout then gets a
-``compiler.urls.UrlPath``, a Path whose file questions go to the bucket listing;
-a layout that reads files through ``compiler.corpus.listing`` and the Path methods
-named there lists URLs as it lists folders.
+``source`` is a ``compiler.corpus.place.Place``: a local file or folder, or, for a
+URL SOURCE (``s3://``, ``gs://``, ``https://``), an object or prefix whose questions
+go to one listing of its storage. A layout that reads files only through its Place
+(and the helpers of ``compiler.corpus.listing``) lists URLs as it lists folders.
 
 Every module in this package whose name does not start with ``_`` is
 registered when the package is imported, so adding a layout is adding a
@@ -39,12 +39,12 @@ import itertools
 import pkgutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from ...errors import CompileError
-from ..listing import MEDIA, forget_real_paths, is_archive, source_path
+from ..listing import MEDIA
+from ..place import Place, forget_real_paths, is_archive, source_place
 from ..records import Corpus, Item, ListOptions
 
 
@@ -56,9 +56,9 @@ class Layout:
     media: tuple[str, ...]
     signs: str
     fallback: bool
-    detect: Callable[[Path], bool]
-    list: Callable[[Path, ListOptions], Corpus]
-    source_media: Callable[[Path], str]
+    detect: Callable[[Place], bool]
+    list: Callable[[Place, ListOptions], Corpus]
+    source_media: Callable[[Place], str]
     stream: Callable[[Corpus, int, int | None], Iterator[Item]] | None = None
 
 
@@ -122,7 +122,7 @@ def get(name: str) -> Layout:
     return layout
 
 
-def detect_layout(source: Path) -> str:
+def detect_layout(source: Place) -> str:
     """The one layout that recognises ``source`` (see the module docstring for the order)."""
     if source.is_dir() and is_archive(source):
         raise CompileError(
@@ -137,7 +137,7 @@ def detect_layout(source: Path) -> str:
         )
     if found:
         return found[0]
-    if not source.exists() and not source.is_symlink():
+    if not source.exists() and not source.is_link():
         raise CompileError(f"{source}: no such file or directory")
     fallback = next((la.name for la in ordered if la.fallback and la.detect(source)), None)
     if fallback is not None:
@@ -149,7 +149,7 @@ def detect_layout(source: Path) -> str:
     )
 
 
-def layout_media(layout: str, source: Path) -> str:
+def layout_media(layout: str, source: Place) -> str:
     """The media a layout's SOURCE holds (told by its files where the layout holds several)."""
     return get(layout).source_media(source)
 
@@ -201,7 +201,7 @@ def open_corpus(
     """Lists ``source`` (a path or URL) with its layout (detected when None) into a Corpus,
     in corpus order; ``storage_options`` reach the filesystem of a URL (compiler.urls)."""
     forget_real_paths()
-    path = source_path(source, storage_options)
+    path = source_place(source, storage_options)
     chosen = get(layout or detect_layout(path))
     media = media or chosen.source_media(path)
     if media not in chosen.media:

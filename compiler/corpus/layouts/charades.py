@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from pathlib import Path
 
 from ...errors import CompileError
-from ..listing import VIDEO_EXTS, files_below, name_key, read_bytes, read_csv
+from ..listing import VIDEO_EXTS, name_key, read_csv
+from ..place import Place
 from ..records import Corpus, Item, ListOptions, fingerprint
 
 NAME = "charades"
@@ -18,23 +18,23 @@ CHARADES_CLASSES = 157
 _SPAN = re.compile(r"^c(\d{3})\s+(-?\d+(?:\.\d+)?)\s+(-?\d+(?:\.\d+)?)$")
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     return any((source / name).is_file() for name in CHARADES_CSVS)
 
 
-def list_corpus(root: Path, options: ListOptions) -> Corpus:
+def list_corpus(root: Place, options: ListOptions) -> Corpus:
     csvs = [root / n for n in CHARADES_CSVS if (root / n).is_file()]
     if not csvs:
         raise CompileError(f"{root}: charades layout needs {' or '.join(CHARADES_CSVS)}")
-    videos: dict[str, Path] = {}
-    for f in files_below(root, VIDEO_EXTS, allowed=options.allow_paths):
+    videos: dict[str, Place] = {}
+    for f in root.files_below(VIDEO_EXTS, allowed=options.allow_paths):
         videos.setdefault(f.stem, f)  # the first by sorted path when one id has several files
     classes = [f"c{i:03d}" for i in range(CHARADES_CLASSES)]
     names_file = root / "Charades_v1_classes.txt"
     meta = hashlib.sha256()
     if names_file.is_file():
         try:
-            names_text = read_bytes(names_file).decode("utf-8-sig")
+            names_text = names_file.read_bytes().decode("utf-8-sig")
         except UnicodeDecodeError as e:
             raise CompileError(
                 f"{names_file}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8"

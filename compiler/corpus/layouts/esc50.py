@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ...errors import CompileError
-from ..listing import I64, confined, name_key, read_csv
+from ..listing import I64, name_key, read_csv
+from ..place import Place
 from ..records import Corpus, Item, ListOptions, fingerprint
 
 NAME = "esc50"
@@ -14,11 +13,11 @@ SIGNS = "meta/esc50.csv"
 ESC50_CLASSES = 50
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     return (source / "meta" / "esc50.csv").is_file()
 
 
-def list_corpus(root: Path, options: ListOptions) -> Corpus:
+def list_corpus(root: Place, options: ListOptions) -> Corpus:
     """The CSV's rows in file order; targets and categories checked against each other."""
     meta = root / "meta" / "esc50.csv"
     if not meta.is_file():
@@ -60,7 +59,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         path = ""
         if error is None:
             try:
-                path = confined(root, f"audio/{name}", options.allow_paths)
+                path = root.confine(f"audio/{name}", options.allow_paths)
             except ValueError as e:
                 error = f"{where}: {e}"
         if error is not None:

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ...errors import CompileError
-from ..listing import (
-    ALL_MEDIA_EXTS,
-    MEDIA_EXTS,
-    files_below,
-    is_archive,
-    media_of,
-    name_key,
-    subfolders,
-    walk_files,
-)
+from ..listing import ALL_MEDIA_EXTS, MEDIA_EXTS, media_of, name_key
+from ..place import Place, is_archive
 from ..records import Corpus, Item, ListOptions, fingerprint
 
 NAME = "folder"
@@ -24,29 +14,29 @@ FALLBACK = True  # any folder of folders of media looks like this; asked last
 
 
 def _class_folders(
-    root: Path, exts: tuple[str, ...] | frozenset[str], allowed: tuple[str, ...] | None = None
-) -> list[Path]:
+    root: Place, exts: tuple[str, ...] | frozenset[str], allowed: tuple[str, ...] | None = None
+) -> list[Place]:
     """Subfolders that hold media (at any depth); hidden folders and archives are no classes."""
     return [
         p
-        for p in subfolders(root, allowed)
+        for p in root.subfolders(allowed)
         if not p.name.startswith(".")
-        and next(walk_files(p, exts, corpus=root, allowed=allowed), None) is not None
+        and next(p.walk(exts, corpus=root, allowed=allowed), None) is not None
     ]
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     return bool(_class_folders(source, ALL_MEDIA_EXTS))
 
 
-def source_media(source: Path) -> str:
+def source_media(source: Place) -> str:
     """The media most of the folder's files are (audio when it is no folder)."""
     if not source.is_dir():
         return "audio"
-    return media_of(walk_files(source, ALL_MEDIA_EXTS))
+    return media_of(source.walk(ALL_MEDIA_EXTS))
 
 
-def list_corpus(root: Path, options: ListOptions) -> Corpus:
+def list_corpus(root: Place, options: ListOptions) -> Corpus:
     media = options.media
     if not root.is_dir():
         raise CompileError(f"{root}: folder layout needs a folder")
@@ -58,7 +48,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
     classes = [name_key(p.name) for p in folders]
     items = []
     for label, folder in enumerate(folders):
-        for f in files_below(folder, MEDIA_EXTS[media], corpus=root, allowed=options.allow_paths):
+        for f in folder.files_below(MEDIA_EXTS[media], corpus=root, allowed=options.allow_paths):
             items.append(Item(key=name_key(str(f.relative_to(root))), path=str(f), label=label))
     return Corpus(
         "folder",

@@ -25,19 +25,8 @@ from typing import Any
 from dlop.formats.extras import needs_extra
 
 from ...errors import CompileError
-from ..listing import (
-    AUDIO_EXTS,
-    IMAGE_EXTS,
-    UrlPath,
-    confined,
-    file_size,
-    is_text,
-    is_url,
-    name_bytes,
-    name_key,
-    source_path,
-    walk_files,
-)
+from ..listing import AUDIO_EXTS, IMAGE_EXTS, is_text, name_bytes, name_key
+from ..place import Place, source_place
 from ..records import MAX_LABEL, Corpus, Item, ListOptions, fingerprint
 
 NAME = "hf"
@@ -57,25 +46,16 @@ def _pq() -> Any:
     return pq
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     if source.is_file():
         return source.suffix == SUFFIX
     return source.is_dir() and bool(_files(source))
 
 
-def _files(source: Path) -> list[Path]:
+def _files(source: Place) -> list[Place]:
     if source.is_file():
         return [source]
-    if isinstance(source, UrlPath):  # one bucket listing, its depth counted from SOURCE
-        depth = len(source.parts) + len(_PATTERNS)
-        found = walk_files(source, (SUFFIX,))
-        return sorted(p for p in found if len(p.parts) <= depth)
     return sorted({p for pattern in _PATTERNS for p in source.glob(pattern) if p.is_file()})
-
-
-def _path(text: str, storage_options: dict[str, Any]) -> Path:
-    """A listed file's path (or URL) as a path to open again."""
-    return source_path(text, storage_options)
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
@@ -86,7 +66,7 @@ def _read_errors() -> tuple[type[BaseException], ...]:
 
 
 @contextlib.contextmanager
-def _opened(path: Path) -> Iterator[Any]:
+def _opened(path: Place) -> Iterator[Any]:
     """A Parquet file's reader over the path's file object (a local file or an fsspec one);
     a file pyarrow cannot read, opening it or in the ``with`` body, is a CompileError naming it."""
     pq = _pq()
@@ -120,7 +100,7 @@ def _type_of(features: dict[str, Any], column: str) -> str:
     return str(spec.get("_type", "")) if isinstance(spec, dict) else ""
 
 
-def source_media(source: Path) -> str:
+def source_media(source: Place) -> str:
     """image when the first file's features hold an Image and no Audio column, else audio."""
     files = _files(source)
     if not files:
@@ -174,7 +154,7 @@ def _kind_of(schema: Any, column: str) -> str | None:
     return _scalar_kind(schema.field(column).type)
 
 
-def _columns(path: Path, schema: Any, features: dict[str, Any], options: ListOptions) -> _Columns:
+def _columns(path: Place, schema: Any, features: dict[str, Any], options: ListOptions) -> _Columns:
     names = list(schema.names)
     wanted = FEATURE_TYPES[options.media]
     media = next((c for c in names if _type_of(features, c) == wanted), None)
@@ -220,7 +200,7 @@ def _columns(path: Path, schema: Any, features: dict[str, Any], options: ListOpt
     return _Columns(media, text, label, keep, key)
 
 
-def list_corpus(source: Path, options: ListOptions) -> Corpus:
+def list_corpus(source: Place, options: ListOptions) -> Corpus:
     """Every row of every Parquet file, in file order then row order; media bytes not read."""
     files = _files(source)
     if not files:
@@ -244,7 +224,7 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
     items: list[Item] = []
     for path in files:
         rel = name_key(str(path.relative_to(root)))
-        h.update(name_bytes(rel) + f"\0{file_size(path)}\n".encode())
+        h.update(name_bytes(rel) + f"\0{path.size()}\n".encode())
         with _opened(path) as pf:
             items += _list_file(pf, path, rel, cols, classes)
     metadata: dict[str, Any] = {"hf": _described(cols, features)}
@@ -282,7 +262,7 @@ def _described(cols: _Columns, features: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _list_file(pf: Any, path: Path, rel: str, cols: _Columns, classes: list[str]) -> list[Item]:
+def _list_file(pf: Any, path: Place, rel: str, cols: _Columns, classes: list[str]) -> list[Item]:
     names = list(pf.schema_arrow.names)
     small = [c for c in (cols.key, cols.text, cols.label, *cols.keep) if c is not None]
     missing = [c for c in small if c not in names]
@@ -331,7 +311,7 @@ def _item(
     data: dict[str, list[Any]],
     n: int,
     row: int,
-    path: Path,
+    path: Place,
     rel: str,
     cols: _Columns,
     classes: list[str],
@@ -377,14 +357,12 @@ class _Files:
     def __init__(self, corpus: Corpus) -> None:
         self.root_text = corpus.root
         source = corpus.root
-        self.source = source_path(source, corpus.storage_options)
+        self.source = source_place(source, corpus.storage_options)
 
-    def path(self, text: str) -> Path:
-        if isinstance(self.source, UrlPath) and is_url(text):
-            return self.source.with_url(text)
-        return Path(text)
+    def path(self, text: str) -> Place:
+        return self.source.at(text)
 
-    def root(self, file: str) -> Path:
+    def root(self, file: str) -> Place:
         """What a relative media path is resolved against: SOURCE, or a SOURCE file's folder
         (the file listed is SOURCE itself), told without asking the storage."""
         return self.source.parent if file == self.root_text else self.source
@@ -422,7 +400,7 @@ def _row_groups(pf: Any, first: int, last: int) -> tuple[list[int], int]:
 
 
 def _stream_file(
-    pf: Any, file: str, items: list[Item], root: Path, column: str, allowed: tuple[str, ...]
+    pf: Any, file: str, items: list[Item], root: Place, column: str, allowed: tuple[str, ...]
 ) -> Iterator[Item]:
     first, last, rows = items[0].position, items[-1].position, pf.metadata.num_rows
     if first < 0 or last >= rows or last - first + 1 != len(items):
@@ -451,7 +429,7 @@ def _stream_file(
 
 
 def _filled(
-    item: Item, cell: dict[str, Any] | None, root: Path, where: str, allowed: tuple[str, ...]
+    item: Item, cell: dict[str, Any] | None, root: Place, where: str, allowed: tuple[str, ...]
 ) -> Item:
     """A copy of ``item`` with its media: the bytes in memory, else the resolved path."""
     data, path = (cell or {}).get("bytes"), (cell or {}).get("path")
@@ -469,7 +447,7 @@ def _filled(
         return dataclasses.replace(item, data={ext: data})
     if path:
         try:
-            full = confined(root, path, allowed)
+            full = root.confine(path, allowed)
         except ValueError as e:
             return dataclasses.replace(item, error=f"{where}: {e}")
         return dataclasses.replace(item, path=full, member=None)

@@ -29,8 +29,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dlop.formats.urls import is_url
+
 from ...errors import CompileError
-from ..listing import MAX_LINE_BYTES, confined, is_text, is_url, lines, name_key, utf8
+from ..listing import MAX_LINE_BYTES, is_text, lines, name_key, utf8
+from ..place import Place
 from ..records import Corpus, Item, ListOptions, fingerprint
 
 NAME = "lhotse"
@@ -44,30 +47,30 @@ INFLATE_CHUNK = 1 << 20
 END_TOLERANCE = 1e-3
 
 
-def _kind(path: Path) -> str | None:
+def _kind(path: Place) -> str | None:
     name = path.name
     if not (name.endswith(".jsonl") or name.endswith(".jsonl.gz")):
         return None
     return next((k for k in KINDS if k in name), None)
 
 
-def _candidates(folder: Path) -> list[Path]:
+def _candidates(folder: Place) -> list[Place]:
     return sorted(p for p in folder.iterdir() if _kind(p) is not None and p.is_file())
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     if source.is_file():
         return _kind(source) is not None
     return source.is_dir() and bool(_candidates(source))
 
 
-def _partner(path: Path) -> Path:
+def _partner(path: Place) -> Place:
     kind = _kind(path)
     other = "recordings" if kind == "supervisions" else "supervisions"
     return path.with_name(path.name.replace(str(kind), other))
 
 
-def _manifests(source: Path) -> tuple[Path, Path | None]:
+def _manifests(source: Place) -> tuple[Place, Place | None]:
     """(cuts or supervisions file, recordings file or None for cuts)."""
     if source.is_dir():
         found = _candidates(source)
@@ -96,7 +99,7 @@ def _manifests(source: Path) -> tuple[Path, Path | None]:
     return sups, recs
 
 
-def _read(path: Path) -> bytes:
+def _read(path: Place) -> bytes:
     """The manifest's text bytes, inflated when gzipped: chunk by chunk, so a line longer
     than MAX_LINE_BYTES or a whole past MAX_MANIFEST_BYTES stops it before either is
     held (a small file of zeros inflates to gigabytes without a line end)."""
@@ -125,7 +128,7 @@ def _read(path: Path) -> bytes:
     return bytes(out)
 
 
-def _objects(path: Path) -> tuple[bytes, list[tuple[str, dict[str, Any] | None, str | None]]]:
+def _objects(path: Place) -> tuple[bytes, list[tuple[str, dict[str, Any] | None, str | None]]]:
     """(the file's bytes, each line's (where, object or None, error))."""
     raw = _read(path)
     out: list[tuple[str, dict[str, Any] | None, str | None]] = []
@@ -168,7 +171,7 @@ def _recording_seconds(recording: dict[str, Any]) -> float | None:
 
 
 def _audio_file(
-    recording: dict[str, Any], channel: Any, base: Path, allowed: tuple[str, ...]
+    recording: dict[str, Any], channel: Any, base: Place, allowed: tuple[str, ...]
 ) -> str:
     """The path of the source file holding ``channel`` (its first, when a list)."""
     if recording.get("transforms"):
@@ -193,11 +196,11 @@ def _audio_file(
             "runs a command or fetches a url that a manifest names)"
         )
     text = chosen["source"]
-    inside = confined(base, text, allowed)
+    inside = base.confine(text, allowed)
     if Path(text).is_absolute() or is_url(text) or (base / text).is_file():
         return inside
     # as Lhotse reads it: from the working directory, when that is an allowed folder
-    return confined(base, str(Path(text).absolute()), allowed)
+    return base.confine(str(Path(text).absolute()), allowed)
 
 
 def _sample(
@@ -205,7 +208,7 @@ def _sample(
     recording: dict[str, Any],
     span: dict[str, Any],
     sups: list[Any],
-    base: Path,
+    base: Place,
     allowed: tuple[str, ...],
 ) -> Item:
     """One sample: ``span`` (a supervision or a cut) over ``recording``, told by ``sups``."""
@@ -232,7 +235,7 @@ def _sample(
     return item
 
 
-def list_corpus(source: Path, options: ListOptions) -> Corpus:
+def list_corpus(source: Place, options: ListOptions) -> Corpus:
     main, recs_path = _manifests(source)
     base = main.parent
     raw, rows = _objects(main)
@@ -275,8 +278,8 @@ def _listed(
     key: str,
     obj: dict[str, Any],
     recordings: dict[str, Any],
-    recs_path: Path | None,
-    base: Path,
+    recs_path: Place | None,
+    base: Place,
     allowed: tuple[str, ...],
 ) -> Item:
     if recs_path is None:  # a cut carries its recording and supervisions

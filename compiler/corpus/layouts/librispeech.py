@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
-from ..listing import files_below, lines, name_key, read_bytes, utf8, walk_files
+from ..listing import lines, name_key, utf8
+from ..place import Place
 from ..records import Corpus, Item, ListOptions, fingerprint
 
 NAME = "librispeech"
@@ -13,17 +13,17 @@ MEDIA = ("audio",)
 SIGNS = "*.trans.txt"
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     # by extension first: only .txt files are asked whether they are files
-    return any(f.name.endswith(".trans.txt") for f in walk_files(source, (".txt",)))
+    return any(f.name.endswith(".trans.txt") for f in source.walk((".txt",)))
 
 
-def list_corpus(root: Path, options: ListOptions) -> Corpus:
+def list_corpus(root: Place, options: ListOptions) -> Corpus:
     items, meta = [], hashlib.sha256()
-    for trans in files_below(root, allowed=options.allow_paths):
+    for trans in root.files_below(allowed=options.allow_paths):
         if not trans.name.endswith(".trans.txt"):
             continue
-        raw = read_bytes(trans)
+        raw = trans.read_bytes()
         meta.update(raw)
         rel = name_key(str(trans.relative_to(root)))
         for n, offset, data in lines(raw, rel):

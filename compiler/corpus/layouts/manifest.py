@@ -7,13 +7,13 @@ import json
 import math
 from array import array
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
 
 from ...errors import CompileError
-from ..listing import I64, bytes_fingerprint, confined, is_text, lines, name_key, read_bytes, utf8
+from ..listing import I64, bytes_fingerprint, is_text, lines, name_key, utf8
+from ..place import Place
 from ..records import MAX_LABEL, MAX_MULTI_LABELS, Corpus, Item, ListOptions
 
 NAME = "manifest"
@@ -22,11 +22,11 @@ SIGNS = ".jsonl manifest"
 SUFFIXES = (".jsonl", ".json")
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     return source.suffix in SUFFIXES and source.is_file()
 
 
-def source_media(source: Path) -> str:
+def source_media(source: Place) -> str:
     """video when the first line that parses names a ``video_filepath``, else audio."""
     if not source.is_file():
         return "audio"
@@ -147,7 +147,7 @@ class ManifestItems(Sequence[Item]):
     unit carries), so no task holds the whole listing."""
 
     def __init__(
-        self, raw: bytes, base: Path, path_key: str, allow_paths: tuple[str, ...] = ()
+        self, raw: bytes, base: Place, path_key: str, allow_paths: tuple[str, ...] = ()
     ) -> None:
         self.raw, self.base, self.path_key = raw, base, path_key
         self.allow_paths = allow_paths  # where paths outside the manifest's folder may lead
@@ -192,7 +192,7 @@ class ManifestItems(Sequence[Item]):
         media_path: str | None = None
         if error is None:
             try:
-                media_path = confined(self.base, audio, self.allow_paths)  # a URL as written
+                media_path = self.base.confine(audio, self.allow_paths)  # a URL as written
             except ValueError as e:
                 error = f"{key}: {e}"
         item = Item(key=key, path=media_path, offset=start, duration=duration, error=error)
@@ -206,10 +206,10 @@ class ManifestItems(Sequence[Item]):
         return item
 
 
-def list_corpus(path: Path, options: ListOptions) -> Corpus:
+def list_corpus(path: Place, options: ListOptions) -> Corpus:
     if not path.is_file():
         raise CompileError(f"{path}: manifest file not found")
-    raw = read_bytes(path)
+    raw = path.read_bytes()
     path_key = "video_filepath" if options.media == "video" else "audio_filepath"
     items = ManifestItems(raw, path.parent, path_key, options.allow_paths)
     fields = {"label": _Labels(), "labels": _Labels()}

@@ -29,20 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CompileError
-from ..listing import (
-    AUDIO_EXTS,
-    I64,
-    confined,
-    file_size,
-    is_text,
-    key_name,
-    lines,
-    name_bytes,
-    name_key,
-    source_path,
-    utf8,
-    walk_files,
-)
+from ..listing import AUDIO_EXTS, I64, is_text, key_name, lines, name_bytes, name_key, utf8
+from ..place import Place, source_place
 from ..records import Corpus, Item, ListOptions, fingerprint
 
 NAME = "peoples-speech"
@@ -54,7 +42,7 @@ _HEAD_BYTES = 1 << 16  # the sign is looked for in a manifest's first 64 KiB
 EXTRA_FIELDS = {"duration_ms": "i64", "audio_document_id": "str"}
 
 
-def _has_sign(path: Path) -> bool:
+def _has_sign(path: Place) -> bool:
     try:
         with path.open("rb") as f:
             return SIGN in f.read(_HEAD_BYTES)
@@ -62,7 +50,7 @@ def _has_sign(path: Path) -> bool:
         return False
 
 
-def _manifests(source: Path) -> list[Path]:
+def _manifests(source: Place) -> list[Place]:
     if source.is_file():
         return [source]
     if not source.is_dir():
@@ -71,13 +59,13 @@ def _manifests(source: Path) -> list[Path]:
     return sorted(p for p in found if _has_sign(p))
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     if source.is_file():
         return source.suffix in SUFFIXES and _has_sign(source)
     return bool(_manifests(source))
 
 
-def _audio_dir(manifest: Path) -> Path:
+def _audio_dir(manifest: Place) -> Place:
     folder = manifest.parent / manifest.stem
     return folder if folder.is_dir() else manifest.parent
 
@@ -86,7 +74,7 @@ def _member_name(name: str) -> str:
     return name[2:] if name.startswith("./") else name
 
 
-def _tar_index(tars: list[Path]) -> tuple[dict[str, tuple[int, int]], list[str]]:
+def _tar_index(tars: list[Place]) -> tuple[dict[str, tuple[int, int]], list[str]]:
     """member name -> (tar number, position in it) over the tars' headers (no data is read);
     and the tars that could not be listed, with why."""
     index: dict[str, tuple[int, int]] = {}
@@ -136,7 +124,7 @@ def _segment_error(name: Any, label: Any, duration: Any) -> str | None:
     return None
 
 
-def _read_manifest(manifest: Path, rel: str) -> tuple[bytes, list[_Segment]]:
+def _read_manifest(manifest: Place, rel: str) -> tuple[bytes, list[_Segment]]:
     raw = manifest.read_bytes()
     segments: list[_Segment] = []
     for n, offset, data in lines(raw, manifest):
@@ -166,7 +154,7 @@ def _read_manifest(manifest: Path, rel: str) -> tuple[bytes, list[_Segment]]:
     return raw, segments
 
 
-def list_corpus(source: Path, options: ListOptions) -> Corpus:
+def list_corpus(source: Place, options: ListOptions) -> Corpus:
     manifests = _manifests(source)
     if not manifests:
         raise CompileError(
@@ -183,10 +171,10 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
         h.update(hashlib.sha256(raw).digest())
         audio = _audio_dir(manifest)
         _mark_repeats(segments, str(audio), first)
-        tars = sorted(walk_files(audio, (".tar",), corpus=root, allowed=options.allow_paths))
+        tars = sorted(audio.walk((".tar",), corpus=root, allowed=options.allow_paths))
         index, damaged = _tar_index(tars)
         for tar in tars:
-            h.update(name_bytes(str(tar.relative_to(root))) + f"\0{file_size(tar)}\n".encode())
+            h.update(name_bytes(str(tar.relative_to(root))) + f"\0{tar.size()}\n".encode())
         for seg in segments:
             item = seg.item
             if item.error is None and seg.name in index:
@@ -197,7 +185,7 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
                 continue
             if item.error is None:
                 try:
-                    item.path = confined(audio, seg.name, options.allow_paths)
+                    item.path = audio.confine(seg.name, options.allow_paths)
                 except ValueError as e:
                     item.error = f"{seg.where}: {e}"
                     rest.append(item)
@@ -246,13 +234,13 @@ def stream(corpus: Corpus, start: int, stop: int | None) -> Iterator[Item]:
         corpus.items[start:stop], key=lambda it: (it.member or ("", ""))[0]
     ):
         if tar:
-            path = source_path(tar, corpus.storage_options)
+            path = source_place(tar, corpus.storage_options)
             yield from _stream_tar(path, list(run))
         else:
             yield from run
 
 
-def _stream_tar(tar: Path, items: list[Item]) -> Iterator[Item]:
+def _stream_tar(tar: Place, items: list[Item]) -> Iterator[Item]:
     """The wanted members' bytes, in tar order; one the tar no longer holds is a bad input."""
     wanted = iter(items)
     item = next(wanted, None)

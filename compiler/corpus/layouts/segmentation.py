@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 from ...errors import CompileError
-from ..listing import IMAGE_EXTS, file_size, files_below, name_key, subfolders
+from ..listing import IMAGE_EXTS, name_key
+from ..place import Place
 from ..records import Corpus, Item, ListOptions, fingerprint
 
 NAME = "segmentation"
@@ -17,10 +18,9 @@ _FIELD_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
 RESERVED = {"key", "image", "frames", "label", "labels", "origin", "masks_present", "consensus"}
 
 
-def _images_dir(root: Path, images: str | None) -> Path | None:
+def _images_dir(root: Place, images: str | None) -> Place | None:
     if images:
-        p = Path(images)
-        p = p if p.is_absolute() else root / p
+        p = root.at(images) if Path(images).is_absolute() else root / images
         if not p.is_dir():
             raise CompileError(f"{p}: images folder not found")
         return p
@@ -28,12 +28,12 @@ def _images_dir(root: Path, images: str | None) -> Path | None:
 
 
 def _image_files(
-    folder: Path, root: Path | None = None, allowed: tuple[str, ...] | None = None
-) -> list[Path]:
-    return files_below(folder, IMAGE_EXTS, corpus=root, allowed=allowed)
+    folder: Place, root: Place | None = None, allowed: tuple[str, ...] | None = None
+) -> list[Place]:
+    return folder.files_below(IMAGE_EXTS, corpus=root, allowed=allowed)
 
 
-def _home(folder: Path, root: Path) -> Path:
+def _home(folder: Place, root: Place) -> Place:
     """What a folder's links may lead into: the corpus, or the folder itself when it was
     named outside the corpus (--images, --masks)."""
     return root if root in folder.parents or folder == root else folder
@@ -52,10 +52,10 @@ def match_stem(stem: str, image_stems: set[str]) -> str | None:
 
 
 def _mask_dirs(
-    root: Path, images_dir: Path, stems: set[str], allowed: tuple[str, ...] | None = None
-) -> list[Path]:
+    root: Place, images_dir: Place, stems: set[str], allowed: tuple[str, ...] | None = None
+) -> list[Place]:
     found = []
-    for d in subfolders(root, allowed):
+    for d in root.subfolders(allowed):
         if d != images_dir and any(
             match_stem(f.stem, stems) for f in _image_files(d, root, allowed)
         ):
@@ -63,7 +63,7 @@ def _mask_dirs(
     return found
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     images_dir = _images_dir(source, None)
     if images_dir is None:
         return False
@@ -77,7 +77,7 @@ def field_name(folder: str) -> str:
     return f"mask_{name}" if name in RESERVED else name
 
 
-def list_corpus(root: Path, options: ListOptions) -> Corpus:
+def list_corpus(root: Place, options: ListOptions) -> Corpus:
     if not root.is_dir():
         raise CompileError(f"{root}: segmentation layout needs a folder")
     images_dir = _images_dir(root, options.images)
@@ -87,7 +87,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         )
     allowed = options.allow_paths
     files = _image_files(images_dir, _home(images_dir, root), allowed)
-    by_stem: dict[str, Path] = {}
+    by_stem: dict[str, Place] = {}
     for f in files:
         if f.stem in by_stem:
             raise CompileError(
@@ -95,7 +95,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
             )
         by_stem[f.stem] = f
     if options.masks:
-        dirs = [Path(m) if Path(m).is_absolute() else root / m for m in options.masks]
+        dirs = [root.at(m) if Path(m).is_absolute() else root / m for m in options.masks]
         for d in dirs:
             if not d.is_dir():
                 raise CompileError(f"{d}: mask folder not found")
@@ -106,7 +106,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         raise CompileError(
             f"mask folders {[d.name for d in dirs]} give clashing field names {names}"
         )
-    found: dict[str, dict[str, Path]] = {n: {} for n in names}
+    found: dict[str, dict[str, Place]] = {n: {} for n in names}
     for name, d in zip(names, dirs, strict=True):
         for f in _image_files(d, _home(d, root), allowed):
             stem = match_stem(f.stem, set(by_stem))
@@ -123,7 +123,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         item.masks = {n: str(found[n][f.stem]) if f.stem in found[n] else None for n in names}
         items.append(item)
     listing = "\n".join(
-        f"{n}\0{name_key(str(p.relative_to(root)))}\0{file_size(p)}"
+        f"{n}\0{name_key(str(p.relative_to(root)))}\0{p.size()}"
         for n in names
         for p in sorted(found[n].values())
     )
@@ -136,7 +136,7 @@ def list_corpus(root: Path, options: ListOptions) -> Corpus:
         {},
         {
             "mask_folders": {
-                n: name_key(str(d.relative_to(root) if d.is_relative_to(root) else d))
+                n: name_key(str(d.relative_to(root)) if d.is_relative_to(root) else str(d))
                 for n, d in zip(names, dirs, strict=True)
             }
         },

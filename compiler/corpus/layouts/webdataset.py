@@ -17,19 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from dlop.formats.extras import needs_extra
+from dlop.formats.urls import is_url
 
 from ...errors import CompileError
-from ..listing import (
-    AUDIO_EXTS,
-    UrlPath,
-    file_size,
-    is_text,
-    is_url,
-    like,
-    name_bytes,
-    name_key,
-    url_path,
-)
+from ..listing import AUDIO_EXTS, is_text, name_bytes, name_key
+from ..place import Place, source_place
 from ..records import MAX_LABEL, Corpus, Item, ListOptions
 
 NAME = "webdataset"
@@ -37,12 +29,12 @@ MEDIA = ("audio",)
 SIGNS = "*.tar shards"
 
 
-def _is_pattern(source: Path) -> bool:
+def _is_pattern(source: Place) -> bool:
     """A brace pattern (``train-{000..099}.tar``) rather than a file or folder."""
     return "{" in str(source) and not source.exists()
 
 
-def detect(source: Path) -> bool:
+def detect(source: Place) -> bool:
     if _is_pattern(source):
         return True
     if source.is_file():
@@ -50,17 +42,17 @@ def detect(source: Path) -> bool:
     return source.is_dir() and next(source.glob("*.tar"), None) is not None
 
 
-def _tar_paths(source: Path) -> list[Path]:
+def _tar_paths(source: Place) -> list[Place]:
     if source.is_dir():
         return sorted(source.glob("*.tar"))
     if "{" in str(source):
         import braceexpand  # a webdataset dependency
 
-        return [like(source, p) for p in braceexpand.braceexpand(str(source))]
+        return [source.at(p) for p in braceexpand.braceexpand(str(source))]
     return [source]
 
 
-def list_corpus(source: Path, options: ListOptions) -> Corpus:
+def list_corpus(source: Place, options: ListOptions) -> Corpus:
     """Every sample of every tar, in tar order then member order."""
     tars = _tar_paths(source)
     if not tars:
@@ -71,7 +63,7 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
     for tar in tars:
         if not tar.is_file():
             raise CompileError(f"{tar}: tar shard not found")
-        h.update(name_bytes(tar.name) + f"\0{file_size(tar)}\n".encode())
+        h.update(name_bytes(tar.name) + f"\0{tar.size()}\n".encode())
         for position, (key, members, damage) in enumerate(_group_members(tar)):
             exts = [m[len(key) + 1 :].lower() for m in members]
             audio = [e for e in exts if f".{e}" in AUDIO_EXTS]
@@ -90,7 +82,7 @@ def list_corpus(source: Path, options: ListOptions) -> Corpus:
     return Corpus("webdataset", str(source), items, has_label, has_text, {}, {}, h.hexdigest())
 
 
-def _group_members(tar: Path) -> Iterator[tuple[str, list[str], str | None]]:
+def _group_members(tar: Place) -> Iterator[tuple[str, list[str], str | None]]:
     """Consecutive members sharing a key (everything before the first '.' of the basename),
     each group with the damage that ended the tar's listing inside it, if any.
 
@@ -102,40 +94,43 @@ def _group_members(tar: Path) -> Iterator[tuple[str, list[str], str | None]]:
     group: list[str] = []
     where = name_key(tar.name)
     try:
-        size = tar.stat().st_size
-        if isinstance(tar, UrlPath):  # read through fsspec's file, seeking over member data
-            tf = tarfile.open(fileobj=tar.open("rb"))  # noqa: SIM115 - closed by the with below
-        else:
-            tf = tarfile.open(tar)  # noqa: SIM115 - closed by the with below, once it opened
-    except (tarfile.TarError, OSError, EOFError) as e:
+        size = tar.asked_size()
+        handle = tar.open("rb")
+    except OSError as e:
         yield tar.name, [], f"{where}: not a readable tar file ({e})"
         return
-    with tf:
-        members = iter(tf)
-        while True:
-            try:
-                m = next(members, None)
-            except (tarfile.TarError, OSError, EOFError) as e:
-                damage = f"{where}: broken off after byte {tf.offset} ({e})"
-                yield (current or tar.name), group, damage
-                return
-            if m is None:
-                break
-            key = _sample_key(m.name) if m.isfile() else None
-            if key is None:
-                continue
-            if key != current and group:
-                yield current or "", group, None
-                group = []
-            current = key
-            group.append(m.name)
-            if m.offset_data + m.size > size:
-                damage = (
-                    f"{where}: member {name_key(m.name)!r} at byte {m.offset_data} claims "
-                    f"{m.size} bytes, but the file ends at byte {size} (truncated tar)"
-                )
-                yield key, group, damage
-                return
+    with handle:  # a file object (a local file, or the storage's) tarfile seeks over
+        try:
+            tf = tarfile.open(fileobj=handle)  # noqa: SIM115 - closed by the with below
+        except (tarfile.TarError, OSError, EOFError) as e:
+            yield tar.name, [], f"{where}: not a readable tar file ({e})"
+            return
+        with tf:
+            members = iter(tf)
+            while True:
+                try:
+                    m = next(members, None)
+                except (tarfile.TarError, OSError, EOFError) as e:
+                    damage = f"{where}: broken off after byte {tf.offset} ({e})"
+                    yield (current or tar.name), group, damage
+                    return
+                if m is None:
+                    break
+                key = _sample_key(m.name) if m.isfile() else None
+                if key is None:
+                    continue
+                if key != current and group:
+                    yield current or "", group, None
+                    group = []
+                current = key
+                group.append(m.name)
+                if m.offset_data + m.size > size:
+                    damage = (
+                        f"{where}: member {name_key(m.name)!r} at byte {m.offset_data} claims "
+                        f"{m.size} bytes, but the file ends at byte {size} (truncated tar)"
+                    )
+                    yield key, group, damage
+                    return
     if group:
         yield current or "", group, None
 
@@ -228,7 +223,7 @@ def _tar_samples(
     from webdataset.tariterators import group_by_keys, tar_file_expander
 
     def opened() -> Iterator[dict[str, Any]]:
-        with url_path(tar, options).open("rb") as f:
+        with source_place(tar, options).open("rb") as f:
             yield {"url": tar, "stream": f}
 
     samples: Iterator[Any] = group_by_keys(tar_file_expander(opened(), handler=stop), handler=stop)
