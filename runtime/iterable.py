@@ -47,7 +47,8 @@ from .archive.dataset import Archive
 from .batch import Batch
 from .errors import UsageError, UsageTypeError, check_int
 from .order.choose import Choice, choose
-from .order.epochs import BatchOrder, check_epoch
+from .order.distributed import agree_across_ranks
+from .order.epochs import MAX_SHAPES, BatchOrder, Shape, check_epoch
 from .order.mixture import Source
 from .order.reading import Reading, ReadingOptions
 from .pipeline.loader_state import check_settings, order_settings, same
@@ -63,6 +64,10 @@ _EPOCH, _DONE, _SERVED, _CLAIMS = 0, 1, 2, 3
 # then 1 + the worker count those iterations ran with (0: none yet).
 _PASSES = _CLAIMS + MAX_WORKERS
 _WORKER_COUNT = _PASSES + MAX_WORKERS
+# The earlier worlds the published epoch was partly read in (BatchOrder.shapes): their
+# count, then four numbers each.
+_SHAPES = _WORKER_COUNT + 1
+_SHARED = _SHAPES + 1 + 4 * MAX_SHAPES
 
 
 class IterableArchive(IterableDataset[Batch]):
@@ -105,7 +110,7 @@ class IterableArchive(IterableDataset[Batch]):
 
     def _share_with_workers(self) -> None:
         """What the workers share with this process: epoch and resume point, slot releases."""
-        shared = torch.zeros(_WORKER_COUNT + 1, dtype=torch.int64)
+        shared = torch.zeros(_SHARED, dtype=torch.int64)
         self._shared = shared.share_memory_()  # type: ignore[no-untyped-call]  # unannotated in torch
         self._handed_out = 0  # batch number reached by this process's latest iteration
         self._released = ReleaseTable(secrets.randbits(62), MAX_WORKERS, self.worker_buffers)
@@ -147,18 +152,29 @@ class IterableArchive(IterableDataset[Batch]):
 
     def _resume_pending(self) -> bool:
         """A loaded state that no worker has started from yet."""
-        return int(self._shared[_DONE]) > 0 and not bool(self._shared[_CLAIMS:_PASSES].any())
+        loaded = int(self._shared[_DONE]) > 0 or int(self._shared[_SHAPES]) > 0
+        return loaded and not bool(self._shared[_CLAIMS:_PASSES].any())
 
-    def _publish(self, epoch: int, done: int) -> None:
-        self._shared[_CLAIMS:] = 0  # the claims, the iteration counts, the worker count
+    def _publish(self, epoch: int, done: int, shapes: tuple[Shape, ...] = ()) -> None:
+        self._shared[_CLAIMS:] = 0  # the claims, the iteration counts, the worker count, shapes
         self._shared[_SERVED] = 0
         self._shared[_DONE] = done
         self._shared[_EPOCH] = epoch
+        self._shared[_SHAPES] = len(shapes)
+        for i, shape in enumerate(shapes):
+            at = _SHAPES + 1 + 4 * i
+            self._shared[at : at + 4] = torch.tensor(shape.as_list(), dtype=torch.int64)
         self._handed_out = done
 
     def batch_order(self) -> BatchOrder:
-        """This rank's order stage: the Loader's, for ``world_size`` ranks."""
-        return self.choice().order
+        """This rank's order stage: the Loader's, for ``world_size`` ranks, reading the rest
+        of an epoch begun in another world where a loaded state says so."""
+        order = self.choice().order
+        count = int(self._shared[_SHAPES])
+        values = self._shared[_SHAPES + 1 : _SHAPES + 1 + 4 * count].tolist()
+        shapes = tuple(Shape(*values[i : i + 4]) for i in range(0, len(values), 4))
+        order.follow(int(self._shared[_EPOCH]), shapes)
+        return order
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """This rank's sample indices, batch by batch, for an epoch (default: the current one)."""
@@ -265,6 +281,7 @@ class IterableArchive(IterableDataset[Batch]):
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "epoch": self.epoch,
+            **self.batch_order().earlier(self.epoch),
             "batches_done": check_int(
                 f"IterableArchive.state_dict batches_done (epoch {self.epoch} has {count} batches)",
                 done,
@@ -297,8 +314,9 @@ class IterableArchive(IterableDataset[Batch]):
             )
         check_settings(state, self._settings(), "iterable")
         order = self.batch_order()
+        agree_across_ranks(state, order.spec.rank, order.spec.world_size, "IterableArchive")
         order.reset(state, where="iterable state")
-        self._publish(order.epoch, order.batches_done)
+        self._publish(order.epoch, order.batches_done, order.shapes)
 
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)

@@ -32,6 +32,7 @@ from .gather.engine import CopyEngine
 from .gather.plan import CopyPlan
 from .gather.threads import JobThread, at_exit
 from .order.choose import choose
+from .order.distributed import agree_across_ranks
 from .order.mixture import Source
 from .order.reading import Reading, ReadingOptions
 from .pipeline.device import DeviceStage
@@ -180,7 +181,9 @@ class Loader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from a saved position: the next iteration yields the remaining batches of its epoch."""
-        self.order.reset(check_state(state, self.state_dict()))
+        checked = check_state(state, self.state_dict())
+        agree_across_ranks(checked, self.spec.rank, self.spec.world_size, "Loader")
+        self.order.reset(checked)
 
     # -- iteration ------------------------------------------------------------------
 

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 
+import torch
 import torch.distributed as dist
 
 from ..errors import UsageError, check_int
@@ -117,3 +120,40 @@ def node_count(
                 f"{rank // local} (ranks are numbered node by node)"
             )
     return nodes
+
+
+def agree_across_ranks(state: Mapping[str, object], rank: int, world_size: int, what: str) -> None:
+    """Under an initialized process group that is this reader's world, compares the
+    positions every rank is loading (epoch, batches done, earlier worlds) and refuses
+    states that disagree, naming each rank's: ranks step together, so a rank one batch
+    behind its peers (a state saved by one rank after a failure) would repeat or skip
+    data. Every rank calls ``load_state_dict``, as a resume does."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() != world_size or dist.get_rank() != rank:
+        return  # a world of the reader's own, not the group's
+    earlier = hashlib.sha256(json.dumps(state.get("earlier", [])).encode()).digest()
+    mine = torch.tensor(
+        [_int(state.get("epoch")), _int(state.get("batches_done")), int.from_bytes(earlier[:7])],
+        dtype=torch.int64,
+    )
+    if dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    got = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(got, mine)
+    positions = [tuple(int(v) for v in t.tolist()) for t in got]
+    if len(set(positions)) > 1:
+        told = "; ".join(
+            f"rank {r}: epoch {p[0]} after {p[1]} batches"
+            + (" (other earlier worlds)" if p[2] != positions[0][2] else "")
+            for r, p in enumerate(positions)
+        )
+        raise UsageError(
+            f"{what} states loaded by the ranks disagree ({told}); the ranks step together, "
+            "so each must load the same position: load one rank's state (rank 0's) into "
+            "every rank"
+        )
+
+
+def _int(value: object) -> int:
+    return int(value) if isinstance(value, int) and -(2**63) <= value < 2**63 else -1

@@ -59,8 +59,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -296,17 +297,34 @@ def rank_batches(
     ``groups``: the group of each, batches cut within groups;
     ``bucket_lengths``: indexed by sample number.
     """
+    rank = spec.local_rank if spec.dealt else spec.rank
+    return world_batches(spec, epoch, (rank,), bucket_lengths, samples, groups)[0]
+
+
+def world_batches(
+    spec: OrderSpec,
+    epoch: int,
+    ranks: Sequence[int],
+    bucket_lengths: np.ndarray | None = None,
+    samples: np.ndarray | None = None,
+    groups: np.ndarray | None = None,
+) -> list[list[np.ndarray]]:
+    """``rank_batches`` of each of ``ranks`` (of the node's ranks where shards are dealt to
+    nodes), the epoch's order and cuts made once for all of them."""
     order = share_order(spec, epoch) if samples is None else samples
     b = spec.batch_size
     # with shards dealt to nodes, ``order`` is the node's, evened: its ranks share it out
-    world, rank = (spec.local_size, spec.local_rank) if spec.dealt else (spec.world_size, spec.rank)
+    world = spec.local_size if spec.dealt else spec.world_size
     if bucket_lengths is None and groups is None:
-        mine = _even(order, world, spec.drop_last, spec.even_shares)[rank::world]
-        cuts = range(0, len(mine), b)
-        batches = [mine[i : i + b] for i in cuts]
-        if spec.drop_last and batches and len(batches[-1]) < b:
-            batches.pop()
-        return [np.sort(x) for x in batches]
+        evened = _even(order, world, spec.drop_last, spec.even_shares)
+        out = []
+        for rank in ranks:
+            mine = evened[rank::world]
+            batches = [mine[i : i + b] for i in range(0, len(mine), b)]
+            if spec.drop_last and batches and len(batches[-1]) < b:
+                batches.pop()
+            out.append([np.sort(x) for x in batches])
+        return out
     window = b * spec.bucket_window * world
     parts = [order] if groups is None else [order[groups == g] for g in np.unique(groups)]
     batches = []
@@ -323,8 +341,55 @@ def rank_batches(
         perm = rng(spec.seed, epoch, 1).permutation(len(batches))
         batches = [batches[i] for i in perm]
     dealt = _even(np.arange(len(batches)), world, spec.drop_last, spec.even_shares)
-    picked = dealt[rank::world]
-    return [np.sort(batches[i]) for i in picked]
+    return [[np.sort(batches[i]) for i in dealt[rank::world]] for rank in ranks]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A world an epoch was partly read in before this one: its ranks, nodes and per-rank
+    batch size, and the batches each of its ranks had taken (they step together)."""
+
+    world_size: int
+    nodes: int
+    batch_size: int
+    batches_done: int
+
+    def spec(self, like: OrderSpec) -> OrderSpec:
+        """``like`` (this world's order settings) in that world, as its rank 0."""
+        return replace(
+            like, world_size=self.world_size, nodes=self.nodes, batch_size=self.batch_size, rank=0
+        )
+
+    def as_list(self) -> list[int]:
+        return [self.world_size, self.nodes, self.batch_size, self.batches_done]
+
+
+MAX_SHAPES = 16  # earlier worlds one epoch may have been read in (a state holds each)
+MAX_WORLD = 1 << 20  # ranks a state's world may name
+MAX_BATCH = 1 << 31  # a per-rank batch size a state may name
+
+
+def remaining(
+    spec: OrderSpec,
+    epoch: int,
+    shapes: Sequence[Shape],
+    order: np.ndarray,
+    bucket_lengths: np.ndarray | None = None,
+) -> np.ndarray:
+    """``order`` (the epoch's samples, in order) less what each earlier world handed out
+    (every rank's first ``batches_done`` batches, over what the worlds before it left),
+    in order: what is left of the epoch to read."""
+    for shape in shapes:
+        taken = [
+            batch
+            for mine in world_batches(
+                shape.spec(spec), epoch, range(shape.world_size), bucket_lengths, order
+            )
+            for batch in mine[: shape.batches_done]
+        ]
+        if taken:
+            order = order[~np.isin(order, np.concatenate(taken))]
+    return order
 
 
 class BatchOrder:
@@ -356,16 +421,28 @@ class BatchOrder:
         # reset resumes from): the next iteration then moves to the next epoch. An
         # iteration that yields nothing (an iter() only to check the loader) uses none up.
         self._took = False
-        self._cached: tuple[int, list[np.ndarray]] | None = None
+        # Earlier worlds epoch ``shapes_epoch`` was partly read in: this world reads the
+        # rest of it (``remaining``). Other epochs are read whole.
+        self.shapes: tuple[Shape, ...] = ()
+        self.shapes_epoch = -1
+        self._cached: tuple[int, tuple[Shape, ...], list[np.ndarray]] | None = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """The sample indices of each batch of ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
-        if self._cached is None or self._cached[0] != epoch:
+        shapes = self.shapes if epoch == self.shapes_epoch else ()
+        if self._cached is None or self._cached[:2] != (epoch, shapes):
             samples, groups = self.draw(epoch) if self.draw is not None else (None, None)
+            if shapes:  # groups are a mixture's, which continues only in its own world
+                whole = share_order(self.spec, epoch) if samples is None else samples
+                samples = remaining(self.spec, epoch, shapes, whole, self.lengths)
             made = rank_batches(self.spec, epoch, self.lengths, samples, groups)
-            self._cached = (epoch, made)
-        return self._cached[1]
+            self._cached = (epoch, shapes, made)
+        return self._cached[2]
+
+    def follow(self, epoch: int, shapes: tuple[Shape, ...]) -> None:
+        """Epoch ``epoch`` was partly read in the worlds ``shapes``: it reads the rest."""
+        self.shapes, self.shapes_epoch = shapes, epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Starts ``epoch`` at its beginning, except that a state just loaded by
@@ -409,19 +486,97 @@ class BatchOrder:
                 "lower batch_size or drop drop_last"
             )
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_done": self.batches_done}
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batches_done": self.batches_done, **self.earlier()}
 
-    def reset(self, state: dict[str, object], where: str = "loader state") -> None:
+    def earlier(self, epoch: int | None = None) -> dict[str, Any]:
+        """``{"earlier": [[world_size, nodes, batch_size, batches_done], ...]}``: the worlds
+        ``epoch`` (default: the current one) was partly read in before this one; {} if none."""
+        epoch = self.epoch if epoch is None else epoch
+        if not self.shapes or epoch != self.shapes_epoch:
+            return {}
+        return {"earlier": [shape.as_list() for shape in self.shapes]}
+
+    def reset(self, state: dict[str, Any], where: str = "loader state") -> None:
         """Continues from ``state`` (checked: ``epoch`` at least 0, ``batches_done``
-        within the epoch's batches)."""
+        within the epoch's batches, each earlier world a world). A state saved in another
+        world (ranks, nodes or per-rank batch size) continues its epoch here: the samples
+        that world handed out are left out, and the rest is read in this world."""
         epoch = check_epoch(f"{where} epoch", state.get("epoch"))
-        count = len(self.batches(epoch))
+        shapes = self._earlier_shapes(state.get("earlier", []), epoch, where)
+        world, nodes, batch = here = (self.spec.world_size, self.spec.nodes, self.spec.batch_size)
+        # a state without its world (the order stage's own) is this world's; one saved
+        # before nodes were recorded ran on one node
+        saved = (
+            state.get("world_size", world),
+            state.get("nodes", 1 if "world_size" in state else nodes),
+            state.get("batch_size", batch),
+        )
+        moved = saved != here
+        if moved:
+            world = check_int(f"{where} world_size", saved[0], low=1, high=MAX_WORLD)
+            nodes = check_int(f"{where} nodes", saved[1], low=1, high=world)
+            batch = check_int(f"{where} batch_size", saved[2], low=1, high=MAX_BATCH)
+            if world % nodes:
+                raise UsageError(
+                    f"{where}: world_size {world} is not a whole number of nodes {nodes}"
+                )
+        count = self._count(Shape(world, nodes, batch, 0), shapes, epoch)
         done = check_int(
             f"{where} batches_done (epoch {epoch} has {count} batches)",
             state.get("batches_done"),
             low=0,
             high=count,
         )
+        if moved:
+            if len(shapes) >= MAX_SHAPES:
+                raise UsageError(
+                    f"{where}: epoch {epoch} was read in {MAX_SHAPES + 1} worlds; finish it in "
+                    f"this one before changing again, or start at set_epoch({epoch + 1})"
+                )
+            shapes, done = (*shapes, Shape(world, nodes, batch, done)), 0
+        self.follow(epoch, shapes)
         self.epoch, self.batches_done, self._resume = epoch, done, True
-        self._took = done > 0
+        self._took = done > 0 or bool(shapes)
+
+    def _count(self, shape: Shape, shapes: tuple[Shape, ...], epoch: int) -> int:
+        """Batches rank 0 of world ``shape`` has in ``epoch`` after ``shapes`` (the most
+        any rank has)."""
+        if shape.spec(self.spec) == replace(self.spec, rank=0):
+            kept = (self.shapes_epoch, self.shapes)
+            try:
+                self.follow(epoch, shapes)
+                return len(self.batches(epoch))
+            finally:
+                self.follow(*kept)
+        samples, _ = self.draw(epoch) if self.draw is not None else (None, None)
+        whole = share_order(self.spec, epoch) if samples is None else samples
+        left = remaining(self.spec, epoch, shapes, whole, self.lengths)
+        return len(world_batches(shape.spec(self.spec), epoch, (0,), self.lengths, left)[0])
+
+    def _earlier_shapes(self, given: object, epoch: int, where: str) -> tuple[Shape, ...]:
+        """A state's ``earlier`` worlds, each checked, its batches_done within its epoch."""
+        if not isinstance(given, list) or len(given) > MAX_SHAPES:
+            raise UsageError(
+                f"{where} earlier must be a list of at most {MAX_SHAPES} worlds, got {given!r:.80}"
+            )
+        shapes: tuple[Shape, ...] = ()
+        for i, item in enumerate(given):
+            name = f"{where} earlier[{i}]"
+            if not isinstance(item, list) or len(item) != 4:
+                raise UsageError(
+                    f"{name} must be [world_size, nodes, batch_size, batches_done], got {item!r:.80}"
+                )
+            world = check_int(f"{name} world_size", item[0], low=1, high=MAX_WORLD)
+            nodes = check_int(f"{name} nodes", item[1], low=1)
+            batch = check_int(f"{name} batch_size", item[2], low=1, high=MAX_BATCH)
+            if world % nodes or (nodes > 1 and self.spec.shard_sizes):
+                raise UsageError(
+                    f"{name}: {nodes} nodes of a world of {world} cannot continue here"
+                )
+            count = self._count(Shape(world, nodes, batch, 0), shapes, epoch)
+            done = check_int(
+                f"{name} batches_done (that world has {count} batches)", item[3], low=0, high=count
+            )
+            shapes = (*shapes, Shape(world, nodes, batch, done))
+        return shapes

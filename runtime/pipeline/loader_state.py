@@ -33,9 +33,9 @@ STATE_SETTINGS = (
 )
 # What a state saved before a setting was recorded had (it was the only choice then).
 SETTING_DEFAULTS: dict[str, Any] = {"even_shares": True, "nodes": 1, "node_share": "keep"}
-# Settings that place ranks: a state saved under others belongs to another world, whose
-# epoch cannot be continued here mid-way (its samples were dealt otherwise).
-WORLD_SETTINGS = ("world_size", "nodes")
+# The world's shape: a state saved in another one continues its epoch here (what that
+# world handed out is left out of the rest), where that can be done exactly.
+RESHAPING = ("world_size", "nodes", "batch_size")
 # The samples chosen: the archives read, in order (runtime.order.choose.archive_identities), a
 # fingerprint of the selection (None: the whole archive) and a mixture's sources, weights
 # and sizes. A state without selection and mixture chose the whole archive; one without
@@ -95,35 +95,63 @@ def check_state(state: object, mine: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> None:
-    """Refuses a ``what`` state saved under other order settings, another choice of
-    samples (a missing choice entry is the whole archive's) or for another rank."""
+    """Refuses a ``what`` state saved under other order settings or another choice of
+    samples (a missing choice entry is the whole archive's). Any rank's state serves every
+    rank: ranks step together, so each holds the same position. A state of another world (``RESHAPING``: ranks, nodes, per-rank batch
+    size) continues here (runtime.order.epochs.BatchOrder.reset) except where its epoch's
+    samples depend on that world: a mixture's epoch, and shards dealt to nodes."""
+    moved = [k for k in RESHAPING if not same(state.get(k, SETTING_DEFAULTS.get(k)), mine[k])]
+    rank, world = state.get("rank"), state.get("world_size")
+    if (
+        not isinstance(rank, int)
+        or not isinstance(world, int)
+        or isinstance(rank, bool)
+        or not 0 <= rank < world
+    ):
+        raise UsageError(
+            f"{what} state rank {rank!r:.40} is not a rank of its world_size {world!r:.40}"
+        )
+    if moved:
+        refuse_reshaping(state, mine, what, moved)
     for key in (*STATE_SETTINGS, *CHOICE_SETTINGS):
         saved = state.get(key, SETTING_DEFAULTS.get(key))
-        if not same(saved, mine[key]) and key in WORLD_SETTINGS:
-            epoch = state.get("epoch")
-            after = epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else "E + 1"
-            saved_nodes = state.get("nodes", SETTING_DEFAULTS["nodes"])
-            exact = (
-                f" (with the same ranks, nodes={saved_nodes!r:.20} continues it exactly)"
-                if same(state.get("world_size"), mine["world_size"])
-                else ""
-            )
-            raise UsageError(
-                f"{what} state was saved with world_size={state.get('world_size')!r:.20} on "
-                f"nodes={saved_nodes!r:.20}, this {what} has world_size="
-                f"{mine['world_size']} on nodes={mine['nodes']}: the saved epoch's samples "
-                "were dealt to that world and cannot be continued in this one. Resume in the "
-                "world it was saved in, or start this world at the next epoch: skip "
-                f"load_state_dict and call set_epoch({after}){exact}"
-            )
-        if not same(saved, mine[key]):
+        if key not in RESHAPING and not same(saved, mine[key]):
             raise UsageError(
                 f"{what} state was saved with {key}={saved!r:.200}, this {what} has "
                 f"{mine[key]!r:.200}; resume with the settings and samples it was saved with"
             )
-    if not same(state.get("rank"), mine["rank"]):
+
+
+def refuse_reshaping(
+    state: dict[str, Any], mine: dict[str, Any], what: str, moved: list[str]
+) -> None:
+    """Refuses continuing a state of another world where that cannot be done exactly."""
+    saved = {k: state.get(k, SETTING_DEFAULTS.get(k)) for k in RESHAPING}
+    told = ", ".join(f"{k}={saved[k]!r:.20}" for k in RESHAPING)
+    here = ", ".join(f"{k}={mine[k]!r:.20}" for k in RESHAPING)
+    epoch = state.get("epoch")
+    after = epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else "E + 1"
+    why = None
+    if mine.get("mixture") is not None or state.get("mixture") is not None:
+        why = (
+            "a mixture's epoch is sized for its world and batch size (samples_per_epoch "
+            "is rounded to them), so it continues only in the world it was saved in"
+        )
+    elif saved["nodes"] != 1 or mine["nodes"] != 1:
+        why = (
+            "its shards were dealt to nodes, and an epoch continues in another world only "
+            "with nodes=1 on both sides for now"
+        )
+    if why is not None:
+        exact = (
+            f" (with the same ranks, nodes={saved['nodes']!r:.20} continues it exactly)"
+            if moved == ["nodes"]
+            else ""
+        )
         raise UsageError(
-            f"{what} state is rank {state.get('rank')}'s, this {what} is rank {mine['rank']}"
+            f"{what} state was saved with {told}, this {what} has {here}: {why}. Resume in "
+            f"the world it was saved in, or start this world at the next epoch: skip "
+            f"load_state_dict and call set_epoch({after}){exact}"
         )
 
 

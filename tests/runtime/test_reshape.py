@@ -1,0 +1,269 @@
+"""Resuming an epoch in another world: other ranks, per-rank batch size or workers.
+
+The samples the saved world handed out are computed from the state (never replayed);
+the rest of the epoch, each sample once, is dealt over the new world with equal batch
+counts per rank; the next epoch is a fresh run's."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from dlop.runtime import IterableArchive, Loader, batch_as_is
+
+from .helpers import make_archive
+
+N = 157
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_archive(tmp_path_factory.mktemp("reshape") / "a", n=N, shard_bytes=1500)
+
+
+def loaders(archive: Path, world: int, batch: int, **settings: Any) -> list[Loader]:
+    return [
+        Loader(archive, batch, rank=r, world_size=world, prefetch=0, **settings)
+        for r in range(world)
+    ]
+
+
+def taken(ls: list[Loader], epoch: int, k: int) -> list[int]:
+    return [int(i) for loader in ls for b in loader.batches(epoch)[:k] for i in b]
+
+
+def check_continuation(
+    archive: Path,
+    epoch: int,
+    old: tuple[int, int],
+    new: tuple[int, int],
+    fraction: float,
+    **settings: Any,
+) -> None:
+    """Stops world ``old`` (ranks, batch) after a ``fraction`` of its epoch, resumes in
+    world ``new`` from rank 0's state, and checks the epoch over both parts."""
+    before = loaders(archive, old[0], old[1], **settings)
+    for loader in before:
+        loader.set_epoch(epoch)
+    count = len(before[0].batches())
+    k = round(fraction * count)
+    state = {**before[0].state_dict(), "batches_done": k}
+    first = taken(before, epoch, k)
+    after = loaders(archive, new[0], new[1], **settings)
+    for loader in after:
+        loader.load_state_dict(state)
+        loader.set_epoch(epoch)  # the usual loop's call keeps the resume
+    rest_batches = [loader.batches() for loader in after]
+    assert len({len(b) for b in rest_batches}) == 1, "equal batch counts per rank"
+    rest = [int(i) for mine in rest_batches for b in mine for i in b]
+    whole = set(taken(loaders(archive, 1, 1, **settings), epoch, 10**9))
+    left = whole - set(first)
+    world, batch = new
+    bucketing = settings.get("bucket_by") is not None
+    if settings.get("drop_last"):
+        assert set(rest) <= left and len(rest) == len(set(rest)), "no sample twice"
+        windows = -(-len(left) // (batch * 64 * world)) if bucketing else 1
+        assert len(left - set(rest)) < (windows + 1) * world * batch, "only the trim is dropped"
+    else:
+        assert set(rest) >= left, "every sample left is read"
+        repeats = len(rest) - len(set(rest) & left)
+        assert repeats < (world * batch if bucketing else world) or not left, "only padding repeats"
+    # the next epoch is a fresh run's in the new world
+    fresh = loaders(archive, new[0], new[1], **settings)
+    for a, b in zip(after, fresh, strict=True):
+        assert all(
+            np.array_equal(x, y)
+            for x, y in zip(a.batches(epoch + 1), b.batches(epoch + 1), strict=True)
+        )
+        a.set_epoch(epoch + 1)
+        b.set_epoch(epoch + 1)
+        assert len(a.batches()) == len(b.batches())
+
+
+SETTINGS: list[dict[str, Any]] = [
+    {},
+    {"order": "window", "window_shards": 2},
+    {"bucket_by": "speech"},
+    {"drop_last": True},
+    {"bucket_by": "speech", "drop_last": True},
+    {"shuffle": False},
+    {"indices": list(range(3, N, 2))},
+    {"order": "window", "indices": list(range(0, N, 3)), "bucket_by": "speech"},
+    {"even_shares": False},
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s) or "default")
+def test_an_epoch_continues_in_any_world(archive: Path, settings: dict[str, Any]) -> None:
+    draw = random.Random(repr(sorted(settings)))
+    for _ in range(6):
+        old = (draw.randint(1, 8), draw.choice([1, 2, 3, 5]))
+        new = (draw.randint(1, 8), draw.choice([1, 2, 4, 7]))
+        fraction = draw.choice([0.0, 0.3, 0.5, 0.9, 1.0])
+        check_continuation(archive, draw.randint(0, 5), old, new, fraction, seed=3, **settings)
+
+
+def test_a_continued_epoch_continues_again(archive: Path) -> None:
+    """A state saved mid-way through a continued epoch names the earlier world too."""
+    first = loaders(archive, 4, 3, seed=1)
+    state = {**first[0].state_dict(), "batches_done": 5}
+    second = loaders(archive, 3, 2, seed=1)
+    for loader in second:
+        loader.load_state_dict(state)
+    again = {**second[0].state_dict(), "batches_done": 4}
+    assert again["earlier"] == [[4, 1, 3, 5]]
+    third = loaders(archive, 2, 5, seed=1)
+    for loader in third:
+        loader.load_state_dict(again)
+    read = (
+        taken(first, 0, 5)
+        + taken(second, 0, 4)
+        + [int(i) for loader in third for b in loader.batches() for i in b]
+    )
+    assert set(read) == set(range(N))
+    assert len(read) - N < 2 * 5  # padding of the last world only
+    assert third[0].state_dict()["earlier"] == [[4, 1, 3, 5], [3, 1, 2, 4]]
+
+
+def test_the_same_world_resumes_as_before(archive: Path) -> None:
+    """A state loaded into the world it was saved in is today's exact resume, byte for byte."""
+    a = Loader(archive, 4, seed=2, rank=1, world_size=3, prefetch=0)
+    it = iter(a)
+    for _ in range(3):
+        next(it)
+    state = a.state_dict()
+    assert "earlier" not in state
+    b = Loader(archive, 4, seed=2, rank=1, world_size=3, prefetch=0)
+    b.load_state_dict(state)
+    assert all(np.array_equal(x, y) for x, y in zip(b.batches(), a.batches(), strict=True))
+    got = [batch["label"].tolist() for batch in b]
+    want = [sorted(int(i) for i in x) for x in a.batches()[3:]]
+    assert [sorted(g) for g in got] == want
+
+
+def test_a_real_loop_stops_in_one_world_and_finishes_in_another(archive: Path) -> None:
+    """Labels as read: world 3 x batch 4 stops after 5 steps, world 2 x batch 6 finishes."""
+    old = loaders(archive, 3, 4, seed=7, bucket_by="speech")
+    seen: list[int] = []
+    for loader in old:
+        it = iter(loader)
+        seen += [x for _, b in zip(range(5), it, strict=False) for x in b["label"].tolist()]
+    state = old[1].state_dict()  # any rank's: they step together
+    assert state["batches_done"] == 5
+    new = loaders(archive, 2, 6, seed=7, bucket_by="speech")
+    counts = []
+    for loader in new:
+        loader.load_state_dict(state)
+        got = [x for b in loader for x in b["label"].tolist()]
+        counts.append(len(got))
+        seen += got
+    assert set(seen) == set(range(N)) and len(seen) - N < 2 * 6
+    assert new[0].epoch == 0 and new[0].state_dict()["batches_done"] == len(new[0].batches())
+    for loader in new:  # the next pass is the next epoch, whole
+        assert len([b for b in loader]) == len(
+            loaders(archive, 2, 6, seed=7, bucket_by="speech")[0].batches(1)
+        )
+
+
+def test_iterable_archive_continues_in_another_world_and_worker_count(archive: Path) -> None:
+    old = [IterableArchive(archive, 3, rank=r, world_size=2, seed=4) for r in range(2)]
+    first = [int(i) for ds in old for b in ds.batches(0)[:6] for i in b]
+    state = old[0].state_dict(batches_done=6)
+    got: list[int] = []
+    lengths = []
+    for r in range(3):
+        ds = IterableArchive(archive, 5, rank=r, world_size=3, seed=4)
+        ds.load_state_dict(state)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=batch_as_is)
+        batches = list(loader)
+        lengths.append(len(batches))
+        got += [x for b in batches for x in b["label"].tolist()]
+        assert ds.state_dict(after=batches[-1])["earlier"] == [[2, 1, 3, 6]]
+    assert len(set(lengths)) == 1
+    assert set(first) | set(got) == set(range(N))
+    repeats = len(got) - len(set(got) - set(first))
+    assert repeats < 3, "only the new world's padding (fewer than one sample a rank) repeats"
+
+
+def test_a_mixture_or_nodes_refuse_another_world(archive: Path, tmp_path: Path) -> None:
+    other = make_archive(tmp_path / "b", n=20)
+    mix = {"a": str(archive), "b": str(other)}
+    state = Loader(mix, 4, rank=0, world_size=2, samples_per_epoch=40).state_dict()
+    with pytest.raises(ValueError, match="mixture's epoch is sized for its world"):
+        Loader(mix, 4, rank=0, world_size=3, samples_per_epoch=40).load_state_dict(state)
+    state = Loader(archive, 4, rank=0, world_size=4, nodes=2).state_dict()
+    with pytest.raises(ValueError, match=r"dealt to nodes.*set_epoch\(1\)"):
+        Loader(archive, 4, rank=0, world_size=3).load_state_dict(state)
+
+
+def test_hostile_earlier_worlds_are_refused(archive: Path) -> None:
+    state = Loader(archive, 4, rank=0, world_size=2).state_dict()
+    bad: list[Any] = [
+        "x",
+        [[0, 1, 4, 0]],
+        [[2, 1, 4, 10**6]],
+        [[2, 2, 4, 0]],
+        [[2, 1, 0, 0]],
+        [[2, 1, 4]],
+        [[2, 1, 4, 0]] * 17,
+        [[2**40, 1, 4, 0]],
+        [[2, 1, 2**40, 0]],
+    ]
+    for earlier in bad:
+        with pytest.raises((ValueError, TypeError)):
+            Loader(archive, 4, rank=0, world_size=3).load_state_dict({**state, "earlier": earlier})
+
+
+def _lockstep_worker(rank: int, port: int, archive: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        state = Loader(archive, 4, seed=1, prefetch=0).state_dict()  # rank 0's, world 2
+        behind = {**state, "batches_done": 3 - rank}  # rank 1 one batch behind
+        errors = []
+        for make in (
+            lambda: Loader(archive, 4, seed=1, prefetch=0),
+            lambda: IterableArchive(archive, 4, seed=1),
+        ):
+            reader = make()
+            try:
+                reader.load_state_dict(
+                    behind
+                    if isinstance(reader, Loader)
+                    else {**reader.state_dict(0), "batches_done": 3 - rank}
+                )
+                errors.append("")
+            except ValueError as e:
+                errors.append(str(e))
+        same = make()
+        same.load_state_dict({**same.state_dict(0), "batches_done": 2})  # agreeing states load
+        Path(out, f"{rank}.txt").write_text("\n".join(errors))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_loading_positions_that_disagree_are_refused(archive: Path, tmp_path: Path) -> None:
+    import os
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_lockstep_worker, args=(port, str(archive), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        told = (tmp_path / f"{rank}.txt").read_text().splitlines()
+        assert len(told) == 2
+        for line in told:
+            assert (
+                "disagree (rank 0: epoch 0 after 3 batches; rank 1: epoch 0 after 2 batches)"
+                in line
+            )
