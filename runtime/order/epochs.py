@@ -311,20 +311,58 @@ def world_batches(
 ) -> list[list[np.ndarray]]:
     """``rank_batches`` of each of ``ranks`` (of the node's ranks where shards are dealt to
     nodes), the epoch's order and cuts made once for all of them."""
+    evened, batches = _dealing(spec, epoch, bucket_lengths, samples, groups)
+    world, b = _dealt_world(spec), spec.batch_size
+    if batches is not None:
+        return [[np.sort(batches[i]) for i in evened[rank::world]] for rank in ranks]
+    out = []
+    for rank in ranks:
+        mine = evened[rank::world]
+        cut = [mine[i : i + b] for i in range(0, len(mine), b)]
+        if spec.drop_last and cut and len(cut[-1]) < b:
+            cut.pop()
+        out.append([np.sort(x) for x in cut])
+    return out
+
+
+def world_taken(
+    spec: OrderSpec,
+    epoch: int,
+    done: int,
+    bucket_lengths: np.ndarray | None = None,
+    samples: np.ndarray | None = None,
+) -> np.ndarray:
+    """The samples of every rank's first ``done`` batches (``world_batches``), found
+    without cutting the batches: rank ``r`` takes the dealt positions ``r, r + world,
+    ...``, so the first ``done`` batches of all ranks are the dealing's first positions."""
+    evened, batches = _dealing(spec, epoch, bucket_lengths, samples, None)
+    world = _dealt_world(spec)
+    if batches is None:
+        return evened[: done * spec.batch_size * world]
+    picked = [batches[i] for i in evened[: done * world]]
+    return np.concatenate(picked) if picked else np.zeros(0, np.int64)
+
+
+def _dealt_world(spec: OrderSpec) -> int:
+    # with shards dealt to nodes, the order is the node's, evened: its ranks share it out
+    return spec.local_size if spec.dealt else spec.world_size
+
+
+def _dealing(
+    spec: OrderSpec,
+    epoch: int,
+    bucket_lengths: np.ndarray | None,
+    samples: np.ndarray | None,
+    groups: np.ndarray | None,
+) -> tuple[np.ndarray, list[np.ndarray] | None]:
+    """How the epoch is dealt to ranks: (the evened order, None), its position ``p`` going
+    to rank ``p % world``; or, where batches are cut before they are dealt (bucketing,
+    groups), (the evened batch numbers, the batches), number ``p`` to rank ``p % world``."""
     order = share_order(spec, epoch) if samples is None else samples
     b = spec.batch_size
-    # with shards dealt to nodes, ``order`` is the node's, evened: its ranks share it out
-    world = spec.local_size if spec.dealt else spec.world_size
+    world = _dealt_world(spec)
     if bucket_lengths is None and groups is None:
-        evened = _even(order, world, spec.drop_last, spec.even_shares)
-        out = []
-        for rank in ranks:
-            mine = evened[rank::world]
-            batches = [mine[i : i + b] for i in range(0, len(mine), b)]
-            if spec.drop_last and batches and len(batches[-1]) < b:
-                batches.pop()
-            out.append([np.sort(x) for x in batches])
-        return out
+        return _even(order, world, spec.drop_last, spec.even_shares), None
     window = b * spec.bucket_window * world
     parts = [order] if groups is None else [order[groups == g] for g in np.unique(groups)]
     batches = []
@@ -340,8 +378,7 @@ def world_batches(
     if spec.shuffle:
         perm = rng(spec.seed, epoch, 1).permutation(len(batches))
         batches = [batches[i] for i in perm]
-    dealt = _even(np.arange(len(batches)), world, spec.drop_last, spec.even_shares)
-    return [[np.sort(batches[i]) for i in dealt[rank::world]] for rank in ranks]
+    return _even(np.arange(len(batches)), world, spec.drop_last, spec.even_shares), batches
 
 
 @dataclass(frozen=True)
@@ -380,15 +417,11 @@ def remaining(
     (every rank's first ``batches_done`` batches, over what the worlds before it left),
     in order: what is left of the epoch to read."""
     for shape in shapes:
-        taken = [
-            batch
-            for mine in world_batches(
-                shape.spec(spec), epoch, range(shape.world_size), bucket_lengths, order
-            )
-            for batch in mine[: shape.batches_done]
-        ]
-        if taken:
-            order = order[~np.isin(order, np.concatenate(taken))]
+        taken = world_taken(shape.spec(spec), epoch, shape.batches_done, bucket_lengths, order)
+        if len(taken):
+            kept = np.ones(int(order.max()) + 1, dtype=bool)
+            kept[taken] = False
+            order = order[kept[order]]
     return order
 
 
@@ -426,19 +459,28 @@ class BatchOrder:
         self.shapes: tuple[Shape, ...] = ()
         self.shapes_epoch = -1
         self._cached: tuple[int, tuple[Shape, ...], list[np.ndarray]] | None = None
+        self._draws: tuple[int, np.ndarray, np.ndarray | None] | None = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """The sample indices of each batch of ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
         shapes = self.shapes if epoch == self.shapes_epoch else ()
         if self._cached is None or self._cached[:2] != (epoch, shapes):
-            samples, groups = self.draw(epoch) if self.draw is not None else (None, None)
+            samples, groups = self._drawn(epoch)
             if shapes:  # groups are a mixture's, which continues only in its own world
-                whole = share_order(self.spec, epoch) if samples is None else samples
-                samples = remaining(self.spec, epoch, shapes, whole, self.lengths)
+                samples = remaining(self.spec, epoch, shapes, samples, self.lengths)
             made = rank_batches(self.spec, epoch, self.lengths, samples, groups)
             self._cached = (epoch, shapes, made)
         return self._cached[2]
+
+    def _drawn(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The epoch's samples in order (and their groups), kept for the latest epoch
+        asked: a continued epoch asks for them more than once."""
+        if self._draws is None or self._draws[0] != epoch:
+            got = self.draw(epoch) if self.draw is not None else (None, None)
+            samples = share_order(self.spec, epoch) if got[0] is None else got[0]
+            self._draws = (epoch, samples, got[1])
+        return self._draws[1], self._draws[2]
 
     def follow(self, epoch: int, shapes: tuple[Shape, ...]) -> None:
         """Epoch ``epoch`` was partly read in the worlds ``shapes``: it reads the rest."""
@@ -549,10 +591,17 @@ class BatchOrder:
                 return len(self.batches(epoch))
             finally:
                 self.follow(*kept)
-        samples, _ = self.draw(epoch) if self.draw is not None else (None, None)
-        whole = share_order(self.spec, epoch) if samples is None else samples
-        left = remaining(self.spec, epoch, shapes, whole, self.lengths)
-        return len(world_batches(shape.spec(self.spec), epoch, (0,), self.lengths, left)[0])
+        samples, groups = self._drawn(epoch)
+        left = remaining(self.spec, epoch, shapes, samples, self.lengths)
+        spec = shape.spec(self.spec)
+        if self.lengths is None and groups is None and not spec.dealt:
+            # rank 0's share of the evened remainder, cut into batches, counted
+            n, world, b = len(left), spec.world_size, spec.batch_size
+            if spec.even_shares:
+                n = n - n % world if spec.drop_last else -(-n // world) * world
+            mine = -(-n // world)
+            return mine // b if spec.drop_last else -(-mine // b)
+        return len(world_batches(spec, epoch, (0,), self.lengths, left)[0])
 
     def _earlier_shapes(self, given: object, epoch: int, where: str) -> tuple[Shape, ...]:
         """A state's ``earlier`` worlds, each checked, its batches_done within its epoch."""

@@ -267,3 +267,19 @@ def test_ranks_loading_positions_that_disagree_are_refused(archive: Path, tmp_pa
                 "disagree (rank 0: epoch 0 after 3 batches; rank 1: epoch 0 after 2 batches)"
                 in line
             )
+
+
+@pytest.mark.parametrize("settings", SETTINGS[:6], ids=lambda s: ",".join(s) or "default")
+def test_what_a_world_took_is_its_ranks_first_batches(settings: dict[str, Any]) -> None:
+    from dlop.runtime.order.epochs import OrderSpec, world_batches, world_taken
+
+    lengths = np.random.default_rng(0).integers(1, 50, 500)
+    bucket = lengths if settings.get("bucket_by") else None
+    options = {k: v for k, v in settings.items() if k not in ("bucket_by", "order")}
+    for world, batch in ((1, 7), (3, 5), (8, 2)):
+        spec = OrderSpec(500, batch, world_size=world, mode=settings.get("order", "global"),
+                         shard_sizes=(100,) * 5, seed=2, **options)  # fmt: skip
+        per_rank = world_batches(spec, 1, range(world), bucket)
+        for done in (0, 1, 4, len(per_rank[0])):
+            want = sorted(int(i) for mine in per_rank for b in mine[:done] for i in b)
+            assert sorted(world_taken(spec, 1, done, bucket).tolist()) == want
