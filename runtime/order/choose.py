@@ -29,7 +29,7 @@ from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate
 from ..gather.plan import CopyPlan
 from .distributed import launcher_nodes, placement
-from .epochs import NODE_SHARES, BatchOrder, OrderSpec, selection_draw
+from .epochs import NODE_SHARES, BatchOrder, OrderSpec
 from .mixture import (
     MAX_EPOCH_SAMPLES,
     Mixture,
@@ -169,7 +169,7 @@ def choose(
     sizes = ds.shard_sizes if sel is None else shard_counts(sel, ds.shard_starts)
     spec = OrderSpec(num_samples=len(ds), shard_sizes=sizes, **order)
     lengths = ds.lengths(bucket_by) if bucket_by else None
-    order_stage = BatchOrder(spec, lengths, owner, draw=selection_draw(spec, sel))
+    order_stage = BatchOrder(spec, lengths, owner, selection=sel)
     return Choice(ds, spec, order_stage)
 
 

@@ -57,6 +57,7 @@ Selections and mixtures (runtime.archive.selection, runtime.order.mixture)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -180,16 +181,6 @@ def rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
     return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, epoch, stream])
 
 
-def selection_draw(spec: OrderSpec, selection: np.ndarray | None) -> Draw:
-    """The draw of a selection: the epoch order over its positions, as sample numbers."""
-
-    def draw(epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
-        order = share_order(spec, epoch)
-        return (order if selection is None else selection[order]), None
-
-    return draw
-
-
 def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
     """The whole epoch's sample order (before distribution)."""
     n = spec.num_samples
@@ -206,12 +197,16 @@ def _windowed(gen: np.random.Generator, ranges: list[tuple[int, int]], window: i
     """The window order of ``ranges`` of sample numbers (shards, or pieces of them): the
     ranges permuted, then their samples shuffled within consecutive windows of
     ``window`` ranges."""
-    mixed = [ranges[i] for i in gen.permutation(len(ranges))]
-    parts = [
-        gen.permutation(np.concatenate([np.arange(a, b) for a, b in mixed[w : w + window]]))
-        for w in range(0, len(mixed), window)
+    return _windowed_parts(gen, [np.arange(a, b) for a, b in ranges], window)
+
+
+def _windowed_parts(gen: np.random.Generator, parts: list[np.ndarray], window: int) -> np.ndarray:
+    """``_windowed`` of the samples of each part (a shard's, or some of them)."""
+    mixed = [parts[i] for i in gen.permutation(len(parts))]
+    out = [
+        gen.permutation(np.concatenate(mixed[w : w + window])) for w in range(0, len(mixed), window)
     ]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64)
 
 
 def share_order(spec: OrderSpec, epoch: int) -> np.ndarray:
@@ -251,21 +246,74 @@ def node_order(spec: OrderSpec, epoch: int) -> np.ndarray:
     """This rank's node's samples for the epoch, in order: its span (``node_span``)
     ordered, then evened to ranks-per-node times each rank's share (see the module
     docstring), unless ``even_shares`` is False."""
-    span = node_span(spec, epoch)
-    gen = rng(spec.seed, epoch, NODE_STREAM + spec.node)
-    if not spec.shuffle or not span:
-        order = np.concatenate([np.arange(a, b) for a, b in span] or [np.zeros(0, np.int64)])
+    parts = [np.arange(a, b) for a, b in node_span(spec, epoch)]
+    # a node with no samples of its own (N < nodes) repeats others'
+    return _node_share(spec, epoch, spec.node, parts, np.arange(spec.num_samples, dtype=np.int64))
+
+
+def _node_share(
+    spec: OrderSpec, epoch: int, node: int, parts: list[np.ndarray], every: np.ndarray
+) -> np.ndarray:
+    """Node ``node``'s ``parts`` (pieces of shards, in the deal's order) ordered, and
+    evened to its ranks' share of ``every`` sample of the epoch (repeating ``every``
+    where the node holds none)."""
+    gen = rng(spec.seed, epoch, NODE_STREAM + node)
+    if not spec.shuffle or not parts:
+        order = np.concatenate(parts or [np.zeros(0, np.int64)])
     elif spec.mode == "global":
-        order = gen.permutation(np.concatenate([np.arange(a, b) for a, b in span]))
+        order = gen.permutation(np.concatenate(parts))
     else:
-        order = _windowed(gen, span, spec.window_shards)
+        order = _windowed_parts(gen, parts, spec.window_shards)
     order = order.astype(np.int64, copy=False)
     if not spec.even_shares:
         return order
-    n, world = spec.num_samples, spec.world_size
+    n, world = len(every), spec.world_size
     size = spec.local_size * (n // world if spec.drop_last else math.ceil(n / world))
-    # a node with no samples of its own (N < nodes) repeats others'
-    return _fit(order if len(order) else np.arange(n, dtype=np.int64), size)
+    return _fit(order if len(order) else every, size)
+
+
+def node_rest(
+    spec: OrderSpec,
+    epoch: int,
+    node: int,
+    rest: np.ndarray,
+    dealt: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
+    """``node_order`` of what is left of an epoch, ``rest`` (positions, ascending): the
+    shards are dealt as ``node_span`` deals them, the samples of ``rest`` taken in that
+    sequence (``dealt_rest``, given or made here) and cut into ``nodes`` equal spans, so
+    every node gets an equal share of the rest however it lies among the shards; node
+    ``node``'s span is ordered as ``node_order`` orders one and evened to its ranks'
+    share. Given every position it is ``node_order``."""
+    seq, ends = dealt_rest(spec, epoch, rest) if dealt is None else dealt
+    n = len(seq)
+    lo, hi = n * node // spec.nodes, n * (node + 1) // spec.nodes
+    parts = []
+    for i in range(int(np.searchsorted(ends, lo, side="right")), len(ends)):
+        begin = int(ends[i - 1]) if i else 0
+        if begin >= hi:
+            break
+        a, b = max(lo, begin), min(hi, int(ends[i]))
+        if a < b:
+            parts.append(seq[a:b])
+    return _node_share(spec, epoch, node, parts, rest)
+
+
+def dealt_rest(spec: OrderSpec, epoch: int, rest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions ``rest`` (ascending) in the sequence the shards are dealt to nodes
+    in (``node_span``'s), each shard's ascending; and where each shard's run ends in it."""
+    sizes = np.asarray(spec.shard_sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    if spec.shuffle:
+        dealing = 0 if spec.node_share == "keep" else epoch
+        shards = rng(spec.seed, dealing, NODE_DEAL_STREAM).permutation(len(sizes))
+    else:
+        shards = np.arange(len(sizes))
+    first = np.searchsorted(rest, starts[:-1])
+    last = np.searchsorted(rest, starts[1:])
+    runs = [rest[first[j] : last[j]] for j in shards]
+    seq = np.concatenate(runs) if runs else np.zeros(0, np.int64)
+    return seq, np.cumsum((last - first)[shards])
 
 
 def _fit(seq: np.ndarray, size: int) -> np.ndarray:
@@ -407,22 +455,60 @@ MAX_BATCH = 1 << 31  # a per-rank batch size a state may name
 
 
 def remaining(
-    spec: OrderSpec,
-    epoch: int,
-    shapes: Sequence[Shape],
-    order: np.ndarray,
-    bucket_lengths: np.ndarray | None = None,
+    spec: OrderSpec, epoch: int, shapes: Sequence[Shape], lengths: np.ndarray | None = None
 ) -> np.ndarray:
-    """``order`` (the epoch's samples, in order) less what each earlier world handed out
-    (every rank's first ``batches_done`` batches, over what the worlds before it left),
-    in order: what is left of the epoch to read."""
+    """The positions (into the epoch's samples: the selection's, or the archive's) left of
+    ``epoch`` after each earlier world in turn handed out every rank's first
+    ``batches_done`` batches of what the worlds before it left; ascending. ``lengths``:
+    the bucketing lengths by position."""
+    rest = np.arange(spec.num_samples, dtype=np.int64)
     for shape in shapes:
-        taken = world_taken(shape.spec(spec), epoch, shape.batches_done, bucket_lengths, order)
-        if len(taken):
-            kept = np.ones(int(order.max()) + 1, dtype=bool)
-            kept[taken] = False
-            order = order[kept[order]]
+        world = shape.spec(spec)
+        taken = [
+            world_taken(first, epoch, shape.batches_done, lengths, order)
+            for first, order in world_orders(world, epoch, rest)
+        ]
+        kept = np.ones(spec.num_samples, dtype=bool)
+        kept[np.concatenate(taken)] = False
+        rest = rest[kept[rest]]
+    return rest
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order_kept(
+    n: int, shuffle: bool, seed: int, mode: str, sizes: tuple[int, ...], window: int, epoch: int
+) -> np.ndarray:
+    """``epoch_order``, which no world setting changes, kept (read only) for the worlds a
+    continued epoch computes: the old ones and this one share it."""
+    spec = OrderSpec(n, 1, shuffle, seed, mode=mode, shard_sizes=sizes, window_shards=window)
+    order = epoch_order(spec, epoch)
+    order.setflags(write=False)
     return order
+
+
+def world_orders(
+    spec: OrderSpec, epoch: int, rest: np.ndarray, nodes: Sequence[int] | None = None
+) -> list[tuple[OrderSpec, np.ndarray]]:
+    """How world ``spec`` orders the positions ``rest`` (ascending) of ``epoch``: for each
+    node whose ranks share an order (of ``nodes``, default all), its first rank's spec and
+    that order. Without shards dealt to nodes, one order for the whole world: the
+    epoch's, less what is not in ``rest``. Dealt to nodes, each node's share of the rest
+    (``node_rest``)."""
+    if not spec.dealt:
+        order = _epoch_order_kept(
+            spec.num_samples, spec.shuffle, spec.seed, spec.mode, spec.shard_sizes,
+            spec.window_shards, epoch,
+        )  # fmt: skip
+        if len(rest) < spec.num_samples:
+            kept = np.zeros(spec.num_samples, dtype=bool)
+            kept[rest] = True
+            order = order[kept[order]]
+        return [(replace(spec, rank=0), order)]
+    dealt = dealt_rest(spec, epoch, rest)
+    return [
+        (replace(spec, rank=node * spec.local_size), node_rest(spec, epoch, node, rest, dealt))
+        for node in (range(spec.nodes) if nodes is None else nodes)
+    ]
 
 
 class BatchOrder:
@@ -442,9 +528,11 @@ class BatchOrder:
         lengths: np.ndarray | None = None,
         owner: str = "Loader",
         draw: Draw | None = None,
+        selection: np.ndarray | None = None,
     ) -> None:
         self.owner = owner  # who errors name
         self.spec = spec
+        self.selection = selection  # the archive's samples the epoch's positions are
         self.lengths = lengths
         self.draw = draw  # None: the whole archive, in epoch_order
         self.epoch = 0
@@ -459,28 +547,37 @@ class BatchOrder:
         self.shapes: tuple[Shape, ...] = ()
         self.shapes_epoch = -1
         self._cached: tuple[int, tuple[Shape, ...], list[np.ndarray]] | None = None
-        self._draws: tuple[int, np.ndarray, np.ndarray | None] | None = None
+        self._rests: tuple[int, tuple[Shape, ...], np.ndarray] | None = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """The sample indices of each batch of ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
         shapes = self.shapes if epoch == self.shapes_epoch else ()
         if self._cached is None or self._cached[:2] != (epoch, shapes):
-            samples, groups = self._drawn(epoch)
-            if shapes:  # groups are a mixture's, which continues only in its own world
-                samples = remaining(self.spec, epoch, shapes, samples, self.lengths)
-            made = rank_batches(self.spec, epoch, self.lengths, samples, groups)
+            if shapes:
+                node = self.spec.node if self.spec.dealt else 0
+                mine = world_orders(self.spec, epoch, self._rest(epoch, shapes), (node,))[0][1]
+                made = rank_batches(self.spec, epoch, self.lengths, self._samples(mine))
+            elif self.draw is not None:
+                made = rank_batches(self.spec, epoch, self.lengths, *self.draw(epoch))
+            else:
+                order = self._samples(share_order(self.spec, epoch))
+                made = rank_batches(self.spec, epoch, self.lengths, order)
             self._cached = (epoch, shapes, made)
         return self._cached[2]
 
-    def _drawn(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The epoch's samples in order (and their groups), kept for the latest epoch
-        asked: a continued epoch asks for them more than once."""
-        if self._draws is None or self._draws[0] != epoch:
-            got = self.draw(epoch) if self.draw is not None else (None, None)
-            samples = share_order(self.spec, epoch) if got[0] is None else got[0]
-            self._draws = (epoch, samples, got[1])
-        return self._draws[1], self._draws[2]
+    def _samples(self, positions: np.ndarray) -> np.ndarray:
+        """Positions of the epoch as archive sample numbers (through the selection)."""
+        return positions if self.selection is None else self.selection[positions]
+
+    def _rest(self, epoch: int, shapes: tuple[Shape, ...]) -> np.ndarray:
+        """``remaining`` of ``epoch`` after ``shapes``, kept for the latest asked."""
+        if self._rests is None or self._rests[:2] != (epoch, shapes):
+            lengths = self.lengths
+            if lengths is not None and self.selection is not None:
+                lengths = lengths[self.selection]
+            self._rests = (epoch, shapes, remaining(self.spec, epoch, shapes, lengths))
+        return self._rests[2]
 
     def follow(self, epoch: int, shapes: tuple[Shape, ...]) -> None:
         """Epoch ``epoch`` was partly read in the worlds ``shapes``: it reads the rest."""
@@ -555,6 +652,8 @@ class BatchOrder:
             state.get("batch_size", batch),
         )
         moved = saved != here
+        if moved and self.draw is not None:
+            raise UsageError(f"{where}: a mixture's epoch continues only in the world it began in")
         if moved:
             world = check_int(f"{where} world_size", saved[0], low=1, high=MAX_WORLD)
             nodes = check_int(f"{where} nodes", saved[1], low=1, high=world)
@@ -582,8 +681,8 @@ class BatchOrder:
         self._took = done > 0 or bool(shapes)
 
     def _count(self, shape: Shape, shapes: tuple[Shape, ...], epoch: int) -> int:
-        """Batches rank 0 of world ``shape`` has in ``epoch`` after ``shapes`` (the most
-        any rank has)."""
+        """The most batches a rank of world ``shape`` has in ``epoch`` after ``shapes`` (its
+        first rank's, or each node's first rank's)."""
         if shape.spec(self.spec) == replace(self.spec, rank=0):
             kept = (self.shapes_epoch, self.shapes)
             try:
@@ -591,17 +690,22 @@ class BatchOrder:
                 return len(self.batches(epoch))
             finally:
                 self.follow(*kept)
-        samples, groups = self._drawn(epoch)
-        left = remaining(self.spec, epoch, shapes, samples, self.lengths)
+        left = self._rest(epoch, shapes)
         spec = shape.spec(self.spec)
-        if self.lengths is None and groups is None and not spec.dealt:
-            # rank 0's share of the evened remainder, cut into batches, counted
+        if self.lengths is None and (spec.even_shares or not spec.dealt):
+            # rank 0's share of the evened rest (each node's is evened alike), counted
             n, world, b = len(left), spec.world_size, spec.batch_size
             if spec.even_shares:
                 n = n - n % world if spec.drop_last else -(-n // world) * world
             mine = -(-n // world)
             return mine // b if spec.drop_last else -(-mine // b)
-        return len(world_batches(spec, epoch, (0,), self.lengths, left)[0])
+        lengths = self.lengths
+        if lengths is not None and self.selection is not None:
+            lengths = lengths[self.selection]
+        return max(
+            len(world_batches(first, epoch, (0,), lengths, order)[0])
+            for first, order in world_orders(spec, epoch, left)
+        )
 
     def _earlier_shapes(self, given: object, epoch: int, where: str) -> tuple[Shape, ...]:
         """A state's ``earlier`` worlds, each checked, its batches_done within its epoch."""
@@ -609,6 +713,8 @@ class BatchOrder:
             raise UsageError(
                 f"{where} earlier must be a list of at most {MAX_SHAPES} worlds, got {given!r:.80}"
             )
+        if given and self.draw is not None:
+            raise UsageError(f"{where}: a mixture's epoch continues only in the world it began in")
         shapes: tuple[Shape, ...] = ()
         for i, item in enumerate(given):
             name = f"{where} earlier[{i}]"
@@ -617,11 +723,11 @@ class BatchOrder:
                     f"{name} must be [world_size, nodes, batch_size, batches_done], got {item!r:.80}"
                 )
             world = check_int(f"{name} world_size", item[0], low=1, high=MAX_WORLD)
-            nodes = check_int(f"{name} nodes", item[1], low=1)
+            nodes = check_int(f"{name} nodes", item[1], low=1, high=world)
             batch = check_int(f"{name} batch_size", item[2], low=1, high=MAX_BATCH)
-            if world % nodes or (nodes > 1 and self.spec.shard_sizes):
+            if world % nodes:
                 raise UsageError(
-                    f"{name}: {nodes} nodes of a world of {world} cannot continue here"
+                    f"{name}: world_size {world} is not a whole number of nodes {nodes}"
                 )
             count = self._count(Shape(world, nodes, batch, 0), shapes, epoch)
             done = check_int(

@@ -99,7 +99,7 @@ def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> No
     samples (a missing choice entry is the whole archive's). Any rank's state serves every
     rank: ranks step together, so each holds the same position. A state of another world (``RESHAPING``: ranks, nodes, per-rank batch
     size) continues here (runtime.order.epochs.BatchOrder.reset) except where its epoch's
-    samples depend on that world: a mixture's epoch, and shards dealt to nodes."""
+    samples depend on that world: a mixture's epoch."""
     moved = [k for k in RESHAPING if not same(state.get(k, SETTING_DEFAULTS.get(k)), mine[k])]
     rank, world = state.get("rank"), state.get("world_size")
     if (
@@ -136,11 +136,6 @@ def refuse_reshaping(
         why = (
             "a mixture's epoch is sized for its world and batch size (samples_per_epoch "
             "is rounded to them), so it continues only in the world it was saved in"
-        )
-    elif saved["nodes"] != 1 or mine["nodes"] != 1:
-        why = (
-            "its shards were dealt to nodes, and an epoch continues in another world only "
-            "with nodes=1 on both sides for now"
         )
     if why is not None:
         exact = (

@@ -26,9 +26,9 @@ def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_archive(tmp_path_factory.mktemp("reshape") / "a", n=N, shard_bytes=1500)
 
 
-def loaders(archive: Path, world: int, batch: int, **settings: Any) -> list[Loader]:
+def loaders(archive: Path, world: int, batch: int, nodes: int = 1, **settings: Any) -> list[Loader]:
     return [
-        Loader(archive, batch, rank=r, world_size=world, prefetch=0, **settings)
+        Loader(archive, batch, rank=r, world_size=world, nodes=nodes, prefetch=0, **settings)
         for r in range(world)
     ]
 
@@ -40,30 +40,31 @@ def taken(ls: list[Loader], epoch: int, k: int) -> list[int]:
 def check_continuation(
     archive: Path,
     epoch: int,
-    old: tuple[int, int],
-    new: tuple[int, int],
+    old: tuple[int, int, int],
+    new: tuple[int, int, int],
     fraction: float,
     **settings: Any,
 ) -> None:
-    """Stops world ``old`` (ranks, batch) after a ``fraction`` of its epoch, resumes in
-    world ``new`` from rank 0's state, and checks the epoch over both parts."""
-    before = loaders(archive, old[0], old[1], **settings)
+    """Stops world ``old`` (ranks, batch, nodes) after a ``fraction`` of its epoch, resumes
+    in world ``new`` from rank 0's state, and checks the epoch over both parts."""
+    before = loaders(archive, *old, **settings)
     for loader in before:
         loader.set_epoch(epoch)
     count = len(before[0].batches())
     k = round(fraction * count)
     state = {**before[0].state_dict(), "batches_done": k}
     first = taken(before, epoch, k)
-    after = loaders(archive, new[0], new[1], **settings)
+    after = loaders(archive, *new, **settings)
     for loader in after:
         loader.load_state_dict(state)
         loader.set_epoch(epoch)  # the usual loop's call keeps the resume
     rest_batches = [loader.batches() for loader in after]
-    assert len({len(b) for b in rest_batches}) == 1, "equal batch counts per rank"
+    if settings.get("even_shares", True):
+        assert len({len(b) for b in rest_batches}) == 1, "equal batch counts per rank"
     rest = [int(i) for mine in rest_batches for b in mine for i in b]
     whole = set(taken(loaders(archive, 1, 1, **settings), epoch, 10**9))
     left = whole - set(first)
-    world, batch = new
+    world, batch, _ = new
     bucketing = settings.get("bucket_by") is not None
     if settings.get("drop_last"):
         assert set(rest) <= left and len(rest) == len(set(rest)), "no sample twice"
@@ -74,7 +75,7 @@ def check_continuation(
         repeats = len(rest) - len(set(rest) & left)
         assert repeats < (world * batch if bucketing else world) or not left, "only padding repeats"
     # the next epoch is a fresh run's in the new world
-    fresh = loaders(archive, new[0], new[1], **settings)
+    fresh = loaders(archive, *new, **settings)
     for a, b in zip(after, fresh, strict=True):
         assert all(
             np.array_equal(x, y)
@@ -95,15 +96,22 @@ SETTINGS: list[dict[str, Any]] = [
     {"indices": list(range(3, N, 2))},
     {"order": "window", "indices": list(range(0, N, 3)), "bucket_by": "speech"},
     {"even_shares": False},
+    {"node_share": "redeal", "order": "window", "window_shards": 3},
 ]
+
+
+def _world(draw: random.Random, batches: list[int]) -> tuple[int, int, int]:
+    """ranks 1-8 on 1-3 nodes (ranks a whole number per node), a batch size"""
+    nodes = draw.choice([1, 1, 2, 3])
+    return nodes * draw.randint(1, 8 // nodes), draw.choice(batches), nodes
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s) or "default")
 def test_an_epoch_continues_in_any_world(archive: Path, settings: dict[str, Any]) -> None:
     draw = random.Random(repr(sorted(settings)))
-    for _ in range(6):
-        old = (draw.randint(1, 8), draw.choice([1, 2, 3, 5]))
-        new = (draw.randint(1, 8), draw.choice([1, 2, 4, 7]))
+    for _ in range(8):
+        old = _world(draw, [1, 2, 3, 5])
+        new = _world(draw, [1, 2, 4, 7])
         fraction = draw.choice([0.0, 0.3, 0.5, 0.9, 1.0])
         check_continuation(archive, draw.randint(0, 5), old, new, fraction, seed=3, **settings)
 
@@ -190,15 +198,12 @@ def test_iterable_archive_continues_in_another_world_and_worker_count(archive: P
     assert repeats < 3, "only the new world's padding (fewer than one sample a rank) repeats"
 
 
-def test_a_mixture_or_nodes_refuse_another_world(archive: Path, tmp_path: Path) -> None:
+def test_a_mixture_refuses_another_world(archive: Path, tmp_path: Path) -> None:
     other = make_archive(tmp_path / "b", n=20)
     mix = {"a": str(archive), "b": str(other)}
     state = Loader(mix, 4, rank=0, world_size=2, samples_per_epoch=40).state_dict()
     with pytest.raises(ValueError, match="mixture's epoch is sized for its world"):
         Loader(mix, 4, rank=0, world_size=3, samples_per_epoch=40).load_state_dict(state)
-    state = Loader(archive, 4, rank=0, world_size=4, nodes=2).state_dict()
-    with pytest.raises(ValueError, match=r"dealt to nodes.*set_epoch\(1\)"):
-        Loader(archive, 4, rank=0, world_size=3).load_state_dict(state)
 
 
 def test_hostile_earlier_worlds_are_refused(archive: Path) -> None:
@@ -207,7 +212,7 @@ def test_hostile_earlier_worlds_are_refused(archive: Path) -> None:
         "x",
         [[0, 1, 4, 0]],
         [[2, 1, 4, 10**6]],
-        [[2, 2, 4, 0]],
+        [[3, 2, 4, 0]],
         [[2, 1, 0, 0]],
         [[2, 1, 4]],
         [[2, 1, 4, 0]] * 17,
@@ -283,3 +288,21 @@ def test_what_a_world_took_is_its_ranks_first_batches(settings: dict[str, Any]) 
         for done in (0, 1, 4, len(per_rank[0])):
             want = sorted(int(i) for mine in per_rank for b in mine[:done] for i in b)
             assert sorted(world_taken(spec, 1, done, bucket).tolist()) == want
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ((4, 3, 2), (6, 2, 3)),
+        ((4, 3, 2), (3, 5, 1)),
+        ((3, 4, 1), (4, 4, 2)),
+        ((4, 2, 2), (4, 2, 4)),
+    ],
+)
+def test_shards_dealt_to_nodes_are_dealt_again(
+    archive: Path, old: tuple[int, int, int], new: tuple[int, int, int]
+) -> None:
+    """On nodes, the rest is dealt to the new nodes in equal shares along the shard deal,
+    each node reading whole runs of shards."""
+    check_continuation(archive, 2, old, new, 0.5, seed=5, order="window", window_shards=2)
+    check_continuation(archive, 2, old, new, 0.4, seed=5)
