@@ -6,7 +6,9 @@ counts per rank; the next epoch is a fresh run's."""
 
 from __future__ import annotations
 
+import json
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -306,3 +308,87 @@ def test_shards_dealt_to_nodes_are_dealt_again(
     each node reading whole runs of shards."""
     check_continuation(archive, 2, old, new, 0.5, seed=5, order="window", window_shards=2)
     check_continuation(archive, 2, old, new, 0.4, seed=5)
+
+
+# One rank of a torchrun launch: reads its share of epoch 0 (from the checkpoint, if one
+# is there), records the keys it took; the first launch saves rank 0's state after STEPS
+# steps and is then killed, every rank at once.
+ELASTIC = """
+import json, os, signal, sys
+import torch, torch.distributed as dist
+from dlop.runtime import Loader
+path, ckpt, out, launch = sys.argv[1:5]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+loader = Loader(path, int(os.environ["BATCH"]), seed=3, order="window", window_shards=2,
+                fields=["key"])  # ranks and nodes from torchrun's environment
+if os.path.exists(ckpt):
+    loader.load_state_dict(torch.load(ckpt)["loader"])
+keys = []
+for step, batch in enumerate(loader):
+    keys += list(batch["key"])
+    if launch == "first" and step + 1 == 3:
+        if rank == 0:
+            torch.save({"loader": loader.state_dict()}, ckpt)
+        break
+record = {"rank": rank, "world": loader.spec.world_size, "nodes": loader.spec.nodes,
+          "batches": len(loader.batches()), "keys": keys}
+with open(os.path.join(out, f"{launch}-{rank}.json"), "w") as f:
+    json.dump(record, f)
+dist.barrier()
+if launch == "first":
+    os.kill(os.getpid(), signal.SIGKILL)  # preempted right after the checkpoint
+dist.destroy_process_group()
+"""
+
+
+def _launch(script: Path, name: str, nodes: int, per_node: int, batch: int, args: list[str]) -> int:
+    """Runs ``script`` under torchrun, ``nodes`` launches of ``per_node`` ranks on this
+    machine; the largest exit code (their output in ``name``-node*.log beside the script)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "BATCH": str(batch)}
+    procs = []
+    for node in range(nodes):
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}"]
+        command += [f"--nproc-per-node={per_node}", f"--node-rank={node}", "--max-restarts=0"]
+        command += ["--master-addr=127.0.0.1", f"--master-port={port}", str(script), *args, name]
+        with open(script.parent / f"{name}-node{node}.log", "w") as log:
+            procs.append(subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=log))
+    return max(p.wait(timeout=240) for p in procs)
+
+
+@pytest.mark.slow
+def test_torchrun_launches_of_other_shapes_finish_a_killed_epoch(tmp_path: Path) -> None:
+    """2 nodes x 2 ranks (batch 4) checkpoint mid-epoch and are killed; 3 ranks on one node
+    (batch 5), and in another try 2 nodes x 3 ranks (batch 3), finish the epoch from it."""
+    from tests.runtime.test_nodes import _archive
+
+    path = _archive(tmp_path / "a", n=200, per_shard=20)
+    script = tmp_path / "rank.py"
+    script.write_text(ELASTIC)
+    ckpt = tmp_path / "ckpt.pt"
+    assert _launch(script, "first", 2, 2, 4, [str(path), str(ckpt), str(tmp_path)]) != 0
+    first = [json.loads((tmp_path / f"first-{r}.json").read_text()) for r in range(4)]
+    assert [r["nodes"] for r in first] == [2] * 4 and ckpt.exists()
+    before = [k for r in first for k in r["keys"]]
+    assert len(before) == 4 * 3 * 4
+    for name, (nodes, per_node, batch) in {"one": (1, 3, 5), "two": (2, 3, 3)}.items():
+        assert (
+            _launch(script, name, nodes, per_node, batch, [str(path), str(ckpt), str(tmp_path)])
+            == 0
+        )
+        ranks = [
+            json.loads((tmp_path / f"{name}-{r}.json").read_text()) for r in range(nodes * per_node)
+        ]
+        assert {r["nodes"] for r in ranks} == {nodes} and len({r["batches"] for r in ranks}) == 1
+        seen = Counter(before + [k for r in ranks for k in r["keys"]])
+        assert set(seen) == {f"k{i:04d}" for i in range(200)}, name  # every key read
+        assert sum(seen.values()) - 200 < nodes * per_node, name  # repeats: padding only
