@@ -181,8 +181,9 @@ class IterableArchive(IterableDataset[Batch]):
         return self.batch_order().batches(self.epoch if epoch is None else epoch)
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank (all workers together)."""
-        return len(self.batches())
+        """Batches per epoch on this rank (all workers together): a whole epoch's in this
+        world (an epoch continued from another world reads only its rest, ``batches()``)."""
+        return self.batch_order().whole_count(self.epoch)
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()

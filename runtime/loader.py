@@ -170,7 +170,9 @@ class Loader:
         return self.order.batches(epoch)
 
     def __len__(self) -> int:
-        return len(self.batches())
+        """Batches per epoch on this rank: a whole epoch's in this world (an epoch
+        continued from another world reads only its rest, ``batches()``)."""
+        return self.order.whole_count()
 
     def state_dict(self) -> dict[str, Any]:
         """The position (epoch, batches done) and the settings that shape the order,

@@ -566,6 +566,19 @@ class BatchOrder:
             self._cached = (epoch, shapes, made)
         return self._cached[2]
 
+    def whole_count(self, epoch: int | None = None) -> int:
+        """Batches this rank reads in a whole ``epoch`` (default: the current one) in this
+        world; an epoch continued from another world reads only the rest (``batches``)."""
+        epoch = self.epoch if epoch is None else epoch
+        if not self.shapes or epoch != self.shapes_epoch:
+            return len(self.batches(epoch))
+        kept = (self.shapes_epoch, self.shapes)
+        try:
+            self.follow(-1, ())
+            return len(self.batches(epoch))
+        finally:
+            self.follow(*kept)
+
     def _samples(self, positions: np.ndarray) -> np.ndarray:
         """Positions of the epoch as archive sample numbers (through the selection)."""
         return positions if self.selection is None else self.selection[positions]

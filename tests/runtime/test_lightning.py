@@ -251,3 +251,72 @@ def test_ddp_processes_share_each_epoch(tmp_path: Path) -> None:
         assert sorted(shares[0] + shares[1]) == list(range(40))
     orders = [[labels for te, _, labels, _ in records[0]["seen"] if te == e] for e in (0, 1)]
     assert orders[0] != orders[1]
+
+
+# A DDP run that checkpoints and crashes mid-epoch on DEVICES processes, or resumes from
+# that checkpoint on another number; each rank writes what it trained on.
+DDP_RESHAPED = """
+import json, sys
+from pathlib import Path
+
+import lightning as L
+
+from tests.runtime.test_lightning import TRAINER, Crash, Data, Model, SaveThenCrash
+
+out, devices, name = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+ckpt = out / "crash.ckpt"
+
+
+class Record(L.Callback):
+    def write(self, trainer, module):
+        (out / f"{name}-{trainer.global_rank}.json").write_text(json.dumps(module.seen))
+
+    def on_train_end(self, trainer, module):
+        self.write(trainer, module)
+
+    def on_train_batch_end(self, trainer, module, out_, batch, i):
+        if name == "first" and (trainer.current_epoch, i) == (0, 2):
+            self.write(trainer, module)
+
+
+callbacks = [Record()] + ([SaveThenCrash(ckpt, 0, 2)] if name == "first" else [])
+trainer = L.Trainer(
+    max_epochs=2, strategy="ddp_fork", callbacks=callbacks, **{**TRAINER, "devices": devices}
+)
+try:
+    trainer.fit(Model(), datamodule=Data(out / "a"), ckpt_path=None if name == "first" else ckpt)
+except Crash:
+    sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_a_ddp_checkpoint_resumes_on_another_number_of_devices(tmp_path: Path) -> None:
+    """Two DDP processes checkpoint mid-epoch and crash; three resume from the checkpoint:
+    the epoch's samples are each read once over both runs, then the next epoch whole."""
+    make_archive(tmp_path / "a", n=40)
+
+    def run(devices: int, name: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", DDP_RESHAPED, str(tmp_path), str(devices), name],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    crashed = run(2, "first")
+    assert crashed.returncode != 0 and "Crash" in crashed.stderr, crashed.stderr[-4000:]
+    before = [json.loads((tmp_path / f"first-{r}.json").read_text()) for r in (0, 1)]
+    resumed = run(3, "again")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    after = [json.loads((tmp_path / f"again-{r}.json").read_text()) for r in (0, 1, 2)]
+    first = [x for seen in before for e, _, labels, _ in seen if e == 0 for x in labels]
+    rest = [x for seen in after for e, _, labels, _ in seen if e == 0 for x in labels]
+    assert len(first) == 2 * 3 * BATCH  # three steps on each of two ranks
+    assert set(first) | set(rest) == set(range(40)) and len(first + rest) - 40 < 3
+    steps = {len([1 for e, _, _, _ in seen if e == 0]) for seen in after}
+    assert len(steps) == 1, "every rank took as many steps"
+    second = [x for seen in after for e, _, labels, _ in seen if e == 1 for x in labels]
+    assert sorted(set(second)) == list(range(40)) and len(second) - 40 < 3

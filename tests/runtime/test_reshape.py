@@ -167,8 +167,11 @@ def test_a_real_loop_stops_in_one_world_and_finishes_in_another(archive: Path) -
     assert state["batches_done"] == 5
     new = loaders(archive, 2, 6, seed=7, bucket_by="speech")
     counts = []
+    whole = len(loaders(archive, 2, 6, seed=7, bucket_by="speech")[0].batches(0))
     for loader in new:
         loader.load_state_dict(state)
+        # len is a whole epoch's in this world (what a trainer sizes later epochs by)
+        assert len(loader) == whole > len(loader.batches())
         got = [x for b in loader for x in b["label"].tolist()]
         counts.append(len(got))
         seen += got
