@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate
 from ..gather.plan import CopyPlan
 from .distributed import launcher_nodes, placement
-from .epochs import NODE_SHARES, BatchOrder, OrderSpec
+from .epochs import NODE_SHARES, BatchOrder, Draw, OrderSpec
 from .mixture import (
     MAX_EPOCH_SAMPLES,
     Mixture,
@@ -272,8 +272,18 @@ def choose_mixture(
     spec = OrderSpec(num_samples=mix.epoch_size, **order)
     lengths = ds.lengths(bucket_by) if bucket_by else None
     draw = mixture_draw(mix, order["seed"], order["shuffle"])
+
+    def redraw(world_size: int, batch_size: int) -> Draw:
+        """The draw of a world of that shape: its epoch's counts are rounded to it."""
+        counts = epoch_counts(
+            weights, wanted, batch_size, world_size, order["drop_last"], per_source,
+            bucket_by is not None,
+        )  # fmt: skip
+        return mixture_draw(replace(mix, counts=tuple(counts)), order["seed"], order["shuffle"])
+
     starts = reader_starts[firsts[:-1]]
-    return Choice(ds, spec, BatchOrder(spec, lengths, owner, draw=draw), mix, starts)
+    stage = BatchOrder(spec, lengths, owner, draw=draw, redraw=redraw)
+    return Choice(ds, spec, stage, mix, starts)
 
 
 def check_bucket_by(archive: Archive, bucket_by: object) -> None:

@@ -379,11 +379,12 @@ def world_taken(
     done: int,
     bucket_lengths: np.ndarray | None = None,
     samples: np.ndarray | None = None,
+    groups: np.ndarray | None = None,
 ) -> np.ndarray:
     """The samples of every rank's first ``done`` batches (``world_batches``), found
     without cutting the batches: rank ``r`` takes the dealt positions ``r, r + world,
     ...``, so the first ``done`` batches of all ranks are the dealing's first positions."""
-    evened, batches = _dealing(spec, epoch, bucket_lengths, samples, None)
+    evened, batches = _dealing(spec, epoch, bucket_lengths, samples, groups)
     world = _dealt_world(spec)
     if batches is None:
         return evened[: done * spec.batch_size * world]
@@ -454,21 +455,37 @@ MAX_WORLD = 1 << 20  # ranks a state's world may name
 MAX_BATCH = 1 << 31  # a per-rank batch size a state may name
 
 
-def remaining(
-    spec: OrderSpec, epoch: int, shapes: Sequence[Shape], lengths: np.ndarray | None = None
-) -> np.ndarray:
-    """The positions (into the epoch's samples: the selection's, or the archive's) left of
-    ``epoch`` after each earlier world in turn handed out every rank's first
-    ``batches_done`` batches of what the worlds before it left; ascending. ``lengths``:
-    the bucketing lengths by position."""
-    rest = np.arange(spec.num_samples, dtype=np.int64)
+@dataclass(frozen=True)
+class Content:
+    """What an epoch holds, by position: its ``size``, each position's group (a mixture's
+    source, with batch_per_source) and bucketing length; ``drawn``: the positions are
+    already in the epoch's order (a mixture's draw), else ordered as ``epoch_order``."""
+
+    size: int
+    groups: np.ndarray | None = None
+    lengths: np.ndarray | None = None
+    drawn: bool = False
+
+
+def remaining(spec: OrderSpec, epoch: int, shapes: Sequence[Shape], content: Content) -> np.ndarray:
+    """The positions (into the epoch's samples: the selection's, the archive's, or a
+    mixture's draw) left of ``epoch`` after each earlier world in turn handed out every
+    rank's first ``batches_done`` batches of what the worlds before it left; ascending."""
+    rest = np.arange(content.size, dtype=np.int64)
     for shape in shapes:
         world = shape.spec(spec)
         taken = [
-            world_taken(first, epoch, shape.batches_done, lengths, order)
-            for first, order in world_orders(world, epoch, rest)
+            world_taken(
+                first,
+                epoch,
+                shape.batches_done,
+                content.lengths,
+                order,
+                None if content.groups is None else content.groups[order],
+            )
+            for first, order in world_orders(world, epoch, rest, drawn=content.drawn)
         ]
-        kept = np.ones(spec.num_samples, dtype=bool)
+        kept = np.ones(content.size, dtype=bool)
         kept[np.concatenate(taken)] = False
         rest = rest[kept[rest]]
     return rest
@@ -487,13 +504,20 @@ def _epoch_order_kept(
 
 
 def world_orders(
-    spec: OrderSpec, epoch: int, rest: np.ndarray, nodes: Sequence[int] | None = None
+    spec: OrderSpec,
+    epoch: int,
+    rest: np.ndarray,
+    nodes: Sequence[int] | None = None,
+    drawn: bool = False,
 ) -> list[tuple[OrderSpec, np.ndarray]]:
     """How world ``spec`` orders the positions ``rest`` (ascending) of ``epoch``: for each
     node whose ranks share an order (of ``nodes``, default all), its first rank's spec and
     that order. Without shards dealt to nodes, one order for the whole world: the
     epoch's, less what is not in ``rest``. Dealt to nodes, each node's share of the rest
-    (``node_rest``)."""
+    (``node_rest``). ``drawn``: ``rest`` is in the epoch's order already (a mixture's
+    draw, whose sources are local: no shards dealt to nodes)."""
+    if drawn:
+        return [(replace(spec, rank=0), rest)]
     if not spec.dealt:
         order = _epoch_order_kept(
             spec.num_samples, spec.shuffle, spec.seed, spec.mode, spec.shard_sizes,
@@ -529,12 +553,17 @@ class BatchOrder:
         owner: str = "Loader",
         draw: Draw | None = None,
         selection: np.ndarray | None = None,
+        redraw: Callable[[int, int], Draw] | None = None,
     ) -> None:
         self.owner = owner  # who errors name
         self.spec = spec
         self.selection = selection  # the archive's samples the epoch's positions are
         self.lengths = lengths
-        self.draw = draw  # None: the whole archive, in epoch_order
+        self.draw = draw  # None: the whole archive (or selection), in epoch_order
+        # (world_size, batch_size) -> the draw a world of that shape makes (a mixture's
+        # epoch is sized for its world): an epoch continued from another world reads the
+        # rest of the draw it began with
+        self.redraw = redraw
         self.epoch = 0
         self.batches_done = 0
         self._resume = False
@@ -548,6 +577,7 @@ class BatchOrder:
         self.shapes_epoch = -1
         self._cached: tuple[int, tuple[Shape, ...], list[np.ndarray]] | None = None
         self._rests: tuple[int, tuple[Shape, ...], np.ndarray] | None = None
+        self._contents: tuple[tuple[int, int, int], Content, np.ndarray] | None = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """The sample indices of each batch of ``epoch`` (default: the current one)."""
@@ -555,9 +585,12 @@ class BatchOrder:
         shapes = self.shapes if epoch == self.shapes_epoch else ()
         if self._cached is None or self._cached[:2] != (epoch, shapes):
             if shapes:
+                content, samples = self._content(epoch, shapes[0])
                 node = self.spec.node if self.spec.dealt else 0
-                mine = world_orders(self.spec, epoch, self._rest(epoch, shapes), (node,))[0][1]
-                made = rank_batches(self.spec, epoch, self.lengths, self._samples(mine))
+                rest = self._rest(epoch, shapes)
+                mine = world_orders(self.spec, epoch, rest, (node,), content.drawn)[0][1]
+                groups = None if content.groups is None else content.groups[mine]
+                made = rank_batches(self.spec, epoch, self.lengths, samples[mine], groups)
             elif self.draw is not None:
                 made = rank_batches(self.spec, epoch, self.lengths, *self.draw(epoch))
             else:
@@ -583,13 +616,28 @@ class BatchOrder:
         """Positions of the epoch as archive sample numbers (through the selection)."""
         return positions if self.selection is None else self.selection[positions]
 
+    def _content(self, epoch: int, first: Shape) -> tuple[Content, np.ndarray]:
+        """What ``epoch`` holds when it began in world ``first`` (``Content``), and the
+        archive sample of each position; kept for the latest asked."""
+        key = (epoch, first.world_size, first.batch_size) if self.draw else (epoch, 0, 0)
+        if self._contents is None or self._contents[0] != key:
+            groups, drawn = None, False
+            if self.draw is not None:
+                if self.redraw is None:
+                    raise UsageError(f"{self.owner}: this draw continues only in its own world")
+                samples, groups = self.redraw(first.world_size, first.batch_size)(epoch)
+                drawn = True
+            else:
+                samples = self._samples(np.arange(self.spec.num_samples, dtype=np.int64))
+            lengths = None if self.lengths is None else self.lengths[samples]
+            self._contents = (key, Content(len(samples), groups, lengths, drawn), samples)
+        return self._contents[1], self._contents[2]
+
     def _rest(self, epoch: int, shapes: tuple[Shape, ...]) -> np.ndarray:
         """``remaining`` of ``epoch`` after ``shapes``, kept for the latest asked."""
         if self._rests is None or self._rests[:2] != (epoch, shapes):
-            lengths = self.lengths
-            if lengths is not None and self.selection is not None:
-                lengths = lengths[self.selection]
-            self._rests = (epoch, shapes, remaining(self.spec, epoch, shapes, lengths))
+            content, _ = self._content(epoch, shapes[0])
+            self._rests = (epoch, shapes, remaining(self.spec, epoch, shapes, content))
         return self._rests[2]
 
     def follow(self, epoch: int, shapes: tuple[Shape, ...]) -> None:
@@ -665,8 +713,6 @@ class BatchOrder:
             state.get("batch_size", batch),
         )
         moved = saved != here
-        if moved and self.draw is not None:
-            raise UsageError(f"{where}: a mixture's epoch continues only in the world it began in")
         if moved:
             world = check_int(f"{where} world_size", saved[0], low=1, high=MAX_WORLD)
             nodes = check_int(f"{where} nodes", saved[1], low=1, high=world)
@@ -703,21 +749,24 @@ class BatchOrder:
                 return len(self.batches(epoch))
             finally:
                 self.follow(*kept)
-        left = self._rest(epoch, shapes)
+        content, _ = self._content(epoch, shapes[0] if shapes else shape)
+        left = self._rest(epoch, shapes) if shapes else np.arange(content.size, dtype=np.int64)
         spec = shape.spec(self.spec)
-        if self.lengths is None and (spec.even_shares or not spec.dealt):
+        if (
+            content.lengths is None
+            and content.groups is None
+            and (spec.even_shares or not spec.dealt)
+        ):
             # rank 0's share of the evened rest (each node's is evened alike), counted
             n, world, b = len(left), spec.world_size, spec.batch_size
             if spec.even_shares:
                 n = n - n % world if spec.drop_last else -(-n // world) * world
             mine = -(-n // world)
             return mine // b if spec.drop_last else -(-mine // b)
-        lengths = self.lengths
-        if lengths is not None and self.selection is not None:
-            lengths = lengths[self.selection]
         return max(
-            len(world_batches(first, epoch, (0,), lengths, order)[0])
-            for first, order in world_orders(spec, epoch, left)
+            len(world_batches(first, epoch, (0,), content.lengths, order, groups)[0])
+            for first, order in world_orders(spec, epoch, left, drawn=content.drawn)
+            for groups in [None if content.groups is None else content.groups[order]]
         )
 
     def _earlier_shapes(self, given: object, epoch: int, where: str) -> tuple[Shape, ...]:
@@ -726,8 +775,6 @@ class BatchOrder:
             raise UsageError(
                 f"{where} earlier must be a list of at most {MAX_SHAPES} worlds, got {given!r:.80}"
             )
-        if given and self.draw is not None:
-            raise UsageError(f"{where}: a mixture's epoch continues only in the world it began in")
         shapes: tuple[Shape, ...] = ()
         for i, item in enumerate(given):
             name = f"{where} earlier[{i}]"

@@ -97,10 +97,10 @@ def check_state(state: object, mine: dict[str, Any]) -> dict[str, Any]:
 def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> None:
     """Refuses a ``what`` state saved under other order settings or another choice of
     samples (a missing choice entry is the whole archive's). Any rank's state serves every
-    rank: ranks step together, so each holds the same position. A state of another world (``RESHAPING``: ranks, nodes, per-rank batch
-    size) continues here (runtime.order.epochs.BatchOrder.reset) except where its epoch's
-    samples depend on that world: a mixture's epoch."""
-    moved = [k for k in RESHAPING if not same(state.get(k, SETTING_DEFAULTS.get(k)), mine[k])]
+    rank: ranks step together, so each holds the same position. A state of another world
+    (``RESHAPING``: ranks, nodes, per-rank batch size) continues here
+    (runtime.order.epochs.BatchOrder.reset); a mixture's epoch size follows its world."""
+    moved = any(not same(state.get(k, SETTING_DEFAULTS.get(k)), mine[k]) for k in RESHAPING)
     rank, world = state.get("rank"), state.get("world_size")
     if (
         not isinstance(rank, int)
@@ -111,43 +111,14 @@ def check_settings(state: dict[str, Any], mine: dict[str, Any], what: str) -> No
         raise UsageError(
             f"{what} state rank {rank!r:.40} is not a rank of its world_size {world!r:.40}"
         )
-    if moved:
-        refuse_reshaping(state, mine, what, moved)
+    derived = {"num_samples"} if moved and mine.get("mixture") is not None else set()
     for key in (*STATE_SETTINGS, *CHOICE_SETTINGS):
         saved = state.get(key, SETTING_DEFAULTS.get(key))
-        if key not in RESHAPING and not same(saved, mine[key]):
+        if key not in RESHAPING and key not in derived and not same(saved, mine[key]):
             raise UsageError(
                 f"{what} state was saved with {key}={saved!r:.200}, this {what} has "
                 f"{mine[key]!r:.200}; resume with the settings and samples it was saved with"
             )
-
-
-def refuse_reshaping(
-    state: dict[str, Any], mine: dict[str, Any], what: str, moved: list[str]
-) -> None:
-    """Refuses continuing a state of another world where that cannot be done exactly."""
-    saved = {k: state.get(k, SETTING_DEFAULTS.get(k)) for k in RESHAPING}
-    told = ", ".join(f"{k}={saved[k]!r:.20}" for k in RESHAPING)
-    here = ", ".join(f"{k}={mine[k]!r:.20}" for k in RESHAPING)
-    epoch = state.get("epoch")
-    after = epoch + 1 if isinstance(epoch, int) and not isinstance(epoch, bool) else "E + 1"
-    why = None
-    if mine.get("mixture") is not None or state.get("mixture") is not None:
-        why = (
-            "a mixture's epoch is sized for its world and batch size (samples_per_epoch "
-            "is rounded to them), so it continues only in the world it was saved in"
-        )
-    if why is not None:
-        exact = (
-            f" (with the same ranks, nodes={saved['nodes']!r:.20} continues it exactly)"
-            if moved == ["nodes"]
-            else ""
-        )
-        raise UsageError(
-            f"{what} state was saved with {told}, this {what} has {here}: {why}. Resume in "
-            f"the world it was saved in, or start this world at the next epoch: skip "
-            f"load_state_dict and call set_epoch({after}){exact}"
-        )
 
 
 def same(saved: object, mine: object) -> bool:

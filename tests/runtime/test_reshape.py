@@ -203,12 +203,48 @@ def test_iterable_archive_continues_in_another_world_and_worker_count(archive: P
     assert repeats < 3, "only the new world's padding (fewer than one sample a rank) repeats"
 
 
-def test_a_mixture_refuses_another_world(archive: Path, tmp_path: Path) -> None:
-    other = make_archive(tmp_path / "b", n=20)
+@pytest.mark.parametrize("per_source", [False, True])
+@pytest.mark.parametrize(("old", "new"), [((2, 4), (3, 5)), ((3, 3), (1, 8)), ((4, 2), (2, 2))])
+def test_a_mixture_continues_the_draw_it_began_with(
+    archive: Path, tmp_path_factory: pytest.TempPathFactory, per_source: bool,
+    old: tuple[int, int], new: tuple[int, int],
+) -> None:  # fmt: skip
+    """A mixture's epoch is sized for its world; the rest of the old world's draw (its
+    repeats of an upsampled source included) is read in the new one, then epochs of the
+    new world's own size."""
+    other = tmp_path_factory.mktemp("mix") / "b"
+    if not other.exists():
+        make_archive(other, n=20)
     mix = {"a": str(archive), "b": str(other)}
-    state = Loader(mix, 4, rank=0, world_size=2, samples_per_epoch=40).state_dict()
-    with pytest.raises(ValueError, match="mixture's epoch is sized for its world"):
-        Loader(mix, 4, rank=0, world_size=3, samples_per_epoch=40).load_state_dict(state)
+    kw: dict[str, Any] = {"seed": 6, "samples_per_epoch": 90, "batch_per_source": per_source}
+    before = [
+        Loader(mix, old[1], rank=r, world_size=old[0], prefetch=0, **kw) for r in range(old[0])
+    ]
+    draw = before[0].order.draw
+    assert draw is not None
+    drawn = Counter(int(i) for i in draw(1)[0])
+    for loader in before:
+        loader.set_epoch(1)
+    k = len(before[0].batches()) // 2
+    state = {**before[0].state_dict(), "batches_done": k}
+    first = Counter(taken(before, 1, k))
+    after = [
+        Loader(mix, new[1], rank=r, world_size=new[0], prefetch=0, **kw) for r in range(new[0])
+    ]
+    for loader in after:
+        loader.load_state_dict(state)
+    assert len({len(loader.batches()) for loader in after}) == 1
+    rest = Counter(int(i) for loader in after for b in loader.batches() for i in b)
+    both = first + rest
+    assert not drawn - both, "every draw of the epoch is read"
+    extra = sum((both - drawn).values())
+    assert extra < new[0] * new[1] * (2 if per_source else 1), "repeats: padding only"
+    fresh = Loader(mix, new[1], rank=0, world_size=new[0], prefetch=0, **kw)
+    assert all(
+        np.array_equal(x, y) for x, y in zip(after[0].batches(2), fresh.batches(2), strict=True)
+    )
+    for loader in before + after + [fresh]:
+        loader.close()
 
 
 def test_hostile_earlier_worlds_are_refused(archive: Path) -> None:
