@@ -277,29 +277,57 @@ def node_rest(
     epoch: int,
     node: int,
     rest: np.ndarray,
-    dealt: tuple[np.ndarray, np.ndarray] | None = None,
+    shares: tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None = None,
 ) -> np.ndarray:
-    """``node_order`` of what is left of an epoch, ``rest`` (positions, ascending): the
-    shards are dealt as ``node_span`` deals them, the samples of ``rest`` taken in that
-    sequence (``dealt_rest``, given or made here) and cut into ``nodes`` equal spans, so
-    every node gets an equal share of the rest however it lies among the shards; node
-    ``node``'s span is ordered as ``node_order`` orders one and evened to its ranks'
-    share. Given every position it is ``node_order``."""
-    seq, ends = dealt_rest(spec, epoch, rest) if dealt is None else dealt
-    n = len(seq)
-    lo, hi = n * node // spec.nodes, n * (node + 1) // spec.nodes
-    parts = []
-    for i in range(int(np.searchsorted(ends, lo, side="right")), len(ends)):
-        begin = int(ends[i - 1]) if i else 0
-        if begin >= hi:
-            break
-        a, b = max(lo, begin), min(hi, int(ends[i]))
-        if a < b:
-            parts.append(seq[a:b])
+    """``node_order`` of what is left of an epoch, ``rest`` (positions, ascending): node
+    ``node``'s share of it (``node_shares``, given or made here without a world before)
+    ordered as ``node_order`` orders a span, in pieces of shards, and evened to its
+    ranks' share. Given every position it is ``node_order``."""
+    seq, ends, mine = node_shares(spec, epoch, rest) if shares is None else shares
+    picked = mine[node]
+    run = np.searchsorted(ends, picked, side="right")  # the shard run of each
+    cuts = np.flatnonzero((np.diff(picked) != 1) | (np.diff(run) != 0)) + 1
+    parts = np.split(seq[picked], cuts) if len(picked) else []
     return _node_share(spec, epoch, node, parts, rest)
 
 
-def dealt_rest(spec: OrderSpec, epoch: int, rest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def node_shares(
+    spec: OrderSpec, epoch: int, rest: np.ndarray, before: OrderSpec | None = None
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """How the positions ``rest`` (ascending) of ``epoch`` are shared out to the nodes:
+    ``rest`` in the sequence the shards are dealt in (``node_span``'s, each shard's
+    ascending), where each shard's run ends in it, and each node's share as ascending
+    indices into that sequence, equal in size (to one sample). Without ``before``, the
+    sequence is cut into consecutive spans, as ``node_span`` cuts a whole epoch. With
+    ``before`` (the world that read the epoch until now, its shards dealt to nodes), node
+    ``j`` first takes what is left of the shards node ``j`` of that world was dealt (its
+    cache holds them), up to its share; the rest fills the shares in the deal's order."""
+    seq, ends = _dealt_sequence(spec, epoch, rest)
+    n, nodes = len(seq), spec.nodes
+    bounds = [n * j // nodes for j in range(nodes + 1)]
+    if before is None or not before.dealt:
+        return seq, ends, [np.arange(bounds[j], bounds[j + 1]) for j in range(nodes)]
+    owner = np.full(spec.num_samples, -1, dtype=np.int64)
+    for j in range(min(before.nodes, nodes)):
+        for a, b in node_span(before, epoch, j):
+            owner[a:b] = j
+    held = owner[seq]
+    taken = np.zeros(n, dtype=bool)
+    kept = []
+    for j in range(nodes):
+        mine = np.flatnonzero((held == j) & ~taken)[: bounds[j + 1] - bounds[j]]
+        taken[mine] = True
+        kept.append(mine)
+    left = np.flatnonzero(~taken)
+    at, shares = 0, []
+    for j, mine in enumerate(kept):
+        need = bounds[j + 1] - bounds[j] - len(mine)
+        shares.append(np.sort(np.concatenate([mine, left[at : at + need]])))
+        at += need
+    return seq, ends, shares
+
+
+def _dealt_sequence(spec: OrderSpec, epoch: int, rest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The positions ``rest`` (ascending) in the sequence the shards are dealt to nodes
     in (``node_span``'s), each shard's ascending; and where each shard's run ends in it."""
     sizes = np.asarray(spec.shard_sizes, dtype=np.int64)
@@ -472,8 +500,9 @@ def remaining(spec: OrderSpec, epoch: int, shapes: Sequence[Shape], content: Con
     mixture's draw) left of ``epoch`` after each earlier world in turn handed out every
     rank's first ``batches_done`` batches of what the worlds before it left; ascending."""
     rest = np.arange(content.size, dtype=np.int64)
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         world = shape.spec(spec)
+        before = shapes[i - 1].spec(spec) if i else None
         taken = [
             world_taken(
                 first,
@@ -483,7 +512,7 @@ def remaining(spec: OrderSpec, epoch: int, shapes: Sequence[Shape], content: Con
                 order,
                 None if content.groups is None else content.groups[order],
             )
-            for first, order in world_orders(world, epoch, rest, drawn=content.drawn)
+            for first, order in world_orders(world, epoch, rest, None, content.drawn, before)
         ]
         kept = np.ones(content.size, dtype=bool)
         kept[np.concatenate(taken)] = False
@@ -509,13 +538,15 @@ def world_orders(
     rest: np.ndarray,
     nodes: Sequence[int] | None = None,
     drawn: bool = False,
+    before: OrderSpec | None = None,
 ) -> list[tuple[OrderSpec, np.ndarray]]:
     """How world ``spec`` orders the positions ``rest`` (ascending) of ``epoch``: for each
     node whose ranks share an order (of ``nodes``, default all), its first rank's spec and
     that order. Without shards dealt to nodes, one order for the whole world: the
     epoch's, less what is not in ``rest``. Dealt to nodes, each node's share of the rest
-    (``node_rest``). ``drawn``: ``rest`` is in the epoch's order already (a mixture's
-    draw, whose sources are local: no shards dealt to nodes)."""
+    (``node_rest``), favouring the shards the same node of the world ``before`` was
+    dealt (``node_shares``). ``drawn``: ``rest`` is in the epoch's order already (a
+    mixture's draw, whose sources are local: no shards dealt to nodes)."""
     if drawn:
         return [(replace(spec, rank=0), rest)]
     if not spec.dealt:
@@ -528,9 +559,9 @@ def world_orders(
             kept[rest] = True
             order = order[kept[order]]
         return [(replace(spec, rank=0), order)]
-    dealt = dealt_rest(spec, epoch, rest)
+    shares = node_shares(spec, epoch, rest, before)
     return [
-        (replace(spec, rank=node * spec.local_size), node_rest(spec, epoch, node, rest, dealt))
+        (replace(spec, rank=node * spec.local_size), node_rest(spec, epoch, node, rest, shares))
         for node in (range(spec.nodes) if nodes is None else nodes)
     ]
 
@@ -588,7 +619,8 @@ class BatchOrder:
                 content, samples = self._content(epoch, shapes[0])
                 node = self.spec.node if self.spec.dealt else 0
                 rest = self._rest(epoch, shapes)
-                mine = world_orders(self.spec, epoch, rest, (node,), content.drawn)[0][1]
+                before = shapes[-1].spec(self.spec)
+                mine = world_orders(self.spec, epoch, rest, (node,), content.drawn, before)[0][1]
                 groups = None if content.groups is None else content.groups[mine]
                 made = rank_batches(self.spec, epoch, self.lengths, samples[mine], groups)
             elif self.draw is not None:
@@ -765,7 +797,14 @@ class BatchOrder:
             return mine // b if spec.drop_last else -(-mine // b)
         return max(
             len(world_batches(first, epoch, (0,), content.lengths, order, groups)[0])
-            for first, order in world_orders(spec, epoch, left, drawn=content.drawn)
+            for first, order in world_orders(
+                spec,
+                epoch,
+                left,
+                None,
+                content.drawn,
+                shapes[-1].spec(self.spec) if shapes else None,
+            )
             for groups in [None if content.groups is None else content.groups[order]]
         )
 

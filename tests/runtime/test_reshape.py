@@ -431,3 +431,41 @@ def test_torchrun_launches_of_other_shapes_finish_a_killed_epoch(tmp_path: Path)
         seen = Counter(before + [k for r in ranks for k in r["keys"]])
         assert set(seen) == {f"k{i:04d}" for i in range(200)}, name  # every key read
         assert sum(seen.values()) - 200 < nodes * per_node, name  # repeats: padding only
+
+
+def _foreign_shards(old_nodes: int, new_nodes: int, favour: bool) -> int:
+    """Shards the new nodes read that the same node of the old world was not dealt (a
+    node's cache holds its share): what a resume downloads again, in shards."""
+    from dataclasses import replace
+
+    from dlop.runtime.order.epochs import OrderSpec, node_shares, node_span, world_taken
+
+    sizes = (50,) * 24
+    old = OrderSpec(1200, 5, rank=0, world_size=2 * old_nodes, nodes=old_nodes, shard_sizes=sizes)
+    new = replace(old, world_size=3 * new_nodes, nodes=new_nodes)
+    everything = np.arange(1200)
+    shares = node_shares(old, 0, everything)
+    taken = []
+    for node in range(old_nodes):
+        from dlop.runtime.order.epochs import node_rest
+
+        order = node_rest(old, 0, node, everything, shares)
+        taken.append(world_taken(replace(old, rank=node * 2), 0, 10, None, order))
+    rest = np.setdiff1d(everything, np.concatenate(taken))
+    seq, _, mine = node_shares(new, 0, rest, old if favour else None)
+    foreign = 0
+    for node in range(new_nodes):
+        shards = set((seq[mine[node]] // 50).tolist())
+        held = {a // 50 for a, _ in node_span(old, 0, node)} if node < old_nodes else set()
+        foreign += len(shards - held)
+    return foreign
+
+
+@pytest.mark.parametrize(("old", "new"), [(2, 2), (3, 3), (3, 2), (2, 3), (4, 3), (2, 4)])
+def test_new_nodes_favour_the_shards_they_hold(old: int, new: int) -> None:
+    """24 shards, a quarter of each node's share read before the move."""
+    favoured, plain = _foreign_shards(old, new, True), _foreign_shards(old, new, False)
+    if old == new:
+        assert favoured == 0  # the same nodes read only what their caches hold
+    else:
+        assert favoured < plain
