@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from dlop.formats import DlopError
+
 from .archive.concat import ArchivePaths
 from .archive.dataset import Archive
 from .batch import Batch
@@ -99,6 +101,8 @@ class IterableArchive(IterableDataset[Batch]):
         )
         # rank and world size are the parent's: workers have no process group
         self.reading = reading.in_this_process()
+        # placed by torch.distributed (not by rank= and world_size=): its ranks load together
+        self._grouped = reading.rank is None and reading.world_size is None
         self._open_options = self.reading.open_options()
         self._order_options = self.reading.order_options("IterableArchive", batch_size)
         self.bucket_by = self.reading.bucket_by
@@ -241,7 +245,7 @@ class IterableArchive(IterableDataset[Batch]):
         if get_worker_info() is not None:
             self._shared[_SERVED] = 1  # this process cannot count the batches the loop took
         done = int(self._shared[_DONE])
-        if not done:
+        if not done and not int(self._shared[_SHAPES]):
             return 0
         if worker >= MAX_WORKERS:
             raise UsageError(
@@ -313,10 +317,19 @@ class IterableArchive(IterableDataset[Batch]):
                 "states saved before the worker order was made the Loader's cannot resume; "
                 "start the epoch over"
             )
-        check_settings(state, self._settings(), "iterable")
         order = self.batch_order()
-        agree_across_ranks(state, order.spec.rank, order.spec.world_size, "IterableArchive")
-        order.reset(state, where="iterable state")
+        held = order.hold()
+        try:
+            check_settings(state, self._settings(), "iterable")
+            order.reset(state, where="iterable state")
+        except DlopError:
+            agree_across_ranks(None, order.spec, self._grouped, "IterableArchive")
+            raise
+        try:
+            agree_across_ranks(state, order.spec, self._grouped, "IterableArchive")
+        except DlopError:
+            order.restore(held)
+            raise
         self._publish(order.epoch, order.batches_done, order.shapes)
 
     def __getstate__(self) -> dict[str, object]:

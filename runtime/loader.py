@@ -24,6 +24,8 @@ from typing import Any, NamedTuple, Unpack, cast
 import numpy as np
 import torch
 
+from dlop.formats import DlopError
+
 from .archive.concat import ArchivePaths
 from .archive.dataset import Archive
 from .batch import Batch
@@ -114,6 +116,8 @@ class Loader:
         **reading: Unpack[ReadingOptions],
     ) -> None:
         self.reading = Reading.given("Loader", reading, ("device", "transforms", "prefetch"))
+        # placed by torch.distributed (not by rank= and world_size=): its ranks load together
+        self._grouped = self.reading.rank is None and self.reading.world_size is None
         self.prefetch = check_int("Loader prefetch", prefetch, low=0)
         self.choice = choose(
             archive,
@@ -183,9 +187,17 @@ class Loader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from a saved position: the next iteration yields the remaining batches of its epoch."""
-        checked = check_state(state, self.state_dict())
-        agree_across_ranks(checked, self.spec.rank, self.spec.world_size, "Loader")
-        self.order.reset(checked)
+        held = self.order.hold()
+        try:
+            self.order.reset(check_state(state, self.state_dict()))
+        except DlopError:
+            agree_across_ranks(None, self.spec, self._grouped, "Loader")  # then its own error
+            raise
+        try:
+            agree_across_ranks(state, self.spec, self._grouped, "Loader")
+        except DlopError:
+            self.order.restore(held)
+            raise
 
     # -- iteration ------------------------------------------------------------------
 

@@ -279,6 +279,14 @@ def choose_mixture(
             weights, wanted, batch_size, world_size, order["drop_last"], per_source,
             bucket_by is not None,
         )  # fmt: skip
+        check_passes(
+            f"{owner} state of a world of {world_size} x {batch_size}", names, pools, counts
+        )
+        if sum(counts) > MAX_EPOCH_SAMPLES:
+            raise UsageError(
+                f"{owner} state: a world of {world_size} ranks of batches of {batch_size} "
+                f"rounds the mixture's epoch to {sum(counts)} samples, over {MAX_EPOCH_SAMPLES}"
+            )
         return mixture_draw(replace(mix, counts=tuple(counts)), order["seed"], order["shuffle"])
 
     starts = reader_starts[firsts[:-1]]

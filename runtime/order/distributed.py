@@ -10,8 +10,10 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import get_worker_info
 
 from ..errors import UsageError, check_int
+from .epochs import OrderSpec
 
 
 def rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -122,30 +124,49 @@ def node_count(
     return nodes
 
 
-def agree_across_ranks(state: Mapping[str, object], rank: int, world_size: int, what: str) -> None:
-    """Under an initialized process group that is this reader's world, compares the
-    positions every rank is loading (epoch, batches done, earlier worlds) and refuses
-    states that disagree, naming each rank's: ranks step together, so a rank one batch
-    behind its peers (a state saved by one rank after a failure) would repeat or skip
-    data. Every rank calls ``load_state_dict``, as a resume does."""
+def agree_across_ranks(
+    state: Mapping[str, object] | None, spec: OrderSpec, grouped: bool, what: str
+) -> None:
+    """Under an initialized process group that placed this reader (``grouped``: its rank
+    and world came from it), compares the positions every rank is loading (epoch, batches
+    done, the world it was saved in and earlier ones): ranks step together, so a rank one
+    batch behind its peers (a state saved by one rank after a failure) would repeat or
+    skip data. Every rank calls ``load_state_dict``, as a resume does, and each takes
+    part even when its own state was refused (``state`` None: it raises its own error
+    after): no rank waits on one that gave up. Raises UsageError here, naming each rank's
+    position, when a rank refused its state or the positions disagree. With
+    ``even_shares=False`` the ranks' positions may differ at an epoch's end, and are not
+    compared."""
+    if not grouped or not spec.even_shares or get_worker_info() is not None:
+        return  # a forked DataLoader worker sees its parent's group, and is none of it
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if dist.get_world_size() != world_size or dist.get_rank() != rank:
-        return  # a world of the reader's own, not the group's
-    earlier = hashlib.sha256(json.dumps(state.get("earlier", [])).encode()).digest()
-    mine = torch.tensor(
-        [_int(state.get("epoch")), _int(state.get("batches_done")), int.from_bytes(earlier[:7])],
-        dtype=torch.int64,
-    )
+    if dist.get_world_size() != spec.world_size or dist.get_rank() != spec.rank:
+        return
+    values = [0, -1, -1, 0]
+    if state is not None:
+        shape = [state.get(k) for k in ("earlier", "world_size", "nodes", "batch_size")]
+        digest = hashlib.sha256(json.dumps(shape, default=repr).encode()).digest()
+        values = [1, _int(state.get("epoch")), _int(state.get("batches_done"))]
+        values.append(int.from_bytes(digest[:7]))
+    mine = torch.tensor(values, dtype=torch.int64)
     if dist.get_backend() == "nccl":
-        mine = mine.cuda()
-    got = [torch.zeros_like(mine) for _ in range(world_size)]
+        mine = mine.cuda()  # the rank's device, as set for NCCL (torch.cuda.set_device)
+    got = [torch.zeros_like(mine) for _ in range(spec.world_size)]
     dist.all_gather(got, mine)
+    if state is None:
+        return
     positions = [tuple(int(v) for v in t.tolist()) for t in got]
+    refused = [r for r, p in enumerate(positions) if not p[0]]
+    if refused:
+        raise UsageError(
+            f"{what} state: rank(s) {refused} refused theirs, so no rank resumes (the ranks "
+            "step together); see their errors"
+        )
     if len(set(positions)) > 1:
         told = "; ".join(
-            f"rank {r}: epoch {p[0]} after {p[1]} batches"
-            + (" (other earlier worlds)" if p[2] != positions[0][2] else "")
+            f"rank {r}: epoch {p[1]} after {p[2]} batches"
+            + (" (saved in another world)" if p[3] != positions[0][3] else "")
             for r, p in enumerate(positions)
         )
         raise UsageError(
@@ -156,4 +177,6 @@ def agree_across_ranks(state: Mapping[str, object], rank: int, world_size: int, 
 
 
 def _int(value: object) -> int:
-    return int(value) if isinstance(value, int) and -(2**63) <= value < 2**63 else -1
+    if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
+        return value
+    return -1

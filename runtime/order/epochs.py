@@ -480,6 +480,7 @@ class Shape:
 
 MAX_SHAPES = 16  # earlier worlds one epoch may have been read in (a state holds each)
 MAX_WORLD = 1 << 20  # ranks a state's world may name
+MAX_NODES = 1 << 12  # nodes a state's world may name (each costs a share to compute)
 MAX_BATCH = 1 << 31  # a per-rank batch size a state may name
 
 
@@ -495,24 +496,32 @@ class Content:
     drawn: bool = False
 
 
-def remaining(spec: OrderSpec, epoch: int, shapes: Sequence[Shape], content: Content) -> np.ndarray:
+def remaining(
+    spec: OrderSpec,
+    epoch: int,
+    shapes: Sequence[Shape],
+    content: Content,
+    left: np.ndarray | None = None,
+) -> np.ndarray:
     """The positions (into the epoch's samples: the selection's, the archive's, or a
     mixture's draw) left of ``epoch`` after each earlier world in turn handed out every
-    rank's first ``batches_done`` batches of what the worlds before it left; ascending."""
-    rest = np.arange(content.size, dtype=np.int64)
-    for i, shape in enumerate(shapes):
-        world = shape.spec(spec)
+    rank's first ``batches_done`` batches of what the worlds before it left; ascending.
+    ``left``: what all worlds but the last left, when known."""
+    rest = np.arange(content.size, dtype=np.int64) if left is None else left
+    start = 0 if left is None else len(shapes) - 1
+    for i in range(start, len(shapes)):
+        world = shapes[i].spec(spec)
         before = shapes[i - 1].spec(spec) if i else None
         taken = [
             world_taken(
-                first,
+                head,
                 epoch,
-                shape.batches_done,
+                shapes[i].batches_done,
                 content.lengths,
                 order,
                 None if content.groups is None else content.groups[order],
             )
-            for first, order in world_orders(world, epoch, rest, None, content.drawn, before)
+            for head, order in world_orders(world, epoch, rest, None, content.drawn, before)
         ]
         kept = np.ones(content.size, dtype=bool)
         kept[np.concatenate(taken)] = False
@@ -607,7 +616,7 @@ class BatchOrder:
         self.shapes: tuple[Shape, ...] = ()
         self.shapes_epoch = -1
         self._cached: tuple[int, tuple[Shape, ...], list[np.ndarray]] | None = None
-        self._rests: tuple[int, tuple[Shape, ...], np.ndarray] | None = None
+        self._rests: tuple[int, dict[tuple[Shape, ...], np.ndarray]] | None = None
         self._contents: tuple[tuple[int, int, int], Content, np.ndarray] | None = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
@@ -666,11 +675,31 @@ class BatchOrder:
         return self._contents[1], self._contents[2]
 
     def _rest(self, epoch: int, shapes: tuple[Shape, ...]) -> np.ndarray:
-        """``remaining`` of ``epoch`` after ``shapes``, kept for the latest asked."""
-        if self._rests is None or self._rests[:2] != (epoch, shapes):
+        """``remaining`` of ``epoch`` after ``shapes``, built a world at a time from what
+        the worlds before it left (kept for this epoch's latest worlds)."""
+        if self._rests is None or self._rests[0] != epoch:
+            self._rests = (epoch, {})
+        kept = self._rests[1]
+        if shapes not in kept:
             content, _ = self._content(epoch, shapes[0])
-            self._rests = (epoch, shapes, remaining(self.spec, epoch, shapes, content))
-        return self._rests[2]
+            before = self._rest(epoch, shapes[:-1]) if len(shapes) > 1 else None
+            kept[shapes] = remaining(self.spec, epoch, shapes, content, before)
+        return kept[shapes]
+
+    def hold(self) -> tuple[Any, ...]:
+        """The position, for ``restore`` when a load is given up."""
+        return (
+            self.epoch,
+            self.batches_done,
+            self._resume,
+            self._took,
+            self.shapes_epoch,
+            self.shapes,
+        )
+
+    def restore(self, held: tuple[Any, ...]) -> None:
+        self.epoch, self.batches_done, self._resume, self._took = held[:4]
+        self.follow(held[4], held[5])
 
     def follow(self, epoch: int, shapes: tuple[Shape, ...]) -> None:
         """Epoch ``epoch`` was partly read in the worlds ``shapes``: it reads the rest."""
@@ -687,6 +716,7 @@ class BatchOrder:
         self.batches_done = 0
         self._resume = False
         self._took = False
+        self.follow(-1, ())  # the whole epoch, in this world
 
     def begin(self) -> int:
         """Starts an iteration; returns its first batch number. The first iteration after
@@ -747,7 +777,7 @@ class BatchOrder:
         moved = saved != here
         if moved:
             world = check_int(f"{where} world_size", saved[0], low=1, high=MAX_WORLD)
-            nodes = check_int(f"{where} nodes", saved[1], low=1, high=world)
+            nodes = check_int(f"{where} nodes", saved[1], low=1, high=min(world, MAX_NODES))
             batch = check_int(f"{where} batch_size", saved[2], low=1, high=MAX_BATCH)
             if world % nodes:
                 raise UsageError(
@@ -774,7 +804,7 @@ class BatchOrder:
     def _count(self, shape: Shape, shapes: tuple[Shape, ...], epoch: int) -> int:
         """The most batches a rank of world ``shape`` has in ``epoch`` after ``shapes`` (its
         first rank's, or each node's first rank's)."""
-        if shape.spec(self.spec) == replace(self.spec, rank=0):
+        if self.spec.even_shares and shape.spec(self.spec) == replace(self.spec, rank=0):
             kept = (self.shapes_epoch, self.shapes)
             try:
                 self.follow(epoch, shapes)
@@ -822,7 +852,7 @@ class BatchOrder:
                     f"{name} must be [world_size, nodes, batch_size, batches_done], got {item!r:.80}"
                 )
             world = check_int(f"{name} world_size", item[0], low=1, high=MAX_WORLD)
-            nodes = check_int(f"{name} nodes", item[1], low=1, high=world)
+            nodes = check_int(f"{name} nodes", item[1], low=1, high=min(world, MAX_NODES))
             batch = check_int(f"{name} batch_size", item[2], low=1, high=MAX_BATCH)
             if world % nodes:
                 raise UsageError(

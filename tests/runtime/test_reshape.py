@@ -289,6 +289,19 @@ def _lockstep_worker(rank: int, port: int, archive: str, out: str) -> None:
                 errors.append(str(e))
         same = make()
         same.load_state_dict({**same.state_dict(0), "batches_done": 2})  # agreeing states load
+        # a rank whose own state is refused: its peers raise too, none waits on it
+        wrong = {**state, "seed": 2} if rank == 1 else {**state, "batches_done": 2}
+        try:
+            Loader(archive, 4, seed=1, prefetch=0).load_state_dict(wrong)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+        # ranks given by hand (here swapped) are no group's: no collective, no wait
+        mine = Loader(archive, 4, seed=1, rank=1 - rank, world_size=2, prefetch=0)
+        mine.load_state_dict({**state, "rank": 1 - rank, "batches_done": 3 - rank})
+        # even_shares=False: each rank's own end of epoch (they differ) loads
+        own = Loader(archive, 4, seed=1, prefetch=0, even_shares=False)
+        own.load_state_dict({**own.state_dict(), "batches_done": len(own.batches())})
         Path(out, f"{rank}.txt").write_text("\n".join(errors))
     finally:
         dist.destroy_process_group()
@@ -307,12 +320,14 @@ def test_ranks_loading_positions_that_disagree_are_refused(archive: Path, tmp_pa
     mp.spawn(_lockstep_worker, args=(port, str(archive), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         told = (tmp_path / f"{rank}.txt").read_text().splitlines()
-        assert len(told) == 2
-        for line in told:
+        assert len(told) == 3
+        for line in told[:2]:
             assert (
                 "disagree (rank 0: epoch 0 after 3 batches; rank 1: epoch 0 after 2 batches)"
                 in line
             )
+    assert "rank(s) [1] refused theirs" in (tmp_path / "0.txt").read_text().splitlines()[2]
+    assert "seed" in (tmp_path / "1.txt").read_text().splitlines()[2]
 
 
 @pytest.mark.parametrize("settings", SETTINGS[:6], ids=lambda s: ",".join(s) or "default")
@@ -469,3 +484,49 @@ def test_new_nodes_favour_the_shards_they_hold(old: int, new: int) -> None:
         assert favoured == 0  # the same nodes read only what their caches hold
     else:
         assert favoured < plain
+
+
+def test_set_epoch_after_a_continued_pass_reads_the_whole_epoch(archive: Path) -> None:
+    state = {**Loader(archive, 4, rank=0, world_size=2, seed=2).state_dict(), "batches_done": 6}
+    whole = Loader(archive, 5, rank=0, world_size=3, seed=2).batches(0)
+    loader = Loader(archive, 5, rank=0, world_size=3, seed=2, prefetch=0)
+    loader.load_state_dict(state)
+    loader.set_epoch(0)  # kept: the resume
+    assert len(list(loader)) < len(whole)
+    loader.set_epoch(0)  # after the continued pass: epoch 0 from its beginning, whole
+    got = [sorted(b["label"].tolist()) for b in loader]
+    assert got == [sorted(int(i) for i in b) for b in whole]
+    old = IterableArchive(archive, 4, rank=0, world_size=2, seed=2).state_dict(batches_done=6)
+    for workers in (0, 2):
+        ds = IterableArchive(archive, 5, rank=0, world_size=3, seed=2)
+        ds.load_state_dict(old)
+        ds.set_epoch(0)
+        dl = DataLoader(ds, batch_size=None, num_workers=workers, collate_fn=batch_as_is)
+        assert len(list(dl)) < len(whole)
+        ds.set_epoch(0)
+        assert [sorted(b["label"].tolist()) for b in dl] == got, workers
+
+
+def test_an_even_shares_false_state_of_any_rank_loads(archive: Path) -> None:
+    """Shares differ by a batch at the epoch's end: rank 0's state (the longest) loads on
+    every rank, and each rank's own too."""
+    ranks = [Loader(archive, 1, rank=r, world_size=2, even_shares=False) for r in range(2)]
+    counts = [len(x.batches()) for x in ranks]
+    assert counts[0] == counts[1] + 1
+    end = {**ranks[0].state_dict(), "batches_done": counts[0]}
+    ranks[1].load_state_dict(end)
+    ranks[1].load_state_dict({**ranks[1].state_dict(), "batches_done": counts[1]})
+
+
+def test_states_too_costly_to_continue_are_refused(archive: Path, tmp_path: Path) -> None:
+    state = Loader(archive, 4, rank=0, world_size=2).state_dict()
+    with pytest.raises(ValueError, match=r"nodes must be 1\.\.4096"):
+        Loader(archive, 4, rank=0, world_size=3).load_state_dict(
+            {**state, "world_size": 2**20, "nodes": 2**20}
+        )
+    other = make_archive(tmp_path / "b", n=20)
+    mix = {"a": str(archive), "b": str(other)}
+    kw: dict[str, Any] = {"samples_per_epoch": 90, "batch_per_source": True}
+    saved = Loader(mix, 4, rank=0, world_size=2, **kw).state_dict()
+    with pytest.raises(ValueError, match="times an epoch"):
+        Loader(mix, 4, rank=0, world_size=3, **kw).load_state_dict({**saved, "batch_size": 2**24})
