@@ -312,19 +312,14 @@ def node_shares(
         for a, b in node_span(before, epoch, j):
             owner[a:b] = j
     held = owner[seq]
-    taken = np.zeros(n, dtype=bool)
-    kept = []
-    for j in range(nodes):
-        mine = np.flatnonzero((held == j) & ~taken)[: bounds[j + 1] - bounds[j]]
-        taken[mine] = True
-        kept.append(mine)
-    left = np.flatnonzero(~taken)
-    at, shares = 0, []
-    for j, mine in enumerate(kept):
-        need = bounds[j + 1] - bounds[j] - len(mine)
-        shares.append(np.sort(np.concatenate([mine, left[at : at + need]])))
-        at += need
-    return seq, ends, shares
+    share = np.full(n, -1, dtype=np.int64)  # the node each index of seq goes to
+    for j in range(min(before.nodes, nodes)):
+        share[np.flatnonzero(held == j)[: bounds[j + 1] - bounds[j]]] = j
+    got = np.bincount(share[share >= 0], minlength=nodes)
+    left = np.flatnonzero(share < 0)
+    need = np.array([bounds[j + 1] - bounds[j] for j in range(nodes)]) - got
+    share[left] = np.repeat(np.arange(nodes), need)
+    return seq, ends, [np.flatnonzero(share == j) for j in range(nodes)]
 
 
 def _dealt_sequence(spec: OrderSpec, epoch: int, rest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
