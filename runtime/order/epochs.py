@@ -771,13 +771,7 @@ class BatchOrder:
         )
         moved = saved != here
         if moved:
-            world = check_int(f"{where} world_size", saved[0], low=1, high=MAX_WORLD)
-            nodes = check_int(f"{where} nodes", saved[1], low=1, high=min(world, MAX_NODES))
-            batch = check_int(f"{where} batch_size", saved[2], low=1, high=MAX_BATCH)
-            if world % nodes:
-                raise UsageError(
-                    f"{where}: world_size {world} is not a whole number of nodes {nodes}"
-                )
+            world, nodes, batch = _checked_world(where, *saved)
         count = self._count(Shape(world, nodes, batch, 0), shapes, epoch)
         done = check_int(
             f"{where} batches_done (epoch {epoch} has {count} batches)",
@@ -846,16 +840,20 @@ class BatchOrder:
                 raise UsageError(
                     f"{name} must be [world_size, nodes, batch_size, batches_done], got {item!r:.80}"
                 )
-            world = check_int(f"{name} world_size", item[0], low=1, high=MAX_WORLD)
-            nodes = check_int(f"{name} nodes", item[1], low=1, high=min(world, MAX_NODES))
-            batch = check_int(f"{name} batch_size", item[2], low=1, high=MAX_BATCH)
-            if world % nodes:
-                raise UsageError(
-                    f"{name}: world_size {world} is not a whole number of nodes {nodes}"
-                )
+            world, nodes, batch = _checked_world(name, *item[:3])
             count = self._count(Shape(world, nodes, batch, 0), shapes, epoch)
             done = check_int(
                 f"{name} batches_done (that world has {count} batches)", item[3], low=0, high=count
             )
             shapes = (*shapes, Shape(world, nodes, batch, done))
         return shapes
+
+
+def _checked_world(where: str, world: object, nodes: object, batch: object) -> tuple[int, int, int]:
+    """A state's (world_size, nodes, batch_size), each checked and named in errors."""
+    w = check_int(f"{where} world_size", world, low=1, high=MAX_WORLD)
+    n = check_int(f"{where} nodes", nodes, low=1, high=min(w, MAX_NODES))
+    b = check_int(f"{where} batch_size", batch, low=1, high=MAX_BATCH)
+    if w % n:
+        raise UsageError(f"{where}: world_size {w} is not a whole number of nodes {n}")
+    return w, n, b
