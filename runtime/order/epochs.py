@@ -307,10 +307,12 @@ def node_shares(
     bounds = [n * j // nodes for j in range(nodes + 1)]
     if before is None or not before.dealt:
         return seq, ends, [np.arange(bounds[j], bounds[j + 1]) for j in range(nodes)]
+    # each position's node in the world before: its deal's sequence, cut as node_span cuts
+    everything = np.arange(spec.num_samples, dtype=np.int64)
+    dealt, _ = _dealt_sequence(before, epoch, everything)
     owner = np.full(spec.num_samples, -1, dtype=np.int64)
     for j in range(min(before.nodes, nodes)):
-        for a, b in node_span(before, epoch, j):
-            owner[a:b] = j
+        owner[dealt[len(dealt) * j // before.nodes : len(dealt) * (j + 1) // before.nodes]] = j
     held = owner[seq]
     share = np.full(n, -1, dtype=np.int64)  # the node each index of seq goes to
     for j in range(min(before.nodes, nodes)):
