@@ -376,7 +376,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 loader = Loader(path, int(os.environ["BATCH"]), seed=3, order="window", window_shards=2,
                 fields=["key"])  # ranks and nodes from torchrun's environment
-if os.path.exists(ckpt):
+if launch != "first":  # (the first launch's rank 0 writes ckpt while others start)
     loader.load_state_dict(torch.load(ckpt)["loader"])
 keys = []
 for step, batch in enumerate(loader):
@@ -400,6 +400,7 @@ def _launch(script: Path, name: str, nodes: int, per_node: int, batch: int, args
     """Runs ``script`` under torchrun, ``nodes`` launches of ``per_node`` ranks on this
     machine; the largest exit code (their output in ``name``-node*.log beside the script)."""
     import os
+    import signal
     import socket
     import subprocess
     import sys
@@ -415,8 +416,18 @@ def _launch(script: Path, name: str, nodes: int, per_node: int, batch: int, args
         command += [f"--nproc-per-node={per_node}", f"--node-rank={node}", "--max-restarts=0"]
         command += ["--master-addr=127.0.0.1", f"--master-port={port}", str(script), *args, name]
         with open(script.parent / f"{name}-node{node}.log", "w") as log:
-            procs.append(subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=log))
-    return max(p.wait(timeout=240) for p in procs)
+            procs.append(
+                subprocess.Popen(
+                    command, env=env, cwd=root, stdout=log, stderr=log, start_new_session=True
+                )
+            )
+    try:
+        return max(p.wait(timeout=240) for p in procs)
+    finally:  # a launch that hung leaves nothing running behind the test
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
 
 
 @pytest.mark.slow
