@@ -484,84 +484,72 @@ MAX_BATCH = 1 << 31  # a per-rank batch size a state may name
 @dataclass(frozen=True)
 class Content:
     """What an epoch holds, by position: its ``size``, each position's group (a mixture's
-    source, with batch_per_source) and bucketing length; ``drawn``: the positions are
-    already in the epoch's order (a mixture's draw), else ordered as ``epoch_order``."""
+    source, with batch_per_source) and bucketing length, and its ``order`` of the
+    positions where shards are not dealt to nodes (``epoch_order``, which no world
+    setting changes; None for a mixture's draw, whose positions are in order already)."""
 
     size: int
     groups: np.ndarray | None = None
     lengths: np.ndarray | None = None
-    drawn: bool = False
+    order: Callable[[], np.ndarray] | None = None  # computed when first asked, then kept
 
 
-def remaining(
+def left_after(
     spec: OrderSpec,
     epoch: int,
-    shapes: Sequence[Shape],
+    shape: Shape,
+    before: Shape | None,
+    rest: np.ndarray,
     content: Content,
-    left: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The positions (into the epoch's samples: the selection's, the archive's, or a
-    mixture's draw) left of ``epoch`` after each earlier world in turn handed out every
-    rank's first ``batches_done`` batches of what the worlds before it left; ascending.
-    ``left``: what all worlds but the last left, when known."""
-    rest = np.arange(content.size, dtype=np.int64) if left is None else left
-    start = 0 if left is None else len(shapes) - 1
-    for i in range(start, len(shapes)):
-        world = shapes[i].spec(spec)
-        before = shapes[i - 1].spec(spec) if i else None
-        taken = [
-            world_taken(
-                head,
-                epoch,
-                shapes[i].batches_done,
-                content.lengths,
-                order,
-                None if content.groups is None else content.groups[order],
-            )
-            for head, order in world_orders(world, epoch, rest, None, content.drawn, before)
-        ]
-        kept = np.ones(content.size, dtype=bool)
-        kept[np.concatenate(taken)] = False
-        rest = rest[kept[rest]]
-    return rest
-
-
-@functools.lru_cache(maxsize=2)
-def _epoch_order_kept(
-    n: int, shuffle: bool, seed: int, mode: str, sizes: tuple[int, ...], window: int, epoch: int
-) -> np.ndarray:
-    """``epoch_order``, which no world setting changes, kept (read only) for the worlds a
-    continued epoch computes: the old ones and this one share it."""
-    spec = OrderSpec(n, 1, shuffle, seed, mode=mode, shard_sizes=sizes, window_shards=window)
-    order = epoch_order(spec, epoch)
-    order.setflags(write=False)
-    return order
+    """The positions ``rest`` (ascending) of ``epoch`` less every rank's first
+    ``batches_done`` batches of world ``shape`` reading them (``before``: the world that
+    read the epoch until that one, if any); ascending."""
+    taken = [
+        world_taken(
+            head,
+            epoch,
+            shape.batches_done,
+            content.lengths,
+            order,
+            None if content.groups is None else content.groups[order],
+        )
+        for head, order in world_orders(
+            shape.spec(spec),
+            epoch,
+            rest,
+            content,
+            None,
+            None if before is None else before.spec(spec),
+        )
+    ]
+    kept = np.ones(content.size, dtype=bool)
+    kept[np.concatenate(taken)] = False
+    left: np.ndarray = rest[kept[rest]]
+    return left
 
 
 def world_orders(
     spec: OrderSpec,
     epoch: int,
     rest: np.ndarray,
+    content: Content,
     nodes: Sequence[int] | None = None,
-    drawn: bool = False,
     before: OrderSpec | None = None,
 ) -> list[tuple[OrderSpec, np.ndarray]]:
     """How world ``spec`` orders the positions ``rest`` (ascending) of ``epoch``: for each
     node whose ranks share an order (of ``nodes``, default all), its first rank's spec and
-    that order. Without shards dealt to nodes, one order for the whole world: the
-    epoch's, less what is not in ``rest``. Dealt to nodes, each node's share of the rest
-    (``node_rest``), favouring the shards the same node of the world ``before`` was
-    dealt (``node_shares``). ``drawn``: ``rest`` is in the epoch's order already (a
-    mixture's draw, whose sources are local: no shards dealt to nodes)."""
-    if drawn:
+    that order. A mixture's draw is in order already (its sources are local: no shards
+    dealt to nodes). Without shards dealt to nodes, one order for the whole world: the
+    epoch's (``content.order``), less what is not in ``rest``. Dealt to nodes, each node's
+    share of the rest (``node_rest``), favouring the shards the same node of the world
+    ``before`` was dealt (``node_shares``)."""
+    if content.order is None:
         return [(replace(spec, rank=0), rest)]
     if not spec.dealt:
-        order = _epoch_order_kept(
-            spec.num_samples, spec.shuffle, spec.seed, spec.mode, spec.shard_sizes,
-            spec.window_shards, epoch,
-        )  # fmt: skip
-        if len(rest) < spec.num_samples:
-            kept = np.zeros(spec.num_samples, dtype=bool)
+        order = content.order()
+        if len(rest) < content.size:
+            kept = np.zeros(content.size, dtype=bool)
             kept[rest] = True
             order = order[kept[order]]
         return [(replace(spec, rank=0), order)]
@@ -609,24 +597,35 @@ class BatchOrder:
         # iteration that yields nothing (an iter() only to check the loader) uses none up.
         self._took = False
         # Earlier worlds epoch ``shapes_epoch`` was partly read in: this world reads the
-        # rest of it (``remaining``). Other epochs are read whole.
+        # rest of it (``left_after``). Other epochs are read whole.
         self.shapes: tuple[Shape, ...] = ()
         self.shapes_epoch = -1
-        self._cached: tuple[int, tuple[Shape, ...], list[np.ndarray]] | None = None
+        self._cached: dict[tuple[int, tuple[Shape, ...]], list[np.ndarray]] = {}
         self._rests: tuple[int, dict[tuple[Shape, ...], np.ndarray]] | None = None
         self._contents: tuple[tuple[int, int, int], Content, np.ndarray] | None = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
-        """The sample indices of each batch of ``epoch`` (default: the current one)."""
+        """The sample indices of each batch of ``epoch`` (default: the current one): the
+        rest of it where it began in other worlds (``follow``)."""
         epoch = self.epoch if epoch is None else epoch
-        shapes = self.shapes if epoch == self.shapes_epoch else ()
-        if self._cached is None or self._cached[:2] != (epoch, shapes):
+        return self._made(epoch, self.shapes if epoch == self.shapes_epoch else ())
+
+    def whole_count(self, epoch: int | None = None) -> int:
+        """Batches this rank reads in a whole ``epoch`` (default: the current one) in this
+        world; an epoch continued from another world reads only the rest (``batches``)."""
+        return len(self._made(self.epoch if epoch is None else epoch, ()))
+
+    def _made(self, epoch: int, shapes: tuple[Shape, ...]) -> list[np.ndarray]:
+        """This rank's batches of ``epoch`` after the worlds ``shapes`` read part of it;
+        the latest two asked are kept (a continued epoch's, and its whole count's)."""
+        key = (epoch, shapes)
+        if key not in self._cached:
             if shapes:
                 content, samples = self._content(epoch, shapes[0])
                 node = self.spec.node if self.spec.dealt else 0
                 rest = self._rest(epoch, shapes)
                 before = shapes[-1].spec(self.spec)
-                mine = world_orders(self.spec, epoch, rest, (node,), content.drawn, before)[0][1]
+                mine = world_orders(self.spec, epoch, rest, content, (node,), before)[0][1]
                 groups = None if content.groups is None else content.groups[mine]
                 made = rank_batches(self.spec, epoch, self.lengths, samples[mine], groups)
             elif self.draw is not None:
@@ -634,21 +633,10 @@ class BatchOrder:
             else:
                 order = self._samples(share_order(self.spec, epoch))
                 made = rank_batches(self.spec, epoch, self.lengths, order)
-            self._cached = (epoch, shapes, made)
-        return self._cached[2]
-
-    def whole_count(self, epoch: int | None = None) -> int:
-        """Batches this rank reads in a whole ``epoch`` (default: the current one) in this
-        world; an epoch continued from another world reads only the rest (``batches``)."""
-        epoch = self.epoch if epoch is None else epoch
-        if not self.shapes or epoch != self.shapes_epoch:
-            return len(self.batches(epoch))
-        kept = (self.shapes_epoch, self.shapes)
-        try:
-            self.follow(-1, ())
-            return len(self.batches(epoch))
-        finally:
-            self.follow(*kept)
+            while len(self._cached) >= 2:
+                del self._cached[next(iter(self._cached))]
+            self._cached[key] = made
+        return self._cached[key]
 
     def _samples(self, positions: np.ndarray) -> np.ndarray:
         """Positions of the epoch as archive sample numbers (through the selection)."""
@@ -659,28 +647,31 @@ class BatchOrder:
         archive sample of each position; kept for the latest asked."""
         key = (epoch, first.world_size, first.batch_size) if self.draw else (epoch, 0, 0)
         if self._contents is None or self._contents[0] != key:
-            groups, drawn = None, False
+            groups, order = None, None
             if self.draw is not None:
                 if self.redraw is None:
                     raise UsageError(f"{self.owner}: this draw continues only in its own world")
                 samples, groups = self.redraw(first.world_size, first.batch_size)(epoch)
-                drawn = True
             else:
                 samples = self._samples(np.arange(self.spec.num_samples, dtype=np.int64))
+                order = functools.cache(functools.partial(epoch_order, self.spec, epoch))
             lengths = None if self.lengths is None else self.lengths[samples]
-            self._contents = (key, Content(len(samples), groups, lengths, drawn), samples)
+            self._contents = (key, Content(len(samples), groups, lengths, order), samples)
         return self._contents[1], self._contents[2]
 
     def _rest(self, epoch: int, shapes: tuple[Shape, ...]) -> np.ndarray:
-        """``remaining`` of ``epoch`` after ``shapes``, built a world at a time from what
+        """What is left of ``epoch`` after ``shapes`` (``left_after``), built a world at a time from what
         the worlds before it left (kept for this epoch's latest worlds)."""
         if self._rests is None or self._rests[0] != epoch:
             self._rests = (epoch, {})
         kept = self._rests[1]
         if shapes not in kept:
             content, _ = self._content(epoch, shapes[0])
-            before = self._rest(epoch, shapes[:-1]) if len(shapes) > 1 else None
-            kept[shapes] = remaining(self.spec, epoch, shapes, content, before)
+            if len(shapes) > 1:
+                rest, before = self._rest(epoch, shapes[:-1]), shapes[-2]
+            else:
+                rest, before = np.arange(content.size, dtype=np.int64), None
+            kept[shapes] = left_after(self.spec, epoch, shapes[-1], before, rest, content)
         return kept[shapes]
 
     def hold(self) -> tuple[Any, ...]:
@@ -796,12 +787,7 @@ class BatchOrder:
         """The most batches a rank of world ``shape`` has in ``epoch`` after ``shapes`` (its
         first rank's, or each node's first rank's)."""
         if self.spec.even_shares and shape.spec(self.spec) == replace(self.spec, rank=0):
-            kept = (self.shapes_epoch, self.shapes)
-            try:
-                self.follow(epoch, shapes)
-                return len(self.batches(epoch))
-            finally:
-                self.follow(*kept)
+            return len(self._made(epoch, shapes))
         content, _ = self._content(epoch, shapes[0] if shapes else shape)
         left = self._rest(epoch, shapes) if shapes else np.arange(content.size, dtype=np.int64)
         spec = shape.spec(self.spec)
@@ -819,12 +805,7 @@ class BatchOrder:
         return max(
             len(world_batches(first, epoch, (0,), content.lengths, order, groups)[0])
             for first, order in world_orders(
-                spec,
-                epoch,
-                left,
-                None,
-                content.drawn,
-                shapes[-1].spec(self.spec) if shapes else None,
+                spec, epoch, left, content, None, shapes[-1].spec(self.spec) if shapes else None
             )
             for groups in [None if content.groups is None else content.groups[order]]
         )
