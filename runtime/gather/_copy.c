@@ -3,14 +3,16 @@
  *
  * copy_runs(dst, src, nbytes, count, streaming) copies nbytes[i] bytes from
  * src[i] to dst[i] for i < count. dst, src and nbytes are the addresses of
- * int64 arrays of that length (numpy arrays' .ctypes.data); runtime.copier
+ * int64 arrays of that length (numpy arrays' .ctypes.data); runtime.gather
  * builds them from offsets that dlop.formats validated and from buffers the
  * process allocated, and guarantees the runs do not overlap.
  *
- * copy_rows(dst, src, rows, count, row_bytes, num_rows, streaming) gathers rows
- * of a fixed-size field: row rows[i] of the array at src (num_rows rows of
- * row_bytes) to dst + i * row_bytes. Every row number is checked against
- * num_rows before anything is copied.
+ * copy_rows(dst, bases, nums, num_tables, shards, rows, count, row_bytes,
+ * streaming) gathers rows of a fixed-size field held in several tables (one per
+ * shard): row rows[i] of table shards[i] (nums[k] rows of row_bytes at
+ * bases[k]) to dst + i * row_bytes, the whole batch in one call whatever the
+ * number of shards it touches. shards may be 0: every row from table 0. Every
+ * table and row number is checked before anything is copied.
  *
  * With streaming true, runs are written with non-temporal stores on x86-64:
  * they go around the cache, so writing a batch buffer that has left the cache
@@ -218,28 +220,39 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
 
 static PyObject *copy_rows(PyObject *self, PyObject *args)
 {
-    unsigned long long dst_addr, src_addr, rows_addr;
-    Py_ssize_t count, row_bytes, num_rows;
+    unsigned long long dst_addr, bases_addr, nums_addr, shards_addr, rows_addr;
+    Py_ssize_t num_tables, count, row_bytes;
     int streaming;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKKnnnp:copy_rows", &dst_addr, &src_addr, &rows_addr, &count,
-                          &row_bytes, &num_rows, &streaming))
+    if (!PyArg_ParseTuple(args, "KKKnKKnnp:copy_rows", &dst_addr, &bases_addr, &nums_addr,
+                          &num_tables, &shards_addr, &rows_addr, &count, &row_bytes, &streaming))
         return NULL;
-    if (count < 0 || row_bytes < 0 || num_rows < 0) {
-        PyErr_SetString(PyExc_ValueError, "copy_rows: count, row_bytes and num_rows must be 0 or more");
+    if (count < 0 || row_bytes < 0 || num_tables < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "copy_rows: count and row_bytes must be 0 or more, num_tables 1 or more");
         return NULL;
     }
+    const int64_t *bases = (const int64_t *)(uintptr_t)bases_addr;
+    const int64_t *nums = (const int64_t *)(uintptr_t)nums_addr;
+    const int64_t *shards = (const int64_t *)(uintptr_t)shards_addr; /* NULL: all table 0 */
     const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (rows[i] < 0 || rows[i] >= num_rows) {
-            PyErr_Format(PyExc_IndexError, "row %lld out of range 0..%zd (position %zd)",
-                         (long long)rows[i], num_rows - 1, i);
+        int64_t k = shards != NULL ? shards[i] : 0;
+        if (k < 0 || k >= num_tables) {
+            PyErr_Format(PyExc_IndexError, "table %lld out of range 0..%zd (position %zd)",
+                         (long long)k, num_tables - 1, i);
+            return NULL;
+        }
+        if (rows[i] < 0 || rows[i] >= nums[k]) {
+            PyErr_Format(PyExc_IndexError, "row %lld out of range 0..%lld of table %lld (position %zd)",
+                         (long long)rows[i], (long long)nums[k] - 1, (long long)k, i);
             return NULL;
         }
     }
     char *dst = (char *)(uintptr_t)dst_addr;
-    const char *src = (const char *)(uintptr_t)src_addr;
     size_t row = (size_t)row_bytes;
+#define ROW_SOURCE(i) \
+    ((const char *)(uintptr_t)bases[shards != NULL ? shards[i] : 0] + (size_t)rows[i] * row)
     if (catch_bus_faults() != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     int faulted = 0;
@@ -248,12 +261,13 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     if (sigsetjmp(jump, 1) == 0) {
         copy_jump = &jump;
         for (Py_ssize_t i = 0; i < count; i++)
-            copy_one(dst + (size_t)i * row, src + (size_t)rows[i] * row, row,
-                     i + 1 < count ? src + (size_t)rows[i + 1] * row : NULL, streaming);
+            copy_one(dst + (size_t)i * row, ROW_SOURCE(i), row,
+                     i + 1 < count ? ROW_SOURCE(i + 1) : NULL, streaming);
     } else {
         faulted = 1;
     }
     copy_jump = NULL;
+#undef ROW_SOURCE
 #if DLOP_STREAMING
     if (streaming)
         _mm_sfence();
@@ -269,9 +283,10 @@ static PyMethodDef methods[] = {
      "copy_runs(dst, src, nbytes, count, streaming): memcpy(dst[i], src[i], nbytes[i]) for "
      "i < count, from the addresses of three int64 arrays; the GIL is released."},
     {"copy_rows", copy_rows, METH_VARARGS,
-     "copy_rows(dst, src, rows, count, row_bytes, num_rows, streaming): row rows[i] of src to "
-     "dst + i * row_bytes for i < count, rows an int64 array's address, each checked against "
-     "num_rows first; the GIL is released while copying."},
+     "copy_rows(dst, bases, nums, num_tables, shards, rows, count, row_bytes, streaming): row "
+     "rows[i] of table shards[i] (table 0 when shards is 0) to dst + i * row_bytes for "
+     "i < count, from the addresses of int64 arrays; every table and row number is checked "
+     "first; the GIL is released while copying."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import functools
 import importlib
+import itertools
 import os
 import threading
 import weakref
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from dlop.formats.heap import libc
@@ -112,21 +114,21 @@ def _execute(step: Step, streaming: bool, lib: ModuleType | None) -> None:
     if isinstance(step, Rows):
         if not len(step.rows):
             return
-        num_rows, row_bytes = step.src.shape
-        if lib is not None:
-            rows = step.rows  # passed as an address: the array outlives the call
+        t = step.table
+        if lib is not None:  # arrays passed as addresses: the step keeps them alive
             lib.copy_rows(
                 step.dst.data_ptr(),
-                step.src.data_ptr(),
-                rows.ctypes.data,
-                len(rows),
-                row_bytes,
-                num_rows,
+                t.bases.ctypes.data,
+                t.nums.ctypes.data,
+                len(t),
+                0 if step.shards is None else step.shards.ctypes.data,
+                step.rows.ctypes.data,
+                len(step.rows),
+                t.row_bytes,
                 streaming,
             )
         else:
-            out = step.dst.view(len(step.rows), row_bytes)
-            torch.index_select(step.src, 0, torch.from_numpy(step.rows), out=out)
+            _index_rows(step)
     else:
         dst = step.dst_offsets + step.dst.data_ptr()
         if lib is not None:
@@ -136,6 +138,33 @@ def _execute(step: Step, streaming: bool, lib: ModuleType | None) -> None:
         else:
             for d, s, n in zip(dst.tolist(), step.src.tolist(), step.sizes.tolist(), strict=True):
                 _memcpy(d, s, n)
+
+
+def _index_rows(step: Rows) -> None:
+    """``Rows`` without the compiled copier: the same checks, then one
+    ``torch.index_select`` per source the step reads."""
+    t, rows = step.table, step.rows
+    shards = np.zeros(len(rows), np.int64) if step.shards is None else step.shards
+    bad = np.flatnonzero((shards < 0) | (shards >= len(t)))
+    if len(bad):
+        i = int(bad[0])
+        raise IndexError(f"table {shards[i]} out of range 0..{len(t) - 1} (position {i})")
+    bad = np.flatnonzero((rows < 0) | (rows >= t.nums[shards]))
+    if len(bad):
+        i, k = int(bad[0]), int(shards[bad[0]])
+        raise IndexError(
+            f"row {rows[i]} out of range 0..{t.nums[k] - 1} of table {k} (position {i})"
+        )
+    out = step.dst.view(len(rows), t.row_bytes)
+    if step.shards is None or len(t) == 1:
+        torch.index_select(t.sources[0], 0, torch.from_numpy(rows), out=out)
+        return
+    by_source = np.argsort(shards, kind="stable")
+    firsts = np.flatnonzero(np.diff(shards[by_source], prepend=-1))
+    for a, b in itertools.pairwise([*firsts.tolist(), len(rows)]):
+        where = by_source[a:b]
+        got = torch.index_select(t.sources[int(shards[where[0]])], 0, torch.from_numpy(rows[where]))
+        out.index_copy_(0, torch.from_numpy(where), got)
 
 
 def run_share(share: list[Step], streaming: bool) -> None:

@@ -9,9 +9,11 @@ queued behind the previous batch's.
 
 Kinds (``gather_for``):
 
-- fixed raw fields: one ``Rows`` step per shard touched (runtime.gather.mapped);
+- fixed raw fields: one ``Rows`` step per batch, whatever the shards it
+  touches (runtime.gather.mapped);
 - raw ragged fields whose first dimension varies: one run per sample plus
-  one padding run per sample (runtime.gather.mapped);
+  one padding run per sample, planned as arrays over the whole batch
+  (runtime.gather.mapped);
 - zstd fields and fields with several varying dimensions: samples read one
   by one (blocks decoded here), one run per contiguous piece of a sample plus
   the padding around it (runtime.gather.samples);
@@ -137,24 +139,22 @@ def shard_groups(indices: torch.Tensor, starts: torch.Tensor) -> list[tuple[int,
 
 
 class Groups(NamedTuple):
-    """A batch's indices by shard, worked out once for all its fields (``batch_groups``)."""
+    """A batch's indices by shard, worked out once for all its fields (``batch_groups``)
+    as arrays: gathers plan a whole batch with array arithmetic, whatever the number
+    of shards it touches."""
 
-    runs: list[tuple[int, int, int]]  # (shard, begin, end) runs of positions, as shard_groups
+    shards: np.ndarray  # int64 [B], contiguous: the shard each index falls in
     rows: np.ndarray  # int64 [B], contiguous: each index's row within its shard
 
 
 def batch_groups(indices: torch.Tensor, starts: torch.Tensor) -> Groups:
-    """``shard_groups`` of ``indices``, with each one's row within its shard."""
+    """Each of ``indices`` (in any order) as its shard and its row within that shard."""
     idx = np.ascontiguousarray(indices.numpy(), np.int64)
-    runs = shard_groups(indices, starts)
-    if len(runs) != 1 or runs[0][0]:
-        first = starts.numpy()
-        if len(runs) == 1:
-            idx = idx - first[runs[0][0]]
-        elif runs:
-            shard, lens = zip(*((k, b - a) for k, a, b in runs), strict=True)
-            idx = idx - np.repeat(first[list(shard)], lens)
-    return Groups(runs, idx)
+    first = starts.numpy()
+    if len(first) <= 1:
+        return Groups(np.zeros(len(idx), np.int64), idx)
+    shards = (np.searchsorted(first, idx, side="right") - 1).astype(np.int64, copy=False)
+    return Groups(shards, idx - first[shards])
 
 
 def check_pad_value(field: Field, pad_value: object, where: str) -> None:

@@ -18,9 +18,8 @@ from .fields import (
     as_bytes,
     batch_groups,
     flat_bytes,
-    shard_groups,
 )
-from .plan import Rows, Runs, Step, fill_runs
+from .plan import Rows, RowTable, Runs, Step, fill_runs
 
 
 def rows_of(shard: ShardReader, name: str, row_bytes: int) -> torch.Tensor:
@@ -35,12 +34,14 @@ def rows_of(shard: ShardReader, name: str, row_bytes: int) -> torch.Tensor:
 
 
 class FixedRawGather(FieldGather):
-    """Fixed-shape raw fields: one ``Rows`` step per shard the batch touches."""
+    """Fixed-shape raw fields: one ``Rows`` step per batch over a table of the shards'
+    rows."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.row_bytes = math.prod(self.trail) * self.out_dtype.itemsize
-        self.sources = [rows_of(s, self.field.name, self.row_bytes) for s in self.shards]
+        sources = [rows_of(s, self.field.name, self.row_bytes) for s in self.shards]
+        self.table = RowTable(sources, self.row_bytes) if sources and self.row_bytes else None
 
     def buffer_numel(self, batch_size: int) -> int | None:
         return batch_size * math.prod(self.trail)
@@ -51,69 +52,52 @@ class FixedRawGather(FieldGather):
     def plan_grouped(self, indices: torch.Tensor, groups: Groups, out: Output) -> Planned:
         out = self.output((len(indices), *self.trail), out)
         steps: list[Step] = []
-        rb = self.row_bytes
-        if rb:
-            flat, rows = flat_bytes(out), groups.rows
-            for k, a, b in groups.runs:
-                steps.append(Rows(flat[a * rb : b * rb], self.sources[k], rows[a:b]))
+        if self.table is not None and len(indices):
+            shards = groups.shards if len(self.table) > 1 else None
+            steps.append(Rows(flat_bytes(out), self.table, shards, groups.rows))
         return {self.field.name: out}, steps
 
 
 class RaggedRowsGather(FieldGather):
     """Raw ragged fields whose only varying dimension is the first: one run per sample
-    of its rows, one run of padding after it."""
+    of its rows, one run of padding after it, planned as arrays over the batch (each
+    sample's first row and length held for all shards in one array each)."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         f = self.field
         self.row = math.prod(self.trail)
         self.row_bytes = self.row * self.out_dtype.itemsize
-        self.values: list[np.ndarray] = []
-        self.row_starts: list[np.ndarray] = []
-        self.lengths: list[np.ndarray] = []
+        self.values = [s.values(f.name) for s in self.shards]  # kept: addresses point in
+        self.bases = np.array([v.ctypes.data for v in self.values], np.int64)
+        starts, lengths = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         for s in self.shards:
-            self.values.append(s.values(f.name))
-            offsets = s.offsets(f.name).astype(np.int64)
-            self.row_starts.append(offsets[:-1] // max(self.row, 1))
-            self.lengths.append(s.shapes(f.name)[:, 0].astype(np.int64))
+            starts.append(s.offsets(f.name)[:-1].astype(np.int64) // max(self.row, 1))
+            lengths.append(s.shapes(f.name)[:, 0].astype(np.int64))
+        # by sample number across the shards, as ``starts`` numbers them
+        self.row_starts = np.concatenate(starts)
+        self.lengths = np.concatenate(lengths)
 
     def buffer_numel(self, batch_size: int) -> int | None:
-        longest = max((int(x.max()) for x in self.lengths if len(x)), default=0)
+        longest = int(self.lengths.max()) if len(self.lengths) else 0
         return batch_size * longest * self.row
-
-    def batch_lengths(self, indices: torch.Tensor) -> torch.Tensor:
-        parts = [
-            self.lengths[k][(indices[a:b] - self.starts[k]).numpy()]
-            for k, a, b in shard_groups(indices, self.starts)
-        ]
-        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         return self.plan_grouped(indices, batch_groups(indices, self.starts), out)
 
     def plan_grouped(self, indices: torch.Tensor, groups: Groups, out: Output) -> Planned:
         f = self.field
-        locals_ = [(k, groups.rows[a:b]) for k, a, b in groups.runs]
-        lens = (
-            np.concatenate([self.lengths[k][local] for k, local in locals_])
-            if locals_
-            else np.zeros(0, np.int64)
-        )
+        idx = indices.numpy()
+        lens = self.lengths[idx]
         max_len = int(lens.max()) if len(lens) else 0
         out = self.output((len(indices), max_len, *self.trail), out)
         steps: list[Step] = []
         if len(lens) and max_len and self.row_bytes:
             flat, rb = flat_bytes(out), self.row_bytes
             dst = np.arange(len(lens), dtype=np.int64) * (max_len * rb)
-            src = np.concatenate(
-                [
-                    self.values[k].ctypes.data + self.row_starts[k][local] * rb
-                    for k, local in locals_
-                ]
-            )
+            src = self.bases[groups.shards] + self.row_starts[idx] * rb
             sizes = lens * rb
-            keep = tuple(self.values[k] for k, _ in locals_)
-            steps.append(Runs(flat, dst, src, sizes, keep))
+            steps.append(Runs(flat, dst, src, sizes, (self.values,)))
             tails = max_len * rb - sizes
             if tails.any():
                 steps.append(

@@ -4,8 +4,10 @@ A gather (runtime.gather.fields) turns a batch of indices into a ``CopyPlan`` wi
 copying anything; the copy engine (runtime.gather.engine) executes it. Two kinds of step,
 each writing into one flat ``uint8`` destination tensor:
 
-- ``Rows``: rows ``rows[i]`` of a ``[num_rows, row_bytes]`` source to
-  consecutive rows of the destination (fixed-shape fields).
+- ``Rows``: row ``rows[i]`` of source ``shards[i]`` of a ``RowTable`` (one
+  ``[num_rows, row_bytes]`` source per shard) to consecutive rows of the
+  destination (fixed-shape fields): one step per field and batch, whatever the
+  number of shards the batch touches.
 - ``Runs``: byte runs, ``nbytes[i]`` bytes from address ``src[i]`` to
   ``dst_offsets[i]`` (ragged spans, decoded samples). ``keep`` holds the
   arrays the addresses point into, so they outlive a queued copy. Padding
@@ -13,7 +15,7 @@ each writing into one flat ``uint8`` destination tensor:
 
 Steps are checked when made: every destination run lies inside its
 destination, so an executed plan never writes outside the batch's buffers.
-Source rows are checked by the engine against ``num_rows`` before copying;
+Source rows are checked by the engine against their table before copying;
 source addresses come from offsets that ``dlop.formats`` validated.
 """
 
@@ -38,24 +40,59 @@ def _check_inside(dst: torch.Tensor, offsets: np.ndarray, nbytes: np.ndarray, wh
         raise ValueError(f"{what}: a run falls outside its destination of {dst.numel()} bytes")
 
 
+class RowTable:
+    """A fixed-size field's rows over several sources (one per shard), each a
+    ``uint8 [num_rows, row_bytes]`` tensor, addressed as one table: a batch's rows
+    from any number of shards are one ``Rows`` step and one copy call."""
+
+    def __init__(self, sources: list[torch.Tensor], row_bytes: int) -> None:
+        for s in sources:
+            if s.dtype != torch.uint8 or s.ndim != 2 or s.shape[1] != row_bytes:
+                raise ValueError(f"RowTable: every source must be uint8 [rows, {row_bytes}]")
+            if not s.is_contiguous():
+                raise ValueError("RowTable: every source must be contiguous")
+        self.sources = sources  # kept: the addresses below point into them
+        self.row_bytes = row_bytes
+        self.bases = np.array([s.data_ptr() for s in sources], np.int64)
+        self.nums = np.array([s.shape[0] for s in sources], np.int64)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
 @dataclass(frozen=True)
 class Rows:
+    """Row ``rows[i]`` of source ``shards[i]`` of ``table`` to row i of ``dst``
+    (``shards`` None: every row from source 0). Row and source numbers are checked
+    against the table by the engine before anything is copied."""
+
     dst: torch.Tensor  # uint8 [len(rows) * row_bytes]
-    src: torch.Tensor  # uint8 [num_rows, row_bytes]
-    rows: np.ndarray  # int64, checked against num_rows by the engine
+    table: RowTable
+    shards: np.ndarray | None  # int64 [len(rows)], contiguous
+    rows: np.ndarray  # int64, contiguous
 
     def __post_init__(self) -> None:
-        if self.src.ndim != 2 or self.dst.numel() != len(self.rows) * self.src.shape[1]:
+        if not len(self.table) or self.dst.numel() != len(self.rows) * self.table.row_bytes:
             raise ValueError("Rows: the destination must hold exactly len(rows) source rows")
+        arrays = (self.rows,) if self.shards is None else (self.rows, self.shards)
+        if self.shards is not None and len(self.shards) != len(self.rows):
+            raise ValueError("Rows: one source number per row")
+        if any(a.dtype != np.int64 or not a.flags.c_contiguous for a in arrays):
+            raise ValueError("Rows: rows and shards must be contiguous int64 arrays")
 
     @property
     def nbytes(self) -> int:
         return int(self.dst.numel())
 
     def split(self, bounds: list[int]) -> list[Rows]:
-        row = int(self.src.shape[1])
+        row, s = self.table.row_bytes, self.shards
         return [
-            Rows(self.dst[a * row : b * row], self.src, self.rows[a:b])
+            Rows(
+                self.dst[a * row : b * row],
+                self.table,
+                None if s is None else s[a:b],
+                self.rows[a:b],
+            )
             for a, b in itertools.pairwise(bounds)
         ]
 

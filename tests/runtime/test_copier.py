@@ -5,6 +5,7 @@ the Loader and Dataset giving identical batches either way."""
 from __future__ import annotations
 
 import gc
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -23,7 +24,7 @@ from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime.gather import engine as engine_module
 from dlop.runtime.gather.engine import CopyEngine, compiled
-from dlop.runtime.gather.plan import CopyPlan, Rows, Runs
+from dlop.runtime.gather.plan import CopyPlan, Rows, RowTable, Runs
 from dlop.runtime.gather.threads import HELPER_NICE
 
 from .test_loader import run_epoch
@@ -71,24 +72,49 @@ def test_copy_runs_copies_exactly_the_runs(streaming: bool) -> None:
         lib.copy_runs(0, 0, 0, -1, streaming)
 
 
-@needs_native
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_copy_rows_gathers_checked_rows(streaming: bool) -> None:
+def test_copy_rows_gathers_checked_rows_from_a_table(
+    monkeypatch: pytest.MonkeyPatch, native: bool, streaming: bool
+) -> None:
+    """One Rows step reads rows of any of its table's sources, compiled or not; a row or
+    source number out of range is refused before anything is copied."""
+    if native and compiled() is None:
+        pytest.skip("compiled copier not built")
+    if not native:
+        monkeypatch.setenv("DLOP_NATIVE_COPY", "0")
     rng = np.random.default_rng(3)
-    table = rng.integers(0, 256, (40, 5000), dtype=np.uint8)  # rows of 5000 bytes
-    rows = np.array([39, 0, 7, 7, 21, 38, 1, 0, 12, 30], np.int64)
+    whole = rng.integers(0, 256, (40, 5000), dtype=np.uint8)  # rows of 5000 bytes
+    cut = [0, 13, 14, 40]  # three sources of 13, 1 and 26 rows
+    sources = [torch.from_numpy(whole[a:b]) for a, b in itertools.pairwise(cut)]
+    table = RowTable(sources, 5000)
+    picked = np.array([39, 0, 7, 7, 21, 38, 13, 1, 0, 12, 30], np.int64)  # rows of whole
+    shards = (np.searchsorted(cut, picked, side="right") - 1).astype(np.int64)
+    rows = picked - np.asarray(cut)[shards]
     c = CopyEngine(threads=2, streaming=streaming)
-    src = torch.from_numpy(table)
     try:
-        for take in (rows, rows[:1], rows[:0], np.tile(rows, 30)):  # one share and two
-            out = torch.zeros((len(take) + 1) * 5000, dtype=torch.uint8)
-            c.run(CopyPlan([Rows(out[: len(take) * 5000], src, np.ascontiguousarray(take))]))
-            np.testing.assert_array_equal(out.numpy().reshape(-1, 5000)[: len(take)], table[take])
-            assert not out[len(take) * 5000 :].any()  # nothing past the last row
+        for sl in (slice(None), slice(0, 1), slice(0, 0)):
+            for tiled in (1, 30):  # one share and two
+                take, sh, ro = (np.tile(a[sl], tiled) for a in (picked, shards, rows))
+                out = torch.zeros((len(take) + 1) * 5000, dtype=torch.uint8)
+                c.run(CopyPlan([Rows(out[: len(take) * 5000], table, sh, ro)]))
+                got = out.numpy().reshape(-1, 5000)
+                np.testing.assert_array_equal(got[: len(take)], whole[take])
+                assert not got[len(take) :].any()  # nothing past the last row
+        alone = RowTable(sources[:1], 5000)  # shards None: every row from source 0
+        out = torch.zeros(2 * 5000, dtype=torch.uint8)
+        c.run(CopyPlan([Rows(out, alone, None, np.array([12, 3], np.int64))]))
+        np.testing.assert_array_equal(out.numpy().reshape(2, 5000), whole[[12, 3]])
         out = torch.zeros(3 * 5000, dtype=torch.uint8)
-        for bad in ([0, 40, 1], [-1, 2, 3]):
-            with pytest.raises(IndexError, match=r"out of range 0\.\.39"):
-                c.run(CopyPlan([Rows(out, src, np.array(bad, np.int64))]))
+        for sh, ro, message in (
+            ([0, 2, 1], [0, 26, 0], r"row 26 out of range 0\.\.25 of table 2"),
+            ([0, 1, 0], [-1, 0, 3], r"row -1 out of range 0\.\.12 of table 0"),
+            ([0, 3, 0], [0, 0, 0], r"table 3 out of range 0\.\.2"),
+            ([-1, 0, 0], [0, 0, 0], r"table -1 out of range"),
+        ):
+            step = Rows(out, table, np.array(sh, np.int64), np.array(ro, np.int64))
+            with pytest.raises(IndexError, match=message):
+                c.run(CopyPlan([step]))
             assert not out.any()  # checked before anything is copied
     finally:
         c.close()
@@ -102,7 +128,8 @@ def test_helpers_yield_the_cpu(monkeypatch: pytest.MonkeyPatch, nice: str | None
     c = CopyEngine(threads=2)
     src = torch.zeros(4 << 20, dtype=torch.uint8)
     try:
-        c.run(CopyPlan([Rows(torch.empty_like(src), src.view(-1, 1 << 16), np.arange(64))]))
+        table = RowTable([src.view(-1, 1 << 16)], 1 << 16)
+        c.run(CopyPlan([Rows(torch.empty_like(src), table, None, np.arange(64))]))
         (helper,) = c.helpers()  # the calling thread took one share, a helper the other
         base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         assert helper.native_id is not None
@@ -152,10 +179,10 @@ def test_copier_spreads_runs_over_threads(
 
 def _tagged_plan(tags: dict[int, tuple[int, int]], batch: int) -> CopyPlan:
     """A plan of two equal steps, one per share, each tagged (batch, part)."""
-    src = torch.zeros(1, 64, dtype=torch.uint8)
+    table = RowTable([torch.zeros(1, 64, dtype=torch.uint8)], 64)
     steps = []
     for part in (0, 1):
-        step = Rows(torch.empty(64, dtype=torch.uint8), src, np.zeros(1, np.int64))
+        step = Rows(torch.empty(64, dtype=torch.uint8), table, None, np.zeros(1, np.int64))
         tags[id(step)] = (batch, part)
         steps.append(step)
     return CopyPlan(steps)
@@ -198,15 +225,16 @@ def _use_after_fork(c: CopyEngine, out: Any) -> None:
     # numpy-made tensors: torch's own parallel kernels can hang in a forked child
     src = np.arange(4 << 20, dtype=np.int64).astype(np.uint8)
     dst = np.zeros_like(src)
-    rows = torch.from_numpy(src).view(-1, 1 << 16)
-    c.run(CopyPlan([Rows(torch.from_numpy(dst), rows, np.arange(64))]))
+    table = RowTable([torch.from_numpy(src).view(-1, 1 << 16)], 1 << 16)
+    c.run(CopyPlan([Rows(torch.from_numpy(dst), table, None, np.arange(64))]))
     out.put([len(c.helpers()), bool(np.array_equal(dst, src))])
 
 
 def test_a_forked_child_uses_the_engine_with_threads_of_its_own() -> None:
     c = CopyEngine(threads=2)
     src = torch.zeros(4 << 20, dtype=torch.uint8)
-    c.run(CopyPlan([Rows(torch.empty_like(src), src.view(-1, 1 << 16), np.arange(64))]))
+    table = RowTable([src.view(-1, 1 << 16)], 1 << 16)
+    c.run(CopyPlan([Rows(torch.empty_like(src), table, None, np.arange(64))]))
     assert len(c.helpers()) == 1  # a helper exists in the parent
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
@@ -357,9 +385,10 @@ def test_the_calling_threads_own_copy_error_is_the_one_raised(
     monkeypatch.setattr(engine_module, "execute_step", failing)
     c = CopyEngine(threads=2)
     src = torch.zeros(4 << 20, dtype=torch.uint8)
+    table = RowTable([src.view(-1, 1 << 16)], 1 << 16)
     try:
         with pytest.raises(ValueError, match="the caller's share failed"):
-            c.run(CopyPlan([Rows(torch.empty_like(src), src.view(-1, 1 << 16), np.arange(64))]))
+            c.run(CopyPlan([Rows(torch.empty_like(src), table, None, np.arange(64))]))
         assert len(c.helpers()) == 1  # a helper took the other share
     finally:
         c.close()
@@ -386,9 +415,10 @@ _FAULT = textwrap.dedent(
                             1, streaming)
         except _copy.MappingFault as e:
             print("runs", streaming, "caught:", e)
-        rows = np.array([0, 3], np.int64)
+        rows, bases, nums = (np.array(v, np.int64) for v in ([0, 3], [src_base], [4]))
         try:
-            _copy.copy_rows(dst.ctypes.data, src_base, rows.ctypes.data, 2, 4096, 4, streaming)
+            _copy.copy_rows(dst.ctypes.data, bases.ctypes.data, nums.ctypes.data, 1, 0,
+                            rows.ctypes.data, 2, 4096, streaming)
         except _copy.MappingFault as e:
             print("rows", streaming, "caught:", e)
     sys.stdout.flush()

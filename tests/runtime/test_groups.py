@@ -1,4 +1,4 @@
-"""A batch's shard groups, worked out once for all its fields: runs and rows against a
+"""A batch's shard groups, worked out once for all its fields: shards and rows against a
 sample-by-sample count, and plans that share them read what per-field plans read."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from dlop.runtime import open_archive
 from dlop.runtime.gather.engine import run_share
-from dlop.runtime.gather.fields import batch_groups, shard_groups
+from dlop.runtime.gather.fields import batch_groups
 from dlop.runtime.gather.plan import Rows
 
 from .helpers import make_archive
@@ -24,38 +24,32 @@ def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     "idx",
-    [[], [0, 1, 2], [36], [20, 21, 21], [0, 3, 3, 8, 20, 21, 36], [4, 2, 9, 30, 31]],
+    [[], [0, 1, 2], [36], [20, 21, 21], [0, 3, 3, 8, 20, 21, 36], [4, 2, 9, 30, 31], [36, 0, 20]],
 )
-def test_batch_groups_rows_are_rows_within_each_shard(archive: Path, idx: list[int]) -> None:
+def test_batch_groups_give_each_index_its_shard_and_row(archive: Path, idx: list[int]) -> None:
     ds = open_archive(archive)
     assert ds.reader.num_shards > 3
-    indices = torch.tensor(idx, dtype=torch.int64)
-    groups = batch_groups(indices, ds.starts)
-    assert groups.runs == shard_groups(indices, ds.starts)
-    assert groups.rows.dtype == np.int64 and groups.rows.flags.c_contiguous
-    shard = np.searchsorted(ds.shard_starts, idx, side="right") - 1
-    assert groups.rows.tolist() == (np.asarray(idx, np.int64) - ds.shard_starts[shard]).tolist()
-    for k, a, b in groups.runs:
-        assert set(shard[a:b].tolist()) == {k}
-    assert [k for k, _, _ in groups.runs] == sorted(set(shard.tolist()))
+    groups = batch_groups(torch.tensor(idx, dtype=torch.int64), ds.starts)
+    for got in groups:
+        assert got.dtype == np.int64 and got.flags.c_contiguous and len(got) == len(idx)
+    for j, i in enumerate(idx):  # counted sample by sample
+        k = max(s for s in range(ds.reader.num_shards) if ds.shard_starts[s] <= i)
+        assert (groups.shards[j], groups.rows[j]) == (k, i - ds.shard_starts[k])
 
 
 def test_fields_of_a_batch_share_its_shard_groups(archive: Path) -> None:
-    """Archive.plan works out the groups once: every fixed field's Rows steps read the
-    same row arrays (no per-field copy), and the batch matches sample-by-sample reads."""
+    """Archive.plan works out the groups once: each fixed field is one Rows step over
+    every shard the batch touches, all reading the same arrays (no per-field copy), and
+    the batch matches sample-by-sample reads."""
     ds = open_archive(archive, fields=["logmel", "label", "speech"])
     idx = torch.tensor([0, 3, 3, 8, 20, 21, 36])
     batch, plan = ds.plan(idx)
     rows = [s for s in plan.steps if isinstance(s, Rows)]
-    by_field: dict[int, list[Rows]] = {}
-    for step in rows:
-        by_field.setdefault(step.src.data_ptr(), []).append(step)
-    assert len(rows) >= 4 and len({len(v) for v in by_field.values()}) == 1
-    logmel_rows = [s.rows for s in rows if s.src.shape[1] == 20 * 2]
-    label_rows = [s.rows for s in rows if s.src.shape[1] == 8]
-    assert logmel_rows and len(logmel_rows) == len(label_rows)
-    for a, b in zip(logmel_rows, label_rows, strict=True):
-        assert np.shares_memory(a, b)
+    assert sorted(s.table.row_bytes for s in rows) == [8, 20 * 2]  # label, logmel
+    assert len({len(s.table) for s in rows}) == 1 and len(rows[0].table) > 3
+    a, b = rows
+    assert a.shards is not None and b.shards is not None
+    assert np.shares_memory(a.rows, b.rows) and np.shares_memory(a.shards, b.shards)
     run_share(plan.steps, streaming=False)
     for j, i in enumerate(idx.tolist()):
         one = ds[i]

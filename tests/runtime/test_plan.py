@@ -14,7 +14,7 @@ from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import open_archive
 from dlop.runtime.errors import UsageError
 from dlop.runtime.gather.engine import CopyEngine, run_share
-from dlop.runtime.gather.plan import CopyPlan, Rows, Runs
+from dlop.runtime.gather.plan import CopyPlan, Rows, RowTable, Runs
 from dlop.runtime.gather.samples import sample_runs
 
 from .helpers import make_archive
@@ -36,7 +36,7 @@ def test_fixed_rows_plan_matches_index_select(archive: Path) -> None:
     idx = torch.tensor([0, 3, 3, 8, 20, 21, 36])
     out = {"logmel": torch.full((7 * 20,), 7.0, dtype=torch.float16)}
     batch, plan = ds.plan(idx, out)
-    assert {type(s) for s in plan.steps} == {Rows}
+    assert [type(s) for s in plan.steps] == [Rows, Rows]  # one per field, whatever the shards
     assert batch["logmel"].data_ptr() == out["logmel"].data_ptr()  # a view of the buffer
     execute(plan)
     whole = torch.cat(
@@ -103,7 +103,7 @@ def test_steps_outside_their_destination_are_refused() -> None:
         with pytest.raises(ValueError, match="outside its destination"):
             Runs(dst, np.array([offset], np.int64), addr, np.array([size], np.int64), (src,))
     with pytest.raises(ValueError, match="exactly len"):
-        Rows(dst, torch.zeros(4, 30, dtype=torch.uint8), np.array([0, 1], np.int64))
+        Rows(dst, RowTable([torch.zeros(4, 30, dtype=torch.uint8)], 30), None, np.arange(2))
 
 
 def test_a_plan_runs_the_same_inline_and_on_helpers(archive: Path) -> None:
