@@ -14,6 +14,7 @@ import itertools
 import mmap
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -123,6 +124,19 @@ class BlockCache:
 _READER_TOKENS = itertools.count()
 
 
+# Every shard mapped in this process, for naming the file a faulting address lies in.
+_LIVE_MAPS: weakref.WeakSet[ShardReader] = weakref.WeakSet()
+
+
+def mapped_at(address: int) -> ShardReader | None:
+    """The open shard whose mapping holds ``address`` (a read fault's), or None."""
+    for reader in list(_LIVE_MAPS):
+        start, length = reader.mapped_span()
+        if start <= address < start + length:
+            return reader
+    return None
+
+
 class ShardReader:
     """Reads one shard file; ``verify=True`` also checks every data checksum on open.
 
@@ -163,6 +177,7 @@ class ShardReader:
         finally:
             os.close(fd)
         self._u8 = np.frombuffer(self._mm, dtype=np.uint8)
+        _LIVE_MAPS.add(self)
         self._derived: dict[Hashable, Any] = {}
         self._cache = block_cache if block_cache is not None else BlockCache()
         try:
@@ -534,6 +549,10 @@ class ShardReader:
         descriptor): smaller than it was when mapped if the file was truncated in
         place, whatever its path now names."""
         return int(self._mm.size())
+
+    def mapped_span(self) -> tuple[int, int]:
+        """(address, bytes) of the mapping; (0, 0) once closed."""
+        return (self._u8.ctypes.data, len(self._u8)) if len(self._u8) else (0, 0)
 
     def file_crc32(self) -> int:
         """CRC-32 of the whole file, as recorded in the archive index."""

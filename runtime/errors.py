@@ -36,6 +36,15 @@ class ShardChangedError(DlopError):
     the new end would kill the process (SIGBUS), so the read is refused."""
 
 
+def shard_shrank(path: object, size: int, now: int) -> ShardChangedError:
+    """The error for a shard at ``path`` mapped at ``size`` bytes and ``now`` smaller."""
+    return ShardChangedError(
+        f"{path}: shard shrank from {size} to {now} bytes after the archive opened it; "
+        "rewrite shards under a new name and os.replace them, never in place, while a "
+        "job reads them"
+    )
+
+
 RAISED_IN = "--- raised in "
 
 

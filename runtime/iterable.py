@@ -213,6 +213,7 @@ class IterableArchive(IterableDataset[Batch]):
         # each worker gathers one batch at a time, a rank's workers consecutive ones
         bucketing = self.reading.bucket_by is not None
         choice.check_budget(workers + 1, bucketing, f"{workers} DataLoader worker(s)")
+        choice.archive.check_shards()  # once a pass, not per batch (Planner.checks_batches)
         engine = choice.archive.own_engine()
         ring = self._worker_ring(worker) if info is not None else None
         self._handed_out = start

@@ -16,7 +16,6 @@ The buffer contract is in runtime.pipeline.ring.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Unpack, cast
@@ -205,6 +204,10 @@ class Loader:
         self._close_active()
         start = self.order.begin()
         epoch, batches = self.order.epoch, self.order.batches()
+        try:  # once an epoch, not per batch (Planner.checks_batches)
+            self.archive.check_shards()
+        except Exception as e:
+            raise self._wrapped(e, start, epoch) from e
         if self.prefetch == 0:
             run = InlineRun()
             self._active = weakref.ref(run)
@@ -351,6 +354,8 @@ class Loader:
 
     def __del__(self) -> None:
         # at interpreter exit a Loader may be collected after the modules its close uses
-        # were torn down; the exit hooks closed it already
-        with contextlib.suppress(Exception):
+        # were torn down (contextlib among them); the exit hooks closed it already
+        try:  # noqa: SIM105 (not contextlib.suppress: the module may be gone)
             self.close()
+        except Exception:
+            pass

@@ -187,8 +187,9 @@ class Archive(Dataset[dict[str, Any]]):
         idx = batch_indices(self.path, indices, len(self))
         if self.selection is not None:
             idx = torch.from_numpy(self.selection[idx.numpy()])
-        if len(idx) < 2 or bool((idx[1:] >= idx[:-1]).all()) or self._one_shard(idx):
-            return self.gather(idx)  # gathers take any order within a shard
+        ascending = len(idx) < 2 or bool((idx[1:] >= idx[:-1]).all())
+        if self.planner.by_arrays or ascending or self._one_shard(idx):
+            return self.gather(idx)  # gathers take any order within a shard (by arrays: any)
         order = torch.argsort(idx, stable=True)
         sorted_batch = self.gather(idx[order])
         inverse = torch.empty_like(order)
@@ -202,10 +203,14 @@ class Archive(Dataset[dict[str, Any]]):
             )
         return out
 
-    def check_shards(self, shards: Sequence[int] | np.ndarray) -> None:
-        """Raises ShardChangedError when a shard among ``shards`` (numbers) has shrunk
-        since it was mapped (see runtime.storage.supply.LocalSupply.check)."""
-        self.supply.check(shards)
+    def check_shards(self, shards: Sequence[int] | np.ndarray | None = None) -> None:
+        """Raises ShardChangedError when a shard among ``shards`` (numbers; None: every
+        shard) has shrunk since it was mapped (see runtime.storage.supply.LocalSupply.check).
+        The Loader and IterableArchive check every shard as each epoch starts."""
+        if shards is None:
+            self.planner.check_all()
+        else:
+            self.supply.check(shards)
 
     def shards_of(self, indices: torch.Tensor) -> np.ndarray:
         """The shard numbers that global ``indices`` fall in."""
@@ -220,7 +225,8 @@ class Archive(Dataset[dict[str, Any]]):
     def plan(
         self, indices: torch.Tensor, out: dict[str, torch.Tensor] | Allocate | None = None
     ) -> tuple[Batch, CopyPlan]:
-        """The batch for ascending global ``indices`` and the copies that fill it.
+        """The batch for global ``indices`` and the copies that fill it: ascending,
+        unless every field plans by arrays (``planner.by_arrays``), which takes any order.
 
         Its tensors are views of ``out`` (flat buffers by field name, see
         ``buffer_numel``), made by ``out`` (an allocator), or fresh; they hold

@@ -23,6 +23,7 @@ import torch
 from dlop.formats import Field, ShardReader
 
 from ..batch import Batch
+from ..gather.engine import compiled
 from ..gather.fields import Allocate, FieldGather, Groups, batch_groups
 from ..gather.mapped import FixedRawGather, RaggedRowsGather
 from ..gather.plan import CopyPlan
@@ -35,18 +36,23 @@ Out = dict[str, torch.Tensor] | Allocate | None
 PLANNERS_KEPT = 64
 
 
+def gather_kind(field: Field) -> type[FieldGather]:
+    """The gather for a field's kind and storage (runtime.gather.fields lists them)."""
+    if field.kind in ("str", "bytes"):
+        return TextGather
+    mapped = field.codec.mappable
+    if not field.ragged and mapped:
+        return FixedRawGather
+    if mapped and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
+        return RaggedRowsGather
+    return PerSampleGather
+
+
 def gather_for(
     field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
 ) -> FieldGather:
-    """The gather for a field's kind and storage (runtime.gather.fields lists them)."""
-    if field.kind in ("str", "bytes"):
-        return TextGather(field, shards, starts, pad_value)
-    mapped = field.codec.mappable
-    if not field.ragged and mapped:
-        return FixedRawGather(field, shards, starts, pad_value)
-    if mapped and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
-        return RaggedRowsGather(field, shards, starts, pad_value)
-    return PerSampleGather(field, shards, starts, pad_value)
+    """The gather of ``gather_kind`` for ``field`` over ``shards``."""
+    return gather_kind(field)(field, shards, starts, pad_value)
 
 
 def shards_of(shard_starts: np.ndarray, indices: torch.Tensor) -> np.ndarray:
@@ -76,10 +82,25 @@ class Planner:
         self.shard_starts = shard_starts  # the first sample of each shard, then the total
         self.starts = torch.from_numpy(shard_starts[:-1].copy())
         self.pad_value = pad_value
+        # every field planned by arrays: a batch's indices in any order, no mapped byte
+        # read in Python (FieldGather.by_arrays)
+        self.by_arrays = all(gather_kind(f).by_arrays for f in self.fields.values())
         self.gathers: dict[str, FieldGather] = self.made_gathers()
 
     def made_gathers(self) -> dict[str, FieldGather]:
         raise NotImplementedError
+
+    def checks_batches(self) -> bool:
+        """Whether each batch's shards are checked before it is planned (the supply's
+        ``check``): where Python reads mapped bytes, or copies run without the compiled
+        copier, which turns a read past a truncated shard's end into an error. Otherwise
+        ``check_all`` at each epoch's start is the check, and a copy's fault names the
+        shard."""
+        return not self.by_arrays or compiled() is None
+
+    def check_all(self) -> None:
+        """Checks every shard the supply holds mapped (at an epoch's start)."""
+        self.supply.check(np.arange(len(self.shard_starts) - 1))
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
         """The batch for ascending global ``indices`` and the copies that fill it."""
@@ -97,7 +118,8 @@ class Mapped(Planner):
         }
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
-        self.supply.check(shards_of(self.shard_starts, indices))
+        if self.checks_batches():
+            self.supply.check(shards_of(self.shard_starts, indices))
         return plan_fields(self.gathers, indices, batch_groups(indices, self.starts), out)
 
 
@@ -172,7 +194,8 @@ class Fetched(Planner):
         # batch's samples in it are verified.
         readers = [self.supply.partial_shard(k) for k in key]
         arriving = False  # a shard still arriving: its gathers are not kept
-        self.supply.check(touched)
+        if self.checks_batches():
+            self.supply.check(touched)
         sizes = [r.num_samples for r in readers]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         if len(indices):  # global sample numbers to numbers within the touched shards

@@ -28,9 +28,9 @@
  * (truncated by something other than dlop) makes a read past its new end fault
  * with SIGBUS, which would kill the process. While a copy runs, its thread
  * catches that fault (a SIGBUS handler, chained to the one installed before,
- * and a per-thread jump buffer): the call stops and raises MappingFault with
- * the faulting address instead. A SIGBUS outside a copy goes to the previous
- * handler, or ends the process as it would have.
+ * and a per-thread jump buffer): the call stops and raises MappingFault instead,
+ * its ``address`` the faulting address. A SIGBUS outside a copy goes to the
+ * previous handler, or ends the process as it would have.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -168,12 +168,29 @@ static int catch_bus_faults(void)
     return 0;
 }
 
+/* Raises MappingFault, its ``address`` the faulting address (which file it was in is
+ * for the caller to tell, from the mappings it holds). */
 static PyObject *fault_error(void)
 {
-    PyErr_Format(MappingFault,
-                 "a read from a mapped file faulted at address %p (SIGBUS): the file "
-                 "shrank under its mapping while a batch was copied from it",
-                 fault_address);
+    PyObject *message = PyUnicode_FromFormat(
+        "a read from a mapped file faulted at address %p (SIGBUS): the file "
+        "shrank under its mapping while a batch was copied from it",
+        fault_address);
+    if (message == NULL)
+        return NULL;
+    PyObject *error = PyObject_CallOneArg(MappingFault, message);
+    Py_DECREF(message);
+    if (error == NULL)
+        return NULL;
+    PyObject *address = PyLong_FromVoidPtr(fault_address);
+    if (address == NULL || PyObject_SetAttrString(error, "address", address) < 0) {
+        Py_XDECREF(address);
+        Py_DECREF(error);
+        return NULL;
+    }
+    Py_DECREF(address);
+    PyErr_SetObject(MappingFault, error);
+    Py_DECREF(error);
     return NULL;
 }
 

@@ -40,8 +40,9 @@ import numpy as np
 import torch
 
 from dlop.formats.heap import libc
+from dlop.formats.reader import mapped_at
 
-from ..errors import ShardChangedError
+from ..errors import ShardChangedError, shard_shrank
 from .plan import CopyPlan, Rows, Step
 from .threads import JobThread, at_exit
 
@@ -103,6 +104,9 @@ def execute_step(step: Step, streaming: bool) -> None:
     try:
         _execute(step, streaming, lib)
     except lib.MappingFault as e:
+        reader = mapped_at(getattr(e, "address", 0))
+        if reader is not None:  # named, with its sizes, as a check before the read names it
+            raise shard_shrank(reader.path, reader.mapped_span()[1], reader.mapped_size()) from None
         raise ShardChangedError(
             f"{e}; a shard file was truncated while it was read: nothing but dlop should "
             "write shards or the files in its cache (rewrite a shard as a new file, then "

@@ -199,7 +199,12 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 class FieldGather:
     """Plans one field's part of a batch of global indices (any order within a shard,
-    ascending across shards; see shard_groups)."""
+    ascending across shards; see shard_groups), unless it plans ``by_arrays``."""
+
+    # Plans a batch by array arithmetic over all its indices, in any order, and reads
+    # no mapped byte in Python: its copies, by the compiled copier, catch a shard
+    # truncated under them (runtime.gather.engine), so no check precedes each batch.
+    by_arrays = False
 
     def __init__(
         self, field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float

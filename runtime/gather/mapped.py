@@ -37,6 +37,8 @@ class FixedRawGather(FieldGather):
     """Fixed-shape raw fields: one ``Rows`` step per batch over a table of the shards'
     rows."""
 
+    by_arrays = True
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.row_bytes = math.prod(self.trail) * self.out_dtype.itemsize
@@ -62,6 +64,8 @@ class RaggedRowsGather(FieldGather):
     """Raw ragged fields whose only varying dimension is the first: one run per sample
     of its rows, one run of padding after it, planned as arrays over the batch (each
     sample's first row and length held for all shards in one array each)."""
+
+    by_arrays = True
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)

@@ -30,7 +30,7 @@ import numpy as np
 
 from dlop.formats import ArchiveReader, Field, ShardReader
 
-from ..errors import ShardChangedError
+from ..errors import shard_shrank
 
 
 class ShardSupply(abc.ABC):
@@ -147,9 +147,4 @@ class LocalSupply(ShardSupply):
             # fstat of the mapping's own descriptor: the mapped file, whatever its path names now
             size, now = self.sizes[k], self.shards[k].mapped_size()
             if now < size:
-                path = self.shards[k].path
-                raise ShardChangedError(
-                    f"{path}: shard shrank from {size} to {now} bytes after the "
-                    "archive opened it; rewrite shards under a new name and os.replace "
-                    "them, never in place, while a job reads them"
-                )
+                raise shard_shrank(self.shards[k].path, size, now)

@@ -297,8 +297,9 @@ def test_the_source_hears_of_shards_ahead_and_lets_go_after(archive: Path, prefe
     loader = Loader(ds, 6, seed=1, prefetch=prefetch)
     batches = loader.batches()
     assert sum(len(b["label"]) for b in loader) == 41
-    reads = [shards for what, shards in source.log if what == "read"]
-    assert len(reads) == len(batches)
+    epoch_check, *reads = [shards for what, shards in source.log if what == "read"]
+    assert epoch_check == tuple(range(len(ds.shards)))  # every shard, as the epoch starts
+    assert len(reads) == len(batches)  # then each batch's (text fields are read in Python)
     for j, shards in enumerate(reads):
         read_at = next(i for i, e in enumerate(source.log) if e == ("read", shards))
         asked = {k for what, s in source.log[:read_at] if what == "ask" for k in s}
@@ -330,7 +331,7 @@ class CountingSupply(RecordingSupply):
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("end", ["full", "stop", "error"])
 def test_every_ask_is_released_once(archive: Path, prefetch: int, end: str) -> None:
-    source = CountingSupply(open_archive(archive).supply, fail_at=3 if end == "error" else None)
+    source = CountingSupply(open_archive(archive).supply, fail_at=4 if end == "error" else None)
     ds = Archive.over(source)
     loader = Loader(ds, 4, seed=2, prefetch=prefetch)
     batches = loader.batches()

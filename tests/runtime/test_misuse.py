@@ -146,7 +146,7 @@ def test_loader_errors_are_wrapped_alike_and_usage_errors_kept(
 
         def check(self, shards: Any) -> None:
             self.reads += 1
-            if self.reads == 2:
+            if self.reads == 3:  # the epoch's check of every shard, batch 0, batch 1
                 raise OSError("simulated read failure")
             self.inner.check(shards)
 
