@@ -32,6 +32,13 @@ class Batch(dict[str, Any]):
         return (Batch, (dict(self),), self.__dict__ or None)
 
 
+def split_batch(batch: Batch, sizes: list[int]) -> list[Batch]:
+    """A batch of tensors cut along its first dimension into batches of ``sizes``
+    samples, views of its tensors."""
+    parts = {k: v.split(sizes) for k, v in batch.items()}
+    return [Batch({k: p[i] for k, p in parts.items()}) for i in range(len(sizes))]
+
+
 class Collated:
     """A batch in the shape of a user's samples (a tuple, or nested: runtime.archive.structure),
     as ``__getitems__`` hands it to DataLoader's collate: registered as already collated,

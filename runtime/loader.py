@@ -27,7 +27,7 @@ from dlop.formats import DlopError
 
 from .archive.concat import ArchivePaths
 from .archive.dataset import Archive
-from .batch import Batch
+from .batch import Batch, split_batch
 from .errors import LoaderError, SampleIndexError, UsageError, UsageTypeError, check_int
 from .gather.engine import CopyEngine
 from .gather.plan import CopyPlan
@@ -42,7 +42,7 @@ from .pipeline.prefetch import (
     STOPPED_MESSAGE,
     Asks,
     InlineRun,
-    PlanBatch,
+    PlanGroup,
     Prefetcher,
     PrefetchIter,
     Production,
@@ -51,6 +51,12 @@ from .pipeline.ring import Slot, allocate, slot_count
 from .transforms.base import Transform, TransformStage, check_transforms
 
 __all__ = ["STATE_FORMAT", "STATE_SETTINGS", "Loader", "LoaderError", "Transform"]
+
+# Small batches of fixed-size fields are made in groups of up to GROUP_BATCHES batches
+# and GROUP_BYTES bytes: a batch's fixed costs (planning, a copy call per field, the
+# hand-over between threads) are paid once a group (Loader._group_size).
+GROUP_BYTES = 1 << 20
+GROUP_BATCHES = 64
 
 # Raised as they are from the training loop: they name the misuse already.
 USAGE_ERRORS = (UsageError, UsageTypeError, SampleIndexError)
@@ -148,6 +154,7 @@ class Loader:
         self.transforms = tuple(transforms)
         self.transform = TransformStage(self.transforms, seed, self.device)
         self._slots: list[Slot] | None = None
+        self._group: int | None = None  # batches made as one (_group_size)
         self._active: weakref.ref[PrefetchIter | InlineRun] | None = None
         self.prefetcher = Prefetcher("dlop-loader")
         # Slots that take turns have left the cache when refilled: stream into them.
@@ -213,12 +220,13 @@ class Loader:
             self._active = weakref.ref(run)
             return self._deliver(self._inline(batches, start, epoch, run), epoch)
         asks = Asks(self.archive, batches)
+        slots = self._ring()
         production = Production(
             self._planner(batches, asks),
             self.engine,
             self.to_device,
-            self._ring(),
-            range(start, len(batches)),
+            slots,
+            self._groups(start, len(batches)),
             asks.release,
             asks.release_all,
         )
@@ -240,14 +248,41 @@ class Loader:
             self.order.handed_out(number + 1)
             yield batch if shaped is None else shaped.batch(batch)
 
-    def _planner(self, batches: list[np.ndarray], asks: Asks) -> PlanBatch:
-        """The gather stage for the producer: batch j planned into a ring slot."""
+    def _planner(self, batches: list[np.ndarray], asks: Asks) -> PlanGroup:
+        """The gather stage for the producer: a group of batches planned into a ring slot,
+        as one plan when there are several (``_group_size``)."""
 
-        def plan_batch(j: int, slot: Slot) -> tuple[Batch, CopyPlan]:
-            asks.ask_through(j)
-            return self.plan(batches[j], slot.buffers)
+        def plan_group(numbers: range, slot: Slot) -> tuple[list[Batch], CopyPlan]:
+            for j in numbers:
+                asks.ask_through(j)
+            if len(numbers) == 1:
+                batch, plan = self.plan(batches[numbers[0]], slot.buffers)
+                return [batch], plan
+            parts = [batches[j] for j in numbers]
+            whole, plan = self.plan(np.concatenate(parts), slot.buffers)
+            return split_batch(whole, [len(p) for p in parts]), plan
 
-        return plan_batch
+        return plan_group
+
+    def _groups(self, start: int, end: int) -> list[range]:
+        """Batches ``start`` to ``end`` in the groups the producer makes them in."""
+        size = self._group_size()
+        return [range(j, min(j + size, end)) for j in range(start, end, size)]
+
+    def _group_size(self) -> int:
+        """Batches made as one: a group of small batches of fixed-size fields costs one
+        plan, one copy call per field and one hand-over (docs/runtime.md); others, and
+        batches for a CUDA device, are made one by one."""
+        if self._group is None:
+            self._group = 1
+            if not self.to_device.cuda and self.archive.planner.groups_batches:
+                b = min(self.spec.batch_size, max(1, self.spec.num_samples))
+                nbytes = sum(
+                    (g.buffer_numel(b) or 0) * g.out_dtype.itemsize
+                    for g in self.archive.gathers.values()
+                )
+                self._group = max(1, min(GROUP_BATCHES, GROUP_BYTES // max(1, nbytes)))
+        return self._group
 
     def _inline(
         self, batches: list[np.ndarray], start: int, epoch: int, run: InlineRun
@@ -256,27 +291,34 @@ class Loader:
         buffer still warm in cache, at the cost of the gather's time in the loop."""
         slots = self._ring()
         asks = Asks(self.archive, batches)
+        plan_group = self._planner(batches, asks)
         try:
-            for j in range(start, len(batches)):
+            for g, numbers in enumerate(self._groups(start, len(batches))):
                 if run.closed:
                     raise LoaderError(STOPPED_MESSAGE)
-                slot = slots[j % len(slots)]
+                slot = slots[g % len(slots)]
                 try:
                     slot.wait_copied()
-                    asks.ask_through(j)
                     try:
-                        batch, plan = self.plan(batches[j], slot.buffers)
+                        made, plan = plan_group(numbers, slot)
                         self.engine.run(plan)
                     finally:
-                        asks.release(j)
-                    batch, slot.event = self.to_device.copy(batch)
-                    self.to_device.use(batch, slot.event)
+                        for j in numbers:
+                            asks.release(j)
+                    moved = []
+                    for batch in made:
+                        batch, slot.event = self.to_device.copy(batch)
+                        self.to_device.use(batch, slot.event)
+                        moved.append(batch)
                 except Exception as e:
-                    error = self._wrapped(e, j, epoch)
+                    error = self._wrapped(e, numbers[0], epoch)
                     if error is e:
                         raise
                     raise error from e
-                yield j, batch
+                for j, batch in zip(numbers, moved, strict=True):
+                    if run.closed:
+                        raise LoaderError(STOPPED_MESSAGE)
+                    yield j, batch
         finally:
             asks.release_all()  # stopped early: the batch asked ahead, too
 
@@ -318,6 +360,7 @@ class Loader:
             # No batch holds more samples than the archive: a larger batch_size
             # does not make larger buffers.
             b = min(self.spec.batch_size, max(1, self.spec.num_samples))
+            b *= self._group_size()  # a group's batches share a slot
             sizes = {}
             for name, g in self.archive.gathers.items():
                 numel = g.buffer_numel(b)

@@ -90,6 +90,13 @@ class Planner:
     def made_gathers(self) -> dict[str, FieldGather]:
         raise NotImplementedError
 
+    @property
+    def groups_batches(self) -> bool:
+        """Whether several batches may be planned as one, then cut apart: every field
+        fixed-size (a batch's tensors then do not depend on which batch it is), every
+        shard mapped for good."""
+        return False
+
     def checks_batches(self) -> bool:
         """Whether each batch's shards are checked before it is planned (the supply's
         ``check``): where Python reads mapped bytes, or copies run without the compiled
@@ -109,6 +116,10 @@ class Planner:
 
 class Mapped(Planner):
     """Plans over every shard of a supply that maps them all for good."""
+
+    @property
+    def groups_batches(self) -> bool:
+        return all(isinstance(g, FixedRawGather) for g in self.gathers.values())
 
     def made_gathers(self) -> dict[str, FieldGather]:
         shards = self.supply.shards

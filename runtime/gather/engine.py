@@ -15,7 +15,8 @@ Two ways of copying, chosen per process:
   kernels called from a second thread are an order of magnitude slower.
 
 Work reaches helpers one way: ``start(plan)`` cuts the plan into shares, one
-per helper, queues them and returns a ``Ticket``; ``Ticket.wait()`` is the one
+per helper, queues them and returns a ``Ticket`` (a small plan it copies
+itself first); ``Ticket.wait()`` is the one
 way to wait, and raises the first error a share met. A helper runs what it is
 given in order, so a plan started while the previous one is still copying
 follows it without a gap. ``run(plan)`` is ``start`` with the calling thread
@@ -47,6 +48,9 @@ from .plan import CopyPlan, Rows, Step
 from .threads import JobThread, at_exit
 
 PARALLEL_MIN_BYTES = 1 << 20  # below this, one share: handing work over costs more
+# A plan this small is copied by the thread that starts it: waking a helper and waiting
+# for it costs more than the copy.
+INLINE_MAX_BYTES = 64 << 10
 # Smaller plans stay in cache until they are read: streaming them only costs.
 STREAMING_MIN_BYTES = 4 << 20
 # A few threads reach a machine's copy bandwidth; more only compete with training.
@@ -245,7 +249,12 @@ class CopyEngine:
         return self.streaming and plan.nbytes >= STREAMING_MIN_BYTES
 
     def start(self, plan: CopyPlan) -> Ticket:
-        """Queues the plan's shares on the helpers and returns at once."""
+        """Queues the plan's shares on the helpers and returns at once; a plan below
+        ``INLINE_MAX_BYTES`` is copied first, here."""
+        if plan.nbytes < INLINE_MAX_BYTES:
+            ticket = Ticket(1)
+            _run_and_report(ticket, plan.steps, self._streams(plan))
+            return ticket
         shares = plan.shares(self.threads, PARALLEL_MIN_BYTES)
         return self._submit(shares, self._streams(plan))
 

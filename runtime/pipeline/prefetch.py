@@ -1,9 +1,13 @@
 """The prefetch stage: batches made ahead on one producer thread, handed over through the ring.
 
-The producer plans batch j+1 (row lists, decoded blocks, text) while the copy
-engine's helpers copy batch j, and starts j+1's copies behind j's, so the
-helpers copy back to back; then it waits for j's copies, queues j's copy to
-the device and hands j over. At most two batches are in flight.
+The producer works in groups of consecutive batches: one batch each, or, for
+small batches of fixed-size fields, several planned as one, copied in one call
+per field and handed over at once (runtime.loader chooses; a group's batches
+are views of one ring slot). It plans group g+1 (row lists, decoded blocks,
+text) while the copy engine's helpers copy group g, and starts g+1's copies
+behind g's, so the helpers copy back to back; then it waits for g's copies,
+queues g's copy to the device and hands g over. At most two groups are in
+flight.
 
 Back-pressure: the producer takes a free ring slot for each batch. While none
 is free it finishes and hands over the oldest batch in flight only if the
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import queue
 import threading
 import traceback
@@ -43,15 +48,16 @@ from .ring import FreeSlots, Slot
 if TYPE_CHECKING:
     from ..archive.dataset import Archive
 
-PlanBatch = Callable[[int, Slot], tuple[Batch, CopyPlan]]
+# The batches numbered ``numbers``, planned into a ring slot, and the copies that fill them.
+PlanGroup = Callable[[range, Slot], tuple[list[Batch], CopyPlan]]
 Copied = Callable[[int], None]  # batch j's copies are done (its supply may let go)
 Ended = Callable[[], None]  # the production has ended, its copies done (let go of the rest)
 
 
 @dataclass
 class Ready:
-    number: int
-    batch: Batch | None = None
+    number: int  # of the first batch
+    batches: list[Batch] | None = None
     slot: Slot | None = None
     event: Any = None
     error: BaseException | None = None
@@ -79,12 +85,15 @@ class Asks:
         self.batches = batches
         self.out: dict[int, list[int]] = {}  # asked for, not yet let go of
         self.firsts: tuple[np.ndarray, np.ndarray] | None = None
+        self.hears = archive.supply.hears_asks  # else asks and releases are not made
         self.fetches = archive.supply.shards is None  # per batch: a supply that fetches
         archive.supply.forget_failures()  # a new epoch's batches try failed shards again
         archive.supply.read_order(batches)  # a shard arriving in parts: those read first
 
     def ask_through(self, j: int) -> None:
         """Batch j (if not asked for yet) and the one after it."""
+        if not self.hears:
+            return
         for k in (j, j + 1):
             if k < len(self.batches) and k not in self.out:
                 shards = self.archive.shards_of(torch.from_numpy(self.batches[k])).tolist()
@@ -130,26 +139,27 @@ class InlineRun:
 
 
 class Production:
-    """One epoch's batches ``numbers``, made on the producer thread (``run``) and taken
-    by the training loop (``PrefetchIter``). It holds no reference to the iterator,
-    so an iterator the training loop drops is collected and stops its epoch."""
+    """One epoch's batches, in ``groups`` of consecutive numbers, made on the producer
+    thread (``run``) and taken by the training loop (``PrefetchIter``). It holds no
+    reference to the iterator, so an iterator the training loop drops is collected and
+    stops its epoch."""
 
     def __init__(
         self,
-        plan_batch: PlanBatch,
+        plan_group: PlanGroup,
         engine: CopyEngine,
         device: DeviceStage,
         slots: list[Slot],
-        numbers: range,
+        groups: list[range],
         copied: Copied,
         ended: Ended = lambda: None,
     ) -> None:
-        self.plan_batch = plan_batch
+        self.plan_group = plan_group
         self.copied = copied
         self.ended = ended
         self.engine = engine
         self.device = device
-        self.numbers = numbers
+        self.groups = groups
         self.free = FreeSlots(slots, lifo=not device.cuda)
         self.consumer_waiting = False  # guarded by free.cond
         # Device batches handed over and not yet taken, and how many may be (CUDA only).
@@ -159,14 +169,16 @@ class Production:
         self.held: Slot | None = None
         self.stop = threading.Event()
         self.finished = threading.Event()
-        self.in_flight: collections.deque[tuple[int, Batch, Slot, Ticket]] = collections.deque()
+        self.in_flight: collections.deque[tuple[range, list[Batch], Slot, Ticket]] = (
+            collections.deque()
+        )
 
     def run(self) -> None:
         end: object = _STOPPED  # halted or failed unless it reaches the end
         try:
-            for j in self.numbers:
+            for numbers in self.groups:
                 slot = self._take_slot()
-                if slot is None or not self._start(j, slot):
+                if slot is None or not self._start(numbers, slot):
                     return
                 if len(self.in_flight) > 1 and not self._publish():
                     return
@@ -185,40 +197,45 @@ class Production:
             # Last, so a training loop waiting in ``next`` always wakes up.
             self.ready.put(end)
 
-    def _start(self, j: int, slot: Slot) -> bool:
-        """Plans batch j into ``slot`` and starts its copies; False after an error."""
+    def _start(self, numbers: range, slot: Slot) -> bool:
+        """Plans the batches ``numbers`` into ``slot`` and starts their copies; False
+        after an error."""
         try:
             slot.wait_copied()
-            batch, plan = self.plan_batch(j, slot)
-            self.in_flight.append((j, batch, slot, self.engine.start(plan)))
+            batches, plan = self.plan_group(numbers, slot)
+            self.in_flight.append((numbers, batches, slot, self.engine.start(plan)))
             return True
         except BaseException as e:
             trace = traceback.format_exc()
             while self.in_flight:
                 if not self._publish():
                     return False
-            self.ready.put(Ready(j, error=kept(e, note=False), trace=trace))
+            self.ready.put(Ready(numbers[0], error=kept(e, note=False), trace=trace))
             return False
 
     def _publish(self) -> bool:
-        """Finishes the oldest batch in flight and hands it over; False after an error."""
-        j, batch, slot, ticket = self.in_flight.popleft()
+        """Finishes the oldest group in flight and hands it over; False after an error."""
+        numbers, batches, slot, ticket = self.in_flight.popleft()
         try:
             try:
                 ticket.wait()
             finally:
-                self.copied(j)
-            batch, event = self.device.copy(batch)
+                for j in numbers:
+                    self.copied(j)
+            moved, event = [], None
+            for batch in batches:
+                batch, event = self.device.copy(batch)
+                moved.append(batch)
             if self.device.cuda:
                 slot.event = event
                 with self.free.cond:
                     self.untaken += 1
                     self.free.put(slot)  # refilled only after its event completes
-            self.ready.put(Ready(j, batch, None if self.device.cuda else slot, event))
+            self.ready.put(Ready(numbers[0], moved, None if self.device.cuda else slot, event))
             return True
         except BaseException as e:
             trace = traceback.format_exc()
-            self.ready.put(Ready(j, error=kept(e, note=False), trace=trace))
+            self.ready.put(Ready(numbers[0], error=kept(e, note=False), trace=trace))
             return False
 
     def _take_slot(self) -> Slot | None:
@@ -245,7 +262,7 @@ class Production:
         return self.free.pop()
 
     def taken(self) -> None:
-        """The training loop took a device batch: the producer may make another."""
+        """The training loop took a device group: the producer may make another."""
         if self.ahead is not None:
             with self.free.cond:
                 self.untaken -= 1
@@ -272,6 +289,7 @@ class PrefetchIter:
         self.p = production
         self.producer = producer
         self.fail = fail
+        self.pending: collections.deque[tuple[int, Batch]] = collections.deque()  # of a group
         producer.submit(production.run)
 
     def __iter__(self) -> PrefetchIter:
@@ -279,6 +297,11 @@ class PrefetchIter:
 
     def __next__(self) -> tuple[int, Batch]:
         p = self.p
+        if self.pending:  # the rest of a group taken: no hand-over, its slot still held
+            if p.stop.is_set():
+                self.close()
+                raise LoaderError(STOPPED_MESSAGE)
+            return self.pending.popleft()
         with p.free.cond:
             if p.held is not None:
                 p.free.put(p.held)
@@ -301,7 +324,7 @@ class PrefetchIter:
             if item is _DONE:
                 raise StopIteration
             raise LoaderError(STOPPED_MESSAGE)
-        if item.batch is not None:
+        if item.batches is not None:
             p.taken()
         if item.error is not None:
             self.close()
@@ -309,9 +332,12 @@ class PrefetchIter:
             if error is item.error:  # a usage error, raised as it is
                 raise error
             raise error from item.error
-        p.device.use(item.batch, item.event)
-        p.held = item.slot
-        return item.number, item.batch
+        first, *rest = item.batches
+        for batch in item.batches:
+            p.device.use(batch, item.event)
+        p.held = item.slot  # given back when the group's last batch is done with
+        self.pending.extend(zip(itertools.count(item.number + 1), rest))
+        return item.number, first
 
     def halt(self) -> None:
         """Asks the producer to stop, without waiting for it (``close`` waits)."""

@@ -43,9 +43,12 @@ class ShardSupply(abc.ABC):
     supply serves block-coded fields decoded); ``shard_sizes`` counts the samples of
     every shard, numbered one archive after another. ``shards`` lists every shard when
     all are mapped for good, else None (shards are mapped per batch: ``shard(k)``
-    between ``ask`` and ``release``).
+    between ``ask`` and ``release``). ``hears_asks``: whether ``ask`` and ``release``
+    do anything (a supply that maps everything in place ignores them, and the Loader
+    then spares each batch working out its shards).
     """
 
+    hears_asks = True
     name: str
     paths: tuple[Path | str, ...]
     readers: list[ArchiveReader]
@@ -113,6 +116,8 @@ def open_reader(path: Path, block_cache_bytes: int) -> ArchiveReader:
 class LocalSupply(ShardSupply):
     """Shards of local archives (one, or several read as one: their shards numbered one
     archive after another), memory-mapped once when the supply opens."""
+
+    hears_asks = False
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], block_cache_bytes: int) -> None:
         self.paths: tuple[Path, ...] = tuple(Path(p) for p in paths)

@@ -178,11 +178,13 @@ def test_copier_spreads_runs_over_threads(
 
 
 def _tagged_plan(tags: dict[int, tuple[int, int]], batch: int) -> CopyPlan:
-    """A plan of two equal steps, one per share, each tagged (batch, part)."""
-    table = RowTable([torch.zeros(1, 64, dtype=torch.uint8)], 64)
+    """A plan of two equal steps, one per share, each tagged (batch, part); large
+    enough to go to the helpers (INLINE_MAX_BYTES)."""
+    row = engine_module.INLINE_MAX_BYTES
+    table = RowTable([torch.zeros(1, row, dtype=torch.uint8)], row)
     steps = []
     for part in (0, 1):
-        step = Rows(torch.empty(64, dtype=torch.uint8), table, None, np.zeros(1, np.int64))
+        step = Rows(torch.empty(row, dtype=torch.uint8), table, None, np.zeros(1, np.int64))
         tags[id(step)] = (batch, part)
         steps.append(step)
     return CopyPlan(steps)

@@ -269,6 +269,8 @@ def test_synchronous_loader_matches_the_threaded_one_and_resumes(archive: Path) 
 class RecordingSupply:
     """A source stage that records what it hears, around the archive's own."""
 
+    hears_asks = True  # as a supply that fetches: the Loader asks it before each batch
+
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.log: list[tuple[str, tuple[int, ...]]] = []
