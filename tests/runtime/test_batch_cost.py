@@ -1,0 +1,237 @@
+"""What a batch costs does not grow with the shards it touches, and small batches share
+their fixed costs: fixed fields are one copy step per batch over every shard, archives
+whose fields all plan by arrays are checked once an epoch instead of per batch, and
+small batches of fixed fields are made in groups. Each is checked against what the
+same reading gives without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dlop.formats import ArchiveWriter, Field
+from dlop.runtime import Archive, Loader, LoaderError, Source, open_archive
+from dlop.runtime import loader as loader_module
+from dlop.runtime.gather.plan import Rows
+
+from .helpers import make_archive
+
+N = 1000
+
+
+def write_small(path: Path, n: int = N, first: int = 0) -> Path:
+    """Small fixed-size samples in many shards; ``label`` is the sample's number (plus
+    ``first``), and the other fields follow from it."""
+    fields = [Field("x", "u8", (8,)), Field("label", "i64", ()), Field("emb", "f32", (3,))]
+    with ArchiveWriter(path, fields, shard_bytes=700) as w:
+        for i in range(first, first + n):
+            w.write({"x": np.full(8, i % 251, np.uint8), "label": i, "emb": emb(i)})
+    return path
+
+
+def emb(i: int) -> np.ndarray:
+    return np.array([i, -i, i / 2], np.float32)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_small(tmp_path_factory.mktemp("s") / "a")
+
+
+def consistent(batch: dict[str, Any]) -> list[int]:
+    """The batch's labels, after checking every field agrees with them."""
+    labels = batch["label"].tolist()
+    assert batch["x"].tolist() == [[i % 251] * 8 for i in labels]
+    np.testing.assert_array_equal(batch["emb"].numpy(), np.stack([emb(i) for i in labels]))
+    return labels
+
+
+def snapshot(loader: Loader, stop: int | None = None) -> list[dict[str, Any]]:
+    out = []
+    for j, b in enumerate(loader):
+        if j == stop:
+            break
+        out.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()})
+    return out
+
+
+def one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader_module, "GROUP_BATCHES", 1)
+
+
+def test_the_archive_has_many_shards_and_small_batches_are_grouped(
+    small: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loader = Loader(small, 8, seed=0)
+    assert len(loader.archive.shards) >= 40
+    assert loader._group_size() == loader_module.GROUP_BATCHES  # 8 x 28 bytes a batch
+    assert Loader(make_archive(small.parent / "ragged"), 8)._group_size() == 1  # ragged, text
+    monkeypatch.setattr(loader_module, "GROUP_BYTES", 64 * 28)  # a group: 64 samples
+    assert Loader(small, 8)._group_size() == 8
+    assert Loader(small, 64)._group_size() == Loader(small, 100)._group_size() == 1
+    loader = Loader(small, 8, seed=0, prefetch=2)
+    assert all(b["x"].numel() == 8 * 8 * 8 for b in loader.buffers())  # 8 batches a slot
+
+
+@pytest.mark.parametrize("order", ["window", "global"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize(("batch_size", "drop_last"), [(7, False), (32, True), (32, False)])
+def test_grouped_batches_are_the_orders_batches(
+    small: Path, order: str, prefetch: int, batch_size: int, drop_last: bool
+) -> None:
+    loader = Loader(small, batch_size, seed=3, order=order, prefetch=prefetch, drop_last=drop_last)
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        got = [consistent(b) for b in loader]
+        assert got == [b.tolist() for b in loader.batches()]
+    loader.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_grouped_equals_one_by_one_across_ranks_mixtures_and_transforms(
+    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefetch: int
+) -> None:
+    other = write_small(tmp_path / "b", n=300, first=N)
+
+    def shift(batch: dict[str, Any], generator: torch.Generator) -> dict[str, Any]:
+        return {**batch, "emb": batch["emb"] + torch.rand(1, generator=generator)}
+
+    def epochs() -> list[list[dict[str, Any]]]:
+        made = []
+        for rank in (0, 1):
+            mixture = {"a": Source(small, weight=1.0), "b": Source(other, weight=2.0)}
+            for source in (small, mixture):
+                loader = Loader(
+                    source,
+                    16,
+                    seed=5,
+                    rank=rank,
+                    world_size=2,
+                    prefetch=prefetch,
+                    transforms=(shift,),
+                    **({"samples_per_epoch": 900} if isinstance(source, dict) else {}),
+                )
+                made.append(snapshot(loader))
+                loader.close()
+        return made
+
+    grouped = epochs()
+    one_by_one(monkeypatch)
+    alone = epochs()
+    assert len(grouped) == len(alone) == 4
+    for a, b in zip(grouped, alone, strict=True):
+        assert len(a) == len(b) > 10
+        for x, y in zip(a, b, strict=True):
+            assert x.keys() == y.keys()
+            for k in x:
+                assert torch.equal(x[k], y[k]), k
+    assert any("source" in batches[0] for batches in grouped)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_resume_inside_a_group_continues_exactly(small: Path, prefetch: int) -> None:
+    whole = [b.tolist() for b in Loader(small, 8, seed=1).batches()]
+    loader = Loader(small, 8, seed=1, prefetch=prefetch)
+    assert loader._group_size() > 5
+    it = iter(loader)
+    for _ in range(5):  # inside the first group
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    again = Loader(small, 8, seed=1, prefetch=prefetch)
+    again.load_state_dict(state)
+    assert [consistent(b) for b in again] == whole[5:]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("how", ["close", "new iter"])
+def test_the_rest_of_a_group_is_not_handed_out_once_stopped(
+    small: Path, prefetch: int, how: str
+) -> None:
+    loader = Loader(small, 8, seed=1, prefetch=prefetch)
+    it = iter(loader)
+    next(it)
+    next(it)
+    if how == "close":
+        loader.close()
+    else:
+        iter(loader)
+    with pytest.raises(LoaderError, match="this Loader iterator was stopped"):
+        next(it)
+    loader.close()
+
+
+def test_a_batch_stays_valid_until_the_next_is_asked_for(small: Path) -> None:
+    loader = Loader(small, 8, seed=2, prefetch=2)
+    seen = []
+    for b in loader:
+        labels = b["label"].tolist()
+        seen.append(labels)
+        assert consistent(b) == labels  # unchanged while the loop holds it
+    assert sorted(i for batch in seen for i in batch) == list(range(N))
+
+
+class CountingChecks:
+    """A supply that counts its ``check`` calls and the shards they cover."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def check(self, shards: Any) -> None:
+        self.calls.append(len(np.unique(np.asarray(shards))))
+        self.inner.check(shards)
+
+
+def test_fields_planned_by_arrays_are_checked_once_an_epoch(
+    small: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    supply = CountingChecks(open_archive(small).supply)
+    ds = Archive.over(supply)
+    shards = len(ds.shards)
+    loader = Loader(ds, 8, seed=0)
+    assert sum(1 for _ in loader) > 100
+    assert supply.calls == [shards]  # every shard, once, as the epoch started
+    monkeypatch.setenv("DLOP_NATIVE_COPY", "0")  # no compiled copier: each plan checked
+    supply.calls.clear()
+    assert [consistent(b) for b in loader] == [b.tolist() for b in loader.batches()]
+    groups = -(-len(loader.batches()) // loader._group_size())
+    assert len(supply.calls) == 1 + groups and supply.calls[0] == shards
+
+
+def test_text_fields_are_still_checked_per_batch(tmp_path: Path) -> None:
+    supply = CountingChecks(open_archive(make_archive(tmp_path / "a", n=37)).supply)
+    loader = Loader(Archive.over(supply), 6, seed=0)
+    assert sum(1 for _ in loader) == len(loader.batches())
+    assert len(supply.calls) == 1 + len(loader.batches())
+
+
+def test_a_batch_over_every_shard_is_one_step_per_field(small: Path) -> None:
+    ds = open_archive(small)
+    idx = torch.arange(0, N, 3)  # every shard
+    touched = len(np.unique(ds.shards_of(idx)))
+    assert touched == len(ds.shards)
+    batch, plan = ds.plan(idx)
+    assert [type(s) for s in plan.steps] == [Rows, Rows, Rows]
+    ds.own_engine().run(plan)
+    assert consistent(batch) == idx.tolist()
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_getitems_in_any_order_needs_no_sort(
+    small: Path, monkeypatch: pytest.MonkeyPatch, native: str
+) -> None:
+    monkeypatch.setenv("DLOP_NATIVE_COPY", native)
+    ds = open_archive(small)
+    assert ds.planner.by_arrays
+    idx = [999, 0, 512, 3, 3, 740, 1]
+    assert consistent(ds.__getitems__(idx)) == idx
+    monkeypatch.setattr(torch, "argsort", None)  # no sort on the way
+    assert consistent(ds.__getitems__(torch.tensor(idx))) == idx
