@@ -54,7 +54,7 @@ __all__ = ["STATE_FORMAT", "STATE_SETTINGS", "Loader", "LoaderError", "Transform
 
 # Small batches of fixed-size fields are made in groups of up to GROUP_BATCHES batches
 # and GROUP_BYTES bytes: a batch's fixed costs (planning, a copy call per field, the
-# hand-over between threads) are paid once a group (Loader._group_size).
+# hand-over between threads) are paid once a group (Loader.group_size).
 GROUP_BYTES = 1 << 20
 GROUP_BATCHES = 64
 
@@ -154,7 +154,7 @@ class Loader:
         self.transforms = tuple(transforms)
         self.transform = TransformStage(self.transforms, seed, self.device)
         self._slots: list[Slot] | None = None
-        self._group: int | None = None  # batches made as one (_group_size)
+        self._group: int | None = None  # batches made as one (group_size)
         self._active: weakref.ref[PrefetchIter | InlineRun] | None = None
         self.prefetcher = Prefetcher("dlop-loader")
         # Slots that take turns have left the cache when refilled: stream into them.
@@ -250,7 +250,7 @@ class Loader:
 
     def _planner(self, batches: list[np.ndarray], asks: Asks) -> PlanGroup:
         """The gather stage for the producer: a group of batches planned into a ring slot,
-        as one plan when there are several (``_group_size``)."""
+        as one plan when there are several (``group_size``)."""
 
         def plan_group(numbers: range, slot: Slot) -> tuple[list[Batch], CopyPlan]:
             for j in numbers:
@@ -266,10 +266,11 @@ class Loader:
 
     def _groups(self, start: int, end: int) -> list[range]:
         """Batches ``start`` to ``end`` in the groups the producer makes them in."""
-        size = self._group_size()
+        size = self.group_size
         return [range(j, min(j + size, end)) for j in range(start, end, size)]
 
-    def _group_size(self) -> int:
+    @property
+    def group_size(self) -> int:
         """Batches made as one: a group of small batches of fixed-size fields costs one
         plan, one copy call per field and one hand-over (docs/runtime.md); others, and
         batches for a CUDA device, are made one by one."""
@@ -360,7 +361,7 @@ class Loader:
             # No batch holds more samples than the archive: a larger batch_size
             # does not make larger buffers.
             b = min(self.spec.batch_size, max(1, self.spec.num_samples))
-            b *= self._group_size()  # a group's batches share a slot
+            b *= self.group_size  # a group's batches share a slot
             sizes = {}
             for name, g in self.archive.gathers.items():
                 numel = g.buffer_numel(b)

@@ -24,7 +24,7 @@ from dlop.formats import Field, ShardReader
 
 from ..batch import Batch
 from ..gather.engine import compiled
-from ..gather.fields import Allocate, FieldGather, Groups, batch_groups
+from ..gather.fields import Allocate, FieldGather, Groups, Locator, batch_groups
 from ..gather.mapped import FixedRawGather, RaggedRowsGather
 from ..gather.plan import CopyPlan
 from ..gather.samples import PerSampleGather, TextGather
@@ -124,6 +124,7 @@ class Mapped(Planner):
     def made_gathers(self) -> dict[str, FieldGather]:
         shards = self.supply.shards
         assert shards is not None
+        self.locator = Locator(self.starts, int(self.shard_starts[-1]))
         return {
             n: gather_for(f, shards, self.starts, self.pad_value) for n, f in self.fields.items()
         }
@@ -131,7 +132,7 @@ class Mapped(Planner):
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
         if self.checks_batches():
             self.supply.check(shards_of(self.shard_starts, indices))
-        return plan_fields(self.gathers, indices, batch_groups(indices, self.starts), out)
+        return plan_fields(self.gathers, indices, self.locator.groups(indices), out)
 
 
 class Sizing(FieldGather):

@@ -55,6 +55,8 @@
  * starts; on the build machine this made streaming row gathers 14-17% faster.
  */
 #define PREFETCH_BYTES 4096
+/* Rows copied through the cache ask for the row this many ahead. */
+#define PREFETCH_ROWS 64
 
 #if DLOP_STREAMING
 typedef void (*body_fn)(char *dst, const char *src, size_t nbytes, const char *next);
@@ -273,13 +275,33 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     if (catch_bus_faults() != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     int faulted = 0;
+    int by_cache = !streaming || row < STREAM_MIN_BYTES;
     Py_BEGIN_ALLOW_THREADS
     sigjmp_buf jump;
     if (sigsetjmp(jump, 1) == 0) {
         copy_jump = &jump;
-        for (Py_ssize_t i = 0; i < count; i++)
-            copy_one(dst + (size_t)i * row, ROW_SOURCE(i), row,
-                     i + 1 < count ? ROW_SOURCE(i + 1) : NULL, streaming);
+        if (by_cache) {
+            /* Small rows drawn at random wait on memory, not on copying: ask for the
+             * rows a few ahead, and copy the common sizes without a call. */
+            for (Py_ssize_t i = 0; i < count; i++) {
+                if (i + PREFETCH_ROWS < count)
+                    __builtin_prefetch(ROW_SOURCE(i + PREFETCH_ROWS));
+                char *to = dst + (size_t)i * row;
+                const char *from = ROW_SOURCE(i);
+                switch (row) {
+                case 1: memcpy(to, from, 1); break;
+                case 2: memcpy(to, from, 2); break;
+                case 4: memcpy(to, from, 4); break;
+                case 8: memcpy(to, from, 8); break;
+                case 16: memcpy(to, from, 16); break;
+                default: memcpy(to, from, row);
+                }
+            }
+        } else {
+            for (Py_ssize_t i = 0; i < count; i++)
+                copy_one(dst + (size_t)i * row, ROW_SOURCE(i), row,
+                         i + 1 < count ? ROW_SOURCE(i + 1) : NULL, streaming);
+        }
     } else {
         faulted = 1;
     }

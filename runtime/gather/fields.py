@@ -157,6 +157,57 @@ def batch_groups(indices: torch.Tensor, starts: torch.Tensor) -> Groups:
     return Groups(shards, idx - first[shards])
 
 
+class Locator:
+    """``batch_groups`` for many shards at a cost that does not grow with their number.
+
+    A binary search costs log2(shards) steps a sample: on a thousand shards it
+    outweighs a small batch's copies. Here a table gives the shard of every
+    ``2**shift``-th sample, and a sample's shard is its block's entry plus at most
+    ``steps`` corrections (the shard starts inside the block), a few array
+    operations a batch. The block is chosen from the shards' sizes so that few
+    starts fall inside one; where no block of at least ``MIN_BLOCK`` samples
+    does that (many tiny shards), the binary search serves.
+    """
+
+    MIN_BLOCK = 64
+    MAX_STEPS = 3
+
+    def __init__(self, starts: torch.Tensor, total: int) -> None:
+        self.starts = starts
+        first = starts.numpy().astype(np.int64)
+        # one past the last shard's first sample is the total; past that, never reached
+        self.after = np.concatenate([first[1:], [total, np.iinfo(np.int64).max]])
+        self.first = first
+        self.table: np.ndarray | None = None
+        self.shift, self.steps = 0, 0
+        if len(first) <= 1 or total <= 0:
+            return
+        sizes = np.diff(np.append(first, total))
+        block = 1 << max(0, int(np.median(sizes)).bit_length() - 1)
+        while block >= self.MIN_BLOCK:
+            marks = np.arange(0, total, block, dtype=np.int64)
+            table = np.searchsorted(first, marks, side="right") - 1
+            last_in_block = np.minimum(marks + block - 1, total - 1)
+            steps = int((np.searchsorted(first, last_in_block, side="right") - 1 - table).max())
+            if steps <= self.MAX_STEPS:
+                self.table, self.shift, self.steps = (
+                    table.astype(np.int64),
+                    block.bit_length() - 1,
+                    steps,
+                )
+                return
+            block //= 2
+
+    def groups(self, indices: torch.Tensor) -> Groups:
+        if self.table is None:
+            return batch_groups(indices, self.starts)
+        idx = np.ascontiguousarray(indices.numpy(), np.int64)
+        shards = self.table[idx >> self.shift]  # a sample past the end: IndexError
+        for _ in range(self.steps):
+            shards += idx >= self.after[shards]
+        return Groups(shards, idx - self.first[shards])
+
+
 def check_pad_value(field: Field, pad_value: object, where: str) -> None:
     """Refuses a ``pad_value`` that the ragged array field ``field`` of the archive at
     ``where`` cannot hold exactly: a value outside an integer type's range or with a

@@ -68,11 +68,11 @@ def test_the_archive_has_many_shards_and_small_batches_are_grouped(
 ) -> None:
     loader = Loader(small, 8, seed=0)
     assert len(loader.archive.shards) >= 40
-    assert loader._group_size() == loader_module.GROUP_BATCHES  # 8 x 28 bytes a batch
-    assert Loader(make_archive(small.parent / "ragged"), 8)._group_size() == 1  # ragged, text
+    assert loader.group_size == loader_module.GROUP_BATCHES  # 8 x 28 bytes a batch
+    assert Loader(make_archive(small.parent / "ragged"), 8).group_size == 1  # ragged, text
     monkeypatch.setattr(loader_module, "GROUP_BYTES", 64 * 28)  # a group: 64 samples
-    assert Loader(small, 8)._group_size() == 8
-    assert Loader(small, 64)._group_size() == Loader(small, 100)._group_size() == 1
+    assert Loader(small, 8).group_size == 8
+    assert Loader(small, 64).group_size == Loader(small, 100).group_size == 1
     loader = Loader(small, 8, seed=0, prefetch=2)
     assert all(b["x"].numel() == 8 * 8 * 8 for b in loader.buffers())  # 8 batches a slot
 
@@ -136,7 +136,7 @@ def test_grouped_equals_one_by_one_across_ranks_mixtures_and_transforms(
 def test_a_resume_inside_a_group_continues_exactly(small: Path, prefetch: int) -> None:
     whole = [b.tolist() for b in Loader(small, 8, seed=1).batches()]
     loader = Loader(small, 8, seed=1, prefetch=prefetch)
-    assert loader._group_size() > 5
+    assert loader.group_size > 5
     it = iter(loader)
     for _ in range(5):  # inside the first group
         next(it)
@@ -202,7 +202,7 @@ def test_fields_planned_by_arrays_are_checked_once_an_epoch(
     monkeypatch.setenv("DLOP_NATIVE_COPY", "0")  # no compiled copier: each plan checked
     supply.calls.clear()
     assert [consistent(b) for b in loader] == [b.tolist() for b in loader.batches()]
-    groups = -(-len(loader.batches()) // loader._group_size())
+    groups = -(-len(loader.batches()) // loader.group_size)
     assert len(supply.calls) == 1 + groups and supply.calls[0] == shards
 
 

@@ -11,7 +11,7 @@ import torch
 
 from dlop.runtime import open_archive
 from dlop.runtime.gather.engine import run_share
-from dlop.runtime.gather.fields import batch_groups
+from dlop.runtime.gather.fields import Locator, batch_groups
 from dlop.runtime.gather.plan import Rows
 
 from .helpers import make_archive
@@ -70,3 +70,31 @@ def test_plan_grouped_matches_plan(archive: Path) -> None:
         assert alone.keys() == shared.keys()
         for key in alone:
             assert torch.equal(alone[key], shared[key]), (name, key)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [1024] * 50 + [7],
+        [5000],
+        [3, 0, 900, 900, 0, 0, 901, 1],  # empty and tiny shards among large ones
+        [1] * 300,  # blocks too small for the table: the binary search serves
+        [100, 4096, 64, 4096, 4096, 2000],
+    ],
+)
+def test_the_locator_agrees_with_a_binary_search(sizes: list[int]) -> None:
+    starts = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64))
+    total = sum(sizes)
+    locator = Locator(starts, total)
+    assert locator.steps <= Locator.MAX_STEPS
+    rng = np.random.default_rng(len(sizes))
+    for idx in (np.arange(total), rng.integers(0, total, 5000), np.zeros(0, np.int64)):
+        indices = torch.from_numpy(idx.astype(np.int64))
+        got, want = locator.groups(indices), batch_groups(indices, starts)
+        np.testing.assert_array_equal(got.shards, want.shards)
+        np.testing.assert_array_equal(got.rows, want.rows)
+    if len(sizes) > 1 and min(sizes) >= Locator.MIN_BLOCK:
+        assert locator.table is not None  # the table, not the binary search
+    if locator.table is not None:  # past the end: refused here (else by the copy's row check)
+        with pytest.raises(IndexError):
+            locator.groups(torch.tensor([total + (1 << 20)]))

@@ -135,6 +135,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "startup": _module("startup"),
     "custom": _module("custom"),
     "short": _module("short"),
+    "small": _module("small"),
     "shuffle": _module("shuffle"),
     "peers": _peers,
 }
@@ -179,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=3000,
         help="short speech utterances (0.5-8 s, mostly 1 s) in the short and peers sections",
+    )
+    p.add_argument(
+        "--small-samples",
+        type=int,
+        default=1_000_000,
+        help="16-byte samples in the small section's archives (about 1,000 shards and 10)",
     )
     p.add_argument(
         "--listing-lines",
