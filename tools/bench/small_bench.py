@@ -29,7 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from torch.utils.data import DataLoader
@@ -40,7 +40,7 @@ from dlop.runtime import IterableArchive, Loader, batch_as_is, open_archive
 from .common import Row
 
 BATCHES = (32, 256, 1024)
-ORDERS = ("window", "global")
+ORDERS: tuple[Literal["window", "global"], ...] = ("window", "global")
 SHARDS = (1000, 10)
 SAMPLE_BYTES = 16
 
