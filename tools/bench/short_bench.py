@@ -19,7 +19,8 @@ interleaved rounds:
   ratio leaves out the compile's waits for the disk, which the wall ratio counts);
 - ``dlop-compile`` with N workers, the whole command timed as a user waits for
   it (interpreter start, imports and exit included) beside its own figure;
-- reading that archive back in batches of 32 utterances: the Loader against
+- reading that archive back in batches of 32 utterances (``us_per_batch``: the
+  time a batch costs): the Loader against
   ``DataLoader(IterableArchive(...), num_workers=2, persistent_workers=True)``, in
   a loop that only takes the batches and in one that reads a value of every page of
   the features, as a training step would; and with ``collate_fn=batch_as_is``, which
@@ -168,7 +169,14 @@ def read_rows(path: Path, wl: str, rounds: int) -> list[Row]:
     )
     in_slots, fresh = iterable.buffer_counts()
     rwl = f"{wl}, read back in bucketed batches of {READ_BATCH}"
-    base = rate_row(rwl, "dlop Loader, bucket_by (batches taken)", n, took["loader"])
+    batches = len(loader.batches())
+    base = rate_row(
+        rwl,
+        "dlop Loader, bucket_by (batches taken)",
+        n,
+        took["loader"],
+        us_per_batch=round(took["loader"] / batches * 1e6, 1),
+    )
     touch = rate_row(rwl, "dlop Loader, bucket_by (every page read)", n, took["loader_touch"])
     workers = "DataLoader(IterableArchive(bucket_by), num_workers=2, persistent_workers=True)"
     rows = [
@@ -181,6 +189,7 @@ def read_rows(path: Path, wl: str, rounds: int) -> list[Row]:
             None,
             base,
             target=">=0.8x",
+            us_per_batch=round(took["workers"] / batches * 1e6, 1),
             batches_in_reused_buffers=in_slots,
             batches_in_fresh_memory=fresh,
         ),
