@@ -265,8 +265,9 @@ class Loader:
         return plan_group
 
     def _groups(self, start: int, end: int) -> list[range]:
-        """Batches ``start`` to ``end`` in the groups the producer makes them in."""
-        size = self.group_size
+        """Batches ``start`` to ``end`` in the groups the producer makes them in (one by
+        one in an epoch whose shards are held batch by batch: a cold node cache)."""
+        size = self.group_size if self.archive.planner.groups_batches else 1
         return [range(j, min(j + size, end)) for j in range(start, end, size)]
 
     @property
@@ -276,7 +277,7 @@ class Loader:
         batches for a CUDA device, are made one by one."""
         if self._group is None:
             self._group = 1
-            if not self.to_device.cuda and self.archive.planner.groups_batches:
+            if not self.to_device.cuda and self.archive.planner.fixed_only:
                 b = min(self.spec.batch_size, max(1, self.spec.num_samples))
                 nbytes = sum(
                     (g.buffer_numel(b) or 0) * g.out_dtype.itemsize

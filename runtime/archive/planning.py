@@ -85,6 +85,8 @@ class Planner:
         # every field planned by arrays: a batch's indices in any order, no mapped byte
         # read in Python (FieldGather.by_arrays)
         self.by_arrays = all(gather_kind(f).by_arrays for f in self.fields.values())
+        # every field fixed-size: a batch's tensors do not depend on which batch it is
+        self.fixed_only = all(gather_kind(f) is FixedRawGather for f in self.fields.values())
         self.gathers: dict[str, FieldGather] = self.made_gathers()
 
     def made_gathers(self) -> dict[str, FieldGather]:
@@ -92,10 +94,19 @@ class Planner:
 
     @property
     def groups_batches(self) -> bool:
-        """Whether several batches may be planned as one, then cut apart: every field
-        fixed-size (a batch's tensors then do not depend on which batch it is), every
-        shard mapped for good."""
+        """Whether several batches may be planned as one now, then cut apart: every
+        field fixed-size (``fixed_only``), every shard mapped for good or held for the
+        epoch (``hold_whole``)."""
         return False
+
+    def hold_whole(self) -> bool:
+        """For an epoch's reading: holds every shard if the supply can (a warm node
+        cache that holds the archive), and plans batches as over mapped shards until
+        ``let_go_whole``. False where batches hold their own shards."""
+        return False
+
+    def let_go_whole(self) -> None:
+        """Ends what ``hold_whole`` began (once for each True it gave)."""
 
     def checks_batches(self) -> bool:
         """Whether each batch's shards are checked before it is planned (the supply's
@@ -119,7 +130,7 @@ class Mapped(Planner):
 
     @property
     def groups_batches(self) -> bool:
-        return all(isinstance(g, FixedRawGather) for g in self.gathers.values())
+        return self.fixed_only
 
     def made_gathers(self) -> dict[str, FieldGather]:
         shards = self.supply.shards
@@ -187,9 +198,47 @@ class Fetched(Planner):
         self.planners = Planners()
         self.supply.on_drop(self.planners.forget)
         self.names = list(self.fields)  # what ready() waits for, the same every batch
+        # While every shard is held for an epoch: gathers over all of them and where each
+        # sample lies, as for mapped shards (``hold_whole``); and how many readings hold.
+        self.whole: tuple[dict[str, FieldGather], Locator] | None = None
+        self.holders = 0
+        self.whole_lock = threading.Lock()
         return {n: Sizing(f, [], self.starts, self.pad_value) for n, f in self.fields.items()}
 
+    @property
+    def groups_batches(self) -> bool:
+        return self.fixed_only and self.whole is not None
+
+    def hold_whole(self) -> bool:
+        # Fields Python reads from the mapping (text, zstd) keep planning per batch.
+        if not self.by_arrays or not self.supply.hold_all():
+            return False
+        with self.whole_lock:
+            self.holders += 1
+            if self.whole is None:
+                readers = [self.supply.partial_shard(k) for k in range(len(self.starts))]
+                gathers = {
+                    n: gather_for(f, readers, self.starts, self.pad_value)
+                    for n, f in self.fields.items()
+                }
+                self.whole = (gathers, Locator(self.starts, int(self.shard_starts[-1])))
+        return True
+
+    def let_go_whole(self) -> None:
+        with self.whole_lock:
+            self.holders -= 1
+            if not self.holders:
+                self.whole = None
+        self.supply.release(list(range(len(self.starts))))
+
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
+        whole = self.whole
+        if whole is not None:  # every shard held and mapped: as Mapped plans
+            gathers, locator = whole
+            groups = locator.groups(indices)
+            if self.checks_batches():
+                self.supply.check(np.unique(groups.shards))
+            return plan_fields(gathers, indices, groups, out)
         per_index = shards_of(self.shard_starts, indices)
         touched = np.unique(per_index)
         self.supply.ask(touched.tolist())

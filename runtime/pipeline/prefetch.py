@@ -85,7 +85,9 @@ class Asks:
         self.batches = batches
         self.out: dict[int, list[int]] = {}  # asked for, not yet let go of
         self.firsts: tuple[np.ndarray, np.ndarray] | None = None
-        self.hears = archive.supply.hears_asks  # else asks and releases are not made
+        # A warm node cache holding the whole archive holds it for the epoch, not per batch.
+        self.whole = archive.planner.hold_whole()
+        self.hears = archive.supply.hears_asks and not self.whole  # else no asks, releases
         self.fetches = archive.supply.shards is None  # per batch: a supply that fetches
         archive.supply.forget_failures()  # a new epoch's batches try failed shards again
         archive.supply.read_order(batches)  # a shard arriving in parts: those read first
@@ -122,6 +124,9 @@ class Asks:
     def release_all(self) -> None:
         for j in list(self.out):
             self.release(j)
+        if self.whole:
+            self.whole = False
+            self.archive.planner.let_go_whole()
 
 
 class InlineRun:

@@ -226,6 +226,24 @@ class RemoteSupply(ShardSupply):
                         self.pool = DaemonPool(self.fetch_threads, "dlop-fetch")
                     self.pending[k] = self.pool.submit(self.load, k)
 
+    def hold_all(self) -> bool:
+        """Every shard held at once when the cache holds the whole archive, each mapped
+        and whole (a warm cache): see ShardSupply.hold_all."""
+        self.mine()
+        everything = list(range(len(self.refs)))
+        with self.lock:
+            if len(self.open) < len(everything) or self.pending or self.arrive.streams:
+                return False
+        try:
+            self.ask(everything)
+        except UsageError:  # more holds than the budget's count allows: batch by batch
+            return False
+        with self.lock:  # dropped for another process meanwhile: batch by batch
+            whole = len(self.open) == len(everything) and not self.arrive.streams
+        if not whole:
+            self.release(everything)
+        return whole
+
     def release(self, shards: Sequence[int]) -> None:
         """Drops one hold on each shard. A shard no batch holds becomes loose: it stays
         mapped while the loose shards fit ``loose_bytes`` (see the module docstring)."""

@@ -70,6 +70,12 @@ class ShardSupply(abc.ABC):
     def release(self, shards: Sequence[int]) -> None:
         """A batch that asked for these shards is done with them."""
 
+    def hold_all(self) -> bool:
+        """Holds every shard (one ``ask`` of them all) if every one is mapped here now,
+        whole: a reading then holds them for its epoch, not batch by batch, and lets go
+        with one ``release`` of them all. False, holding nothing, otherwise."""
+        return False
+
     def ahead(self, shards: Sequence[int] | np.ndarray) -> None:
         """The shards later batches read first, in order (asked at each ``ask``): a
         supply that fetches may fetch them ahead."""

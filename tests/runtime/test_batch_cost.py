@@ -17,6 +17,7 @@ from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import Archive, Loader, LoaderError, Source, open_archive
 from dlop.runtime import loader as loader_module
 from dlop.runtime.gather.plan import Rows
+from dlop.runtime.storage.cached import open_cached
 
 from .helpers import make_archive
 
@@ -235,3 +236,61 @@ def test_getitems_in_any_order_needs_no_sort(
     assert consistent(ds.__getitems__(idx)) == idx
     monkeypatch.setattr(torch, "argsort", None)  # no sort on the way
     assert consistent(ds.__getitems__(torch.tensor(idx))) == idx
+
+
+def test_a_warm_node_cache_holds_the_archive_for_the_epoch(
+    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the node cache (a RemoteSupply over the folder): the cold epoch holds
+    shards batch by batch, one batch at a time; once every shard is cached and mapped,
+    an epoch holds them all with one ask, plans and groups as over mapped shards, and
+    lets go of them all when it ends or stops. Batches equal the local Loader's."""
+    from dlop.runtime.storage.remote_supply import RemoteSupply
+
+    asks: list[int] = []
+    ask = RemoteSupply.ask
+
+    def counted(self: RemoteSupply, shards: Any) -> None:
+        asks.append(len(shards))
+        ask(self, shards)
+
+    monkeypatch.setattr(RemoteSupply, "ask", counted)
+    local = Loader(small, 16, seed=4)
+    supply = open_cached(small, tmp_path / "c", 1 << 30, local=True)
+    loader = Loader(Archive.over(supply), 16, seed=4)
+    shards = len(local.archive.shards)
+    for epoch in (0, 1, 2):
+        local.set_epoch(epoch)
+        loader.set_epoch(epoch)
+        asks.clear()
+        got = [consistent(b) for b in loader]
+        assert got == [consistent(b) for b in local]
+        assert supply.asked == 0  # every hold let go of
+        if epoch == 0:  # cold: batch by batch
+            assert len(asks) > len(got) and max(asks) < shards
+            assert not loader.archive.planner.groups_batches
+        else:  # warm: one hold of everything
+            assert asks == [shards]
+    stopped = Loader(Archive.over(supply), 2, seed=4)  # 500 batches: 8 groups of 64
+    it = iter(stopped)
+    next(it)
+    assert supply.asked == shards and stopped.archive.planner.groups_batches
+    stopped.close()
+    assert supply.asked == 0
+    loader.close()
+    assert supply.asked == 0
+    local.close()
+
+
+def test_a_cache_too_small_for_the_archive_holds_batch_by_batch(
+    small: Path, tmp_path: Path
+) -> None:
+    size = sum(p.stat().st_size for p in small.glob("*.dlop"))
+    supply = open_cached(small, tmp_path / "c", size // 3, local=True)
+    loader = Loader(Archive.over(supply), 16, seed=4, order="window", window_shards=2)
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        assert [consistent(b) for b in loader] == [b.tolist() for b in loader.batches()]
+        assert not loader.archive.planner.groups_batches
+    assert loader.archive.planner.hold_whole() is False  # not every shard is cached
+    loader.close()
