@@ -15,6 +15,7 @@ from dlop.formats import INDEX_NAME, Codec, FormatError, SchemaError, parse_code
 from dlop.formats.constants import ARCHIVE_FORMAT, MAX_INDEX_BYTES
 from dlop.formats.files import loads_bounded, read_capped
 from dlop.formats.redact import redact
+from dlop.formats.urls import is_url
 
 from .audio.decode import DOWNMIX_POLICIES
 from .audio.options import (
@@ -29,7 +30,6 @@ from .corpus.layouts import detect_layout, layout_media, names
 from .corpus.listing import MEDIA
 from .corpus.place import source_place
 from .errors import CompileError
-from .urls import is_url
 from .vision.options import VisionConfig
 
 LAYOUTS = names()  # the built-in layouts, in detection order

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dlop.formats import storage
-from dlop.formats.urls import is_url as is_url
-from dlop.formats.urls import scheme as scheme
+from dlop.formats.urls import is_url, scheme
 
 from .errors import CompileError
 

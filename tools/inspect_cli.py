@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from dlop.compiler.urls import is_url, parse_storage_options
+from dlop.compiler.urls import parse_storage_options
 from dlop.formats import (
     ERRORS_NAME,
     INDEX_NAME,
@@ -33,7 +33,7 @@ from dlop.formats import (
 )
 from dlop.formats.archive import read_index
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
-from dlop.formats.urls import local_path
+from dlop.formats.urls import is_url, local_path
 
 from . import cache_cli
 from .output import exit_now, redacted_output

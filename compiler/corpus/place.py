@@ -245,9 +245,10 @@ class Place(ABC):
         ``..``, through a link pointing out, or a URL) is refused with ValueError unless it
         lies in one of the ``allowed`` folders or URL prefixes the user named. Nothing is read
         before the check, and its message is the same whether the path exists or not."""
-        if is_url(text) and self._holds_url(text):
+        url = is_url(text)  # once: a listing may name a million paths
+        if url and self._holds_url(text):
             return text
-        rooted = not (is_url(text) or posixpath.isabs(text) or os.path.isabs(text))
+        rooted = not (url or posixpath.isabs(text) or os.path.isabs(text))
         rel = posixpath.normpath(text.replace(os.sep, "/")) if rooted else ""
         if rooted and rel != ".." and not rel.startswith("../"):
             full = self._joined(text)

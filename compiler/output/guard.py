@@ -95,7 +95,7 @@ def _source_urls(recipe: Recipe) -> list[str]:
     """A URL SOURCE's prefixes for check_url_apart: SOURCE itself (a folder, read whole; or
     a manifest, tar or brace pattern, whose folder an OUT may lie in but not be) and the
     --images and --masks folders (relative ones below SOURCE)."""
-    from ..urls import is_url
+    from dlop.formats.urls import is_url
 
     base = recipe.source.rstrip("/")
     folders = [base]
@@ -110,7 +110,9 @@ def check_apart(out: str | os.PathLike[str], recipe: Recipe) -> None:
     one that the layout lists (where the next compile would read the archive as input).
     A URL OUT is checked against a URL SOURCE's prefixes (urls.check_url_apart); a URL
     and a local path never overlap."""
-    from ..urls import check_url_apart, is_url
+    from dlop.formats.urls import is_url
+
+    from ..urls import check_url_apart
 
     if not recipe.source:  # a user's Dataset: nothing is read from a folder
         return

@@ -123,7 +123,7 @@ class Run:
 
 def finish_run(run: Run, engine: Engine, *, resume: bool, overwrite: bool) -> Index:
     """Takes OUT (locked when local), then compiles every unit not yet committed."""
-    from ..urls import is_url
+    from dlop.formats.urls import is_url
 
     if not resume or run.unit_inputs_given:  # else the journal's unit size counts
         check_unit_count(run)  # before OUT is touched

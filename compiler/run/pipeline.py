@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from dlop.formats import Index
+from dlop.formats.urls import is_url
 
 from ..audio import numerics
 from ..audio.decode import probe_rate
@@ -56,7 +57,6 @@ from ..faults import fault_at
 from ..output.commit import UnitRecord
 from ..output.guard import SPILL_PREFIX, check_apart, close_inherited_locks
 from ..recipe import Recipe
-from ..urls import is_url
 from . import processes
 from .driver import Run, finish_run
 from .items import CorpusShape, Outcome, schema_for

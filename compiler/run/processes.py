@@ -30,8 +30,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from dlop.formats.urls import is_url
+
 from ..errors import CompileError
-from ..urls import is_url
 
 # The module the fork server imports first: it runs _init_worker and the chunks.
 PIPELINE = "dlop.compiler.run.pipeline"
