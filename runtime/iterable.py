@@ -217,15 +217,21 @@ class IterableArchive(IterableDataset[Batch]):
         engine = choice.archive.own_engine()
         ring = self._worker_ring(worker) if info is not None else None
         self._handed_out = start
-        for j in range(start + worker, len(batches), workers):
-            indices = torch.from_numpy(batches[j])
-            if ring is not None:
-                batch = ring.gather(choice, indices, engine)
-            else:
-                batch = choice.gather(indices, None, engine)
-            batch.position = j
-            self._handed_out = j + 1  # with workers=1 (in process): batches yielded so far
-            yield batch
+        planner = choice.archive.planner
+        whole = planner.hold_whole()  # a warm node cache: every shard held for the pass
+        try:
+            for j in range(start + worker, len(batches), workers):
+                indices = torch.from_numpy(batches[j])
+                if ring is not None:
+                    batch = ring.gather(choice, indices, engine)
+                else:
+                    batch = choice.gather(indices, None, engine)
+                batch.position = j
+                self._handed_out = j + 1  # with workers=1 (in process): batches yielded so far
+                yield batch
+        finally:
+            if whole:
+                planner.let_go_whole()
 
     def _worker_ring(self, worker: int) -> WorkerRing:
         """This worker's shared-memory slots, kept across iterations (persistent workers)."""

@@ -13,6 +13,7 @@ touch the same few shards).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -201,19 +202,26 @@ class Fetched(Planner):
         # While every shard is held for an epoch: gathers over all of them and where each
         # sample lies, as for mapped shards (``hold_whole``); and how many readings hold.
         self.whole: tuple[dict[str, FieldGather], Locator] | None = None
+        self.whole_pid = 0  # the process holding: a forked child holds nothing of it
         self.holders = 0
         self.whole_lock = threading.Lock()
         return {n: Sizing(f, [], self.starts, self.pad_value) for n, f in self.fields.items()}
 
     @property
     def groups_batches(self) -> bool:
-        return self.fixed_only and self.whole is not None
+        return self.fixed_only and self.held() is not None
+
+    def held(self) -> tuple[dict[str, FieldGather], Locator] | None:
+        """The gathers over every shard while this process holds them all, else None."""
+        return self.whole if self.whole_pid == os.getpid() else None
 
     def hold_whole(self) -> bool:
         # Fields Python reads from the mapping (text, zstd) keep planning per batch.
         if not self.by_arrays or not self.supply.hold_all():
             return False
         with self.whole_lock:
+            if self.whole_pid != os.getpid():  # forked: the parent's holds are not ours
+                self.whole, self.holders, self.whole_pid = None, 0, os.getpid()
             self.holders += 1
             if self.whole is None:
                 readers = [self.supply.partial_shard(k) for k in range(len(self.starts))]
@@ -232,7 +240,7 @@ class Fetched(Planner):
         self.supply.release(list(range(len(self.starts))))
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
-        whole = self.whole
+        whole = self.held()
         if whole is not None:  # every shard held and mapped: as Mapped plans
             gathers, locator = whole
             groups = locator.groups(indices)

@@ -93,7 +93,7 @@ def test_grouped_batches_are_the_orders_batches(
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_grouped_equals_one_by_one_across_ranks_mixtures_and_transforms(
+def test_grouped_equals_one_by_one_across_ranks_mixtures_selections_transforms(
     small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefetch: int
 ) -> None:
     other = write_small(tmp_path / "b", n=300, first=N)
@@ -105,7 +105,11 @@ def test_grouped_equals_one_by_one_across_ranks_mixtures_and_transforms(
         made = []
         for rank in (0, 1):
             mixture = {"a": Source(small, weight=1.0), "b": Source(other, weight=2.0)}
-            for source in (small, mixture):
+            for source, chosen in (
+                (small, {}),
+                (mixture, {"samples_per_epoch": 900}),
+                (small, {"indices": np.arange(0, N, 3)}),  # a selection
+            ):
                 loader = Loader(
                     source,
                     16,
@@ -114,7 +118,7 @@ def test_grouped_equals_one_by_one_across_ranks_mixtures_and_transforms(
                     world_size=2,
                     prefetch=prefetch,
                     transforms=(shift,),
-                    **({"samples_per_epoch": 900} if isinstance(source, dict) else {}),
+                    **chosen,
                 )
                 made.append(snapshot(loader))
                 loader.close()
@@ -123,7 +127,7 @@ def test_grouped_equals_one_by_one_across_ranks_mixtures_and_transforms(
     grouped = epochs()
     one_by_one(monkeypatch)
     alone = epochs()
-    assert len(grouped) == len(alone) == 4
+    assert len(grouped) == len(alone) == 6
     for a, b in zip(grouped, alone, strict=True):
         assert len(a) == len(b) > 10
         for x, y in zip(a, b, strict=True):
@@ -294,3 +298,44 @@ def test_a_cache_too_small_for_the_archive_holds_batch_by_batch(
         assert not loader.archive.planner.groups_batches
     assert loader.archive.planner.hold_whole() is False  # not every shard is cached
     loader.close()
+
+
+def test_an_iterable_archive_over_a_warm_cache_holds_it_for_the_pass(
+    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.utils.data import DataLoader
+
+    from dlop.runtime import IterableArchive, batch_as_is
+    from dlop.runtime.storage.remote_supply import RemoteSupply
+
+    asks: list[int] = []
+    ask = RemoteSupply.ask
+
+    def counted(self: RemoteSupply, shards: Any) -> None:
+        asks.append(len(shards))
+        ask(self, shards)
+
+    monkeypatch.setattr(RemoteSupply, "ask", counted)
+    supply = open_cached(small, tmp_path / "c", 1 << 30, local=True)
+    ds = IterableArchive(Archive.over(supply), 16, seed=6)
+    want = [b.tolist() for b in Loader(small, 16, seed=6).batches()]
+    shards = len(open_archive(small).shards)
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        asks.clear()
+        assert [consistent(b) for b in ds] == [b.tolist() for b in ds.batches(epoch)]
+        assert supply.asked == 0  # every hold let go of
+        if epoch == 0:  # cold: batch by batch
+            assert len(asks) > 10 and max(asks) < shards
+        else:  # warm: one hold of everything for the pass
+            assert asks == [shards]
+    ds.set_epoch(0)
+    assert [consistent(b) for b in ds] == want
+    cached = Archive.over(open_cached(small, tmp_path / "w", 1 << 30, local=True))
+    iterable = IterableArchive(cached, 16, seed=6)
+    workers = DataLoader(
+        iterable, batch_size=None, num_workers=2, persistent_workers=True, collate_fn=batch_as_is
+    )
+    for epoch in (0, 1):  # cold, then warm in each worker
+        iterable.set_epoch(epoch)
+        assert [consistent(b) for b in workers] == [b.tolist() for b in iterable.batches(epoch)]
