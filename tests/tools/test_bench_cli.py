@@ -118,3 +118,26 @@ def test_the_short_section_measures_the_limit_and_the_command(tmp_path: Path) ->
     assert as_is["vs_baseline"] > 0
     taken = by[f"{workers} (batches taken)"]["extra"]
     assert taken["batches_in_reused_buffers"] > 0
+
+
+def test_the_small_section_reads_many_shards_and_few_against_a_bare_gather(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    argv = ["--only", "small", "--small-samples", "3000", "--repeats", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    loaders = [r for r in rows if r["pipeline"].startswith("dlop Loader, ")]
+    bare = [r for r in rows if r["pipeline"].startswith("bare gather")]
+    assert len(bare) == 6 and len(loaders) == 12  # 3 batch sizes x 2 orders; 2 archives
+    assert {r["pipeline"] for r in loaders} == {
+        "dlop Loader, 46 shards",
+        "dlop Loader, 10 shards",
+    }
+    for r in loaders:
+        ratio = r["extra"]["of_bare"]
+        assert ratio["range"][0] <= ratio["median"] <= ratio["range"][1] and ratio["median"] > 0
+        assert r["extra"]["us_per_batch"] > 0
+    assert all("many_vs_few_shards" in r["extra"] for r in loaders if "46" in r["pipeline"])
+    workers = [r for r in rows if "through DataLoader workers" in r["workload"]]
+    assert len(workers) == 3 and all(r["extra"]["of_bare"]["median"] > 0 for r in workers)

@@ -12,7 +12,7 @@ global order:
   field's rows from whole in-memory arrays into reused buffers, nothing else.
 
 ``of_bare`` is the bare gather's time over the Loader's (1.0: the Loader costs
-what the copies cost), ``shards_1000_vs_10`` the Loader's time per batch on the
+what the copies cost), ``many_vs_few_shards`` the Loader's time per batch on the
 1,000-shard archive over the 10-shard one (1.0: no cost per shard touched);
 each the median of the rounds' ratios, with their range. One configuration
 (batches of 256, global order) is also read through
@@ -106,7 +106,8 @@ def ratio(a: list[float], b: list[float]) -> dict[str, Any]:
 
 def run(work: Path, args: argparse.Namespace) -> list[Row]:
     n, rounds = args.small_samples, max(3, args.repeats)
-    paths = {k: write(work / f"shards{k}", n, k) for k in SHARDS}
+    # at least 64 samples a shard (a small --small-samples makes fewer shards)
+    paths = {k: write(work / f"shards{k}", n, min(k, max(1, n // 64))) for k in SHARDS}
     counts = {k: len(open_archive(p).shards) for k, p in paths.items()}
     rows: list[Row] = []
     for order in ORDERS:
@@ -139,7 +140,7 @@ def run(work: Path, args: argparse.Namespace) -> list[Row]:
                             "of_bare": ratio(took["bare"], took[f"loader{k}"]),
                             **(
                                 {
-                                    "shards_1000_vs_10": ratio(
+                                    "many_vs_few_shards": ratio(
                                         took[f"loader{k}"], took[f"loader{SHARDS[1]}"]
                                     ),
                                     "target": (
