@@ -130,7 +130,13 @@ _LIVE_MAPS: weakref.WeakSet[ShardReader] = weakref.WeakSet()
 
 def mapped_at(address: int) -> ShardReader | None:
     """The open shard whose mapping holds ``address`` (a read fault's), or None."""
-    for reader in list(_LIVE_MAPS):
+    while True:
+        try:  # another thread may map or drop a shard meanwhile
+            readers = list(_LIVE_MAPS)
+            break
+        except RuntimeError:
+            continue
+    for reader in readers:
         start, length = reader.mapped_span()
         if start <= address < start + length:
             return reader

@@ -190,6 +190,8 @@ class IterableArchive(IterableDataset[Batch]):
         return self.batch_order().whole_count(self.epoch)
 
     def __iter__(self) -> Iterator[Batch]:
+        # once a pass, not per batch (Planner.checks_batches); before the pass is counted
+        self.choice().archive.check_shards()
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         # Every worker of a DataLoader begins each pass once: counting its own passes,
@@ -213,7 +215,6 @@ class IterableArchive(IterableDataset[Batch]):
         # each worker gathers one batch at a time, a rank's workers consecutive ones
         bucketing = self.reading.bucket_by is not None
         choice.check_budget(workers + 1, bucketing, f"{workers} DataLoader worker(s)")
-        choice.archive.check_shards()  # once a pass, not per batch (Planner.checks_batches)
         engine = choice.archive.own_engine()
         ring = self._worker_ring(worker) if info is not None else None
         self._handed_out = start

@@ -209,18 +209,20 @@ class Loader:
 
     def __iter__(self) -> Iterator[Batch]:
         self._close_active()
+        held = self.order.hold()
         start = self.order.begin()
         epoch, batches = self.order.epoch, self.order.batches()
         try:  # once an epoch, not per batch (Planner.checks_batches)
             self.archive.check_shards()
         except Exception as e:
+            self.order.restore(held)  # a retry starts where this one would have
             raise self._wrapped(e, start, epoch) from e
         if self.prefetch == 0:
             run = InlineRun()
             self._active = weakref.ref(run)
             return self._deliver(self._inline(batches, start, epoch, run), epoch)
+        slots = self._ring()  # first: a failure here leaves no shard held (Asks)
         asks = Asks(self.archive, batches)
-        slots = self._ring()
         production = Production(
             self._planner(batches, asks),
             self.engine,
@@ -293,6 +295,7 @@ class Loader:
         buffer still warm in cache, at the cost of the gather's time in the loop."""
         slots = self._ring()
         asks = Asks(self.archive, batches)
+        run.release = asks.release_all  # a closed run lets go at once, not when collected
         plan_group = self._planner(batches, asks)
         try:
             for g, numbers in enumerate(self._groups(start, len(batches))):

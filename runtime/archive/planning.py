@@ -202,7 +202,7 @@ class Fetched(Planner):
         # While every shard is held for an epoch: gathers over all of them and where each
         # sample lies, as for mapped shards (``hold_whole``); and how many readings hold.
         self.whole: tuple[dict[str, FieldGather], Locator] | None = None
-        self.whole_pid = 0  # the process holding: a forked child holds nothing of it
+        self.whole_pid = os.getpid()  # the process holding: a forked child holds nothing
         self.holders = 0
         self.whole_lock = threading.Lock()
         return {n: Sizing(f, [], self.starts, self.pad_value) for n, f in self.fields.items()}
@@ -215,25 +215,41 @@ class Fetched(Planner):
         """The gathers over every shard while this process holds them all, else None."""
         return self.whole if self.whole_pid == os.getpid() else None
 
+    def mine(self) -> None:
+        """A forked child's first look: the parent's holds, and its lock (which a parent
+        thread may have held at the fork), are not this process's."""
+        if self.whole_pid != os.getpid():
+            self.whole, self.holders, self.whole_pid = None, 0, os.getpid()
+            self.whole_lock = threading.Lock()
+
     def hold_whole(self) -> bool:
         # Fields Python reads from the mapping (text, zstd) keep planning per batch.
+        self.mine()
         if not self.by_arrays or not self.supply.hold_all():
             return False
-        with self.whole_lock:
-            if self.whole_pid != os.getpid():  # forked: the parent's holds are not ours
-                self.whole, self.holders, self.whole_pid = None, 0, os.getpid()
-            self.holders += 1
-            if self.whole is None:
-                readers = [self.supply.partial_shard(k) for k in range(len(self.starts))]
-                gathers = {
-                    n: gather_for(f, readers, self.starts, self.pad_value)
-                    for n, f in self.fields.items()
-                }
-                self.whole = (gathers, Locator(self.starts, int(self.shard_starts[-1])))
+        everything = list(range(len(self.starts)))
+        try:
+            with self.whole_lock:
+                if self.whole is None:
+                    # the gathers read each shard's offsets: checked first
+                    self.supply.check(everything)
+                    readers = [self.supply.partial_shard(k) for k in everything]
+                    gathers = {
+                        n: gather_for(f, readers, self.starts, self.pad_value)
+                        for n, f in self.fields.items()
+                    }
+                    self.whole = (gathers, Locator(self.starts, int(self.shard_starts[-1])))
+                self.holders += 1
+        except BaseException:
+            self.supply.release(everything)
+            raise
         return True
 
     def let_go_whole(self) -> None:
+        self.mine()
         with self.whole_lock:
+            if not self.holders:  # held in the parent before a fork: not this process's
+                return
             self.holders -= 1
             if not self.holders:
                 self.whole = None
@@ -263,8 +279,8 @@ class Fetched(Planner):
         # batch's samples in it are verified.
         readers = [self.supply.partial_shard(k) for k in key]
         arriving = False  # a shard still arriving: its gathers are not kept
-        if self.checks_batches():
-            self.supply.check(touched)
+        # checked every batch: new gathers read the shards' offsets in Python
+        self.supply.check(touched)
         sizes = [r.num_samples for r in readers]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         if len(indices):  # global sample numbers to numbers within the touched shards

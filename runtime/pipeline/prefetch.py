@@ -135,12 +135,15 @@ class InlineRun:
 
     def __init__(self) -> None:
         self.closed = False
+        self.release: Callable[[], None] | None = None  # what the epoch holds, let go of
 
     def halt(self) -> None:
         self.closed = True
 
     def close(self) -> None:
         self.closed = True
+        if self.release is not None:
+            self.release()
 
 
 class Production:

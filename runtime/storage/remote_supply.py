@@ -231,6 +231,8 @@ class RemoteSupply(ShardSupply):
         and whole (a warm cache): see ShardSupply.hold_all."""
         self.mine()
         everything = list(range(len(self.refs)))
+        if self.cache.wanted_stamp() != self.wanted:  # another process waits for room
+            return False
         with self.lock:
             if len(self.open) < len(everything) or self.pending or self.arrive.streams:
                 return False

@@ -339,3 +339,52 @@ def test_an_iterable_archive_over_a_warm_cache_holds_it_for_the_pass(
     for epoch in (0, 1):  # cold, then warm in each worker
         iterable.set_epoch(epoch)
         assert [consistent(b) for b in workers] == [b.tolist() for b in iterable.batches(epoch)]
+
+
+def test_a_sample_number_outside_the_archive_is_refused_not_wrapped(tmp_path: Path) -> None:
+    ragged = open_archive(make_archive(tmp_path / "r", n=37), fields=["speech", "label"])
+    fixed = open_archive(write_small(tmp_path / "f"))
+    for ds, n in ((ragged, 37), (fixed, N)):
+        for bad in (-1, -n, n, n + 5):
+            with pytest.raises(IndexError, match=f"sample {bad} out of range 0..{n - 1}"):
+                ds.gather(torch.tensor([0, bad]))
+
+
+def test_a_failed_epoch_start_keeps_the_resume_position(
+    small: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dlop.runtime.errors import ShardChangedError
+
+    whole = [b.tolist() for b in Loader(small, 8, seed=1).batches()]
+    loader = Loader(small, 8, seed=1)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    again = Loader(small, 8, seed=1)
+    again.load_state_dict(state)
+    fails = [True]
+
+    def check(shards: Any = None) -> None:
+        if fails.pop() if fails else False:
+            raise ShardChangedError("a shard shrank")
+
+    monkeypatch.setattr(again.archive, "check_shards", check)
+    with pytest.raises(LoaderError, match="a shard shrank"):
+        iter(again)
+    assert [consistent(b) for b in again] == whole[5:]  # the retry resumes where it was
+
+
+def test_a_closed_synchronous_epoch_lets_go_of_a_warm_cache_at_once(
+    small: Path, tmp_path: Path
+) -> None:
+    supply = open_cached(small, tmp_path / "c", 1 << 30, local=True)
+    loader = Loader(Archive.over(supply), 2, seed=4, prefetch=0)
+    assert sum(1 for _ in loader) == N // 2  # cold: every shard now cached
+    it = iter(loader)
+    next(it)
+    assert supply.asked == len(open_archive(small).shards)  # held for the epoch
+    loader.close()  # the iterator is still referenced: not collected
+    assert supply.asked == 0
+    del it
