@@ -21,7 +21,7 @@ from ..gather.fields import Allocate, FieldGather, as_tensor, check_pad_value
 from ..gather.plan import CopyPlan
 from ..storage.supply import LocalSupply, ShardSupply
 from .concat import ArchivePaths, archive_paths, check_compatible
-from .indices import batch_indices, field_names
+from .indices import batch_indices, check_range, field_names
 from .planning import held, planner, shards_of
 from .selection import select
 from .structure import Structure
@@ -233,7 +233,10 @@ class Archive(Dataset[dict[str, Any]]):
         the batch once an engine has run the plan. Nothing is copied here;
         zstd blocks are decoded here. A supply that maps shards per batch holds the
         shards the batch touches while it is planned (runtime.archive.planning).
+        A number outside the archive raises SampleIndexError: the gathers of ragged
+        fields take each sample's span from arrays a negative number would wrap around.
         """
+        check_range(self.path, indices.numpy(), self.num_samples)
         return self.planner.plan(indices, out)
 
     def gather(

@@ -53,9 +53,15 @@ def batch_indices(
         ) from None
     if arr.dtype.kind == "b":
         raise UsageTypeError(f"{path}: __getitems__ takes sample numbers, not booleans")
+    check_range(path, arr, size)
+    return torch.from_numpy(arr.astype(np.int64))
+
+
+def check_range(path: Path | str, arr: np.ndarray, size: int) -> None:
+    """Refuses a sample number in ``arr`` outside 0..size-1 (negative ones do not count
+    from the end)."""
     if arr.size:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= size:
             bad = lo if lo < 0 else hi
             raise SampleIndexError(f"{path}: sample {bad} out of range 0..{size - 1}")
-    return torch.from_numpy(arr.astype(np.int64))

@@ -125,6 +125,16 @@ class Planner:
         """The batch for ascending global ``indices`` and the copies that fill it."""
         raise NotImplementedError
 
+    def plan_mapped(
+        self, gathers: Mapping[str, FieldGather], locator: Locator, indices: torch.Tensor, out: Out
+    ) -> tuple[Batch, CopyPlan]:
+        """``plan`` over every shard, each mapped while the batch is read: its shards
+        checked first where ``checks_batches``."""
+        groups = locator.groups(indices)
+        if self.checks_batches():
+            self.supply.check(groups.shards)  # each supply checks a shard once
+        return plan_fields(gathers, indices, groups, out)
+
 
 class Mapped(Planner):
     """Plans over every shard of a supply that maps them all for good."""
@@ -142,9 +152,7 @@ class Mapped(Planner):
         }
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
-        if self.checks_batches():
-            self.supply.check(shards_of(self.shard_starts, indices))
-        return plan_fields(self.gathers, indices, self.locator.groups(indices), out)
+        return self.plan_mapped(self.gathers, self.locator, indices, out)
 
 
 class Sizing(FieldGather):
@@ -258,11 +266,7 @@ class Fetched(Planner):
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
         whole = self.held()
         if whole is not None:  # every shard held and mapped: as Mapped plans
-            gathers, locator = whole
-            groups = locator.groups(indices)
-            if self.checks_batches():
-                self.supply.check(np.unique(groups.shards))
-            return plan_fields(gathers, indices, groups, out)
+            return self.plan_mapped(*whole, indices, out)
         per_index = shards_of(self.shard_starts, indices)
         touched = np.unique(per_index)
         self.supply.ask(touched.tolist())

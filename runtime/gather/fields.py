@@ -174,7 +174,6 @@ class Locator:
 
     def __init__(self, starts: torch.Tensor, total: int) -> None:
         self.starts = starts
-        self.total = total
         first = starts.numpy().astype(np.int64)
         # one past the last shard's first sample is the total; past that, never reached
         self.after = np.concatenate([first[1:], [total, np.iinfo(np.int64).max]])
@@ -200,14 +199,11 @@ class Locator:
             block //= 2
 
     def groups(self, indices: torch.Tensor) -> Groups:
-        """``batch_groups`` of ``indices``; one outside 0..total-1 raises IndexError
-        (negative numbers do not count from the end)."""
-        idx = np.ascontiguousarray(indices.numpy(), np.int64)
-        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.total):
-            bad = int(idx[(idx < 0) | (idx >= self.total)][0])
-            raise IndexError(f"sample {bad} out of range 0..{self.total - 1}")
+        """``batch_groups`` of ``indices`` (sample numbers of the archive: Archive.plan
+        checks them)."""
         if self.table is None:
             return batch_groups(indices, self.starts)
+        idx = np.ascontiguousarray(indices.numpy(), np.int64)
         shards = self.table[idx >> self.shift]  # a sample past the end: IndexError
         for _ in range(self.steps):
             shards += idx >= self.after[shards]

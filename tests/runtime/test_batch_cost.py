@@ -242,23 +242,29 @@ def test_getitems_in_any_order_needs_no_sort(
     assert consistent(ds.__getitems__(torch.tensor(idx))) == idx
 
 
+@pytest.fixture
+def asks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many shards each RemoteSupply.ask asks for, in order."""
+    from dlop.runtime.storage.remote_supply import RemoteSupply
+
+    asked: list[int] = []
+    ask = RemoteSupply.ask
+
+    def counted(self: RemoteSupply, shards: Any) -> None:
+        asked.append(len(shards))
+        ask(self, shards)
+
+    monkeypatch.setattr(RemoteSupply, "ask", counted)
+    return asked
+
+
 def test_a_warm_node_cache_holds_the_archive_for_the_epoch(
-    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small: Path, tmp_path: Path, asks: list[int]
 ) -> None:
     """Through the node cache (a RemoteSupply over the folder): the cold epoch holds
     shards batch by batch, one batch at a time; once every shard is cached and mapped,
     an epoch holds them all with one ask, plans and groups as over mapped shards, and
     lets go of them all when it ends or stops. Batches equal the local Loader's."""
-    from dlop.runtime.storage.remote_supply import RemoteSupply
-
-    asks: list[int] = []
-    ask = RemoteSupply.ask
-
-    def counted(self: RemoteSupply, shards: Any) -> None:
-        asks.append(len(shards))
-        ask(self, shards)
-
-    monkeypatch.setattr(RemoteSupply, "ask", counted)
     local = Loader(small, 16, seed=4)
     supply = open_cached(small, tmp_path / "c", 1 << 30, local=True)
     loader = Loader(Archive.over(supply), 16, seed=4)
@@ -301,21 +307,12 @@ def test_a_cache_too_small_for_the_archive_holds_batch_by_batch(
 
 
 def test_an_iterable_archive_over_a_warm_cache_holds_it_for_the_pass(
-    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small: Path, tmp_path: Path, asks: list[int]
 ) -> None:
     from torch.utils.data import DataLoader
 
     from dlop.runtime import IterableArchive, batch_as_is
-    from dlop.runtime.storage.remote_supply import RemoteSupply
 
-    asks: list[int] = []
-    ask = RemoteSupply.ask
-
-    def counted(self: RemoteSupply, shards: Any) -> None:
-        asks.append(len(shards))
-        ask(self, shards)
-
-    monkeypatch.setattr(RemoteSupply, "ask", counted)
     supply = open_cached(small, tmp_path / "c", 1 << 30, local=True)
     ds = IterableArchive(Archive.over(supply), 16, seed=6)
     want = [b.tolist() for b in Loader(small, 16, seed=6).batches()]
