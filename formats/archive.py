@@ -36,6 +36,14 @@ from .constants import (
 )
 from .errors import DlopError, FormatError, SchemaError
 from .files import atomic_write, check_scan, loads_bounded, read_capped, scan_json
+from .generations import (
+    IDENTITY_BYTES,
+    Generation,
+    errors_name,
+    inputs_name,
+    parse_generations,
+    parse_identities,
+)
 from .reader import BlockCache, Problem, ShardReader, Value
 from .redact import redact
 from .schema import Field, check_schema
@@ -61,9 +69,17 @@ class Index:
     skipped_count: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     units: UnitTable | None = None  # absent from archives written before work units
+    # what each compile into the archive added (SPEC.md §6.2); () for an index without them.
+    # With generations, ``skipped_count`` counts every generation's skipped inputs, and
+    # ``units`` is the first generation's while it is the only one (None after an append).
+    generations: tuple[Generation, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         units = {} if self.units is None else {"units": self.units.to_json()}
+        skipped = self.generations[0].skipped if self.generations else self.skipped_count
+        generations = (
+            {"generations": [g.to_json() for g in self.generations]} if self.generations else {}
+        )
         return {
             "format": ARCHIVE_FORMAT,
             "version": FORMAT_VERSION,
@@ -72,10 +88,17 @@ class Index:
             "shards": [s.to_json() for s in self.shards],
             "recipe": self.recipe,
             "provenance": self.provenance,
-            "skipped": {"count": self.skipped_count, "file": ERRORS_NAME},
+            "skipped": {"count": skipped, "file": ERRORS_NAME},
             **units,
+            **generations,
             "metadata": self.metadata,
         }
+
+    def errors_files(self) -> list[tuple[str, int]]:
+        """Each errors file with the skipped inputs it holds, in generation order."""
+        if not self.generations:
+            return [(ERRORS_NAME, self.skipped_count)]
+        return [(errors_name(g), gen.skipped) for g, gen in enumerate(self.generations)]
 
 
 def shard_name(number: int) -> str:
@@ -237,7 +260,20 @@ def parse_index(path: str | os.PathLike[str], data: bytes) -> Index:
     for k, v in dicts.items():
         if not isinstance(v, dict):
             raise FormatError(path, f"{k!r} should be an object")
-    units = obj.get("units")
+    units, listed = obj.get("units"), obj.get("generations")
+    generations: tuple[Generation, ...] = ()
+    if listed is not None:
+        generations = parse_generations(path, listed, infos, total, count)
+        if units is not None and (len(generations) > 1 or generations[0].units is None):
+            raise FormatError(
+                path, "'units' beside more than one generation (SPEC.md §6.2): each holds its own"
+            )
+        count = sum(g.skipped for g in generations)
+    table = None
+    if units is not None:
+        table = UnitTable.from_json(path, units, [s.file for s in infos], count)
+        if generations and table != generations[0].units:
+            raise FormatError(path, "'units' differs from its generation's (SPEC.md §6.2)")
     return Index(
         fields,
         tuple(infos),
@@ -246,7 +282,8 @@ def parse_index(path: str | os.PathLike[str], data: bytes) -> Index:
         dicts["provenance"],
         count,
         dicts["metadata"],
-        None if units is None else UnitTable.from_json(path, units, [s.file for s in infos], count),
+        table,
+        generations,
     )
 
 
@@ -472,8 +509,10 @@ class ArchiveReader:
             return list(itertools.islice(records, limit))
 
     def iter_errors(self) -> Generator[dict[str, Any], None, None]:
-        """errors.jsonl's records one at a time (see ``dlop.formats.skipped``)."""
-        return read_skipped(self.directory, self.index.skipped_count)
+        """The skipped inputs' records one at a time, every generation's errors file in
+        turn (see ``dlop.formats.skipped``)."""
+        for name, count in self.index.errors_files():
+            yield from read_skipped(self.directory, count, name)
 
     def verify(
         self,
@@ -525,7 +564,23 @@ class ArchiveReader:
                 pass
         except FormatError as e:
             problems.append(Problem(e.path, None, None, e.problem))
+        for g in range(len(self.index.generations)):
+            try:
+                self.input_identities(g)
+            except FormatError as e:
+                problems.append(Problem(e.path, None, None, e.problem))
         return problems
+
+    def input_identities(self, generation: int) -> np.ndarray:
+        """The identities of the inputs ``generation`` read (SPEC.md §6.2), checked."""
+        gen = self.index.generations[generation]
+        path = self.directory / inputs_name(generation)
+        cap = gen.inputs * IDENTITY_BYTES
+        try:
+            data = read_capped(path, cap, root=self.directory, what="inputs file")
+        except FileNotFoundError:
+            raise FormatError(path, "is missing; index.json lists it") from None
+        return parse_identities(path, data, gen)
 
     def close(self) -> None:
         for r in self._readers:

@@ -70,14 +70,16 @@ def encode_record(record: Mapping[str, Any], number: int) -> bytes:
     return line
 
 
-def read_skipped(directory: Path, count: int) -> Generator[dict[str, Any], None, None]:
-    """The records of ``directory``'s errors.jsonl, in order, checked one by one.
+def read_skipped(
+    directory: Path, count: int, name: str = ERRORS_NAME
+) -> Generator[dict[str, Any], None, None]:
+    """The records of ``directory``'s errors file ``name``, in order, checked one by one.
 
     ``count`` is the index's skipped count: the file must hold exactly that
     many records (a missing file holds none). Every breach raises FormatError
     naming the file and the line.
     """
-    path = directory / ERRORS_NAME
+    path = directory / name
     try:
         fd = open_regular(path, root=directory)
     except FileNotFoundError:
@@ -103,7 +105,7 @@ def _records(path: Path, fd: int, count: int) -> Iterator[dict[str, Any]]:
             raise FormatError(path, f"cannot read: {e.strerror or e}") from None
         total += len(chunk)
         if total > MAX_ERRORS_BYTES:
-            raise FormatError(path, f"{ERRORS_NAME} is larger than its {MAX_ERRORS_BYTES}-byte cap")
+            raise FormatError(path, f"{path.name} is larger than its {MAX_ERRORS_BYTES}-byte cap")
         if chunk:
             data = pending + chunk
             cut = data.rfind(b"\n") + 1
@@ -117,7 +119,7 @@ def _records(path: Path, fd: int, count: int) -> Iterator[dict[str, Any]]:
         if len(pending) > MAX_ERROR_RECORD_BYTES:
             raise FormatError(
                 path,
-                f"{ERRORS_NAME} line {line_no + 1} is longer than {MAX_ERROR_RECORD_BYTES} "
+                f"{path.name} line {line_no + 1} is longer than {MAX_ERROR_RECORD_BYTES} "
                 "bytes; a record is one short JSON object per line",
             )
         if not chunk:
@@ -137,7 +139,7 @@ def _parse_block(path: Path, block: bytes, line_no: int, count: int) -> Iterator
     lines = lines[: max(count - line_no + 1, 0)]
     breach = _scan_block(path, block, lines, line_no)
     for n, line in enumerate(lines, line_no + 1):
-        where = f"{ERRORS_NAME} line {n}"
+        where = f"{path.name} line {n}"
         if breach is not None and breach[0] == n:
             raise breach[1]
         if n > count:
@@ -168,7 +170,7 @@ def _scan_block(
         return None
     for n, line in enumerate(lines, line_no + 1):
         try:
-            what = f"{ERRORS_NAME} line {n} (records are flat objects)"
+            what = f"{path.name} line {n} (records are flat objects)"
             check_scan(path, scan_json(line), what, max_depth=1, max_values=len(line) + 1)
         except FormatError as e:
             return n, e

@@ -57,10 +57,16 @@ class UnitTable:
 
     @classmethod
     def from_json(
-        cls, path: object, obj: object, shard_files: Sequence[str], skipped: int
+        cls,
+        path: object,
+        obj: object,
+        shard_files: Sequence[str],
+        skipped: int,
+        first_unit: int = 0,
     ) -> UnitTable:
         """Parses and checks an index's ``units`` against its shard list (each unit's shards
-        named by unit and number, in order) and its skipped count."""
+        named by unit and number, in order) and its skipped count. Unit k is named
+        ``first_unit + k``: an appended generation's units follow the earlier ones'."""
 
         def bad(problem: str) -> FormatError:
             return FormatError(path, f"'units' {problem} (SPEC.md §6.1)")
@@ -95,7 +101,7 @@ class UnitTable:
                 f"'shards' counts {sum(table.shards)} shards in all, the index lists "
                 f"{len(shard_files)}"
             )
-        names = ((k, j) for k, n in enumerate(table.shards) for j in range(n))
+        names = ((first_unit + k, j) for k, n in enumerate(table.shards) for j in range(n))
         for i, (name, (k, j)) in enumerate(zip(shard_files, names, strict=True)):
             if name != unit_shard_name(k, j):
                 raise bad(

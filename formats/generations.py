@@ -1,0 +1,190 @@
+"""Generations of an archive (SPEC.md §6.2): what each compile into it added.
+
+A first compile writes generation 0; each append (``dlop-compile --append``) adds
+one: its shards follow the earlier ones in the index's shard list, its work units
+are numbered after theirs, its skipped inputs go to an errors file of its own, and
+the identities of the inputs it read go to ``inputs-GGGG.bin`` (16 bytes each),
+which the next append reads to know which inputs the archive holds already. Files
+of earlier generations are never rewritten, so a reader that opened an earlier
+index reads it to its end while an append runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .constants import ERRORS_NAME, MAX_ARCHIVE_SAMPLES, MAX_ERRORS_RECORDS, MAX_UNITS
+from .crc import crc32
+from .errors import FormatError
+from .units import UnitTable, is_count, num_units
+from .writer import ShardInfo
+
+MAX_GENERATIONS = 1 << 12
+MAX_GENERATION_INPUTS = 1 << 24  # an inputs file of at most 256 MiB
+IDENTITY_BYTES = 16  # BLAKE2b digest of one input's identity
+IDENTITY_DTYPE = np.dtype(f"S{IDENTITY_BYTES}")
+
+
+def errors_name(generation: int) -> str:
+    """The errors file of a generation's skipped inputs: errors.jsonl for the first (what
+    readers that predate generations read), errors-GGGG.jsonl for each append."""
+    return ERRORS_NAME if generation == 0 else f"errors-{generation:04d}.jsonl"
+
+
+def inputs_name(generation: int) -> str:
+    """The file of a generation's input identities."""
+    return f"inputs-{generation:04d}.bin"
+
+
+def input_identity(text: str) -> bytes:
+    """The 16-byte identity of an input named by ``text`` (a preset's input key, a
+    function's input as JSON, a Dataset's index in decimal)."""
+    data = text.encode("utf-8", "surrogatepass")  # a file name's undecodable bytes too
+    return hashlib.blake2b(data, digest_size=IDENTITY_BYTES).digest()
+
+
+def identities(texts: Sequence[str]) -> np.ndarray:
+    """input_identity of each text, as one array of IDENTITY_DTYPE."""
+    out = np.empty(len(texts), IDENTITY_DTYPE)
+    for n, text in enumerate(texts):
+        out[n] = input_identity(text)
+    return out
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One entry of the index's ``generations``: the shards a compile added (the next
+    ``shards`` of the shard list), the samples in them, the inputs it skipped (in
+    errors_name(number)), how many inputs it read (their identities in inputs_name(number),
+    with that file's CRC-32), and its work units (numbered after the earlier ones')."""
+
+    shards: int
+    num_samples: int
+    skipped: int
+    inputs: int
+    inputs_crc32: int
+    units: UnitTable | None = None
+    created: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shards": self.shards,
+            "num_samples": self.num_samples,
+            "skipped": self.skipped,
+            "inputs": {"count": self.inputs, "crc32": self.inputs_crc32},
+            **({} if self.units is None else {"units": self.units.to_json()}),
+            "created": self.created,
+        }
+
+
+def first_units(generations: Sequence[Generation]) -> list[int]:
+    """The number of each generation's first work unit (the units before it, counted)."""
+    out, at = [], 0
+    for g in generations:
+        out.append(at)
+        if g.units is not None:
+            at += num_units(g.units.num_inputs, g.units.unit_inputs)
+    return out
+
+
+def shard_starts(generations: Sequence[Generation]) -> list[int]:
+    """The position in the shard list of each generation's first shard, and the end."""
+    out = [0]
+    for g in generations:
+        out.append(out[-1] + g.shards)
+    return out
+
+
+def parse_generations(
+    path: object, obj: object, shards: Sequence[ShardInfo], num_samples: int, top_skipped: int
+) -> tuple[Generation, ...]:
+    """An index's ``generations`` checked against its shard list (each generation's shards
+    the next ones, its samples theirs, its units named after the earlier generations'),
+    its sample count and its top-level skipped count (the first generation's)."""
+
+    def bad(problem: str) -> FormatError:
+        return FormatError(path, f"'generations' {problem} (SPEC.md §6.2)")
+
+    if not isinstance(obj, list) or not 1 <= len(obj) <= MAX_GENERATIONS:
+        got = f"{len(obj)} entries" if isinstance(obj, list) else type(obj).__name__
+        raise bad(f"is {got}; expected a list of 1 ... {MAX_GENERATIONS} generations")
+    out: list[Generation] = []
+    start = unit = 0
+    for g, entry in enumerate(obj):
+        where = f"entry #{g}"
+        if not isinstance(entry, dict):
+            raise bad(f"{where} is not an object")
+        count, samples, skipped = (entry.get(k) for k in ("shards", "num_samples", "skipped"))
+        if not is_count(count, len(shards) - start):
+            raise bad(
+                f"{where}: 'shards' is {count!r:.40}; {len(shards) - start} shards are left "
+                "of the index's list"
+            )
+        mine = shards[start : start + count]
+        if not is_count(samples, MAX_ARCHIVE_SAMPLES) or samples != sum(
+            s.num_samples for s in mine
+        ):
+            raise bad(
+                f"{where}: 'num_samples' is {samples!r:.40}; its shards hold "
+                f"{sum(s.num_samples for s in mine)}"
+            )
+        if not is_count(skipped, MAX_ERRORS_RECORDS):
+            raise bad(f"{where}: 'skipped' is {skipped!r:.40}, expected 0 ... {MAX_ERRORS_RECORDS}")
+        inputs = entry.get("inputs")
+        n = inputs.get("count") if isinstance(inputs, dict) else None
+        crc = inputs.get("crc32") if isinstance(inputs, dict) else None
+        if not is_count(n, MAX_GENERATION_INPUTS) or n < skipped or not is_count(crc, 0xFFFFFFFF):
+            raise bad(
+                f"{where}: 'inputs' is {inputs!r:.80}; expected {{'count': {skipped} ... "
+                f"{MAX_GENERATION_INPUTS}, 'crc32': 0 ... 2^32-1}}"
+            )
+        units = entry.get("units")
+        table = None
+        if units is not None:
+            table = UnitTable.from_json(
+                f"{path} generation {g}", units, [s.file for s in mine], skipped, first_unit=unit
+            )
+            unit += num_units(table.num_inputs, table.unit_inputs)
+            if unit > MAX_UNITS:
+                raise bad(f"{where}: its units end at unit {unit}; an archive lists {MAX_UNITS}")
+            if table.num_inputs != n:
+                raise bad(f"{where}: its units cut {table.num_inputs} inputs, 'inputs' counts {n}")
+        created = entry.get("created", "")
+        if not isinstance(created, str) or len(created) > 64:
+            raise bad(f"{where}: 'created' is {created!r:.40}, expected a short string")
+        out.append(Generation(count, samples, skipped, n, crc, table, created))
+        start += count
+    if start != len(shards):
+        raise bad(f"counts {start} shards in all, the index lists {len(shards)}")
+    if sum(g.num_samples for g in out) != num_samples:
+        raise bad(f"counts {sum(g.num_samples for g in out)} samples, the index {num_samples}")
+    if out[0].skipped != top_skipped:
+        raise bad(
+            f"entry #0 counts {out[0].skipped} skipped inputs; 'skipped.count' (the first "
+            f"generation's, in {ERRORS_NAME}) is {top_skipped}"
+        )
+    return tuple(out)
+
+
+def encode_identities(ids: np.ndarray) -> tuple[bytes, int]:
+    """An inputs file's bytes and their CRC-32."""
+    data = np.ascontiguousarray(ids, IDENTITY_DTYPE).tobytes()
+    return data, crc32(data)
+
+
+def parse_identities(path: str | Path, data: bytes, generation: Generation) -> np.ndarray:
+    """An inputs file's identities, checked against its generation's count and CRC-32."""
+    want = generation.inputs * IDENTITY_BYTES
+    if len(data) != want:
+        raise FormatError(
+            path, f"is {len(data)} bytes; {generation.inputs} input identities take {want}"
+        )
+    if crc32(data) != generation.inputs_crc32:
+        raise FormatError(path, "CRC-32 differs from index.json's")
+    return np.frombuffer(data, IDENTITY_DTYPE)
