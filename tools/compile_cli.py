@@ -32,6 +32,7 @@ from dlop.compiler.recipe import (
 from dlop.compiler.urls import parse_storage_options
 from dlop.compiler.vision import options as vision
 from dlop.formats import DlopError
+from dlop.formats.generations import errors_name
 from dlop.formats.urls import local_path
 from dlop.tools.output import exit_now, redacted_output
 
@@ -107,7 +108,7 @@ _CUSTOM = {"dataset", "dataset_args", "map", "inputs", "schema", "seed", "compre
 _CUSTOM |= {"item_timeout"}
 # what a --dataset or --map compile takes besides its own options
 _CUSTOM_TOO = {"out", "codec", "shard_bytes", "workers", "unit_inputs", "dask", "on_error"}
-_CUSTOM_TOO |= {"resume", "overwrite", "quiet", "storage_option", "dtype"}
+_CUSTOM_TOO |= {"resume", "overwrite", "append", "quiet", "storage_option", "dtype"}
 
 
 def _corpus_options(g: argparse._ArgumentGroup) -> None:
@@ -247,6 +248,12 @@ def _output_options(o: argparse._ArgumentGroup) -> None:
     )
     o.add_argument("--resume", action="store_true", help="finish an interrupted compile in OUT")
     o.add_argument(
+        "--append",
+        action="store_true",
+        help="add the inputs of SOURCE that the archive in OUT does not hold yet, as new "
+        "shards; its files are not rewritten (same recipe or refused)",
+    )
+    o.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the dlop archive (or interrupted compile) in OUT; nothing else is deleted",
@@ -264,6 +271,7 @@ def _output_options(o: argparse._ArgumentGroup) -> None:
 
 
 _NOT_RECIPE = {"out", "recipe", "demo", "resume", "overwrite", "quiet", "unit_inputs", "dask"}
+_NOT_RECIPE.add("append")
 _NOT_RECIPE |= _CUSTOM
 _NOT_RECIPE.add("storage_option")  # credentials and endpoints never go into the archive
 
@@ -348,6 +356,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         storage_options=storage_options,
         unit_inputs=args.unit_inputs,
         dask=args.dask,
+        append=args.append,
     )
     _summary(out, index, time.perf_counter() - started, recipe.choices())
     return 0
@@ -356,6 +365,16 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _summary(out: str, index: Any, took: float, what: str) -> None:
     size = sum(s.bytes for s in index.shards)
     inputs = index.units.num_inputs if index.units is not None else index.num_samples
+    if len(index.generations) > 1:
+        last = index.generations[-1]
+        print(
+            f"{out}: {index.num_samples} samples in {len(index.shards)} shard(s), "
+            f"{size / 2**20:.1f} MiB, {len(index.generations)} generations; the last added "
+            f"{last.num_samples} samples of {last.inputs} inputs, {last.skipped} skipped"
+            f"{' (see ' + errors_name(len(index.generations) - 1) + ')' if last.skipped else ''}; "
+            f"{took:.1f} s; {what}"
+        )
+        return
     print(
         f"wrote {out}: {index.num_samples} samples in {len(index.shards)} shard(s), {size / 2**20:.1f} MiB, "
         f"{index.skipped_count} skipped{' (see errors.jsonl)' if index.skipped_count else ''}; "
@@ -403,6 +422,7 @@ def _run_custom(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         "dask": args.dask,
         "resume": args.resume,
         "overwrite": args.overwrite,
+        "append": args.append,
         "on_error": args.on_error or "skip",
         "shard_bytes": args.shard_bytes or (256 << 20),
         "compression": args.compression or args.codec or "raw",

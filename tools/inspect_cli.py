@@ -23,7 +23,6 @@ import numpy as np
 
 from dlop.compiler.urls import parse_storage_options
 from dlop.formats import (
-    ERRORS_NAME,
     INDEX_NAME,
     ArchiveReader,
     DlopError,
@@ -33,6 +32,7 @@ from dlop.formats import (
 )
 from dlop.formats.archive import read_index
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_INDEX_BYTES
+from dlop.formats.generations import IDENTITY_BYTES, inputs_name
 from dlop.formats.urls import is_url, local_path
 
 from . import cache_cli
@@ -100,7 +100,19 @@ def archive_summary(reader: ArchiveReader, max_skipped: int = JSON_SKIPPED) -> d
             "count": reader.index.skipped_count,
             "inputs": errors,
             "not_listed": reader.index.skipped_count - len(errors),
+            "files": [name for name, count in reader.index.errors_files() if count],
         },
+        # what each compile into the archive added (SPEC.md §6.2); [] for an index without them
+        "generations": [
+            {
+                "shards": g.shards,
+                "num_samples": g.num_samples,
+                "inputs": g.inputs,
+                "skipped": g.skipped,
+                "created": g.created,
+            }
+            for g in reader.index.generations
+        ],
     }
 
 
@@ -152,15 +164,22 @@ def print_info(s: dict[str, Any]) -> None:
             if len(text) > 4000:
                 text = text[:4000] + "\n  ... (truncated; use --json for all)"
             print(f"{section}\n  " + text.replace("\n", "\n  "))
+    if len(s["generations"]) > 1:
+        print(f"generations {len(s['generations'])} (the first compile, then each --append)")
+        for g, gen in enumerate(s["generations"]):
+            print(
+                f"  {g}  {gen['created'] or '-'}  {gen['inputs']} input(s): "
+                f"{gen['num_samples']} samples in {gen['shards']} shard(s), "
+                f"{gen['skipped']} skipped"
+            )
     skipped = s["skipped"]
-    print(
-        f"skipped   {skipped['count']} input(s)" + (" (errors.jsonl):" if skipped["count"] else "")
-    )
+    files = ", ".join(skipped["files"])
+    print(f"skipped   {skipped['count']} input(s)" + (f" ({files}):" if skipped["count"] else ""))
     shown = skipped["inputs"][:SHOWN_SKIPPED]
     for e in shown:
         print(f"  {e.get('path')}: {e.get('reason')}")
     if skipped["count"] > len(shown):
-        print(f"  ... and {skipped['count'] - len(shown)} more in errors.jsonl")
+        print(f"  ... and {skipped['count'] - len(shown)} more in {files}")
 
 
 def remote_reading(recorded: int, shards: int, coded: bool) -> str:
@@ -240,8 +259,11 @@ def fetch_archive(
             "either): no dlop archive there, or its compile did not finish"
         )
     index = read_index(folder)  # the format's bounds, before any name in it is used
-    if index.skipped_count:
-        _fetch_into(store, ERRORS_NAME, folder, MAX_ERRORS_BYTES)
+    for name, count in index.errors_files():
+        if count:
+            _fetch_into(store, name, folder, MAX_ERRORS_BYTES)
+    for g, generation in enumerate(index.generations):
+        _fetch_into(store, inputs_name(g), folder, generation.inputs * IDENTITY_BYTES)
     wanted = [s for k, s in enumerate(index.shards) if shards is None or k in shards]
     with ThreadPoolExecutor(min(8, len(wanted)) or 1) as pool:
         for _ in pool.map(

@@ -6,9 +6,12 @@ stages read it); a field that a media does not use stays at its default.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
 
 from . import listing
 from .place import Place
@@ -72,6 +75,54 @@ class Corpus:
     unit_sizes: bool = False
     # folders and URL prefixes outside SOURCE its paths may name (Place.confine)
     allow_paths: tuple[str, ...] = ()
+    # what names an input for --append (formats.generations): "key", the item's key (a
+    # preset's input path or id, a Dataset's index); "input", a function's input as JSON
+    identity: str = "key"
+
+    def identity_texts(self) -> Iterator[str]:
+        """Each input's identity text, in corpus order."""
+        for item in self.items:
+            yield input_text(item.extras["input"]) if self.identity == "input" else item.key
+
+
+def input_text(value: Any) -> str:
+    """A function input as the listing fingerprint and its identity see it: its JSON."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+class Picked(Sequence[Item]):
+    """Some of a corpus's items, by their positions in it (ascending): what an append
+    compiles. Streamed (layouts.stream_items) a run of consecutive positions at a time, so
+    a layout reading tars or Parquet row groups reads each run as it would a slice."""
+
+    def __init__(self, base: Sequence[Item], positions: np.ndarray) -> None:
+        self.base, self.positions = base, np.asarray(positions, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    @overload
+    def __getitem__(self, n: int) -> Item: ...
+    @overload
+    def __getitem__(self, n: slice) -> Picked: ...
+    def __getitem__(self, n: int | slice) -> Item | Picked:
+        if isinstance(n, slice):
+            chosen = self.positions[n]
+            if not len(chosen):
+                return Picked([], chosen)
+            low, high = int(chosen[0]), int(chosen[-1]) + 1
+            # only the span these positions cover travels (a unit's corpus sent to Dask)
+            return Picked(self.base[low:high], chosen - low)
+        return self.base[int(self.positions[n])]
+
+    def runs(self, start: int, stop: int | None) -> Iterator[tuple[int, int]]:
+        """The positions of items [start, stop) as runs [a, b) of consecutive ones."""
+        chosen = self.positions[start:stop]
+        if not len(chosen):
+            return
+        breaks = np.flatnonzero(np.diff(chosen) != 1) + 1
+        for part in np.split(chosen, breaks):
+            yield int(part[0]), int(part[-1]) + 1
 
 
 @dataclass(frozen=True)

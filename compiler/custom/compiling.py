@@ -31,7 +31,7 @@ from dlop.formats import Index
 from dlop.formats.constants import MAX_ARCHIVE_SAMPLES
 from dlop.formats.files import loads_bounded
 
-from ..corpus.records import Corpus
+from ..corpus.records import Corpus, input_text
 from ..errors import AxisVaries, CompileError
 from ..output.guard import committed_units
 from ..output.journal import JOURNAL, MAX_JOURNAL_BYTES, Journal
@@ -65,7 +65,6 @@ from .work import (
     UserWork,
     bare,
     describe_shape,
-    input_text,
     item_name,
     reason,
 )
@@ -143,6 +142,7 @@ class Options(TypedDict, total=False):
     workers: int | None  # local worker processes (None: every core)
     dask: str | None  # a Dask scheduler address, or local:N for a LocalCluster
     resume: bool  # finish the interrupted compile in OUT
+    append: bool  # add the inputs the archive in OUT does not hold (docs/compile.md)
     overwrite: bool  # replace the archive or interrupted compile in OUT
     on_error: str  # "skip": an item that raises (or gives None) is recorded; "fail": stop
     shard_bytes: int | str  # target shard size: bytes, or "256MiB"
@@ -164,6 +164,7 @@ DEFAULTS: dict[str, Any] = {
     "workers": None,
     "dask": None,
     "resume": False,
+    "append": False,
     "overwrite": False,
     "on_error": "skip",
     "shard_bytes": 256 << 20,
@@ -329,7 +330,15 @@ def _compile(
     storage_options = options["storage_options"]
     journal = _journal_recipe(out_text, storage_options) if options["resume"] else None
     item_seconds = 0.0  # unknown on a resume: chunks of CHUNK_ITEMS
-    if journal is not None:
+    if options["append"] and journal is None:  # the archive's schema, its recipe checked
+        specs, structure = _resumed(recipe, _archive_recipe(out_text, storage_options), out_text)
+        _check_archive_samples(
+            UserWork(target, dataset, specs, seed, label, 0.0, structure, timeout),
+            replace(recipe, specs=specs, structure=structure),
+            items,
+            out_text,
+        )
+    elif journal is not None:
         specs, structure = _resumed(recipe, journal[0], out_text)
         _check_witnesses(
             UserWork(target, dataset, specs, seed, label, 0.0, structure, timeout),
@@ -358,6 +367,7 @@ def _compile(
                     dask=options["dask"],
                     resume=resume,
                     overwrite=overwrite,
+                    append=options["append"],
                 )
         except AxisVaries as e:
             specs = widened(specs, e.field, e.axis)
@@ -405,6 +415,7 @@ def _run(
         metadata={"structure": recipe.structure, "compiled": recipe.kind},
         fingerprint=recipe.inputs["fingerprint"],
         media="custom",
+        identity="input" if recipe.kind == "map" else "key",
     )
     given = options["unit_inputs"]
     return Run(
@@ -544,18 +555,13 @@ def _check_witnesses(
         for index, wrote in chosen:
             item = items[index]
             name = work.name(item)
-            got = prober.answer(item)
-            why = ""
-            if got.kind != "sample":
-                why = f"it now {'gives None' if got.kind == 'none' else 'fails: ' + got.text}"
-            else:
-                try:
-                    sample = conform(got.leaves, work.specs, name)
-                except Mismatch as e:
-                    why = e.message
-                else:
-                    if sample_digest([sample]) != wrote:
-                        why = "it now gives another sample than the one written"
+            why = _differs(
+                prober,
+                item,
+                name,
+                lambda sample, wrote=wrote: sample_digest([sample]) == wrote,
+                "it now gives another sample than the one written",
+            )
             if why:
                 raise CompileError(
                     f"{out}: --resume refused: {name} was compiled by the interrupted compile "
@@ -566,20 +572,127 @@ def _check_witnesses(
         prober.close()
 
 
+def _differs(
+    prober: Prober,
+    item: Any,
+    name: str,
+    same: Callable[[dict[str, Any]], bool],
+    otherwise: str,
+) -> str:
+    """Why ``item``, computed again (guarded, as the probe's), is not the sample it was
+    (``same`` judges the conformed sample; ``otherwise`` says why not); "" when it is."""
+    got = prober.answer(item)
+    if got.kind != "sample":
+        return f"it now {'gives None' if got.kind == 'none' else 'fails: ' + got.text}"
+    try:
+        sample = conform(got.leaves, prober.work.specs, name)
+    except Mismatch as e:
+        return e.message
+    return "" if same(sample) else otherwise
+
+
+def _archive_recipe(out: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """The recipe of the archive in OUT, which an append adds to (``"appended": True``
+    marks it so, for _resumed's messages); a missing or damaged index is left to the
+    compile's own checks of OUT (run.append), which name it."""
+    from dlop.formats import INDEX_NAME, FormatError, parse_index
+
+    data = open_store(out, storage_options).read(INDEX_NAME)
+    try:
+        recipe = {} if data is None else parse_index(f"{out}/{INDEX_NAME}", data).recipe
+    except FormatError:
+        recipe = {}
+    return {**recipe, "appended": True}
+
+
+def _check_archive_samples(work: UserWork, recipe: CustomRecipe, items: Inputs, out: str) -> None:
+    """Refuses an append when inputs the archive holds now give other samples than it
+    stores: up to RESUME_CHECKS of its first generation's written inputs, spread over
+    them, found among the inputs given (by identity) are computed again (guarded, as the
+    probe's) and compared, field by field, with the stored samples. This sees what the
+    recipe cannot (a Dataset's settings, data it reads from elsewhere). A URL OUT is not
+    read back for it: its recipe is compared only."""
+    from dlop.formats import ArchiveReader, FormatError
+    from dlop.formats.generations import identities
+    from dlop.formats.urls import is_url
+
+    from ..run.append import stored_form
+
+    if is_url(out) or not os.path.isfile(os.path.join(out, "index.json")):
+        return
+    try:
+        reader = ArchiveReader(out)
+    except FormatError:
+        return  # the compile's own checks of OUT name what is wrong
+    with reader:
+        if not reader.index.generations:
+            return
+        first = reader.index.generations[0]
+        try:
+            ids = reader.input_identities(0)
+            skipped = {str(e.get("key")) for e in reader.iter_errors() if len(ids)}
+        except FormatError:
+            return
+        # one sample per written input (a user compile's): input j of the first
+        # generation is its sample number j minus the inputs skipped before it
+        written = [j for j in range(first.inputs) if str(j) not in skipped]
+        if len(written) != first.num_samples or not written:
+            return
+        step = max(1, len(written) // RESUME_CHECKS)
+        chosen = list(enumerate(written))[::step][:RESUME_CHECKS]
+        kind = "input" if recipe.kind == "map" else "key"
+        listed = Corpus("", "", items, False, False, {}, {}, "", identity=kind)
+        here = identities(list(listed.identity_texts()))
+        position = {bytes(v): n for n, v in enumerate(here)}
+        prober = Prober(work, work.timeout)
+        try:
+            for sample_number, j in chosen:
+                n = position.get(bytes(ids[j]))
+                if n is None:
+                    continue  # the input is no longer given
+                item = items[n]
+                name = work.name(item)
+                stored = stored_form(reader.sample(sample_number))
+                why = _differs(
+                    prober,
+                    item,
+                    name,
+                    lambda sample, stored=stored: stored_form(sample) == stored,
+                    "it now gives another sample than the archive stores",
+                )
+                if why:
+                    raise CompileError(
+                        f"{out}: --append refused: {name} is in the archive and {why}. The "
+                        "code, its settings, or data it reads from elsewhere changed; compile "
+                        "afresh (--overwrite)"
+                    )
+        finally:
+            prober.close()
+
+
 def _resumed(
     recipe: CustomRecipe, before: dict[str, Any], out: str
 ) -> tuple[dict[str, Spec], dict[str, Any]]:
-    """The interrupted compile's schema, once its code, inputs and options are this one's."""
+    """The interrupted compile's schema, once its code, inputs and options are this one's;
+    for an append (``before`` marked "appended"), the archive's, once its code and options
+    are this one's (the inputs grow)."""
+    append = bool(before.get("appended"))
+    verb = "--append" if append else "--resume"
+    if append and set(before) == {"appended"}:  # no archive in OUT: run.append says so
+        return {}, {}
     if before.get("compile") != recipe.kind:
         raise CompileError(
-            f"{out}: --resume of a compile that was not a compile_{recipe.kind} (it recorded "
+            f"{out}: {verb} to a compile that was not a compile_{recipe.kind} (it recorded "
             f"{before.get('compile') or 'a preset recipe'!r}); compile afresh (--overwrite)"
         )
-    problems = changes(before.get("code") or {}, recipe.code)
+    code = before.get("code") or {}
+    # a Dataset grows in its attributes (a longer list of files): an append compares its
+    # code, and computes some of the archive's samples again instead (_check_archive_samples)
+    problems = changes(code, {**recipe.code, "state": code.get("state")} if append else recipe.code)
     if (before.get("code") or {}).get("arguments") != recipe.code.get("arguments"):
         problems.append("the arguments given changed")
     inputs = before.get("inputs") or {}
-    if inputs.get("fingerprint") != recipe.inputs["fingerprint"]:
+    if not append and inputs.get("fingerprint") != recipe.inputs["fingerprint"]:
         problems.append(
             f"the inputs changed ({inputs.get('count')} inputs then, {recipe.inputs['count']} now"
             + (", or their values)" if inputs.get("count") == recipe.inputs["count"] else ")")
@@ -588,11 +701,12 @@ def _resumed(
         if before.get(key) != value:
             problems.append(f"{key} was {json.dumps(before.get(key))}, now {json.dumps(value)}")
     if problems:
+        since = "the archive was compiled" if append else "the interrupted compile began"
         raise CompileError(
-            f"{out}: --resume refused, since the interrupted compile began: "
+            f"{out}: {verb} refused, since {since}: "
             + "; ".join(problems)
-            + ". Resume with the same code and options, or compile afresh (--overwrite, or "
-            "overwrite=True)"
+            + f". {'Append' if append else 'Resume'} with the same code and options, or "
+            "compile afresh (--overwrite, or overwrite=True)"
         )
     try:
         specs = {s["name"]: Spec.from_json(s) for s in before["fields"]}

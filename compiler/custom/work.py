@@ -11,7 +11,6 @@ the item. A sample that breaks the schema stops the compile (samples.conform).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -234,8 +233,3 @@ class Inputs(Sequence[Item]):
         if not -self.size <= n < self.size:
             raise IndexError(n)
         return self._item(n % self.size)
-
-
-def input_text(value: Any) -> str:
-    """A function input as the listing fingerprint sees it: its JSON."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))

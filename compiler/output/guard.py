@@ -36,12 +36,19 @@ from .store import STAGING, LocalStore, Store
 
 LOCK = LOCK_NAME  # flock'ed for the whole compile; holds "pid N on HOST"
 SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the staging folder, removed as read
+# An append's copy of the index it appends to, kept until it ends: its --resume appends
+# to the same archive, whether or not the new index was published before it stopped.
+BASE_COPY = ".dlop-base.json"
 
 _SHARD = r"(?:shard-\d{5,}|unit-\d{6,}-\d{4,})\.dlop"
 _COMMIT = rf"{re.escape(COMMIT_PREFIX)}\d{{6,}}\.json"
-_OWN = "|".join([*(re.escape(n) for n in (INDEX_NAME, ERRORS_NAME, JOURNAL)), _COMMIT])
+_GENERATION = r"errors-\d{4,}\.jsonl|inputs-\d{4,}\.bin"  # formats.generations
+_OWN = "|".join(
+    [*(re.escape(n) for n in (INDEX_NAME, ERRORS_NAME, JOURNAL, BASE_COPY)), _COMMIT, _GENERATION]
+)
 # Every name a compile writes in OUT: the archive's files (shards named by unit, or
-# shard-N.dlop by compiles before units), the journal, units' commit records, the lock,
+# shard-N.dlop by compiles before units; each generation's errors and inputs files),
+# the journal (and an append's copy of its base index), units' commit records, the lock,
 # the workers' chunk files, temporary files (".NAME.tmp" of small files; before units a
 # shard's ".shard-N.dlop.tmp" and its field spools ".shard-N.dlop.fK.spool"); and the
 # staging folder, a directory (STAGING).
@@ -209,12 +216,14 @@ class OutputLock:
 
 
 @contextlib.contextmanager
-def locked_output(out: Path, resume: bool, overwrite: bool) -> Iterator[bool]:
+def locked_output(out: Path, resume: bool, overwrite: bool, append: bool = False) -> Iterator[bool]:
     """Creates or checks OUT and holds its lock throughout; yields whether this compile created it."""
     created = False
     if not out.exists():
         if resume:
             raise CompileError(f"{out}: nothing to resume (the directory does not exist)")
+        if append:
+            raise CompileError(f"{out}: no archive to append to (the directory does not exist)")
         with contextlib.suppress(FileExistsError):  # another compile may create it meanwhile
             out.mkdir(parents=True)
             created = True
@@ -222,19 +231,37 @@ def locked_output(out: Path, resume: bool, overwrite: bool) -> Iterator[bool]:
         raise CompileError(f"{out}: exists and is not a directory")
     lock = OutputLock(out)
     try:
-        _clear_output(out, resume, overwrite)
+        names = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+        if append and not resume:
+            check_appendable(str(out), names)
+        else:
+            _clear_output(out, names, resume, overwrite)
         yield created
     finally:
         lock.release()
 
 
-def _clear_output(out: Path, resume: bool, overwrite: bool) -> None:
+def check_appendable(out: str, names: list[str]) -> None:
+    """Refuses an --append (not a resume of one) unless OUT holds a finished archive."""
+    if JOURNAL in names:
+        raise CompileError(
+            f"{out}: holds an interrupted compile or append; finish it first with --resume "
+            "(and --append when it was an append), then append"
+        )
+    if INDEX_NAME not in names:
+        raise CompileError(
+            f"{out}: holds no archive to append to (no {INDEX_NAME}); compile one first, "
+            "without --append"
+        )
+
+
+def _clear_output(out: Path, names: list[str], resume: bool, overwrite: bool) -> None:
     """Checks what OUT holds (under the lock); for --overwrite, deletes a previous archive.
 
     For --resume only the check: what may go is deleted once the journal is read
     and the completed shards are verified (clear_for_resume). An index beside the
-    journal is a compile stopped while tidying up after its index: --resume finishes it."""
-    names = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+    journal is a compile stopped while tidying up after its index (or an append, whose
+    base it is): --resume finishes it."""
     has_index, has_journal = INDEX_NAME in names, JOURNAL in names
     if resume:
         if has_index and not has_journal:
@@ -301,10 +328,16 @@ def _check_archive_index(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def remote_output(store: Store, resume: bool, overwrite: bool) -> Iterator[None]:
+def remote_output(
+    store: Store, resume: bool, overwrite: bool, append: bool = False
+) -> Iterator[None]:
     """A URL OUT: the checks a local OUT gets (no lock: object stores have none). Only names
     a compile writes are ever deleted; anything else under OUT refuses the compile."""
     names = store.list()
+    if append and not resume:
+        check_appendable(store.url, names)
+        yield
+        return
     foreign = [n for n in names if not COMPILE_FILE.fullmatch(n)]
     has_index, has_journal = INDEX_NAME in names, JOURNAL in names
     if resume and not has_journal:  # an index beside a journal: tidying up was left (resume)
@@ -335,12 +368,13 @@ def committed_units(store: Store, journal: Journal) -> dict[int, UnitRecord]:
     compile's record of that unit, every shard it names in place. Others are redone."""
     listed = store.sizes()  # one listing: no request per shard for a URL OUT
     found: dict[int, UnitRecord] = {}
+    first = 0 if journal.append is None else journal.append[0]  # an append's units follow
     for name in sorted(n for n in listed if n.startswith(COMMIT_PREFIX)):
         digits = name[len(COMMIT_PREFIX) : -len(".json")]
-        if not digits.isdigit() or name != commit_name(int(digits)):
+        if not digits.isdigit() or name != commit_name(int(digits)) or int(digits) < first:
             continue
         unit = int(digits)
-        start = unit * journal.unit_inputs
+        start = (unit - first) * journal.unit_inputs
         inputs = range(start, min(start + journal.unit_inputs, journal.num_inputs))
         data = store.read(name) if len(inputs) else None
         record = None if data is None else parse_record(data, unit, inputs, journal.digest)
@@ -350,15 +384,16 @@ def committed_units(store: Store, journal: Journal) -> dict[int, UnitRecord]:
 
 
 def clear_for_resume(
-    store: Store, committed: dict[int, UnitRecord], keep_archive: bool = False
+    store: Store, committed: dict[int, UnitRecord], archive: frozenset[str] = frozenset()
 ) -> None:
-    """Deletes what the interrupted compile left besides its journal, its lock and its
-    committed units (and, with ``keep_archive``, its index and errors.jsonl): shards of
-    unfinished units, records that do not count, temporary and chunk files, the staging
-    folder. For a local OUT, _clear_output has already refused one holding anything a
-    compile does not write."""
-    keep = {JOURNAL, LOCK, *((INDEX_NAME, ERRORS_NAME) if keep_archive else ())}
-    if not keep_archive:
+    """Deletes what the interrupted compile left besides its journal, its lock, its
+    committed units and the files of ``archive``: those of its finished archive when it
+    got as far as its index, and for an append those of the archive it appends to (with
+    its copy of that index). What goes: shards of unfinished units, records that do not
+    count, temporary and chunk files, the staging folder. For a local OUT, _clear_output
+    has already refused one holding anything a compile does not write."""
+    keep = {JOURNAL, LOCK, BASE_COPY, *archive}
+    if INDEX_NAME not in keep:
         store.delete(INDEX_NAME)  # first: a crash never leaves a stale but valid-looking archive
     for record in committed.values():
         keep |= {commit_name(record.unit), *(s.file for s in record.shards)}
@@ -376,7 +411,8 @@ def clear_for_resume(
 
 
 def tidy(store: Store) -> None:
-    """After the index: the commit records go, the staging folder, and the journal last."""
+    """After the index: the commit records go, the staging folder, then the journal (and
+    an append's copy of its base index, after it: a resume needs it while a journal is)."""
     # listed, not taken from ``committed``: after merge.intact_index, whatever records are left
     records = [n for n in store.list(COMMIT_PREFIX) if COMPILE_FILE.fullmatch(n)]
     for n, name in enumerate(records):
@@ -386,6 +422,7 @@ def tidy(store: Store) -> None:
     if isinstance(store, LocalStore):
         store.clear_staging()
     store.delete(JOURNAL)
+    store.delete(BASE_COPY)
 
 
 def keep_committed(store: Store) -> None:
@@ -395,8 +432,9 @@ def keep_committed(store: Store) -> None:
         store.clear_staging()
 
 
-def discard(store: Store, created_dir: bool) -> None:
-    """After a bad input under --on-error fail: removes everything this compile wrote."""
+def discard(store: Store, created_dir: bool, base: frozenset[str] = frozenset()) -> None:
+    """After a bad input under --on-error fail: removes everything this compile wrote (for
+    an append, all but the archive it appends to, whose files are ``base``)."""
     store.delete(JOURNAL)  # first: a unit task still running publishes nothing more
     if isinstance(store, LocalStore):
         store.clear_staging()
@@ -404,5 +442,5 @@ def discard(store: Store, created_dir: bool) -> None:
             shutil.rmtree(store.root, ignore_errors=True)
             return
     for name in store.list():
-        if name != LOCK and COMPILE_FILE.fullmatch(name):
+        if name != LOCK and name not in base and COMPILE_FILE.fullmatch(name):
             store.delete(name)

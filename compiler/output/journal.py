@@ -58,6 +58,7 @@ class Journal:
         num_inputs: int,
         numerics: dict[str, Any] | None = None,
         recipe: dict[str, Any] | None = None,
+        append: tuple[int, str] | None = None,
     ) -> None:
         self.where = where
         self.digest, self.fingerprint = digest, fingerprint
@@ -65,6 +66,9 @@ class Journal:
         # compiler.audio.numerics.resume_key of the compile: a resume must write with the same
         self.numerics = numerics or {}
         self.unit_inputs, self.num_inputs = unit_inputs, num_inputs
+        # an append (run.append): the number of its first unit, and the sha256 of the index
+        # it appends to; None for a first compile
+        self.append = append
         # Names this compile in the journal: a URL OUT has no lock, so a compile checks
         # that the journal still names it before it publishes more (check_run).
         self.run = secrets.token_hex(8)
@@ -83,6 +87,7 @@ class Journal:
             "run": self.run,
             "numerics": self.numerics,
             "recipe": self.recipe,
+            **({} if self.append is None else {"append": list(self.append)}),
         }
         data = json.dumps(obj).encode()
         if len(data) > MAX_JOURNAL_BYTES:
@@ -132,6 +137,18 @@ class Journal:
             self._bad(f"'num_inputs' is {num_inputs!r:.40}, expected an integer 1 ... 2^64-1")
         if not is_count(size, MAX_COUNT) or size < 1:
             self._bad(f"'unit_inputs' is {size!r:.40}, expected an integer 1 ... 2^64-1")
+        appended = obj.get("append")
+        if appended != (None if self.append is None else list(self.append)):
+            if self.append is None or appended is None:
+                what = "an append (--append)" if appended is not None else "a first compile"
+                raise CompileError(
+                    f"{self.where}: the interrupted compile was {what}; resume it as it began "
+                    f"({'with' if appended is not None else 'without'} --append and --resume)"
+                )
+            raise CompileError(
+                f"{self.where}: the interrupted append began on another archive than the one "
+                "it keeps as its base; it cannot be resumed, compile afresh (--overwrite)"
+            )
         if digest != self.digest:
             theirs_recipe = obj.get("recipe")
             what = (

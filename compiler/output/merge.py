@@ -5,12 +5,12 @@ intact_index)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dlop.formats import (
-    ERRORS_NAME,
     INDEX_NAME,
     Field,
     FormatError,
@@ -23,6 +23,13 @@ from dlop.formats import (
 from dlop.formats.archive import now_utc
 from dlop.formats.constants import MAX_ERRORS_BYTES, MAX_ERRORS_RECORDS, MAX_SHARDS
 from dlop.formats.files import loads_bounded
+from dlop.formats.generations import (
+    Generation,
+    encode_identities,
+    errors_name,
+    identities,
+    inputs_name,
+)
 from dlop.formats.redact import redact
 from dlop.formats.skipped import encode_record
 
@@ -38,16 +45,37 @@ from .store import Store
 @dataclass(frozen=True)
 class IndexPlan:
     """What a compile's index holds besides its units' commit records: the recipe, the
-    corpus it listed, the fields, and the unit size the inputs are cut by."""
+    corpus it listed, the fields, and the unit size the inputs are cut by; for an append,
+    the index it appends to and the number of its first unit (after the base's)."""
 
     recipe: Recipe
     corpus: Corpus
     fields: tuple[Field, ...]
     unit_inputs: int
+    base: Index | None = None
+    first_unit: int = 0
 
     @property
     def num_units(self) -> int:
         return num_units(len(self.corpus.items), self.unit_inputs)
+
+    @property
+    def units(self) -> range:
+        return range(self.first_unit, self.first_unit + self.num_units)
+
+    @property
+    def generation(self) -> int:
+        return 0 if self.base is None else len(self.base.generations)
+
+    @functools.cached_property
+    def identities(self) -> tuple[bytes, int]:
+        """The inputs file of this compile's generation, and its CRC-32."""
+        return encode_identities(identities(list(self.corpus.identity_texts())))
+
+
+def plan_metadata(recipe: Recipe, corpus: Corpus) -> dict[str, Any]:
+    """The index's ``metadata``: the corpus's facts and the feature field's name."""
+    return {**corpus.metadata, "feature_field": recipe.feature_name}
 
 
 @dataclass
@@ -100,21 +128,29 @@ def intact_index(plan: IndexPlan, store: Store, committed: dict[int, UnitRecord]
     except FormatError:
         return None
     source = index.provenance.get("source")
-    units = index.units
+    g = plan.generation
+    gen = index.generations[g] if len(index.generations) == g + 1 else None
+    units = None if gen is None else gen.units
+    recipe = plan.recipe.to_json() if plan.base is None else plan.base.recipe
     if (
-        index.recipe != plan.recipe.to_json()
+        index.recipe != recipe
         or not isinstance(source, dict)
         or source.get("fingerprint") != plan.corpus.fingerprint
         or units is None
         or (units.unit_inputs, units.num_inputs) != (plan.unit_inputs, len(plan.corpus.items))
+        or (plan.base is not None and index.shards[: len(plan.base.shards)] != plan.base.shards)
     ):
         return None
-    first = list(itertools.accumulate(units.shards, initial=0))
+    before = 0 if plan.base is None else len(plan.base.shards)
+    first = list(itertools.accumulate(units.shards, initial=before))
     for u, r in committed.items():
-        if index.shards[first[u] : first[u + 1]] != r.shards or units.skipped[u] != len(r.skipped):
+        k = u - plan.first_unit
+        if index.shards[first[k] : first[k + 1]] != r.shards or units.skipped[k] != len(r.skipped):
             return None
     listed = store.sizes()  # one listing: no request per shard for a URL OUT
-    if index.skipped_count and ERRORS_NAME not in listed:
+    if gen is not None and gen.skipped and errors_name(g) not in listed:
+        return None
+    if listed.get(inputs_name(g)) != len(plan.identities[0]):
         return None
     if any(listed.get(s.file) != s.bytes for s in index.shards):
         return None
@@ -135,16 +171,21 @@ def finished_index(plan: IndexPlan, store: Store, committed: dict[int, UnitRecor
     if not isinstance(created, str):
         return None
     index, errors = merged(plan, committed, created)
-    if encode_index(index, INDEX_NAME) != data or store.read(ERRORS_NAME) != errors:
+    g = plan.generation
+    if encode_index(index, INDEX_NAME) != data or store.read(errors_name(g)) != errors:
+        return None
+    if store.read(inputs_name(g)) != plan.identities[0]:
         return None
     return index
 
 
 def write_archive(plan: IndexPlan, store: Store, committed: dict[int, UnitRecord]) -> Index:
-    """errors.jsonl, then index.json last, both merged from the records in unit order."""
+    """The generation's errors file and inputs file, then index.json last, merged from the
+    records in unit order."""
     index, errors = merged(plan, committed, now_utc())
     if errors is not None:
-        store.write(ERRORS_NAME, errors)
+        store.write(errors_name(plan.generation), errors)
+    store.write(inputs_name(plan.generation), plan.identities[0])
     fault_at("index")
     store.write(INDEX_NAME, encode_index(index, f"{store.url}/{INDEX_NAME}"))
     return index
@@ -153,9 +194,9 @@ def write_archive(plan: IndexPlan, store: Store, committed: dict[int, UnitRecord
 def merged(
     plan: IndexPlan, committed: dict[int, UnitRecord], created: str
 ) -> tuple[Index, bytes | None]:
-    """The index and the errors.jsonl bytes (None when nothing was skipped) that the
-    records make, merged in unit order."""
-    records = [committed[u] for u in range(plan.num_units)]
+    """The index and the errors file's bytes (None when nothing was skipped) that the
+    records make, merged in unit order; for an append, after the base's."""
+    records = [committed[u] for u in plan.units]
     shards = tuple(s for r in records for s in r.shards)
     skipped = [s for r in records for s in r.skipped]
     errors = b"".join(encode_record(s, k) for k, s in enumerate(skipped)) if skipped else None
@@ -168,24 +209,46 @@ def merged(
         "num_inputs": len(corpus.items),
         "fingerprint": corpus.fingerprint,
     }
-    index = Index(
-        plan.fields,
-        shards,
-        sum(s.num_samples for s in shards),
-        plan.recipe.to_json(),
-        {
-            "dlop_version": __version__,
-            "created": created,
-            "source": source,
-            "numerics": numerics.target(),
-        },
-        len(skipped),
-        {**corpus.metadata, "feature_field": plan.recipe.feature_name},
-        UnitTable(
-            plan.unit_inputs,
-            len(corpus.items),
-            tuple(len(r.shards) for r in records),
-            tuple(len(r.skipped) for r in records),
-        ),
+    provenance = {
+        "dlop_version": __version__,
+        "created": created,
+        "source": source,
+        "numerics": numerics.target(),
+    }
+    units = UnitTable(
+        plan.unit_inputs,
+        len(corpus.items),
+        tuple(len(r.shards) for r in records),
+        tuple(len(r.skipped) for r in records),
     )
+    samples = sum(s.num_samples for s in shards)
+    generation = Generation(
+        len(shards), samples, len(skipped), len(corpus.items), plan.identities[1], units, created
+    )
+    base = plan.base
+    if base is None:
+        index = Index(
+            plan.fields,
+            shards,
+            samples,
+            plan.recipe.to_json(),
+            provenance,
+            len(skipped),
+            plan_metadata(plan.recipe, corpus),
+            units,
+            (generation,),
+        )
+    else:  # the base's shards and recipe, then these; the corpus facts (append checked that
+        # they keep the base's: class names may grow at their end)
+        index = Index(
+            base.fields,
+            base.shards + shards,
+            base.num_samples + samples,
+            base.recipe,
+            provenance,
+            base.skipped_count + len(skipped),
+            plan_metadata(plan.recipe, corpus),
+            None,
+            (*base.generations, generation),
+        )
     return index, errors

@@ -120,6 +120,9 @@ class FsspecStore(storage.FsspecStorage):
         return self._staging
 
     def read(self, name: str) -> bytes | None:
+        # writes go through the retrying client: what this one's listing cache holds of
+        # the folder may predate them (a file written since would read as missing)
+        self.fs.invalidate_cache(self.path(name))
         try:
             return self.fetch(name, cap=MAX_READ_BYTES)
         except storage.TooLargeError:

@@ -21,6 +21,7 @@ from typing import Any
 
 from dlop.formats import Field, Index, num_units
 from dlop.formats.constants import MAX_UNITS
+from dlop.formats.generations import MAX_GENERATION_INPUTS
 from dlop.formats.units import MAX_COUNT
 
 from ..audio import numerics
@@ -42,6 +43,7 @@ from ..output.journal import Journal
 from ..output.merge import IndexPlan, Totals, finished_index, intact_index, write_archive
 from ..output.store import LocalStore, Store, open_store
 from ..recipe import Recipe
+from .append import files_of, take_base
 from .items import CorpusShape
 from .units import UnitTask, input_sizes
 from .work import PresetWork
@@ -66,6 +68,12 @@ class Run:
     consumed: int = 0
     peak_rss: dict[str, int] = field(default_factory=dict)  # worker -> bytes, from records
     journal_run: str = ""  # the journal's run token (Journal.run), once OUT is taken
+    # an append (append.py): the archive it appends to, the names of its files, the
+    # sha256 of its index, and the number of this compile's first unit (after the base's)
+    base: Index | None = None
+    base_files: frozenset[str] = frozenset()
+    base_digest: str = ""
+    first_unit: int = 0
     # what makes each input's samples when it is not the recipe's decoding and featurizing:
     # a user's own Dataset or function (dlop.compiler.custom)
     custom_work: Any = None
@@ -81,8 +89,13 @@ class Run:
     def num_units(self) -> int:
         return num_units(len(self.corpus.items), self.unit_inputs)
 
+    @property
+    def units(self) -> range:
+        """This compile's unit numbers (an append's follow the archive's)."""
+        return range(self.first_unit, self.first_unit + self.num_units)
+
     def inputs_of(self, unit: int) -> range:
-        start = unit * self.unit_inputs
+        start = (unit - self.first_unit) * self.unit_inputs
         return range(start, min(start + self.unit_inputs, len(self.corpus.items)))
 
     def work(self) -> Any:
@@ -105,12 +118,27 @@ class Run:
             self.journal_run,
             numerics.resume_key(numerics.target()),
             self.work(),
+            self.first_unit,
+        )
+
+    def journal(self) -> Journal:
+        return Journal(
+            self.store().url,
+            self.recipe.digest(),
+            self.corpus.fingerprint,
+            self.unit_inputs,
+            len(self.corpus.items),
+            numerics.resume_key(numerics.target()),
+            self.recipe.to_json(),
+            None if self.base is None else (self.first_unit, self.base_digest),
         )
 
     def index_plan(self) -> IndexPlan:
         """What the index holds besides the units' records, by the unit size as it is now
         (a resume takes the journal's)."""
-        return IndexPlan(self.recipe, self.corpus, self.fields, self.unit_inputs)
+        return IndexPlan(
+            self.recipe, self.corpus, self.fields, self.unit_inputs, self.base, self.first_unit
+        )
 
     def advance(self, inputs: int) -> None:
         """Counts inputs done (for the progress bar and ``on_progress``)."""
@@ -121,31 +149,32 @@ class Run:
             self.on_progress(self.consumed)
 
 
-def finish_run(run: Run, engine: Engine, *, resume: bool, overwrite: bool) -> Index:
-    """Takes OUT (locked when local), then compiles every unit not yet committed."""
+def finish_run(
+    run: Run, engine: Engine, *, resume: bool, overwrite: bool, append: bool = False
+) -> Index:
+    """Takes OUT (locked when local), then compiles every unit not yet committed. With
+    ``append``, OUT holds an archive and only the inputs it does not hold are compiled,
+    into a generation of their own (append.py)."""
     from dlop.formats.urls import is_url
 
+    if append and overwrite:
+        raise CompileError(
+            f"{run.out}: --append adds to the archive there and --overwrite replaces it; "
+            "give one of them"
+        )
     if not resume or run.unit_inputs_given:  # else the journal's unit size counts
         check_unit_count(run)  # before OUT is touched
-    journal = Journal(
-        run.store().url,
-        run.recipe.digest(),
-        run.corpus.fingerprint,
-        run.unit_inputs,
-        len(run.corpus.items),
-        numerics.resume_key(numerics.target()),
-        run.recipe.to_json(),
-    )
-    journal.encoded()  # a recipe no journal (nor index) could hold: refused before OUT is taken
+    # a recipe no journal (nor index) could hold: refused before OUT is taken
+    run.journal().encoded()
     remote = is_url(run.out)
     with _full_disk_named(run.out, remote):
         if remote:
-            with remote_output(run.store(), resume, overwrite):
-                return _run_units(run, engine, journal, resume, created_dir=False)
+            with remote_output(run.store(), resume, overwrite, append):
+                return _run_units(run, engine, resume, False, append)
         out = Path(run.out)
         check_apart(out, run.recipe)
-        with locked_output(out, resume, overwrite) as created_dir:
-            return _run_units(run, engine, journal, resume, created_dir)
+        with locked_output(out, resume, overwrite, append) as created_dir:
+            return _run_units(run, engine, resume, created_dir, append)
 
 
 @contextlib.contextmanager
@@ -164,11 +193,21 @@ def _full_disk_named(out: str, remote: bool) -> Iterator[None]:
         ) from None
 
 
-def _run_units(
-    run: Run, engine: Engine, journal: Journal, resume: bool, created_dir: bool
-) -> Index:
+def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool, append: bool) -> Index:
     store = run.store()
+    if append:
+        taken = take_base(store, resume, run.recipe, run.corpus, run.fields)
+        if isinstance(taken, Index):  # every input is in the archive already: nothing written
+            return taken
+        run.corpus, run.first_unit = taken.corpus, taken.first_unit
+        run.base, run.base_files, run.base_digest = taken.base, taken.files, taken.digest
+    journal = run.journal()
     total = len(run.corpus.items)
+    if total > MAX_GENERATION_INPUTS:
+        raise CompileError(
+            f"{run.out}: {total} inputs; one compile records at most {MAX_GENERATION_INPUTS} "
+            "(SPEC.md §6.2): compile part of the corpus, then add the rest with --append"
+        )
     committed: dict[int, UnitRecord] = {}
     if resume:
         committed, finished = _take_over(run, store, journal)
@@ -181,21 +220,29 @@ def _run_units(
         journal.save(store)  # from the start, so that an interruption at any point can --resume
     run.journal_run = journal.run
     fault_at("start")
-    pending = [u for u in range(run.num_units) if u not in committed]
+    pending = [u for u in run.units if u not in committed]
     run.consumed = sum(r.num_inputs for r in committed.values())
     run._bar = _progress_bar(total, run.consumed, run.num_units, len(committed), run.progress)
-    totals = Totals()
+    totals = Totals(0 if run.base is None else len(run.base.shards))
     for record in sorted(committed.values(), key=lambda r: r.unit):
         totals.add(record)
     records = engine(pending)
     try:
         for n, record in enumerate(records, 1):
             if record.failure is not None:
+                if record.widen is not None and run.base is not None:
+                    discard(store, created_dir, run.base_files)
+                    raise CompileError(
+                        f"{record.failure}: the archive appended to holds that axis fixed, "
+                        "so these inputs cannot join it; nothing was appended. Compile the "
+                        "whole corpus afresh (--overwrite), or declare the axis ragged with "
+                        "schema= there"
+                    )
                 if record.widen is not None:  # compiled again from the start, the axis ragged
                     discard(store, created_dir)
                     raise AxisVaries(record.failure, *record.widen)
                 if not committed:  # nothing finished: nothing of this compile is left
-                    discard(store, created_dir)
+                    discard(store, created_dir, run.base_files)
                     raise CompileError(record.failure)
                 keep_committed(store)
                 raise CompileError(
@@ -246,11 +293,13 @@ def check_unit_count(run: Run) -> None:
         raise CompileError(
             f"--unit-inputs {run.unit_inputs}: an index holds at most 2^64-1 inputs per unit"
         )
-    if run.num_units > MAX_UNITS:
+    if run.first_unit + run.num_units > MAX_UNITS:
+        room = MAX_UNITS - run.first_unit
+        after = f" after the archive's {run.first_unit}" if run.first_unit else ""
         raise CompileError(
             f"--unit-inputs {run.unit_inputs}: the {len(run.corpus.items)} inputs make "
-            f"{run.num_units} units, and an archive lists at most {MAX_UNITS}; give "
-            f"--unit-inputs {-(-len(run.corpus.items) // MAX_UNITS)} or more"
+            f"{run.num_units} units{after}, and an archive lists at most {MAX_UNITS}; give "
+            f"--unit-inputs {-(-len(run.corpus.items) // max(room, 1))} or more"
         )
 
 
@@ -280,7 +329,10 @@ def _take_over(
         finished = intact_index(run.index_plan(), store, committed)
         if finished is not None:  # stopped while deleting the records: tidy deletes the rest
             return committed, finished
-    clear_for_resume(store, committed, keep_archive=finished is not None)
+    archive = run.base_files
+    if finished is not None:
+        archive |= files_of(finished)
+    clear_for_resume(store, committed, archive)
     return committed, finished
 
 

@@ -211,6 +211,7 @@ def compile_corpus(
     unit_inputs: int | None = None,
     dask: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    append: bool = False,
 ) -> Index:
     """Compiles ``recipe.source`` into an archive at ``out`` (a folder, or a URL prefix);
     returns its index. What ``dlop-compile SOURCE -o OUT`` runs: ``recipe`` is
@@ -221,7 +222,8 @@ def compile_corpus(
     address, or ``local:N`` for a LocalCluster of N worker processes, instead of local
     workers. ``unit_inputs``: inputs per work unit (None: by media, UNIT_INPUTS).
     ``resume`` finishes an interrupted compile in ``out``; ``overwrite`` replaces the
-    archive or interrupted compile there. ``progress``: a bar on stderr (a line every
+    archive or interrupted compile there; ``append`` adds the inputs the archive there
+    does not hold yet, as a generation of its own (docs/compile.md, "Growing an archive"). ``progress``: a bar on stderr (a line every
     30 s where stderr is not a terminal); ``on_progress`` is called with the number of
     inputs done so far. ``storage_options``: fsspec options for a URL SOURCE or OUT.
     """
@@ -256,11 +258,19 @@ def compile_corpus(
         on_progress,
     )
 
-    return run_compile(run, workers=workers, dask=dask, resume=resume, overwrite=overwrite)
+    return run_compile(
+        run, workers=workers, dask=dask, resume=resume, overwrite=overwrite, append=append
+    )
 
 
 def run_compile(
-    run: Run, *, workers: int | None, dask: str | None, resume: bool, overwrite: bool
+    run: Run,
+    *,
+    workers: int | None,
+    dask: str | None,
+    resume: bool,
+    overwrite: bool,
+    append: bool = False,
 ) -> Index:
     """Runs a compile on its engine: ``workers`` local processes, or the Dask cluster at
     ``dask`` (``local:N``: a LocalCluster of N worker processes)."""
@@ -270,7 +280,7 @@ def run_compile(
         if count > 1 and processes.worker_context().get_start_method() != "fork":
             pickled = by_value(run.work())
         local = functools.partial(_local_records, run, workers=count, pickled=pickled)
-        return finish_run(run, local, resume=resume, overwrite=overwrite)
+        return finish_run(run, local, resume=resume, overwrite=overwrite, append=append)
     from .dask_engine import dask_client, dask_records
 
     # the cluster is reached before OUT is taken: a scheduler that does not answer
@@ -284,7 +294,7 @@ def run_compile(
         # where its items die (_results), so the item that kills is recorded
         here = functools.partial(_local_records, run, workers=2, pickled=pickled)
         on_cluster = functools.partial(dask_records, client, run, pickled, here=here)
-        return finish_run(run, on_cluster, resume=resume, overwrite=overwrite)
+        return finish_run(run, on_cluster, resume=resume, overwrite=overwrite, append=append)
 
 
 PROBED_INPUTS = 16  # audio headers read before a compile whose rate the preset chose

@@ -106,6 +106,8 @@ class UnitTask:
     numerics: dict[str, Any] = field(default_factory=dict)
     # what makes each input's samples (work.py); None: PresetWork of ``recipe``
     work: Any = None
+    # the number of the compile's first unit: an append's follow the archive's (run.append)
+    first_unit: int = 0
 
     def worker(self) -> Any:
         """The Work a unit runs."""
@@ -265,7 +267,7 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread per worker: the bytes do not depend on it
     store = open_store(task.out, task.storage_options)
-    start = unit * task.unit_inputs
+    start = (unit - task.first_unit) * task.unit_inputs
     inputs = range(start, start + len(corpus.items))
     writer = UnitWriter(task, store, unit, inputs, str(task.recipe["on_error"]))
     sizes: dict[int, str] = {}

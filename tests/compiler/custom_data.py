@@ -119,3 +119,21 @@ def fails_some(x: int) -> dict[str, Any] | None:
 
 def cheap(x: int) -> dict[str, Any]:
     return {"x": np.full(4, x, np.float32), "n": x}
+
+
+class Draws:
+    """``n`` items drawn from random, numpy's global generator and torch (seeded per item by
+    dlop), each times ``scale``: a Dataset that grows with ``n``."""
+
+    def __init__(self, n: int, scale: float = 1.0) -> None:
+        self.n, self.scale = n, scale
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {
+            "py": random.random() * self.scale,
+            "np": np.random.rand(3) * self.scale,
+            "torch": torch.rand(2) * self.scale,
+        }

@@ -94,7 +94,11 @@ def test_overwrite_replaces_only_a_dlop_archive(
     assert tree(out) == before
     (out / "README").unlink()
     assert main([str(corpus), "-o", str(out), "-q", "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "unit-000000-0000.dlop"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "index.json",
+        "inputs-0000.bin",
+        "unit-000000-0000.dlop",
+    ]
 
 
 def test_overwrite_replaces_an_interrupted_compile(
@@ -107,7 +111,11 @@ def test_overwrite_replaces_an_interrupted_compile(
     err = refused([str(corpus), "-o", str(out)], capsys)
     assert "already holds an interrupted compile" in err
     assert main([str(corpus), "-o", str(out), "-q", "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "unit-000000-0000.dlop"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "index.json",
+        "inputs-0000.bin",
+        "unit-000000-0000.dlop",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -38,14 +38,14 @@ import importlib
 import itertools
 import pkgutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
 from ...errors import CompileError
 from ..listing import MEDIA
 from ..place import Place, forget_real_paths, is_archive, source_place
-from ..records import Corpus, Item, ListOptions
+from ..records import Corpus, Item, ListOptions, Picked
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,11 @@ def stream_items(corpus: Corpus, start: int = 0, stop: int | None = None) -> Ite
     """The corpus's items [start, stop) in corpus order, through the layout's ``stream``
     where it has one (see the module docstring)."""
     forget_real_paths()
+    if isinstance(corpus.items, Picked):  # an append's inputs: each run as a slice
+        picked, whole = corpus.items, replace(corpus, items=corpus.items.base)
+        return itertools.chain.from_iterable(
+            stream_items(whole, a, b) for a, b in picked.runs(start, stop)
+        )
     layout = _REGISTRY.get(corpus.layout)
     if layout is not None and layout.stream is not None:
         want = len(range(len(corpus.items))[start:stop])

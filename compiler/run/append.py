@@ -1,0 +1,213 @@
+"""An append (``dlop-compile --append``): the inputs of SOURCE that the archive in OUT does
+not hold yet, compiled into a generation of their own (formats.generations).
+
+The archive's inputs are known by identity (Corpus.identity_texts: a preset's input
+key, a function's input, a Dataset's index), recorded by every compile beside its
+shards. An append takes the inputs whose identity no generation holds, in corpus
+order, and numbers its work units after the archive's, so none of its files has a
+name the archive uses: the archive's files are never written, and a reader that
+opened its index reads it to its end. The append keeps a copy of the index it
+appends to until it ends (guard.BASE_COPY), so that a --resume appends to the same
+archive whether or not the new index was published before it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from dlop.formats import (
+    ERRORS_NAME,
+    INDEX_NAME,
+    Field,
+    FormatError,
+    Index,
+    num_units,
+    parse_index,
+)
+from dlop.formats.generations import errors_name, identities, inputs_name, parse_identities
+
+from ..corpus.records import Corpus, Picked
+from ..errors import CompileError
+from ..output.guard import BASE_COPY
+from ..output.journal import changed_options
+from ..output.merge import plan_metadata
+from ..output.store import Store
+from ..recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Appending:
+    """What an append compiles: the archive it appends to (its index, the names of its
+    files, the sha256 of its index), the inputs it does not hold, and the number of the
+    append's first unit (after the archive's)."""
+
+    base: Index
+    files: frozenset[str]
+    digest: str
+    corpus: Corpus
+    first_unit: int
+
+
+def take_base(
+    store: Store, resume: bool, recipe: Recipe, corpus: Corpus, fields: tuple[Field, ...]
+) -> Appending | Index:
+    """Reads the archive in OUT (for a resume, the append's copy of it), checks that this
+    compile's recipe, schema and corpus facts are its own, and cuts the corpus down to the
+    inputs it does not hold. Returns the archive itself, with nothing written, when it
+    holds every input already."""
+    where = f"{store.url}/{BASE_COPY if resume else INDEX_NAME}"
+    data = store.read(BASE_COPY if resume else INDEX_NAME)
+    if data is None:
+        raise CompileError(
+            f"{where}: missing; "
+            + (
+                "the interrupted append cannot be resumed, compile afresh (--overwrite)"
+                if resume
+                else "OUT holds no archive to append to"
+            )
+        )
+    try:
+        base = parse_index(where, data)
+    except FormatError as e:
+        raise CompileError(f"{e}; nothing was appended") from None
+    check_same(recipe, corpus, fields, base, store.url)
+    held = held_inputs(store, base)
+    ids = identities(list(corpus.identity_texts()))
+    new = np.flatnonzero(~np.isin(ids, held))
+    if not len(new):
+        if resume:
+            raise CompileError(
+                f"{store.url}: the interrupted append has no inputs left to add; compile "
+                "afresh (--overwrite)"
+            )
+        where = f"of {corpus.root}" if corpus.root else "given"
+        print(
+            f"dlop-compile: {store.url} holds all {len(ids)} inputs {where} already; "
+            "nothing to append",
+            file=sys.stderr,
+            flush=True,
+        )
+        return base
+    digest = hashlib.sha256(data).hexdigest()
+    picked = hashlib.sha256(corpus.fingerprint.encode() + digest.encode() + new.tobytes())
+    first_unit = sum(
+        num_units(g.units.num_inputs, g.units.unit_inputs)
+        for g in base.generations
+        if g.units is not None
+    )
+    if not resume:
+        store.write(BASE_COPY, data)  # before the journal: a resume always finds it
+    return Appending(
+        base,
+        files_of(base),
+        digest,
+        replace(corpus, items=Picked(corpus.items, new), fingerprint=picked.hexdigest()),
+        first_unit,
+    )
+
+
+def files_of(index: Index) -> frozenset[str]:
+    """Every file of an archive: its index, shards, and each generation's files."""
+    names = {INDEX_NAME, ERRORS_NAME, *(s.file for s in index.shards)}
+    for g in range(len(index.generations)):
+        names |= {errors_name(g), inputs_name(g)}
+    return frozenset(names)
+
+
+def held_inputs(store: Store, base: Index) -> np.ndarray:
+    """The identities of the inputs every generation of the archive read."""
+    if not base.generations:
+        raise CompileError(
+            f"{store.url}: the archive records no input identities (it was compiled by a dlop "
+            "that predates --append), so an append cannot tell which inputs it holds; "
+            "compile the whole corpus afresh (--overwrite) to append to it later"
+        )
+    held = []
+    for g, gen in enumerate(base.generations):
+        name = inputs_name(g)
+        data = store.read(name)
+        if data is None:
+            raise CompileError(f"{store.url}/{name}: missing; the archive is damaged")
+        try:
+            held.append(parse_identities(f"{store.url}/{name}", data, gen))
+        except FormatError as e:
+            raise CompileError(f"{e}; the archive is damaged, nothing was appended") from None
+    return np.concatenate(held)
+
+
+def check_same(
+    recipe: Recipe, corpus: Corpus, fields: tuple[Field, ...], base: Index, where: str
+) -> None:
+    """Refuses an append whose recipe, schema or corpus facts (class names...) differ from
+    the archive's, naming what differs: its samples would not mean what the archive's do.
+    A list of names may grow at its end (new classes after the archive's)."""
+    before, now = comparable(base.recipe), comparable(recipe.to_json())
+    if before != now:
+        raise CompileError(
+            f"{where}: --append with another recipe than the archive's ("
+            + "; ".join(changed_options(before, now))
+            + "); append with the options it was compiled with, or compile afresh"
+        )
+    if base.fields != fields:
+        theirs = {f.name: f.to_json() for f in base.fields}
+        mine = {f.name: f.to_json() for f in fields}
+        differ = [n for n in {**theirs, **mine} if theirs.get(n) != mine.get(n)]
+        raise CompileError(
+            f"{where}: --append would write fields {', '.join(differ)} otherwise than the "
+            "archive holds them; append with the options it was compiled with"
+        )
+    metadata = json.loads(json.dumps(plan_metadata(recipe, corpus)))
+    differ = sorted(
+        k
+        for k in {**metadata, **base.metadata}
+        if not extends(base.metadata.get(k), metadata.get(k))
+    )
+    if differ:
+        raise CompileError(
+            f"{where}: --append of a corpus whose {', '.join(differ)} differ from the "
+            "archive's (a label would mean another class); compile the whole corpus afresh"
+        )
+
+
+def extends(before: Any, now: Any) -> bool:
+    """Whether a corpus fact ``now`` keeps ``before``: equal, or a list (class names) that
+    goes on after it, each earlier entry at its index."""
+    if isinstance(before, list) and isinstance(now, list):
+        return now[: len(before)] == before
+    return bool(before == now)
+
+
+def comparable(recipe: dict[str, Any]) -> dict[str, Any]:
+    """A recipe as an append compares it: a user compile's inputs by where they are listed
+    from only (their count and fingerprint grow with them), and its code without the
+    state a Dataset holds (which grows with it; compiler.custom computes some of the
+    archive's samples again instead)."""
+    inputs, code = recipe.get("inputs"), recipe.get("code")
+    if recipe.get("compile") and isinstance(inputs, dict) and isinstance(code, dict):
+        return {
+            **recipe,
+            "inputs": {k: v for k, v in inputs.items() if k == "source"},
+            "code": {k: v for k, v in code.items() if k != "state"},
+        }
+    return recipe
+
+
+def stored_form(sample: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], bytes]]:
+    """A sample as the archive stores it, field by field: shape and bytes (a str's UTF-8),
+    whether written (a user compile's conformed sample) or read back."""
+    out: dict[str, tuple[tuple[int, ...], bytes]] = {}
+    for name, value in sample.items():
+        if isinstance(value, str):
+            out[name] = ((), value.encode("utf-8"))
+        elif isinstance(value, bytes | bytearray | memoryview):
+            out[name] = ((len(value),), bytes(value))
+        else:
+            array = np.ascontiguousarray(np.asarray(value))
+            out[name] = (tuple(array.shape), array.tobytes())
+    return out
