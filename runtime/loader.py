@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple, Unpack, cast
 
 import numpy as np
@@ -32,8 +33,9 @@ from .errors import LoaderError, SampleIndexError, UsageError, UsageTypeError, c
 from .gather.engine import CopyEngine
 from .gather.plan import CopyPlan
 from .gather.threads import JobThread, at_exit
-from .order.choose import choose
+from .order.choose import choose, earlier_generation, shards_identity
 from .order.distributed import agree_across_ranks
+from .order.epochs import OrderSpec, check_epoch
 from .order.mixture import Source
 from .order.reading import Reading, ReadingOptions
 from .pipeline.device import DeviceStage
@@ -188,15 +190,34 @@ class Loader:
         """The position (epoch, batches done) and the settings that shape the order,
         the choice of samples included (runtime.pipeline.loader_state); a few numbers and a
         fingerprint, never index lists."""
-        position = self.order.state_dict()
-        return loader_state(self.spec, position, self.bucket_by, self.choice.settings())
+        return self._state(self.order.spec_for(self.order.epoch))
+
+    def _state(self, spec: OrderSpec) -> dict[str, Any]:
+        """state_dict for an epoch read under ``spec``: the whole archive's, or for an epoch
+        of the archive as it was before an append, that archive's (its first shards)."""
+        settings = self.choice.settings()
+        if spec is not self.spec:
+            shards = self.archive.readers[0].index.shards[: len(spec.shard_sizes)]
+            settings["archives"] = [shards_identity(shards)]
+        return loader_state(spec, self.order.state_dict(), self.bucket_by, settings)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continues from a saved position: the next iteration yields the remaining batches of its epoch."""
+        """Continues from a saved position: the next iteration yields the remaining batches
+        of its epoch. A state saved before an append to the archive continues its epoch on
+        the samples the archive held then; the next epoch reads them all."""
         held = self.order.hold()
         try:
-            self.order.reset(check_state(state, self.state_dict()))
+            spec = self.spec
+            saved = state.get("archives") if isinstance(state, dict) else None
+            earlier = earlier_generation(self.archive, saved)
+            if earlier is not None:
+                shards, identity = earlier
+                sizes = self.spec.shard_sizes[:shards]
+                spec = replace(self.spec, num_samples=identity[1], shard_sizes=sizes)
+                self.order.read_earlier(check_epoch("loader state epoch", state.get("epoch")), spec)
+            self.order.reset(check_state(state, self._state(spec)))
         except DlopError:
+            self.order.restore(held)
             agree_across_ranks(None, self.spec, self._grouped, "Loader")  # then its own error
             raise
         try:

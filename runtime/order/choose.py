@@ -119,13 +119,34 @@ def archive_identities(archive: Archive) -> list[list[Any]]:
     """Each archive read, in order, as ``[fingerprint, num_samples]``: the fingerprint
     hashes its index's shard list (file, samples, CRC-32 of each shard), so another
     archive, or the same ones in another order, gives other identities."""
-    out: list[list[Any]] = []
-    for reader in archive.readers:
-        h = hashlib.sha256()
-        for info in reader.index.shards:
-            h.update(f"{info.file}\0{info.num_samples}\0{info.crc32}\n".encode())
-        out.append([h.hexdigest()[:16], int(reader.num_samples)])
-    return out
+    return [shards_identity(reader.index.shards) for reader in archive.readers]
+
+
+def shards_identity(shards: Sequence[Any]) -> list[Any]:
+    """``[fingerprint, num_samples]`` of an archive of these shards (archive_identities)."""
+    h = hashlib.sha256()
+    for info in shards:
+        h.update(f"{info.file}\0{info.num_samples}\0{info.crc32}\n".encode())
+    return [h.hexdigest()[:16], sum(int(info.num_samples) for info in shards)]
+
+
+def earlier_generation(archive: Archive, saved: object) -> tuple[int, list[Any]] | None:
+    """When ``saved`` (a state's ``archives``) names an earlier generation of the one archive
+    read whole (the archive before an append: the shards of its first generations), the
+    number of those shards and that identity; else None."""
+    if len(archive.readers) != 1 or archive.selection is not None:
+        return None
+    if not isinstance(saved, list) or len(saved) != 1:
+        return None
+    index = archive.readers[0].index
+    generations = getattr(index, "generations", ())
+    shards = 0
+    for generation in generations[:-1]:
+        shards += generation.shards
+        identity = shards_identity(index.shards[:shards])
+        if identity == saved[0]:
+            return shards, identity
+    return None
 
 
 def choose(

@@ -603,6 +603,23 @@ class BatchOrder:
         self._cached: dict[tuple[int, tuple[Shape, ...]], list[np.ndarray]] = {}
         self._rests: tuple[int, dict[tuple[Shape, ...], np.ndarray]] | None = None
         self._contents: tuple[tuple[int, int, int], Content, np.ndarray] | None = None
+        # (epoch, spec): that epoch reads the archive as it was before an append (the
+        # samples of its earlier generations, spec's), where a state saved then left it
+        self.appended: tuple[int, OrderSpec] | None = None
+
+    def spec_for(self, epoch: int) -> OrderSpec:
+        """The spec ``epoch`` is read under: the archive before an append for the epoch a
+        state saved then continues (``read_earlier``), else the whole archive's."""
+        if self.appended is not None and self.appended[0] == epoch:
+            return self.appended[1]
+        return self.spec
+
+    def read_earlier(self, epoch: int, spec: OrderSpec) -> None:
+        """Epoch ``epoch`` reads the ``spec.num_samples`` samples the archive held before an
+        append (its first shards), as a state saved then expects; later epochs read all."""
+        self.appended = (epoch, spec)
+        self._cached.clear()
+        self._rests = self._contents = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """The sample indices of each batch of ``epoch`` (default: the current one): the
@@ -620,19 +637,20 @@ class BatchOrder:
         the latest two asked are kept (a continued epoch's, and its whole count's)."""
         key = (epoch, shapes)
         if key not in self._cached:
+            spec = self.spec_for(epoch)
             if shapes:
                 content, samples = self._content(epoch, shapes[0])
-                node = self.spec.node if self.spec.dealt else 0
+                node = spec.node if spec.dealt else 0
                 rest = self._rest(epoch, shapes)
-                before = shapes[-1].spec(self.spec)
-                mine = world_orders(self.spec, epoch, rest, content, (node,), before)[0][1]
+                before = shapes[-1].spec(spec)
+                mine = world_orders(spec, epoch, rest, content, (node,), before)[0][1]
                 groups = None if content.groups is None else content.groups[mine]
-                made = rank_batches(self.spec, epoch, self.lengths, samples[mine], groups)
+                made = rank_batches(spec, epoch, self.lengths, samples[mine], groups)
             elif self.draw is not None:
-                made = rank_batches(self.spec, epoch, self.lengths, *self.draw(epoch))
+                made = rank_batches(spec, epoch, self.lengths, *self.draw(epoch))
             else:
-                order = self._samples(share_order(self.spec, epoch))
-                made = rank_batches(self.spec, epoch, self.lengths, order)
+                order = self._samples(share_order(spec, epoch))
+                made = rank_batches(spec, epoch, self.lengths, order)
             while len(self._cached) >= 2:
                 del self._cached[next(iter(self._cached))]
             self._cached[key] = made
@@ -653,8 +671,9 @@ class BatchOrder:
                     raise UsageError(f"{self.owner}: this draw continues only in its own world")
                 samples, groups = self.redraw(first.world_size, first.batch_size)(epoch)
             else:
-                samples = self._samples(np.arange(self.spec.num_samples, dtype=np.int64))
-                order = functools.cache(functools.partial(epoch_order, self.spec, epoch))
+                spec = self.spec_for(epoch)
+                samples = self._samples(np.arange(spec.num_samples, dtype=np.int64))
+                order = functools.cache(functools.partial(epoch_order, spec, epoch))
             lengths = None if self.lengths is None else self.lengths[samples]
             self._contents = (key, Content(len(samples), groups, lengths, order), samples)
         return self._contents[1], self._contents[2]
@@ -671,7 +690,8 @@ class BatchOrder:
                 rest, before = self._rest(epoch, shapes[:-1]), shapes[-2]
             else:
                 rest, before = np.arange(content.size, dtype=np.int64), None
-            kept[shapes] = left_after(self.spec, epoch, shapes[-1], before, rest, content)
+            spec = self.spec_for(epoch)
+            kept[shapes] = left_after(spec, epoch, shapes[-1], before, rest, content)
         return kept[shapes]
 
     def hold(self) -> tuple[Any, ...]:
@@ -683,11 +703,16 @@ class BatchOrder:
             self._took,
             self.shapes_epoch,
             self.shapes,
+            self.appended,
         )
 
     def restore(self, held: tuple[Any, ...]) -> None:
         self.epoch, self.batches_done, self._resume, self._took = held[:4]
         self.follow(held[4], held[5])
+        if held[6] != self.appended:
+            self._cached.clear()
+            self._rests = self._contents = None
+        self.appended = held[6]
 
     def follow(self, epoch: int, shapes: tuple[Shape, ...]) -> None:
         """Epoch ``epoch`` was partly read in the worlds ``shapes``: it reads the rest."""
@@ -786,11 +811,12 @@ class BatchOrder:
     def _count(self, shape: Shape, shapes: tuple[Shape, ...], epoch: int) -> int:
         """The most batches a rank of world ``shape`` has in ``epoch`` after ``shapes`` (its
         first rank's, or each node's first rank's)."""
-        if self.spec.even_shares and shape.spec(self.spec) == replace(self.spec, rank=0):
+        current = self.spec_for(epoch)
+        if current.even_shares and shape.spec(current) == replace(current, rank=0):
             return len(self._made(epoch, shapes))
         content, _ = self._content(epoch, shapes[0] if shapes else shape)
         left = self._rest(epoch, shapes) if shapes else np.arange(content.size, dtype=np.int64)
-        spec = shape.spec(self.spec)
+        spec = shape.spec(current)
         if (
             content.lengths is None
             and content.groups is None
@@ -805,7 +831,7 @@ class BatchOrder:
         return max(
             len(world_batches(first, epoch, (0,), content.lengths, order, groups)[0])
             for first, order in world_orders(
-                spec, epoch, left, content, None, shapes[-1].spec(self.spec) if shapes else None
+                spec, epoch, left, content, None, shapes[-1].spec(current) if shapes else None
             )
             for groups in [None if content.groups is None else content.groups[order]]
         )

@@ -1,0 +1,77 @@
+"""Training goes on across an append: a Loader state saved before the archive grew continues
+its epoch on the samples the archive held then, exactly as it would have without the
+append; the next epoch reads the grown archive; a state saved in that continued epoch
+continues again; a state of another archive is still refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dlop.compiler import compile_map
+from dlop.runtime import Loader, UsageError
+
+OPTIONS: dict[str, Any] = {"unit_inputs": 8, "shard_bytes": "4KiB", "progress": False}
+
+
+def sample(x: int) -> dict[str, Any]:
+    return {"x": np.full(64, x, np.int32)}
+
+
+def batches(it: Any, count: int | None = None) -> list[list[int]]:
+    """The next ``count`` batches of iterator ``it`` (all that are left when None), as the
+    samples' numbers; a Loader is iterated afresh (its next epoch, or a loaded state's)."""
+    it = iter(it) if isinstance(it, Loader) else it
+    out = []
+    for batch in it:
+        out.append(batch["x"][:, 0].tolist())
+        if count is not None and len(out) == count:
+            break
+    return out
+
+
+@pytest.mark.parametrize("order", ["global", "window"])
+def test_an_epoch_begun_before_an_append_ends_as_it_began(tmp_path: Path, order: str) -> None:
+    out, copy = tmp_path / "grows", tmp_path / "stays"
+    for where in (out, copy):
+        compile_map(sample, list(range(60)), where, workers=1, **OPTIONS)
+    options: dict[str, Any] = {"batch_size": 7, "seed": 3, "order": order, "prefetch": 0}
+    stays = Loader(copy, **options)
+    stays.set_epoch(2)
+    epoch = iter(stays)
+    first = batches(epoch, 3)
+    state = stays.state_dict()
+    rest = batches(epoch)  # what the epoch holds after the state, without an append
+    compile_map(sample, list(range(100)), out, workers=1, append=True, **OPTIONS)
+    grown = Loader(out, **options)
+    assert len(grown.archive) == 100
+    grown.load_state_dict(state)
+    assert grown.epoch == 2
+    epoch = iter(grown)
+    got = batches(epoch, 2)
+    mid = grown.state_dict()  # saved inside the continued epoch: the archive as it was
+    assert mid["num_samples"] == 60 and mid["archives"] == state["archives"]
+    got += batches(epoch)
+    assert got == rest
+    assert sorted(x for b in first + got for x in b) == list(range(60))
+    again = Loader(out, **options)
+    again.load_state_dict(mid)
+    assert batches(again) == rest[2:]
+    grown.set_epoch(3)  # the next epoch reads every sample of the grown archive
+    assert sorted(x for b in batches(grown) for x in b) == list(range(100))
+    assert grown.state_dict()["num_samples"] == 100
+
+
+def test_a_state_of_another_archive_is_still_refused(tmp_path: Path) -> None:
+    compile_map(sample, list(range(40)), tmp_path / "a", workers=1, **OPTIONS)
+    compile_map(sample, list(range(1, 41)), tmp_path / "b", workers=1, **OPTIONS)
+    state = Loader(tmp_path / "a", batch_size=5).state_dict()
+    with pytest.raises(UsageError, match="archives"):
+        Loader(tmp_path / "b", batch_size=5).load_state_dict(state)
+    compile_map(sample, list(range(60)), tmp_path / "a", workers=1, append=True, **OPTIONS)
+    chosen = Loader(tmp_path / "a", batch_size=5, indices=list(range(0, 60, 2)))
+    with pytest.raises(UsageError, match="num_samples"):  # a selection of the grown archive
+        chosen.load_state_dict(state)
