@@ -136,6 +136,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "custom": _module("custom"),
     "short": _module("short"),
     "small": _module("small"),
+    "append": _module("append"),
     "shuffle": _module("shuffle"),
     "peers": _peers,
 }
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1_000_000,
         help="16-byte samples in the small section's archives (about 1,000 shards and 10)",
+    )
+    p.add_argument(
+        "--append-clips",
+        type=int,
+        default=4000,
+        help="1 s clips of the append section's corpus (1%% of them appended)",
     )
     p.add_argument(
         "--listing-lines",

@@ -1,0 +1,81 @@
+"""Growing an archive: what appending 1% of a corpus costs against compiling all of it.
+
+An ESC-50-shaped corpus of ``--append-clips`` clips of 1 s; an archive of its first
+99% is compiled once (untimed). Then, in interleaved rounds, with the same recipe and
+workers:
+
+- ``whole``: a compile of the whole corpus into an empty folder;
+- ``append``: ``--append`` of the whole corpus into a copy of the 99% archive (the copy
+  made before the clock starts), which compiles the 1% it does not hold.
+
+``append_vs_whole`` is the append's time over the whole compile's, the median of the
+rounds' ratios with their range; 0.01 would be an append that costs exactly its share
+of inputs. What is left above that is the compile's fixed cost (listing the corpus,
+reading the archive's input identities, starting workers), paid by both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from dlop.compiler import compile_corpus
+from dlop.compiler.recipe import build_recipe
+
+from .common import Row
+from .corpus import _write_csv, esc50_wavs
+
+SHARE = 0.01  # of the corpus appended
+
+
+def _listing(corpus: Path) -> list[tuple[str, str, str, str]]:
+    lines = (corpus / "meta" / "esc50.csv").read_text().splitlines()[1:]
+    return [tuple(line.split(",")[:4]) for line in lines]  # type: ignore[misc]
+
+
+def run(work: Path, args: argparse.Namespace) -> list[Row]:
+    clips, rounds, workers = args.append_clips, max(3, args.repeats), args.workers
+    corpus = work / "corpus"
+    if not (corpus / "meta" / "esc50.csv").exists():
+        esc50_wavs(corpus, clips, seconds=1.0)
+    rows = _listing(corpus)
+    recipe = build_recipe({"source": str(corpus), "duration": 1.0})
+    kept = len(rows) - max(1, round(len(rows) * SHARE))
+    options = {"workers": workers, "progress": False, "overwrite": True}
+    _write_csv(corpus, rows[:kept])
+    compile_corpus(recipe, work / "part", **options)
+    _write_csv(corpus, rows)
+    took: dict[str, list[float]] = {"whole": [], "append": []}
+    for _ in range(rounds):
+        shutil.rmtree(work / "whole", ignore_errors=True)
+        t0 = time.perf_counter()
+        compile_corpus(recipe, work / "whole", **options)
+        took["whole"].append(time.perf_counter() - t0)
+        shutil.rmtree(work / "grown", ignore_errors=True)
+        shutil.copytree(work / "part", work / "grown")
+        t0 = time.perf_counter()
+        compile_corpus(recipe, work / "grown", workers=workers, progress=False, append=True)
+        took["append"].append(time.perf_counter() - t0)
+    ratios = [a / w for a, w in zip(took["append"], took["whole"], strict=True)]
+    workload = f"grow an archive: {len(rows)} ESC-50-shaped clips of 1 s, {workers} workers"
+    whole = Row(
+        workload, "compile of the whole corpus", len(rows) / statistics.median(took["whole"])
+    )
+    added = len(rows) - kept
+    append = Row(
+        workload,
+        f"--append of the last {added} clips ({SHARE:.0%}) to the archive of the rest",
+        added / statistics.median(took["append"]),
+    )
+    append.extra = {
+        "append_vs_whole": {
+            "median": round(statistics.median(ratios), 4),
+            "range": [round(min(ratios), 4), round(max(ratios), 4)],
+        },
+        "inputs_share": round(added / len(rows), 4),
+        "seconds": {k: [round(t, 3) for t in v] for k, v in took.items()},
+    }
+    return [whole, append]
