@@ -191,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--append-clips",
         type=int,
-        default=4000,
-        help="1 s clips of the append section's corpus (1%% of them appended)",
+        default=2000,
+        help="5 s clips of the append section's corpus (1%% of them appended)",
     )
     p.add_argument(
         "--listing-lines",
