@@ -108,7 +108,7 @@ def execute_step(step: Step, streaming: bool) -> None:
     try:
         _execute(step, streaming, lib)
     except lib.MappingFault as e:
-        reader = mapped_at(getattr(e, "address", 0))
+        reader = mapped_at(e.address)  # set by _copy.c with every MappingFault
         if reader is not None:  # named, with its sizes, as a check before the read names it
             raise shard_shrank(reader.path, reader.mapped_span()[1], reader.mapped_size()) from None
         raise ShardChangedError(
