@@ -345,6 +345,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # torch and the media libraries load here, not at start-up: --help stays instant
     from dlop.compiler import compile_corpus
 
+    before = _generations(out, args.append and not args.resume, storage_options)
     started = time.perf_counter()
     index = compile_corpus(
         recipe,
@@ -358,13 +359,36 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         dask=args.dask,
         append=args.append,
     )
-    _summary(out, index, time.perf_counter() - started, recipe.choices())
+    _summary(out, index, time.perf_counter() - started, recipe.choices(), before)
     return 0
 
 
-def _summary(out: str, index: Any, took: float, what: str) -> None:
+def _generations(out: str, append: bool, storage_options: dict[str, Any] | None) -> int:
+    """How many generations the archive in OUT holds before an --append (0: none read)."""
+    if not append:
+        return 0
+    from dlop.compiler.output.store import open_store
+    from dlop.formats import FormatError, parse_index
+
+    try:
+        data = open_store(out, storage_options).read("index.json")
+        return 0 if data is None else len(parse_index(out, data).generations)
+    except (DlopError, OSError, FormatError):
+        return 0  # the compile itself names what is wrong
+
+
+def _summary(out: str, index: Any, took: float, what: str, before: int = 0) -> None:
+    """The command's last line: what the archive holds (for an --append, what it added,
+    or that it added nothing: ``before`` generations were there before it ran)."""
+    grew = None if not before else len(index.generations) > before
     size = sum(s.bytes for s in index.shards)
     inputs = index.units.num_inputs if index.units is not None else index.num_samples
+    if grew is False:  # an --append that found every input in the archive
+        print(
+            f"{out}: nothing appended; {index.num_samples} samples in {len(index.shards)} "
+            f"shard(s), {len(index.generations)} generation(s)"
+        )
+        return
     if len(index.generations) > 1:
         last = index.generations[-1]
         print(
@@ -440,12 +464,13 @@ def _run_custom(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     what = f"{'--dataset' if args.dataset else '--map'} {args.dataset or args.map}"
     if not args.quiet:
         print(f"compiling {what}", file=sys.stderr, flush=True)
+    before = _generations(out, args.append and not args.resume, options["storage_options"])
     started = time.perf_counter()
     if args.dataset:
         index = compile_dataset(target, out, **options)
     else:
         index = compile_map(target, args.inputs, out, **options)
-    _summary(out, index, time.perf_counter() - started, what)
+    _summary(out, index, time.perf_counter() - started, what, before)
     return 0
 
 

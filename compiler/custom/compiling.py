@@ -559,7 +559,8 @@ def _check_witnesses(
                 prober,
                 item,
                 name,
-                lambda sample, wrote=wrote: sample_digest([sample]) == wrote,
+                _digest_of,
+                wrote,
                 "it now gives another sample than the one written",
             )
             if why:
@@ -572,15 +573,20 @@ def _check_witnesses(
         prober.close()
 
 
+def _digest_of(sample: dict[str, Any]) -> str:
+    return sample_digest([sample])
+
+
 def _differs(
     prober: Prober,
     item: Any,
     name: str,
-    same: Callable[[dict[str, Any]], bool],
+    form: Callable[[dict[str, Any]], object],
+    was: object,
     otherwise: str,
 ) -> str:
-    """Why ``item``, computed again (guarded, as the probe's), is not the sample it was
-    (``same`` judges the conformed sample; ``otherwise`` says why not); "" when it is."""
+    """Why ``item``, computed again (guarded, as the probe's), is not the sample it was:
+    the conformed sample's ``form`` is not ``was`` (``otherwise`` says so); "" when it is."""
     got = prober.answer(item)
     if got.kind != "sample":
         return f"it now {'gives None' if got.kind == 'none' else 'fails: ' + got.text}"
@@ -588,7 +594,7 @@ def _differs(
         sample = conform(got.leaves, prober.work.specs, name)
     except Mismatch as e:
         return e.message
-    return "" if same(sample) else otherwise
+    return "" if form(sample) == was else otherwise
 
 
 def _archive_recipe(out: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -607,11 +613,12 @@ def _archive_recipe(out: str, storage_options: dict[str, Any] | None) -> dict[st
 
 def _check_archive_samples(work: UserWork, recipe: CustomRecipe, items: Inputs, out: str) -> None:
     """Refuses an append when inputs the archive holds now give other samples than it
-    stores: up to RESUME_CHECKS of its first generation's written inputs, spread over
-    them, found among the inputs given (by identity) are computed again (guarded, as the
-    probe's) and compared, field by field, with the stored samples. This sees what the
-    recipe cannot (a Dataset's settings, data it reads from elsewhere). A URL OUT is not
-    read back for it: its recipe is compared only."""
+    stores: of each generation, its first and last written inputs and some between
+    (_written_inputs), found among the inputs given (by identity), are computed again
+    (guarded, as the probe's) and compared, field by field, with the stored samples.
+    This sees what the recipe cannot (a Dataset's settings, its items moved to other
+    indices, data it reads from elsewhere). A URL OUT is not read back for it: its
+    recipe is compared only."""
     from dlop.formats import ArchiveReader, FormatError
     from dlop.formats.generations import identities
     from dlop.formats.urls import is_url
@@ -625,29 +632,18 @@ def _check_archive_samples(work: UserWork, recipe: CustomRecipe, items: Inputs, 
     except FormatError:
         return  # the compile's own checks of OUT name what is wrong
     with reader:
-        if not reader.index.generations:
-            return
-        first = reader.index.generations[0]
         try:
-            ids = reader.input_identities(0)
-            skipped = {str(e.get("key")) for e in reader.iter_errors() if len(ids)}
+            chosen = _written_inputs(reader, recipe.kind)
         except FormatError:
-            return
-        # one sample per written input (a user compile's): input j of the first
-        # generation is its sample number j minus the inputs skipped before it
-        written = [j for j in range(first.inputs) if str(j) not in skipped]
-        if len(written) != first.num_samples or not written:
-            return
-        step = max(1, len(written) // RESUME_CHECKS)
-        chosen = list(enumerate(written))[::step][:RESUME_CHECKS]
+            return  # the append's own reading of the archive names what is wrong
         kind = "input" if recipe.kind == "map" else "key"
         listed = Corpus("", "", items, False, False, {}, {}, "", identity=kind)
         here = identities(list(listed.identity_texts()))
         position = {bytes(v): n for n, v in enumerate(here)}
         prober = Prober(work, work.timeout)
         try:
-            for sample_number, j in chosen:
-                n = position.get(bytes(ids[j]))
+            for sample_number, identity in chosen:
+                n = position.get(identity)
                 if n is None:
                     continue  # the input is no longer given
                 item = items[n]
@@ -657,17 +653,57 @@ def _check_archive_samples(work: UserWork, recipe: CustomRecipe, items: Inputs, 
                     prober,
                     item,
                     name,
-                    lambda sample, stored=stored: stored_form(sample) == stored,
+                    stored_form,
+                    stored,
                     "it now gives another sample than the archive stores",
                 )
                 if why:
                     raise CompileError(
                         f"{out}: --append refused: {name} is in the archive and {why}. The "
-                        "code, its settings, or data it reads from elsewhere changed; compile "
-                        "afresh (--overwrite)"
+                        "code, its settings, its items' order, or data it reads from "
+                        "elsewhere changed; compile afresh (--overwrite)"
                     )
         finally:
             prober.close()
+
+
+APPEND_CHECKS = 4  # written inputs an append computes again per generation (first, last...)
+
+
+def _written_inputs(reader: Any, kind: str) -> list[tuple[int, bytes]]:
+    """(sample number, input identity) of up to APPEND_CHECKS inputs of each generation
+    that wrote a sample, its first and last among them. A user compile writes one sample
+    per input it does not skip, so a generation's written inputs are its samples in
+    order; its skipped ones are told by their records' keys: a Dataset's index (its
+    identity's text), or for a function the input's place in the list that generation
+    was given, known for the first generation only (a later one that skipped inputs is
+    left out)."""
+    from dlop.formats.generations import identities
+    from dlop.formats.skipped import read_skipped
+
+    out: list[tuple[int, bytes]] = []
+    first_sample = 0
+    for g, gen in enumerate(reader.index.generations):
+        ids = reader.input_identities(g)
+        start, first_sample = first_sample, first_sample + gen.num_samples
+        name, count = reader.index.errors_files()[g]
+        keys = [str(e.get("key")) for e in read_skipped(reader.directory, count, name)]
+        if not keys:
+            skipped = np.zeros(len(ids), bool)
+        elif kind == "dataset":
+            skipped = np.isin(ids, identities(keys))
+        elif g == 0:
+            skipped = np.isin(np.arange(len(ids)).astype(str), keys)
+        else:
+            continue
+        written = np.flatnonzero(~skipped)
+        if len(written) != gen.num_samples or not len(written):
+            continue
+        picks = sorted(
+            {k * (len(written) - 1) // (APPEND_CHECKS - 1) for k in range(APPEND_CHECKS)}
+        )
+        out += [(start + k, bytes(ids[written[k]])) for k in picks]
+    return out
 
 
 def _resumed(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -71,6 +72,17 @@ class IndexPlan:
     def identities(self) -> tuple[bytes, int]:
         """The inputs file of this compile's generation, and its CRC-32."""
         return encode_identities(identities(list(self.corpus.identity_texts())))
+
+
+def source_path(corpus: Corpus) -> str:
+    """Where the corpus was read from, as the index records it: a local folder resolved
+    (an append checks it reads the same one, however SOURCE is spelt), a URL without its
+    credentials; "" for a user's Dataset or list of inputs."""
+    from dlop.formats.urls import is_url
+
+    if not corpus.root or is_url(corpus.root):
+        return redact(corpus.root)
+    return os.path.realpath(corpus.root)
 
 
 def plan_metadata(recipe: Recipe, corpus: Corpus) -> dict[str, Any]:
@@ -205,7 +217,7 @@ def merged(
     corpus = plan.corpus
     source = {
         "layout": corpus.layout,
-        "path": redact(corpus.root),  # never a URL's credentials
+        "path": source_path(corpus),
         "num_inputs": len(corpus.items),
         "fingerprint": corpus.fingerprint,
     }

@@ -30,13 +30,19 @@ from dlop.formats import (
     num_units,
     parse_index,
 )
-from dlop.formats.generations import errors_name, identities, inputs_name, parse_identities
+from dlop.formats.generations import (
+    MAX_GENERATIONS,
+    errors_name,
+    identities,
+    inputs_name,
+    parse_identities,
+)
 
 from ..corpus.records import Corpus, Picked
 from ..errors import CompileError
 from ..output.guard import BASE_COPY
 from ..output.journal import changed_options
-from ..output.merge import plan_metadata
+from ..output.merge import plan_metadata, source_path
 from ..output.store import Store
 from ..recipe import Recipe
 
@@ -67,7 +73,8 @@ def take_base(
         raise CompileError(
             f"{where}: missing; "
             + (
-                "the interrupted append cannot be resumed, compile afresh (--overwrite)"
+                "no interrupted append here: an interrupted first compile resumes with "
+                "--resume alone"
                 if resume
                 else "OUT holds no archive to append to"
             )
@@ -76,9 +83,15 @@ def take_base(
         base = parse_index(where, data)
     except FormatError as e:
         raise CompileError(f"{e}; nothing was appended") from None
+    if resume:
+        published = _published(store, base)
+        if published is not None:  # it got past its index: only the tidying up was left
+            return published
     check_same(recipe, corpus, fields, base, store.url)
+    check_room(base, store.url)
     held = held_inputs(store, base)
     ids = identities(list(corpus.identity_texts()))
+    check_distinct(ids, corpus, store.url)
     new = np.flatnonzero(~np.isin(ids, held))
     if not len(new):
         if resume:
@@ -110,6 +123,60 @@ def take_base(
         replace(corpus, items=Picked(corpus.items, new), fingerprint=picked.hexdigest()),
         first_unit,
     )
+
+
+def _published(store: Store, base: Index) -> Index | None:
+    """The index an interrupted append published before it stopped (its base's generations,
+    then one more), or None when OUT's index is still the base."""
+    data = store.read(INDEX_NAME)
+    if data is None:
+        return None
+    try:
+        index = parse_index(f"{store.url}/{INDEX_NAME}", data)
+    except FormatError:
+        return None
+    count = len(base.generations)
+    if (
+        len(index.generations) == count + 1
+        and index.generations[:count] == base.generations
+        and index.shards[: len(base.shards)] == base.shards
+    ):
+        return index
+    return None
+
+
+def check_room(base: Index, where: str) -> None:
+    """Refuses an append the archive has no room or names for: a generation past
+    MAX_GENERATIONS, or a generation that records no work units (its shards' names
+    could not be told from the new ones')."""
+    if len(base.generations) >= MAX_GENERATIONS:
+        raise CompileError(
+            f"{where}: the archive holds {len(base.generations)} generations, the most an "
+            f"index lists (SPEC.md §8); compile the whole corpus afresh to append to it again"
+        )
+    bare = [g for g, gen in enumerate(base.generations) if gen.units is None]
+    if bare:
+        raise CompileError(
+            f"{where}: generation {bare[0]} records no work units, so the names of its shards "
+            "are not known apart from the ones an append would write; nothing was appended"
+        )
+
+
+def check_distinct(ids: np.ndarray, corpus: Corpus, where: str) -> None:
+    """Refuses an append over a listing that names two inputs alike: by identity, the
+    archive could not tell which of them it holds (one would be lost or written twice)."""
+    order = np.argsort(ids, kind="stable")
+    same = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+    if len(same):
+        first, second = sorted(int(order[k]) for k in (same[0], same[0] + 1))
+        texts = corpus.identity_texts()
+        name = next(t for n, t in enumerate(texts) if n == second)
+        raise CompileError(
+            f"{where}: inputs {first} and {second} of the corpus are both named {name!r:.200} "
+            "(an input's identity: its key, path or value); an append tells inputs apart by "
+            "it, so one of them would be lost or written twice. Give them distinct names, or "
+            "compile the whole corpus afresh; nothing was appended"
+        )
 
 
 def files_of(index: Index) -> frozenset[str]:
@@ -148,6 +215,14 @@ def check_same(
     the archive's, naming what differs: its samples would not mean what the archive's do.
     A list of names may grow at its end (new classes after the archive's)."""
     before, now = comparable(base.recipe), comparable(recipe.to_json())
+    source = base.provenance.get("source")
+    path = source.get("path") if isinstance(source, dict) else None
+    if isinstance(path, str) and path != source_path(corpus):
+        raise CompileError(
+            f"{where}: --append reads its corpus from {source_path(corpus)!r}, the archive's "
+            f"was read from {path!r}; an input's identity is its name within its corpus, "
+            "so an append reads the same corpus, grown"
+        )
     if before != now:
         raise CompileError(
             f"{where}: --append with another recipe than the archive's ("
@@ -195,7 +270,9 @@ def comparable(recipe: dict[str, Any]) -> dict[str, Any]:
             "inputs": {k: v for k, v in inputs.items() if k == "source"},
             "code": {k: v for k, v in code.items() if k != "state"},
         }
-    return recipe
+    # a preset's SOURCE as given ("c", "./c", an absolute path): the folder it names is
+    # compared instead (provenance's source path, check_same)
+    return {k: v for k, v in recipe.items() if k != "source"}
 
 
 def stored_form(sample: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], bytes]]:

@@ -197,10 +197,13 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool, append
     store = run.store()
     if append:
         taken = take_base(store, resume, run.recipe, run.corpus, run.fields)
-        if isinstance(taken, Index):  # every input is in the archive already: nothing written
-            return taken
+        if isinstance(taken, Index):
+            if resume:  # it had published its index: only the tidying up was left
+                tidy(store)
+            return taken  # else every input is in the archive already: nothing written
         run.corpus, run.first_unit = taken.corpus, taken.first_unit
         run.base, run.base_files, run.base_digest = taken.base, taken.files, taken.digest
+        check_unit_count(run)  # its units are numbered after the archive's
     journal = run.journal()
     total = len(run.corpus.items)
     if total > MAX_GENERATION_INPUTS:

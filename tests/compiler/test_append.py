@@ -317,3 +317,47 @@ def test_an_append_to_object_storage_writes_what_a_local_one_does(
     assert main([*grown["args"], "--append", "-o", "s3://out/grows"]) == 0
     assert download(fs, "out/grows") == grown["appended"]
     assert inspect_cli.main(["verify", "-q", "s3://out/grows"]) == 0
+
+
+def test_an_append_killed_after_its_index_finishes_though_the_corpus_grew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed while tidying up after publishing its index, an append is done: its resume
+    only tidies up, whatever the corpus lists by then; the next --append adds the rest."""
+    corpus = esc50_corpus(tmp_path / "corpus", [("wav", 16000, 1)] * 6, seconds=0.25)
+    rows = [esc50_row(n, k) for k, n in enumerate(names(6))]
+    args = [str(corpus), *ARGS, "-q"]
+    out = tmp_path / "out"
+    write_esc50_csv(corpus, rows[:2])
+    assert main([*args, "-o", str(out)]) == 0
+    write_esc50_csv(corpus, rows[:4])
+    proc = compile_until([*args, "--append"], out, "tidy")
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    write_esc50_csv(corpus, rows)  # two more clips listed since
+    monkeypatch.chdir(tmp_path)  # SOURCE named otherwise: the same folder
+    again = ["corpus/", *ARGS, "-q", "-o", str(out)]
+    assert main([*again, "--append", "--resume"]) == 0
+    assert not (out / JOURNAL).exists() and not (out / BASE_COPY).exists()
+    assert [g.inputs for g in read_index(out).generations] == [2, 2]
+    assert main([*again, "--append"]) == 0
+    assert [g.inputs for g in read_index(out).generations] == [2, 2, 2]
+    assert len(samples_by_key(out)) == 6
+
+
+def test_a_corpus_read_from_elsewhere_or_naming_two_inputs_alike_is_refused(
+    grown: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    moved = tmp_path / "moved"
+    shutil.copytree(Path(grown["args"][0]), moved)
+    out = tmp_path / "out"
+    shutil.copytree(grown["root"] / "part", out)
+    err = refused(capsys, [str(moved), *ARGS, "-q", "--append", "-o", str(out)])
+    assert "reads its corpus from" in err and "the archive's was read from" in err
+    # a generation whose units are not recorded: its shards' names are not known
+    index = json.loads((out / "index.json").read_text())
+    assert main([*grown["args"], "--append", "-o", str(out)]) == 0
+    index = json.loads((out / "index.json").read_text())
+    del index["generations"][1]["units"]
+    (out / "index.json").write_text(json.dumps(index))
+    err = refused(capsys, [*grown["args"], "--append", "-o", str(out)])
+    assert "generation 1 records no work units" in err

@@ -127,3 +127,35 @@ def test_an_item_that_would_change_the_schema_is_refused(tmp_path: Path) -> None
         compile_dataset(Widening(24), out, workers=1, append=True, **OPTIONS)
     assert {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out)} == listed
     assert len(read_index(out).generations) == 1
+
+
+class Values:
+    """A Dataset over a list of values, which grows by inserting as well as by adding."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"v": self.values[i]}
+
+
+def test_items_moved_to_other_indices_in_any_generation_are_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    compile_dataset(Values([0, 10, 20, 30]), out, workers=1, **OPTIONS)
+    compile_dataset(Values([0, 10, 20, 30, 40, 50, 60]), out, workers=1, append=True, **OPTIONS)
+    listed = {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out)}
+    moved = Values([0, 10, 20, 30, 40, 45, 50, 60, 70])  # the second generation's shift
+    with pytest.raises(CompileError, match=r"Values\[5\] is in the archive and it now gives"):
+        compile_dataset(moved, out, workers=1, append=True, **OPTIONS)
+    assert {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out)} == listed
+
+
+def test_inputs_named_alike_are_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    compile_map(cheap, [1, 2, 3], out, workers=1, **OPTIONS)
+    with pytest.raises(CompileError, match="inputs 1 and 2 of the corpus are both named '2'"):
+        compile_map(cheap, [1, 2, 2, 4], out, workers=1, append=True, **OPTIONS)
+    assert len(read_index(out).generations) == 1
