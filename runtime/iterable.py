@@ -48,9 +48,9 @@ from .archive.concat import ArchivePaths
 from .archive.dataset import Archive
 from .batch import Batch
 from .errors import UsageError, UsageTypeError, check_int
-from .order.choose import Choice, choose
+from .order.choose import Choice, choose, earlier_generation, earlier_spec, shards_identity
 from .order.distributed import agree_across_ranks
-from .order.epochs import MAX_SHAPES, BatchOrder, Shape, check_epoch
+from .order.epochs import MAX_SHAPES, BatchOrder, OrderSpec, Shape, check_epoch
 from .order.mixture import Source
 from .order.reading import Reading, ReadingOptions
 from .pipeline.loader_state import check_settings, order_settings, same
@@ -69,7 +69,9 @@ _WORKER_COUNT = _PASSES + MAX_WORKERS
 # The earlier worlds the published epoch was partly read in (BatchOrder.shapes): their
 # count, then four numbers each.
 _SHAPES = _WORKER_COUNT + 1
-_SHARED = _SHAPES + 1 + 4 * MAX_SHAPES
+# a loaded state saved before an append: its epoch reads the archive's first shards only
+_APPENDED = _SHAPES + 1 + 4 * MAX_SHAPES
+_SHARED = _APPENDED + 1
 
 
 class IterableArchive(IterableDataset[Batch]):
@@ -159,9 +161,12 @@ class IterableArchive(IterableDataset[Batch]):
         loaded = int(self._shared[_DONE]) > 0 or int(self._shared[_SHAPES]) > 0
         return loaded and not bool(self._shared[_CLAIMS:_PASSES].any())
 
-    def _publish(self, epoch: int, done: int, shapes: tuple[Shape, ...] = ()) -> None:
+    def _publish(
+        self, epoch: int, done: int, shapes: tuple[Shape, ...] = (), appended: int = 0
+    ) -> None:
         self._shared[_CLAIMS:] = 0  # the claims, the iteration counts, the worker count, shapes
         self._shared[_SERVED] = 0
+        self._shared[_APPENDED] = appended
         self._shared[_DONE] = done
         self._shared[_EPOCH] = epoch
         self._shared[_SHAPES] = len(shapes)
@@ -177,7 +182,9 @@ class IterableArchive(IterableDataset[Batch]):
         count = int(self._shared[_SHAPES])
         values = self._shared[_SHAPES + 1 : _SHAPES + 1 + 4 * count].tolist()
         shapes = tuple(Shape(*values[i : i + 4]) for i in range(0, len(values), 4))
-        order.follow(int(self._shared[_EPOCH]), shapes)
+        epoch, appended = int(self._shared[_EPOCH]), int(self._shared[_APPENDED])
+        order.follow(epoch, shapes)
+        order.read_earlier(epoch, earlier_spec(order.spec, appended) if appended else None)
         return order
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
@@ -301,14 +308,20 @@ class IterableArchive(IterableDataset[Batch]):
                 low=0,
                 high=count,
             ),
-            **self._settings(),
+            **self._settings(self.batch_order().spec_for(self.epoch)),
         }
 
-    def _settings(self) -> dict[str, Any]:
+    def _settings(self, spec: OrderSpec | None = None) -> dict[str, Any]:
         """The settings that shape the order (the Loader's STATE_SETTINGS), the rank and
-        the choice of samples (CHOICE_SETTINGS: selection fingerprint, mixture)."""
+        the choice of samples (CHOICE_SETTINGS: selection fingerprint, mixture), under
+        ``spec`` (default: the whole archive's; an epoch of the archive as it was before
+        an append names its first shards)."""
         choice = self.choice()
-        return order_settings(choice.spec, self.bucket_by, choice.settings())
+        settings = choice.settings()
+        if spec is not None and spec is not choice.spec:
+            shards = choice.archive.readers[0].index.shards[: len(spec.shard_sizes)]
+            settings["archives"] = [shards_identity(shards)]
+        return order_settings(spec or choice.spec, self.bucket_by, settings)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next iteration continues after the state's batches, whatever the worker
@@ -327,8 +340,12 @@ class IterableArchive(IterableDataset[Batch]):
             )
         order = self.batch_order()
         held = order.hold()
+        earlier = earlier_generation(self.choice().archive, state.get("archives"))
+        spec = None if earlier is None else earlier_spec(order.spec, earlier[0])
         try:
-            check_settings(state, self._settings(), "iterable")
+            check_settings(state, self._settings(spec), "iterable")
+            if spec is not None:
+                order.read_earlier(check_epoch("iterable state epoch", state.get("epoch")), spec)
             order.reset(state, where="iterable state")
         except DlopError:
             agree_across_ranks(None, order.spec, self._grouped, "IterableArchive")
@@ -338,7 +355,8 @@ class IterableArchive(IterableDataset[Batch]):
         except DlopError:
             order.restore(held)
             raise
-        self._publish(order.epoch, order.batches_done, order.shapes)
+        appended = 0 if earlier is None else earlier[0]
+        self._publish(order.epoch, order.batches_done, order.shapes, appended)
 
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)

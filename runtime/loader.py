@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, NamedTuple, Unpack, cast
 
 import numpy as np
@@ -33,7 +32,7 @@ from .errors import LoaderError, SampleIndexError, UsageError, UsageTypeError, c
 from .gather.engine import CopyEngine
 from .gather.plan import CopyPlan
 from .gather.threads import JobThread, at_exit
-from .order.choose import choose, earlier_generation, shards_identity
+from .order.choose import choose, earlier_generation, earlier_spec, shards_identity
 from .order.distributed import agree_across_ranks
 from .order.epochs import OrderSpec, check_epoch
 from .order.mixture import Source
@@ -211,9 +210,7 @@ class Loader:
             saved = state.get("archives") if isinstance(state, dict) else None
             earlier = earlier_generation(self.archive, saved)
             if earlier is not None:
-                shards, identity = earlier
-                sizes = self.spec.shard_sizes[:shards]
-                spec = replace(self.spec, num_samples=identity[1], shard_sizes=sizes)
+                spec = earlier_spec(self.spec, earlier[0])
                 self.order.read_earlier(check_epoch("loader state epoch", state.get("epoch")), spec)
             self.order.reset(check_state(state, self._state(spec)))
         except DlopError:

@@ -130,6 +130,13 @@ def shards_identity(shards: Sequence[Any]) -> list[Any]:
     return [h.hexdigest()[:16], sum(int(info.num_samples) for info in shards)]
 
 
+def earlier_spec(spec: OrderSpec, shards: int) -> OrderSpec:
+    """``spec`` over the archive's first ``shards`` shards: the archive as it was before an
+    append (earlier_generation)."""
+    sizes = spec.shard_sizes[:shards]
+    return replace(spec, num_samples=sum(sizes), shard_sizes=sizes)
+
+
 def earlier_generation(archive: Archive, saved: object) -> tuple[int, list[Any]] | None:
     """When ``saved`` (a state's ``archives``) names an earlier generation of the one archive
     read whole (the archive before an append: the shards of its first generations), the

@@ -614,12 +614,15 @@ class BatchOrder:
             return self.appended[1]
         return self.spec
 
-    def read_earlier(self, epoch: int, spec: OrderSpec) -> None:
+    def read_earlier(self, epoch: int, spec: OrderSpec | None) -> None:
         """Epoch ``epoch`` reads the ``spec.num_samples`` samples the archive held before an
-        append (its first shards), as a state saved then expects; later epochs read all."""
-        self.appended = (epoch, spec)
-        self._cached.clear()
-        self._rests = self._contents = None
+        append (its first shards), as a state saved then expects; later epochs read all.
+        None: every epoch reads the whole archive."""
+        appended = None if spec is None else (epoch, spec)
+        if appended != self.appended:
+            self.appended = appended
+            self._cached.clear()
+            self._rests = self._contents = None
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """The sample indices of each batch of ``epoch`` (default: the current one): the

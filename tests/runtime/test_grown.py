@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from torch.utils.data import DataLoader
 
 from dlop.compiler import compile_map
-from dlop.runtime import Loader, UsageError
+from dlop.runtime import IterableArchive, Loader, UsageError, batch_as_is
 
 OPTIONS: dict[str, Any] = {"unit_inputs": 8, "shard_bytes": "4KiB", "progress": False}
 
@@ -63,6 +64,33 @@ def test_an_epoch_begun_before_an_append_ends_as_it_began(tmp_path: Path, order:
     grown.set_epoch(3)  # the next epoch reads every sample of the grown archive
     assert sorted(x for b in batches(grown) for x in b) == list(range(100))
     assert grown.state_dict()["num_samples"] == 100
+
+
+def test_dataloader_workers_continue_an_epoch_begun_before_an_append(tmp_path: Path) -> None:
+    """IterableArchive under DataLoader workers: a state saved before the append continues
+    that epoch over the archive as it was, in the workers too; then the grown archive."""
+    out, copy = tmp_path / "grows", tmp_path / "stays"
+    for where in (out, copy):
+        compile_map(sample, list(range(60)), where, workers=1, **OPTIONS)
+    options: dict[str, Any] = {"seed": 3}
+
+    def workers(ds: IterableArchive) -> DataLoader:
+        return DataLoader(ds, batch_size=None, num_workers=2, collate_fn=batch_as_is)
+
+    stays = IterableArchive(copy, 7, **options)
+    stays.set_epoch(1)
+    epoch = iter(workers(stays))
+    first = batches(epoch, 3)
+    state = stays.state_dict(batches_done=3)
+    rest = batches(epoch)
+    compile_map(sample, list(range(100)), out, workers=1, append=True, **OPTIONS)
+    grown = IterableArchive(out, 7, **options)
+    grown.load_state_dict(state)
+    assert grown.state_dict(batches_done=3) == state  # the archive as it was, named so
+    got = batches(iter(workers(grown)))
+    assert got == rest and sorted(x for b in first + got for x in b) == list(range(60))
+    grown.set_epoch(2)
+    assert sorted(x for b in batches(iter(workers(grown))) for x in b) == list(range(100))
 
 
 def test_a_state_of_another_archive_is_still_refused(tmp_path: Path) -> None:
