@@ -162,10 +162,18 @@ class Journal:
                 "(--overwrite)"
             )
         if fingerprint != self.fingerprint or num_inputs != self.num_inputs:
+            way_out = (
+                "compile afresh (--overwrite)"
+                if self.append is None
+                else "list the corpus as it was when the append began and run --append "
+                "--resume again (--overwrite would replace the whole archive, not only "
+                "this append)"
+            )
             raise CompileError(
-                f"{self.where}: the corpus changed since the interrupted compile (it listed "
-                f"{num_inputs} inputs, fingerprint {fingerprint:.16}...; now {self.num_inputs}, "
-                f"{self.fingerprint:.16}...); compile afresh (--overwrite)"
+                f"{self.where}: the corpus changed since the interrupted "
+                f"{'compile' if self.append is None else 'append'} (it listed {num_inputs} "
+                f"inputs, fingerprint {fingerprint:.16}...; now {self.num_inputs}, "
+                f"{self.fingerprint:.16}...); {way_out}"
             )
         theirs = obj.get("numerics")
         if not isinstance(theirs, dict):

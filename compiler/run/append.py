@@ -96,8 +96,10 @@ def take_base(
     if not len(new):
         if resume:
             raise CompileError(
-                f"{store.url}: the interrupted append has no inputs left to add; compile "
-                "afresh (--overwrite)"
+                f"{store.url}: none of the inputs the interrupted append was adding is "
+                "listed now; list the corpus as it was when the append began and run "
+                "--append --resume again (--overwrite would replace the whole archive, not "
+                "only this append)"
             )
         where = f"of {corpus.root}" if corpus.root else "given"
         print(

@@ -362,3 +362,26 @@ def test_a_corpus_read_from_elsewhere_or_naming_two_inputs_alike_is_refused(
     (out / "index.json").write_text(json.dumps(index))
     err = refused(capsys, [*grown["args"], "--append", "-o", str(out)])
     assert "generation 1 records no work units" in err
+
+
+def test_an_interrupted_append_of_a_changed_corpus_is_told_to_list_it_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Never --overwrite alone as the way out of an interrupted append: it would drop every
+    generation, not only the append."""
+    corpus = esc50_corpus(tmp_path / "corpus", [("wav", 16000, 1)] * 6, seconds=0.25)
+    rows = [esc50_row(n, k) for k, n in enumerate(names(6))]
+    args = [str(corpus), *ARGS, "-q"]
+    out = tmp_path / "out"
+    write_esc50_csv(corpus, rows[:2])
+    assert main([*args, "-o", str(out)]) == 0
+    write_esc50_csv(corpus, rows[:5])
+    proc = compile_until([*args, "--append"], out, "unit:1")
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    write_esc50_csv(corpus, rows)  # one more clip listed since the append began
+    err = refused(capsys, [*args, "--append", "--resume", "-o", str(out)])
+    assert "the corpus changed since the interrupted append" in err
+    assert "list the corpus as it was when the append began" in err
+    write_esc50_csv(corpus, rows[:5])
+    assert main([*args, "--append", "--resume", "-o", str(out)]) == 0
+    assert [g.inputs for g in read_index(out).generations] == [2, 3]
