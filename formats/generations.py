@@ -83,22 +83,13 @@ class Generation:
         }
 
 
-def first_units(generations: Sequence[Generation]) -> list[int]:
-    """The number of each generation's first work unit (the units before it, counted)."""
-    out, at = [], 0
-    for g in generations:
-        out.append(at)
-        if g.units is not None:
-            at += num_units(g.units.num_inputs, g.units.unit_inputs)
-    return out
-
-
-def shard_starts(generations: Sequence[Generation]) -> list[int]:
-    """The position in the shard list of each generation's first shard, and the end."""
-    out = [0]
-    for g in generations:
-        out.append(out[-1] + g.shards)
-    return out
+def units_cut(generations: Sequence[Generation]) -> int:
+    """How many work units the generations cut in all: an append's are numbered after them."""
+    return sum(
+        num_units(g.units.num_inputs, g.units.unit_inputs)
+        for g in generations
+        if g.units is not None
+    )
 
 
 def parse_generations(

@@ -48,7 +48,7 @@ from .archive.concat import ArchivePaths
 from .archive.dataset import Archive
 from .batch import Batch
 from .errors import UsageError, UsageTypeError, check_int
-from .order.choose import Choice, choose, earlier_generation, earlier_spec, shards_identity
+from .order.choose import Choice, choose, earlier_generation, earlier_spec
 from .order.distributed import agree_across_ranks
 from .order.epochs import MAX_SHAPES, BatchOrder, OrderSpec, Shape, check_epoch
 from .order.mixture import Source
@@ -317,11 +317,7 @@ class IterableArchive(IterableDataset[Batch]):
         ``spec`` (default: the whole archive's; an epoch of the archive as it was before
         an append names its first shards)."""
         choice = self.choice()
-        settings = choice.settings()
-        if spec is not None and spec is not choice.spec:
-            shards = choice.archive.readers[0].index.shards[: len(spec.shard_sizes)]
-            settings["archives"] = [shards_identity(shards)]
-        return order_settings(spec or choice.spec, self.bucket_by, settings)
+        return order_settings(spec or choice.spec, self.bucket_by, choice.settings(spec))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next iteration continues after the state's batches, whatever the worker

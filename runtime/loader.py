@@ -32,7 +32,7 @@ from .errors import LoaderError, SampleIndexError, UsageError, UsageTypeError, c
 from .gather.engine import CopyEngine
 from .gather.plan import CopyPlan
 from .gather.threads import JobThread, at_exit
-from .order.choose import choose, earlier_generation, earlier_spec, shards_identity
+from .order.choose import choose, earlier_generation, earlier_spec
 from .order.distributed import agree_across_ranks
 from .order.epochs import OrderSpec, check_epoch
 from .order.mixture import Source
@@ -194,10 +194,7 @@ class Loader:
     def _state(self, spec: OrderSpec) -> dict[str, Any]:
         """state_dict for an epoch read under ``spec``: the whole archive's, or for an epoch
         of the archive as it was before an append, that archive's (its first shards)."""
-        settings = self.choice.settings()
-        if spec is not self.spec:
-            shards = self.archive.readers[0].index.shards[: len(spec.shard_sizes)]
-            settings["archives"] = [shards_identity(shards)]
+        settings = self.choice.settings(spec)
         return loader_state(spec, self.order.state_dict(), self.bucket_by, settings)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

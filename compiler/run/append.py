@@ -27,7 +27,6 @@ from dlop.formats import (
     Field,
     FormatError,
     Index,
-    num_units,
     parse_index,
 )
 from dlop.formats.generations import (
@@ -36,6 +35,7 @@ from dlop.formats.generations import (
     identities,
     inputs_name,
     parse_identities,
+    units_cut,
 )
 
 from ..corpus.records import Corpus, Picked
@@ -111,11 +111,7 @@ def take_base(
         return base
     digest = hashlib.sha256(data).hexdigest()
     picked = hashlib.sha256(corpus.fingerprint.encode() + digest.encode() + new.tobytes())
-    first_unit = sum(
-        num_units(g.units.num_inputs, g.units.unit_inputs)
-        for g in base.generations
-        if g.units is not None
-    )
+    first_unit = units_cut(base.generations)  # each has units (check_room)
     if not resume:
         store.write(BASE_COPY, data)  # before the journal: a resume always finds it
     return Appending(

@@ -54,10 +54,15 @@ class Choice:
     mixture: Mixture | None = None
     source_starts: np.ndarray | None = None  # each source's first sample number
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self, spec: OrderSpec | None = None) -> dict[str, Any]:
         """What, besides the spec, shapes the order (for loader states): the archives
-        read (``archive_identities``), the selection's fingerprint, the mixture."""
+        read (``archive_identities``), the selection's fingerprint, the mixture. Under
+        ``spec`` of an epoch read over the archive as it was before an append
+        (earlier_spec), the archive named is that one: its first shards."""
         archives = archive_identities(self.archive)
+        if spec is not None and spec is not self.spec:
+            shards = self.archive.readers[0].index.shards[: len(spec.shard_sizes)]
+            archives = [shards_identity(shards)]
         if self.mixture is not None:
             pools = np.concatenate(self.mixture.pools)
             return {
@@ -146,9 +151,8 @@ def earlier_generation(archive: Archive, saved: object) -> tuple[int, list[Any]]
     if not isinstance(saved, list) or len(saved) != 1:
         return None
     index = archive.readers[0].index
-    generations = getattr(index, "generations", ())
     shards = 0
-    for generation in generations[:-1]:
+    for generation in index.generations[:-1]:
         shards += generation.shards
         identity = shards_identity(index.shards[:shards])
         if identity == saved[0]:

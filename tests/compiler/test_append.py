@@ -320,20 +320,29 @@ def test_an_append_to_object_storage_writes_what_a_local_one_does(
     assert inspect_cli.main(["verify", "-q", "s3://out/grows"]) == 0
 
 
-def test_an_append_killed_after_its_index_finishes_though_the_corpus_grew(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Killed while tidying up after publishing its index, an append is done: its resume
-    only tidies up, whatever the corpus lists by then; the next --append adds the rest."""
+def killed_append(
+    tmp_path: Path, listed: int, moment: str
+) -> tuple[Path, list[dict[str, object]], list[str], Path]:
+    """A corpus of 6 clips, its first 2 compiled into OUT, then an --append of its first
+    ``listed`` killed at ``moment``: (corpus, its 6 metadata rows, arguments, OUT)."""
     corpus = esc50_corpus(tmp_path / "corpus", [("wav", 16000, 1)] * 6, seconds=0.25)
     rows = [esc50_row(n, k) for k, n in enumerate(names(6))]
     args = [str(corpus), *ARGS, "-q"]
     out = tmp_path / "out"
     write_esc50_csv(corpus, rows[:2])
     assert main([*args, "-o", str(out)]) == 0
-    write_esc50_csv(corpus, rows[:4])
-    proc = compile_until([*args, "--append"], out, "tidy")
+    write_esc50_csv(corpus, rows[:listed])
+    proc = compile_until([*args, "--append"], out, moment)
     assert proc.wait(timeout=120) == -signal.SIGKILL
+    return corpus, rows, args, out
+
+
+def test_an_append_killed_after_its_index_finishes_though_the_corpus_grew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed while tidying up after publishing its index, an append is done: its resume
+    only tidies up, whatever the corpus lists by then; the next --append adds the rest."""
+    corpus, rows, _, out = killed_append(tmp_path, 4, "tidy")
     write_esc50_csv(corpus, rows)  # two more clips listed since
     monkeypatch.chdir(tmp_path)  # SOURCE named otherwise: the same folder
     again = ["corpus/", *ARGS, "-q", "-o", str(out)]
@@ -345,7 +354,7 @@ def test_an_append_killed_after_its_index_finishes_though_the_corpus_grew(
     assert len(samples_by_key(out)) == 6
 
 
-def test_a_corpus_read_from_elsewhere_or_naming_two_inputs_alike_is_refused(
+def test_a_corpus_read_from_elsewhere_or_a_generation_without_units_is_refused(
     grown: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     moved = tmp_path / "moved"
@@ -355,7 +364,6 @@ def test_a_corpus_read_from_elsewhere_or_naming_two_inputs_alike_is_refused(
     err = refused(capsys, [str(moved), *ARGS, "-q", "--append", "-o", str(out)])
     assert "reads its corpus from" in err and "the archive's was read from" in err
     # a generation whose units are not recorded: its shards' names are not known
-    index = json.loads((out / "index.json").read_text())
     assert main([*grown["args"], "--append", "-o", str(out)]) == 0
     index = json.loads((out / "index.json").read_text())
     del index["generations"][1]["units"]
@@ -369,15 +377,7 @@ def test_an_interrupted_append_of_a_changed_corpus_is_told_to_list_it_as_it_was(
 ) -> None:
     """Never --overwrite alone as the way out of an interrupted append: it would drop every
     generation, not only the append."""
-    corpus = esc50_corpus(tmp_path / "corpus", [("wav", 16000, 1)] * 6, seconds=0.25)
-    rows = [esc50_row(n, k) for k, n in enumerate(names(6))]
-    args = [str(corpus), *ARGS, "-q"]
-    out = tmp_path / "out"
-    write_esc50_csv(corpus, rows[:2])
-    assert main([*args, "-o", str(out)]) == 0
-    write_esc50_csv(corpus, rows[:5])
-    proc = compile_until([*args, "--append"], out, "unit:1")
-    assert proc.wait(timeout=120) == -signal.SIGKILL
+    corpus, rows, args, out = killed_append(tmp_path, 5, "unit:1")
     write_esc50_csv(corpus, rows)  # one more clip listed since the append began
     err = refused(capsys, [*args, "--append", "--resume", "-o", str(out)])
     assert "the corpus changed since the interrupted append" in err
