@@ -44,6 +44,8 @@ from .generations import (
     parse_generations,
     parse_identities,
 )
+from .groups import FieldGroup, parse_field_groups
+from .joined import JoinedShard
 from .reader import BlockCache, Problem, ShardReader, Value
 from .redact import redact
 from .schema import Field, check_schema
@@ -73,12 +75,17 @@ class Index:
     # With generations, ``skipped_count`` counts every generation's skipped inputs, and
     # ``units`` is the first generation's while it is the only one (None after an append).
     generations: tuple[Generation, ...] = ()
+    # fields added after the compile, in shard files aligned with the archive's (§6.3)
+    field_groups: tuple[FieldGroup, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         units = {} if self.units is None else {"units": self.units.to_json()}
         skipped = self.generations[0].skipped if self.generations else self.skipped_count
         generations = (
             {"generations": [g.to_json() for g in self.generations]} if self.generations else {}
+        )
+        groups = (
+            {"field_groups": [g.to_json() for g in self.field_groups]} if self.field_groups else {}
         )
         return {
             "format": ARCHIVE_FORMAT,
@@ -91,6 +98,7 @@ class Index:
             "skipped": {"count": skipped, "file": ERRORS_NAME},
             **units,
             **generations,
+            **groups,
             "metadata": self.metadata,
         }
 
@@ -99,6 +107,10 @@ class Index:
         if not self.generations:
             return [(ERRORS_NAME, self.skipped_count)]
         return [(errors_name(g), gen.skipped) for g, gen in enumerate(self.generations)]
+
+    def complete_groups(self) -> tuple[FieldGroup, ...]:
+        """The field groups that cover every shard: those whose fields are read."""
+        return tuple(g for g in self.field_groups if g.covers == len(self.shards))
 
 
 def shard_name(number: int) -> str:
@@ -274,6 +286,8 @@ def parse_index(path: str | os.PathLike[str], data: bytes) -> Index:
         table = UnitTable.from_json(path, units, [s.file for s in infos], count)
         if generations and table != generations[0].units:
             raise FormatError(path, "'units' differs from its generation's (SPEC.md §6.2)")
+    listed_groups = obj.get("field_groups")
+    groups = () if listed_groups is None else parse_field_groups(path, listed_groups, fields, infos)
     return Index(
         fields,
         tuple(infos),
@@ -284,6 +298,7 @@ def parse_index(path: str | os.PathLike[str], data: bytes) -> Index:
         dicts["metadata"],
         table,
         generations,
+        groups,
     )
 
 
@@ -429,15 +444,26 @@ class ArchiveWriter:
 
 
 class ArchiveReader:
-    """Reads an archive directory; shards are opened (and validated) on first use."""
+    """Reads an archive directory; shards are opened (and validated) on first use.
+
+    With ``field_groups`` (the default) the fields of every field group that covers the
+    whole archive are read beside the archive's own, each shard as one (JoinedShard);
+    without, the archive reads as its compile wrote it."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], block_cache_bytes: int = 256 << 20
+        self,
+        directory: str | os.PathLike[str],
+        block_cache_bytes: int = 256 << 20,
+        *,
+        field_groups: bool = True,
     ) -> None:
         self.directory = Path(directory)
         self.block_cache = BlockCache(block_cache_bytes)  # decoded zstd blocks, for all shards
         self.index = read_index(self.directory)
+        self.groups = {g.name: g for g in self.index.complete_groups()} if field_groups else {}
+        self.owners = {f.name: g.name for g in self.groups.values() for f in g.fields}
         self.fields: dict[str, Field] = {f.name: f for f in self.index.fields}
+        self.fields.update((f.name, f) for g in self.groups.values() for f in g.fields)
         self.num_samples = self.index.num_samples
         # shard_starts[k] is the global index of shard k's first sample.
         self.shard_starts = np.cumsum(
@@ -463,7 +489,18 @@ class ArchiveReader:
         return self._readers[k]  # type: ignore[return-value]
 
     def _open(self, k: int) -> ShardReader:
-        info = self.index.shards[k]
+        reader = self._open_file(self.index.shards[k], self.index.fields)
+        if not self.groups:
+            return reader
+        own = {n: f for n, f in self.fields.items() if n in self.owners}
+        return JoinedShard(reader, own, self.owners, lambda name: self.open_group(name, k))
+
+    def _open_file(
+        self, info: ShardInfo, fields: tuple[Field, ...], tied: str = ""
+    ) -> ShardReader:
+        """The shard file ``info`` lists, checked against it: its size, its sample count,
+        its schema (``fields``) and, when ``tied`` says whose shard it must be, its header
+        CRC-32 (which ties every region's CRC to the index)."""
         path = self.directory / info.file
         reader = ShardReader(
             path,
@@ -471,15 +508,26 @@ class ArchiveReader:
             archive_dir=self.directory,
             expected_bytes=info.bytes,
         )
-        if reader.num_samples != info.num_samples:
-            reader.close()
-            raise FormatError(
-                path, f"holds {reader.num_samples} samples, index.json says {info.num_samples}"
+        problem = None
+        if tied and reader.header_crc32 != info.header_crc32:
+            problem = (
+                f"header CRC-32 {reader.header_crc32:#010x} differs from index.json's "
+                f"{info.header_crc32:#010x}: not {tied}"
             )
-        if tuple(reader.fields.values()) != self.index.fields:
+        elif reader.num_samples != info.num_samples:
+            problem = f"holds {reader.num_samples} samples, index.json says {info.num_samples}"
+        elif tuple(reader.fields.values()) != fields:
+            problem = "shard schema differs from the index schema"
+        if problem is not None:
             reader.close()
-            raise FormatError(path, "shard schema differs from the index schema")
+            raise FormatError(path, problem)
         return reader
+
+    def open_group(self, name: str, k: int) -> ShardReader:
+        """Group ``name``'s shard aligned with shard ``k``, checked against its entry."""
+        group = next(g for g in self.index.field_groups if g.name == name)
+        tied = f"field group {name!r}'s shard for {self.index.shards[k].file}"
+        return self._open_file(group.shards[k].info, group.fields, tied)
 
     def locate(self, index: int) -> tuple[int, int]:
         """Global sample index -> (shard number, index within the shard)."""
@@ -554,8 +602,15 @@ class ArchiveReader:
             finally:
                 reader.close()
 
+        def with_groups(k: int) -> list[Problem]:
+            found = one(k)
+            for group in self.index.field_groups:
+                if k < group.covers:
+                    found += self.verify_group_shard(group.name, k)
+            return found
+
         problems: list[Problem] = []
-        for k, found in enumerate(map_shards(one, range(len(self.index.shards)))):
+        for k, found in enumerate(map_shards(with_groups, range(len(self.index.shards)))):
             problems += found
             if progress:
                 progress(k + 1)
@@ -570,6 +625,27 @@ class ArchiveReader:
             except FormatError as e:
                 problems.append(Problem(e.path, None, None, e.problem))
         return problems
+
+    def verify_group_shard(self, name: str, k: int) -> list[Problem]:
+        """What is wrong with group ``name``'s shard aligned with shard ``k``: its index
+        entry, every checksum in it, and its whole-file CRC-32."""
+        group = next(g for g in self.index.field_groups if g.name == name)
+        info = group.shards[k].info
+        try:
+            reader = self.open_group(name, k)
+        except FormatError as e:
+            return [Problem(e.path, None, None, e.problem)]
+        try:
+            problems = reader.verify()
+            if not problems and reader.file_crc32() != info.crc32:
+                problems.append(
+                    Problem(
+                        str(reader.path), None, None, "whole-file CRC-32 differs from index.json"
+                    )
+                )
+            return problems
+        finally:
+            reader.close()
 
     def input_identities(self, generation: int) -> np.ndarray:
         """The identities of the inputs ``generation`` read (SPEC.md §6.2), checked."""

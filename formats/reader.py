@@ -550,6 +550,11 @@ class ShardReader:
                 )
         return bad
 
+    def parts(self) -> list[ShardReader]:
+        """The mapped files this reader reads (a joined shard's: its groups' too, those
+        opened so far), each to be checked for having shrunk under its mapping."""
+        return [self]
+
     def mapped_size(self) -> int:
         """The current size of the mapped file itself (an fstat of the mapping's own
         descriptor): smaller than it was when mapped if the file was truncated in
