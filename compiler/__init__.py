@@ -10,7 +10,8 @@ errors. ``custom`` compiles a user's own Dataset or function.
 
 Importable from here: ``compile_corpus``, the preset compile (``dlop-compile SOURCE``)
 of a ``Recipe`` that ``build_recipe`` makes from a recipe file's options; and
-``compile_dataset`` and ``compile_map``.
+``compile_dataset`` and ``compile_map``; ``add_fields`` and ``drop_fields``, which add
+a field group to an archive (``groups``) or drop one.
 """
 
 import importlib
@@ -18,10 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time imported on first use
     from .custom import compile_dataset, compile_map
+    from .groups import add_fields, drop_fields
     from .recipe import Recipe, build_recipe
     from .run.pipeline import compile_corpus
 
-__all__ = ["Recipe", "build_recipe", "compile_corpus", "compile_dataset", "compile_map"]
+__all__ = [
+    "Recipe",
+    "add_fields",
+    "build_recipe",
+    "compile_corpus",
+    "compile_dataset",
+    "compile_map",
+    "drop_fields",
+]
 
 # the module each name comes from
 _HOMES = {
@@ -30,6 +40,8 @@ _HOMES = {
     "compile_corpus": ".run.pipeline",
     "compile_dataset": ".custom",
     "compile_map": ".custom",
+    "add_fields": ".groups",
+    "drop_fields": ".groups",
 }
 
 

@@ -29,3 +29,7 @@ class AxisVaries(CompileError):
     def __init__(self, message: str, field: str, axis: int) -> None:
         super().__init__(message)
         self.field, self.axis = field, axis
+
+    def __reduce__(self) -> tuple[type["AxisVaries"], tuple[str, str, int]]:
+        # raised in a worker process, it crosses back to the driver whole
+        return (AxisVaries, (str(self), self.field, self.axis))

@@ -628,7 +628,7 @@ def _check_archive_samples(work: UserWork, recipe: CustomRecipe, items: Inputs, 
     if is_url(out) or not os.path.isfile(os.path.join(out, "index.json")):
         return
     try:
-        reader = ArchiveReader(out)
+        reader = ArchiveReader(out, field_groups=False)
     except FormatError:
         return  # the compile's own checks of OUT name what is wrong
     with reader:

@@ -40,14 +40,21 @@ SPILL_PREFIX = ".dlop-chunk-"  # workers' result files in the staging folder, re
 # to the same archive, whether or not the new index was published before it stopped.
 BASE_COPY = ".dlop-base.json"
 
-_SHARD = r"(?:shard-\d{5,}|unit-\d{6,}-\d{4,})\.dlop"
+_SHARD = r"(?:shard-\d{5,}|unit-\d{6,}-\d{4,}|group-[a-z][a-z0-9_]{0,31}-r\d+-\d{6,})\.dlop"
 _COMMIT = rf"{re.escape(COMMIT_PREFIX)}\d{{6,}}\.json"
 _GENERATION = r"errors-\d{4,}\.jsonl|inputs-\d{4,}\.bin"  # formats.generations
+_GROUP_JOURNAL = r"\.dlop-group-[a-z][a-z0-9_]{0,31}\.json"  # compiler.groups
 _OWN = "|".join(
-    [*(re.escape(n) for n in (INDEX_NAME, ERRORS_NAME, JOURNAL, BASE_COPY)), _COMMIT, _GENERATION]
+    [
+        *(re.escape(n) for n in (INDEX_NAME, ERRORS_NAME, JOURNAL, BASE_COPY)),
+        _COMMIT,
+        _GENERATION,
+        _GROUP_JOURNAL,
+    ]
 )
 # Every name a compile writes in OUT: the archive's files (shards named by unit, or
-# shard-N.dlop by compiles before units; each generation's errors and inputs files),
+# shard-N.dlop by compiles before units; each generation's errors and inputs files; field
+# groups' shards and the journal of a group being added),
 # the journal (and an append's copy of its base index), units' commit records, the lock,
 # the workers' chunk files, temporary files (".NAME.tmp" of small files; before units a
 # shard's ".shard-N.dlop.tmp" and its field spools ".shard-N.dlop.fK.spool"); and the

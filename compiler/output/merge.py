@@ -262,5 +262,6 @@ def merged(
             plan_metadata(plan.recipe, corpus),
             None,
             (*base.generations, generation),
+            base.field_groups,  # each now covers the earlier generations only
         )
     return index, errors

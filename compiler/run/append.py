@@ -178,10 +178,12 @@ def check_distinct(ids: np.ndarray, corpus: Corpus, where: str) -> None:
 
 
 def files_of(index: Index) -> frozenset[str]:
-    """Every file of an archive: its index, shards, and each generation's files."""
+    """Every file of an archive: its index, shards, each generation's files and its field
+    groups' shards."""
     names = {INDEX_NAME, ERRORS_NAME, *(s.file for s in index.shards)}
     for g in range(len(index.generations)):
         names |= {errors_name(g), inputs_name(g)}
+    names |= {s.info.file for g in index.field_groups for s in g.shards}
     return frozenset(names)
 
 

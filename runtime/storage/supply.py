@@ -159,3 +159,7 @@ class LocalSupply(ShardSupply):
             size, now = self.sizes[k], self.shards[k].mapped_size()
             if now < size:
                 raise shard_shrank(self.shards[k].path, size, now)
+            for part in self.shards[k].parts()[1:]:  # a field group's shard read beside it
+                size, now = part.mapped_span()[1], part.mapped_size()
+                if now < size:
+                    raise shard_shrank(part.path, size, now)

@@ -1,0 +1,551 @@
+"""``add_fields`` and ``drop_fields``: a field group computed from an archive's samples,
+added beside its shards, compiled again or dropped, the archive's own files untouched.
+
+The driver takes the archive's lock (no compile, append or other group change runs
+meanwhile), infers the group's schema from the function's first samples (computed in a
+worker, like every call of the user's code), records what it compiles in a journal of
+its own (``.dlop-group-NAME.json``), and runs one unit per archive shard on a local
+pool of worker processes or on Dask (compiler.groups.shard). Once every group shard is
+written it publishes the new index.json atomically; until then a reader sees the
+archive as it was. A sample on which the function fails stops the compile (a group
+holds a value for every sample); what was written stays for ``resume=True``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dlop.formats import FormatError, Index, read_index
+from dlop.formats.archive import encode_index, now_utc
+from dlop.formats.codecs import parse_codec
+from dlop.formats.constants import INDEX_NAME, JOURNAL_NAME
+from dlop.formats.errors import SchemaError
+from dlop.formats.files import atomic_write, loads_bounded, read_capped
+from dlop.formats.groups import FieldGroup, GroupShard, check_group_name, group_file
+from dlop.formats.reader import ShardReader
+from dlop.formats.urls import is_url
+from dlop.formats.writer import ShardInfo
+
+from ..custom.code import changes, describe
+from ..custom.samples import Spec, given_schema, infer, merge, widened
+from ..errors import AxisVaries, CompileError
+from ..output.guard import OutputLock
+from ..recipe import DTYPES, MAX_WORKERS
+from ..run.processes import local_workers, worker_context
+from ..run.units import by_value
+from .shard import GroupTask, ItemFailed, probe, run_group_unit, worker_start
+
+PROBE_SAMPLES = 8  # the archive's first samples, from which the group's schema is inferred
+PROGRESS_SECONDS = 30.0
+MAX_JOURNAL_BYTES = 1 << 20
+
+
+def journal_name(name: str) -> str:
+    return f".dlop-group-{name}.json"
+
+
+def add_fields(
+    archive: str | os.PathLike[str],
+    fn: Callable[[dict[str, Any]], dict[str, Any]],
+    name: str,
+    *,
+    workers: int | None = None,
+    dask: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    compression: str = "raw",
+    schema: Mapping[str, Any] | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+    item_timeout: float | None = None,
+    arguments: Any = None,
+    progress: bool = True,
+) -> Index:
+    """Adds field group ``name`` to the archive at ``archive``: ``fn(sample)`` (a dict of
+    the sample's fields, arrays as tensors) gives a dict of new fields for every sample,
+    stored in shard files aligned with the archive's (docs/compile.md, "Growing an
+    archive"). Returns the new index.
+
+    The group is compiled once: run again, it computes only the shards an append added
+    since (same function, options and arguments) or says there is nothing to add.
+    ``overwrite=True`` compiles it again from the start; ``resume=True`` finishes one that
+    was interrupted. ``workers``, ``dask``, ``compression``, ``schema``, ``dtype``,
+    ``seed``, ``item_timeout`` and ``arguments`` mean what they do for compile_map."""
+    out = Path(_local(archive))
+    check_group_name_or_refuse(name)
+    options = _options(workers, dask, compression, dtype, seed, item_timeout)
+    given = given_schema(schema)
+    code = describe(fn, False)
+    if arguments is not None:
+        try:
+            code["arguments"] = json.loads(json.dumps(arguments, sort_keys=True))
+        except (TypeError, ValueError):
+            raise CompileError(
+                f"arguments {arguments!r:.80}: recorded in the recipe, so JSON values"
+            ) from None
+    recipe = {
+        "compile": "fields",
+        "code": code,
+        "seed": seed,
+        "schema": {
+            k: {"dtype": d, "shape": None if s is None else list(s)} for k, (d, s) in given.items()
+        }
+        or None,
+        "dtype": dtype,
+        "codec": compression,
+    }
+    pickled = by_value(fn)
+    with _locked(out):
+        return _add(out, name, recipe, pickled, given, options, resume, overwrite, progress)
+
+
+def drop_fields(archive: str | os.PathLike[str], name: str) -> Index:
+    """Drops field group ``name`` from the archive: a new index.json without it, then its
+    files (a reader that opened the earlier index keeps its mapped files). Returns the new
+    index."""
+    out = Path(_local(archive))
+    check_group_name_or_refuse(name)
+    with _locked(out):
+        index = _archive_index(out)
+        names = [g.name for g in index.field_groups]
+        if name not in names:
+            raise CompileError(
+                f"{out}: no field group {name!r} to drop; its groups are {names or 'none'}"
+            )
+        index = replace(index, field_groups=tuple(g for g in index.field_groups if g.name != name))
+        _publish(out, index)
+        _tidy(out, name, index)
+        return index
+
+
+def check_group_name_or_refuse(name: object) -> None:
+    try:
+        check_group_name(name)
+    except SchemaError as e:
+        raise CompileError(str(e)) from None
+
+
+def _local(archive: str | os.PathLike[str]) -> str:
+    text = os.fspath(archive)
+    if is_url(text):
+        raise CompileError(
+            f"{text}: field groups are added to a local archive for now; add them to a local "
+            "copy, then upload its new files and index.json"
+        )
+    return text
+
+
+def _options(
+    workers: int | None,
+    dask: str | None,
+    compression: str,
+    dtype: str | None,
+    seed: int,
+    item_timeout: float | None,
+) -> dict[str, Any]:
+    if workers is not None and (type(workers) is not int or not 1 <= workers <= MAX_WORKERS):
+        raise CompileError(
+            f"workers {workers!r:.40} must be an int from 1 to {MAX_WORKERS} (or None: one per core)"
+        )
+    if type(seed) is not int or seed < 0:
+        raise CompileError(f"seed {seed!r} must be a non-negative integer")
+    if dtype is not None and dtype not in DTYPES:
+        raise CompileError(f"dtype {dtype!r} must be one of {tuple(DTYPES)} (or None: as given)")
+    if item_timeout is not None and (
+        type(item_timeout) not in (int, float) or not 0 < item_timeout < float("inf")
+    ):
+        raise CompileError(
+            f"item_timeout {item_timeout!r} must be a positive number of seconds (or None)"
+        )
+    try:
+        parse_codec(str(compression))
+    except SchemaError as e:
+        raise CompileError(f"compression: {e}") from None
+    return {
+        "workers": workers,
+        "dask": dask,
+        "codec": str(compression),
+        "dtype": dtype,
+        "seed": seed,
+        "timeout": item_timeout,
+    }
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    if not (out / INDEX_NAME).is_file():
+        raise CompileError(f"{out}: holds no archive (no {INDEX_NAME}); compile one first")
+    lock = OutputLock(out)
+    try:
+        if (out / JOURNAL_NAME).exists():
+            raise CompileError(
+                f"{out}: holds an interrupted compile or append; finish it first with --resume"
+            )
+        yield
+    finally:
+        lock.release()
+
+
+def _archive_index(out: Path) -> Index:
+    try:
+        return read_index(out)
+    except FormatError as e:
+        raise CompileError(str(e)) from None
+
+
+def _add(
+    out: Path,
+    name: str,
+    recipe: dict[str, Any],
+    pickled: bytes,
+    given: dict[str, Any],
+    options: dict[str, Any],
+    resume: bool,
+    overwrite: bool,
+    progress: bool,
+) -> Index:
+    index = _archive_index(out)
+    digest = _digest(recipe)
+    existing = next((g for g in index.field_groups if g.name == name), None)
+    journal = _read_journal(out, name)
+    specs: dict[str, Spec] | None = None
+    if journal is not None and not (resume or overwrite):
+        raise CompileError(
+            f"{out}: field group {name!r} was being added when its compile stopped; pass "
+            "resume=True to finish it, or overwrite=True to compile it again"
+        )
+    if resume and journal is None:
+        raise CompileError(f"{out}: no interrupted compile of field group {name!r} to resume")
+    if resume and journal is not None:
+        if journal["digest"] != digest:
+            why = changes(journal["recipe"]["code"], recipe["code"]) or [
+                f"{k} differs" for k in recipe if recipe[k] != journal["recipe"].get(k)
+            ]
+            raise CompileError(
+                f"{out}: resume=True continues field group {name!r} with the function and "
+                f"options it began with, and {'; '.join(why) or 'they differ'}; pass "
+                "overwrite=True to compile it again"
+            )
+        if (
+            existing is not None
+            and existing.revision == journal["revision"]
+            and existing.covers == len(index.shards)
+        ):
+            _tidy(out, name, index)  # it was published before the compile stopped
+            return index
+        if journal["index"] != _index_digest(out):
+            raise CompileError(
+                f"{out}: the archive changed since field group {name!r} began; pass "
+                "overwrite=True to compile it again"
+            )
+        revision, start = journal["revision"], journal["start"]
+        specs = {s["name"]: Spec.from_json(s) for s in journal["specs"]}
+    elif existing is not None and not overwrite:
+        if _digest(existing.recipe) != digest:
+            why = changes(existing.recipe.get("code", {}), recipe["code"]) or [
+                f"{k} differs" for k in recipe if recipe[k] != existing.recipe.get(k)
+            ]
+            raise CompileError(
+                f"{out}: already holds field group {name!r}, compiled from another function "
+                f"or options ({'; '.join(why)}); pass overwrite=True to compile it again, "
+                "or choose another name"
+            )
+        if existing.covers == len(index.shards):
+            _say(progress, f"field group {name!r} covers every shard; nothing to add")
+            return index
+        revision, start = existing.revision, existing.covers  # an append added shards
+        specs = {s["name"]: Spec.from_json(s) for s in existing.recipe["fields"]}
+    else:
+        revision = 0 if existing is None else existing.revision + 1
+        if journal is not None:  # overwrite of an interrupted one: start past its files
+            revision = max(revision, journal["revision"] + 1)
+        start = 0
+    kept = existing.shards[:start] if existing is not None and start else ()
+    engine = _Engine(options, out)
+    try:
+        if specs is None:
+            specs = _probe(engine, out, pickled, given, options, index)
+        _check_names(out, name, specs, index)
+        while True:
+            journal = {
+                "recipe": recipe,
+                "digest": digest,
+                "revision": revision,
+                "start": start,
+                "specs": [s.to_json() for s in specs.values()],
+                "index": _index_digest(out),
+            }
+            atomic_write(out / journal_name(name), json.dumps(journal).encode())
+            task = GroupTask(
+                str(out),
+                name,
+                revision,
+                specs,
+                options["codec"],
+                options["seed"],
+                pickled,
+                options["timeout"],
+            )
+            try:
+                made = _run_units(engine, task, range(start, len(index.shards)), resume, progress)
+                break
+            except AxisVaries as e:
+                specs = widened(specs, e.field, e.axis)
+                _say(
+                    True,
+                    f"{e}; compiling field group {name!r} again with that axis ragged (pass schema= to declare it)",
+                )
+                for k in range(start, len(index.shards)):
+                    (out / group_file(name, revision, k)).unlink(missing_ok=True)
+                resume = False
+    finally:
+        engine.close()
+    fields = task.fields()
+    group = FieldGroup(
+        name,
+        revision,
+        fields,
+        (*kept, *made),
+        {**recipe, "fields": [s.to_json() for s in specs.values()]},
+        {"created": now_utc()},
+    )
+    others = [g for g in index.field_groups if g.name != name]
+    at = next((i for i, g in enumerate(index.field_groups) if g.name == name), len(others))
+    index = replace(index, field_groups=(*others[:at], group, *others[at:]))
+    _publish(out, index)
+    _tidy(out, name, index)
+    return index
+
+
+def _digest(recipe: Mapping[str, Any]) -> str:
+    mine = {k: v for k, v in recipe.items() if k != "fields"}
+    return hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
+
+
+def _index_digest(out: Path) -> str:
+    return hashlib.sha256((out / INDEX_NAME).read_bytes()).hexdigest()
+
+
+def _read_journal(out: Path, name: str) -> dict[str, Any] | None:
+    path = out / journal_name(name)
+    try:
+        data = read_capped(path, MAX_JOURNAL_BYTES, root=out, what="journal")
+    except FileNotFoundError:
+        return None
+    try:
+        obj = loads_bounded(path, data, "journal")
+        if not isinstance(obj, dict) or not {
+            "recipe",
+            "digest",
+            "revision",
+            "start",
+            "specs",
+            "index",
+        } <= set(obj):
+            raise FormatError(path, "not a field group journal")
+        return obj
+    except FormatError as e:
+        raise CompileError(f"{e}; pass overwrite=True to compile the group again") from None
+
+
+def _check_names(out: Path, name: str, specs: Mapping[str, Spec], index: Index) -> None:
+    """Refuses new fields named as one the archive or another group holds."""
+    taken = {f.name for f in index.fields}
+    taken |= {f.name for g in index.field_groups if g.name != name for f in g.fields}
+    clash = sorted(set(specs) & taken)
+    if clash:
+        raise CompileError(
+            f"{out}: the function gives field(s) {clash}, which the archive (or another of "
+            "its field groups) holds already; name the new fields apart"
+        )
+    for spec in specs.values():
+        lengths = f"{spec.name}_lengths"
+        if spec.kind == "array" and None in spec.shape and (lengths in specs or lengths in taken):
+            raise CompileError(
+                f"{out}: field {spec.name!r} varies in length, and a batch holds its lengths "
+                f"as {lengths!r}, a field already; rename one"
+            )
+
+
+def _probe(
+    engine: _Engine,
+    out: Path,
+    pickled: bytes,
+    given: dict[str, Any],
+    options: dict[str, Any],
+    index: Index,
+) -> dict[str, Spec]:
+    indices = list(range(min(PROBE_SAMPLES, index.num_samples)))
+    if not indices:
+        raise CompileError(f"{out}: the archive holds no samples; no field to add")
+    got = engine.call(probe, pickled, str(out), indices, options["seed"], options["timeout"])
+    dtype = options["dtype"]
+    specs = infer(got[0][1], got[0][0], given, None if dtype is None else DTYPES[dtype])
+    for where, leaves in got[1:]:
+        specs = merge(specs, leaves, where)
+    return specs
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"dlop add_fields: {message}", file=sys.stderr, flush=True)
+
+
+class _Engine:
+    """Where the user's function runs: a local pool of worker processes, or Dask."""
+
+    def __init__(self, options: dict[str, Any], out: Path) -> None:
+        self.out = out
+        self.dask = options["dask"]
+        self.workers = local_workers(options["workers"])
+        self.stack = contextlib.ExitStack()
+        self.client: Any = None
+        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def start(self) -> None:
+        if self.dask is not None:
+            if self.client is None:
+                from ..run.dask_engine import dask_client
+
+                self.client = self.stack.enter_context(dask_client(self.dask))
+        elif self.pool is None:
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                self.workers, mp_context=worker_context(), initializer=worker_start
+            )
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self.start()
+        if self.client is not None:
+            return self.client.submit(fn, *args, pure=False)
+        assert self.pool is not None
+        return self.pool.submit(fn, *args)
+
+    def done(self, futures: list[Any]) -> Iterator[Any]:
+        if self.client is not None:
+            distributed: Any = importlib.import_module("distributed")  # annotations are partial
+            yield from distributed.as_completed(futures)
+        else:
+            yield from concurrent.futures.as_completed(futures)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        future = self.submit(fn, *args)
+        return self.result(future, "the first samples")
+
+    def result(self, future: Any, what: str) -> Any:
+        try:
+            return future.result()
+        except CompileError:
+            raise
+        except concurrent.futures.process.BrokenProcessPool:
+            self.pool = None
+            raise CompileError(
+                f"{self.out}: a worker process ended while computing {what}: the function "
+                "exited, was killed, or ran past item_timeout; nothing was published"
+            ) from None
+        except Exception as e:
+            if type(e).__name__ == "KilledWorker":
+                raise CompileError(
+                    f"{self.out}: the Dask workers computing {what} died (the function exited, "
+                    "crashed or ran past item_timeout); nothing was published"
+                ) from None
+            raise
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        self.stack.close()
+
+
+def _run_units(
+    engine: _Engine, task: GroupTask, shards: range, resume: bool, progress: bool
+) -> list[GroupShard]:
+    """Every pending unit's group shard (a resume keeps those already written whole)."""
+    made: dict[int, GroupShard] = {}
+    index = read_index(task.archive)
+    todo = []
+    for k in shards:
+        done = _written(task, index, k) if resume else None
+        if done is not None:
+            made[k] = done
+        else:
+            todo.append(k)
+    futures = {engine.submit(run_group_unit, task, k): k for k in todo}
+    last = time.monotonic()
+    try:
+        for future in engine.done(list(futures)):
+            k = futures[future]
+            entry = engine.result(
+                future, f"field group {task.name!r} of shard {index.shards[k].file}"
+            )
+            made[k] = GroupShard(
+                ShardInfo.from_json(entry["file"], entry), int(entry["base_crc32"])
+            )
+            if progress and time.monotonic() - last >= PROGRESS_SECONDS:
+                last = time.monotonic()
+                _say(True, f"field group {task.name!r}: {len(made)} of {len(shards)} shards")
+    except ItemFailed as e:
+        raise CompileError(
+            f"{task.archive}: field group {task.name!r}: {e}; a field group holds a value for "
+            "every sample, so nothing was published (the archive reads as before). Fix the "
+            "function and run again with overwrite=True"
+        ) from None
+    finally:
+        for future in futures:
+            future.cancel()
+    return [made[k] for k in shards]
+
+
+def _written(task: GroupTask, index: Index, k: int) -> GroupShard | None:
+    """Group shard ``k`` as an interrupted compile wrote it (whole: files are renamed into
+    place once complete), or None when it is not there or not this group's."""
+    path = Path(task.archive) / group_file(task.name, task.revision, k)
+    try:
+        reader = ShardReader(path, archive_dir=task.archive, verify=True)
+    except (FormatError, OSError):
+        return None
+    try:
+        if (
+            reader.num_samples != index.shards[k].num_samples
+            or tuple(reader.fields.values()) != task.fields()
+        ):
+            return None
+        info = ShardInfo(
+            path.name,
+            reader.num_samples,
+            reader.mapped_size(),
+            reader.file_crc32(),
+            reader.header_crc32,
+        )
+        return GroupShard(info, index.shards[k].crc32)
+    finally:
+        reader.close()
+
+
+def _publish(out: Path, index: Index) -> None:
+    try:
+        data = encode_index(index, out / INDEX_NAME)
+    except SchemaError as e:
+        raise CompileError(f"{out}: {e}") from None
+    atomic_write(out / INDEX_NAME, data)
+
+
+def _tidy(out: Path, name: str, index: Index) -> None:
+    """Deletes group ``name``'s files the index does not list (an earlier revision's, an
+    interrupted compile's), then its journal."""
+    listed = {s.info.file for g in index.field_groups for s in g.shards}
+    for path in out.glob(f"group-{name}-r*.dlop"):
+        if path.name not in listed:
+            path.unlink(missing_ok=True)
+    (out / journal_name(name)).unlink(missing_ok=True)
