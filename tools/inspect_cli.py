@@ -69,6 +69,7 @@ def archive_summary(reader: ArchiveReader, max_skipped: int = JSON_SKIPPED) -> d
             "compression_ratio": round(raw / stored, 3) if stored else None,
             "meaning": f.meaning,
             "units": f.units,
+            "group": reader.owners.get(name),  # the field group holding it, None: the archive
         }
         if f.ragged:
             all_lengths = np.concatenate(lengths) if lengths else np.zeros((0, 1), np.int64)
@@ -112,6 +113,19 @@ def archive_summary(reader: ArchiveReader, max_skipped: int = JSON_SKIPPED) -> d
                 "created": g.created,
             }
             for g in reader.index.generations
+        ],
+        # fields added after the compile (SPEC.md §6.3); a group covering fewer shards than
+        # the archive holds (an append since) is listed, its fields not read
+        "field_groups": [
+            {
+                "name": g.name,
+                "revision": g.revision,
+                "fields": [f.name for f in g.fields],
+                "covers": g.covers,
+                "bytes": sum(sh.info.bytes for sh in g.shards),
+                "created": g.provenance.get("created", ""),
+            }
+            for g in reader.index.field_groups
         ],
     }
 
@@ -171,6 +185,19 @@ def print_info(s: dict[str, Any]) -> None:
                 f"  {g}  {gen['created'] or '-'}  {gen['inputs']} input(s): "
                 f"{gen['num_samples']} samples in {gen['shards']} shard(s), "
                 f"{gen['skipped']} skipped"
+            )
+    if s["field_groups"]:
+        print(f"field groups {len(s['field_groups'])} (added with add_fields)")
+        for g in s["field_groups"]:
+            covers = (
+                "every shard"
+                if g["covers"] == s["num_shards"]
+                else f"{g['covers']} of {s['num_shards']} shards, not read: add_fields again "
+                "for the shards appended since"
+            )
+            print(
+                f"  {g['name']}  revision {g['revision']}  {g['created'] or '-'}  fields "
+                f"{', '.join(g['fields'])}: {covers}, {_fmt_bytes(g['bytes'])}"
             )
     skipped = s["skipped"]
     files = ", ".join(skipped["files"])
@@ -265,6 +292,12 @@ def fetch_archive(
     for g, generation in enumerate(index.generations):
         _fetch_into(store, inputs_name(g), folder, generation.inputs * IDENTITY_BYTES)
     wanted = [s for k, s in enumerate(index.shards) if shards is None or k in shards]
+    wanted += [  # each field group's shards beside them
+        sh.info
+        for g in index.field_groups
+        for k, sh in enumerate(g.shards)
+        if shards is None or k in shards
+    ]
     with ThreadPoolExecutor(min(8, len(wanted)) or 1) as pool:
         for _ in pool.map(
             lambda s: _fetch_into(store, s.file, folder, s.bytes, exact=True), wanted

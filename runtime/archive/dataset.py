@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dlop.formats import Field, SchemaError
+from dlop.formats import Field, Index, SchemaError
+from dlop.formats.groups import field_owner
 from dlop.formats.heap import keep_freed_memory
 
 from ..batch import Batch, Collated
@@ -25,6 +26,26 @@ from .indices import batch_indices, check_range, field_names
 from .planning import held, planner, shards_of
 from .selection import select
 from .structure import Structure
+
+
+def missing_fields(index: Index, missing: list[str], supply: ShardSupply) -> str:
+    """Why fields ``missing`` cannot be read: none such, or a field group's that covers
+    only the shards before an append, or one read from object storage."""
+    for name in missing:
+        group = field_owner(index.field_groups, name)
+        if group is None:
+            continue
+        if group.covers < len(index.shards):
+            return (
+                f"field {name!r} is in field group {group.name!r}, which covers {group.covers} "
+                f"of the archive's {len(index.shards)} shards (shards were appended since); "
+                f"add_fields(archive, fn, {group.name!r}) computes it for the new ones"
+            )
+        return (
+            f"field {name!r} is in field group {group.name!r}, read from a local archive for "
+            "now; copy the archive's folder to read it"
+        )
+    return f"no field(s) {missing}; fields are {list(supply.fields)}"
 
 
 class Archive(Dataset[dict[str, Any]]):
@@ -109,12 +130,10 @@ class Archive(Dataset[dict[str, Any]]):
         check_compatible(self.readers, names, allow_recipe_mismatch)
         stored = list(supply.fields) if names is None else names
         for reader in self.readers:
-            missing = [n for n in stored if n not in reader.fields]
+            what = supply.name if len(self.readers) == 1 else reader.directory
+            missing = [n for n in stored if n not in reader.fields or n not in supply.fields]
             if missing:
-                what = supply.name if len(self.readers) == 1 else reader.directory
-                raise SchemaError(
-                    f"{what}: no field(s) {missing}; fields are {list(reader.fields)}"
-                )
+                raise SchemaError(f"{what}: {missing_fields(reader.index, missing, supply)}")
         self.fields: dict[str, Field] = {n: supply.fields[n] for n in stored}
         for f in self.fields.values():
             if f.kind == "array" and f.ragged:
@@ -129,9 +148,9 @@ class Archive(Dataset[dict[str, Any]]):
         self.selection = select(supply.fields, self.shards, where, indices, supply.name)
         self.planner = planner(supply, self.fields, self.shard_starts, pad_value)
         # a user's own Dataset compiled (compiler.custom): samples come back in its shape
-        # when every field of it is read
+        # when its fields, and no others (a field group's), are read
         shaped = Structure.of(supply.name, self.reader.index.metadata, supply.fields)
-        self.structure = shaped if shaped and set(shaped.names) <= set(self.fields) else None
+        self.structure = shaped if shaped and set(shaped.names) == set(self.fields) else None
         self.gathers: dict[str, FieldGather] = self.planner.gathers
         self._engine: CopyEngine | None = None
 

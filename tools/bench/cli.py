@@ -137,6 +137,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "short": _module("short"),
     "small": _module("small"),
     "append": _module("append"),
+    "fields": _module("fields"),
     "shuffle": _module("shuffle"),
     "peers": _peers,
 }
