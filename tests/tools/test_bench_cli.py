@@ -156,3 +156,16 @@ def test_the_append_section_times_an_append_against_the_whole_compile(tmp_path: 
     assert 0 < share["range"][0] <= share["median"] <= share["range"][1]
     assert append["extra"]["inputs_share"] == 0.01
     assert len(append["extra"]["seconds"]["append"]) == 3  # at least three rounds
+
+
+def test_the_fields_section_times_a_group_against_one_archive(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--only", "fields", "--clips", "64", "--repeats", "1", "--workers", "1"]
+    (tmp_path / "work").mkdir()
+    assert cli.main([*argv, "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    one, group = json.loads((out / "results.json").read_text())["rows"]
+    assert one["pipeline"] == "Loader, both fields in one archive" and one["samples_per_s"] > 0
+    assert group["baseline"] == one["pipeline"] and group["samples_per_s"] > 0
+    ratio = group["extra"]["group_vs_one"]
+    assert 0 < ratio["range"][0] <= ratio["median"] <= ratio["range"][1]
+    assert len(group["extra"]["samples_per_s"]["group"]) == 3  # at least three rounds
