@@ -495,9 +495,7 @@ class ArchiveReader:
         own = {n: f for n, f in self.fields.items() if n in self.owners}
         return JoinedShard(reader, own, self.owners, lambda name: self.open_group(name, k))
 
-    def _open_file(
-        self, info: ShardInfo, fields: tuple[Field, ...], tied: str = ""
-    ) -> ShardReader:
+    def _open_file(self, info: ShardInfo, fields: tuple[Field, ...], tied: str = "") -> ShardReader:
         """The shard file ``info`` lists, checked against it: its size, its sample count,
         its schema (``fields``) and, when ``tied`` says whose shard it must be, its header
         CRC-32 (which ties every region's CRC to the index)."""

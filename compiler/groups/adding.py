@@ -2,10 +2,11 @@
 added beside its shards, compiled again or dropped, the archive's own files untouched.
 
 The driver takes the archive's lock (no compile, append or other group change runs
-meanwhile), infers the group's schema from the function's first samples (computed in a
+meanwhile; an archive in object storage has no lock, as for a compile into it), infers the group's schema from the function's first samples (computed in a
 worker, like every call of the user's code), records what it compiles in a journal of
 its own (``.dlop-group-NAME.json``), and runs one unit per archive shard on a local
-pool of worker processes or on Dask (compiler.groups.shard). Once every group shard is
+pool of worker processes or on Dask (compiler.groups.shard), reading and publishing
+through the archive's store (compiler.output.store): a local folder or a URL. Once every group shard is
 written it publishes the new index.json atomically; until then a reader sees the
 archive as it was. A sample on which the function fails stops the compile (a group
 holds a value for every sample); what was written stays for ``resume=True``.
@@ -23,28 +24,34 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from dlop.formats import FormatError, Index, read_index
+from dlop.formats import FormatError, Index
 from dlop.formats.archive import encode_index, now_utc
 from dlop.formats.codecs import parse_codec
 from dlop.formats.constants import INDEX_NAME, JOURNAL_NAME
 from dlop.formats.errors import SchemaError
-from dlop.formats.files import atomic_write, loads_bounded, read_capped
+from dlop.formats.files import loads_bounded
 from dlop.formats.groups import FieldGroup, GroupShard, check_group_name, group_file
-from dlop.formats.reader import ShardReader
-from dlop.formats.urls import is_url
 from dlop.formats.writer import ShardInfo
 
 from ..custom.code import changes, describe
 from ..custom.samples import Spec, given_schema, infer, merge, widened
 from ..errors import AxisVaries, CompileError
 from ..output.guard import OutputLock
+from ..output.store import LocalStore, Store, open_store
 from ..recipe import DTYPES, MAX_WORKERS
 from ..run.processes import local_workers, worker_context
 from ..run.units import by_value
-from .shard import GroupTask, ItemFailed, probe, run_group_unit, worker_start
+from .shard import (
+    GroupTask,
+    ItemFailed,
+    index_of,
+    probe,
+    run_group_unit,
+    shard_file,
+    worker_start,
+)
 
 PROBE_SAMPLES = 8  # the archive's first samples, from which the group's schema is inferred
 PROGRESS_SECONDS = 30.0
@@ -71,6 +78,7 @@ def add_fields(
     item_timeout: float | None = None,
     arguments: Any = None,
     progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> Index:
     """Adds field group ``name`` to the archive at ``archive``: ``fn(sample)`` (a dict of
     the sample's fields, arrays as tensors) gives a dict of new fields for every sample,
@@ -81,8 +89,8 @@ def add_fields(
     since (same function, options and arguments) or says there is nothing to add.
     ``overwrite=True`` compiles it again from the start; ``resume=True`` finishes one that
     was interrupted. ``workers``, ``dask``, ``compression``, ``schema``, ``dtype``,
-    ``seed``, ``item_timeout`` and ``arguments`` mean what they do for compile_map."""
-    out = Path(_local(archive))
+    ``seed``, ``item_timeout``, ``arguments`` and ``storage_options`` (for an archive at a URL) mean
+    what they do for compile_map."""
     check_group_name_or_refuse(name)
     options = _options(workers, dask, compression, dtype, seed, item_timeout)
     given = given_schema(schema)
@@ -106,26 +114,28 @@ def add_fields(
         "codec": compression,
     }
     pickled = by_value(fn)
-    with _locked(out):
-        return _add(out, name, recipe, pickled, given, options, resume, overwrite, progress)
+    options["storage_options"] = storage_options
+    with _locked(archive, storage_options) as store:
+        return _add(store, name, recipe, pickled, given, options, resume, overwrite, progress)
 
 
-def drop_fields(archive: str | os.PathLike[str], name: str) -> Index:
+def drop_fields(
+    archive: str | os.PathLike[str], name: str, storage_options: dict[str, Any] | None = None
+) -> Index:
     """Drops field group ``name`` from the archive: a new index.json without it, then its
     files (a reader that opened the earlier index keeps its mapped files). Returns the new
     index."""
-    out = Path(_local(archive))
     check_group_name_or_refuse(name)
-    with _locked(out):
-        index = _archive_index(out)
+    with _locked(archive, storage_options) as store:
+        index = index_of(store)
         names = [g.name for g in index.field_groups]
         if name not in names:
             raise CompileError(
-                f"{out}: no field group {name!r} to drop; its groups are {names or 'none'}"
+                f"{store.url}: no field group {name!r} to drop; its groups are {names or 'none'}"
             )
         index = replace(index, field_groups=tuple(g for g in index.field_groups if g.name != name))
-        _publish(out, index)
-        _tidy(out, name, index)
+        _publish(store, index)
+        _tidy(store, name, index)
         return index
 
 
@@ -134,16 +144,6 @@ def check_group_name_or_refuse(name: object) -> None:
         check_group_name(name)
     except SchemaError as e:
         raise CompileError(str(e)) from None
-
-
-def _local(archive: str | os.PathLike[str]) -> str:
-    text = os.fspath(archive)
-    if is_url(text):
-        raise CompileError(
-            f"{text}: field groups are added to a local archive for now; add them to a local "
-            "copy, then upload its new files and index.json"
-        )
-    return text
 
 
 def _options(
@@ -183,29 +183,34 @@ def _options(
 
 
 @contextlib.contextmanager
-def _locked(out: Path) -> Iterator[None]:
-    if not (out / INDEX_NAME).is_file():
-        raise CompileError(f"{out}: holds no archive (no {INDEX_NAME}); compile one first")
-    lock = OutputLock(out)
+def _locked(
+    archive: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> Iterator[Store]:
+    """The archive's store, its lock held when it is a local folder (an object store has
+    none, as for a compile into it); refused unless it holds a finished archive."""
+    store = open_store(archive, storage_options)
+    root = store.root if isinstance(store, LocalStore) else None
+    if root is not None and not (root / INDEX_NAME).is_file():
+        raise CompileError(f"{store.url}: holds no archive (no {INDEX_NAME}); compile one first")
+    lock = None if root is None else OutputLock(root)
     try:
-        if (out / JOURNAL_NAME).exists():
+        if JOURNAL_NAME in store.list(JOURNAL_NAME):
             raise CompileError(
-                f"{out}: holds an interrupted compile or append; finish it first with --resume"
+                f"{store.url}: holds an interrupted compile or append; finish it first with "
+                "--resume"
             )
-        yield
+        try:
+            index_of(store)  # there, and valid
+        except FormatError as e:
+            raise CompileError(str(e)) from None
+        yield store
     finally:
-        lock.release()
-
-
-def _archive_index(out: Path) -> Index:
-    try:
-        return read_index(out)
-    except FormatError as e:
-        raise CompileError(str(e)) from None
+        if lock is not None:
+            lock.release()
 
 
 def _add(
-    out: Path,
+    store: Store,
     name: str,
     recipe: dict[str, Any],
     pickled: bytes,
@@ -215,10 +220,11 @@ def _add(
     overwrite: bool,
     progress: bool,
 ) -> Index:
-    index = _archive_index(out)
+    out = store.url
+    index = index_of(store)
     digest = _digest(recipe)
     existing = next((g for g in index.field_groups if g.name == name), None)
-    journal = _read_journal(out, name)
+    journal = _read_journal(store, name)
     specs: dict[str, Spec] | None = None
     if journal is not None and not (resume or overwrite):
         raise CompileError(
@@ -242,9 +248,9 @@ def _add(
             and existing.revision == journal["revision"]
             and existing.covers == len(index.shards)
         ):
-            _tidy(out, name, index)  # it was published before the compile stopped
+            _tidy(store, name, index)  # it was published before the compile stopped
             return index
-        if journal["index"] != _index_digest(out):
+        if journal["index"] != _index_digest(store):
             raise CompileError(
                 f"{out}: the archive changed since field group {name!r} began; pass "
                 "overwrite=True to compile it again"
@@ -275,7 +281,7 @@ def _add(
     engine = _Engine(options, out)
     try:
         if specs is None:
-            specs = _probe(engine, out, pickled, given, options, index)
+            specs = _probe(engine, out, pickled, given, options, index, name)
         _check_names(out, name, specs, index)
         while True:
             journal = {
@@ -284,19 +290,10 @@ def _add(
                 "revision": revision,
                 "start": start,
                 "specs": [s.to_json() for s in specs.values()],
-                "index": _index_digest(out),
+                "index": _index_digest(store),
             }
-            atomic_write(out / journal_name(name), json.dumps(journal).encode())
-            task = GroupTask(
-                str(out),
-                name,
-                revision,
-                specs,
-                options["codec"],
-                options["seed"],
-                pickled,
-                options["timeout"],
-            )
+            store.write(journal_name(name), json.dumps(journal).encode())
+            task = _task(out, name, revision, specs, pickled, options)
             try:
                 made = _run_units(engine, task, range(start, len(index.shards)), resume, progress)
                 break
@@ -307,7 +304,7 @@ def _add(
                     f"{e}; compiling field group {name!r} again with that axis ragged (pass schema= to declare it)",
                 )
                 for k in range(start, len(index.shards)):
-                    (out / group_file(name, revision, k)).unlink(missing_ok=True)
+                    store.delete(group_file(name, revision, k))
                 resume = False
     finally:
         engine.close()
@@ -323,9 +320,30 @@ def _add(
     others = [g for g in index.field_groups if g.name != name]
     at = next((i for i, g in enumerate(index.field_groups) if g.name == name), len(others))
     index = replace(index, field_groups=(*others[:at], group, *others[at:]))
-    _publish(out, index)
-    _tidy(out, name, index)
+    _publish(store, index)
+    _tidy(store, name, index)
     return index
+
+
+def _task(
+    out: str,
+    name: str,
+    revision: int,
+    specs: dict[str, Spec],
+    pickled: bytes,
+    options: dict[str, Any],
+) -> GroupTask:
+    return GroupTask(
+        out,
+        name,
+        revision,
+        specs,
+        options["codec"],
+        options["seed"],
+        pickled,
+        options["timeout"],
+        options["storage_options"],
+    )
 
 
 def _digest(recipe: Mapping[str, Any]) -> str:
@@ -333,17 +351,18 @@ def _digest(recipe: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
 
 
-def _index_digest(out: Path) -> str:
-    return hashlib.sha256((out / INDEX_NAME).read_bytes()).hexdigest()
+def _index_digest(store: Store) -> str:
+    return hashlib.sha256(store.read(INDEX_NAME) or b"").hexdigest()
 
 
-def _read_journal(out: Path, name: str) -> dict[str, Any] | None:
-    path = out / journal_name(name)
-    try:
-        data = read_capped(path, MAX_JOURNAL_BYTES, root=out, what="journal")
-    except FileNotFoundError:
+def _read_journal(store: Store, name: str) -> dict[str, Any] | None:
+    data = store.read(journal_name(name))
+    if data is None:
         return None
+    path = f"{store.url}/{journal_name(name)}"
     try:
+        if len(data) > MAX_JOURNAL_BYTES:
+            raise FormatError(path, f"larger than a journal's {MAX_JOURNAL_BYTES} bytes")
         obj = loads_bounded(path, data, "journal")
         if not isinstance(obj, dict) or not {
             "recipe",
@@ -359,7 +378,7 @@ def _read_journal(out: Path, name: str) -> dict[str, Any] | None:
         raise CompileError(f"{e}; pass overwrite=True to compile the group again") from None
 
 
-def _check_names(out: Path, name: str, specs: Mapping[str, Spec], index: Index) -> None:
+def _check_names(out: str, name: str, specs: Mapping[str, Spec], index: Index) -> None:
     """Refuses new fields named as one the archive or another group holds."""
     taken = {f.name for f in index.fields}
     taken |= {f.name for g in index.field_groups if g.name != name for f in g.fields}
@@ -380,16 +399,16 @@ def _check_names(out: Path, name: str, specs: Mapping[str, Spec], index: Index) 
 
 def _probe(
     engine: _Engine,
-    out: Path,
+    out: str,
     pickled: bytes,
     given: dict[str, Any],
     options: dict[str, Any],
     index: Index,
+    name: str,
 ) -> dict[str, Spec]:
-    indices = list(range(min(PROBE_SAMPLES, index.num_samples)))
-    if not indices:
+    if not index.num_samples:
         raise CompileError(f"{out}: the archive holds no samples; no field to add")
-    got = engine.call(probe, pickled, str(out), indices, options["seed"], options["timeout"])
+    got = engine.call(probe, _task(out, name, 0, {}, pickled, options), PROBE_SAMPLES)
     dtype = options["dtype"]
     specs = infer(got[0][1], got[0][0], given, None if dtype is None else DTYPES[dtype])
     for where, leaves in got[1:]:
@@ -405,7 +424,7 @@ def _say(progress: bool, message: str) -> None:
 class _Engine:
     """Where the user's function runs: a local pool of worker processes, or Dask."""
 
-    def __init__(self, options: dict[str, Any], out: Path) -> None:
+    def __init__(self, options: dict[str, Any], out: str) -> None:
         self.out = out
         self.dask = options["dask"]
         self.workers = local_workers(options["workers"])
@@ -421,7 +440,10 @@ class _Engine:
                 self.client = self.stack.enter_context(dask_client(self.dask))
         elif self.pool is None:
             self.pool = concurrent.futures.ProcessPoolExecutor(
-                self.workers, mp_context=worker_context(), initializer=worker_start
+                self.workers,
+                mp_context=worker_context(),
+                initializer=worker_start,
+                initargs=(os.getpid(), dict(os.environ)),
             )
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -473,10 +495,12 @@ def _run_units(
 ) -> list[GroupShard]:
     """Every pending unit's group shard (a resume keeps those already written whole)."""
     made: dict[int, GroupShard] = {}
-    index = read_index(task.archive)
+    store = task.store()
+    index = index_of(store)
+    present = set(store.list(f"group-{task.name}-r{task.revision}-")) if resume else set()
     todo = []
     for k in shards:
-        done = _written(task, index, k) if resume else None
+        done = _written(store, task, index, k) if _named(task, k) in present else None
         if done is not None:
             made[k] = done
         else:
@@ -507,45 +531,44 @@ def _run_units(
     return [made[k] for k in shards]
 
 
-def _written(task: GroupTask, index: Index, k: int) -> GroupShard | None:
-    """Group shard ``k`` as an interrupted compile wrote it (whole: files are renamed into
-    place once complete), or None when it is not there or not this group's."""
-    path = Path(task.archive) / group_file(task.name, task.revision, k)
+def _named(task: GroupTask, k: int) -> str:
+    return group_file(task.name, task.revision, k)
+
+
+def _written(store: Store, task: GroupTask, index: Index, k: int) -> GroupShard | None:
+    """Group shard ``k`` as an interrupted compile published it (whole: a shard is
+    published under its name only once complete), or None when it is not this group's."""
+    name = _named(task, k)
+    size = store.sizes(name).get(name)
+    if size is None:
+        return None
+    info = ShardInfo(name, index.shards[k].num_samples, size, 0)
     try:
-        reader = ShardReader(path, archive_dir=task.archive, verify=True)
+        with shard_file(store, info, task.fields()) as reader:
+            if reader.verify():
+                return None
+            crc = reader.file_crc32()
+            done = ShardInfo(name, reader.num_samples, size, crc, reader.header_crc32)
     except (FormatError, OSError):
         return None
-    try:
-        if (
-            reader.num_samples != index.shards[k].num_samples
-            or tuple(reader.fields.values()) != task.fields()
-        ):
-            return None
-        info = ShardInfo(
-            path.name,
-            reader.num_samples,
-            reader.mapped_size(),
-            reader.file_crc32(),
-            reader.header_crc32,
-        )
-        return GroupShard(info, index.shards[k].crc32)
-    finally:
-        reader.close()
+    return GroupShard(done, index.shards[k].crc32)
 
 
-def _publish(out: Path, index: Index) -> None:
+def _publish(store: Store, index: Index) -> None:
     try:
-        data = encode_index(index, out / INDEX_NAME)
+        data = encode_index(index, f"{store.url}/{INDEX_NAME}")
     except SchemaError as e:
-        raise CompileError(f"{out}: {e}") from None
-    atomic_write(out / INDEX_NAME, data)
+        raise CompileError(f"{store.url}: {e}") from None
+    store.write(INDEX_NAME, data)
 
 
-def _tidy(out: Path, name: str, index: Index) -> None:
+def _tidy(store: Store, name: str, index: Index) -> None:
     """Deletes group ``name``'s files the index does not list (an earlier revision's, an
     interrupted compile's), then its journal."""
     listed = {s.info.file for g in index.field_groups for s in g.shards}
-    for path in out.glob(f"group-{name}-r*.dlop"):
-        if path.name not in listed:
-            path.unlink(missing_ok=True)
-    (out / journal_name(name)).unlink(missing_ok=True)
+    for file in store.list(f"group-{name}-r"):
+        if file not in listed and file.endswith(".dlop"):
+            store.delete(file)
+    store.delete(journal_name(name))
+    if isinstance(store, LocalStore):  # what killed units left half written (under the lock)
+        store.clear_staging()

@@ -1,30 +1,35 @@
 """One unit of a field group's compile: the group's shard aligned with one archive shard.
 
-A unit reads archive shard k (its whole-file CRC-32 checked against the index first,
-so the group is computed from the bytes the index names), calls the user's function on
-each of its samples in order, and writes the group shard under its final name (the
-shard writer's temporary file, renamed once complete). It runs in a worker process of
-the local pool, or as a Dask task; everything it takes is picklable and everything it
-returns is small.
+A unit reads archive shard k (in place in a local archive, downloaded from one in object
+storage; its whole-file CRC-32 checked against the index first, so the group is computed
+from the bytes the index names), calls the user's function on each of its samples in
+order, writes the group shard in the store's staging folder and publishes it whole
+under its final name (compiler.output.store). It runs in a worker process of the local
+pool, or as a Dask task; everything it takes is picklable and everything it returns is
+small.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dlop.formats import ArchiveReader, FormatError, ShardReader
+from dlop.formats import FormatError, Index, ShardReader, parse_index
+from dlop.formats.constants import INDEX_NAME
 from dlop.formats.groups import group_file
 from dlop.formats.writer import ShardInfo, ShardWriter
 
 from ..custom.samples import Mismatch, SampleError, Spec, conform, flatten
 from ..custom.work import reason, seed_item
 from ..errors import AxisVaries, CompileError
+from ..output.store import LocalStore, Store, open_store
 from ..run.processes import time_limit
 
 
@@ -37,7 +42,7 @@ class ItemFailed(CompileError):
 class GroupTask:
     """What every unit of one group's compile shares."""
 
-    archive: str  # the archive's folder
+    archive: str  # the archive's folder or URL
     name: str
     revision: int
     specs: dict[str, Spec]
@@ -45,6 +50,10 @@ class GroupTask:
     seed: int
     code: bytes  # the function, pickled by value (compiler.run.units.by_value)
     timeout: float | None
+    storage_options: dict[str, Any] | None = None
+
+    def store(self) -> Store:
+        return open_store(self.archive, self.storage_options)
 
     def fields(self) -> tuple[Any, ...]:
         return tuple(s.field(self.codec) for s in self.specs.values())
@@ -100,24 +109,60 @@ def leaves_of(
     return leaves
 
 
-def run_group_unit(task: GroupTask, k: int) -> dict[str, Any]:
-    """Computes and writes group shard ``k``; returns its index entry (GroupShard JSON)."""
-    fn = function_of(task.code)
-    archive = ArchiveReader(task.archive, field_groups=False)
+def index_of(store: Store) -> Index:
+    """The archive's index as the store holds it now."""
+    data = store.read(INDEX_NAME)
+    if data is None:
+        raise CompileError(f"{store.url}: holds no archive (no {INDEX_NAME}); compile one first")
+    return parse_index(f"{store.url}/{INDEX_NAME}", data)
+
+
+@contextlib.contextmanager
+def shard_file(store: Store, info: ShardInfo, fields: Any = None) -> Iterator[ShardReader]:
+    """The shard ``info`` names, mapped: in place in a local archive, else downloaded into
+    the staging folder first (removed after); its size and sample count checked against
+    ``info``, and its schema against ``fields`` when given."""
+    local = store.root if isinstance(store, LocalStore) else None
+    if local is not None:
+        path = local / info.file
+    else:
+        path = store.staging() / f".{info.file}.{os.getpid()}.base"
+        store.download(info.file, path, info.bytes + 1)  # type: ignore[attr-defined]
     try:
-        info = archive.index.shards[k]
-        base = archive.shard(k)
+        reader = ShardReader(path, archive_dir=local, expected_bytes=info.bytes)
+        try:
+            if reader.num_samples != info.num_samples:
+                raise FormatError(
+                    path, f"holds {reader.num_samples} samples, index.json says {info.num_samples}"
+                )
+            if fields is not None and tuple(reader.fields.values()) != tuple(fields):
+                raise FormatError(path, "shard schema differs from the index schema")
+            yield reader
+        finally:
+            reader.close()
+    finally:
+        if local is None:
+            path.unlink(missing_ok=True)
+
+
+def run_group_unit(task: GroupTask, k: int) -> dict[str, Any]:
+    """Computes and publishes group shard ``k``; returns its index entry (GroupShard JSON)."""
+    fn = function_of(task.code)
+    store = task.store()
+    index = index_of(store)
+    info = index.shards[k]
+    first = sum(s.num_samples for s in index.shards[:k])
+    with shard_file(store, info, index.fields) as base:
         if base.file_crc32() != info.crc32:
             raise FormatError(base.path, "whole-file CRC-32 differs from index.json")
-        first = int(archive.shard_starts[k])
-        path = Path(task.archive) / group_file(task.name, task.revision, k)
+        name = group_file(task.name, task.revision, k)
+        path = store.staging() / name
         writer = ShardWriter(path, task.fields())
         try:
             for i in range(base.num_samples):
                 where = f"sample {first + i} ({info.file} #{i})"
-                leaves = leaves_of(
-                    fn, sample_of(base, i), task.seed, first + i, where, task.timeout
-                )
+                sample = sample_of(base, i)
+                leaves = leaves_of(fn, sample, task.seed, first + i, where, task.timeout)
                 try:
                     writer.write(conform(leaves, task.specs, where))
                 except Mismatch as e:
@@ -128,36 +173,46 @@ def run_group_unit(task: GroupTask, k: int) -> dict[str, Any]:
         except BaseException:
             writer.abort()
             raise
-        return {**written.to_json(), "base_crc32": info.crc32}
-    finally:
-        archive.close()
-
-
-def probe(
-    code: bytes, archive: str, indices: list[int], seed: int, timeout: float | None
-) -> list[tuple[str, dict[str, Any]]]:
-    """The leaves the function gives for the archive's samples ``indices`` (their names
-    for messages): what the driver infers the group's schema from, computed in a worker."""
-    fn = function_of(code)
-    reader = ArchiveReader(archive, field_groups=False)
     try:
-        out = []
-        for index in indices:
-            k, i = reader.locate(index)
-            where = f"sample {index} ({reader.index.shards[k].file} #{i})"
-            out.append(
-                (where, leaves_of(fn, sample_of(reader.shard(k), i), seed, index, where, timeout))
-            )
-        return out
+        store.put(path, name)
     finally:
-        reader.close()
+        path.unlink(missing_ok=True)
+    return {**written.to_json(), "base_crc32": info.crc32}
 
 
-def worker_start() -> None:
-    """A pool worker's start: it dies with the driver, and an item's time limit may end it."""
+def probe(task: GroupTask, count: int) -> list[tuple[str, dict[str, Any]]]:
+    """The leaves the function gives for the archive's first ``count`` samples (their
+    names for messages): what the driver infers the group's schema from, computed in a
+    worker."""
+    fn = function_of(task.code)
+    store = task.store()
+    index = index_of(store)
+    out: list[tuple[str, dict[str, Any]]] = []
+    first = 0
+    for info in index.shards:
+        if len(out) >= count:
+            break
+        with shard_file(store, info, index.fields) as shard:
+            for i in range(min(shard.num_samples, count - len(out))):
+                where = f"sample {first + i} ({info.file} #{i})"
+                sample = sample_of(shard, i)
+                out.append(
+                    (where, leaves_of(fn, sample, task.seed, first + i, where, task.timeout))
+                )
+        first += info.num_samples
+    return out
+
+
+def worker_start(driver: int, environ: dict[str, str]) -> None:
+    """A pool worker's start: the compile's environment (a fork server keeps the one it
+    started with: credentials, endpoints), one torch thread (the pool is the parallelism),
+    death with the driver, and an item's time limit may end it."""
     from ..output.guard import close_inherited_locks
     from ..run.processes import arm_item_limits, die_with_driver
 
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(1)
     close_inherited_locks()  # the archive's lock is the driver's: it ends with the driver
-    die_with_driver()
+    die_with_driver(driver)
     arm_item_limits()

@@ -30,7 +30,7 @@ from .structure import Structure
 
 def missing_fields(index: Index, missing: list[str], supply: ShardSupply) -> str:
     """Why fields ``missing`` cannot be read: none such, or a field group's that covers
-    only the shards before an append, or one read from object storage."""
+    only the shards before an append."""
     for name in missing:
         group = field_owner(index.field_groups, name)
         if group is None:
@@ -41,10 +41,6 @@ def missing_fields(index: Index, missing: list[str], supply: ShardSupply) -> str
                 f"of the archive's {len(index.shards)} shards (shards were appended since); "
                 f"add_fields(archive, fn, {group.name!r}) computes it for the new ones"
             )
-        return (
-            f"field {name!r} is in field group {group.name!r}, read from a local archive for "
-            "now; copy the archive's folder to read it"
-        )
     return f"no field(s) {missing}; fields are {list(supply.fields)}"
 
 

@@ -60,7 +60,8 @@ def open_archive(
         if where is not None or indices is not None:
             raise UsageError(f"{path}: where= and indices= take local archives for now")
         refuse_block_cache(path, block_cache_bytes)
-        supply = open_cached(url, cache_dir, cache_bytes, storage_options)
+        names = field_names(url, fields)
+        supply = open_cached(url, cache_dir, cache_bytes, storage_options, fields=names)
         return Archive.over(supply, fields, pad_value)
     if cache_dir is not None:
         paths = archive_paths(path)
@@ -68,7 +69,8 @@ def open_archive(
         if coded:  # without block-coded fields the archive is mapped in place
             refuse_cached(coded[0], len(paths), where, indices)
             refuse_block_cache(coded[0], block_cache_bytes)
-            supply = open_cached(paths[0], cache_dir, cache_bytes, local=True)
+            names = field_names(paths[0], fields)
+            supply = open_cached(paths[0], cache_dir, cache_bytes, local=True, fields=names)
             return Archive.over(supply, fields, pad_value)
     elif cache_bytes is not None:
         raise UsageError(

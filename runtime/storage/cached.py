@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,10 @@ from .cache_folder import (
     default_cache_bytes,
     default_cache_dir,
 )
+from .grouped import GroupedSupply, group_index
 from .remote import fetch_index, storage_at
 from .remote_supply import RemoteSupply
+from .supply import ShardSupply
 
 # A local read that fails or reads corrupt bytes fails the same way again.
 LOCAL_RETRY = Retry(attempts=1)
@@ -62,11 +64,14 @@ def open_cached(
     storage_options: Mapping[str, Any] | None = None,
     retry: Retry | None = None,
     local: bool = False,
-) -> RemoteSupply:
+    fields: Sequence[str] | None = None,
+) -> ShardSupply:
     """The supply of the archive at ``where`` (a URL, or with ``local`` a folder) whose
     shards are cached under ``cache_dir`` (default ``DLOP_CACHE_DIR``, else a per-user
     cache folder) within ``cache_bytes`` (default ``DLOP_CACHE_BYTES``, else 16 GiB).
-    A local archive's reads are not retried (``retry`` default: one attempt)."""
+    A local archive's reads are not retried (``retry`` default: one attempt). The field
+    groups holding any of ``fields`` (None: every field) are read beside the archive's
+    shards (runtime.storage.grouped)."""
     url = str(Path(where).resolve()) if local else str(where)
     retry = (LOCAL_RETRY if local else DEFAULT_RETRY) if retry is None else retry
     options = dict(storage_options or {})
@@ -76,11 +81,51 @@ def open_cached(
     )
     client = Client(url, options, local)
     data = fetch_index(client(), url, MAX_INDEX_BYTES, retry)
+    supply = _supply(url, data, cache, client, retry, "")
+    # What reopens it in a DataLoader worker started by spawn: the same call.
+    reopen = (
+        open_cached,
+        (
+            url,
+            None if cache_dir is None else str(cache_dir),
+            cache_bytes,
+            options,
+            retry,
+            local,
+            None if fields is None else list(fields),
+        ),
+    )
+    supply.reopen = reopen
+    index = supply.index
+    names = [
+        g.name
+        for g in index.complete_groups()
+        if fields is None or any(f.name in fields for f in g.fields)
+    ]
+    if not names:
+        return supply
+    groups: dict[str, ShardSupply] = {}
+    try:
+        for name in names:
+            groups[name] = _supply(url, group_index(index, name), cache, client, retry, name)
+    except BaseException:
+        for s in [supply, *groups.values()]:
+            s.close()
+        raise
+    return GroupedSupply(supply, groups, reopen)
+
+
+def _supply(
+    url: str, data: bytes, cache: CacheDir, client: Client, retry: Retry, group: str
+) -> RemoteSupply:
+    """The supply of the shards ``data`` (an index.json's bytes) lists, from ``url``'s
+    folder: the archive's, or field group ``group``'s."""
     # the folder made, filled and marked in use at once: a --clear never sees it half made
     with locked(cache.root / BUDGET_LOCK):
         folder = cache.archive_dir(hashlib.sha256(data).hexdigest()[:24])
         publish(folder / "index.json", data)
-        publish(folder / "source.txt", redact(url).encode() + b"\n")
+        source = redact(url) + (f" field group {group}" if group else "")
+        publish(folder / "source.txt", source.encode() + b"\n")
         in_use = cache.use(folder)
     try:
         reader = ArchiveReader(folder)  # the validated index; shards come from the supply
@@ -90,11 +135,6 @@ def open_cached(
         close_quietly([in_use])
         raise
     supply.sizes.check_budget(2)
-    # What reopens it in a DataLoader worker started by spawn: the same call.
-    supply.reopen = (
-        open_cached,
-        (url, None if cache_dir is None else str(cache_dir), cache_bytes, options, retry, local),
-    )
     return supply
 
 

@@ -136,7 +136,7 @@ class RemoteSupply(ShardSupply):
         self.shard_sizes = tuple(s.num_samples for s in index.shards)
         self.starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
         self.shards: list[ShardReader] | None = None  # mapped per batch, never all at once
-        self.reopen: tuple[Callable[..., RemoteSupply], tuple[Any, ...]] | None = None
+        self.reopen: tuple[Callable[..., ShardSupply], tuple[Any, ...]] | None = None
         self.cache = cache
         self.folder = folder
         self.client = client

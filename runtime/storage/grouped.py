@@ -1,0 +1,157 @@
+"""An archive's shards joined with its field groups' shards, each from a supply of its own:
+what reads a field group's fields from object storage (or the node cache).
+
+A field group's shards are aligned with the archive's (SPEC.md §6.3), so a group read
+through the node cache is, for the cache, an archive of its own: its shards, listed in an
+index the cache derives from the archive's (``group_index``), fetched from beside the
+archive's. ``GroupedSupply`` asks, holds and lets go of shard k in every supply at
+once, and serves shard k as one reader (``JoinedShard``) whose fields come each from the
+file that holds it. Only the groups whose fields are read are joined: reading the
+archive's own fields fetches no group file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from dlop.formats import Field, Index, ShardReader
+from dlop.formats.archive import encode_index
+from dlop.formats.joined import JoinedShard
+
+from .supply import ShardSupply
+
+
+def group_index(index: Index, name: str) -> bytes:
+    """The index.json of field group ``name`` read as an archive of its own: its fields,
+    its shards (each entry as the archive's index lists it), nothing else."""
+    group = next(g for g in index.field_groups if g.name == name)
+    shards = tuple(s.info for s in group.shards)
+    own = Index(group.fields, shards, sum(s.num_samples for s in shards))
+    data = encode_index(own)
+    obj = json.loads(data)
+    obj["recipe"] = {"field_group": name, "of": index.provenance.get("created", "")}
+    return json.dumps(obj, indent=1).encode() + b"\n"
+
+
+class GroupedSupply(ShardSupply):
+    """Shard k of ``base`` joined with shard k of each of ``groups`` (name -> the supply of
+    that field group's shards); ``reopen`` is what reopens it in another process."""
+
+    def __init__(
+        self,
+        base: ShardSupply,
+        groups: Mapping[str, ShardSupply],
+        reopen: tuple[Callable[..., Any], tuple[Any, ...]],
+    ) -> None:
+        self.base = base
+        self.groups = dict(groups)
+        self.reopen = reopen
+        self.name, self.paths, self.readers = base.name, base.paths, base.readers
+        self.owners = {f: g for g, s in self.groups.items() for f in s.fields}
+        self.group_fields: dict[str, Field] = {
+            f: field for s in self.groups.values() for f, field in s.fields.items()
+        }
+        self.fields = {**base.fields, **self.group_fields}
+        self.shard_sizes = base.shard_sizes
+        self.shards = None  # mapped per batch, as the supplies it joins
+        self.lock = threading.Lock()
+        # shard k's joined reader while the readers it joins stay the same (a batch's
+        # gathers are kept by the identity of the readers they read)
+        self.joined: dict[int, tuple[tuple[ShardReader, ...], JoinedShard]] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.reopen
+
+    def every(self) -> list[ShardSupply]:
+        return [self.base, *self.groups.values()]
+
+    def join(self, k: int, partial: bool) -> ShardReader:
+        parts = tuple(s.partial_shard(k) if partial else s.shard(k) for s in self.every())
+        with self.lock:
+            got = self.joined.get(k)
+            if got is not None and all(a is b for a, b in zip(got[0], parts, strict=True)):
+                return got[1]
+            by_group = dict(zip(self.groups, parts[1:], strict=True))
+            reader = JoinedShard(parts[0], self.group_fields, self.owners, by_group.__getitem__)
+            self.joined[k] = (parts, reader)
+            return reader
+
+    def shard(self, k: int) -> ShardReader:
+        return self.join(k, partial=False)
+
+    def partial_shard(self, k: int) -> ShardReader:
+        return self.join(k, partial=True)
+
+    def check(self, shards: Sequence[int] | np.ndarray) -> None:
+        for s in self.every():
+            s.check(shards)
+
+    def ask(self, shards: Sequence[int]) -> None:
+        done: list[ShardSupply] = []
+        try:
+            for s in self.every():
+                s.ask(shards)
+                done.append(s)
+        except BaseException:
+            for s in done:
+                s.release(shards)
+            raise
+
+    def release(self, shards: Sequence[int]) -> None:
+        for s in self.every():
+            s.release(shards)
+
+    def hold_all(self) -> bool:
+        held: list[ShardSupply] = []
+        for s in self.every():
+            if not s.hold_all():
+                everything = list(range(len(self.shard_sizes)))
+                for h in held:
+                    h.release(everything)
+                return False
+            held.append(s)
+        return True
+
+    def ahead(self, shards: Sequence[int] | np.ndarray) -> None:
+        for s in self.every():
+            s.ahead(shards)
+
+    def read_order(self, batches: Sequence[np.ndarray]) -> None:
+        for s in self.every():
+            s.read_order(batches)
+
+    def forget_failures(self) -> None:
+        for s in self.every():
+            s.forget_failures()
+
+    def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> bool:
+        arriving = False
+        for group, s in [("", self.base), *self.groups.items()]:
+            mine = [n for n in (names or self.fields) if self.owners.get(n, "") == group]
+            if mine:
+                arriving |= s.ready(k, samples, mine)
+        return arriving
+
+    def on_drop(self, forget: Callable[[int], None]) -> None:
+        def dropped(k: int) -> None:
+            with self.lock:
+                self.joined.pop(k, None)
+            forget(k)
+
+        for s in self.every():
+            s.on_drop(dropped)
+
+    def check_budget(self, shards_in_flight: int, why: str = "") -> None:
+        for s in self.every():
+            s.check_budget(shards_in_flight, why)
+
+    def close(self) -> None:
+        with self.lock:
+            self.joined.clear()
+        for s in self.every():
+            s.close()
