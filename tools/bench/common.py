@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -9,7 +10,7 @@ import platform
 import resource
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,14 +53,29 @@ def rate_row(
     )
 
 
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Timings inside run with the garbage collector off, after one collection before
+    them: a collection costs what the whole heap holds (seconds in a process that has
+    run much else, a test run), not what the timed code does."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
-    """Median wall time of fn() over repeats (seconds), after garbage collection."""
+    """Median wall time of fn() over repeats (seconds), the collector off."""
     times = []
-    for _ in range(repeats):
-        gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    with no_collection():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -100,13 +116,13 @@ def interleaved(
         once = max(time.perf_counter() - t0, 1e-6)
         calls[name] = max(1, math.ceil(min_run_s / once))
     per_call: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(max(1, rounds)):
-        for name, fn in fns.items():
-            gc.collect()
-            t0 = time.perf_counter()
-            for _ in range(calls[name]):
-                fn()
-            per_call[name].append((time.perf_counter() - t0) / calls[name])
+    with no_collection():
+        for _ in range(max(1, rounds)):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(calls[name]):
+                    fn()
+                per_call[name].append((time.perf_counter() - t0) / calls[name])
     return {name: statistics.median(times) for name, times in per_call.items()}
 
 

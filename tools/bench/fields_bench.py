@@ -27,7 +27,7 @@ import numpy as np
 from dlop.compiler import add_fields, compile_map
 from dlop.runtime import Loader
 
-from .common import Row
+from .common import Row, no_collection
 
 MELS, FRAMES, WIDTH, BATCH = 64, 501, 512, 64
 EPOCHS = 16  # read per timing: one epoch of 2,000 samples lasts a few hundredths of a second
@@ -75,10 +75,11 @@ def run(work: Path, args: argparse.Namespace) -> list[Row]:
     rates: dict[str, list[float]] = {"one": [], "group": []}
     os.sync()  # the archives' pages written back before any clock starts
     _epochs(one, 0), _epochs(grouped, 0)  # both warm in the page cache
-    for r in range(rounds):
-        order = ("one", "group") if r % 2 == 0 else ("group", "one")
-        for name in order:
-            rates[name].append(_epochs(one if name == "one" else grouped, r + 1))
+    with no_collection():
+        for r in range(rounds):
+            order = ("one", "group") if r % 2 == 0 else ("group", "one")
+            for name in order:
+                rates[name].append(_epochs(one if name == "one" else grouped, r + 1))
     ratios = [g / o for g, o in zip(rates["group"], rates["one"], strict=True)]
     workload = (
         f"field groups: {clips} samples, log-mel f16 [{MELS}, {FRAMES}] + embedding f32 "

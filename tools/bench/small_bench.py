@@ -24,7 +24,6 @@ cross a process boundary.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from torch.utils.data import DataLoader
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import IterableArchive, Loader, batch_as_is, open_archive
 
-from .common import Row
+from .common import Row, no_collection
 
 BATCHES = (32, 256, 1024)
 ORDERS: tuple[Literal["window", "global"], ...] = ("window", "global")
@@ -85,16 +84,16 @@ def epoch_of(loader: Any) -> Callable[[], int]:
 
 def rounds_of(fns: dict[str, Callable[[], int]], rounds: int) -> dict[str, list[float]]:
     """Seconds of one epoch of each fn, per round, the fns taken in turn each round
-    (after one untimed epoch each)."""
+    (after one untimed epoch each), with the garbage collector off."""
     for fn in fns.values():
         fn()
     took: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(max(1, rounds)):
-        for name, fn in fns.items():
-            gc.collect()
-            t0 = time.perf_counter()
-            fn()
-            took[name].append(time.perf_counter() - t0)
+    with no_collection():
+        for _ in range(max(1, rounds)):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                took[name].append(time.perf_counter() - t0)
     return took
 
 
