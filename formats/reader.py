@@ -550,6 +550,10 @@ class ShardReader:
                 )
         return bad
 
+    def part(self, name: str) -> ShardReader:
+        """The reader of field ``name`` (a joined shard's: its group's shard, opened)."""
+        return self
+
     def parts(self) -> list[ShardReader]:
         """The mapped files this reader reads (a joined shard's: its groups' too, those
         opened so far), each to be checked for having shrunk under its mapping."""

@@ -20,6 +20,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -122,20 +123,27 @@ def add_fields(
 def drop_fields(
     archive: str | os.PathLike[str], name: str, storage_options: dict[str, Any] | None = None
 ) -> Index:
-    """Drops field group ``name`` from the archive: a new index.json without it, then its
-    files (a reader that opened the earlier index keeps its mapped files). Returns the new
-    index."""
+    """Drops field group ``name`` from the archive: a new index.json without it. Its files
+    stay until the group changes again (a reader of the earlier index reads them to its
+    end), or go with a later add_fields or drop_fields of that name: drop_fields of a name
+    the index no longer lists deletes what is left of it (a dropped group's files, an
+    interrupted compile's). Returns the new index."""
     check_group_name_or_refuse(name)
     with _locked(archive, storage_options) as store:
         index = index_of(store)
-        names = [g.name for g in index.field_groups]
-        if name not in names:
-            raise CompileError(
-                f"{store.url}: no field group {name!r} to drop; its groups are {names or 'none'}"
-            )
+        group = next((g for g in index.field_groups if g.name == name), None)
+        if group is None:
+            if _read_journal(store, name) is None and not _files_of(store, name):
+                names = [g.name for g in index.field_groups]
+                raise CompileError(
+                    f"{store.url}: no field group {name!r} to drop; its groups are "
+                    f"{names or 'none'}"
+                )
+            _tidy(store, name, index, None)  # an interrupted compile's files and journal
+            return index
         index = replace(index, field_groups=tuple(g for g in index.field_groups if g.name != name))
         _publish(store, index)
-        _tidy(store, name, index)
+        _tidy(store, name, index, group.revision)
         return index
 
 
@@ -225,6 +233,16 @@ def _add(
     digest = _digest(recipe)
     existing = next((g for g in index.field_groups if g.name == name), None)
     journal = _read_journal(store, name)
+    if (
+        journal is not None
+        and existing is not None
+        and existing.revision == journal["revision"]
+        and existing.covers == len(index.shards)
+        and journal["digest"] == _digest(existing.recipe)
+    ):  # published before the compile stopped: only the tidying was left
+        replaced = [r for r in _files_of(store, name).values() if r < existing.revision]
+        _tidy(store, name, index, max(replaced, default=None))
+        journal = None
     specs: dict[str, Spec] | None = None
     if journal is not None and not (resume or overwrite):
         raise CompileError(
@@ -243,13 +261,6 @@ def _add(
                 f"options it began with, and {'; '.join(why) or 'they differ'}; pass "
                 "overwrite=True to compile it again"
             )
-        if (
-            existing is not None
-            and existing.revision == journal["revision"]
-            and existing.covers == len(index.shards)
-        ):
-            _tidy(store, name, index)  # it was published before the compile stopped
-            return index
         if journal["index"] != _index_digest(store):
             raise CompileError(
                 f"{out}: the archive changed since field group {name!r} began; pass "
@@ -272,18 +283,15 @@ def _add(
             return index
         revision, start = existing.revision, existing.covers  # an append added shards
         specs = {s["name"]: Spec.from_json(s) for s in existing.recipe["fields"]}
-    else:
-        revision = 0 if existing is None else existing.revision + 1
-        if journal is not None:  # overwrite of an interrupted one: start past its files
-            revision = max(revision, journal["revision"] + 1)
-        start = 0
-    kept = existing.shards[:start] if existing is not None and start else ()
+    else:  # a new revision: past every revision any file of the group was written under
+        revision, start = _next_revision(store, name, existing, journal), 0
+
     engine = _Engine(options, out)
     try:
         if specs is None:
             specs = _probe(engine, out, pickled, given, options, index, name)
-        _check_names(out, name, specs, index)
         while True:
+            _check_names(out, name, specs, index)
             journal = {
                 "recipe": recipe,
                 "digest": digest,
@@ -301,14 +309,19 @@ def _add(
                 specs = widened(specs, e.field, e.axis)
                 _say(
                     True,
-                    f"{e}; compiling field group {name!r} again with that axis ragged (pass schema= to declare it)",
+                    f"{e}; compiling field group {name!r} again, whole, with that axis ragged "
+                    "(pass schema= to declare it)",
                 )
-                for k in range(start, len(index.shards)):
-                    store.delete(group_file(name, revision, k))
-                resume = False
+                # the shards written so far, and any the group held (their schema is the
+                # old one), are left behind: a new revision, from the first shard
+                after = max(_next_revision(store, name, existing, None), revision + 1)
+                revision, start, resume = after, 0, False
     finally:
         engine.close()
     fields = task.fields()
+    kept = existing.shards[:start] if existing is not None and start else ()
+    # the revision a reader of the current index reads, kept through this change
+    earlier = existing.revision if existing is not None and existing.revision != revision else None
     group = FieldGroup(
         name,
         revision,
@@ -321,8 +334,31 @@ def _add(
     at = next((i for i, g in enumerate(index.field_groups) if g.name == name), len(others))
     index = replace(index, field_groups=(*others[:at], group, *others[at:]))
     _publish(store, index)
-    _tidy(store, name, index)
+    _tidy(store, name, index, earlier)
     return index
+
+
+def _files_of(store: Store, name: str) -> dict[str, int]:
+    """Group ``name``'s shard files in the store, each with its revision."""
+    out = {}
+    for file in store.list(f"group-{name}-r"):
+        m = re.fullmatch(rf"group-{name}-r(\d+)-\d{{6,}}\.dlop", file)
+        if m:
+            out[file] = int(m.group(1))
+    return out
+
+
+def _next_revision(
+    store: Store, name: str, existing: FieldGroup | None, journal: dict[str, Any] | None
+) -> int:
+    """A revision no file of group ``name`` was written under: its files never replace a
+    file a reader of an earlier index maps."""
+    used = list(_files_of(store, name).values())
+    if existing is not None:
+        used.append(existing.revision)
+    if journal is not None:
+        used.append(int(journal["revision"]))
+    return max(used, default=-1) + 1
 
 
 def _task(
@@ -379,21 +415,25 @@ def _read_journal(store: Store, name: str) -> dict[str, Any] | None:
 
 
 def _check_names(out: str, name: str, specs: Mapping[str, Spec], index: Index) -> None:
-    """Refuses new fields named as one the archive or another group holds."""
-    taken = {f.name for f in index.fields}
-    taken |= {f.name for g in index.field_groups if g.name != name for f in g.fields}
+    """Refuses new fields named as one the archive or another group holds, or as the
+    ``<field>_lengths`` a batch holds for a ragged field of either."""
+    others = [*index.fields, *(f for g in index.field_groups if g.name != name for f in g.fields)]
+    taken = {f.name for f in others}
     clash = sorted(set(specs) & taken)
     if clash:
         raise CompileError(
             f"{out}: the function gives field(s) {clash}, which the archive (or another of "
             "its field groups) holds already; name the new fields apart"
         )
-    for spec in specs.values():
-        lengths = f"{spec.name}_lengths"
-        if spec.kind == "array" and None in spec.shape and (lengths in specs or lengths in taken):
+    ragged = {f.name for f in others if f.ragged}
+    ragged |= {s.name for s in specs.values() if s.kind == "array" and None in s.shape}
+    names = taken | set(specs)
+    for field in sorted(ragged):
+        lengths = f"{field}_lengths"
+        if lengths in names and (field in specs or lengths in specs):
             raise CompileError(
-                f"{out}: field {spec.name!r} varies in length, and a batch holds its lengths "
-                f"as {lengths!r}, a field already; rename one"
+                f"{out}: field {field!r} varies in length, and a batch holds its lengths as "
+                f"{lengths!r}, which names a field too; rename the new one"
             )
 
 
@@ -469,6 +509,11 @@ class _Engine:
             return future.result()
         except CompileError:
             raise
+        except FormatError as e:  # the archive's shard is not what its index says
+            raise CompileError(
+                f"{e}; computing {what} read it, so nothing was published: verify the "
+                "archive (dlop-inspect verify)"
+            ) from None
         except concurrent.futures.process.BrokenProcessPool:
             self.pool = None
             raise CompileError(
@@ -562,12 +607,14 @@ def _publish(store: Store, index: Index) -> None:
     store.write(INDEX_NAME, data)
 
 
-def _tidy(store: Store, name: str, index: Index) -> None:
-    """Deletes group ``name``'s files the index does not list (an earlier revision's, an
-    interrupted compile's), then its journal."""
+def _tidy(store: Store, name: str, index: Index, keep: int | None) -> None:
+    """Deletes group ``name``'s files the index does not list (earlier revisions', an
+    interrupted compile's) but revision ``keep``'s, the one the earlier index listed: a
+    reader of that index (a running job, a node cache fetching as it reads) reads it to
+    its end; the next change of the group deletes it. Then the group's journal."""
     listed = {s.info.file for g in index.field_groups for s in g.shards}
-    for file in store.list(f"group-{name}-r"):
-        if file not in listed and file.endswith(".dlop"):
+    for file, revision in _files_of(store, name).items():
+        if file not in listed and revision != keep:
             store.delete(file)
     store.delete(journal_name(name))
     if isinstance(store, LocalStore):  # what killed units left half written (under the lock)

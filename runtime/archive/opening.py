@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from dlop.formats import read_index
+from dlop.formats import Field, read_index
 from dlop.formats.transcode import needs_transcode
 from dlop.formats.urls import is_url
 
@@ -65,7 +65,7 @@ def open_archive(
         return Archive.over(supply, fields, pad_value)
     if cache_dir is not None:
         paths = archive_paths(path)
-        coded = [p for p in paths if needs_transcode(read_index(p).fields)]
+        coded = [p for p in paths if needs_transcode(read_fields(p))]
         if coded:  # without block-coded fields the archive is mapped in place
             refuse_cached(coded[0], len(paths), where, indices)
             refuse_block_cache(coded[0], block_cache_bytes)
@@ -87,6 +87,12 @@ def open_archive(
         allow_recipe_mismatch=allow_recipe_mismatch,
         **({} if block_cache_bytes is None else {"block_cache_bytes": block_cache_bytes}),
     )
+
+
+def read_fields(path: Path) -> list[Field]:
+    """The fields an archive's reader reads: its own and those of its complete groups."""
+    index = read_index(path)
+    return [*index.fields, *(f for g in index.complete_groups() for f in g.fields)]
 
 
 def refuse_cached(path: Path, count: int, where: Mapping[str, Any] | None, indices: object) -> None:

@@ -13,6 +13,7 @@ go of the shards.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
@@ -20,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlop.formats import ArchiveReader
-from dlop.formats.constants import MAX_INDEX_BYTES
+from dlop.formats import ArchiveReader, parse_index
+from dlop.formats.archive import encode_index
+from dlop.formats.constants import INDEX_NAME, MAX_INDEX_BYTES
 from dlop.formats.redact import redact
 from dlop.formats.storage import DEFAULT_RETRY, LocalStorage, Retry, Storage
 
@@ -82,6 +84,7 @@ def open_cached(
     client = Client(url, options, local)
     data = fetch_index(client(), url, MAX_INDEX_BYTES, retry)
     supply = _supply(url, data, cache, client, retry, "")
+    supply.sizes.check_budget(2)
     # What reopens it in a DataLoader worker started by spawn: the same call.
     reopen = (
         open_cached,
@@ -104,15 +107,22 @@ def open_cached(
     ]
     if not names:
         return supply
-    groups: dict[str, ShardSupply] = {}
+    groups: dict[str, RemoteSupply] = {}
     try:
         for name in names:
             groups[name] = _supply(url, group_index(index, name), cache, client, retry, name)
+        # one budget for all: each supply's share of it is its share of the bytes
+        every = [supply, *groups.values()]
+        sizes = [max(1, sum(sh.bytes for sh in s.index.shards)) for s in every]
+        for s, size in zip(every, sizes, strict=True):
+            s.sizes.max_bytes = cache.max_bytes * size // sum(sizes)
+            s.loose_bytes = s.sizes.max_bytes // 2
+            s.sizes.check_budget(2)
     except BaseException:
         for s in [supply, *groups.values()]:
             s.close()
         raise
-    return GroupedSupply(supply, groups, reopen)
+    return GroupedSupply(supply, dict(groups), reopen)
 
 
 def _supply(
@@ -122,7 +132,7 @@ def _supply(
     folder: the archive's, or field group ``group``'s."""
     # the folder made, filled and marked in use at once: a --clear never sees it half made
     with locked(cache.root / BUDGET_LOCK):
-        folder = cache.archive_dir(hashlib.sha256(data).hexdigest()[:24])
+        folder = cache.archive_dir(folder_key(data))
         publish(folder / "index.json", data)
         source = redact(url) + (f" field group {group}" if group else "")
         publish(folder / "source.txt", source.encode() + b"\n")
@@ -134,8 +144,17 @@ def _supply(
     except BaseException:
         close_quietly([in_use])
         raise
-    supply.sizes.check_budget(2)
     return supply
+
+
+def folder_key(data: bytes) -> str:
+    """The cache folder of the archive whose index.json is ``data``: a hash of its bytes,
+    without its field groups (adding, compiling again or dropping a group changes no
+    shard of the archive's, so its cached shards stay where they are)."""
+    index = parse_index(INDEX_NAME, data)  # checked against the format's bounds first
+    if index.field_groups:
+        data = encode_index(dataclasses.replace(index, field_groups=()))
+    return hashlib.sha256(data).hexdigest()[:24]
 
 
 def publish(path: Path, data: bytes) -> None:

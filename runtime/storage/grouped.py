@@ -13,6 +13,7 @@ archive's own fields fetches no group file.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -59,10 +60,24 @@ class GroupedSupply(ShardSupply):
         self.fields = {**base.fields, **self.group_fields}
         self.shard_sizes = base.shard_sizes
         self.shards = None  # mapped per batch, as the supplies it joins
-        self.lock = threading.Lock()
-        # shard k's joined reader while the readers it joins stay the same (a batch's
-        # gathers are kept by the identity of the readers they read)
-        self.joined: dict[int, tuple[tuple[ShardReader, ...], JoinedShard]] = {}
+        self.pid = -1
+        self.mine()
+        cache = getattr(base, "cache", None)
+        if cache is not None:  # one cache, so one way to make room in it: any of them
+            cache.squeeze = self.squeeze
+
+    def mine(self) -> None:
+        """This process's state (a forked child's first look: nothing of the parent's)."""
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            self.lock = threading.Lock()
+            # shard k's joined reader while the readers it joins stay the same (a batch's
+            # gathers are kept by the identity of the readers they read)
+            self.joined: dict[int, tuple[tuple[ShardReader, ...], JoinedShard]] = {}
+
+    def squeeze(self) -> bool:
+        """Lets go of an idle shard of any of the supplies (room is wanted)."""
+        return any(getattr(s, "squeeze", lambda: False)() for s in self.every())
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.reopen
@@ -71,6 +86,7 @@ class GroupedSupply(ShardSupply):
         return [self.base, *self.groups.values()]
 
     def join(self, k: int, partial: bool) -> ShardReader:
+        self.mine()
         parts = tuple(s.partial_shard(k) if partial else s.shard(k) for s in self.every())
         with self.lock:
             got = self.joined.get(k)
@@ -103,19 +119,20 @@ class GroupedSupply(ShardSupply):
             raise
 
     def release(self, shards: Sequence[int]) -> None:
-        for s in self.every():
-            s.release(shards)
+        each(self.every(), lambda s: s.release(shards))
 
     def hold_all(self) -> bool:
         held: list[ShardSupply] = []
-        for s in self.every():
-            if not s.hold_all():
+        try:
+            for s in self.every():
+                if not s.hold_all():
+                    break
+                held.append(s)
+        finally:
+            if len(held) < len(self.every()):
                 everything = list(range(len(self.shard_sizes)))
-                for h in held:
-                    h.release(everything)
-                return False
-            held.append(s)
-        return True
+                each(held, lambda h: h.release(everything))
+        return len(held) == len(self.every())
 
     def ahead(self, shards: Sequence[int] | np.ndarray) -> None:
         for s in self.every():
@@ -139,6 +156,7 @@ class GroupedSupply(ShardSupply):
 
     def on_drop(self, forget: Callable[[int], None]) -> None:
         def dropped(k: int) -> None:
+            self.mine()
             with self.lock:
                 self.joined.pop(k, None)
             forget(k)
@@ -151,7 +169,20 @@ class GroupedSupply(ShardSupply):
             s.check_budget(shards_in_flight, why)
 
     def close(self) -> None:
+        self.mine()
         with self.lock:
             self.joined.clear()
-        for s in self.every():
-            s.close()
+        each(self.every(), lambda s: s.close())
+
+
+def each(supplies: Sequence[ShardSupply], act: Callable[[ShardSupply], None]) -> None:
+    """``act`` on every supply, each even when one before it raised (the first error is
+    raised once all were done)."""
+    first: BaseException | None = None
+    for s in supplies:
+        try:
+            act(s)
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first

@@ -83,3 +83,27 @@ def slow_embed(sample: dict[str, Any]) -> dict[str, Any]:
     """embed, slowly: a compile of it lasts long enough to be killed halfway."""
     time.sleep(0.004)
     return embed(sample)
+
+
+def longer_later(sample: dict[str, Any]) -> dict[str, Any]:
+    """Two values for the first 300 samples, three after: fixed until an append."""
+    n = 2 if int(sample["x"][0]) < 300 else 3
+    return {"y": torch.ones(n) * sample["x"][0]}
+
+
+def lengths_of_wave(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"wave_lengths": sample["x"]}
+
+
+def lengths_later(sample: dict[str, Any]) -> dict[str, Any]:
+    """``y`` fixed in the first samples, longer later (made ragged), beside ``y_lengths``."""
+    n = 2 if int(sample["x"][0]) < 30 else 3
+    return {"y": torch.ones(n), "y_lengths": torch.zeros(1)}
+
+
+def spoken(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"said": f"sample {int(sample['x'][0])}"}
+
+
+def spoken_again(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"said": f"again {int(sample['x'][0])}"}

@@ -33,9 +33,14 @@ from .group_data import (
     embed_expected,
     exits,
     fails_at_37,
+    lengths_later,
+    lengths_of_wave,
+    longer_later,
     not_a_dict,
     quadruple,
     slow_embed,
+    spoken,
+    spoken_again,
     widens,
 )
 from .test_custom import files
@@ -81,9 +86,9 @@ def test_a_group_reads_back_as_the_function_of_every_sample(tmp_path: Path) -> N
     first = files(out)
     add_fields(out, embed, "emb", workers=1, overwrite=True, progress=False)
     again = files(out)
-    assert {n[len("group-emb-r1") :]: b for n, b in again.items() if n.startswith("group-")} == {
-        n[len("group-emb-r0") :]: b for n, b in first.items() if n.startswith("group-")
-    }
+    assert {
+        n[len("group-emb-r1") :]: b for n, b in again.items() if n.startswith("group-emb-r1")
+    } == {n[len("group-emb-r0") :]: b for n, b in first.items() if n.startswith("group-")}
 
 
 def test_a_reader_that_predates_groups_reads_the_archive_as_compiled(tmp_path: Path) -> None:
@@ -209,14 +214,16 @@ def test_compiled_again_and_dropped_without_touching_the_rest(tmp_path: Path) ->
     with pytest.raises(CompileError, match=r"already holds field group .two.*overwrite=True"):
         add_fields(out, quadruple, "two", workers=1, progress=False)
     add_fields(out, quadruple, "two", workers=1, overwrite=True, progress=False)
-    assert not any(n.startswith("group-two-r0") for n in os.listdir(out))
+    assert any(n.startswith("group-two-r0") for n in os.listdir(out))  # kept for readers
     assert torch.equal(open_archive(out)[5]["double"], reading[5]["x"] * 4)
     assert torch.equal(reading[5]["double"], reading[5]["x"] * 2)  # the old index, read to its end
     index = drop_fields(out, "emb")
     assert [g.name for g in index.field_groups] == ["two"]
-    assert not any(n.startswith("group-emb") for n in os.listdir(out))
+    assert any(n.startswith("group-emb") for n in os.listdir(out))  # until the next change
     assert own_files(out) == own
     assert "emb" not in open_archive(out).fields
+    drop_fields(out, "emb")  # dropped again: its files go now
+    assert not any(n.startswith("group-emb") for n in os.listdir(out))
     with pytest.raises(CompileError, match="no field group 'emb' to drop; its groups are"):
         drop_fields(out, "emb")
 
@@ -399,9 +406,15 @@ def test_groups_added_to_and_read_from_an_archive_in_object_storage(
     assert name in str(caught.value)
     fresh.close()
     assert main(["verify", url]) != 0
+    folders = {p.parent for p in cache.rglob("unit-*.dlop")}
     index = drop_fields(url, "two")
     assert [g.name for g in index.field_groups] == ["emb"]
-    assert not [n for n in fs.ls(url, detail=False) if "group-two" in n]
+    # its files stay for readers of the earlier index, until the group changes again
+    assert [n for n in fs.ls(url, detail=False) if "group-two" in n]
+    again = open_archive(url, fields=["x", "emb"], cache_dir=cache)  # another index.json
+    assert torch.equal(again[4]["x"], torch.from_numpy(base_sample(4)["x"]))
+    again.close()
+    assert {p.parent for p in cache.rglob("unit-*.dlop")} == folders  # nothing fetched again
 
 
 def test_hostile_group_entries_and_files(tmp_path: Path) -> None:
@@ -443,3 +456,63 @@ def test_hostile_group_entries_and_files(tmp_path: Path) -> None:
     compile_map(base_sample, list(range(50)), out, workers=1, overwrite=True, **OPTIONS)
     assert not [n for n in os.listdir(out) if n.startswith(("group-", ".dlop-group"))]
     assert read_index(out).field_groups == ()
+
+
+def test_an_axis_that_varies_only_in_appended_shards_compiles_the_group_again(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "a"
+    base(out, 300)
+    first = add_fields(out, longer_later, "y", workers=1, progress=False).field_groups[0]
+    assert not first.fields[0].ragged
+    compile_map(base_sample, list(range(400)), out, workers=1, append=True, **OPTIONS)
+    group = add_fields(out, longer_later, "y", workers=2, progress=False).field_groups[0]
+    assert group.fields[0].ragged and group.revision > first.revision
+    assert group.covers == len(read_index(out).shards)
+    archive = open_archive(out, fields=["x", "y"])
+    assert archive[10]["y"].shape == (2,) and archive[350]["y"].shape == (3,)
+    # the revision the earlier index listed stays until the group changes again
+    assert {n for n in os.listdir(out) if n.startswith(f"group-y-r{first.revision}-")}
+
+
+def test_a_field_named_as_a_batch_s_lengths_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "a"
+    base(out, 60)
+    before = (out / "index.json").read_bytes()
+    with pytest.raises(CompileError, match=r"'wave' varies in length.*'wave_lengths'"):
+        add_fields(out, lengths_of_wave, "w", workers=1, progress=False)
+    with pytest.raises(CompileError, match=r"'y' varies in length.*'y_lengths'"):
+        add_fields(out, lengths_later, "w", workers=1, progress=False)
+    assert (out / "index.json").read_bytes() == before
+
+
+def test_a_reader_of_the_earlier_index_reads_to_its_end(tmp_path: Path) -> None:
+    """A text field (read batch by batch) of a group compiled again, then dropped, while a
+    reader of the first index reads on; the files go at the next change after."""
+    out = tmp_path / "a"
+    base(out, 200)
+    add_fields(out, spoken, "said", workers=1, progress=False)
+    reading = open_archive(out, fields=["x", "said"])
+    add_fields(out, spoken_again, "said", workers=1, overwrite=True, progress=False)
+    assert open_archive(out)[3]["said"] == "again 3"
+    drop_fields(out, "said")
+    got = [reading[i]["said"] for i in range(200)]
+    assert got == [f"sample {i}" for i in range(200)]
+    assert any(n.startswith("group-said-r1-") for n in os.listdir(out))  # the dropped one
+    assert not any(n.startswith("group-said-r0-") for n in os.listdir(out))
+    again = add_fields(out, spoken, "said", workers=1, progress=False).field_groups[0]
+    assert again.revision == 2  # past every revision written, never reusing a name
+    assert not any(n.startswith("group-said-r1-") for n in os.listdir(out))
+
+
+def test_drop_fields_clears_an_interrupted_group(tmp_path: Path) -> None:
+    out = tmp_path / "a"
+    base(out, 100)
+    with pytest.raises(CompileError, match="the function failed"):
+        add_fields(out, fails_at_37, "bad", workers=1, progress=False)
+    assert [n for n in os.listdir(out) if "bad" in n]  # its journal and first shards
+    with pytest.raises(CompileError, match="was being added when its compile stopped"):
+        add_fields(out, double, "bad", workers=1, progress=False)
+    drop_fields(out, "bad")
+    assert not [n for n in os.listdir(out) if "bad" in n]
+    add_fields(out, double, "bad", workers=1, progress=False)
