@@ -86,6 +86,8 @@ class Planner:
         # every field planned by arrays: a batch's indices in any order, no mapped byte
         # read in Python (FieldGather.by_arrays)
         self.by_arrays = all(gather_kind(f).by_arrays for f in self.fields.values())
+        # some field's planning reads mapped bytes in Python: each batch's shards checked
+        self.reads_mapping = any(gather_kind(f).reads_mapping(f) for f in self.fields.values())
         # every field fixed-size: a batch's tensors do not depend on which batch it is
         self.fixed_only = all(gather_kind(f) is FixedRawGather for f in self.fields.values())
         self.gathers: dict[str, FieldGather] = self.made_gathers()
@@ -111,11 +113,11 @@ class Planner:
 
     def checks_batches(self) -> bool:
         """Whether each batch's shards are checked before it is planned (the supply's
-        ``check``): where Python reads mapped bytes, or copies run without the compiled
-        copier, which turns a read past a truncated shard's end into an error. Otherwise
-        ``check_all`` at each epoch's start is the check, and a copy's fault names the
-        shard."""
-        return not self.by_arrays or compiled() is None
+        ``check``): where Python reads mapped bytes (``reads_mapping``), or copies run
+        without the compiled copier, which turns a read past a truncated shard's end into
+        an error. Otherwise ``check_all`` at each epoch's start is the check, and a
+        copy's fault names the shard."""
+        return self.reads_mapping or compiled() is None
 
     def check_all(self) -> None:
         """Checks every shard the supply holds mapped (at an epoch's start)."""

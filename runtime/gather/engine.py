@@ -44,7 +44,7 @@ from dlop.formats.heap import libc
 from dlop.formats.reader import mapped_at
 
 from ..errors import ShardChangedError, shard_shrank
-from .plan import CopyPlan, Rows, Step
+from .plan import CopyPlan, Rows, Runs, Step
 from .threads import JobThread, at_exit
 
 PARALLEL_MIN_BYTES = 1 << 20  # below this, one share: handing work over costs more
@@ -96,6 +96,24 @@ def default_threads() -> int:
     """Copy threads for this process: torch's intra-op thread count (1 inside
     DataLoader workers), at most ``MAX_THREADS``."""
     return max(1, min(MAX_THREADS, torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def private_copy(view: np.ndarray) -> np.ndarray:
+    """``view`` (an array of a mapped shard) copied into this process's memory by the one
+    copy step, so that a shard truncated under it is ShardChangedError naming the shard
+    where the compiled copier runs, never SIGBUS: what Python then reads batch after
+    batch is the copy."""
+    out = torch.empty(view.nbytes, dtype=torch.uint8)
+    if view.nbytes:
+        step = Runs(
+            out,
+            np.zeros(1, np.int64),
+            np.array([view.ctypes.data], np.int64),
+            np.array([view.nbytes], np.int64),
+            (view,),
+        )
+        execute_step(step, streaming=False)
+    return out.numpy().view(view.dtype).reshape(view.shape)
 
 
 def execute_step(step: Step, streaming: bool) -> None:

@@ -259,6 +259,13 @@ class FieldGather:
     # truncated under them (runtime.gather.engine), so no check precedes each batch.
     by_arrays = False
 
+    @classmethod
+    def reads_mapping(cls, field: Field) -> bool:
+        """Whether planning a batch of ``field`` reads mapped bytes in Python (where a
+        shard truncated under it would be SIGBUS): such a batch's shards are checked
+        first. Gathers that plan by arrays read none."""
+        return not cls.by_arrays
+
     def __init__(
         self, field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
     ) -> None:
