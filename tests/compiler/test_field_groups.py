@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -391,6 +392,11 @@ def test_groups_added_to_and_read_from_an_archive_in_object_storage(
     assert not [p for p in cache.rglob("group-two-*.dlop")]  # not read: not fetched
     whole = open_archive(url, cache_dir=cache)  # every field, both groups
     assert torch.equal(whole[5]["double"], whole[5]["x"] * 2)
+    # as a DataLoader worker started by spawn gets it: reopened from what it was opened with
+    sent = pickle.loads(pickle.dumps(whole))
+    assert list(sent.fields) == list(whole.fields)
+    assert torch.equal(sent[9]["emb"], torch.from_numpy(embed_expected(9)["emb"]))
+    sent.close()
     whole.close()
     from dlop.tools.inspect_cli import main
 

@@ -115,12 +115,12 @@ def test_an_item_that_kills_its_worker_is_recorded_and_the_rest_compile(
 def test_an_item_that_hangs_is_recorded_past_the_item_timeout(workers: int, tmp_path: Path) -> None:
     ds = Misbehaving(24, (3, 13), "hang")
     compile_dataset(
-        ds, tmp_path / "a", workers=workers, unit_inputs=8, progress=False, item_timeout=2
+        ds, tmp_path / "a", workers=workers, unit_inputs=8, progress=False, item_timeout=1
     )
     assert len(open_archive(tmp_path / "a")) == 22
     bad = errors(tmp_path / "a")
     assert [e["path"] for e in bad] == ["Misbehaving[3]", "Misbehaving[13]"]
-    assert all("item time limit of 2 s" in str(e["reason"]) for e in bad), bad
+    assert all("item time limit of 1 s" in str(e["reason"]) for e in bad), bad
 
 
 def test_under_dask_an_item_that_kills_or_hangs_is_recorded(tmp_path: Path) -> None:
@@ -132,14 +132,14 @@ def test_under_dask_an_item_that_kills_or_hangs_is_recorded(tmp_path: Path) -> N
         compile_dataset(kill, tmp_path / "k", dask=address, unit_inputs=8, progress=False)
         hang = Misbehaving(24, (17,), "hang")
         compile_dataset(
-            hang, tmp_path / "h", dask=address, unit_inputs=8, progress=False, item_timeout=2
+            hang, tmp_path / "h", dask=address, unit_inputs=8, progress=False, item_timeout=1
         )
     assert len(open_archive(tmp_path / "k")) == 22
     assert [e["path"] for e in errors(tmp_path / "k")] == ["Misbehaving[5]", "Misbehaving[17]"]
     assert all("killed by SIGKILL" in str(e["reason"]) for e in errors(tmp_path / "k"))
     assert len(open_archive(tmp_path / "h")) == 23
     (bad,) = errors(tmp_path / "h")
-    assert bad["path"] == "Misbehaving[17]" and "time limit of 2 s" in str(bad["reason"])
+    assert bad["path"] == "Misbehaving[17]" and "time limit of 1 s" in str(bad["reason"])
 
 
 PLAN = {
@@ -160,7 +160,7 @@ def test_a_hostile_dataset_compiles_the_same_on_every_engine(
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)  # the index's creation time
     ds = Hostile(48, PLAN)
-    options = {"unit_inputs": 8, "progress": False, "item_timeout": 3}
+    options = {"unit_inputs": 8, "progress": False, "item_timeout": 1}
     here = os.getcwd()
     compile_dataset(ds, tmp_path / "one", workers=1, **options)
     compile_dataset(ds, tmp_path / "two", workers=2, **options)
@@ -177,7 +177,7 @@ def test_a_hostile_dataset_compiles_the_same_on_every_engine(
     assert sorted(reasons) == BAD
     assert reasons[2].startswith("ValueError: item 2 is unlucky")
     assert "killed by SIGKILL" in reasons[4] and "exited with status 3" in reasons[9]
-    assert "SIGSEGV" in reasons[12] and "time limit of 3 s" in reasons[15]
+    assert "SIGSEGV" in reasons[12] and "time limit of 1 s" in reasons[15]
     assert reasons[22].startswith("BadStr: (its message could not be made: ValueError)")
     assert reasons[26].startswith("SystemExit: 7")
     assert "Hostile[0] gave f32 [4], Hostile[30] gives f64 [4]" in reasons[30]

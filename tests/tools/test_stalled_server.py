@@ -26,8 +26,11 @@ def short_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def silent(tmp_path: Path) -> Iterator[str]:
-    """The URL of a server that accepts every connection and never answers."""
+def silent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The URL of a server that accepts every connection and never answers: nothing of it
+    is ever read, so the shortest timeouts serve (each attempt waits them out)."""
+    monkeypatch.setenv("DLOP_CONNECT_TIMEOUT", "0.2")
+    monkeypatch.setenv("DLOP_READ_TIMEOUT", "0.2")
     make_archive(tmp_path / "site" / "a")
     with FaultProxy(root=tmp_path / "site") as proxy:
         proxy.fail("", "hang", times=None)
