@@ -169,3 +169,19 @@ def test_the_fields_section_times_a_group_against_one_archive(tmp_path: Path) ->
     ratio = group["extra"]["group_vs_one"]
     assert 0 < ratio["range"][0] <= ratio["median"] <= ratio["range"][1]
     assert len(group["extra"]["samples_per_s"]["group"]) == 3  # at least three rounds
+
+
+def test_the_resume_section_times_a_continued_epoch_against_a_fresh_start(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    argv = ["--only", "resume", "--resume-samples", "20000", "--repeats", "1"]
+    (tmp_path / "work").mkdir()
+    assert cli.main([*argv, "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert len(rows) == 4  # two moves, fresh and continued each
+    for fresh, continued in (rows[:2], rows[2:]):
+        assert fresh["workload"] == continued["workload"] and fresh["extra"]["ms"] > 0
+        ratio = continued["extra"]["continued_vs_fresh"]
+        assert 0 < ratio["range"][0] <= ratio["median"] <= ratio["range"][1]
+        assert len(continued["extra"]["seconds"]["continued"]) == 5  # at least five rounds

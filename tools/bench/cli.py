@@ -138,6 +138,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "small": _module("small"),
     "append": _module("append"),
     "fields": _module("fields"),
+    "resume": _module("resume"),
     "shuffle": _module("shuffle"),
     "peers": _peers,
 }
@@ -194,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2000,
         help="5 s clips of the append section's corpus (1%% of them appended)",
+    )
+    p.add_argument(
+        "--resume-samples",
+        type=int,
+        default=1_000_000,
+        help="small samples in the resume section's archive (a state moved to another world)",
     )
     p.add_argument(
         "--listing-lines",
