@@ -2,9 +2,10 @@
 test sets to interrupt a compile at an exact moment. Unset (as always outside the
 tests), every point is a dictionary lookup that does nothing.
 
-- ``DLOP_TEST_KILL_AT=start|input:N|shard:N|unit:N|index|tidy|tidying``: the compile
-  sends itself ``DLOP_TEST_SIGNAL`` (KILL, or e.g. STOP, INT) at that moment
-  (``fault_at``), so the resume tests kill it between any two steps (docs/compile.md).
+- ``DLOP_TEST_KILL_AT=start|input:N|shard:N|unit:N|index|tidy|tidying|group published``:
+  the compile (or add_fields) sends itself ``DLOP_TEST_SIGNAL`` (KILL, or e.g. STOP,
+  INT) at that moment (``fault_at``), so the resume tests kill it between any two steps
+  (docs/compile.md).
 - ``DLOP_TEST_UNIT_DELAY="UNIT:SECONDS,..."``: those units start late (``unit_delay``).
 - ``DLOP_TEST_KILL_WORKER="UNIT:INPUT:MARKER"``: the process running that unit kills
   itself after its INPUT-th input, once: whoever creates the MARKER file first

@@ -456,10 +456,13 @@ class ArchiveReader:
         block_cache_bytes: int = 256 << 20,
         *,
         field_groups: bool = True,
+        index: Index | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.block_cache = BlockCache(block_cache_bytes)  # decoded zstd blocks, for all shards
-        self.index = read_index(self.directory)
+        # ``index``: one validated already (parse_index), for a folder whose own index.json
+        # is another version of it (a node cache's, kept without field groups)
+        self.index = read_index(self.directory) if index is None else index
         self.groups = {g.name: g for g in self.index.complete_groups()} if field_groups else {}
         self.owners = {f.name: g.name for g in self.groups.values() for f in g.fields}
         self.fields: dict[str, Field] = {f.name: f for f in self.index.fields}

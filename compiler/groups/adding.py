@@ -39,6 +39,7 @@ from dlop.formats.writer import ShardInfo
 from ..custom.code import changes, describe
 from ..custom.samples import Spec, given_schema, infer, merge, widened
 from ..errors import AxisVaries, CompileError
+from ..faults import fault_at
 from ..output.guard import OutputLock
 from ..output.store import LocalStore, Store, open_store
 from ..recipe import DTYPES, MAX_WORKERS
@@ -133,7 +134,8 @@ def drop_fields(
         index = index_of(store)
         group = next((g for g in index.field_groups if g.name == name), None)
         if group is None:
-            if _read_journal(store, name) is None and not _files_of(store, name):
+            there = journal_name(name) in store.list(journal_name(name))
+            if not there and not _files_of(store, name):
                 names = [g.name for g in index.field_groups]
                 raise CompileError(
                     f"{store.url}: no field group {name!r} to drop; its groups are "
@@ -232,7 +234,7 @@ def _add(
     index = index_of(store)
     digest = _digest(recipe)
     existing = next((g for g in index.field_groups if g.name == name), None)
-    journal = _read_journal(store, name)
+    journal = _read_journal(store, name, overwrite)
     if (
         journal is not None
         and existing is not None
@@ -240,8 +242,9 @@ def _add(
         and existing.covers == len(index.shards)
         and journal["digest"] == _digest(existing.recipe)
     ):  # published before the compile stopped: only the tidying was left
-        replaced = [r for r in _files_of(store, name).values() if r < existing.revision]
-        _tidy(store, name, index, max(replaced, default=None))
+        _tidy(store, name, index, journal.get("keep"))
+        if not overwrite:
+            return index
         journal = None
     specs: dict[str, Spec] | None = None
     if journal is not None and not (resume or overwrite):
@@ -296,6 +299,11 @@ def _add(
                 "recipe": recipe,
                 "digest": digest,
                 "revision": revision,
+                # the revision the current index lists, kept for its readers when this one
+                # is published (and by a tidying left to a later call)
+                "keep": None
+                if existing is None or existing.revision == revision
+                else existing.revision,
                 "start": start,
                 "specs": [s.to_json() for s in specs.values()],
                 "index": _index_digest(store),
@@ -334,6 +342,7 @@ def _add(
     at = next((i for i, g in enumerate(index.field_groups) if g.name == name), len(others))
     index = replace(index, field_groups=(*others[:at], group, *others[at:]))
     _publish(store, index)
+    fault_at("group published")
     _tidy(store, name, index, earlier)
     return index
 
@@ -391,7 +400,9 @@ def _index_digest(store: Store) -> str:
     return hashlib.sha256(store.read(INDEX_NAME) or b"").hexdigest()
 
 
-def _read_journal(store: Store, name: str) -> dict[str, Any] | None:
+def _read_journal(store: Store, name: str, overwrite: bool = False) -> dict[str, Any] | None:
+    """Group ``name``'s journal, None when there is none (or, with ``overwrite``, when it
+    cannot be read: the group is compiled again from the start, past its files)."""
     data = store.read(journal_name(name))
     if data is None:
         return None
@@ -411,6 +422,8 @@ def _read_journal(store: Store, name: str) -> dict[str, Any] | None:
             raise FormatError(path, "not a field group journal")
         return obj
     except FormatError as e:
+        if overwrite:
+            return None
         raise CompileError(f"{e}; pass overwrite=True to compile the group again") from None
 
 

@@ -44,6 +44,10 @@ _SHARD = r"(?:shard-\d{5,}|unit-\d{6,}-\d{4,}|group-[a-z][a-z0-9_]{0,31}-r\d+-\d
 _COMMIT = rf"{re.escape(COMMIT_PREFIX)}\d{{6,}}\.json"
 _GENERATION = r"errors-\d{4,}\.jsonl|inputs-\d{4,}\.bin"  # formats.generations
 _GROUP_JOURNAL = r"\.dlop-group-[a-z][a-z0-9_]{0,31}\.json"  # compiler.groups
+# A field group's files, and the journal of one being added: add_fields and drop_fields
+# keep or delete them (a revision a reader of an earlier index reads, an interrupted
+# group's), never a compile into the archive but --overwrite.
+GROUP_FILE = re.compile(rf"group-[a-z][a-z0-9_]{{0,31}}-r\d+-\d{{6,}}\.dlop|{_GROUP_JOURNAL}")
 _OWN = "|".join(
     [
         *(re.escape(n) for n in (INDEX_NAME, ERRORS_NAME, JOURNAL, BASE_COPY)),
@@ -408,7 +412,7 @@ def clear_for_resume(
     if isinstance(store, LocalStore):
         store.clear_staging()
     for name in store.list():
-        if name in keep or not COMPILE_FILE.fullmatch(name):
+        if name in keep or not COMPILE_FILE.fullmatch(name) or GROUP_FILE.fullmatch(name):
             continue
         if root is None or _written_by_a_compile(root, name):
             store.delete(name)
@@ -449,5 +453,10 @@ def discard(store: Store, created_dir: bool, base: frozenset[str] = frozenset())
             shutil.rmtree(store.root, ignore_errors=True)
             return
     for name in store.list():
-        if name != LOCK and name not in base and COMPILE_FILE.fullmatch(name):
+        if (
+            name != LOCK
+            and name not in base
+            and COMPILE_FILE.fullmatch(name)
+            and not (base and GROUP_FILE.fullmatch(name))
+        ):
             store.delete(name)

@@ -102,7 +102,9 @@ def private_copy(view: np.ndarray) -> np.ndarray:
     """``view`` (an array of a mapped shard) copied into this process's memory by the one
     copy step, so that a shard truncated under it is ShardChangedError naming the shard
     where the compiled copier runs, never SIGBUS: what Python then reads batch after
-    batch is the copy."""
+    batch is the copy. ``view`` is one contiguous run of bytes (a region of a shard)."""
+    if not view.flags.c_contiguous:
+        raise ValueError("private_copy copies a C-contiguous array")
     out = torch.empty(view.nbytes, dtype=torch.uint8)
     if view.nbytes:
         step = Runs(

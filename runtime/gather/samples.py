@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlop.formats import Field
+from dlop.formats import Field, FormatError
 
 from .engine import private_copy
 from .fields import FieldGather, Output, Planned, check_padded, flat_bytes, shard_groups
@@ -146,7 +146,20 @@ class TextGather(FieldGather):
                 try:
                     values += [data[offsets[i] : offsets[i + 1]].decode("utf-8") for i in local]
                 except UnicodeDecodeError:
-                    values += [self.shards[k].get(name, i) for i in local]  # names the bad sample
+                    raise self._not_utf8(k, data, offsets, local) from None
             else:
                 values += [data[offsets[i] : offsets[i + 1]] for i in local]
         return {name: values}, []
+
+    def _not_utf8(self, k: int, data: bytes, offsets: list[int], local: list[int]) -> FormatError:
+        """The error naming the first of ``local`` that is not UTF-8 (as ShardReader.get
+        names it), found in the copy."""
+        for i in local:
+            try:
+                data[offsets[i] : offsets[i + 1]].decode("utf-8")
+            except UnicodeDecodeError as e:
+                return FormatError(
+                    self.shards[k].path,
+                    f"field {self.field.name!r} sample {i}: not UTF-8 ({e.reason})",
+                )
+        raise AssertionError("a sample failed to decode once, not twice")

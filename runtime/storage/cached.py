@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlop.formats import ArchiveReader, parse_index
+from dlop.formats import ArchiveReader, Index, parse_index
 from dlop.formats.archive import encode_index
 from dlop.formats.constants import INDEX_NAME, MAX_INDEX_BYTES
 from dlop.formats.redact import redact
@@ -83,7 +83,8 @@ def open_cached(
     )
     client = Client(url, options, local)
     data = fetch_index(client(), url, MAX_INDEX_BYTES, retry)
-    supply = _supply(url, data, cache, client, retry, "")
+    index = parse_index(f"{url}/{INDEX_NAME}", data)  # the format's bounds, first
+    supply = _supply(url, data, index, cache, client, retry, "")
     supply.sizes.check_budget(2)
     # What reopens it in a DataLoader worker started by spawn: the same call.
     reopen = (
@@ -99,7 +100,6 @@ def open_cached(
         ),
     )
     supply.reopen = reopen
-    index = supply.index
     names = [
         g.name
         for g in index.complete_groups()
@@ -110,51 +110,52 @@ def open_cached(
     groups: dict[str, RemoteSupply] = {}
     try:
         for name in names:
-            groups[name] = _supply(url, group_index(index, name), cache, client, retry, name)
-        # one budget for all: each supply's share of it is its share of the bytes
-        every = [supply, *groups.values()]
-        sizes = [max(1, sum(sh.bytes for sh in s.index.shards)) for s in every]
-        for s, size in zip(every, sizes, strict=True):
-            s.sizes.max_bytes = cache.max_bytes * size // sum(sizes)
-            s.loose_bytes = s.sizes.max_bytes // 2
-            s.sizes.check_budget(2)
+            data = group_index(index, name)
+            group = parse_index(f"{url} field group {name}", data)
+            groups[name] = _supply(url, data, group, cache, client, retry, name)
+        grouped = GroupedSupply(supply, dict(groups), reopen)
+        for s in grouped.every():  # idle shards kept: half the budget among them all
+            s.loose_bytes = cache.max_bytes // (2 * len(grouped.every()))  # type: ignore[attr-defined]
+        grouped.check_budget(2)
     except BaseException:
         for s in [supply, *groups.values()]:
             s.close()
         raise
-    return GroupedSupply(supply, dict(groups), reopen)
+    return grouped
 
 
 def _supply(
-    url: str, data: bytes, cache: CacheDir, client: Client, retry: Retry, group: str
+    url: str,
+    data: bytes,
+    index: Index,
+    cache: CacheDir,
+    client: Client,
+    retry: Retry,
+    group: str,
 ) -> RemoteSupply:
-    """The supply of the shards ``data`` (an index.json's bytes) lists, from ``url``'s
-    folder: the archive's, or field group ``group``'s."""
+    """The supply of the shards ``index`` (``data`` parsed) lists, from ``url``'s folder:
+    the archive's, or field group ``group``'s. An archive with field groups is cached
+    under its index without them (adding, compiling again or dropping a group changes no
+    shard of the archive's, so its cached shards stay where they are, whatever version of
+    the index each reader opened), and read with the index as fetched."""
+    if index.field_groups:
+        data = encode_index(dataclasses.replace(index, field_groups=()))
     # the folder made, filled and marked in use at once: a --clear never sees it half made
     with locked(cache.root / BUDGET_LOCK):
-        folder = cache.archive_dir(folder_key(data))
+        folder = cache.archive_dir(hashlib.sha256(data).hexdigest()[:24])
         publish(folder / "index.json", data)
         source = redact(url) + (f" field group {group}" if group else "")
         publish(folder / "source.txt", source.encode() + b"\n")
         in_use = cache.use(folder)
     try:
-        reader = ArchiveReader(folder)  # the validated index; shards come from the supply
+        # the validated index; shards come from the supply
+        reader = ArchiveReader(folder, index=index)
         check_shard_names(url, [s.file for s in reader.index.shards])
         supply = RemoteSupply(url, reader, cache, folder, client, retry, in_use=in_use)
     except BaseException:
         close_quietly([in_use])
         raise
     return supply
-
-
-def folder_key(data: bytes) -> str:
-    """The cache folder of the archive whose index.json is ``data``: a hash of its bytes,
-    without its field groups (adding, compiling again or dropping a group changes no
-    shard of the archive's, so its cached shards stay where they are)."""
-    index = parse_index(INDEX_NAME, data)  # checked against the format's bounds first
-    if index.field_groups:
-        data = encode_index(dataclasses.replace(index, field_groups=()))
-    return hashlib.sha256(data).hexdigest()[:24]
 
 
 def publish(path: Path, data: bytes) -> None:

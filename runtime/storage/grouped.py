@@ -24,6 +24,8 @@ from dlop.formats import Field, Index, ShardReader
 from dlop.formats.archive import encode_index
 from dlop.formats.joined import JoinedShard
 
+from ..errors import UsageError
+from .cache import STAMP_BYTES
 from .supply import ShardSupply
 
 
@@ -165,8 +167,25 @@ class GroupedSupply(ShardSupply):
             s.on_drop(dropped)
 
     def check_budget(self, shards_in_flight: int, why: str = "") -> None:
+        """Each supply's own check, then theirs together: shard k of the archive and of
+        each group are held at once, in one cache."""
         for s in self.every():
             s.check_budget(shards_in_flight, why)
+        sizes = [getattr(s, "sizes", None) for s in self.every()]
+        if any(z is None for z in sizes):
+            return
+        largest = sum(z.largest + STAMP_BYTES for z in sizes)  # type: ignore[union-attr]
+        n = min(shards_in_flight, len(self.shard_sizes))
+        budget = sizes[0].max_bytes  # type: ignore[union-attr]
+        if n * largest > budget:
+            because = f" ({why})" if why else ""
+            raise UsageError(
+                f"{self.name}: cache_bytes {budget} is below what reading the archive and "
+                f"its field groups {sorted(self.groups)} needs in flight: {n} shards, each "
+                f"with its groups' shards beside it, x {largest} bytes (the largest of each, "
+                f"with their stamps) = {n * largest}{because}; raise cache_bytes "
+                f"(DLOP_CACHE_BYTES) to at least {n * largest}, or hold fewer shards at once"
+            )
 
     def close(self) -> None:
         self.mine()

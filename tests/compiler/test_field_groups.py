@@ -59,6 +59,15 @@ def own_files(out: Path) -> dict[str, bytes]:
     return {n: b for n, b in files(out).items() if n != "index.json" and not n.startswith("group-")}
 
 
+def killed_at(moment: str, code: str, out: Path) -> None:
+    """``code`` (its ``sys.argv[1]``: ``out``) run in a fresh interpreter that kills itself
+    with SIGKILL at ``moment`` (compiler.faults)."""
+    env = {**os.environ, "DLOP_TEST_KILL_AT": moment}
+    argv = [sys.executable, "-c", f"import sys; sys.path.insert(0, sys.argv[2]); {code}"]
+    done = subprocess.run([*argv, str(out), str(REPO)], env=env)
+    assert done.returncode == -signal.SIGKILL
+
+
 def check_group(out: Path, count: int) -> None:
     """Every sample reads back as embed gives it, beside its own fields."""
     archive = open_archive(out)
@@ -522,3 +531,52 @@ def test_drop_fields_clears_an_interrupted_group(tmp_path: Path) -> None:
     drop_fields(out, "bad")
     assert not [n for n in os.listdir(out) if "bad" in n]
     add_fields(out, double, "bad", workers=1, progress=False)
+
+
+def test_killed_after_publishing_then_run_again(tmp_path: Path) -> None:
+    """kill -9 between the new index and its tidying: the next call (resume=True or not)
+    finds the work done, keeps the revision the earlier index listed, and deletes what a
+    compile interrupted before that one left."""
+    out = tmp_path / "a"
+    base(out, 150)
+    add_fields(out, double, "two", workers=1, progress=False)  # r0
+    r0 = sorted(n for n in os.listdir(out) if n.startswith("group-two-r0-"))
+    (out / "group-two-r1-000000.dlop").write_bytes((out / r0[0]).read_bytes())  # r1, cut short
+    killed_at(
+        "group published",
+        "from dlop.compiler import add_fields;"
+        "from tests.compiler.group_data import quadruple;"
+        "add_fields(sys.argv[1], quadruple, 'two', workers=1, overwrite=True, progress=False)",
+        out,
+    )
+    assert read_index(out).field_groups[0].revision == 2  # published: past r1's file
+    assert (out / ".dlop-group-two.json").exists()
+    index = add_fields(out, quadruple, "two", workers=1, resume=True, progress=False)
+    assert index.field_groups[0].revision == 2
+    left = sorted(n for n in os.listdir(out) if "two" in n)
+    assert left == sorted(r0 + [s.info.file for s in index.field_groups[0].shards])
+    assert torch.equal(open_archive(out)[7]["double"], open_archive(out)[7]["x"] * 4)
+
+
+def test_an_interrupted_append_keeps_the_groups_files(tmp_path: Path) -> None:
+    """--append killed, then --resume: the kept revision of a group and an interrupted
+    group's files stay (add_fields and drop_fields own them)."""
+    out = tmp_path / "a"
+    base(out, 150)
+    add_fields(out, double, "two", workers=1, progress=False)
+    add_fields(out, quadruple, "two", workers=1, overwrite=True, progress=False)
+    with pytest.raises(CompileError):
+        add_fields(out, fails_at_37, "bad", workers=1, progress=False)
+    groups = sorted(n for n in os.listdir(out) if n.startswith(("group-", ".dlop-group")))
+    assert any("-r0-" in n for n in groups) and ".dlop-group-bad.json" in groups
+    killed_at(
+        "unit:1",
+        "from dlop.compiler import compile_map;"
+        "from tests.compiler.group_data import base_sample;"
+        "compile_map(base_sample, list(range(300)), sys.argv[1], workers=1, append=True,"
+        " shard_bytes='4KiB', progress=False)",
+        out,
+    )
+    compile_map(base_sample, list(range(300)), out, workers=1, append=True, resume=True, **OPTIONS)
+    assert sorted(n for n in os.listdir(out) if n.startswith(("group-", ".dlop-group"))) == groups
+    assert len(open_archive(out, fields=["x"])) == 300

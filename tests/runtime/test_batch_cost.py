@@ -211,9 +211,23 @@ def test_fields_planned_by_arrays_are_checked_once_an_epoch(
     assert len(supply.calls) == 1 + groups and supply.calls[0] == shards
 
 
-def test_text_fields_are_still_checked_per_batch(tmp_path: Path) -> None:
-    supply = CountingChecks(open_archive(make_archive(tmp_path / "a", n=37)).supply)
-    loader = Loader(Archive.over(supply), 6, seed=0)
+def test_raw_text_is_checked_once_an_epoch_zstd_and_several_axes_per_batch(
+    tmp_path: Path,
+) -> None:
+    """Raw text is sliced from copies the copier makes; zstd fields and arrays with several
+    varying dimensions are read from the mapping in Python, each batch's shards checked."""
+    path = make_archive(tmp_path / "a", n=37)
+    for fields, per_batch in (
+        (["key", "text", "label"], False),
+        (["text", "image"], True),
+    ):
+        supply = CountingChecks(open_archive(path).supply)
+        loader = Loader(Archive.over(supply, fields), 6, seed=0)
+        assert sum(1 for _ in loader) == len(loader.batches())
+        assert len(supply.calls) == (1 + len(loader.batches()) if per_batch else 1), fields
+    zstd = make_archive(tmp_path / "z", n=37, zstd=True)
+    supply = CountingChecks(open_archive(zstd).supply)
+    loader = Loader(Archive.over(supply, ["logmel", "text"]), 6, seed=0)
     assert sum(1 for _ in loader) == len(loader.batches())
     assert len(supply.calls) == 1 + len(loader.batches())
 
