@@ -9,7 +9,7 @@ opens a group's files.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -65,12 +65,6 @@ class JoinedShard(ShardReader):
 
     def layout_of(self, name: str) -> FieldLayout:
         return self.part(name).layout_of(name)
-
-    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
-        got = self._derived.get(key)
-        if got is None:
-            got = self._derived[key] = make()
-        return got
 
     def array(self, name: str) -> np.ndarray:
         return self.part(name).array(name)

@@ -276,43 +276,11 @@ def _compile(
     on_error = options["on_error"]
     if on_error not in ON_ERROR_POLICIES:
         raise CompileError(f"on_error {on_error!r} must be one of {ON_ERROR_POLICIES}")
-    workers = options["workers"]
-    if workers is not None and (type(workers) is not int or not 1 <= workers <= MAX_WORKERS):
-        raise CompileError(
-            f"workers {workers!r:.40} must be an int from 1 to {MAX_WORKERS} (or None: one "
-            "per core)"
-        )
-    timeout = options["item_timeout"]
-    if timeout is not None and (
-        type(timeout) not in (int, float) or not 0 < timeout < float("inf")
-    ):
-        raise CompileError(
-            f"item_timeout {timeout!r} must be a positive number of seconds (or None: no limit)"
-        )
-    seed = options["seed"]
-    if type(seed) is not int or seed < 0:
-        raise CompileError(f"seed {seed!r} must be a non-negative integer")
-    dtype = options["dtype"]
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise CompileError(f"dtype {dtype!r} must be one of {FLOAT_DTYPES} (or None: as given)")
-    from dlop.formats.codecs import parse_codec
-    from dlop.formats.errors import SchemaError
-
+    check_options(options)
+    timeout, seed, dtype = options["item_timeout"], options["seed"], options["dtype"]
     codec = str(options["compression"])
-    try:
-        parse_codec(codec)
-    except SchemaError as e:
-        raise CompileError(f"compression: {e}") from None
     given = given_schema(options["schema"])
-    code = describe(target, dataset)
-    if options["arguments"] is not None:
-        try:
-            code["arguments"] = json.loads(json.dumps(options["arguments"], sort_keys=True))
-        except (TypeError, ValueError):
-            raise CompileError(
-                f"arguments {options['arguments']!r:.80}: recorded in the recipe, so JSON "
-                "values (str, numbers, lists, dicts)"
-            ) from None
+    code = described(target, dataset, options["arguments"])
     recipe = CustomRecipe(
         kind,
         code,
@@ -378,6 +346,51 @@ def _compile(
                 flush=True,
             )
             resume, overwrite = False, True  # what the stopped compile wrote is gone
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Refuses ``workers``, ``item_timeout``, ``seed``, ``dtype`` and ``compression`` values
+    (Options') that no compile of one's own code takes, each named."""
+    workers = options["workers"]
+    if workers is not None and (type(workers) is not int or not 1 <= workers <= MAX_WORKERS):
+        raise CompileError(
+            f"workers {workers!r:.40} must be an int from 1 to {MAX_WORKERS} (or None: one "
+            "per core)"
+        )
+    timeout = options["item_timeout"]
+    if timeout is not None and (
+        type(timeout) not in (int, float) or not 0 < timeout < float("inf")
+    ):
+        raise CompileError(
+            f"item_timeout {timeout!r} must be a positive number of seconds (or None: no limit)"
+        )
+    seed = options["seed"]
+    if type(seed) is not int or seed < 0:
+        raise CompileError(f"seed {seed!r} must be a non-negative integer")
+    dtype = options["dtype"]
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise CompileError(f"dtype {dtype!r} must be one of {FLOAT_DTYPES} (or None: as given)")
+    from dlop.formats.codecs import parse_codec
+    from dlop.formats.errors import SchemaError
+
+    try:
+        parse_codec(str(options["compression"]))
+    except SchemaError as e:
+        raise CompileError(f"compression: {e}") from None
+
+
+def described(target: Any, dataset: bool, arguments: Any) -> dict[str, Any]:
+    """The recipe's ``code`` entry (code.describe) with the ``arguments`` given, if any."""
+    code = describe(target, dataset)
+    if arguments is not None:
+        try:
+            code["arguments"] = json.loads(json.dumps(arguments, sort_keys=True))
+        except (TypeError, ValueError):
+            raise CompileError(
+                f"arguments {arguments!r:.80}: recorded in the recipe, so JSON values (str, "
+                "numbers, lists, dicts)"
+            ) from None
+    return code
 
 
 def _shard_bytes(value: int | str) -> int:

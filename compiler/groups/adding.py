@@ -27,28 +27,29 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from dlop.formats import FormatError, Index
+import numpy as np
+
+from dlop.formats import FormatError, Index, parse_index
 from dlop.formats.archive import encode_index, now_utc
-from dlop.formats.codecs import parse_codec
 from dlop.formats.constants import INDEX_NAME, JOURNAL_NAME
 from dlop.formats.errors import SchemaError
 from dlop.formats.files import loads_bounded
 from dlop.formats.groups import FieldGroup, GroupShard, check_group_name, group_file
 from dlop.formats.writer import ShardInfo
 
-from ..custom.code import changes, describe
+from ..custom.code import changes
+from ..custom.compiling import check_options, described
 from ..custom.samples import Spec, given_schema, infer, merge, widened
 from ..errors import AxisVaries, CompileError
 from ..faults import fault_at
 from ..output.guard import OutputLock
 from ..output.store import LocalStore, Store, open_store
-from ..recipe import DTYPES, MAX_WORKERS
+from ..recipe import DTYPES
 from ..run.processes import local_workers, worker_context
 from ..run.units import by_value
 from .shard import (
     GroupTask,
     ItemFailed,
-    index_of,
     probe,
     run_group_unit,
     shard_file,
@@ -94,16 +95,26 @@ def add_fields(
     ``seed``, ``item_timeout``, ``arguments`` and ``storage_options`` (for an archive at a URL) mean
     what they do for compile_map."""
     check_group_name_or_refuse(name)
-    options = _options(workers, dask, compression, dtype, seed, item_timeout)
+    check_options(
+        {
+            "workers": workers,
+            "item_timeout": item_timeout,
+            "seed": seed,
+            "dtype": dtype,
+            "compression": compression,
+        }
+    )
+    options = {
+        "workers": workers,
+        "dask": dask,
+        "codec": str(compression),
+        "dtype": dtype,
+        "seed": seed,
+        "timeout": item_timeout,
+        "storage_options": storage_options,
+    }
     given = given_schema(schema)
-    code = describe(fn, False)
-    if arguments is not None:
-        try:
-            code["arguments"] = json.loads(json.dumps(arguments, sort_keys=True))
-        except (TypeError, ValueError):
-            raise CompileError(
-                f"arguments {arguments!r:.80}: recorded in the recipe, so JSON values"
-            ) from None
+    code = described(fn, False, arguments)
     recipe = {
         "compile": "fields",
         "code": code,
@@ -116,9 +127,10 @@ def add_fields(
         "codec": compression,
     }
     pickled = by_value(fn)
-    options["storage_options"] = storage_options
-    with _locked(archive, storage_options) as store:
-        return _add(store, name, recipe, pickled, given, options, resume, overwrite, progress)
+    with _locked(archive, storage_options) as (store, index, data):
+        return _add(
+            store, index, data, name, recipe, pickled, given, options, resume, overwrite, progress
+        )
 
 
 def drop_fields(
@@ -130,8 +142,7 @@ def drop_fields(
     the index no longer lists deletes what is left of it (a dropped group's files, an
     interrupted compile's). Returns the new index."""
     check_group_name_or_refuse(name)
-    with _locked(archive, storage_options) as store:
-        index = index_of(store)
+    with _locked(archive, storage_options) as (store, index, _):
         group = next((g for g in index.field_groups if g.name == name), None)
         if group is None:
             there = journal_name(name) in store.list(journal_name(name))
@@ -156,46 +167,10 @@ def check_group_name_or_refuse(name: object) -> None:
         raise CompileError(str(e)) from None
 
 
-def _options(
-    workers: int | None,
-    dask: str | None,
-    compression: str,
-    dtype: str | None,
-    seed: int,
-    item_timeout: float | None,
-) -> dict[str, Any]:
-    if workers is not None and (type(workers) is not int or not 1 <= workers <= MAX_WORKERS):
-        raise CompileError(
-            f"workers {workers!r:.40} must be an int from 1 to {MAX_WORKERS} (or None: one per core)"
-        )
-    if type(seed) is not int or seed < 0:
-        raise CompileError(f"seed {seed!r} must be a non-negative integer")
-    if dtype is not None and dtype not in DTYPES:
-        raise CompileError(f"dtype {dtype!r} must be one of {tuple(DTYPES)} (or None: as given)")
-    if item_timeout is not None and (
-        type(item_timeout) not in (int, float) or not 0 < item_timeout < float("inf")
-    ):
-        raise CompileError(
-            f"item_timeout {item_timeout!r} must be a positive number of seconds (or None)"
-        )
-    try:
-        parse_codec(str(compression))
-    except SchemaError as e:
-        raise CompileError(f"compression: {e}") from None
-    return {
-        "workers": workers,
-        "dask": dask,
-        "codec": str(compression),
-        "dtype": dtype,
-        "seed": seed,
-        "timeout": item_timeout,
-    }
-
-
 @contextlib.contextmanager
 def _locked(
     archive: str | os.PathLike[str], storage_options: dict[str, Any] | None
-) -> Iterator[Store]:
+) -> Iterator[tuple[Store, Index, bytes]]:
     """The archive's store, its lock held when it is a local folder (an object store has
     none, as for a compile into it); refused unless it holds a finished archive."""
     store = open_store(archive, storage_options)
@@ -210,10 +185,15 @@ def _locked(
                 "--resume"
             )
         try:
-            index_of(store)  # there, and valid
+            data = store.read(INDEX_NAME)
+            if data is None:
+                raise CompileError(
+                    f"{store.url}: holds no archive (no {INDEX_NAME}); compile one first"
+                )
+            index = parse_index(f"{store.url}/{INDEX_NAME}", data)
         except FormatError as e:
             raise CompileError(str(e)) from None
-        yield store
+        yield store, index, data
     finally:
         if lock is not None:
             lock.release()
@@ -221,6 +201,8 @@ def _locked(
 
 def _add(
     store: Store,
+    index: Index,
+    data: bytes,
     name: str,
     recipe: dict[str, Any],
     pickled: bytes,
@@ -231,7 +213,7 @@ def _add(
     progress: bool,
 ) -> Index:
     out = store.url
-    index = index_of(store)
+    at_start = hashlib.sha256(data).hexdigest()  # the index is the same throughout (locked)
     digest = _digest(recipe)
     existing = next((g for g in index.field_groups if g.name == name), None)
     journal = _read_journal(store, name, overwrite)
@@ -264,7 +246,7 @@ def _add(
                 f"options it began with, and {'; '.join(why) or 'they differ'}; pass "
                 "overwrite=True to compile it again"
             )
-        if journal["index"] != _index_digest(store):
+        if journal["index"] != at_start:
             raise CompileError(
                 f"{out}: the archive changed since field group {name!r} began; pass "
                 "overwrite=True to compile it again"
@@ -306,12 +288,14 @@ def _add(
                 else existing.revision,
                 "start": start,
                 "specs": [s.to_json() for s in specs.values()],
-                "index": _index_digest(store),
+                "index": at_start,
             }
             store.write(journal_name(name), json.dumps(journal).encode())
             task = _task(out, name, revision, specs, pickled, options)
             try:
-                made = _run_units(engine, task, range(start, len(index.shards)), resume, progress)
+                made = _run_units(
+                    engine, task, index, range(start, len(index.shards)), resume, progress
+                )
                 break
             except AxisVaries as e:
                 specs = widened(specs, e.field, e.axis)
@@ -394,10 +378,6 @@ def _task(
 def _digest(recipe: Mapping[str, Any]) -> str:
     mine = {k: v for k, v in recipe.items() if k != "fields"}
     return hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
-
-
-def _index_digest(store: Store) -> str:
-    return hashlib.sha256(store.read(INDEX_NAME) or b"").hexdigest()
 
 
 def _read_journal(store: Store, name: str, overwrite: bool = False) -> dict[str, Any] | None:
@@ -549,12 +529,11 @@ class _Engine:
 
 
 def _run_units(
-    engine: _Engine, task: GroupTask, shards: range, resume: bool, progress: bool
+    engine: _Engine, task: GroupTask, index: Index, shards: range, resume: bool, progress: bool
 ) -> list[GroupShard]:
     """Every pending unit's group shard (a resume keeps those already written whole)."""
     made: dict[int, GroupShard] = {}
     store = task.store()
-    index = index_of(store)
     present = set(store.list(f"group-{task.name}-r{task.revision}-")) if resume else set()
     todo = []
     for k in shards:
@@ -563,7 +542,11 @@ def _run_units(
             made[k] = done
         else:
             todo.append(k)
-    futures = {engine.submit(run_group_unit, task, k): k for k in todo}
+    starts = np.cumsum([0, *(s.num_samples for s in index.shards)]).tolist()
+    futures = {
+        engine.submit(run_group_unit, task, k, index.shards[k], index.fields, starts[k]): k
+        for k in todo
+    }
     last = time.monotonic()
     try:
         for future in engine.done(list(futures)):

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlop.formats import FormatError, Index, ShardReader, parse_index
+from dlop.formats import Field, FormatError, Index, ShardReader, parse_index
 from dlop.formats.constants import INDEX_NAME
 from dlop.formats.groups import group_file
 from dlop.formats.writer import ShardInfo, ShardWriter
@@ -127,7 +127,7 @@ def shard_file(store: Store, info: ShardInfo, fields: Any = None) -> Iterator[Sh
         path = local / info.file
     else:
         path = store.staging() / f".{info.file}.{os.getpid()}.base"
-        store.download(info.file, path, info.bytes + 1)  # type: ignore[attr-defined]
+        store.download(info.file, path, info.bytes + 1)
     try:
         reader = ShardReader(path, archive_dir=local, expected_bytes=info.bytes)
         try:
@@ -145,14 +145,15 @@ def shard_file(store: Store, info: ShardInfo, fields: Any = None) -> Iterator[Sh
             path.unlink(missing_ok=True)
 
 
-def run_group_unit(task: GroupTask, k: int) -> dict[str, Any]:
-    """Computes and publishes group shard ``k``; returns its index entry (GroupShard JSON)."""
+def run_group_unit(
+    task: GroupTask, k: int, info: ShardInfo, fields: tuple[Field, ...], first: int
+) -> dict[str, Any]:
+    """Computes and publishes group shard ``k`` beside the archive's shard ``info`` (whose
+    schema is ``fields``, whose first sample is number ``first`` of the archive); returns
+    its index entry (GroupShard JSON). The driver read the index once for every unit."""
     fn = function_of(task.code)
     store = task.store()
-    index = index_of(store)
-    info = index.shards[k]
-    first = sum(s.num_samples for s in index.shards[:k])
-    with shard_file(store, info, index.fields) as base:
+    with shard_file(store, info, fields) as base:
         if base.file_crc32() != info.crc32:
             raise FormatError(base.path, "whole-file CRC-32 differs from index.json")
         name = group_file(task.name, task.revision, k)

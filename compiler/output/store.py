@@ -58,6 +58,10 @@ class Store(Protocol):
         """Removes OUT/name; a missing name is fine."""
         ...
 
+    def download(self, name: str, target: Path, limit: int) -> int:
+        """Copies at most ``limit`` bytes of OUT/name into the local file ``target``."""
+        ...
+
     def sizes(self, prefix: str = "") -> dict[str, int]:
         """Every file under OUT (names as ``list`` gives them) with its size in bytes, from
         one listing: no request per file."""

@@ -141,8 +141,11 @@ class Archive(Dataset[dict[str, Any]]):
         self.num_samples = int(self.shard_starts[-1])
         self.starts = torch.from_numpy(self.shard_starts[:-1].copy())
         self.shards = supply.shards or []  # empty when the supply maps shards per batch
-        for shard in self.shards:  # a group's shards read here mapped now, as the rest are:
-            for name in self.fields:  # a group changed meanwhile never takes them away
+        # a group's shards read here mapped now, as the rest are: a group changed meanwhile
+        # never takes them away
+        grouped = [n for n in self.fields if any(n in r.owners for r in self.readers)]
+        for shard in self.shards if grouped else ():
+            for name in grouped:
                 shard.part(name)
         self.selection = select(supply.fields, self.shards, where, indices, supply.name)
         self.planner = planner(supply, self.fields, self.shard_starts, pad_value)

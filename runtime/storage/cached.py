@@ -113,9 +113,7 @@ def open_cached(
             data = group_index(index, name)
             group = parse_index(f"{url} field group {name}", data)
             groups[name] = _supply(url, data, group, cache, client, retry, name)
-        grouped = GroupedSupply(supply, dict(groups), reopen)
-        for s in grouped.every():  # idle shards kept: half the budget among them all
-            s.loose_bytes = cache.max_bytes // (2 * len(grouped.every()))  # type: ignore[attr-defined]
+        grouped = GroupedSupply(supply, groups, reopen)
         grouped.check_budget(2)
     except BaseException:
         for s in [supply, *groups.values()]:

@@ -12,7 +12,6 @@ archive's own fields fetches no group file.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -26,29 +25,28 @@ from dlop.formats.joined import JoinedShard
 
 from ..errors import UsageError
 from .cache import STAMP_BYTES
+from .remote_supply import RemoteSupply
 from .supply import ShardSupply
 
 
 def group_index(index: Index, name: str) -> bytes:
-    """The index.json of field group ``name`` read as an archive of its own: its fields,
-    its shards (each entry as the archive's index lists it), nothing else."""
+    """The index.json of field group ``name`` read as an archive of its own: its fields
+    and its shards (each entry as the archive's index lists it)."""
     group = next(g for g in index.field_groups if g.name == name)
     shards = tuple(s.info for s in group.shards)
-    own = Index(group.fields, shards, sum(s.num_samples for s in shards))
-    data = encode_index(own)
-    obj = json.loads(data)
-    obj["recipe"] = {"field_group": name, "of": index.provenance.get("created", "")}
-    return json.dumps(obj, indent=1).encode() + b"\n"
+    recipe = {"field_group": name, "of": index.provenance.get("created", "")}
+    return encode_index(Index(group.fields, shards, sum(s.num_samples for s in shards), recipe))
 
 
 class GroupedSupply(ShardSupply):
     """Shard k of ``base`` joined with shard k of each of ``groups`` (name -> the supply of
-    that field group's shards); ``reopen`` is what reopens it in another process."""
+    that field group's shards), all of one node cache; ``reopen`` is what reopens it in
+    another process."""
 
     def __init__(
         self,
-        base: ShardSupply,
-        groups: Mapping[str, ShardSupply],
+        base: RemoteSupply,
+        groups: Mapping[str, RemoteSupply],
         reopen: tuple[Callable[..., Any], tuple[Any, ...]],
     ) -> None:
         self.base = base
@@ -64,9 +62,9 @@ class GroupedSupply(ShardSupply):
         self.shards = None  # mapped per batch, as the supplies it joins
         self.pid = -1
         self.mine()
-        cache = getattr(base, "cache", None)
-        if cache is not None:  # one cache, so one way to make room in it: any of them
-            cache.squeeze = self.squeeze
+        base.cache.squeeze = self.squeeze  # one cache: room is made in any of them
+        for s in self.every():  # idle shards kept: half the budget among them all
+            s.loose_bytes = base.cache.max_bytes // (2 * len(self.every()))
 
     def mine(self) -> None:
         """This process's state (a forked child's first look: nothing of the parent's)."""
@@ -79,12 +77,12 @@ class GroupedSupply(ShardSupply):
 
     def squeeze(self) -> bool:
         """Lets go of an idle shard of any of the supplies (room is wanted)."""
-        return any(getattr(s, "squeeze", lambda: False)() for s in self.every())
+        return any(s.squeeze() for s in self.every())
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.reopen
 
-    def every(self) -> list[ShardSupply]:
+    def every(self) -> list[RemoteSupply]:
         return [self.base, *self.groups.values()]
 
     def join(self, k: int, partial: bool) -> ShardReader:
@@ -110,7 +108,7 @@ class GroupedSupply(ShardSupply):
             s.check(shards)
 
     def ask(self, shards: Sequence[int]) -> None:
-        done: list[ShardSupply] = []
+        done: list[RemoteSupply] = []
         try:
             for s in self.every():
                 s.ask(shards)
@@ -124,7 +122,7 @@ class GroupedSupply(ShardSupply):
         each(self.every(), lambda s: s.release(shards))
 
     def hold_all(self) -> bool:
-        held: list[ShardSupply] = []
+        held: list[RemoteSupply] = []
         try:
             for s in self.every():
                 if not s.hold_all():
@@ -171,12 +169,9 @@ class GroupedSupply(ShardSupply):
         each group are held at once, in one cache."""
         for s in self.every():
             s.check_budget(shards_in_flight, why)
-        sizes = [getattr(s, "sizes", None) for s in self.every()]
-        if any(z is None for z in sizes):
-            return
-        largest = sum(z.largest + STAMP_BYTES for z in sizes)  # type: ignore[union-attr]
+        largest = sum(s.sizes.largest + STAMP_BYTES for s in self.every())
         n = min(shards_in_flight, len(self.shard_sizes))
-        budget = sizes[0].max_bytes  # type: ignore[union-attr]
+        budget = self.base.cache.max_bytes
         if n * largest > budget:
             because = f" ({why})" if why else ""
             raise UsageError(

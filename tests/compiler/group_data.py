@@ -107,3 +107,9 @@ def spoken(sample: dict[str, Any]) -> dict[str, Any]:
 
 def spoken_again(sample: dict[str, Any]) -> dict[str, Any]:
     return {"said": f"again {int(sample['x'][0])}"}
+
+
+def hangs(sample: dict[str, Any]) -> dict[str, Any]:
+    if int(sample["x"][0]) == 20:
+        time.sleep(3600)
+    return {"y": sample["x"] + 1}

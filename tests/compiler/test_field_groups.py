@@ -580,3 +580,14 @@ def test_an_interrupted_append_keeps_the_groups_files(tmp_path: Path) -> None:
     compile_map(base_sample, list(range(300)), out, workers=1, append=True, resume=True, **OPTIONS)
     assert sorted(n for n in os.listdir(out) if n.startswith(("group-", ".dlop-group"))) == groups
     assert len(open_archive(out, fields=["x"])) == 300
+
+
+def test_a_function_that_hangs_is_stopped_at_the_item_time_limit(tmp_path: Path) -> None:
+    from .group_data import hangs
+
+    out = tmp_path / "a"
+    base(out, 60)
+    before = (out / "index.json").read_bytes()
+    with pytest.raises(CompileError, match="ran past item_timeout; nothing was published"):
+        add_fields(out, hangs, "h", workers=1, item_timeout=1, progress=False)
+    assert (out / "index.json").read_bytes() == before
