@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import SchemaError
 from .header import FieldLayout
-from .reader import Problem, ShardReader, Value
+from .reader import MappedCopy, Problem, ShardReader, Value
 
 
 class JoinedShard(ShardReader):
@@ -101,8 +101,13 @@ class JoinedShard(ShardReader):
     def compressed_block(self, name: str, block: int) -> memoryview:
         return self.part(name).compressed_block(name, block)
 
-    def decode_block(self, name: str, block: int, *, cached: bool = True) -> np.ndarray:
-        return self.part(name).decode_block(name, block, cached=cached)
+    def copied_tables(self, name: str, copy: MappedCopy) -> tuple[np.ndarray, np.ndarray]:
+        return self.part(name).copied_tables(name, copy)
+
+    def decode_block(
+        self, name: str, block: int, *, cached: bool = True, copy: MappedCopy | None = None
+    ) -> np.ndarray:
+        return self.part(name).decode_block(name, block, cached=cached, copy=copy)
 
     def get(self, name: str, index: int) -> Value:
         return self.part(name).get(name, index)

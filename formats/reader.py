@@ -46,6 +46,9 @@ from .schema import Field
 _CRC_CHUNK = 64 << 20
 
 Value = np.ndarray | bytes | str
+# Mapped bytes (uint8) to the bytes to read instead: a copy made where a fault on a file
+# that shrank is an error, not SIGBUS (ShardReader.decode_block, copied_tables).
+MappedCopy = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -393,6 +396,20 @@ class ShardReader:
             raise SchemaError(f"{self.path}: field {name!r} is not ragged")
         return st.shapes
 
+    def copied_tables(self, name: str, copy: MappedCopy) -> tuple[np.ndarray, np.ndarray]:
+        """A ragged field's ``offsets`` and ``shapes`` (as those methods give them) read
+        through ``copy`` (given each table's mapped bytes as ``uint8``; as
+        ``decode_block``'s), then checked again as on open: a copy of a file changed
+        since is refused here rather than read out of bounds later."""
+        st = self._st(name)
+        if st.offsets is None or st.shapes is None:
+            raise SchemaError(f"{self.path}: field {name!r} is not ragged")
+        offsets = copy(st.offsets.view(np.uint8)).view(st.offsets.dtype)
+        shapes = copy(st.shapes.reshape(-1).view(np.uint8)).view(st.shapes.dtype)
+        shapes = shapes.reshape(st.shapes.shape)
+        self._check_ragged(st, shapes, offsets)
+        return offsets, shapes
+
     def value_bytes(self, name: str) -> int:
         """Bytes the field's values take uncompressed (its data region when stored as they are)."""
         st = self._st(name)
@@ -441,28 +458,34 @@ class ShardReader:
         start = st.layout.regions["data"].offset + int(row["comp_offset"])
         return memoryview(self._mm)[start : start + int(row["comp_length"])]
 
-    def decode_block(self, name: str, block: int, *, cached: bool = True) -> np.ndarray:
+    def decode_block(
+        self, name: str, block: int, *, cached: bool = True, copy: MappedCopy | None = None
+    ) -> np.ndarray:
         """One block's values, decompressed and unshuffled: 1-D array of the field's dtype.
 
         With ``cached`` the result comes from (and goes to) the reader's block
-        cache; treat it as read-only.
+        cache; treat it as read-only. ``copy`` is given the frame's mapped bytes
+        (``uint8``) and returns the bytes to decode: a reader that must not touch a
+        mapping in place (a file may shrink under it) copies the frame out first.
         """
         st = self._st(name)
         if not cached:
-            return self._decode_block(st, block)
+            return self._decode_block(st, block, copy)
         key = (self._token, name, block)
         values = self._cache.get(key)
         if values is None:
-            values = self._decode_block(st, block)
+            values = self._decode_block(st, block, copy)
             self._cache.put(key, values)
         return values
 
-    def _decode_block(self, st: _FieldState, block: int) -> np.ndarray:
+    def _decode_block(self, st: _FieldState, block: int, copy: MappedCopy | None) -> np.ndarray:
         name, coder, table = st.field.name, st.coder, self.block_table(st.field.name)
         if coder is None:  # a field with a block table always has a block coder
             raise SchemaError(f"{self.path}: field {name!r} has no block coder")
         raw_len = int(table["raw_length"][block])
         frame = self.compressed_block(name, block)
+        if copy is not None:
+            frame = memoryview(copy(np.frombuffer(frame, np.uint8)).data)
         try:
             u8 = coder.decode(frame, raw_len, st.field.itemsize)
         except FrameError as e:
@@ -654,7 +677,9 @@ class _Blocks:
     decoded blocks go through the reader's block cache."""
 
     def load(self, r: ShardReader, st: _FieldState) -> None:
-        table = r._region(st, "blocks", BLOCK_DTYPE).view(BLOCK_ROW)
+        # copied out of the mapping (it is small): reading a block's place in it never
+        # touches the file, whatever happens to the file later
+        table = r._region(st, "blocks", BLOCK_DTYPE).view(BLOCK_ROW).copy()
         r._check_blocks(st, table)
         st.table = table
         st.first_samples = table["first_sample"].astype(np.int64)
@@ -700,7 +725,7 @@ class _Blocks:
                 problems.append(Problem(p, name, k, "block CRC-32 mismatch"))
                 continue
             try:
-                r._decode_block(st, k)
+                r._decode_block(st, k, None)
             except FormatError as e:
                 problems.append(Problem(p, name, k, e.problem))
         return problems

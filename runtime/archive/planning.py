@@ -26,9 +26,10 @@ from dlop.formats import Field, ShardReader
 from ..batch import Batch
 from ..gather.engine import compiled
 from ..gather.fields import Allocate, FieldGather, Groups, Locator, batch_groups
-from ..gather.mapped import FixedRawGather, RaggedRowsGather
+from ..gather.mapped import FixedRawGather
 from ..gather.plan import CopyPlan
-from ..gather.samples import PerSampleGather, TextGather
+from ..gather.samples import TextGather
+from ..gather.spans import SpanGather
 from ..storage.supply import ShardSupply
 
 Out = dict[str, torch.Tensor] | Allocate | None
@@ -41,12 +42,9 @@ def gather_kind(field: Field) -> type[FieldGather]:
     """The gather for a field's kind and storage (runtime.gather.fields lists them)."""
     if field.kind in ("str", "bytes"):
         return TextGather
-    mapped = field.codec.mappable
-    if not field.ragged and mapped:
+    if not field.ragged and field.codec.mappable:
         return FixedRawGather
-    if mapped and field.shape[0] is None and all(d is not None for d in field.shape[1:]):
-        return RaggedRowsGather
-    return PerSampleGather
+    return SpanGather
 
 
 def gather_for(
@@ -83,11 +81,9 @@ class Planner:
         self.shard_starts = shard_starts  # the first sample of each shard, then the total
         self.starts = torch.from_numpy(shard_starts[:-1].copy())
         self.pad_value = pad_value
-        # every field planned by arrays: a batch's indices in any order, no mapped byte
-        # read in Python (FieldGather.by_arrays)
+        # every field planned by arrays: a batch's indices in any order
+        # (FieldGather.by_arrays)
         self.by_arrays = all(gather_kind(f).by_arrays for f in self.fields.values())
-        # some field's planning reads mapped bytes in Python: each batch's shards checked
-        self.reads_mapping = any(gather_kind(f).reads_mapping(f) for f in self.fields.values())
         # every field fixed-size: a batch's tensors do not depend on which batch it is
         self.fixed_only = all(gather_kind(f) is FixedRawGather for f in self.fields.values())
         self.gathers: dict[str, FieldGather] = self.made_gathers()
@@ -113,11 +109,11 @@ class Planner:
 
     def checks_batches(self) -> bool:
         """Whether each batch's shards are checked before it is planned (the supply's
-        ``check``): where Python reads mapped bytes (``reads_mapping``), or copies run
-        without the compiled copier, which turns a read past a truncated shard's end into
-        an error. Otherwise ``check_all`` at each epoch's start is the check, and a
-        copy's fault names the shard."""
-        return self.reads_mapping or compiled() is None
+        ``check``): where copies run without the compiled copier, which turns a read
+        past a truncated shard's end into an error. Otherwise ``check_all`` at each
+        epoch's start is the check, and a copy's fault names the shard (no gather reads
+        a mapped byte in Python: FieldGather.by_arrays)."""
+        return compiled() is None
 
     def check_all(self) -> None:
         """Checks every shard the supply holds mapped (at an epoch's start)."""
@@ -233,9 +229,8 @@ class Fetched(Planner):
             self.whole_lock = threading.Lock()
 
     def hold_whole(self) -> bool:
-        # Fields Python reads from the mapping (text, zstd) keep planning per batch.
         self.mine()
-        if not self.by_arrays or not self.supply.hold_all():
+        if not self.supply.hold_all():
             return False
         everything = list(range(len(self.starts)))
         try:
@@ -285,8 +280,8 @@ class Fetched(Planner):
         # batch's samples in it are verified.
         readers = [self.supply.partial_shard(k) for k in key]
         arriving = False  # a shard still arriving: its gathers are not kept
-        # checked every batch: new gathers read the shards' offsets in Python
-        self.supply.check(touched)
+        if self.checks_batches():
+            self.supply.check(touched)
         sizes = [r.num_samples for r in readers]
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         if len(indices):  # global sample numbers to numbers within the touched shards

@@ -11,12 +11,10 @@ Kinds (``gather_for``):
 
 - fixed raw fields: one ``Rows`` step per batch, whatever the shards it
   touches (runtime.gather.mapped);
-- raw ragged fields whose first dimension varies: one run per sample plus
-  one padding run per sample, planned as arrays over the whole batch
-  (runtime.gather.mapped);
-- zstd fields and fields with several varying dimensions: samples read one
-  by one (blocks decoded here), one run per contiguous piece of a sample plus
-  the padding around it (runtime.gather.samples);
+- raw ragged fields (any of their dimensions varying) and zstd fields (from
+  their decoded blocks): one run per contiguous piece of a sample plus the
+  padding around it, planned as arrays over the whole batch
+  (runtime.gather.spans);
 - text and bytes: lists, no copy steps (runtime.gather.samples).
 """
 
@@ -254,17 +252,12 @@ class FieldGather:
     """Plans one field's part of a batch of global indices (any order within a shard,
     ascending across shards; see shard_groups), unless it plans ``by_arrays``."""
 
-    # Plans a batch by array arithmetic over all its indices, in any order, and reads
-    # no mapped byte in Python: its copies, by the compiled copier, catch a shard
-    # truncated under them (runtime.gather.engine), so no check precedes each batch.
+    # Plans a batch by array arithmetic over all its indices, in any order. No gather
+    # reads a mapped byte in Python: what Python reads (per-sample tables, text, zstd
+    # frames) the copy step copies out first, and the compiled copier copies values, so
+    # a shard truncated under either is an error naming it (runtime.gather.engine), and
+    # no check of the shards precedes each batch.
     by_arrays = False
-
-    @classmethod
-    def reads_mapping(cls, field: Field) -> bool:
-        """Whether planning a batch of ``field`` reads mapped bytes in Python (where a
-        shard truncated under it would be SIGBUS): such a batch's shards are checked
-        first. Gathers that plan by arrays read none."""
-        return not cls.by_arrays
 
     def __init__(
         self, field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float

@@ -55,3 +55,16 @@ def open_remote(url: str, fields: Any = None, pad_value: float = 0.0, **options:
 def weighted(paths: Mapping[str, Any], weights: Mapping[str, float]) -> dict[str, Source]:
     """A mixture's sources ``paths`` with their ``weights``."""
     return {name: Source(path, weight=weights[name]) for name, path in paths.items()}
+
+
+def fail_planning(ds: Archive, at: int) -> None:
+    """Makes the ``at``-th batch ``ds`` plans (from 1) fail as a read would."""
+    plan, calls = ds.planner.plan, []
+
+    def failing(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == at:
+            raise OSError("simulated read failure")
+        return plan(*args)
+
+    ds.planner.plan = failing  # type: ignore[method-assign]

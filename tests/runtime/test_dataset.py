@@ -96,7 +96,7 @@ def test_dataloader_workers_map_style_and_iterable(archive: Path) -> None:
 
 def test_ragged_span_plan_agrees_with_a_row_gather(tmp_path: Path) -> None:
     from dlop.formats import ArchiveWriter, Field
-    from dlop.runtime.gather.mapped import RaggedRowsGather
+    from dlop.runtime.gather.spans import SpanGather
 
     with ArchiveWriter(tmp_path / "s", [Field("f", "f16", (None, 80))], shard_bytes=300_000) as w:
         for i in range(40):
@@ -105,7 +105,7 @@ def test_ragged_span_plan_agrees_with_a_row_gather(tmp_path: Path) -> None:
     assert ds.reader.num_shards > 1
     idx = torch.tensor([1, 5, 17, 18, 33, 39])
     gather = ds.gathers["f"]
-    assert isinstance(gather, RaggedRowsGather)
+    assert isinstance(gather, SpanGather)
     spans = ds.gather(idx)
     # The same batch row by row: index_select of each sample's valid rows, zeros after.
     rows = torch.zeros_like(spans["f"])

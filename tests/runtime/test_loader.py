@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -23,7 +24,7 @@ from dlop.runtime import (
     open_archive,
 )
 
-from .helpers import make_archive
+from .helpers import fail_planning, make_archive
 
 
 @pytest.fixture(scope="module")
@@ -299,31 +300,21 @@ def test_the_source_hears_of_shards_ahead_and_lets_go_after(archive: Path, prefe
     loader = Loader(ds, 6, seed=1, prefetch=prefetch)
     batches = loader.batches()
     assert sum(len(b["label"]) for b in loader) == 41
-    epoch_check, *reads = [shards for what, shards in source.log if what == "read"]
-    assert epoch_check == tuple(range(len(ds.shards)))  # every shard, as the epoch starts
-    assert len(reads) == len(batches)  # then each batch's (text fields are read in Python)
-    for j, shards in enumerate(reads):
-        read_at = next(i for i, e in enumerate(source.log) if e == ("read", shards))
-        asked = {k for what, s in source.log[:read_at] if what == "ask" for k in s}
-        assert set(shards) <= asked, f"batch {j} read shards {shards} before asking"
-    released = [s for what, s in source.log if what == "release"]
-    assert released == reads  # each batch lets go of what it read, in order
+    checks = [shards for what, shards in source.log if what == "read"]
+    assert checks == [tuple(range(len(ds.shards)))]  # every shard, once, as the epoch starts
+    # each batch's shards, one per sample
+    reads = [tuple(np.sort(ds.shards_of(torch.as_tensor(b))).tolist()) for b in batches]
+    releases = [i for i, (what, _) in enumerate(source.log) if what == "release"]
+    # each batch lets go of what it read, in order, having asked for it before
+    assert [tuple(sorted(source.log[i][1])) for i in releases] == reads
+    for j, at in enumerate(releases):
+        asked = {k for what, s in source.log[:at] if what == "ask" for k in s}
+        assert set(reads[j]) <= asked, f"batch {j} read shards {reads[j]} before asking"
     loader.close()
 
 
 class CountingSupply(RecordingSupply):
-    """Counts asks against releases per shard; ``fail_at`` makes that read fail."""
-
-    def __init__(self, inner: Any, fail_at: int | None = None) -> None:
-        super().__init__(inner)
-        self.fail_at = fail_at
-        self.reads = 0
-
-    def check(self, shards: Any) -> None:
-        self.reads += 1
-        if self.reads == self.fail_at:
-            raise OSError("simulated read failure")
-        super().check(shards)
+    """Counts asks against releases per shard."""
 
     def outstanding(self) -> int:
         asked = sum(len(s) for what, s in self.log if what == "ask")
@@ -333,8 +324,10 @@ class CountingSupply(RecordingSupply):
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("end", ["full", "stop", "error"])
 def test_every_ask_is_released_once(archive: Path, prefetch: int, end: str) -> None:
-    source = CountingSupply(open_archive(archive).supply, fail_at=4 if end == "error" else None)
+    source = CountingSupply(open_archive(archive).supply)
     ds = Archive.over(source)
+    if end == "error":
+        fail_planning(ds, 3)  # batch 2
     loader = Loader(ds, 4, seed=2, prefetch=prefetch)
     batches = loader.batches()
     if end == "error":
@@ -364,11 +357,9 @@ elif case == "new-iter":
     other = iter(loader)
     assert next(other)["label"].shape == (4,)
 elif case == "close-from-another-thread":
-    class Slow:
-        def __init__(self, inner): self.inner = inner
-        def __getattr__(self, name): return getattr(self.inner, name)
-        def check(self, shards): time.sleep(0.5); self.inner.check(shards)
-    loader.archive.planner.supply = Slow(loader.archive.supply)  # the supply planning reads
+    plan = loader.archive.planner.plan
+    def slow(*args): time.sleep(0.5); return plan(*args)
+    loader.archive.planner.plan = slow  # each batch's planning
     threading.Timer(0.2, loader.close).start()
 try:
     while True:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from dlop.formats import ArchiveWriter, DlopError, Field
-from dlop.runtime import Archive, Loader, LoaderError, open_archive
+from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime.errors import SampleIndexError, UsageError, UsageTypeError
 
-from .helpers import make_archive
+from .helpers import fail_planning, make_archive
 
 
 @pytest.fixture(scope="module")
@@ -137,20 +136,8 @@ def test_loader_errors_are_wrapped_alike_and_usage_errors_kept(
     with pytest.raises(UsageError, match=message):
         Loader(archive, 8, fields=["image"], pad_value=-3.5, prefetch=prefetch)
 
-    class Failing:
-        def __init__(self, inner: Any) -> None:
-            self.inner, self.reads = inner, 0
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
-
-        def check(self, shards: Any) -> None:
-            self.reads += 1
-            if self.reads == 3:  # the epoch's check of every shard, batch 0, batch 1
-                raise OSError("simulated read failure")
-            self.inner.check(shards)
-
-    ds = Archive.over(Failing(open_archive(archive).supply))
+    ds = open_archive(archive)
+    fail_planning(ds, 2)  # batch 1
     loader = Loader(ds, 4, shuffle=False, prefetch=prefetch)
     message = r"/a: gathering batch 1 of epoch 0 failed: OSError: simulated read failure"
     with pytest.raises(LoaderError, match=message) as caught:

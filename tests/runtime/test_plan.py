@@ -15,7 +15,7 @@ from dlop.runtime import open_archive
 from dlop.runtime.errors import UsageError
 from dlop.runtime.gather.engine import CopyEngine, run_share
 from dlop.runtime.gather.plan import CopyPlan, Rows, RowTable, Runs
-from dlop.runtime.gather.samples import sample_runs
+from dlop.runtime.gather.spans import piece_runs
 
 from .helpers import make_archive
 
@@ -86,13 +86,35 @@ def test_zstd_plan_holds_the_decoded_values(tmp_path: Path) -> None:
         assert torch.equal(batch["speech"][j, :n], ds[i]["speech"])
 
 
-def test_sample_runs_cover_each_sample_once() -> None:
-    for shape, padded in [((2, 3, 4), (5, 3, 4)), ((2, 3, 4), (2, 6, 4)), ((1, 1, 2), (3, 4, 2))]:
-        offsets, sizes = sample_runs(shape, padded, 2)
-        region = np.zeros(int(np.prod(padded)) * 2, np.int64)
-        for o, n in zip(offsets.tolist(), sizes.tolist(), strict=True):
-            region[o : o + n] += 1
-        assert region.sum() == np.prod(shape) * 2 and region.max() == 1
+def test_piece_runs_cover_each_sample_once() -> None:
+    # (shapes of a batch, the last axis that may pad): every byte of every sample lands
+    # once, inside its own padded region, in the sample's own order
+    for shapes, last in [
+        ([(2, 3, 4), (5, 1, 4)], 1),
+        ([(2, 3, 4), (2, 6, 4)], 1),
+        ([(1, 1, 2), (3, 4, 2), (0, 2, 2)], 1),
+        ([(3, 2), (1, 5)], 1),
+        ([(4, 3), (2, 3)], 0),
+        ([(2, 3), (2, 3)], -1),
+    ]:
+        table = np.array(shapes, np.int64)
+        padded = tuple(int(m) for m in table.max(axis=0))
+        region = int(np.prod(padded)) * 2
+        owner, dst, within, sizes = piece_runs(table, padded, last, 2)
+        assert np.all(np.diff(dst) > 0) or len(dst) < 2  # ascending
+        out = np.full(region * len(shapes), -1, np.int64)
+        for j, shape in enumerate(shapes):
+            own = owner == j
+            sample = np.arange(int(np.prod(shape)) * 2)  # the sample's bytes, numbered
+            runs = zip(dst[own].tolist(), within[own].tolist(), sizes[own].tolist(), strict=True)
+            for d, w, n in runs:
+                assert j * region <= d and d + n <= (j + 1) * region
+                assert (out[d : d + n] == -1).all()
+                out[d : d + n] = sample[w : w + n]
+            # the sample as numpy pads it: its own bytes at the front of each padded row
+            ref = np.full((*padded, 2), -1, np.int64)
+            ref[tuple(slice(0, s) for s in shape)] = sample.reshape(*shape, 2)
+            assert np.array_equal(out[j * region : (j + 1) * region], ref.reshape(-1))
 
 
 def test_steps_outside_their_destination_are_refused() -> None:
