@@ -399,16 +399,25 @@ class ShardReader:
     def copied_tables(self, name: str, copy: MappedCopy) -> tuple[np.ndarray, np.ndarray]:
         """A ragged field's ``offsets`` and ``shapes`` (as those methods give them) read
         through ``copy`` (given each table's mapped bytes as ``uint8``; as
-        ``decode_block``'s), then checked again as on open: a copy of a file changed
-        since is refused here rather than read out of bounds later."""
+        ``decode_block``'s), each copy's CRC-32 compared with the one the header
+        records: a table changed in place since the shard opened (where it was checked
+        whole) is ChecksumError here. A reader of the copies still bounds each sample's
+        span by the values it lies in (CRC-32 catches accidents, not forgery)."""
         st = self._st(name)
         if st.offsets is None or st.shapes is None:
             raise SchemaError(f"{self.path}: field {name!r} is not ragged")
-        offsets = copy(st.offsets.view(np.uint8)).view(st.offsets.dtype)
-        shapes = copy(st.shapes.reshape(-1).view(np.uint8)).view(st.shapes.dtype)
-        shapes = shapes.reshape(st.shapes.shape)
-        self._check_ragged(st, shapes, offsets)
-        return offsets, shapes
+        tables = []
+        for rname, table in (("offsets", st.offsets), ("shapes", st.shapes)):
+            got = copy(table.reshape(-1).view(np.uint8))
+            region = st.layout.regions[rname]
+            if _crc(got) != region.crc32:
+                raise ChecksumError(
+                    self.path,
+                    f"field {name!r} region {rname!r} (bytes {region.offset}..{region.end}): "
+                    "CRC-32 mismatch: changed in place since the shard was opened",
+                )
+            tables.append(got.view(table.dtype).reshape(table.shape))
+        return tables[0], tables[1]
 
     def value_bytes(self, name: str) -> int:
         """Bytes the field's values take uncompressed (its data region when stored as they are)."""

@@ -48,10 +48,15 @@ def gather_kind(field: Field) -> type[FieldGather]:
 
 
 def gather_for(
-    field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
+    field: Field,
+    shards: list[ShardReader],
+    starts: torch.Tensor,
+    pad_value: float,
+    transient: bool = False,
 ) -> FieldGather:
-    """The gather of ``gather_kind`` for ``field`` over ``shards``."""
-    return gather_kind(field)(field, shards, starts, pad_value)
+    """The gather of ``gather_kind`` for ``field`` over ``shards`` (``transient``: for
+    one batch's shards; FieldGather)."""
+    return gather_kind(field)(field, shards, starts, pad_value, transient=transient)
 
 
 def shards_of(shard_starts: np.ndarray, indices: torch.Tensor) -> np.ndarray:
@@ -112,7 +117,7 @@ class Planner:
         ``check``): where copies run without the compiled copier, which turns a read
         past a truncated shard's end into an error. Otherwise ``check_all`` at each
         epoch's start is the check, and a copy's fault names the shard (no gather reads
-        a mapped byte in Python: FieldGather.by_arrays)."""
+        a mapped byte in Python; see the comment on FieldGather.by_arrays)."""
         return compiled() is None
 
     def check_all(self) -> None:
@@ -296,7 +301,8 @@ class Fetched(Planner):
         gathers = None if arriving else self.planners.get(key, readers)
         if gathers is None:
             gathers = {
-                n: gather_for(f, readers, compact, self.pad_value) for n, f in self.fields.items()
+                n: gather_for(f, readers, compact, self.pad_value, transient=True)
+                for n, f in self.fields.items()
             }
             if not arriving:  # a gather may copy a whole shard's text once: only when whole
                 self.planners.put(key, readers, gathers)

@@ -260,8 +260,18 @@ class FieldGather:
     by_arrays = False
 
     def __init__(
-        self, field: Field, shards: list[ShardReader], starts: torch.Tensor, pad_value: float
+        self,
+        field: Field,
+        shards: list[ShardReader],
+        starts: torch.Tensor,
+        pad_value: float,
+        *,
+        transient: bool = False,
     ) -> None:
+        # made for one batch's shards (a supply that maps shards per batch): what it
+        # copies out of a shard the shard keeps (ShardReader.derived), for the next
+        # batch's gathers; otherwise the gather holds it, once
+        self.transient = transient
         self.field = field
         self.shards = shards
         self.starts = starts

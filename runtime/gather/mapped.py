@@ -38,8 +38,8 @@ class FixedRawGather(FieldGather):
 
     by_arrays = True
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.row_bytes = math.prod(self.trail) * self.out_dtype.itemsize
         sources = [rows_of(s, self.field.name, self.row_bytes) for s in self.shards]
         self.table = RowTable(sources, self.row_bytes) if sources and self.row_bytes else None

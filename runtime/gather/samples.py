@@ -22,21 +22,17 @@ class TextGather(FieldGather):
     made by the copy step (private_copy), so no mapped byte is read in Python and a
     batch needs no check of its shards first."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._text: dict[int, tuple[bytes, list[int]]] = {}
 
     def _block_bytes(self, k: int, local: list[int]) -> list[bytes]:
         """Samples ``local`` of shard ``k`` of a zstd field, from their decoded blocks."""
         shard, name = self.shards[k], self.field.name
-        # kept by the shard until it closes (a supply that maps shards per batch builds a
-        # batch's gathers anew, but not these)
-        offsets, firsts = shard.derived(
-            ("text tables", name),
-            lambda: (
-                copied_tables(shard, name)[0],
-                shard.block_table(name)["first_sample"].astype(np.int64),
-            ),
+        offsets = copied_tables(shard, name, keep=True)[0]  # (slices of a block: bounded)
+        firsts: np.ndarray = shard.derived(
+            ("first samples", name),
+            lambda: shard.block_table(name)["first_sample"].astype(np.int64),
         )
         blocks = (np.searchsorted(firsts, local, side="right") - 1).tolist()
         got = []

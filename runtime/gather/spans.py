@@ -20,18 +20,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlop.formats import ShardReader
+from dlop.formats import FormatError, ShardReader
 
 from .engine import private_copy
 from .fields import FieldGather, Groups, Output, Planned, batch_groups, check_padded, flat_bytes
 from .plan import Runs, Step, fill_runs
 
 
-def copied_tables(shard: ShardReader, name: str) -> tuple[np.ndarray, np.ndarray]:
+def copied_tables(shard: ShardReader, name: str, keep: bool) -> tuple[np.ndarray, np.ndarray]:
     """A ragged field's element offsets (``int64 [n + 1]``) and shapes (``int64 [n,
-    ndim]``) in ``shard``, copied out of its mapping and checked again."""
-    offsets, shapes = shard.copied_tables(name, private_copy)
-    return offsets.view(np.int64), shapes.view(np.int64)
+    ndim]``) in ``shard``, copied out of its mapping (ShardReader.copied_tables); with
+    ``keep``, kept by the shard until it closes (a supply that maps shards per batch
+    builds a batch's gathers anew, but not these)."""
+
+    def copied() -> tuple[np.ndarray, np.ndarray]:
+        offsets, shapes = shard.copied_tables(name, private_copy)
+        return offsets.view(np.int64), shapes.view(np.int64)
+
+    if not keep:
+        return copied()
+    tables: tuple[np.ndarray, np.ndarray] = shard.derived(("tables", name), copied)
+    return tables
 
 
 def decoded(shard: ShardReader, name: str, block: int) -> np.ndarray:
@@ -83,32 +92,36 @@ def piece_runs(
 
 class SpanGather(FieldGather):
     """Raw ragged fields and zstd fields: one run per contiguous piece of each sample
-    and fill runs for the padding around them, planned as arrays over the batch."""
+    and fill runs for the padding around them, planned as arrays over the batch. Every
+    sample's span is bounded by the values it lies in when the gather is made: its
+    tables are private copies, CRC-checked, but never trusted with an address."""
 
     by_arrays = True
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         f = self.field
         self.itemsize = self.out_dtype.itemsize
         self.varying = [i for i, d in enumerate(f.shape) if d is None]
         self.last = self.varying[-1] if self.varying else -1  # the last axis that may pad
+        self.row = math.prod(self.trail)  # values per step of the varying dimensions
         none = np.zeros(0, np.int64)
         # per sample, by number across the shards (ragged fields): its first value within
-        # its shard's values, and its length (only the first dimension varies) or shape
+        # its shard's values, and its length (only the first dimension varies) or the
+        # sizes of its varying dimensions
         self.first: np.ndarray | None = None
         self.lengths: np.ndarray | None = None
         self.shapes: np.ndarray | None = None
         if f.ragged:
-            # (not kept by the shards: the gather's arrays below hold them all once)
-            tables = [copied_tables(s, f.name) for s in self.shards]
+            tables = [copied_tables(s, f.name, self.transient) for s in self.shards]
             self.first = np.concatenate([none] + [t[0][:-1] for t in tables])
             if self.varying == [0]:
                 self.lengths = np.concatenate([none] + [t[1][:, 0] for t in tables])
             else:
                 self.shapes = np.concatenate(
-                    [np.zeros((0, f.ndim), np.int64)] + [t[1] for t in tables]
-                ).reshape(-1, f.ndim)
+                    [np.zeros((0, len(self.varying)), np.int64)]
+                    + [t[1][:, self.varying] for t in tables]
+                )
         self.blocks = not f.codec.mappable
         if self.blocks:  # each block's first sample (by number across the shards) and place
             firsts = [s.block_table(f.name)["first_sample"].astype(np.int64) for s in self.shards]
@@ -125,27 +138,63 @@ class SpanGather(FieldGather):
         else:
             self.values = [s.values(f.name) for s in self.shards]  # kept: addresses point in
             self.bases = np.array([v.ctypes.data for v in self.values], np.int64)
+        if f.ragged:
+            self.bound()
+
+    def bound(self) -> None:
+        """Refuses a sample whose span leaves the values it lies in (its shard's, or a zstd
+        block's): only tables changed since their shard was checked, in a way their CRC-32
+        missed, hold one."""
+        assert self.first is not None
+        # each sample's values, in float64 (no overflow), -1 where a dimension is negative
+        if self.lengths is not None:
+            sizes = self.lengths * float(self.row)
+        else:
+            assert self.shapes is not None
+            sizes = np.full(len(self.shapes), float(self.row))
+            for column in self.shapes.T:  # (a column at a time: faster than along rows)
+                sizes *= column
+                sizes[column < 0] = -1.0  # a product of two could pass for positive
+        if self.blocks:  # each sample's block: where its values begin and how many it has
+            block = np.searchsorted(self.block_first, np.arange(len(self.first)), side="right") - 1
+            raw = [s.block_table(self.field.name)["raw_length"] for s in self.shards]
+            count = np.concatenate([np.zeros(0, np.int64)] + [r.astype(np.int64) for r in raw])
+            first = self.first - self.first[self.block_first][block]
+            ends = (count // max(self.itemsize, 1))[block]
+        else:
+            first = self.first
+            ends = np.repeat([len(v) for v in self.values], [s.num_samples for s in self.shards])
+        bad = (first < 0) | (sizes < 0) | (first + sizes > ends)
+        if bad.any():
+            j = int(np.argmax(bad))
+            k = int(np.searchsorted(self.starts.numpy(), j, side="right")) - 1
+            raise FormatError(
+                self.shards[k].path,
+                f"field {self.field.name!r} sample {j - int(self.starts[k])}: its offsets or "
+                "shape point outside the field's values; the shard changed since it was "
+                "opened",
+            )
 
     def buffer_numel(self, batch_size: int) -> int | None:
         if self.shapes is not None:  # padded to the longest in several dimensions
             return None
         longest = 1 if self.lengths is None else int(self.lengths.max(initial=0))
-        return batch_size * longest * math.prod(self.trail)
+        return batch_size * longest * self.row
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         return self.plan_grouped(indices, batch_groups(indices, self.starts), out)
 
-    def first_bytes(self, idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def first_values(self, idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Where samples ``idx`` (``rows`` within their shards) begin in their shard's
-        values, in bytes."""
+        values, in values."""
         if self.first is not None:
-            first: np.ndarray = self.first[idx] * self.itemsize
+            first: np.ndarray = self.first[idx]
             return first
-        return rows * (math.prod(self.trail) * self.itemsize)
+        return rows * self.row
 
     def sources(self, idx: np.ndarray, groups: Groups) -> tuple[np.ndarray, tuple[Any, ...]]:
         """Each sample's first byte's address, and what those addresses point into."""
-        first = self.first_bytes(idx, groups.rows)
+        first = self.first_values(idx, groups.rows) * self.itemsize
         if not self.blocks:
             return self.bases[groups.shards] + first, (self.values,)
         block = np.searchsorted(self.block_first, idx, side="right") - 1
@@ -158,7 +207,7 @@ class SpanGather(FieldGather):
         # a block's values begin with its first sample's
         head = self.block_first[used]
         bases = np.array([a.ctypes.data for a in arrays], np.int64)
-        bases -= self.first_bytes(head, head - self.starts.numpy()[shard])
+        bases -= self.first_values(head, head - self.starts.numpy()[shard]) * self.itemsize
         return bases[which.reshape(-1)] + first, tuple(arrays)
 
     def plan_grouped(self, indices: torch.Tensor, groups: Groups, out: Output) -> Planned:
@@ -171,15 +220,18 @@ class SpanGather(FieldGather):
             padded = (int(lens.max()) if len(idx) else 0, *self.trail)
             lengths[f"{f.name}_lengths"] = torch.from_numpy(lens)
         elif self.shapes is not None:
-            shapes = self.shapes[idx]
+            varying = self.shapes[idx]
+            shapes = np.empty((len(idx), f.ndim), np.int64)
+            shapes[:] = [0 if d is None else d for d in f.shape]
+            shapes[:, self.varying] = varying
             check_padded(f, shapes, self.itemsize)
             padded = (
                 tuple(int(m) for m in shapes.max(axis=0))
                 if len(idx)
                 else tuple(0 if d is None else d for d in f.shape)
             )
-            varying = torch.from_numpy(np.ascontiguousarray(shapes[:, self.varying]))
-            lengths[f"{f.name}_lengths"] = varying[:, 0] if len(self.varying) == 1 else varying
+            counts = torch.from_numpy(varying)
+            lengths[f"{f.name}_lengths"] = counts[:, 0] if len(self.varying) == 1 else counts
         else:  # zstd, fixed shape
             shapes = np.broadcast_to(np.array(f.shape, np.int64), (len(idx), f.ndim))
             padded = tuple(int(d) for d in f.shape if d is not None)
@@ -194,16 +246,16 @@ class SpanGather(FieldGather):
             dst = np.arange(len(idx), dtype=np.int64) * region
             if self.last < 0:
                 return entries, [Runs(flat, dst, src, np.full(len(idx), region, np.int64), keep)]
-            sizes = shapes[:, 0] * (region // padded[0])
-            steps: list[Step] = [Runs(flat, dst, src, sizes, keep)]
-            at, holes = dst + sizes, region - sizes
+            nbytes = shapes[:, 0] * (region // padded[0])
+            steps: list[Step] = [Runs(flat, dst, src, nbytes, keep)]
+            at, holes = dst + nbytes, region - nbytes
         else:
-            owner, dst, within, sizes = piece_runs(shapes, padded, self.last, self.itemsize)
-            if not sizes.all():  # pieces of a zero-length axis
-                keep_runs = sizes > 0
-                owner, dst, within, sizes = (a[keep_runs] for a in (owner, dst, within, sizes))
-            steps = [Runs(flat, dst, src[owner] + within, sizes, keep)]
-            at, holes = gaps(dst, sizes, len(idx) * region)
+            owner, dst, within, nbytes = piece_runs(shapes, padded, self.last, self.itemsize)
+            if not nbytes.all():  # pieces of a zero-length axis
+                keep_runs = nbytes > 0
+                owner, dst, within, nbytes = (a[keep_runs] for a in (owner, dst, within, nbytes))
+            steps = [Runs(flat, dst, src[owner] + within, nbytes, keep)]
+            at, holes = gaps(dst, nbytes, len(idx) * region)
         if holes.any():  # (fill_runs drops the empty ones)
             steps.append(fill_runs(flat, at, holes, self.pad_pattern(int(holes.max()))))
         return entries, steps

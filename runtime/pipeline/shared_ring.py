@@ -343,7 +343,7 @@ def align(nbytes: int) -> int:
 
 def slot_bytes(archive: Archive, batch_size: int) -> int:
     """A slot's starting size: the fields the Loader's ring sizes (runtime.pipeline.ring) and the
-    ragged fields' lengths. Other fields (zstd, several varying dimensions) grow it."""
+    ragged fields' lengths. Other fields (several varying dimensions) grow it."""
     b = min(batch_size, max(1, len(archive)))
     total = 0
     for name, gather in archive.gathers.items():

@@ -6,8 +6,8 @@ The index is fetched and validated first; it names the archive's cache folder (a
 hash of its bytes), so the same archive read from disk and from object storage
 shares its cached shards. Block-coded shards are decoded once on the node as they
 arrive and cached raw, so the gathers read them like raw shards: zero-copy views
-of the mapped file, where a local zstd archive read in place decodes a block per
-sample. The supply itself (runtime.storage.remote_supply) fetches, holds and lets
+of the mapped file, where a local zstd archive read in place decodes each block a
+batch touches. The supply itself (runtime.storage.remote_supply) fetches, holds and lets
 go of the shards.
 """
 

@@ -5,14 +5,16 @@ their destination refused when made."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from dlop.formats import ArchiveWriter, Field, Zstd
-from dlop.runtime import open_archive
+from dlop.formats import ArchiveWriter, ChecksumError, Field, FormatError, Zstd
+from dlop.runtime import Archive, open_archive
 from dlop.runtime.errors import UsageError
+from dlop.runtime.gather import spans
 from dlop.runtime.gather.engine import CopyEngine, run_share
 from dlop.runtime.gather.plan import CopyPlan, Rows, RowTable, Runs
 from dlop.runtime.gather.spans import piece_runs
@@ -152,3 +154,64 @@ def test_a_bf16_field_is_copied_bit_for_bit(tmp_path: Path) -> None:
     batch = ds.__getitems__([4, 0])
     assert batch["x"].dtype == torch.bfloat16
     assert batch["x"].view(torch.int16).tolist() == [[4000, 4001, 4002], [0, 1, 2]]
+
+
+def forging(real: Any, place: str, value: int, both: bool) -> Any:
+    """``copied_tables`` whose sample 1 of shard 0 starts at ``value`` (``place`` "first") or has
+    ``value`` as its length (``both``: in both varying dimensions, a product of two
+    negatives passing for positive)."""
+
+    def forged(shard: Any, field: str, keep: bool) -> Any:
+        offsets, shapes = (t.copy() for t in real(shard, field, keep))
+        if shard.path.name != "shard-00000.dlop":
+            return offsets, shapes
+        if place == "first":
+            offsets[1] = value
+        else:
+            shapes[1, : 2 if both else 1] = value
+        return offsets, shapes
+
+    return forged
+
+
+def test_spans_outside_their_values_are_refused_before_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tables are copies checked by CRC-32 when made, and a gather still bounds every
+    sample's span by the values it lies in: forged tables (here as copied) are an error
+    naming the shard and sample when the gather is made, never a read outside them."""
+    path = make_archive(tmp_path / "z", zstd=True)
+    real = spans.copied_tables
+    # zstd with its first dimension varying, raw with two varying
+    for name in ("speech", "image"):
+        for place, value in (("first", 10**9), ("first", -5), ("size", -1), ("size", 10**6)):
+            forged = forging(real, place, value, both=name == "image")
+            monkeypatch.setattr(spans, "copied_tables", forged)
+            shard = sorted(p.name for p in path.glob("shard-*"))[0]
+            named = f"{shard}: field '{name}' sample 1: its offsets or shape point outside"
+            with pytest.raises(FormatError, match=named):
+                open_archive(path, [name, "label"])
+    monkeypatch.setattr(spans, "copied_tables", real)
+    for name in ("speech", "image"):
+        assert isinstance(open_archive(path, [name]).gathers[name], spans.SpanGather)
+
+
+def test_tables_changed_in_place_since_open_are_refused(tmp_path: Path) -> None:
+    """A gather made after its shards opened (a new reading, another epoch of a node
+    cache) copies their tables and compares each copy's CRC-32 with the header's."""
+    path = make_archive(tmp_path / "z", zstd=True)
+    ds = open_archive(path)
+    shard = ds.shards[0]
+    for region in ("offsets", "shapes"):
+        r = shard.layout_of("speech").regions[region]
+        with open(shard.path, "r+b") as f:  # one byte flipped in place, the size kept
+            f.seek(r.offset)
+            byte = f.read(1)
+            f.seek(r.offset)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(ChecksumError, match=f"region '{region}'.*changed in place"):
+            Archive.over(ds.supply, ["speech"])
+        with open(shard.path, "r+b") as f:
+            f.seek(r.offset)
+            f.write(byte)
+    assert len(Archive.over(ds.supply, ["speech"]).__getitems__([0, 1])["speech"]) == 2

@@ -119,7 +119,7 @@ def test_a_shard_moved_away_then_truncated_is_still_caught(rows: Path) -> None:
 
 @pytest.fixture
 def kinds(tmp_path: Path) -> Path:
-    """Every kind of field Python plans sample by sample or from per-sample tables, beside
+    """Every kind of field whose plan reads per-sample tables, text or zstd frames, beside
     labels, in several shards: raw and zstd text, raw bytes, a zstd array and an array
     with two varying dimensions."""
     path = tmp_path / "t"
