@@ -152,9 +152,11 @@ class SpanGather(FieldGather):
         else:
             assert self.shapes is not None
             sizes = np.full(len(self.shapes), float(self.row))
+            negative = np.zeros(len(self.shapes), bool)
             for column in self.shapes.T:  # (a column at a time: faster than along rows)
                 sizes *= column
-                sizes[column < 0] = -1.0  # a product of two could pass for positive
+                negative |= column < 0  # a product with another could pass as 0 or more
+            sizes[negative] = -1.0
         if self.blocks:  # each sample's block: where its values begin and how many it has
             block = np.searchsorted(self.block_first, np.arange(len(self.first)), side="right") - 1
             raw = [s.block_table(self.field.name)["raw_length"] for s in self.shards]

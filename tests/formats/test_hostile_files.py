@@ -150,6 +150,22 @@ def case_zstd_claims_2_40(a: Path) -> None:
     rewrite_header(shard, header)
 
 
+def case_zstd_no_blocks(a: Path) -> None:
+    """Field z of a shard with samples has no blocks: every sample empty, its data region
+    empty, tables and CRCs consistent. A reader must not go looking for some other
+    shard's block (SPEC.md §4: a shard with samples has at least one block)."""
+    shard = a / "shard-00000.dlop"
+    header, _ = read_header(shard)
+    k = next(i for i, f in enumerate(header["fields"]) if f["name"] == "z")
+    n = header["num_samples"]
+    put_region(shard, header, k, "shapes", np.zeros((n, 1), "<i8").tobytes())
+    put_region(shard, header, k, "offsets", np.zeros(n + 1, "<u8").tobytes())
+    put_region(shard, header, k, "blocks", b"")
+    put_region(shard, header, k, "data", b"")
+    header["fields"][k].update(value_count=0, num_blocks=0)
+    rewrite_header(shard, header)
+
+
 def case_deep_index(a: Path) -> None:
     (a / "index.json").write_text("[" * 200_000 + "]" * 200_000)
 
@@ -233,6 +249,7 @@ CASES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "index_links_out": (case_index_links_out, ENTRIES),
     "shard_links_inside": (case_shard_links_inside, ()),
     "zstd_claims_2_40": (case_zstd_claims_2_40, ENTRIES),
+    "zstd_no_blocks": (case_zstd_no_blocks, ENTRIES),
     "deep_index": (case_deep_index, ENTRIES),
     "deep_metadata": (case_deep_metadata, ENTRIES),
     "deep_errors": (case_deep_errors, ("formats", "info")),
@@ -246,6 +263,7 @@ CASES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
 }
 # The file each case's error must name.
 NAMES = {
+    "zstd_no_blocks": "0 blocks for 6 samples",
     "fifo_errors": "errors.jsonl",
     "zero_errors": "errors.jsonl",
     "deep_errors": "errors.jsonl",

@@ -157,9 +157,10 @@ def test_a_bf16_field_is_copied_bit_for_bit(tmp_path: Path) -> None:
 
 
 def forging(real: Any, place: str, value: int, both: bool) -> Any:
-    """``copied_tables`` whose sample 1 of shard 0 starts at ``value`` (``place`` "first") or has
-    ``value`` as its length (``both``: in both varying dimensions, a product of two
-    negatives passing for positive)."""
+    """``copied_tables`` whose sample 1 of shard 0 starts at ``value`` (``place`` "first"),
+    has ``value`` as its length (``both``: in both varying dimensions, a product of two
+    negatives passing for positive), or ``value`` then 0 ("zero": a product of a
+    negative and 0, -0.0, passing for empty)."""
 
     def forged(shard: Any, field: str, keep: bool) -> Any:
         offsets, shapes = (t.copy() for t in real(shard, field, keep))
@@ -167,6 +168,8 @@ def forging(real: Any, place: str, value: int, both: bool) -> Any:
             return offsets, shapes
         if place == "first":
             offsets[1] = value
+        elif place == "zero":
+            shapes[1, :2] = [value, 0]
         else:
             shapes[1, : 2 if both else 1] = value
         return offsets, shapes
@@ -184,7 +187,8 @@ def test_spans_outside_their_values_are_refused_before_a_copy(
     real = spans.copied_tables
     # zstd with its first dimension varying, raw with two varying
     for name in ("speech", "image"):
-        for place, value in (("first", 10**9), ("first", -5), ("size", -1), ("size", 10**6)):
+        cases = [("first", 10**9), ("first", -5), ("size", -1), ("size", 10**6)]
+        for place, value in cases + ([("zero", -2)] if name == "image" else []):
             forged = forging(real, place, value, both=name == "image")
             monkeypatch.setattr(spans, "copied_tables", forged)
             shard = sorted(p.name for p in path.glob("shard-*"))[0]
