@@ -34,12 +34,13 @@ class TextGather(FieldGather):
             ("first samples", name),
             lambda: shard.block_table(name)["first_sample"].astype(np.int64),
         )
-        blocks = (np.searchsorted(firsts, local, side="right") - 1).tolist()
-        got = []
-        for i, b in zip(local, blocks, strict=True):
-            base = int(offsets[int(firsts[b])])
-            got.append(decoded(shard, name, b)[int(offsets[i]) - base : int(offsets[i + 1]) - base])
-        return [g.tobytes() for g in got]
+        at = np.asarray(local, np.int64)
+        blocks = np.searchsorted(firsts, at, side="right") - 1
+        base = offsets[firsts[blocks]]  # a block's values begin with its first sample's
+        lo, hi = (offsets[at] - base).tolist(), (offsets[at + 1] - base).tolist()
+        # each block the batch touches decoded (or found in the block cache) once
+        values = {b: decoded(shard, name, b) for b in set(blocks.tolist())}
+        return [values[b][a:z].tobytes() for b, a, z in zip(blocks.tolist(), lo, hi, strict=True)]
 
     def _shard_text(self, k: int) -> tuple[bytes, list[int]]:
         cached = self._text.get(k)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlop.formats import ArchiveWriter, Field
+from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import Archive, Loader, LoaderError, Source, open_archive
 from dlop.runtime import loader as loader_module
 from dlop.runtime.gather.plan import Rows
@@ -217,10 +217,17 @@ def test_every_kind_of_field_is_checked_once_an_epoch(tmp_path: Path) -> None:
     no batch checks its shards, and each reads what ``ds[i]`` reads."""
     path = make_archive(tmp_path / "a", n=37)
     zstd = make_archive(tmp_path / "z", n=37, zstd=True)
+    words = tmp_path / "w"  # zstd text and bytes, several blocks to a shard
+    coded = Zstd(block_bytes=16)
+    fields = [Field.str_("t", codec=coded), Field.bytes_("b", codec=coded)]
+    with ArchiveWriter(words, fields, shard_bytes=120) as w:
+        for i in range(37):
+            w.write({"t": f"w{i}é" * (i % 4), "b": bytes([i]) * (i % 5)})
     for archive, fields in (
         (path, ["key", "text", "label"]),
         (path, ["text", "image"]),
         (zstd, ["logmel", "text"]),
+        (words, ["t", "b"]),
     ):
         ds = open_archive(archive, fields)
         supply = CountingChecks(ds.supply)
