@@ -279,7 +279,11 @@ class CopyEngine:
         return self._submit(shares, self._streams(plan))
 
     def run(self, plan: CopyPlan) -> None:
-        """Executes the plan, the calling thread taking the first share."""
+        """Executes the plan, the calling thread taking the first share; a plan below
+        ``INLINE_MAX_BYTES`` all here (waking a helper costs more than its copies)."""
+        if plan.nbytes < INLINE_MAX_BYTES:
+            run_share(plan.steps, self._streams(plan))
+            return
         shares = plan.shares(self.threads, PARALLEL_MIN_BYTES)
         if not shares:
             return
