@@ -8,7 +8,11 @@ batch is planned over the shards it touches only, held for the while
 (``ask``/``release``), so shards the batch does not read need not be cached:
 ``Fetched``, which keeps the gathers made for a set of shards for the next
 batch over the same set while those shards stay mapped (a window's batches
-touch the same few shards).
+touch the same few shards). Where every field is fixed-size and the supply stamps
+its mappings (the node cache), ``Fetched`` instead keeps each field's rows of every
+shard mapped whole here in one table by shard number (``Slots``), refreshed only
+for shards mapped anew: a batch is planned by array arithmetic whatever the
+number of shards it touches.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ import torch
 from dlop.formats import Field, ShardReader
 
 from ..batch import Batch
+from ..errors import LoaderError
 from ..gather.engine import compiled
 from ..gather.fields import Allocate, FieldGather, Groups, Locator, batch_groups
-from ..gather.mapped import FixedRawGather
-from ..gather.plan import CopyPlan
+from ..gather.mapped import FixedRawGather, rows_of
+from ..gather.plan import CopyPlan, RowTable
 from ..gather.samples import TextGather
 from ..gather.spans import SpanGather
-from ..storage.supply import ShardSupply
+from ..storage.supply import ShardSupply, distinct
 
 Out = dict[str, torch.Tensor] | Allocate | None
 
@@ -171,13 +176,16 @@ class Sizing(FieldGather):
 
 class Planners:
     """The gathers for batches over a set of shards, kept while those shards stay
-    mapped: made anew per batch they cost more than the copies of a small batch.
-    ``forget(k)`` (shard k let go of) drops the gathers that read it, and with them
-    their views of its mapping."""
+    mapped: made anew per batch they cost more than the copies of a small batch; and
+    the ``Slots`` of fixed fields, where they serve (made by the first batch in each
+    process). ``forget(k)`` (shard k let go of) drops the gathers that read it and its
+    slots' rows, and with them their views of its mapping. (The supply holds this, not
+    the planner: nothing refers back to the supply, so no cycle outlives a close.)"""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.kept: dict[tuple[int, ...], tuple[list[ShardReader], dict[str, FieldGather]]] = {}
+        self.slots: Slots | None = None
 
     def get(
         self, key: tuple[int, ...], readers: list[ShardReader]
@@ -200,6 +208,75 @@ class Planners:
         with self.lock:
             for key in [key for key in self.kept if k in key]:
                 del self.kept[key]
+        slots = self.slots
+        if slots is not None and slots.pid == os.getpid():
+            slots.clear(k)
+
+
+class Slots:
+    """The rows of each fixed field of ``gathers`` in every shard mapped whole here, in
+    one table per field by shard number (``RowTable.slots``), and the mapping stamp
+    each shard's rows came from (ShardSupply.mapped_stamps); -2: none. A batch takes
+    the entries of the shards it touches (``RowTable.take``): its plan keeps them, and
+    the views keep the mappings, whatever is let go of before its copies run."""
+
+    def __init__(self, gathers: Mapping[str, FixedRawGather], count: int) -> None:
+        self.gathers = dict(gathers)
+        self.tables = {
+            n: RowTable.slots(count, g.row_bytes) for n, g in self.gathers.items() if g.row_bytes
+        }
+        self.stamps = np.full(count, -2, np.int64)
+        self.pid = os.getpid()
+        # put, clear and take exclude one another: a table's entry and the view it
+        # points into change together (clear runs on whichever thread lets go of a shard)
+        self.lock = threading.Lock()
+
+    def put(self, k: int, reader: ShardReader, stamp: int) -> None:
+        rows = {n: rows_of(reader, n, t.row_bytes) for n, t in self.tables.items()}
+        with self.lock:
+            for name, table in self.tables.items():
+                table.put(k, rows[name])
+            self.stamps[k] = stamp
+
+    def clear(self, k: int) -> None:
+        with self.lock:
+            self.stamps[k] = -2
+            for table in self.tables.values():
+                table.clear(k)
+
+    def plan(
+        self,
+        indices: torch.Tensor,
+        groups: Groups,
+        touched: np.ndarray,
+        out: Out,
+        arriving: Mapping[int, ShardReader],
+    ) -> tuple[Batch, CopyPlan]:
+        """The batch of ``indices`` (in ``groups``, by global shard number, with the
+        positions of the shards in ``touched`` as ``local``): every shard in ``touched``
+        (ascending) filled in here but those still ``arriving``, read from their
+        readers for this batch only."""
+        local = Groups(np.searchsorted(touched, groups.shards), groups.rows)
+        places = {k: int(np.searchsorted(touched, k)) for k in arriving}
+        with self.lock:
+            taken = {n: t.take(touched) for n, t in self.tables.items()}
+        batch, steps = Batch(), []
+        for name, g in self.gathers.items():
+            mine = taken.get(name)
+            if mine is not None:
+                for k, reader in arriving.items():
+                    mine.put(places[k], rows_of(reader, name, mine.row_bytes))
+                gone = np.flatnonzero(mine.nums == 0)  # no shard a batch reads is empty
+                if len(gone):
+                    raise LoaderError(
+                        f"shard {int(touched[gone[0]])} was let go of while a batch was "
+                        "planned over it (the archive was closed meanwhile)"
+                    )
+            where = out.get(name) if isinstance(out, dict) else out
+            entries, field_steps = g.plan_rows(mine, indices, local, where)
+            batch.update(entries)
+            steps += field_steps
+        return batch, CopyPlan(steps)
 
 
 class Fetched(Planner):
@@ -209,6 +286,7 @@ class Fetched(Planner):
     def made_gathers(self) -> dict[str, FieldGather]:
         self.planners = Planners()
         self.supply.on_drop(self.planners.forget)
+        self.locator = Locator(self.starts, int(self.shard_starts[-1]))
         self.names = list(self.fields)  # what ready() waits for, the same every batch
         # While every shard is held for an epoch: gathers over all of them and where each
         # sample lies, as for mapped shards (``hold_whole``); and how many readings hold.
@@ -269,13 +347,51 @@ class Fetched(Planner):
         whole = self.held()
         if whole is not None:  # every shard held and mapped: as Mapped plans
             return self.plan_mapped(*whole, indices, out)
-        per_index = shards_of(self.shard_starts, indices)
-        touched = np.unique(per_index)
-        self.supply.ask(touched.tolist())
+        groups = self.locator.groups(indices)
+        touched = distinct(groups.shards)
+        self.supply.ask(touched)
         try:
-            return self.plan_over(indices, per_index, touched, out)
+            planned = self.plan_slotted(indices, groups, touched, out)
+            if planned is not None:
+                return planned
+            return self.plan_over(indices, groups.shards, touched, out)
         finally:
-            self.supply.release(touched.tolist())
+            self.supply.release(touched)
+
+    def plan_slotted(
+        self, indices: torch.Tensor, groups: Groups, touched: np.ndarray, out: Out
+    ) -> tuple[Batch, CopyPlan] | None:
+        """``plan`` by the ``Slots`` of every shard mapped whole here, filled in for the
+        shards ``touched`` mapped anew since; a shard still arriving is read for this
+        batch once the bytes of its samples are in (``ready``). None where it does not
+        apply (a field not fixed-size, a supply without stamps)."""
+        if not self.fixed_only:
+            return None
+        stamps = self.supply.mapped_stamps(touched)
+        if stamps is None:
+            return None
+        slots = self.planners.slots
+        if slots is None or slots.pid != os.getpid():  # a forked child keeps none of these
+            gathers = {
+                n: FixedRawGather(f, [], self.starts, self.pad_value)
+                for n, f in self.fields.items()
+            }
+            slots = self.planners.slots = Slots(gathers, len(self.starts))
+        stale = touched[stamps != slots.stamps[touched]]
+        arriving: dict[int, ShardReader] = {}
+        for k in stale.tolist():
+            reader = self.supply.partial_shard(k)  # fetched now, or its fetch waited for
+            got = self.supply.mapping(k)
+            if got is not None:
+                slots.put(k, *got)
+                if self.supply.mapping(k) != got:  # let go of meanwhile (a close): not kept
+                    slots.clear(k)
+            else:  # still arriving: read for this batch once its samples' bytes are in
+                self.supply.ready(k, groups.rows[groups.shards == k], self.names)
+                arriving[k] = reader
+        if self.checks_batches():
+            self.supply.check(touched)
+        return slots.plan(indices, groups, touched, out, arriving)
 
     def plan_over(
         self, indices: torch.Tensor, per_index: np.ndarray, touched: np.ndarray, out: Out
@@ -292,10 +408,10 @@ class Fetched(Planner):
         if len(indices):  # global sample numbers to numbers within the touched shards
             where = np.searchsorted(touched, per_index)
             local = indices.numpy() - self.shard_starts[per_index]
-            for j, k in enumerate(key):  # (one shard: per_index is one number)
-                arriving |= self.supply.ready(
-                    k, local if len(key) == 1 else local[where == j], self.names
-                )
+            by_shard = np.argsort(where, kind="stable")  # each shard's samples, in one pass
+            cuts = np.searchsorted(where[by_shard], np.arange(len(key) + 1)).tolist()
+            for j, k in enumerate(key):
+                arriving |= self.supply.ready(k, local[by_shard[cuts[j] : cuts[j + 1]]], self.names)
             indices = torch.from_numpy(starts[where] + local)
         compact = torch.from_numpy(starts[:-1].copy())
         gathers = None if arriving else self.planners.get(key, readers)

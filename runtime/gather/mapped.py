@@ -51,9 +51,15 @@ class FixedRawGather(FieldGather):
         return self.plan_grouped(indices, batch_groups(indices, self.starts), out)
 
     def plan_grouped(self, indices: torch.Tensor, groups: Groups, out: Output) -> Planned:
+        return self.plan_rows(self.table, indices, groups, out)
+
+    def plan_rows(
+        self, table: RowTable | None, indices: torch.Tensor, groups: Groups, out: Output
+    ) -> Planned:
+        """``plan_grouped`` over ``table`` (``groups.shards`` number its sources)."""
         out = self.output((len(indices), *self.trail), out)
         steps: list[Step] = []
-        if self.table is not None and len(indices):
-            shards = groups.shards if len(self.table) > 1 else None
-            steps.append(Rows(flat_bytes(out), self.table, shards, groups.rows))
+        if table is not None and len(indices):
+            shards = groups.shards if len(table) > 1 else None
+            steps.append(Rows(flat_bytes(out), table, shards, groups.rows))
         return {self.field.name: out}, steps

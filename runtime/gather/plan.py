@@ -59,6 +59,31 @@ class RowTable:
     def __len__(self) -> int:
         return len(self.sources)
 
+    @classmethod
+    def slots(cls, count: int, row_bytes: int) -> RowTable:
+        """A table of ``count`` sources, each empty (no rows) until ``put``."""
+        empty = torch.zeros((0, row_bytes), dtype=torch.uint8)
+        return cls([empty] * count, row_bytes)
+
+    def put(self, k: int, source: torch.Tensor) -> None:
+        """Source ``k`` is ``source`` from now on (checked as in the constructor)."""
+        one = RowTable([source], self.row_bytes)
+        self.sources[k] = source
+        self.bases[k], self.nums[k] = one.bases[0], one.nums[0]
+
+    def clear(self, k: int) -> None:
+        """Source ``k`` holds no rows (nor a view of any memory) from now on."""
+        self.nums[k], self.bases[k] = 0, 0
+        self.sources[k] = torch.zeros((0, self.row_bytes), dtype=torch.uint8)
+
+    def take(self, ks: np.ndarray) -> RowTable:
+        """A table of sources ``ks`` of this one (source i is this one's ``ks[i]``), which
+        keeps them: later ``put`` and ``clear`` calls here do not change it."""
+        out = RowTable([], self.row_bytes)
+        out.sources = [self.sources[k] for k in ks.tolist()]
+        out.bases, out.nums = self.bases[ks], self.nums[ks]
+        return out
+
 
 @dataclass(frozen=True)
 class Rows:

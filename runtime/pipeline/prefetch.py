@@ -83,7 +83,7 @@ class Asks:
     def __init__(self, archive: Archive, batches: list[np.ndarray]) -> None:
         self.archive = archive
         self.batches = batches
-        self.out: dict[int, list[int]] = {}  # asked for, not yet let go of
+        self.out: dict[int, np.ndarray] = {}  # asked for, not yet let go of
         self.firsts: tuple[np.ndarray, np.ndarray] | None = None
         # A warm node cache holding the whole archive holds it for the epoch, not per batch.
         self.whole = archive.planner.hold_whole()
@@ -98,7 +98,7 @@ class Asks:
             return
         for k in (j, j + 1):
             if k < len(self.batches) and k not in self.out:
-                shards = self.archive.shards_of(torch.from_numpy(self.batches[k])).tolist()
+                shards = self.archive.shards_of(torch.from_numpy(self.batches[k]))
                 self.archive.supply.ask(shards)
                 self.out[k] = shards
         if self.fetches:  # ahead too

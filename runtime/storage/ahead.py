@@ -31,7 +31,7 @@ class AheadHost(Holder, Protocol):
     fetches under way, and how to fetch one shard."""
 
     asked: int
-    refs: list[int]
+    refs: np.ndarray  # holds on each shard
     pending: dict[int, Future[ShardReader]]
 
     def arriving(self, k: int) -> bool: ...

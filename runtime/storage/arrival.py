@@ -52,7 +52,7 @@ def closed(url: str) -> LoaderError:
 class ArrivalHost(Holder, Protocol):
     """What streamed arrival uses of the supply besides ``Holder``: its storage and
     retries, whether it is closing, who hears of a dropped shard, and how a shard
-    is kept open."""
+    is kept open (and recorded open or closed: ``open`` changes only through these)."""
 
     retry: Retry
     client: Callable[[], Storage]
@@ -61,7 +61,11 @@ class ArrivalHost(Holder, Protocol):
     starts: np.ndarray
     shard_sizes: tuple[int, ...]
 
-    def keep_open(self, k: int, reader: ShardReader, held: Held) -> None: ...
+    def keep_open(self, k: int, reader: ShardReader, held: Held, whole: bool = False) -> None: ...
+
+    def set_open(self, k: int, reader: ShardReader, held: Held, whole: bool) -> None: ...
+
+    def set_closed(self, k: int) -> tuple[ShardReader, Held] | None: ...
 
     def opened(self, k: int, held: Held, what: str) -> ShardReader: ...
 
@@ -259,7 +263,7 @@ class Arrivals:
                 self.arrivals.discard(inc.arriving)
                 self.streams.pop(inc.k, None)
                 if inc.keep:
-                    self.host.open[inc.k] = (reader, held)
+                    self.host.set_open(inc.k, reader, held, whole=True)
                     self.host.sizes.learn(inc.k, held.bytes)
                 inc.done = True
                 inc.cond.notify_all()
@@ -318,7 +322,7 @@ class Arrivals:
             got = self.host.open.get(inc.k)
             held = got is not None and got[0] is inc.reader
             if held:
-                del self.host.open[inc.k]
+                self.host.set_closed(inc.k)
                 self.host.loose.pop(inc.k, None)
                 if self.host.dropped is not None:
                     self.host.dropped(inc.k)

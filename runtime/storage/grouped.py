@@ -107,7 +107,7 @@ class GroupedSupply(ShardSupply):
         for s in self.every():
             s.check(shards)
 
-    def ask(self, shards: Sequence[int]) -> None:
+    def ask(self, shards: Sequence[int] | np.ndarray) -> None:
         done: list[RemoteSupply] = []
         try:
             for s in self.every():
@@ -118,7 +118,7 @@ class GroupedSupply(ShardSupply):
                 s.release(shards)
             raise
 
-    def release(self, shards: Sequence[int]) -> None:
+    def release(self, shards: Sequence[int] | np.ndarray) -> None:
         each(self.every(), lambda s: s.release(shards))
 
     def hold_all(self) -> bool:

@@ -37,6 +37,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
 import threading
 import time
@@ -69,11 +70,15 @@ from .remote_sizes import ShardSizes
 from .streamed import (
     Incoming,
 )
-from .supply import ShardSupply
+from .supply import ShardSupply, distinct
 
 Client = Callable[[], Storage]  # this process's storage of the archive
 
 _SUPPLIES: weakref.WeakSet[RemoteSupply] = weakref.WeakSet()
+
+# Mapping stamps (RemoteSupply.stamps): never the same number twice in a process, nor
+# in a forked child (its numbers continue past what the parent had handed out).
+_stamps = itertools.count()
 
 
 def _forget_parents() -> None:
@@ -157,9 +162,13 @@ class RemoteSupply(ShardSupply):
         """This process's state: nothing held, no fetches under way."""
         self.pid = os.getpid()
         self.lock = threading.Lock()
-        self.refs = [0] * len(self.index.shards)
+        self.refs = np.zeros(len(self.index.shards), np.int64)  # holds on each shard
         self.asked = 0  # shards with a hold (refs > 0)
+        # mapped here (open, or arriving) and held in the cache; only set_open and
+        # set_closed change it
         self.open: dict[int, tuple[ShardReader, Held]] = {}
+        # each shard's mapping stamp while it is open and whole, else -1 (mapped_stamps)
+        self.stamps = np.full(len(self.index.shards), -1, np.int64)
         self.pending: dict[int, Future[ShardReader]] = {}
         self.loose: OrderedDict[int, None] = OrderedDict()  # oldest use first
         self.wanted = self.cache.wanted_stamp()
@@ -199,28 +208,34 @@ class RemoteSupply(ShardSupply):
         if self.pid != os.getpid():
             self.fresh()  # a forked child: what the parent held is the parent's
 
-    def ask(self, shards: Sequence[int]) -> None:
-        """Counts a hold on each shard and starts fetching those not cached here yet."""
+    def ask(self, shards: Sequence[int] | np.ndarray) -> None:
+        """Counts a hold on each shard and starts fetching those not cached here yet
+        (array arithmetic over the shards: a Python step only for those not open)."""
         self.mine()
         if self.in_use < 0:  # read again after close
             self.use_folder()
+        ks = distinct(shards, len(self.refs))
         wanted = self.cache.wanted_stamp()
         with self.lock:
             if wanted != self.wanted:  # another process waits for room
                 self.wanted = wanted
                 self.drop_loose()
-            for k in sorted(set(shards)):
-                self.refs[k] += 1
-                self.asked += self.refs[k] == 1
-                self.loose.pop(k, None)
+            self.refs[ks] += 1
+            first = ks[self.refs[ks] == 1]
+            self.asked += len(first)
+            if self.loose:
+                for k in first.tolist():
+                    self.loose.pop(k, None)
             try:
                 self.check_in_flight()
             except UsageError:
-                for k in set(shards):
-                    self.refs[k] -= 1
-                    self.asked -= self.refs[k] == 0
+                self.refs[ks] -= 1
+                self.asked -= len(first)
+                for k in first.tolist():  # loose again, as they were
+                    if k in self.open:
+                        self.loose[k] = None
                 raise
-            for k in sorted(set(shards)):
+            for k in ks[self.stamps[ks] < 0].tolist():
                 if k not in self.open and k not in self.pending:
                     if self.pool is None:
                         self.pool = DaemonPool(self.fetch_threads, "dlop-fetch")
@@ -230,7 +245,7 @@ class RemoteSupply(ShardSupply):
         """Every shard held at once when the cache holds the whole archive, each mapped
         and whole (a warm cache): see ShardSupply.hold_all."""
         self.mine()
-        everything = list(range(len(self.refs)))
+        everything = np.arange(len(self.refs))
         if self.cache.wanted_stamp() != self.wanted:  # another process waits for room
             return False
         with self.lock:
@@ -246,19 +261,19 @@ class RemoteSupply(ShardSupply):
             self.release(everything)
         return whole
 
-    def release(self, shards: Sequence[int]) -> None:
+    def release(self, shards: Sequence[int] | np.ndarray) -> None:
         """Drops one hold on each shard. A shard no batch holds becomes loose: it stays
         mapped while the loose shards fit ``loose_bytes`` (see the module docstring)."""
         self.mine()
+        ks = distinct(shards, len(self.refs))
         with self.lock:
-            for k in sorted(set(shards)):
-                if self.refs[k] == 0:
-                    continue
-                self.refs[k] -= 1
-                if self.refs[k] == 0:
-                    self.asked -= 1
-                    self.loose[k] = None
-                    self.loose.move_to_end(k)
+            ks = ks[self.refs[ks] > 0]
+            self.refs[ks] -= 1
+            freed = ks[self.refs[ks] == 0]
+            self.asked -= len(freed)
+            for k in freed.tolist():
+                self.loose[k] = None
+                self.loose.move_to_end(k)
             self.trim_loose()
 
     def trim_loose(self) -> None:
@@ -397,15 +412,39 @@ class RemoteSupply(ShardSupply):
             ) from None
         self.sizes.learn(k, held.bytes)
         with self.lock:
-            self.keep_open(k, reader, held)
+            self.keep_open(k, reader, held, whole=True)
         return reader
 
-    def keep_open(self, k: int, reader: ShardReader, held: Held) -> None:
-        """Shard ``k`` mapped and held here; loose at once when no batch holds it any
-        more (fetched for a hold already let go of). Called under the lock."""
-        self.open[k] = (reader, held)
+    def keep_open(self, k: int, reader: ShardReader, held: Held, whole: bool = False) -> None:
+        """Shard ``k`` mapped and held here (``whole``: every byte verified, else still
+        arriving); loose at once when no batch holds it any more (fetched for a hold
+        already let go of). Called under the lock."""
+        self.set_open(k, reader, held, whole)
         if self.refs[k] == 0 and k not in self.loose:
             self.loose[k] = None
+
+    def set_open(self, k: int, reader: ShardReader, held: Held, whole: bool) -> None:
+        """Records shard ``k`` as mapped (``open``) with a new stamp when ``whole`` (under
+        the lock)."""
+        self.open[k] = (reader, held)
+        self.stamps[k] = next(_stamps) if whole else -1
+
+    def set_closed(self, k: int) -> tuple[ShardReader, Held] | None:
+        """Shard ``k`` no longer mapped here: its mapping and hold, if it had them (under
+        the lock)."""
+        self.stamps[k] = -1
+        return self.open.pop(k, None)
+
+    def mapped_stamps(self, shards: np.ndarray) -> np.ndarray | None:
+        self.mine()
+        stamps: np.ndarray = self.stamps[shards]
+        return stamps
+
+    def mapping(self, k: int) -> tuple[ShardReader, int] | None:
+        self.mine()
+        with self.lock:
+            got, stamp = self.open.get(k), int(self.stamps[k])
+        return None if got is None or stamp < 0 else (got[0], stamp)
 
     def failure(self, k: int) -> BaseException:
         """Why shard ``k``, held by a batch, is no longer open here: its fetch failed."""
@@ -486,7 +525,7 @@ class RemoteSupply(ShardSupply):
         """Unmaps shard ``k`` and lets go of its hold (called under the lock). A shard
         still arriving goes on arriving, into the cache only."""
         self.loose.pop(k, None)
-        got = self.open.pop(k, None)
+        got = self.set_closed(k)
         if got is not None:
             if self.dropped is not None:
                 self.dropped(k)

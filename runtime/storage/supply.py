@@ -33,6 +33,19 @@ from dlop.formats import ArchiveReader, Field, ShardReader
 from ..errors import shard_shrank
 
 
+def distinct(shards: Sequence[int] | np.ndarray, count: int | None = None) -> np.ndarray:
+    """``shards`` (numbers, in any order, repeats allowed) ascending, each once, as int64;
+    with ``count``, IndexError names one outside 0..count-1 (numpy would wrap a negative
+    one around)."""
+    ks = np.sort(np.asarray(shards, dtype=np.int64).ravel())
+    if len(ks) > 1:
+        ks = ks[np.concatenate(([True], ks[1:] != ks[:-1]))]
+    if count is not None and len(ks) and (ks[0] < 0 or ks[-1] >= count):
+        bad = int(ks[0] if ks[0] < 0 else ks[-1])
+        raise IndexError(f"shard {bad} out of range 0..{count - 1}")
+    return ks
+
+
 class ShardSupply(abc.ABC):
     """Everything the runtime asks of a shard supply; what a supply that maps every
     shard for good does not need is a no-op here, and a supply that fetches overrides it.
@@ -64,10 +77,10 @@ class ShardSupply(abc.ABC):
     def check(self, shards: Sequence[int] | np.ndarray) -> None:
         """Raises when one of these shards can no longer be read safely."""
 
-    def ask(self, shards: Sequence[int]) -> None:
+    def ask(self, shards: Sequence[int] | np.ndarray) -> None:
         """These shards will be read soon (a hint; reading does not depend on it)."""
 
-    def release(self, shards: Sequence[int]) -> None:
+    def release(self, shards: Sequence[int] | np.ndarray) -> None:
         """A batch that asked for these shards is done with them."""
 
     def hold_all(self) -> bool:
@@ -97,6 +110,18 @@ class ShardSupply(abc.ABC):
         """Shard ``k`` as ``shard``, or while it is still arriving (read only what
         ``ready`` allows)."""
         return self.shard(k)
+
+    def mapped_stamps(self, shards: np.ndarray) -> np.ndarray | None:
+        """The mapping stamp of each of ``shards`` (held: asked for), one array
+        operation for them all: a number that differs each time a shard is mapped anew,
+        -1 while it is not mapped whole here (still being fetched, or arriving). A
+        planner keeps what it derived from a mapping while its stamp holds. None: the
+        supply keeps no stamps (its batches are planned over the shards they touch)."""
+        return None
+
+    def mapping(self, k: int) -> tuple[ShardReader, int] | None:
+        """Shard ``k``'s reader and mapping stamp while it is mapped whole here, else None."""
+        return None
 
     def on_drop(self, forget: Callable[[int], None]) -> None:
         """``forget(k)`` is called when shard ``k`` is unmapped, so views of it kept

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dlop.formats.storage import Retry
-from dlop.runtime import Loader
+from dlop.runtime import Loader, open_archive
 from dlop.runtime.storage.cache import CacheDir
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import make_archive, open_remote
@@ -119,4 +119,89 @@ def test_gathers_are_kept_per_set_of_shards_and_forgotten_with_them(
         assert remote.supply.squeeze()  # shard 0, loose, let go of: its gathers go too
         assert not remote.planner.planners.kept
         assert remote.gather(torch.tensor([4]))["key"] == ["k004"]
+        remote.close()
+
+
+FIXED = ["label", "logmel"]  # fixed-size fields only: planned by one table of rows
+
+
+def fixed_through_cache(proxy: FaultProxy, tmp_path: Path) -> Any:
+    """The fixed-size fields of archive ``a`` served by ``proxy``, through a cache."""
+    url = proxy.url + "/a"
+    return open_remote(url, FIXED, cache_dir=tmp_path / "c", cache_bytes=1 << 20, retry=FAST)
+
+
+def test_fixed_fields_plan_by_one_table_refreshed_as_shards_are_mapped_anew(
+    tmp_path: Path,
+) -> None:
+    # zstd: each shard is served once whole (decoded into the cache), never arriving in
+    # parts, so every shard a batch touches is in the table after it
+    site = make_archive(tmp_path / "site" / "a", zstd=True).parent
+    local = open_archive(site / "a", fields=FIXED)
+    idx = torch.tensor([36, 0, 20, 7, 21, 1])  # several shards, in no order
+    want = local.gather(idx)
+    shards = len(local.supply.shard_sizes)
+    with FaultProxy(root=site) as proxy:
+        remote = open_remote(
+            proxy.url + "/a", FIXED, cache_dir=tmp_path / "c", cache_bytes=1 << 20, retry=FAST
+        )
+        got = remote.gather(idx)
+        assert all(torch.equal(got[n], want[n]) for n in FIXED)
+        slots = remote.planner.planners.slots
+        assert slots is not None and not remote.planner.planners.kept  # no per-set gathers
+        touched = sorted(set(remote.shards_of(idx).tolist()))
+        others = [k for k in range(shards) if k not in touched]
+        assert len(touched) > 2 and others
+        before = slots.stamps[touched].copy()
+        assert (before >= 0).all() and (slots.stamps[others] == -2).all()
+        with remote.supply.lock:
+            assert remote.supply.drop_loose()  # every shard let go of: its rows with it
+        assert (slots.stamps == -2).all()
+        assert all((t.nums == 0).all() and (t.bases == 0).all() for t in slots.tables.values())
+        got = remote.gather(idx)  # mapped anew: new stamps, the rows read again
+        assert all(torch.equal(got[n], want[n]) for n in FIXED)
+        assert (slots.stamps[touched] > before).all()
+        remote.close()
+
+
+def test_a_plan_keeps_its_rows_when_its_shards_are_let_go_of_before_its_copies(
+    site: Path, tmp_path: Path
+) -> None:
+    want = open_archive(site / "a", fields=FIXED).gather(torch.arange(37))
+    with FaultProxy(root=site) as proxy:
+        remote = fixed_through_cache(proxy, tmp_path)
+        batch, plan = remote.plan(torch.arange(37))  # planned, nothing copied yet
+        with remote.supply.lock:
+            assert remote.supply.drop_loose()  # the batch's shards unmapped meanwhile
+        assert not remote.supply.open
+        remote.own_engine().run(plan)
+        assert all(torch.equal(batch[n], want[n]) for n in FIXED)
+        remote.close()
+
+
+def test_dataloader_workers_forked_after_the_parent_planned_read_their_own_mappings(
+    site: Path, tmp_path: Path
+) -> None:
+    from torch.utils.data import DataLoader
+
+    want = open_archive(site / "a", fields=FIXED).gather(torch.arange(37))
+    with FaultProxy(root=site) as proxy:
+        remote = fixed_through_cache(proxy, tmp_path)
+        remote.gather(torch.arange(37))  # the parent's table holds every shard
+        loader = DataLoader(remote, batch_size=5, num_workers=2, multiprocessing_context="fork")
+        got = list(loader)
+        for n in FIXED:
+            assert torch.equal(torch.cat([b[n] for b in got]), want[n])
+        remote.close()
+
+
+@pytest.mark.parametrize("shards", [[-1], [6], [0, 7]])
+def test_a_shard_number_outside_the_archive_is_refused_not_wrapped(
+    site: Path, tmp_path: Path, shards: list[int]
+) -> None:
+    with FaultProxy(root=site) as proxy:
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=FAST)
+        with pytest.raises(IndexError, match=r"shard -?\d+ out of range 0\.\.5"):
+            remote.supply.ask(shards)
+        assert not remote.supply.refs.any() and remote.supply.asked == 0
         remote.close()

@@ -15,7 +15,7 @@ import torch
 from dlop.formats import ArchiveWriter, Field, ShardReader
 from dlop.formats.constants import CRC_PIECE_BYTES
 from dlop.formats.storage import Retry
-from dlop.runtime import Loader, LoaderError
+from dlop.runtime import Loader, LoaderError, open_archive
 from dlop.runtime.storage.cache import Arriving
 from dlop.runtime.storage.remote import HEAD_BYTES
 from dlop.runtime.storage.streamed import LATER, Incoming, part_pieces
@@ -123,18 +123,26 @@ def test_cold_and_warm_epochs_equal_local(
         assert total <= proxy.sent_bytes("shard-") <= total + len(shards(site)) * HEAD_BYTES
 
 
-def test_batches_are_served_before_the_shard_is_whole(site: Path, tmp_path: Path) -> None:
+# Every field, or the fixed-size ones only (planned by one table of rows per field,
+# runtime.archive.planning.Slots, an arriving shard's rows read for its batch only).
+FIELDS = [None, ["label", "wave"]]
+
+
+@pytest.mark.parametrize("fields", FIELDS, ids=["every field", "fixed fields"])
+def test_batches_are_served_before_the_shard_is_whole(
+    site: Path, tmp_path: Path, fields: list[str] | None
+) -> None:
     """The part holding shard 0's last pieces is held back by the server: the first
     batches, whose samples lie in its first pieces, arrive meanwhile."""
     held = data_at(site, "wave") + 2 * CRC_PIECE_BYTES  # samples 32.. of shard 0
     settings = {"batch_size": 8, "shuffle": False, "prefetch": 1}
-    want = batches(Loader(site / "a", **settings))
+    want = batches(Loader(open_archive(site / "a", fields=fields), **settings))
     with FaultProxy(root=site) as proxy:
         proxy.fail("shard-00000", "hold", at=held)
         safety = threading.Timer(30, proxy.let_through)  # a regression fails, never hangs
         safety.start()
         try:
-            remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+            remote = open_remote(proxy.url + "/a", fields, cache_dir=tmp_path / "c", retry=PARTS)
             loader = Loader(remote, **settings)
             it = iter(loader)
             first = [copied(next(it)) for _ in range(3)]  # samples 0..23
@@ -149,9 +157,11 @@ def test_batches_are_served_before_the_shard_is_whole(site: Path, tmp_path: Path
         assert same(first, want[:3]) and same(rest, want[3:])
 
 
-@pytest.mark.parametrize("field", ["wave", "speech"])
+@pytest.mark.parametrize(
+    ("field", "fields"), [("wave", None), ("speech", None), ("wave", ["label", "wave"])]
+)
 def test_a_corrupt_part_being_served_is_fetched_again(
-    site: Path, tmp_path: Path, field: str
+    site: Path, tmp_path: Path, field: str, fields: list[str] | None
 ) -> None:
     """The part the first batch reads arrives corrupt twice: it is fetched again, and
     every batch equals the local one (no sample from an unverified byte)."""
@@ -159,8 +169,9 @@ def test_a_corrupt_part_being_served_is_fetched_again(
     settings = {"batch_size": 8, "shuffle": False}
     with FaultProxy(root=site) as proxy:
         proxy.fail("shard-00000", "corrupt", times=2, at=at)
-        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
-        assert same(batches(Loader(remote, **settings)), batches(Loader(site / "a", **settings)))
+        remote = open_remote(proxy.url + "/a", fields, cache_dir=tmp_path / "c", retry=PARTS)
+        want = batches(Loader(open_archive(site / "a", fields=fields), **settings))
+        assert same(batches(Loader(remote, **settings)), want)
         asked = [r for p, r in proxy.ranged if "shard-00000" in p and r.startswith(f"bytes={at}-")]
         assert len(asked) == 3  # two corrupt copies, then the good one
         assert cached(tmp_path / "c") == shards(site)
