@@ -8,11 +8,13 @@ batch is planned over the shards it touches only, held for the while
 (``ask``/``release``), so shards the batch does not read need not be cached:
 ``Fetched``, which keeps the gathers made for a set of shards for the next
 batch over the same set while those shards stay mapped (a window's batches
-touch the same few shards). Where every field is fixed-size and the supply stamps
-its mappings (the node cache), ``Fetched`` instead keeps each field's rows of every
-shard mapped whole here in one table by shard number (``Slots``), refreshed only
-for shards mapped anew: a batch is planned by array arithmetic whatever the
-number of shards it touches.
+touch the same few shards). Where every field is raw (the node cache serves zstd
+shards decoded) and the supply stamps its mappings, ``Fetched`` instead keeps what
+each field needs of every shard mapped here, by shard number (``Slots``: fixed
+rows in one table, ragged fields' per-sample tables by sample number, text's
+copied values), refreshed only for shards mapped anew: a batch is planned by
+array arithmetic whatever the number of shards it touches (text, a list of
+strings, is sliced shard by shard).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from ..gather.engine import compiled
 from ..gather.fields import Allocate, FieldGather, Groups, Locator, batch_groups
 from ..gather.mapped import FixedRawGather, rows_of
 from ..gather.plan import CopyPlan, RowTable
-from ..gather.samples import TextGather
-from ..gather.spans import SpanGather
+from ..gather.samples import SlottedText, TextGather
+from ..gather.spans import SlottedSpans, SpanGather
 from ..storage.supply import ShardSupply, distinct
 
 Out = dict[str, torch.Tensor] | Allocate | None
@@ -96,6 +98,9 @@ class Planner:
         self.by_arrays = all(gather_kind(f).by_arrays for f in self.fields.values())
         # every field fixed-size: a batch's tensors do not depend on which batch it is
         self.fixed_only = all(gather_kind(f) is FixedRawGather for f in self.fields.values())
+        # every field raw, fixed-size or ragged: planned by Slots where the supply stamps
+        # its mappings (Fetched)
+        self.slotted = all(slottable(f) for f in self.fields.values())
         self.gathers: dict[str, FieldGather] = self.made_gathers()
 
     def made_gathers(self) -> dict[str, FieldGather]:
@@ -213,22 +218,43 @@ class Planners:
             slots.clear(k)
 
 
-class Slots:
-    """The rows of each fixed field of ``gathers`` in every shard mapped whole here, in
-    one table per field by shard number (``RowTable.slots``), and the mapping stamp
-    each shard's rows came from (ShardSupply.mapped_stamps); -2: none. A batch takes
-    the entries of the shards it touches (``RowTable.take``): its plan keeps them, and
-    the views keep the mappings, whatever is let go of before its copies run."""
+def slottable(field: Field) -> bool:
+    """Whether ``Slots`` plan ``field``: any raw field (fixed-size, ragged or text)."""
+    return gather_kind(field) is FixedRawGather or field.codec.mappable
 
-    def __init__(self, gathers: Mapping[str, FixedRawGather], count: int) -> None:
-        self.gathers = dict(gathers)
-        self.tables = {
-            n: RowTable.slots(count, g.row_bytes) for n, g in self.gathers.items() if g.row_bytes
-        }
+
+class Slots:
+    """What each field read needs of every shard mapped whole here, by shard number: a
+    fixed field's rows in one table (``RowTable.slots``), a ragged field's per-sample
+    tables and values (``SlottedSpans``), a text field's copied values
+    (``SlottedText``); and the mapping stamp each shard's entries
+    came from (ShardSupply.mapped_stamps; -2: none, or a shard's entries put for one
+    batch while it arrives). A batch takes the entries of the shards it touches
+    (``take``): its plan keeps them, and the views keep the mappings, whatever is let go
+    of before its copies run."""
+
+    def __init__(
+        self, fields: Mapping[str, Field], starts: torch.Tensor, total: int, pad_value: float
+    ) -> None:
+        count = len(starts)
+        self.gathers: dict[str, FixedRawGather | SlottedSpans | SlottedText] = {}
+        self.tables: dict[str, RowTable] = {}
+        self.spans: dict[str, SlottedSpans] = {}
+        self.texts: dict[str, SlottedText] = {}
+        for n, f in fields.items():
+            kind = gather_kind(f)
+            if kind is FixedRawGather:
+                g = self.gathers[n] = FixedRawGather(f, [], starts, pad_value)
+                if g.row_bytes:
+                    self.tables[n] = RowTable.slots(count, g.row_bytes)
+            elif kind is TextGather:
+                self.gathers[n] = self.texts[n] = SlottedText(f, starts, pad_value)
+            else:
+                self.gathers[n] = self.spans[n] = SlottedSpans(f, starts, total, pad_value)
         self.stamps = np.full(count, -2, np.int64)
         self.pid = os.getpid()
-        # put, clear and take exclude one another: a table's entry and the view it
-        # points into change together (clear runs on whichever thread lets go of a shard)
+        # put, clear and take exclude one another: an entry and the view it points into
+        # change together (clear runs on whichever thread lets go of a shard)
         self.lock = threading.Lock()
 
     def put(self, k: int, reader: ShardReader, stamp: int) -> None:
@@ -236,6 +262,10 @@ class Slots:
         with self.lock:
             for name, table in self.tables.items():
                 table.put(k, rows[name])
+            for spans in self.spans.values():
+                spans.put(k, reader)
+            for text in self.texts.values():
+                text.put(k, reader, whole=stamp >= 0)
             self.stamps[k] = stamp
 
     def clear(self, k: int) -> None:
@@ -243,37 +273,40 @@ class Slots:
             self.stamps[k] = -2
             for table in self.tables.values():
                 table.clear(k)
+            for spans in self.spans.values():
+                spans.clear(k)
+            for text in self.texts.values():
+                text.clear(k)
 
     def plan(
-        self,
-        indices: torch.Tensor,
-        groups: Groups,
-        touched: np.ndarray,
-        out: Out,
-        arriving: Mapping[int, ShardReader],
+        self, indices: torch.Tensor, groups: Groups, touched: np.ndarray, out: Out
     ) -> tuple[Batch, CopyPlan]:
-        """The batch of ``indices`` (in ``groups``, by global shard number, with the
-        positions of the shards in ``touched`` as ``local``): every shard in ``touched``
-        (ascending) filled in here but those still ``arriving``, read from their
-        readers for this batch only."""
+        """The batch of ``indices`` (in ``groups``, by global shard number), every shard
+        in ``touched`` (ascending) filled in."""
         local = Groups(np.searchsorted(touched, groups.shards), groups.rows)
-        places = {k: int(np.searchsorted(touched, k)) for k in arriving}
         with self.lock:
-            taken = {n: t.take(touched) for n, t in self.tables.items()}
+            tables = {n: t.take(touched) for n, t in self.tables.items()}
+            spans = {n: g.take(touched) for n, g in self.spans.items()}
+            texts = {n: g.take(touched) for n, g in self.texts.items()}
+        # no shard a batch reads is empty: an empty entry was let go of meanwhile
+        gone = [int(np.argmin(t.nums)) for t in tables.values() if not t.nums.all()]
+        gone += [i for g in spans.values() for i, v in enumerate(g.values) if v is g.empty][:1]
+        missing = [k for g in texts.values() if (k := g.has(touched)) is not None]
+        gone += [int(np.searchsorted(touched, missing[0]))] if missing else []
+        if gone:
+            raise LoaderError(
+                f"shard {int(touched[gone[0]])} was let go of while a batch was planned "
+                "over it (the archive was closed meanwhile)"
+            )
         batch, steps = Batch(), []
         for name, g in self.gathers.items():
-            mine = taken.get(name)
-            if mine is not None:
-                for k, reader in arriving.items():
-                    mine.put(places[k], rows_of(reader, name, mine.row_bytes))
-                gone = np.flatnonzero(mine.nums == 0)  # no shard a batch reads is empty
-                if len(gone):
-                    raise LoaderError(
-                        f"shard {int(touched[gone[0]])} was let go of while a batch was "
-                        "planned over it (the archive was closed meanwhile)"
-                    )
             where = out.get(name) if isinstance(out, dict) else out
-            entries, field_steps = g.plan_rows(mine, indices, local, where)
+            if isinstance(g, SlottedText):
+                entries, field_steps = texts[name].plan(indices, where)
+            elif isinstance(g, SlottedSpans):
+                entries, field_steps = spans[name].plan_grouped(indices, local, where)
+            else:
+                entries, field_steps = g.plan_rows(tables.get(name), indices, local, where)
             batch.update(entries)
             steps += field_steps
         return batch, CopyPlan(steps)
@@ -362,36 +395,38 @@ class Fetched(Planner):
         self, indices: torch.Tensor, groups: Groups, touched: np.ndarray, out: Out
     ) -> tuple[Batch, CopyPlan] | None:
         """``plan`` by the ``Slots`` of every shard mapped whole here, filled in for the
-        shards ``touched`` mapped anew since; a shard still arriving is read for this
-        batch once the bytes of its samples are in (``ready``). None where it does not
-        apply (a field not fixed-size, a supply without stamps)."""
-        if not self.fixed_only:
+        shards ``touched`` mapped anew since; a shard still arriving is read once the
+        bytes of its samples are in (``ready``), its entries put for this batch only.
+        None where it does not apply (a text or block-coded field, a supply without
+        stamps)."""
+        if not self.slotted:
             return None
         stamps = self.supply.mapped_stamps(touched)
         if stamps is None:
             return None
         slots = self.planners.slots
         if slots is None or slots.pid != os.getpid():  # a forked child keeps none of these
-            gathers = {
-                n: FixedRawGather(f, [], self.starts, self.pad_value)
-                for n, f in self.fields.items()
-            }
-            slots = self.planners.slots = Slots(gathers, len(self.starts))
-        stale = touched[stamps != slots.stamps[touched]]
-        arriving: dict[int, ShardReader] = {}
-        for k in stale.tolist():
-            reader = self.supply.partial_shard(k)  # fetched now, or its fetch waited for
+            total = int(self.shard_starts[-1])
+            slots = Slots(self.fields, self.starts, total, self.pad_value)
+            self.planners.slots = slots
+        for k in touched[stamps != slots.stamps[touched]].tolist():
+            self.supply.partial_shard(k)  # fetched now, or its fetch waited for
             got = self.supply.mapping(k)
-            if got is not None:
-                slots.put(k, *got)
-                if self.supply.mapping(k) != got:  # let go of meanwhile (a close): not kept
-                    slots.clear(k)
-            else:  # still arriving: read for this batch once its samples' bytes are in
+            if got is None:
+                raise LoaderError(
+                    f"{self.supply.name}: shard {k} was let go of while a batch was planned "
+                    "over it (the archive was closed meanwhile)"
+                )
+            reader, stamp = got
+            if stamp < 0:  # still arriving: read once the batch's bytes of it are in
                 self.supply.ready(k, groups.rows[groups.shards == k], self.names)
-                arriving[k] = reader
+            slots.put(k, reader, stamp if stamp >= 0 else -2)  # arriving: this batch only
+            now = self.supply.mapping(k)
+            if now is None or now[0] is not reader:  # let go of meanwhile: not kept
+                slots.clear(k)
         if self.checks_batches():
             self.supply.check(touched)
-        return slots.plan(indices, groups, touched, out, arriving)
+        return slots.plan(indices, groups, touched, out)
 
     def plan_over(
         self, indices: torch.Tensor, per_index: np.ndarray, touched: np.ndarray, out: Out

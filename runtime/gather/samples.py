@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dlop.formats import FormatError
+from dlop.formats import FormatError, ShardReader
 
 from .engine import private_copy
 from .fields import FieldGather, Output, Planned, shard_groups
 from .spans import copied_tables, decoded
+
+
+def shard_text(shard: ShardReader, name: str) -> tuple[bytes, list[int]]:
+    """A raw text field's values and offsets in ``shard``, copied out of its mapping."""
+    return (
+        private_copy(shard.values(name)).tobytes(),
+        private_copy(shard.offsets(name)).tolist(),
+    )
 
 
 class TextGather(FieldGather):
@@ -45,13 +55,11 @@ class TextGather(FieldGather):
     def _shard_text(self, k: int) -> tuple[bytes, list[int]]:
         cached = self._text.get(k)
         if cached is None:
-            shard = self.shards[k]
-            cached = (
-                private_copy(shard.values(self.field.name)).tobytes(),
-                private_copy(shard.offsets(self.field.name)).tolist(),
-            )
-            self._text[k] = cached
+            cached = self._text[k] = shard_text(self.shards[k], self.field.name)
         return cached
+
+    def path_of(self, k: int) -> Path:
+        return self.shards[k].path
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         name, is_str = self.field.name, self.field.kind == "str"
@@ -91,7 +99,52 @@ class TextGather(FieldGather):
                 b.decode("utf-8")
             except UnicodeDecodeError as e:
                 return FormatError(
-                    self.shards[k].path,
+                    self.path_of(k),
                     f"field {self.field.name!r} sample {i}: not UTF-8 ({e.reason})",
                 )
         raise AssertionError("a sample failed to decode once, not twice")
+
+
+class SlottedText(TextGather):
+    """A raw text field over every shard of an archive, each shard's values and offsets
+    copied in while it is mapped (``put``) and dropped when it is let go of (``clear``).
+    A batch plans over ``take`` of the shards it touches; the caller excludes ``put``,
+    ``clear`` and ``take`` from one another (runtime.archive.planning.Slots)."""
+
+    def __init__(self, field: Any, starts: torch.Tensor, pad_value: float) -> None:
+        super().__init__(field, [], starts, pad_value)
+        if not field.codec.mappable:
+            raise ValueError(f"field {field.name!r}: slotted text is for raw fields")
+        self.paths: dict[int, Path] = {}
+
+    def put(self, k: int, shard: ShardReader, whole: bool) -> None:
+        """Shard ``k``'s text from ``shard``; kept by the shard (``whole``), or copied for
+        one batch while it is still arriving (read only where ``ready`` allowed)."""
+        name = self.field.name
+        if whole:
+            text: tuple[bytes, list[int]] = shard.derived(
+                ("text", name), lambda: shard_text(shard, name)
+            )
+        else:
+            text = shard_text(shard, name)
+        self._text[k], self.paths[k] = text, shard.path
+
+    def clear(self, k: int) -> None:
+        self._text.pop(k, None)
+
+    def has(self, ks: np.ndarray) -> int | None:
+        """The first of shards ``ks`` without its text here, or None."""
+        return next((k for k in ks.tolist() if k not in self._text), None)
+
+    def take(self, ks: np.ndarray) -> SlottedText:
+        """This gather over shards ``ks`` only: later ``put`` and ``clear`` calls here do
+        not change it."""
+        out = copy.copy(self)
+        out._text = {k: self._text[k] for k in ks.tolist() if k in self._text}
+        return out
+
+    def _shard_text(self, k: int) -> tuple[bytes, list[int]]:
+        return self._text[k]  # taken: every shard of the batch is here
+
+    def path_of(self, k: int) -> Path:
+        return self.paths[k]

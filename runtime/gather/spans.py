@@ -14,6 +14,7 @@ shards precedes each batch (``Planner.checks_batches``).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -90,6 +91,23 @@ def piece_runs(
     return owner, at, number * size[owner], size[owner]
 
 
+def sample_sizes(lengths: np.ndarray | None, shapes: np.ndarray | None, row: int) -> np.ndarray:
+    """Each sample's count of values from its ``lengths`` (only the first dimension
+    varies) or the ``shapes`` of its varying dimensions, times ``row``: float64 (no
+    overflow), -1 where a dimension is negative."""
+    if lengths is not None:
+        sizes: np.ndarray = lengths * float(row)
+        return sizes
+    assert shapes is not None
+    sizes = np.full(len(shapes), float(row))
+    negative = np.zeros(len(shapes), bool)
+    for column in shapes.T:  # (a column at a time: faster than along rows)
+        sizes *= column
+        negative |= column < 0  # a product with another could pass as 0 or more
+    sizes[negative] = -1.0
+    return sizes
+
+
 class SpanGather(FieldGather):
     """Raw ragged fields and zstd fields: one run per contiguous piece of each sample
     and fill runs for the padding around them, planned as arrays over the batch. Every
@@ -146,17 +164,7 @@ class SpanGather(FieldGather):
         block's): only tables changed since their shard was checked, in a way their CRC-32
         missed, hold one."""
         assert self.first is not None
-        # each sample's values, in float64 (no overflow), -1 where a dimension is negative
-        if self.lengths is not None:
-            sizes = self.lengths * float(self.row)
-        else:
-            assert self.shapes is not None
-            sizes = np.full(len(self.shapes), float(self.row))
-            negative = np.zeros(len(self.shapes), bool)
-            for column in self.shapes.T:  # (a column at a time: faster than along rows)
-                sizes *= column
-                negative |= column < 0  # a product with another could pass as 0 or more
-            sizes[negative] = -1.0
+        sizes = sample_sizes(self.lengths, self.shapes, self.row)
         if self.blocks:  # each sample's block: where its values begin and how many it has
             block = np.searchsorted(self.block_first, np.arange(len(self.first)), side="right") - 1
             raw = [s.block_table(self.field.name)["raw_length"] for s in self.shards]
@@ -261,3 +269,70 @@ class SpanGather(FieldGather):
         if holes.any():  # (fill_runs drops the empty ones)
             steps.append(fill_runs(flat, at, holes, self.pad_pattern(int(holes.max()))))
         return entries, steps
+
+
+class SlottedSpans(SpanGather):
+    """A raw ragged field's spans over every shard of an archive, each shard's entries
+    filled in while it is mapped (``put``) and emptied when it is let go of (``clear``):
+    per-sample tables by sample number across the archive (``starts``), and each
+    shard's values. A batch plans over ``take`` of the shards it touches, which keeps
+    their values; the caller excludes ``put``, ``clear`` and ``take`` from one
+    another (runtime.archive.planning.Slots)."""
+
+    def __init__(self, field: Any, starts: torch.Tensor, total: int, pad_value: float) -> None:
+        super().__init__(field, [], starts, pad_value)
+        if not field.ragged or self.blocks:
+            raise ValueError(f"field {field.name!r}: slotted spans are for raw ragged fields")
+        count = len(starts)
+        self.first = np.zeros(total, np.int64)
+        if self.lengths is not None:
+            self.lengths = np.zeros(total, np.int64)
+        else:
+            self.shapes = np.zeros((total, len(self.varying)), np.int64)
+        self.empty = np.zeros(0, np.dtype(field.np_dtype))
+        self.values = [self.empty] * count
+        self.bases = np.zeros(count, np.int64)
+
+    def put(self, k: int, shard: ShardReader) -> None:
+        """Shard ``k``'s entries from ``shard`` (its tables copied, and every sample's span
+        bounded by its values, as the constructor of SpanGather does)."""
+        offsets, shapes = copied_tables(shard, self.field.name, keep=True)
+        values = shard.values(self.field.name)
+        lo = int(self.starts[k])
+        hi = lo + shard.num_samples
+        first = offsets[:-1]
+        if self.lengths is not None:
+            lengths, varying = shapes[:, 0], None
+        else:
+            lengths, varying = None, shapes[:, self.varying]
+        sizes = sample_sizes(lengths, varying, self.row)
+        bad = (first < 0) | (sizes < 0) | (first + sizes > len(values))
+        if bad.any():
+            raise FormatError(
+                shard.path,
+                f"field {self.field.name!r} sample {int(np.argmax(bad))}: its offsets or "
+                "shape point outside the field's values; the shard changed since it was "
+                "opened",
+            )
+        assert self.first is not None
+        self.first[lo:hi] = first
+        if lengths is not None:
+            assert self.lengths is not None
+            self.lengths[lo:hi] = lengths
+        else:
+            assert self.shapes is not None
+            self.shapes[lo:hi] = varying
+        self.values[k] = values
+        self.bases[k] = values.ctypes.data
+
+    def clear(self, k: int) -> None:
+        self.bases[k] = 0
+        self.values[k] = self.empty
+
+    def take(self, ks: np.ndarray) -> SlottedSpans:
+        """This gather over shards ``ks`` only (shard i of the batch is ``ks[i]``), keeping
+        their values: later ``put`` and ``clear`` calls here do not change it."""
+        out = copy.copy(self)
+        out.values = [self.values[k] for k in ks.tolist()]
+        out.bases = self.bases[ks]
+        return out

@@ -444,7 +444,7 @@ class RemoteSupply(ShardSupply):
         self.mine()
         with self.lock:
             got, stamp = self.open.get(k), int(self.stamps[k])
-        return None if got is None or stamp < 0 else (got[0], stamp)
+        return None if got is None else (got[0], stamp)
 
     def failure(self, k: int) -> BaseException:
         """Why shard ``k``, held by a batch, is no longer open here: its fetch failed."""

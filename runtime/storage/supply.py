@@ -120,7 +120,8 @@ class ShardSupply(abc.ABC):
         return None
 
     def mapping(self, k: int) -> tuple[ShardReader, int] | None:
-        """Shard ``k``'s reader and mapping stamp while it is mapped whole here, else None."""
+        """Shard ``k``'s reader and mapping stamp while it is mapped here (the stamp -1
+        while it is still arriving: read only what ``ready`` allows), else None."""
         return None
 
     def on_drop(self, forget: Callable[[int], None]) -> None:

@@ -200,6 +200,32 @@ def test_spans_outside_their_values_are_refused_before_a_copy(
         assert isinstance(open_archive(path, [name]).gathers[name], spans.SpanGather)
 
 
+def test_slotted_spans_outside_their_values_are_refused_when_a_shard_is_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node cache's per-shard entries (spans.SlottedSpans) bound every sample's
+    span as a gather over all shards does, when each shard is put, and keep nothing of
+    a shard refused."""
+    path = make_archive(tmp_path / "a")  # raw: what the node cache serves
+    ds = open_archive(path)
+    real = spans.copied_tables
+    for name in ("speech", "image"):
+        field = ds.fields[name]
+        cases = [("first", 10**9), ("first", -5), ("size", -1), ("size", 10**6)]
+        for place, value in cases + ([("zero", -2)] if name == "image" else []):
+            slotted = spans.SlottedSpans(field, ds.starts, len(ds), 0.0)
+            monkeypatch.setattr(
+                spans, "copied_tables", forging(real, place, value, name == "image")
+            )
+            named = f"shard-00000.dlop: field '{name}' sample 1: its offsets or shape point"
+            with pytest.raises(FormatError, match=named):
+                slotted.put(0, ds.shards[0])
+            assert slotted.bases[0] == 0 and slotted.values[0] is slotted.empty
+            monkeypatch.setattr(spans, "copied_tables", real)
+            slotted.put(0, ds.shards[0])  # the real tables: taken
+            assert slotted.bases[0] != 0
+
+
 def test_tables_changed_in_place_since_open_are_refused(tmp_path: Path) -> None:
     """A gather made after its shards opened (a new reading, another epoch of a node
     cache) copies their tables and compares each copy's CRC-32 with the header's."""
