@@ -30,7 +30,6 @@ import torch
 from dlop.formats import Field, ShardReader
 
 from ..batch import Batch
-from ..errors import LoaderError
 from ..gather.engine import compiled
 from ..gather.fields import Allocate, FieldGather, Groups, Locator, batch_groups
 from ..gather.mapped import FixedRawGather, rows_of
@@ -98,8 +97,8 @@ class Planner:
         self.by_arrays = all(gather_kind(f).by_arrays for f in self.fields.values())
         # every field fixed-size: a batch's tensors do not depend on which batch it is
         self.fixed_only = all(gather_kind(f) is FixedRawGather for f in self.fields.values())
-        # every field raw, fixed-size or ragged: planned by Slots where the supply stamps
-        # its mappings (Fetched)
+        # every field raw (fixed-size, ragged or text): planned by Slots where the supply
+        # stamps its mappings (Fetched)
         self.slotted = all(slottable(f) for f in self.fields.values())
         self.gathers: dict[str, FieldGather] = self.made_gathers()
 
@@ -182,8 +181,7 @@ class Sizing(FieldGather):
 class Planners:
     """The gathers for batches over a set of shards, kept while those shards stay
     mapped: made anew per batch they cost more than the copies of a small batch; and
-    the ``Slots`` of fixed fields, where they serve (made by the first batch in each
-    process). ``forget(k)`` (shard k let go of) drops the gathers that read it and its
+    the ``Slots``, where they serve (made by the first batch in each process). ``forget(k)`` (shard k let go of) drops the gathers that read it and its
     slots' rows, and with them their views of its mapping. (The supply holds this, not
     the planner: nothing refers back to the supply, so no cycle outlives a close.)"""
 
@@ -223,15 +221,23 @@ def slottable(field: Field) -> bool:
     return gather_kind(field) is FixedRawGather or field.codec.mappable
 
 
+class Gone(Exception):
+    """Shard ``k``'s entries were let go of while a batch was planned over it."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.k = k
+
+
 class Slots:
-    """What each field read needs of every shard mapped whole here, by shard number: a
-    fixed field's rows in one table (``RowTable.slots``), a ragged field's per-sample
-    tables and values (``SlottedSpans``), a text field's copied values
-    (``SlottedText``); and the mapping stamp each shard's entries
-    came from (ShardSupply.mapped_stamps; -2: none, or a shard's entries put for one
-    batch while it arrives). A batch takes the entries of the shards it touches
-    (``take``): its plan keeps them, and the views keep the mappings, whatever is let go
-    of before its copies run."""
+    """What each field read needs of every shard mapped here, by shard number: a fixed
+    field's rows in one table (``RowTable.slots``), a ragged field's per-sample tables
+    and values (``SlottedSpans``), a text field's copied values (``SlottedText``); the
+    mapping stamp each shard's entries came from (ShardSupply.mapped_stamps; -2: none,
+    or entries put for one batch while the shard arrives); and the reader they came
+    from. A batch takes the entries of the shards it touches (``take``): its plan
+    keeps them, and the views keep the mappings, whatever is let go of before its
+    copies run."""
 
     def __init__(
         self, fields: Mapping[str, Field], starts: torch.Tensor, total: int, pad_value: float
@@ -252,24 +258,33 @@ class Slots:
             else:
                 self.gathers[n] = self.spans[n] = SlottedSpans(f, starts, total, pad_value)
         self.stamps = np.full(count, -2, np.int64)
+        self.readers: dict[int, ShardReader] = {}
         self.pid = os.getpid()
         # put, clear and take exclude one another: an entry and the view it points into
-        # change together (clear runs on whichever thread lets go of a shard)
+        # change together. clear runs on whichever thread lets go of a shard, holding
+        # the supply's lock: the copies a put needs are made before this lock is taken.
         self.lock = threading.Lock()
 
     def put(self, k: int, reader: ShardReader, stamp: int) -> None:
         rows = {n: rows_of(reader, n, t.row_bytes) for n, t in self.tables.items()}
+        spans = {n: g.prepared(k, reader) for n, g in self.spans.items()}
+        texts = {n: g.prepared(reader, whole=stamp >= 0) for n, g in self.texts.items()}
         with self.lock:
             for name, table in self.tables.items():
                 table.put(k, rows[name])
-            for spans in self.spans.values():
-                spans.put(k, reader)
-            for text in self.texts.values():
-                text.put(k, reader, whole=stamp >= 0)
+            for name, g in self.spans.items():
+                g.put(k, spans[name])
+            for name, text in self.texts.items():
+                text.put(k, texts[name])
             self.stamps[k] = stamp
+            self.readers[k] = reader
 
-    def clear(self, k: int) -> None:
+    def clear(self, k: int, only: ShardReader | None = None) -> None:
+        """Shard ``k``'s entries gone (``only``: if they are still those put from it)."""
         with self.lock:
+            if only is not None and self.readers.get(k) is not only:
+                return
+            self.readers.pop(k, None)
             self.stamps[k] = -2
             for table in self.tables.values():
                 table.clear(k)
@@ -294,10 +309,7 @@ class Slots:
         missing = [k for g in texts.values() if (k := g.has(touched)) is not None]
         gone += [int(np.searchsorted(touched, missing[0]))] if missing else []
         if gone:
-            raise LoaderError(
-                f"shard {int(touched[gone[0]])} was let go of while a batch was planned "
-                "over it (the archive was closed meanwhile)"
-            )
+            raise Gone(int(touched[gone[0]]))
         batch, steps = Batch(), []
         for name, g in self.gathers.items():
             where = out.get(name) if isinstance(out, dict) else out
@@ -394,11 +406,12 @@ class Fetched(Planner):
     def plan_slotted(
         self, indices: torch.Tensor, groups: Groups, touched: np.ndarray, out: Out
     ) -> tuple[Batch, CopyPlan] | None:
-        """``plan`` by the ``Slots`` of every shard mapped whole here, filled in for the
-        shards ``touched`` mapped anew since; a shard still arriving is read once the
-        bytes of its samples are in (``ready``), its entries put for this batch only.
-        None where it does not apply (a text or block-coded field, a supply without
-        stamps)."""
+        """``plan`` by the ``Slots`` of every shard mapped here, filled in for the shards
+        ``touched`` mapped anew since; a shard still arriving is read once the bytes of
+        its samples are in (``ready``), its entries put for this batch only. A shard
+        let go of meanwhile (its fetch failed, or the archive closed) raises the
+        supply's ``failure``. None where it does not apply (a block-coded field, a
+        supply without stamps)."""
         if not self.slotted:
             return None
         stamps = self.supply.mapped_stamps(touched)
@@ -409,24 +422,32 @@ class Fetched(Planner):
             total = int(self.shard_starts[-1])
             slots = Slots(self.fields, self.starts, total, self.pad_value)
             self.planners.slots = slots
-        for k in touched[stamps != slots.stamps[touched]].tolist():
+        stale = touched[stamps != slots.stamps[touched]].tolist()
+        for k in stale:
             self.supply.partial_shard(k)  # fetched now, or its fetch waited for
+        if self.checks_batches():  # before a put reads the mapping
+            self.supply.check(touched)
+        for k in stale:
             got = self.supply.mapping(k)
             if got is None:
-                raise LoaderError(
-                    f"{self.supply.name}: shard {k} was let go of while a batch was planned "
-                    "over it (the archive was closed meanwhile)"
-                )
+                raise self.supply.failure(k)
             reader, stamp = got
             if stamp < 0:  # still arriving: read once the batch's bytes of it are in
                 self.supply.ready(k, groups.rows[groups.shards == k], self.names)
-            slots.put(k, reader, stamp if stamp >= 0 else -2)  # arriving: this batch only
+            try:
+                slots.put(k, reader, stamp if stamp >= 0 else -2)  # arriving: this batch only
+            except Exception:
+                now = self.supply.mapping(k)
+                if now is None or now[0] is not reader:  # closed under the put
+                    raise self.supply.failure(k) from None
+                raise
             now = self.supply.mapping(k)
             if now is None or now[0] is not reader:  # let go of meanwhile: not kept
-                slots.clear(k)
-        if self.checks_batches():
-            self.supply.check(touched)
-        return slots.plan(indices, groups, touched, out)
+                slots.clear(k, only=reader)
+        try:
+            return slots.plan(indices, groups, touched, out)
+        except Gone as e:  # a fetch that failed, or a close, let go of it meanwhile
+            raise self.supply.failure(e.k) from None
 
     def plan_over(
         self, indices: torch.Tensor, per_index: np.ndarray, touched: np.ndarray, out: Out

@@ -117,9 +117,10 @@ class SlottedText(TextGather):
             raise ValueError(f"field {field.name!r}: slotted text is for raw fields")
         self.paths: dict[int, Path] = {}
 
-    def put(self, k: int, shard: ShardReader, whole: bool) -> None:
-        """Shard ``k``'s text from ``shard``; kept by the shard (``whole``), or copied for
-        one batch while it is still arriving (read only where ``ready`` allowed)."""
+    def prepared(self, shard: ShardReader, whole: bool) -> tuple[tuple[bytes, list[int]], Path]:
+        """A shard's text for ``put``, copied here (outside the caller's lock): kept by the
+        shard (``whole``), or copied for one batch while it is still arriving (read only
+        where ``ready`` allowed)."""
         name = self.field.name
         if whole:
             text: tuple[bytes, list[int]] = shard.derived(
@@ -127,7 +128,10 @@ class SlottedText(TextGather):
             )
         else:
             text = shard_text(shard, name)
-        self._text[k], self.paths[k] = text, shard.path
+        return text, shard.path
+
+    def put(self, k: int, prepared: tuple[tuple[bytes, list[int]], Path]) -> None:
+        self._text[k], self.paths[k] = prepared
 
     def clear(self, k: int) -> None:
         self._text.pop(k, None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -271,6 +271,18 @@ class SpanGather(FieldGather):
         return entries, steps
 
 
+class Prepared(NamedTuple):
+    """A shard's entries of a ``SlottedSpans``, copied and bounded: its samples'
+    numbers across the archive (``lo``..``hi``), their first values, their lengths or
+    varying sizes, and the shard's values."""
+
+    lo: int
+    hi: int
+    first: np.ndarray
+    sizes: np.ndarray
+    values: np.ndarray
+
+
 class SlottedSpans(SpanGather):
     """A raw ragged field's spans over every shard of an archive, each shard's entries
     filled in while it is mapped (``put``) and emptied when it is let go of (``clear``):
@@ -293,13 +305,12 @@ class SlottedSpans(SpanGather):
         self.values = [self.empty] * count
         self.bases = np.zeros(count, np.int64)
 
-    def put(self, k: int, shard: ShardReader) -> None:
+    def prepared(self, k: int, shard: ShardReader) -> Prepared:
         """Shard ``k``'s entries from ``shard`` (its tables copied, and every sample's span
-        bounded by its values, as the constructor of SpanGather does)."""
+        bounded by its values, as the constructor of SpanGather does), for ``put``: the
+        copies are made here, outside the caller's lock."""
         offsets, shapes = copied_tables(shard, self.field.name, keep=True)
         values = shard.values(self.field.name)
-        lo = int(self.starts[k])
-        hi = lo + shard.num_samples
         first = offsets[:-1]
         if self.lengths is not None:
             lengths, varying = shapes[:, 0], None
@@ -314,16 +325,21 @@ class SlottedSpans(SpanGather):
                 "shape point outside the field's values; the shard changed since it was "
                 "opened",
             )
+        lo, table = int(self.starts[k]), lengths if varying is None else varying
+        assert table is not None
+        return Prepared(lo, lo + shard.num_samples, first, table, values)
+
+    def put(self, k: int, p: Prepared) -> None:
+        """Shard ``k``'s entries as ``prepared``."""
         assert self.first is not None
-        self.first[lo:hi] = first
-        if lengths is not None:
-            assert self.lengths is not None
-            self.lengths[lo:hi] = lengths
+        self.first[p.lo : p.hi] = p.first
+        if self.lengths is not None:
+            self.lengths[p.lo : p.hi] = p.sizes
         else:
             assert self.shapes is not None
-            self.shapes[lo:hi] = varying
-        self.values[k] = values
-        self.bases[k] = values.ctypes.data
+            self.shapes[p.lo : p.hi] = p.sizes
+        self.values[k] = p.values
+        self.bases[k] = p.values.ctypes.data
 
     def clear(self, k: int) -> None:
         self.bases[k] = 0

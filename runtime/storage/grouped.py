@@ -154,6 +154,29 @@ class GroupedSupply(ShardSupply):
                 arriving |= s.ready(k, samples, mine)
         return arriving
 
+    def mapped_stamps(self, shards: np.ndarray) -> np.ndarray | None:
+        """Shard k's stamp as joined: the sum of its parts' stamps, -1 while any part is not
+        mapped whole. Each part's stamps only grow (a new mapping, a new number), so
+        the sum changes whenever a part is mapped anew."""
+        parts = [s.mapped_stamps(shards) for s in self.every()]
+        if any(p is None for p in parts):
+            return None
+        stacked = np.stack([p for p in parts if p is not None])
+        joined: np.ndarray = stacked.sum(axis=0)
+        joined[(stacked < 0).any(axis=0)] = -1
+        return joined
+
+    def failure(self, k: int) -> BaseException:
+        failed = [s for s in self.every() if k in s.ahead_errors]
+        return (failed[0] if failed else self.base).failure(k)
+
+    def mapping(self, k: int) -> tuple[ShardReader, int] | None:
+        got = [s.mapping(k) for s in self.every()]
+        if any(g is None for g in got):
+            return None
+        stamps = [g[1] for g in got if g is not None]
+        return self.join(k, partial=True), -1 if min(stamps) < 0 else sum(stamps)
+
     def on_drop(self, forget: Callable[[int], None]) -> None:
         def dropped(k: int) -> None:
             self.mine()

@@ -30,7 +30,7 @@ import numpy as np
 
 from dlop.formats import ArchiveReader, Field, ShardReader
 
-from ..errors import shard_shrank
+from ..errors import LoaderError, shard_shrank
 
 
 def distinct(shards: Sequence[int] | np.ndarray, count: int | None = None) -> np.ndarray:
@@ -123,6 +123,11 @@ class ShardSupply(abc.ABC):
         """Shard ``k``'s reader and mapping stamp while it is mapped here (the stamp -1
         while it is still arriving: read only what ``ready`` allows), else None."""
         return None
+
+    def failure(self, k: int) -> BaseException:
+        """Why shard ``k``, held by a batch, is no longer mapped here: its recorded fetch
+        failure, else that it was let go of (the supply closed)."""
+        return LoaderError(f"{self.name}: shard {k} was let go of while a batch read it")
 
     def on_drop(self, forget: Callable[[int], None]) -> None:
         """``forget(k)`` is called when shard ``k`` is unmapped, so views of it kept

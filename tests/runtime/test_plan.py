@@ -219,10 +219,10 @@ def test_slotted_spans_outside_their_values_are_refused_when_a_shard_is_put(
             )
             named = f"shard-00000.dlop: field '{name}' sample 1: its offsets or shape point"
             with pytest.raises(FormatError, match=named):
-                slotted.put(0, ds.shards[0])
+                slotted.prepared(0, ds.shards[0])
             assert slotted.bases[0] == 0 and slotted.values[0] is slotted.empty
             monkeypatch.setattr(spans, "copied_tables", real)
-            slotted.put(0, ds.shards[0])  # the real tables: taken
+            slotted.put(0, slotted.prepared(0, ds.shards[0]))  # the real tables: taken
             assert slotted.bases[0] != 0
 
 

@@ -236,3 +236,25 @@ def test_a_shard_number_outside_the_archive_is_refused_not_wrapped(
             remote.supply.ask(shards)
         assert not remote.supply.refs.any() and remote.supply.asked == 0
         remote.close()
+
+
+def test_entries_are_cleared_only_by_the_mapping_they_came_from(tmp_path: Path) -> None:
+    """A planner that finds its shard let go of after its put clears only its own
+    entries, never those another thread put from the shard's next mapping."""
+    from dlop.formats import ShardReader
+    from dlop.runtime.archive.planning import Slots
+
+    path = make_archive(tmp_path / "a")
+    local = open_archive(path, fields=["label", "speech", "text"])
+    slots = Slots(local.fields, local.starts, len(local), 0.0)
+    first = local.shards[0]
+    again = ShardReader(first.path)  # the shard mapped anew
+    slots.put(0, first, 7)
+    slots.put(0, again, 8)
+    slots.clear(0, only=first)  # the first mapping's planner, late: nothing of it is left
+    assert slots.stamps[0] == 8 and slots.spans["speech"].bases[0] != 0
+    assert 0 in slots.texts["text"]._text and slots.tables["label"].nums[0] > 0
+    slots.clear(0, only=again)
+    assert slots.stamps[0] == -2 and slots.spans["speech"].bases[0] == 0
+    assert 0 not in slots.texts["text"]._text and slots.tables["label"].nums[0] == 0
+    again.close()

@@ -183,3 +183,36 @@ def test_a_shard_shrunk_mid_epoch_is_named_not_fatal(kinds: Path, name: str) -> 
     done = ran(script, "LoaderError")
     last = sorted(p.name for p in kinds.glob("shard-*"))[-1]
     assert last in done.stdout and "shrank from" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("fields", [["label", "speech"], ["key", "text", "label"]])
+def test_a_cached_shard_shrunk_before_its_entries_are_taken_is_named(
+    tmp_path: Path, fields: list[str]
+) -> None:
+    """Without the compiled copier, a node cache's shard mapped (asked for ahead) and
+    then truncated is refused by the check before its entries are copied in
+    (runtime.archive.planning.Slots), never read to SIGBUS."""
+    from tests.runtime.helpers import make_archive
+
+    path = make_archive(tmp_path / "a", zstd=True)
+    script = textwrap.dedent(
+        f"""
+        import os
+        os.environ["DLOP_NATIVE_COPY"] = "0"
+        import torch
+        from dlop.runtime import open_archive
+        from dlop.runtime.errors import ShardChangedError
+        ds = open_archive({str(path)!r}, fields={fields!r}, cache_dir={str(tmp_path / "c")!r},
+                          cache_bytes=300000)
+        assert ds.planner.checks_batches() and ds.planner.slotted
+        ds.supply.ask([3])
+        shard = ds.supply.shard(3).path  # mapped whole, its entries not taken yet
+        os.truncate(shard, 4096)
+        try:
+            ds.gather(torch.tensor([12, 13]))
+        except ShardChangedError as e:
+            print(type(e).__name__, str(e).splitlines()[0])
+        """
+    )
+    done = ran(script, "ShardChangedError")
+    assert "shard-00003.dlop" in done.stdout and "shrank from" in done.stdout, done.stdout

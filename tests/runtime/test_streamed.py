@@ -204,13 +204,16 @@ def test_part_faults_survived(site: Path, tmp_path: Path, fault: str) -> None:
         assert len(asked) == (1 if fault in ("drop", "slowdown") else 3)  # answered in whole
 
 
+@pytest.mark.parametrize("fields", FIELDS[:3], ids=["every field", "fixed fields", "ragged"])
 def test_a_part_never_verified_fails_its_batches_and_caches_nothing(
-    site: Path, tmp_path: Path
+    site: Path, tmp_path: Path, fields: list[str] | None
 ) -> None:
+    """Its batches raise the fetch's own failure (not that the shard was let go of),
+    whichever way they are planned."""
     at = data_at(site, "wave") + CRC_PIECE_BYTES
     with FaultProxy(root=site) as proxy:
         proxy.fail("shard-00000", "corrupt", times=None, at=at)
-        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        remote = open_remote(proxy.url + "/a", fields, cache_dir=tmp_path / "c", retry=PARTS)
         loader = Loader(remote, batch_size=8, shuffle=False)
         got = []
         with pytest.raises(LoaderError, match=r"shard 0 \(shard-00000\.dlop\).*CRC piece 1"):
