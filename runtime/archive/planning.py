@@ -305,7 +305,7 @@ class Slots:
             texts = {n: g.take(touched) for n, g in self.texts.items()}
         # no shard a batch reads is empty: an empty entry was let go of meanwhile
         gone = [int(np.argmin(t.nums)) for t in tables.values() if not t.nums.all()]
-        gone += [i for g in spans.values() for i, v in enumerate(g.values) if v is g.empty][:1]
+        gone += [int(np.argmin(g.bases)) for g in spans.values() if not g.bases.all()]
         missing = [k for g in texts.values() if (k := g.has(touched)) is not None]
         gone += [int(np.searchsorted(touched, missing[0]))] if missing else []
         if gone:

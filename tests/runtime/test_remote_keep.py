@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -258,3 +259,16 @@ def test_entries_are_cleared_only_by_the_mapping_they_came_from(tmp_path: Path) 
     assert slots.stamps[0] == -2 and slots.spans["speech"].bases[0] == 0
     assert 0 not in slots.texts["text"]._text and slots.tables["label"].nums[0] == 0
     again.close()
+    # a batch over a shard whose entries are gone is refused before any copy is planned
+    from dlop.runtime.archive.planning import Gone
+    from dlop.runtime.gather.fields import Groups
+
+    one = {"speech": ["speech"], "text": ["text"]}
+    for name, fields in one.items():
+        alone = Slots({f: local.fields[f] for f in fields}, local.starts, len(local), 0.0)
+        alone.put(1, local.shards[1], 3)  # shard 1 in, shard 0 not
+        idx = torch.tensor([0])
+        with pytest.raises(Gone):
+            alone.plan(
+                idx, Groups(np.zeros(1, np.int64), np.zeros(1, np.int64)), np.array([0]), None
+            )
