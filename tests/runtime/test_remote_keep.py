@@ -263,8 +263,8 @@ def test_entries_are_cleared_only_by_the_mapping_they_came_from(tmp_path: Path) 
     from dlop.runtime.archive.planning import Gone
     from dlop.runtime.gather.fields import Groups
 
-    one = {"speech": ["speech"], "text": ["text"]}
-    for name, fields in one.items():
+    one = [["speech"], ["text"]]  # a ragged field alone, text alone
+    for fields in one:
         alone = Slots({f: local.fields[f] for f in fields}, local.starts, len(local), 0.0)
         alone.put(1, local.shards[1], 3)  # shard 1 in, shard 0 not
         idx = torch.tensor([0])
