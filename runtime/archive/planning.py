@@ -34,7 +34,7 @@ from ..gather.engine import compiled
 from ..gather.fields import Allocate, FieldGather, Groups, Locator, batch_groups
 from ..gather.mapped import FixedRawGather, rows_of
 from ..gather.plan import CopyPlan, RowTable
-from ..gather.samples import SlottedText, TextGather
+from ..gather.samples import BlockTextGather, SlottedText, TextGather
 from ..gather.spans import SlottedSpans, SpanGather
 from ..storage.supply import ShardSupply, distinct
 
@@ -47,7 +47,7 @@ PLANNERS_KEPT = 64
 def gather_kind(field: Field) -> type[FieldGather]:
     """The gather for a field's kind and storage (runtime.gather.fields lists them)."""
     if field.kind in ("str", "bytes"):
-        return TextGather
+        return TextGather if field.codec.mappable else BlockTextGather
     if not field.ragged and field.codec.mappable:
         return FixedRawGather
     return SpanGather
@@ -254,7 +254,7 @@ class Slots:
                 if g.row_bytes:
                     self.tables[n] = RowTable.slots(count, g.row_bytes)
             elif kind is TextGather:
-                self.gathers[n] = self.texts[n] = SlottedText(f, starts, pad_value)
+                self.gathers[n] = self.texts[n] = SlottedText(f, starts, total, pad_value)
             else:
                 self.gathers[n] = self.spans[n] = SlottedSpans(f, starts, total, pad_value)
         self.stamps = np.full(count, -2, np.int64)
@@ -314,7 +314,7 @@ class Slots:
         for name, g in self.gathers.items():
             where = out.get(name) if isinstance(out, dict) else out
             if isinstance(g, SlottedText):
-                entries, field_steps = texts[name].plan(indices, where)
+                entries, field_steps = texts[name].plan_grouped(indices, groups, where)
             elif isinstance(g, SlottedSpans):
                 entries, field_steps = spans[name].plan_grouped(indices, local, where)
             else:

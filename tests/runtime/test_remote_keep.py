@@ -125,7 +125,7 @@ def test_a_shards_entries_are_kept_while_it_is_mapped_and_forgotten_with_it(
         assert int(slots.stamps[0]) == stamp  # not put again
         assert first["key"] == ["k000", "k001", "k002"] and again["key"] == ["k001", "k003"]
         assert remote.supply.squeeze()  # shard 0, loose, let go of: its entries go too
-        assert slots.stamps[0] == -2 and 0 not in slots.texts["key"]._text
+        assert slots.stamps[0] == -2 and 0 not in slots.texts["key"]._texts
         assert remote.gather(torch.tensor([4]))["key"] == ["k004"]
         remote.close()
 
@@ -254,10 +254,10 @@ def test_entries_are_cleared_only_by_the_mapping_they_came_from(tmp_path: Path) 
     slots.put(0, again, 8)
     slots.clear(0, only=first)  # the first mapping's planner, late: nothing of it is left
     assert slots.stamps[0] == 8 and slots.spans["speech"].bases[0] != 0
-    assert 0 in slots.texts["text"]._text and slots.tables["label"].nums[0] > 0
+    assert 0 in slots.texts["text"]._texts and slots.tables["label"].nums[0] > 0
     slots.clear(0, only=again)
     assert slots.stamps[0] == -2 and slots.spans["speech"].bases[0] == 0
-    assert 0 not in slots.texts["text"]._text and slots.tables["label"].nums[0] == 0
+    assert 0 not in slots.texts["text"]._texts and slots.tables["label"].nums[0] == 0
     again.close()
     # a batch over a shard whose entries are gone is refused before any copy is planned
     from dlop.runtime.archive.planning import Gone

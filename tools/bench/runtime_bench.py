@@ -136,7 +136,7 @@ def run(
             size,
             base,
             "bare index_select",
-            target=">=0.85x",
+            target=">=1.0x",
         ),
         rate_row(
             wl,
