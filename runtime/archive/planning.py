@@ -13,8 +13,7 @@ shards decoded) and the supply stamps its mappings, ``Fetched`` instead keeps wh
 each field needs of every shard mapped here, by shard number (``Slots``: fixed
 rows in one table, ragged fields' per-sample tables by sample number, text's
 copied values), refreshed only for shards mapped anew: a batch is planned by
-array arithmetic whatever the number of shards it touches (text, a list of
-strings, is sliced shard by shard).
+array arithmetic whatever the number of shards it touches.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from ..gather.engine import compiled
 from ..gather.fields import Allocate, FieldGather, Groups, Locator, batch_groups
 from ..gather.mapped import FixedRawGather, rows_of
 from ..gather.plan import CopyPlan, RowTable
-from ..gather.samples import BlockTextGather, SlottedText, TextGather
+from ..gather.samples import BlockTextGather, ShardText, SlottedText, TextGather
 from ..gather.spans import SlottedSpans, SpanGather
 from ..storage.supply import ShardSupply, distinct
 
@@ -181,18 +181,28 @@ class Sizing(FieldGather):
 class Planners:
     """The gathers for batches over a set of shards, kept while those shards stay
     mapped: made anew per batch they cost more than the copies of a small batch; and
-    the ``Slots``, where they serve (made by the first batch in each process). ``forget(k)`` (shard k let go of) drops the gathers that read it and its
-    slots' rows, and with them their views of its mapping. (The supply holds this, not
-    the planner: nothing refers back to the supply, so no cycle outlives a close.)"""
+    the ``Slots``, where they serve (made by the first batch in each process).
+    ``forget(k)`` (shard k let go of) drops the gathers that read it and its slots'
+    rows, and with them their views of its mapping. (The supply holds this, not the
+    planner: nothing refers back to the supply, so no cycle outlives a close.) A forked
+    child starts from none of the parent's, with a lock of its own (``mine``)."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()
         self.lock = threading.Lock()
         self.kept: dict[tuple[int, ...], tuple[list[ShardReader], dict[str, FieldGather]]] = {}
         self.slots: Slots | None = None
 
+    def mine(self) -> None:
+        """A forked child's first look: the parent's gathers and slots are not this
+        process's, nor is its lock, which a parent thread may have held at the fork."""
+        if self.pid != os.getpid():
+            self.pid, self.lock, self.kept, self.slots = os.getpid(), threading.Lock(), {}, None
+
     def get(
         self, key: tuple[int, ...], readers: list[ShardReader]
     ) -> dict[str, FieldGather] | None:
+        self.mine()
         with self.lock:
             got = self.kept.get(key)
         if got is None or any(a is not b for a, b in zip(got[0], readers, strict=True)):
@@ -202,12 +212,14 @@ class Planners:
     def put(
         self, key: tuple[int, ...], readers: list[ShardReader], gathers: dict[str, FieldGather]
     ) -> None:
+        self.mine()
         with self.lock:
             self.kept[key] = (readers, gathers)
             while len(self.kept) > PLANNERS_KEPT:
                 del self.kept[next(iter(self.kept))]
 
     def forget(self, k: int) -> None:
+        self.mine()
         with self.lock:
             for key in [key for key in self.kept if k in key]:
                 del self.kept[key]
@@ -265,7 +277,10 @@ class Slots:
         # the supply's lock: the copies a put needs are made before this lock is taken.
         self.lock = threading.Lock()
 
-    def put(self, k: int, reader: ShardReader, stamp: int) -> None:
+    def put(self, k: int, reader: ShardReader, stamp: int) -> dict[str, tuple[ShardText, Path]]:
+        """Shard ``k``'s entries from ``reader`` (its mapping ``stamp``; -2: still
+        arriving, put for one batch). Returns the text entries it copied: a batch over a
+        shard still arriving plans with its own (``plan``'s ``own``)."""
         rows = {n: rows_of(reader, n, t.row_bytes) for n, t in self.tables.items()}
         spans = {n: g.prepared(k, reader) for n, g in self.spans.items()}
         texts = {n: g.prepared(reader, whole=stamp >= 0) for n, g in self.texts.items()}
@@ -278,6 +293,7 @@ class Slots:
                 text.put(k, texts[name])
             self.stamps[k] = stamp
             self.readers[k] = reader
+        return texts
 
     def clear(self, k: int, only: ShardReader | None = None) -> None:
         """Shard ``k``'s entries gone (``only``: if they are still those put from it)."""
@@ -294,15 +310,25 @@ class Slots:
                 text.clear(k)
 
     def plan(
-        self, indices: torch.Tensor, groups: Groups, touched: np.ndarray, out: Out
+        self,
+        indices: torch.Tensor,
+        groups: Groups,
+        touched: np.ndarray,
+        out: Out,
+        own: Mapping[int, dict[str, tuple[ShardText, Path]]] | None = None,
     ) -> tuple[Batch, CopyPlan]:
         """The batch of ``indices`` (in ``groups``, by global shard number), every shard
-        in ``touched`` (ascending) filled in."""
+        in ``touched`` (ascending) filled in; ``own``: the text entries the batch put for
+        shards still arriving (``put``'s), by shard."""
         local = Groups(np.searchsorted(touched, groups.shards), groups.rows)
+        own = own or {}
         with self.lock:
             tables = {n: t.take(touched) for n, t in self.tables.items()}
             spans = {n: g.take(touched) for n, g in self.spans.items()}
-            texts = {n: g.take(touched) for n, g in self.texts.items()}
+            texts = {
+                n: g.take(touched, {k: entries[n] for k, entries in own.items()})
+                for n, g in self.texts.items()
+            }
         # no shard a batch reads is empty: an empty entry was let go of meanwhile
         gone = [int(np.argmin(t.nums)) for t in tables.values() if not t.nums.all()]
         gone += [int(np.argmin(g.bases)) for g in spans.values() if not g.bases.all()]
@@ -417,8 +443,9 @@ class Fetched(Planner):
         stamps = self.supply.mapped_stamps(touched)
         if stamps is None:
             return None
+        self.planners.mine()  # a forked child keeps none of these
         slots = self.planners.slots
-        if slots is None or slots.pid != os.getpid():  # a forked child keeps none of these
+        if slots is None:
             total = int(self.shard_starts[-1])
             slots = Slots(self.fields, self.starts, total, self.pad_value)
             self.planners.slots = slots
@@ -427,6 +454,7 @@ class Fetched(Planner):
             self.supply.partial_shard(k)  # fetched now, or its fetch waited for
         if self.checks_batches():  # before a put reads the mapping
             self.supply.check(touched)
+        own: dict[int, dict[str, tuple[ShardText, Path]]] = {}  # arriving: this batch's copies
         for k in stale:
             got = self.supply.mapping(k)
             if got is None:
@@ -435,7 +463,11 @@ class Fetched(Planner):
             if stamp < 0:  # still arriving: read once the batch's bytes of it are in
                 self.supply.ready(k, groups.rows[groups.shards == k], self.names)
             try:
-                slots.put(k, reader, stamp if stamp >= 0 else -2)  # arriving: this batch only
+                texts = slots.put(
+                    k, reader, stamp if stamp >= 0 else -2
+                )  # arriving: this batch only
+                if stamp < 0:
+                    own[k] = texts
             except Exception:
                 now = self.supply.mapping(k)
                 if now is None or now[0] is not reader:  # closed under the put
@@ -445,7 +477,7 @@ class Fetched(Planner):
             if now is None or now[0] is not reader:  # let go of meanwhile: not kept
                 slots.clear(k, only=reader)
         try:
-            return slots.plan(indices, groups, touched, out)
+            return slots.plan(indices, groups, touched, out, own)
         except Gone as e:  # a fetch that failed, or a close, let go of it meanwhile
             raise self.supply.failure(e.k) from None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -17,8 +18,10 @@ from .engine import private_copy
 from .fields import FieldGather, Groups, Output, Planned, batch_groups, shard_groups
 from .spans import copied_tables, decoded
 
-# Samples of a text field a lasting gather keeps as the objects it serves (TextGather).
-LISTED_SAMPLES = 1 << 18
+# Memory a lasting gather of a text field spends on keeping its samples as the objects
+# it serves (TextGather): each sample counted as its bytes plus LISTED_OBJECT_BYTES.
+LISTED_BYTES = 16 << 20
+LISTED_OBJECT_BYTES = 64  # a str's or bytes' header, and its place in a list
 
 
 class ShardText(NamedTuple):
@@ -61,10 +64,12 @@ class TextGather(FieldGather):
     0.08 us a sample, against 5 us through ShardReader.get. The table is zeros until a
     shard is first read (untouched pages cost no memory): 8 bytes a sample read.
 
-    The first ``LISTED_SAMPLES`` samples read (of a gather that lasts: not
-    ``transient``) are kept besides as the objects a batch serves, by shard: a batch
-    of them is a list lookup a sample, about 0.02 us, at some 60 bytes a sample for
-    the objects' headers. Past that, memory outweighs the time it saves."""
+    Shards read by a gather that lasts (not ``transient``) are kept besides as the
+    objects a batch serves, while they take ``LISTED_BYTES`` in all (each sample its
+    bytes and ``LISTED_OBJECT_BYTES``): a batch of them is a list lookup a sample,
+    about 0.02 us. Past that, memory outweighs the time it saves. A lasting gather's
+    copies are the shard's own (``ShardReader.derived``), shared with every other
+    lasting gather of the shard in this process."""
 
     by_arrays = True
 
@@ -87,12 +92,12 @@ class TextGather(FieldGather):
         if total is None:  # the samples of every shard: the last one's first, and its own
             total = int(self.first[-1]) + shards[-1].num_samples if shards else 0
         self.bounds = np.zeros(total + count, np.int64)
-        self._texts: Any = [None] * count  # ShardText by shard number, once read
+        self.texts: Any = [None] * count  # ShardText by shard number, once read
         self._read = np.zeros(count, bool)
-        self._undecoded = np.zeros(count, bool)  # a str field's values kept as bytes
-        self._lists: dict[int, list[Any]] = {}  # a shard's samples as served (LISTED_SAMPLES)
+        self.undecoded = np.zeros(count, bool)  # a str field's values kept as bytes
+        self._lists: dict[int, list[Any]] = {}  # a shard's samples as served (LISTED_BYTES)
         self._listed = np.zeros(count, bool)
-        self._listed_samples = LISTED_SAMPLES if not transient else 0
+        self._listed_room = LISTED_BYTES if not transient else 0
 
     def place(self, k: int, text: ShardText) -> None:
         """Shard ``k``'s offsets into ``bounds`` (the same for every copy of the shard)."""
@@ -103,19 +108,24 @@ class TextGather(FieldGather):
         """The ShardText of each of ``shards``, copied in here where first read."""
         if not self._read[shards].all():
             for k in np.unique(shards[~self._read[shards]]).tolist():
-                text = shard_text(self.shards[k], self.field.name, self.is_str)
+                shard, name = self.shards[k], self.field.name
+                if self.transient:  # a shard may still be arriving: copied for this gather
+                    text = shard_text(shard, name, self.is_str)
+                else:
+                    made = functools.partial(shard_text, shard, name, self.is_str)
+                    text = shard.derived(("text", name), made)
                 self.place(k, text)
-                self._texts[k] = text
-                self._read[k] = True
-                self._undecoded[k] = self.is_str and isinstance(text.values, bytes)
+                self.texts[k] = text
+                self.undecoded[k] = self.is_str and isinstance(text.values, bytes)
                 self._list(k, text)
-        return self._texts  # type: ignore[no-any-return]
+                self._read[k] = True  # last: another thread planning meanwhile copies it too
+        return self.texts  # type: ignore[no-any-return]
 
     def _list(self, k: int, text: ShardText) -> None:
-        """Shard ``k``'s samples as served, kept while ``LISTED_SAMPLES`` allows (a str
+        """Shard ``k``'s samples as served, kept while ``LISTED_BYTES`` allows (a str
         sample that is not UTF-8 leaves the shard unlisted: a batch names it)."""
-        n = len(text.offsets) - 1
-        if n > self._listed_samples:
+        cost = (len(text.offsets) - 1) * LISTED_OBJECT_BYTES + len(text.values)
+        if cost > self._listed_room:
             return
         values, ends = text.values, text.offsets.tolist()
         got: list[Any]
@@ -126,13 +136,13 @@ class TextGather(FieldGather):
                 return
         else:
             got = [values[a:b] for a, b in itertools.pairwise(ends)]
-        self._listed_samples -= n
+        self._listed_room -= cost
         self._lists[k] = got
         self._listed[k] = True
 
     def _has_undecoded(self, shards: np.ndarray) -> bool:
         """Whether any of ``shards`` (read) holds a str field's values as bytes."""
-        return bool(self._undecoded[shards].any())
+        return bool(self.undecoded[shards].any())
 
     def path_of(self, k: int) -> Path:
         return self.shards[k].path
@@ -232,8 +242,8 @@ class SlottedText(TextGather):
 
     def __init__(self, field: Field, starts: torch.Tensor, total: int, pad_value: float) -> None:
         super().__init__(field, [], starts, pad_value, total=total)
-        self._texts = {}
-        self._listed_samples = 0  # entries come and go with their mappings: none listed
+        self.texts = {}
+        self._listed_room = 0  # entries come and go with their mappings: none listed
         self._bytes = False  # (taken) a str field's values held as bytes in some shard
         self.paths: dict[int, Path] = {}
 
@@ -252,28 +262,35 @@ class SlottedText(TextGather):
 
     def put(self, k: int, prepared: tuple[ShardText, Path]) -> None:
         self.place(k, prepared[0])
-        self._texts[k], self.paths[k] = prepared
+        self.texts[k], self.paths[k] = prepared
 
     def clear(self, k: int) -> None:
-        self._texts.pop(k, None)
+        self.texts.pop(k, None)
 
     def has(self, ks: np.ndarray) -> int | None:
         """The first of shards ``ks`` without its text here, or None."""
-        return next((k for k in ks.tolist() if k not in self._texts), None)
+        return next((k for k in ks.tolist() if k not in self.texts), None)
 
-    def take(self, ks: np.ndarray) -> SlottedText:
+    def take(
+        self, ks: np.ndarray, own: Mapping[int, tuple[ShardText, Path]] | None = None
+    ) -> SlottedText:
         """This gather over shards ``ks`` only: later ``put`` and ``clear`` calls here do
-        not change it."""
+        not change it. ``own``: entries a batch copied for itself (``prepared``, of shards
+        still arriving), used instead of what is here, which another batch may have put
+        from an older copy meanwhile."""
         out = copy.copy(self)
-        out._texts = {k: self._texts[k] for k in ks.tolist() if k in self._texts}
-        out._bytes = self.is_str and any(isinstance(t.values, bytes) for t in out._texts.values())
+        out.texts = {k: self.texts[k] for k in ks.tolist() if k in self.texts}
+        if own:
+            out.paths = {**self.paths, **{k: path for k, (_, path) in own.items()}}
+            out.texts.update((k, text) for k, (text, _) in own.items())
+        out._bytes = self.is_str and any(isinstance(t.values, bytes) for t in out.texts.values())
         return out
 
     def _has_undecoded(self, shards: np.ndarray) -> bool:
         return self._bytes  # of the shards taken
 
     def _entries(self, shards: np.ndarray) -> Mapping[int, ShardText]:
-        return self._texts  # type: ignore[no-any-return]  # taken: every shard is here
+        return self.texts  # type: ignore[no-any-return]  # taken: every shard is here
 
     def path_of(self, k: int) -> Path:
         return self.paths[k]

@@ -125,7 +125,7 @@ def test_a_shards_entries_are_kept_while_it_is_mapped_and_forgotten_with_it(
         assert int(slots.stamps[0]) == stamp  # not put again
         assert first["key"] == ["k000", "k001", "k002"] and again["key"] == ["k001", "k003"]
         assert remote.supply.squeeze()  # shard 0, loose, let go of: its entries go too
-        assert slots.stamps[0] == -2 and 0 not in slots.texts["key"]._texts
+        assert slots.stamps[0] == -2 and 0 not in slots.texts["key"].texts
         assert remote.gather(torch.tensor([4]))["key"] == ["k004"]
         remote.close()
 
@@ -254,10 +254,10 @@ def test_entries_are_cleared_only_by_the_mapping_they_came_from(tmp_path: Path) 
     slots.put(0, again, 8)
     slots.clear(0, only=first)  # the first mapping's planner, late: nothing of it is left
     assert slots.stamps[0] == 8 and slots.spans["speech"].bases[0] != 0
-    assert 0 in slots.texts["text"]._texts and slots.tables["label"].nums[0] > 0
+    assert 0 in slots.texts["text"].texts and slots.tables["label"].nums[0] > 0
     slots.clear(0, only=again)
     assert slots.stamps[0] == -2 and slots.spans["speech"].bases[0] == 0
-    assert 0 not in slots.texts["text"]._texts and slots.tables["label"].nums[0] == 0
+    assert 0 not in slots.texts["text"].texts and slots.tables["label"].nums[0] == 0
     again.close()
     # a batch over a shard whose entries are gone is refused before any copy is planned
     from dlop.runtime.archive.planning import Gone
@@ -272,3 +272,27 @@ def test_entries_are_cleared_only_by_the_mapping_they_came_from(tmp_path: Path) 
             alone.plan(
                 idx, Groups(np.zeros(1, np.int64), np.zeros(1, np.int64)), np.array([0]), None
             )
+
+
+def test_a_batch_over_an_arriving_shard_reads_its_own_copy_of_the_text(tmp_path: Path) -> None:
+    """Entries of a shard still arriving are put for one batch (stamp -2): another
+    batch may put its older copy between this batch's put and its plan, and this batch
+    still reads the copy it made after its samples arrived."""
+    from dlop.runtime.archive.planning import Slots
+    from dlop.runtime.gather.fields import Groups
+    from dlop.runtime.gather.samples import ShardText
+
+    path = make_archive(tmp_path / "a")
+    local = open_archive(path, fields=["key", "text"])
+    slots = Slots(local.fields, local.starts, len(local), 0.0)
+    mine = slots.put(0, local.shards[0], -2)
+    for name, g in slots.texts.items():  # an older copy, of bytes that had not arrived
+        text, where = mine[name]
+        g.put(0, (ShardText("\0" * len(text.values), text.offsets), where))
+    rows = np.arange(local.shards[0].num_samples, dtype=np.int64)
+    idx, groups = torch.from_numpy(rows), Groups(np.zeros(len(rows), np.int64), rows)
+    batch, _ = slots.plan(idx, groups, np.array([0]), None, {0: mine})
+    want = local.gather(idx)
+    assert batch["key"] == want["key"] and batch["text"] == want["text"]
+    stale, _ = slots.plan(idx, groups, np.array([0]), None)  # without its own: the older
+    assert stale["key"] != want["key"]
