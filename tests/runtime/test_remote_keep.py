@@ -296,3 +296,34 @@ def test_a_batch_over_an_arriving_shard_reads_its_own_copy_of_the_text(tmp_path:
     assert batch["key"] == want["key"] and batch["text"] == want["text"]
     stale, _ = slots.plan(idx, groups, np.array([0]), None)  # without its own: the older
     assert stale["key"] != want["key"]
+
+
+def test_a_child_forked_while_a_parent_thread_plans_reads_on(site: Path, tmp_path: Path) -> None:
+    """The planners' lock held by a parent thread at the fork (a Loader planning while a
+    DataLoader forks its workers) is not the child's: the child drops what the parent
+    kept and reads, never waits on that lock forever."""
+    import os
+    import signal
+
+    want = open_archive(site / "a", fields=["key", "label"]).gather(torch.arange(37))["key"]
+    with FaultProxy(root=site) as proxy:
+        remote = through_cache(proxy, tmp_path, ["key", "label"])
+        remote.gather(torch.arange(37))
+        planners = remote.planner.planners
+        read, write = os.pipe()
+        with planners.lock:  # as a parent thread holding it at the fork
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    signal.alarm(20)  # a child that waits on the parent's lock dies here
+                    planners.forget(0)  # what a shard let go of in the child calls
+                    got = remote.gather(torch.arange(37))["key"]
+                    os.write(write, b"1" if got == want else b"0")
+                finally:
+                    os._exit(0)
+            os.close(write)
+            answer = os.read(read, 1)
+            os.waitpid(pid, 0)
+        os.close(read)
+        remote.close()
+    assert answer == b"1"
