@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,9 @@ class JoinedShard(ShardReader):
                 if part is None:
                     part = self._parts[group] = self._open_part(group)
         return part
+
+    def field_path(self, name: str) -> Path:
+        return self.part(name).path
 
     def parts(self) -> list[ShardReader]:
         with self._lock:

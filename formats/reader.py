@@ -327,6 +327,12 @@ class ShardReader:
     def layout_of(self, name: str) -> FieldLayout:
         return self._st(name).layout
 
+    def field_path(self, name: str) -> Path:
+        """The file holding field ``name``'s bytes (this shard's; a field group's own
+        shard for a joined reader), which errors about its values name."""
+        self._st(name)
+        return self.path
+
     def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """What ``make()`` builds from this shard (views of its mapping a reader reuses
         batch after batch), built once per key and kept until ``close``, which lets go of

@@ -145,7 +145,7 @@ class TextGather(FieldGather):
         return bool(self.undecoded[shards].any())
 
     def path_of(self, k: int) -> Path:
-        return self.shards[k].path
+        return self.shards[k].field_path(self.field.name)
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         return self.plan_grouped(indices, batch_groups(indices, self.starts), out)
@@ -228,7 +228,9 @@ class BlockTextGather(FieldGather):
             try:
                 values += [b.decode("utf-8") for b in got]
             except UnicodeDecodeError:
-                raise not_utf8(self.shards[k].path, name, zip(local, got, strict=True)) from None
+                raise not_utf8(
+                    self.shards[k].field_path(name), name, zip(local, got, strict=True)
+                ) from None
         return {name: values}, []
 
 
@@ -258,7 +260,7 @@ class SlottedText(TextGather):
             )
         else:
             text = shard_text(shard, name, self.is_str)
-        return text, shard.path
+        return text, shard.field_path(name)
 
     def put(self, k: int, prepared: tuple[ShardText, Path]) -> None:
         self.place(k, prepared[0])
