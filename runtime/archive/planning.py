@@ -196,8 +196,9 @@ class Planners:
     def mine(self) -> None:
         """A forked child's first look: the parent's gathers and slots are not this
         process's, nor is its lock, which a parent thread may have held at the fork."""
-        if self.pid != os.getpid():
-            self.pid, self.lock, self.kept, self.slots = os.getpid(), threading.Lock(), {}, None
+        if self.pid != os.getpid():  # the pid last: another thread of the child waits
+            self.lock, self.kept, self.slots = threading.Lock(), {}, None
+            self.pid = os.getpid()
 
     def get(
         self, key: tuple[int, ...], readers: list[ShardReader]
@@ -280,7 +281,9 @@ class Slots:
     def put(self, k: int, reader: ShardReader, stamp: int) -> dict[str, tuple[ShardText, Path]]:
         """Shard ``k``'s entries from ``reader`` (its mapping ``stamp``; -2: still
         arriving, put for one batch). Returns the text entries it copied: a batch over a
-        shard still arriving plans with its own (``plan``'s ``own``)."""
+        shard still arriving plans with its own (``plan``'s ``own``), which are never
+        put here, where a batch over the shard once whole would read them (a copy made
+        before the rest of the shard arrived)."""
         rows = {n: rows_of(reader, n, t.row_bytes) for n, t in self.tables.items()}
         spans = {n: g.prepared(k, reader) for n, g in self.spans.items()}
         texts = {n: g.prepared(reader, whole=stamp >= 0) for n, g in self.texts.items()}
@@ -290,7 +293,7 @@ class Slots:
             for name, g in self.spans.items():
                 g.put(k, spans[name])
             for name, text in self.texts.items():
-                text.put(k, texts[name])
+                text.put(k, texts[name], shared=stamp >= 0)
             self.stamps[k] = stamp
             self.readers[k] = reader
         return texts

@@ -124,7 +124,9 @@ class TextGather(FieldGather):
     def _list(self, k: int, text: ShardText) -> None:
         """Shard ``k``'s samples as served, kept while ``LISTED_BYTES`` allows (a str
         sample that is not UTF-8 leaves the shard unlisted: a batch names it)."""
-        cost = (len(text.offsets) - 1) * LISTED_OBJECT_BYTES + len(text.values)
+        # a str decoded from bytes that are not ASCII takes up to 4 bytes a character
+        wide = 4 if self.is_str and isinstance(text.values, bytes) else 1
+        cost = (len(text.offsets) - 1) * LISTED_OBJECT_BYTES + wide * len(text.values)
         if cost > self._listed_room:
             return
         values, ends = text.values, text.offsets.tolist()
@@ -248,6 +250,7 @@ class SlottedText(TextGather):
         self._listed_room = 0  # entries come and go with their mappings: none listed
         self._bytes = False  # (taken) a str field's values held as bytes in some shard
         self.paths: dict[int, Path] = {}
+        self.own_paths: dict[int, Path] = {}  # (taken) the batch's own entries' files
 
     def prepared(self, shard: ShardReader, whole: bool) -> tuple[ShardText, Path]:
         """A shard's text for ``put``, copied here (outside the caller's lock): kept by the
@@ -262,9 +265,12 @@ class SlottedText(TextGather):
             text = shard_text(shard, name, self.is_str)
         return text, shard.field_path(name)
 
-    def put(self, k: int, prepared: tuple[ShardText, Path]) -> None:
+    def put(self, k: int, prepared: tuple[ShardText, Path], shared: bool = True) -> None:
+        """Shard ``k``'s offsets into ``bounds``; and its entry, for every batch to read
+        (``shared``), or only for the batch that made it (``take``'s ``own``)."""
         self.place(k, prepared[0])
-        self.texts[k], self.paths[k] = prepared
+        if shared:
+            self.texts[k], self.paths[k] = prepared
 
     def clear(self, k: int) -> None:
         self.texts.pop(k, None)
@@ -283,7 +289,7 @@ class SlottedText(TextGather):
         out = copy.copy(self)
         out.texts = {k: self.texts[k] for k in ks.tolist() if k in self.texts}
         if own:
-            out.paths = {**self.paths, **{k: path for k, (_, path) in own.items()}}
+            out.own_paths = {k: path for k, (_, path) in own.items()}
             out.texts.update((k, text) for k, (text, _) in own.items())
         out._bytes = self.is_str and any(isinstance(t.values, bytes) for t in out.texts.values())
         return out
@@ -295,4 +301,4 @@ class SlottedText(TextGather):
         return self.texts  # type: ignore[no-any-return]  # taken: every shard is here
 
     def path_of(self, k: int) -> Path:
-        return self.paths[k]
+        return self.own_paths[k] if k in self.own_paths else self.paths[k]

@@ -327,3 +327,34 @@ def test_a_child_forked_while_a_parent_thread_plans_reads_on(site: Path, tmp_pat
         os.close(read)
         remote.close()
     assert answer == b"1"
+
+
+def test_a_late_put_of_an_arriving_copy_never_reaches_a_batch_over_the_whole_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that saw a shard still arriving copies its text before the rest arrives
+    and may put it after another batch put the whole shard's: that copy is the first
+    batch's own, never what the other batch then reads."""
+    from dlop.runtime.archive.planning import Slots
+    from dlop.runtime.gather.fields import Groups
+    from dlop.runtime.gather.samples import ShardText, SlottedText
+
+    path = make_archive(tmp_path / "a")
+    local = open_archive(path, fields=["key", "text"])
+    slots = Slots(local.fields, local.starts, len(local), 0.0)
+    slots.put(0, local.shards[0], 5)  # the second batch's put: the shard whole
+    real = SlottedText.prepared
+
+    def before_the_rest(self: Any, shard: Any, whole: bool) -> Any:
+        text, where = real(self, shard, whole)
+        return (text if whole else ShardText("\0" * len(text.values), text.offsets)), where
+
+    monkeypatch.setattr(SlottedText, "prepared", before_the_rest)
+    mine = slots.put(0, local.shards[0], -2)  # the first batch's put, late
+    rows = np.arange(local.shards[0].num_samples, dtype=np.int64)
+    idx, groups = torch.from_numpy(rows), Groups(np.zeros(len(rows), np.int64), rows)
+    want = local.gather(idx)
+    batch, _ = slots.plan(idx, groups, np.array([0]), None)  # the second batch's plan
+    assert batch["key"] == want["key"] and batch["text"] == want["text"]
+    own, _ = slots.plan(idx, groups, np.array([0]), None, {0: mine})
+    assert own["key"] != want["key"]  # the first batch's own copy (it reads only what arrived)
