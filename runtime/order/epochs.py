@@ -60,7 +60,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -476,6 +478,9 @@ class Shape:
 
 
 MAX_SHAPES = 16  # earlier worlds one epoch may have been read in (a state holds each)
+# Positions left of an epoch from which the nodes' orders are made on threads at once
+# (world_orders): below it, starting threads costs more than it saves.
+PARALLEL_ORDER_SAMPLES = 1 << 16
 MAX_WORLD = 1 << 20  # ranks a state's world may name
 MAX_NODES = 1 << 12  # nodes a state's world may name (each costs a share to compute)
 MAX_BATCH = 1 << 31  # a per-rank batch size a state may name
@@ -525,6 +530,8 @@ def left_after(
     ]
     kept = np.ones(content.size, dtype=bool)
     kept[np.concatenate(taken)] = False
+    if len(rest) == content.size:  # every position (the first world): no lookup of rest
+        return np.flatnonzero(kept)
     left: np.ndarray = rest[kept[rest]]
     return left
 
@@ -554,10 +561,19 @@ def world_orders(
             order = order[kept[order]]
         return [(replace(spec, rank=0), order)]
     shares = node_shares(spec, epoch, rest, before)
-    return [
-        (replace(spec, rank=node * spec.local_size), node_rest(spec, epoch, node, rest, shares))
-        for node in (range(spec.nodes) if nodes is None else nodes)
-    ]
+    wanted = list(range(spec.nodes) if nodes is None else nodes)
+
+    def ordered(node: int) -> tuple[OrderSpec, np.ndarray]:
+        return replace(spec, rank=node * spec.local_size), node_rest(
+            spec, epoch, node, rest, shares
+        )
+
+    if len(wanted) < 2 or len(rest) < PARALLEL_ORDER_SAMPLES:
+        return [ordered(node) for node in wanted]
+    # Each node's order is its own permutation, which numpy makes without the GIL:
+    # the nodes' orders of a continued epoch (what the world before read) side by side.
+    with ThreadPoolExecutor(min(len(wanted), os.cpu_count() or 1)) as pool:
+        return list(pool.map(ordered, wanted))
 
 
 class BatchOrder:

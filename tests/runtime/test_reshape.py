@@ -541,3 +541,28 @@ def test_states_too_costly_to_continue_are_refused(archive: Path, tmp_path: Path
     saved = Loader(mix, 4, rank=0, world_size=2, **kw).state_dict()
     with pytest.raises(ValueError, match="times an epoch"):
         Loader(mix, 4, rank=0, world_size=3, **kw).load_state_dict({**saved, "batch_size": 2**24})
+
+
+@pytest.mark.parametrize("mode", ["global", "window"])
+def test_the_nodes_orders_made_side_by_side_are_those_made_one_by_one(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A continued epoch orders every node of the world before on threads at once
+    (world_orders): the same orders, node for node, as made one after another."""
+    from dlop.runtime.order import epochs
+
+    sizes = tuple(int(x) for x in np.random.default_rng(2).integers(50, 400, 60))
+    spec = epochs.OrderSpec(
+        num_samples=sum(sizes), batch_size=8, seed=4, world_size=6, nodes=3,
+        mode=mode, shard_sizes=sizes, window_shards=4,
+    )  # fmt: skip
+    content = epochs.Content(spec.num_samples, order=lambda: epochs.epoch_order(spec, 1))
+    rest = np.flatnonzero(np.random.default_rng(3).random(spec.num_samples) < 0.6)
+    before = epochs.Shape(4, 2, 8, 5).spec(spec)
+    got = {}
+    for threshold in (1 << 40, 0):  # one by one, then side by side
+        monkeypatch.setattr(epochs, "PARALLEL_ORDER_SAMPLES", threshold)
+        got[threshold] = epochs.world_orders(spec, 1, rest, content, None, before)
+    assert len(got[0]) == 3
+    for (a_spec, a), (b_spec, b) in zip(got[1 << 40], got[0], strict=True):
+        assert a_spec == b_spec and np.array_equal(a, b)
