@@ -73,31 +73,24 @@ class TextGather(FieldGather):
 
     by_arrays = True
 
-    def __init__(
-        self,
-        field: Field,
-        shards: list[ShardReader],
-        starts: torch.Tensor,
-        pad_value: float,
-        *,
-        transient: bool = False,
-        total: int | None = None,
-    ) -> None:
-        super().__init__(field, shards, starts, pad_value, transient=transient)
-        if not field.codec.mappable:
-            raise ValueError(f"field {field.name!r}: TextGather is for raw fields")
-        self.is_str = field.kind == "str"
+    def __init__(self, *args: Any, total: int | None = None, **kwargs: Any) -> None:
+        """FieldGather's arguments; ``total``: the samples of every shard, where the
+        shards are not given (SlottedText)."""
+        super().__init__(*args, **kwargs)
+        if not self.field.codec.mappable:
+            raise ValueError(f"field {self.field.name!r}: TextGather is for raw fields")
+        self.is_str = self.field.kind == "str"
         self.first = self.starts.numpy().astype(np.int64)
         count = len(self.first)
         if total is None:  # the samples of every shard: the last one's first, and its own
-            total = int(self.first[-1]) + shards[-1].num_samples if shards else 0
+            total = int(self.first[-1]) + self.shards[-1].num_samples if self.shards else 0
         self.bounds = np.zeros(total + count, np.int64)
         self.texts: Any = [None] * count  # ShardText by shard number, once read
         self._read = np.zeros(count, bool)
         self.undecoded = np.zeros(count, bool)  # a str field's values kept as bytes
         self._lists: dict[int, list[Any]] = {}  # a shard's samples as served (LISTED_BYTES)
         self._listed = np.zeros(count, bool)
-        self._listed_room = LISTED_BYTES if not transient else 0
+        self._listed_room = LISTED_BYTES if not self.transient else 0
 
     def place(self, k: int, text: ShardText) -> None:
         """Shard ``k``'s offsets into ``bounds`` (the same for every copy of the shard)."""

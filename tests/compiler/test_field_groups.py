@@ -599,7 +599,7 @@ def test_a_groups_text_that_is_not_utf8_is_named_in_the_groups_own_file(
     """A str field of a group whose bytes are not UTF-8 (as a forged group shard whose
     CRCs were forged along would hold them): the batch's error names the group's shard
     file that holds the field, as ``ds[i]`` does, not the archive's own shard."""
-    from dlop.runtime.gather import samples
+    from tests.runtime.helpers import not_utf8_in_copies
 
     out = tmp_path / "a"
     base(out, 60)
@@ -608,17 +608,7 @@ def test_a_groups_text_that_is_not_utf8_is_named_in_the_groups_own_file(
     shard = ds.shards[0]
     held = shard.field_path("tag")
     assert held != shard.path and held.exists()  # the group's own file
-    target, at = shard.values("tag").ctypes.data, int(shard.offsets("tag")[2])
-    real = samples.private_copy
-
-    def forged(view: np.ndarray) -> np.ndarray:
-        got = real(view)
-        if view.ctypes.data == target:
-            got = got.copy()
-            got[at] = 0xFF
-        return got
-
-    monkeypatch.setattr(samples, "private_copy", forged)
+    not_utf8_in_copies(monkeypatch, shard, "tag", 2)
     with pytest.raises(FormatError, match=rf"{held}: field 'tag' sample 2: not UTF-8"):
         ds.__getitems__([2])
     assert ds.__getitems__([1, 3])["tag"] == ["CLIP-0001", "CLIP-0003"]

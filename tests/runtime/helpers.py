@@ -68,3 +68,22 @@ def fail_planning(ds: Archive, at: int) -> None:
         return plan(*args)
 
     ds.planner.plan = failing  # type: ignore[method-assign]
+
+
+def not_utf8_in_copies(monkeypatch: Any, shard: Any, name: str, row: int) -> None:
+    """Makes the first byte of sample ``row`` of text field ``name`` in ``shard`` 0xFF
+    (never UTF-8) in every copy the text gathers make of the shard's values, as a forged
+    shard whose CRCs were forged along would hold it."""
+    from dlop.runtime.gather import samples
+
+    real = samples.private_copy
+    target, at = shard.values(name).ctypes.data, int(shard.offsets(name)[row])
+
+    def forged(view: np.ndarray) -> np.ndarray:
+        got = real(view)
+        if view.ctypes.data == target:
+            got = got.copy()
+            got[at] = 0xFF
+        return got
+
+    monkeypatch.setattr(samples, "private_copy", forged)

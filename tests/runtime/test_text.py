@@ -19,6 +19,8 @@ from dlop.formats import ArchiveWriter, Field, FormatError
 from dlop.runtime import Loader, open_archive
 from dlop.runtime.gather import samples
 
+from .helpers import not_utf8_in_copies
+
 N = 90
 # ASCII shards and shards with characters of two, three and four bytes; empty samples
 WORDS = ["", "a", "key-01", "é", "naïve ✓", "😀 x", "日本語", "\x00nul"]
@@ -88,7 +90,6 @@ def test_a_str_sample_not_utf8_is_named_and_only_its_batches_fail(
     whose CRCs were forged along would hold it): a batch holding that sample is an
     error naming the shard, field and sample; every other batch reads as written."""
     monkeypatch.setattr(samples, "LISTED_BYTES", listed)
-    real = samples.private_copy
     shards = open_archive(archive).shards
     starts = np.cumsum([0] + [s.num_samples for s in shards]).tolist()
     wide = [any(not text(i).isascii() for i in range(a, b)) for a, b in itertools.pairwise(starts)]
@@ -96,16 +97,7 @@ def test_a_str_sample_not_utf8_is_named_and_only_its_batches_fail(
         ds = open_archive(archive)
         shard, first = ds.shards[k], starts[k]
         row = next(r for r in range(shard.num_samples) if text(first + r))
-        at, target = int(shard.offsets("s")[row]), shard.values("s").ctypes.data
-
-        def forged(view: np.ndarray, target: int = target, at: int = at) -> np.ndarray:
-            out = real(view)
-            if view.ctypes.data == target:
-                out = out.copy()
-                out[at] = 0xFF
-            return out
-
-        monkeypatch.setattr(samples, "private_copy", forged)
+        not_utf8_in_copies(monkeypatch, shard, "s", row)
         bad = first + row
         others = [i for i in range(N) if i != bad]
         named = rf"{shard.path.name}: field 's' sample {row}: not UTF-8"
@@ -115,7 +107,8 @@ def test_a_str_sample_not_utf8_is_named_and_only_its_batches_fail(
         same = [first + r for r in range(shard.num_samples) if r != row]
         for idx in (others, others[::-1], same):
             check(ds.__getitems__(idx), idx)
-        monkeypatch.setattr(samples, "private_copy", real)
+        monkeypatch.undo()
+        monkeypatch.setattr(samples, "LISTED_BYTES", listed)
 
 
 def test_a_shard_first_read_by_two_threads_at_once_is_served_whole_to_both(
