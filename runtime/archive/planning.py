@@ -224,9 +224,8 @@ class Planners:
         with self.lock:
             for key in [key for key in self.kept if k in key]:
                 del self.kept[key]
-        slots = self.slots
-        if slots is not None and slots.pid == os.getpid():
-            slots.clear(k)
+        if self.slots is not None:  # (a forked child's: none, mine() dropped the parent's)
+            self.slots.clear(k)
 
 
 def slottable(field: Field) -> bool:
@@ -272,7 +271,6 @@ class Slots:
                 self.gathers[n] = self.spans[n] = SlottedSpans(f, starts, total, pad_value)
         self.stamps = np.full(count, -2, np.int64)
         self.readers: dict[int, ShardReader] = {}
-        self.pid = os.getpid()
         # put, clear and take exclude one another: an entry and the view it points into
         # change together. clear runs on whichever thread lets go of a shard, holding
         # the supply's lock: the copies a put needs are made before this lock is taken.
@@ -463,13 +461,12 @@ class Fetched(Planner):
             if got is None:
                 raise self.supply.failure(k)
             reader, stamp = got
-            if stamp < 0:  # still arriving: read once the batch's bytes of it are in
+            arriving = stamp < 0
+            if arriving:  # read once the batch's bytes of it are in
                 self.supply.ready(k, groups.rows[groups.shards == k], self.names)
             try:
-                texts = slots.put(
-                    k, reader, stamp if stamp >= 0 else -2
-                )  # arriving: this batch only
-                if stamp < 0:
+                texts = slots.put(k, reader, -2 if arriving else stamp)
+                if arriving:  # its text copied for this batch only
                     own[k] = texts
             except Exception:
                 now = self.supply.mapping(k)

@@ -261,9 +261,11 @@ class SlottedText(TextGather):
     def put(self, k: int, prepared: tuple[ShardText, Path], shared: bool = True) -> None:
         """Shard ``k``'s offsets into ``bounds``; and its entry, for every batch to read
         (``shared``), or only for the batch that made it (``take``'s ``own``)."""
-        self.place(k, prepared[0])
+        text = prepared[0]
+        self.place(k, text)
         if shared:
             self.texts[k], self.paths[k] = prepared
+            self.undecoded[k] = self.is_str and isinstance(text.values, bytes)
 
     def clear(self, k: int) -> None:
         self.texts.pop(k, None)
@@ -284,7 +286,9 @@ class SlottedText(TextGather):
         if own:
             out.own_paths = {k: path for k, (_, path) in own.items()}
             out.texts.update((k, text) for k, (text, _) in own.items())
-        out._bytes = self.is_str and any(isinstance(t.values, bytes) for t in out.texts.values())
+        out._bytes = bool(self.undecoded[ks].any()) or any(
+            self.is_str and isinstance(text.values, bytes) for text, _ in (own or {}).values()
+        )
         return out
 
     def _has_undecoded(self, shards: np.ndarray) -> bool:

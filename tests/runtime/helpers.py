@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +87,21 @@ def not_utf8_in_copies(monkeypatch: Any, shard: Any, name: str, row: int) -> Non
         return got
 
     monkeypatch.setattr(samples, "private_copy", forged)
+
+
+def in_forked_child(check: Callable[[], bool], timeout_s: int = 20) -> bool:
+    """Whether ``check()`` holds when run in a child forked now (an exception in it, or
+    its running past ``timeout_s``, say no)."""
+    import os
+    import signal
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(timeout_s)  # a child waiting forever dies of it
+            code = 0 if check() else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import IterableArchive, Loader
+from tests.runtime.helpers import in_forked_child
 
 
 @pytest.fixture(scope="module")
@@ -353,18 +354,12 @@ def test_a_forked_child_keeps_the_read_order_it_is_given(site: Path, tmp_path: P
     with FaultProxy(root=site) as proxy:
         archive = open_archive(proxy.url + "/a", cache_dir=tmp_path / "c")
         source = archive.supply
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: answers whether its order survived its first ask
-            try:
-                source.read_order([np.arange(40, dtype=np.int64)])
-                source.mine()  # what its first ask does first
-                os.write(write, b"1" if source.arrive.order is not None else b"0")
-            finally:
-                os._exit(0)
-        os.close(write)
-        got = os.read(read, 1)
-        os.waitpid(pid, 0)
-        os.close(read)
+
+        def kept_order() -> bool:
+            source.read_order([np.arange(40, dtype=np.int64)])
+            source.mine()  # what its first ask does first
+            return source.arrive.order is not None
+
+        survived = in_forked_child(kept_order)
         archive.close()
-    assert got == b"1"
+    assert survived

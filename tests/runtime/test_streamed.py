@@ -125,8 +125,8 @@ def test_cold_and_warm_epochs_equal_local(
         assert total <= proxy.sent_bytes("shard-") <= total + len(shards(site)) * HEAD_BYTES
 
 
-# Every field, or the fixed-size ones only (planned by one table of rows per field,
-# runtime.archive.planning.Slots, an arriving shard's rows read for its batch only).
+# Every field, or those of one kind (each planned by the node cache's Slots,
+# runtime.archive.planning: an arriving shard's entries read for its batch only).
 FIELDS = [None, ["label", "wave"], ["label", "speech", "wave"], ["key", "text"]]
 
 
