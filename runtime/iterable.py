@@ -91,7 +91,7 @@ class IterableArchive(IterableDataset[Batch]):
     def __init__(
         self,
         archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths | Source],
-        batch_size: int,
+        batch_size: int | None,
         *,
         worker_buffers: int = 4,
         **options: Unpack[ReadingOptions],
@@ -245,7 +245,7 @@ class IterableArchive(IterableDataset[Batch]):
         """This worker's shared-memory slots, kept across iterations (persistent workers)."""
         if self._ring is None:
             count = self.worker_buffers if worker < MAX_WORKERS else 0
-            nbytes = slot_bytes(self.archive(), self.batch_order().spec.batch_size) if count else 0
+            nbytes = slot_bytes(self.choice()) if count else 0
             self._ring = WorkerRing(self._released, worker % MAX_WORKERS, nbytes, count)
         return self._ring
 

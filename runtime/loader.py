@@ -91,7 +91,8 @@ class Loader:
     (``node_share="keep"``) or dealt anew (``"redeal"``), ``node_rank`` checked
     against the rank (runtime.order.epochs); ``order`` is ``global`` (full permutation) or ``window``
     (out-of-core, see runtime.order.epochs); ``bucket_by`` names a ragged field whose
-    lengths group batches; ``transforms`` are callables ``(batch, generator)
+    lengths group batches, and with ``max_frames`` or ``max_padded_frames`` budget them
+    (runtime.order.budget; ``batch_size`` then caps the count, None: no cap); ``transforms`` are callables ``(batch, generator)
     -> batch`` run on the batch's device with a generator seeded from (seed,
     epoch, batch number), so resumed epochs repeat their augmentations too.
     ``fields`` and ``pad_value`` open ``archive`` when it is a path; given an
@@ -114,7 +115,7 @@ class Loader:
     def __init__(
         self,
         archive: Archive | ArchivePaths | Mapping[str, Archive | ArchivePaths | Source],
-        batch_size: int,
+        batch_size: int | None,
         *,
         device: str | torch.device | None = None,
         transforms: Sequence[Transform] = (),
@@ -295,10 +296,9 @@ class Loader:
         if self._group is None:
             self._group = 1
             if not self.to_device.cuda and self.archive.planner.fixed_only:
-                b = min(self.spec.batch_size, max(1, self.spec.num_samples))
                 nbytes = sum(
-                    (g.buffer_numel(b) or 0) * g.out_dtype.itemsize
-                    for g in self.archive.gathers.values()
+                    (self.choice.buffer_numel(name) or 0) * g.out_dtype.itemsize
+                    for name, g in self.archive.gathers.items()
                 )
                 self._group = max(1, min(GROUP_BATCHES, GROUP_BYTES // max(1, nbytes)))
         return self._group
@@ -378,16 +378,15 @@ class Loader:
     def _ring(self) -> list[Slot]:
         if self._slots is None:
             # No batch holds more samples than the archive: a larger batch_size
-            # does not make larger buffers.
-            b = min(self.spec.batch_size, max(1, self.spec.num_samples))
-            b *= self.group_size  # a group's batches share a slot
+            # does not make larger buffers. A group's batches share a slot.
             sizes = {}
             for name, g in self.archive.gathers.items():
-                numel = g.buffer_numel(b)
+                numel = self.choice.buffer_numel(name, self.group_size)
                 if numel is not None:
                     sizes[name] = (numel, g.out_dtype)
             count = slot_count(self.prefetch, self.to_device.cuda)
-            where = f"{self.archive.path} (batch_size={b})"
+            b = self.choice.most_samples() * self.group_size
+            where = f"{self.archive.path} (batches of up to {b} samples)"
             self._slots = allocate(sizes, count, torch.cuda.is_available(), where)
         return self._slots
 

@@ -172,7 +172,7 @@ class Sizing(FieldGather):
     fixed fields get a reusable buffer, others fresh tensors (their longest sample is
     not known before every shard was read)."""
 
-    def buffer_numel(self, batch_size: int) -> int | None:
+    def buffer_numel(self, batch_size: int, among: np.ndarray | None = None) -> int | None:
         if self.field.ragged or self.field.kind in ("str", "bytes"):
             return None
         return batch_size * int(np.prod(self.trail, dtype=np.int64))

@@ -297,8 +297,9 @@ class FieldGather:
             self._pattern = torch.full((count,), self.pad_value, dtype=self.out_dtype)
         return self._pattern
 
-    def buffer_numel(self, batch_size: int) -> int | None:
-        """Elements a reusable output buffer needs at this batch size (None: fresh each batch)."""
+    def buffer_numel(self, batch_size: int, among: np.ndarray | None = None) -> int | None:
+        """Elements a reusable output buffer needs at this batch size (None: fresh each
+        batch), its samples drawn from ``among`` (sample numbers; None: any)."""
         return None
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from dlop.formats import ShardReader
@@ -44,7 +45,7 @@ class FixedRawGather(FieldGather):
         sources = [rows_of(s, self.field.name, self.row_bytes) for s in self.shards]
         self.table = RowTable(sources, self.row_bytes) if sources and self.row_bytes else None
 
-    def buffer_numel(self, batch_size: int) -> int | None:
+    def buffer_numel(self, batch_size: int, among: np.ndarray | None = None) -> int | None:
         return batch_size * math.prod(self.trail)
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:

@@ -185,10 +185,11 @@ class SpanGather(FieldGather):
                 "opened",
             )
 
-    def buffer_numel(self, batch_size: int) -> int | None:
+    def buffer_numel(self, batch_size: int, among: np.ndarray | None = None) -> int | None:
         if self.shapes is not None:  # padded to the longest in several dimensions
             return None
-        longest = 1 if self.lengths is None else int(self.lengths.max(initial=0))
+        lengths = self.lengths if self.lengths is None or among is None else self.lengths[among]
+        longest = 1 if lengths is None else int(lengths.max(initial=0))
         return batch_size * longest * self.row
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from ..errors import UsageError, UsageTypeError, check_int
 from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate
 from ..gather.plan import CopyPlan
+from .budget import Budget, make_budget
 from .distributed import launcher_nodes, placement
 from .epochs import NODE_SHARES, BatchOrder, Draw, OrderSpec
 from .mixture import (
@@ -53,6 +54,8 @@ class Choice:
     order: BatchOrder
     mixture: Mixture | None = None
     source_starts: np.ndarray | None = None  # each source's first sample number
+    # budget batches: each bucket's most samples per batch and its samples (bounds())
+    _bounds: list[tuple[int, np.ndarray]] | None = field(default=None, repr=False)
 
     def settings(self, spec: OrderSpec | None = None) -> dict[str, Any]:
         """What, besides the spec, shapes the order (for loader states): the archives
@@ -71,6 +74,46 @@ class Choice:
                 "mixture": self.mixture.settings(),
             }
         return {"archives": archives, "selection": digest(self.archive.selection), "mixture": None}
+
+    def buffer_numel(self, name: str, batches: int = 1) -> int | None:
+        """Elements a reusable buffer for field ``name`` needs to hold ``batches`` of this
+        order's batches (None: fresh tensors): ``batch_size`` samples (at most every one);
+        by a budget, the most any bucket's batch can need (``bucket_bounds``)."""
+        gather = self.archive.gathers[name]
+        if self.spec.budget is None:
+            return gather.buffer_numel(self.most_samples() * batches)
+        needs = [gather.buffer_numel(count * batches, among) for count, among in self.bounds()]
+        if None in needs:
+            return None
+        return max((n for n in needs if n is not None), default=0)
+
+    def most_samples(self) -> int:
+        """The most samples one batch of this order holds."""
+        if self.spec.budget is None:
+            return min(self.spec.batch_size, max(1, self.spec.num_samples))
+        return max((count for count, _ in self.bounds()), default=1)
+
+    def bounds(self) -> list[tuple[int, np.ndarray]]:
+        """Budget batches: for each bucket, the most samples one of its batches holds and
+        the samples it draws from (those the order chooses)."""
+        if self._bounds is None:
+            budget, lengths = self.spec.budget, self.order.lengths
+            assert budget is not None and lengths is not None
+            if self.mixture is not None:
+                chosen = np.concatenate(self.mixture.pools)
+            elif self.archive.selection is not None:
+                chosen = self.archive.selection
+            else:
+                chosen = np.arange(len(lengths), dtype=np.int64)
+            size = lengths[chosen]
+            bucket = np.searchsorted(np.asarray(budget.edges, dtype=np.int64), size, side="right")
+            self._bounds = []
+            for b in np.unique(bucket):
+                among = chosen[bucket == b]
+                least = max(1, int(size[bucket == b].min()))
+                count = max(1, min(self.spec.batch_size, budget.frames // least))
+                self._bounds.append((count, among))
+        return self._bounds
 
     def check_budget(self, batches_held: int, bucketing: bool, readers: str) -> None:
         """Refuses, before any batch, a shard cache too small for what this order holds
@@ -178,13 +221,19 @@ def choose(
             f"{owner} node_share must be one of {NODE_SHARES}, got {order['node_share']!r}"
         )
     bucket_by = order.pop("bucket_by")
+    asked = {k: order.pop(k) for k in BUDGET_SETTINGS}
+    if bucket_by is None and (asked["max_frames"] or asked["max_padded_frames"]) is not None:
+        raise UsageError(
+            f"{owner} max_frames= and max_padded_frames= budget the frames of a ragged "
+            "field: name it, bucket_by='<field>'"
+        )
     if not order["even_shares"] and order["drop_last"]:
         raise UsageError(
             f"{owner} even_shares=False reads every sample exactly once across ranks and "
             "drop_last=True drops samples; pass one of them"
         )
     if isinstance(archive, Mapping):
-        return choose_mixture(archive, open_options, mixing, bucket_by, order, owner)
+        return choose_mixture(archive, open_options, mixing, bucket_by, asked, order, owner)
     given = [k for k, v in mixing.items() if v not in (None, False)]
     if given:
         raise UsageError(
@@ -199,8 +248,9 @@ def choose(
     check_bucket_by(ds, bucket_by)
     sel = ds.selection
     sizes = ds.shard_sizes if sel is None else shard_counts(sel, ds.shard_starts)
-    spec = OrderSpec(num_samples=len(ds), shard_sizes=sizes, **order)
     lengths = ds.lengths(bucket_by) if bucket_by else None
+    order = with_budget(order, owner, asked, lengths, sel)
+    spec = OrderSpec(num_samples=len(ds), shard_sizes=sizes, **order)
     order_stage = BatchOrder(spec, lengths, owner, selection=sel)
     return Choice(ds, spec, order_stage)
 
@@ -252,6 +302,7 @@ def choose_mixture(
     open_options: dict[str, Any],
     mixing: dict[str, Any],
     bucket_by: str | None,
+    asked: dict[str, Any],
     order: dict[str, Any],
     owner: str = "Loader",
 ) -> Choice:
@@ -289,28 +340,30 @@ def choose_mixture(
     for s, (_, own) in enumerate(parts):
         lo, hi = int(reader_starts[firsts[s]]), int(reader_starts[firsts[s + 1]])
         pools.append(np.arange(lo, hi, dtype=np.int64) if own is None else own + lo)
+    lengths = ds.lengths(bucket_by) if bucket_by else None
+    order = with_budget(order, owner, asked, lengths, np.concatenate(pools))
+    # budget batches cut whole steps of any number of samples: no rounding to batches
+    whole_batches = order["budget"] is None
     batch_size, world = order["batch_size"], order["world_size"]
     per_source = bool(mixing["batch_per_source"])
+    rounds = per_source and whole_batches  # each source's count to whole batches
     weights = check_weights(names, source_weights(sources, owner), [len(p) for p in pools])
     wanted = mixing["samples_per_epoch"]
     if wanted is None:  # the pools the weights draw from
         wanted = sum(len(p) for p, w in zip(pools, weights, strict=True) if w > 0)
     wanted = check_int(f"{owner} samples_per_epoch", wanted, low=1, high=MAX_EPOCH_SAMPLES)
-    counts = epoch_counts(
-        weights, wanted, batch_size, world, order["drop_last"], per_source, bucket_by is not None
-    )
+    bucketing = bucket_by is not None and whole_batches
+    counts = epoch_counts(weights, wanted, batch_size, world, order["drop_last"], rounds, bucketing)
     check_passes(owner, names, pools, counts)
     mix = Mixture(tuple(names), tuple(pools), tuple(weights), wanted, tuple(counts), per_source)
     spec = OrderSpec(num_samples=mix.epoch_size, **order)
-    lengths = ds.lengths(bucket_by) if bucket_by else None
     draw = mixture_draw(mix, order["seed"], order["shuffle"])
 
     def redraw(world_size: int, batch_size: int) -> Draw:
         """The draw of a world of that shape: its epoch's counts are rounded to it."""
         counts = epoch_counts(
-            weights, wanted, batch_size, world_size, order["drop_last"], per_source,
-            bucket_by is not None,
-        )  # fmt: skip
+            weights, wanted, batch_size, world_size, order["drop_last"], rounds, bucketing
+        )
         check_passes(
             f"{owner} state of a world of {world_size} x {batch_size}", names, pools, counts
         )
@@ -324,6 +377,31 @@ def choose_mixture(
     starts = reader_starts[firsts[:-1]]
     stage = BatchOrder(spec, lengths, owner, draw=draw, redraw=redraw)
     return Choice(ds, spec, stage, mix, starts)
+
+
+BUDGET_SETTINGS = ("max_frames", "max_padded_frames", "num_buckets", "bucket_edges")
+
+
+def with_budget(
+    order: dict[str, Any],
+    owner: str,
+    asked: dict[str, Any],
+    lengths: np.ndarray | None,
+    chosen: np.ndarray | None,
+) -> dict[str, Any]:
+    """``order`` with its budget (``asked``: the budget settings; None without one), its
+    bucket edges from the lengths of the ``chosen`` samples (None: all), and a batch size
+    that caps the count: the one given, or the most samples the budget holds."""
+    budget: Budget | None = None
+    if lengths is not None:
+        read = lengths if chosen is None else lengths[chosen]
+        budget = make_budget(owner, read, **asked)
+    elif asked["bucket_edges"] is not None:
+        raise UsageError(f"{owner} bucket_edges= is for budget batches: give max_frames=")
+    batch = order["batch_size"]
+    if budget is not None and batch is None:
+        batch = budget.most_samples()
+    return {**order, "budget": budget, "batch_size": batch}
 
 
 def check_bucket_by(archive: Archive, bucket_by: object) -> None:

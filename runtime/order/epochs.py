@@ -47,6 +47,12 @@ Bucketing (``bucket_lengths``)
   the whole epoch are then shuffled and dealt out to ranks in turn (padded by
   repeating batches, or trimmed with drop_last, so counts stay equal).
 
+Budgets (``OrderSpec.budget``; runtime.order.budget)
+  Batches hold as many samples as fit a budget of frames, cut within length
+  buckets and dealt a step (one batch per rank, one bucket) at a time; where
+  shards are dealt to nodes, each node's steps are split to the most any node
+  has (``steps_target``), so every rank has as many batches.
+
 Selections and mixtures (runtime.archive.selection, runtime.order.mixture)
   A draw (``Draw``) gives an epoch's samples as archive sample numbers, in
   epoch order, and optionally the group (mixture source) of each. A selection
@@ -69,6 +75,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError, check_int
+from .budget import Budget, budget_steps, equalize
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,8 @@ class OrderSpec:
     even_shares: bool = True  # False: no sample repeated or dropped, shares may differ
     nodes: int = 1  # nodes the world spans, world_size // nodes ranks each
     node_share: str = "keep"  # keep | redeal: a node's shards, fixed or dealt anew each epoch
+    # batches by a budget of frames (runtime.order.budget), batch_size capping the count
+    budget: Budget | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -140,7 +149,11 @@ class OrderSpec:
             return whole + 2
 
         if bucketing:
-            count = batches_held * windows(self.bucket_window * self.batch_size * local_ranks)
+            run = self.bucket_window * self.batch_size * local_ranks
+            if self.budget is not None:  # a batch lies within one run of the order
+                most = self.budget.run_samples(self.bucket_window, local_ranks)
+                run = sum(sizes) if most is None else most
+            count = batches_held * windows(run)
         else:
             count = windows(batches_held * self.batch_size * local_ranks)
         return min(node_shards, count * w)
@@ -269,6 +282,8 @@ def _node_share(
     order = order.astype(np.int64, copy=False)
     if not spec.even_shares:
         return order
+    if spec.budget is not None:  # evened by steps, not samples (runtime.order.budget)
+        return order if len(order) else every
     n, world = len(every), spec.world_size
     size = spec.local_size * (n // world if spec.drop_last else math.ceil(n / world))
     return _fit(order if len(order) else every, size)
@@ -365,15 +380,17 @@ def rank_batches(
     bucket_lengths: np.ndarray | None = None,
     samples: np.ndarray | None = None,
     groups: np.ndarray | None = None,
+    target: int | None = None,
 ) -> list[np.ndarray]:
     """This rank's batches for the epoch, each sorted ascending (for locality of reads).
 
     ``samples``: the epoch's samples in order (default ``share_order``);
     ``groups``: the group of each, batches cut within groups;
-    ``bucket_lengths``: indexed by sample number.
+    ``bucket_lengths``: indexed by sample number;
+    ``target``: budget batches' steps per node (``steps_target``).
     """
     rank = spec.local_rank if spec.dealt else spec.rank
-    return world_batches(spec, epoch, (rank,), bucket_lengths, samples, groups)[0]
+    return world_batches(spec, epoch, (rank,), bucket_lengths, samples, groups, target)[0]
 
 
 def world_batches(
@@ -383,10 +400,11 @@ def world_batches(
     bucket_lengths: np.ndarray | None = None,
     samples: np.ndarray | None = None,
     groups: np.ndarray | None = None,
+    target: int | None = None,
 ) -> list[list[np.ndarray]]:
     """``rank_batches`` of each of ``ranks`` (of the node's ranks where shards are dealt to
     nodes), the epoch's order and cuts made once for all of them."""
-    evened, batches = _dealing(spec, epoch, bucket_lengths, samples, groups)
+    evened, batches = _dealing(spec, epoch, bucket_lengths, samples, groups, target)
     world, b = _dealt_world(spec), spec.batch_size
     if batches is not None:
         return [[np.sort(batches[i]) for i in evened[rank::world]] for rank in ranks]
@@ -407,11 +425,12 @@ def world_taken(
     bucket_lengths: np.ndarray | None = None,
     samples: np.ndarray | None = None,
     groups: np.ndarray | None = None,
+    target: int | None = None,
 ) -> np.ndarray:
     """The samples of every rank's first ``done`` batches (``world_batches``), found
     without cutting the batches: rank ``r`` takes the dealt positions ``r, r + world,
     ...``, so the first ``done`` batches of all ranks are the dealing's first positions."""
-    evened, batches = _dealing(spec, epoch, bucket_lengths, samples, groups)
+    evened, batches = _dealing(spec, epoch, bucket_lengths, samples, groups, target)
     world = _dealt_world(spec)
     if batches is None:
         return evened[: done * spec.batch_size * world]
@@ -430,13 +449,21 @@ def _dealing(
     bucket_lengths: np.ndarray | None,
     samples: np.ndarray | None,
     groups: np.ndarray | None,
+    target: int | None = None,
 ) -> tuple[np.ndarray, list[np.ndarray] | None]:
     """How the epoch is dealt to ranks: (the evened order, None), its position ``p`` going
     to rank ``p % world``; or, where batches are cut before they are dealt (bucketing,
-    groups), (the evened batch numbers, the batches), number ``p`` to rank ``p % world``."""
+    groups, a budget), (the evened batch numbers, the batches), number ``p`` to rank
+    ``p % world``."""
     order = share_order(spec, epoch) if samples is None else samples
     b = spec.batch_size
     world = _dealt_world(spec)
+    if spec.budget is not None:
+        steps, tail = _budget_steps(spec, epoch, order, bucket_lengths, groups)
+        if target is not None:
+            steps = equalize(steps, target, world)
+        batches = [x for step in steps for x in step] + tail
+        return np.arange(len(batches)), batches
     if bucket_lengths is None and groups is None:
         return _even(order, world, spec.drop_last, spec.even_shares), None
     window = b * spec.bucket_window * world
@@ -455,6 +482,53 @@ def _dealing(
         perm = rng(spec.seed, epoch, 1).permutation(len(batches))
         batches = [batches[i] for i in perm]
     return _even(np.arange(len(batches)), world, spec.drop_last, spec.even_shares), batches
+
+
+def _budget_steps(
+    spec: OrderSpec,
+    epoch: int,
+    order: np.ndarray,
+    lengths: np.ndarray | None,
+    groups: np.ndarray | None,
+) -> tuple[list[list[np.ndarray]], list[np.ndarray]]:
+    """runtime.order.budget.budget_steps of ``order`` under ``spec``'s budget."""
+    assert spec.budget is not None and lengths is not None, "a budget needs lengths"
+    return budget_steps(
+        order,
+        lengths,
+        groups,
+        spec.budget,
+        spec.batch_size,
+        _dealt_world(spec),
+        spec.bucket_window,
+        spec.even_shares,
+        spec.drop_last,
+        rng(spec.seed, epoch, 1) if spec.shuffle else None,
+    )
+
+
+def steps_target(
+    spec: OrderSpec,
+    epoch: int,
+    orders: Sequence[tuple[OrderSpec, np.ndarray]],
+    size: int,
+    lengths: np.ndarray | None,
+    groups: np.ndarray | None = None,
+) -> int | None:
+    """Budget batches with shards dealt to nodes: the steps every node makes, the most
+    any node's own order of ``orders`` (every node's first rank and order, ``size``
+    positions in all) makes; None where nodes are not evened so. ``groups``: by position."""
+    if spec.budget is None or not spec.dealt or not spec.even_shares:
+        return None
+    counts = [
+        len(
+            _budget_steps(head, epoch, order, lengths, None if groups is None else groups[order])[0]
+        )
+        for head, order in orders
+    ]
+    # a node with no samples of its own reads every position (``_node_share``)
+    own = [c for (_, order), c in zip(orders, counts, strict=True) if len(order) < size]
+    return max(own or counts, default=0)
 
 
 @dataclass(frozen=True)
@@ -510,6 +584,12 @@ def left_after(
     """The positions ``rest`` (ascending) of ``epoch`` less every rank's first
     ``batches_done`` batches of world ``shape`` reading them (``before``: the world that
     read the epoch until that one, if any); ascending."""
+    orders = world_orders(
+        shape.spec(spec), epoch, rest, content, None, None if before is None else before.spec(spec)
+    )
+    target = steps_target(
+        shape.spec(spec), epoch, orders, len(rest), content.lengths, content.groups
+    )
     taken = [
         world_taken(
             head,
@@ -518,15 +598,9 @@ def left_after(
             content.lengths,
             order,
             None if content.groups is None else content.groups[order],
+            target,
         )
-        for head, order in world_orders(
-            shape.spec(spec),
-            epoch,
-            rest,
-            content,
-            None,
-            None if before is None else before.spec(spec),
-        )
+        for head, order in orders
     ]
     kept = np.ones(content.size, dtype=bool)
     kept[np.concatenate(taken)] = False
@@ -657,19 +731,30 @@ class BatchOrder:
         key = (epoch, shapes)
         if key not in self._cached:
             spec = self.spec_for(epoch)
+            budgeted = spec.budget is not None and spec.dealt  # every node's steps count
             if shapes:
                 content, samples = self._content(epoch, shapes[0])
                 node = spec.node if spec.dealt else 0
                 rest = self._rest(epoch, shapes)
                 before = shapes[-1].spec(spec)
-                mine = world_orders(spec, epoch, rest, content, (node,), before)[0][1]
+                nodes = None if budgeted else (node,)
+                orders = world_orders(spec, epoch, rest, content, nodes, before)
+                target = steps_target(
+                    spec, epoch, orders, len(rest), content.lengths, content.groups
+                )
+                mine = orders[node if budgeted else 0][1]
                 groups = None if content.groups is None else content.groups[mine]
-                made = rank_batches(spec, epoch, self.lengths, samples[mine], groups)
+                made = rank_batches(spec, epoch, self.lengths, samples[mine], groups, target)
             elif self.draw is not None:
                 made = rank_batches(spec, epoch, self.lengths, *self.draw(epoch))
             else:
                 order = self._samples(share_order(spec, epoch))
-                made = rank_batches(spec, epoch, self.lengths, order)
+                target = None
+                if budgeted:
+                    heads = [replace(spec, rank=j * spec.local_size) for j in range(spec.nodes)]
+                    orders = [(h, self._samples(node_order(h, epoch))) for h in heads]
+                    target = steps_target(spec, epoch, orders, spec.num_samples, self.lengths)
+                made = rank_batches(spec, epoch, self.lengths, order, None, target)
             while len(self._cached) >= 2:
                 del self._cached[next(iter(self._cached))]
             self._cached[key] = made
@@ -847,11 +932,13 @@ class BatchOrder:
                 n = n - n % world if spec.drop_last else -(-n // world) * world
             mine = -(-n // world)
             return mine // b if spec.drop_last else -(-mine // b)
+        orders = world_orders(
+            spec, epoch, left, content, None, shapes[-1].spec(current) if shapes else None
+        )
+        target = steps_target(spec, epoch, orders, len(left), content.lengths, content.groups)
         return max(
-            len(world_batches(first, epoch, (0,), content.lengths, order, groups)[0])
-            for first, order in world_orders(
-                spec, epoch, left, content, None, shapes[-1].spec(current) if shapes else None
-            )
+            len(world_batches(first, epoch, (0,), content.lengths, order, groups, target)[0])
+            for first, order in orders
             for groups in [None if content.groups is None else content.groups[order]]
         )
 

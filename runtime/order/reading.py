@@ -43,6 +43,10 @@ class ReadingOptions(TypedDict, total=False):
     window_shards: int
     bucket_by: str | None
     bucket_window: int
+    max_frames: int | None
+    max_padded_frames: int | None
+    num_buckets: int
+    bucket_edges: Sequence[int] | None
     even_shares: bool
     nodes: int | None
     node_rank: int | None
@@ -82,6 +86,11 @@ class Reading:
     window_shards: int = 8
     bucket_by: str | None = None
     bucket_window: int = 64
+    # batches by a budget of frames of bucket_by (runtime.order.budget)
+    max_frames: int | None = None
+    max_padded_frames: int | None = None
+    num_buckets: int = 10
+    bucket_edges: Sequence[int] | None = None
     even_shares: bool = True
     nodes: int | None = None
     node_rank: int | None = None
@@ -145,10 +154,18 @@ class Reading:
             **{k: v for k, v in cache.items() if v is not None},
         }
 
-    def order_options(self, owner: str, batch_size: int) -> dict[str, Any]:
+    def order_options(self, owner: str, batch_size: int | None) -> dict[str, Any]:
         """How to order, as runtime.order.choose takes it, numbers checked."""
+        budgeted = self.max_frames is not None or self.max_padded_frames is not None
+        if batch_size is None and not budgeted:
+            raise UsageTypeError(
+                f"{owner} batch_size must be an int, got None; only batches by a budget of "
+                "frames (max_frames= or max_padded_frames=) take none"
+            )
         return {
-            "batch_size": check_int(f"{owner} batch_size", batch_size, low=1),
+            "batch_size": None
+            if batch_size is None
+            else check_int(f"{owner} batch_size", batch_size, low=1),
             "shuffle": self.shuffle,
             "seed": check_int(f"{owner} seed", self.seed),
             "drop_last": self.drop_last,
@@ -158,6 +175,10 @@ class Reading:
             "window_shards": check_int(f"{owner} window_shards", self.window_shards, low=1),
             "bucket_by": self.bucket_by,
             "bucket_window": check_int(f"{owner} bucket_window", self.bucket_window, low=1),
+            "max_frames": self.max_frames,
+            "max_padded_frames": self.max_padded_frames,
+            "num_buckets": self.num_buckets,
+            "bucket_edges": self.bucket_edges,
             "even_shares": self.even_shares,
             "nodes": self.nodes,
             "node_rank": self.node_rank,

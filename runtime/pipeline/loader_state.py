@@ -30,9 +30,15 @@ STATE_SETTINGS = (
     "even_shares",
     "nodes",
     "node_share",
+    "budget",
 )
 # What a state saved before a setting was recorded had (it was the only choice then).
-SETTING_DEFAULTS: dict[str, Any] = {"even_shares": True, "nodes": 1, "node_share": "keep"}
+SETTING_DEFAULTS: dict[str, Any] = {
+    "even_shares": True,
+    "nodes": 1,
+    "node_share": "keep",
+    "budget": None,
+}
 # The world's shape: a state saved in another one continues its epoch here (what that
 # world handed out is left out of the rest), where that can be done exactly.
 RESHAPING = ("world_size", "nodes", "batch_size")
@@ -63,6 +69,7 @@ def order_settings(
         "even_shares": spec.even_shares,
         "nodes": spec.nodes,
         "node_share": spec.node_share,
+        "budget": None if spec.budget is None else spec.budget.setting(),
         **choice,
     }
 

@@ -67,6 +67,17 @@ SWEEP_SECONDS = 0.25  # how often it checks that their workers still hold them
 _tables: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
+class Sized(Protocol):
+    """What sizes a worker's slots: the archive read, and the most a batch of the
+    order holds (runtime.order.choose.Choice)."""
+
+    archive: Archive
+
+    def most_samples(self) -> int: ...
+
+    def buffer_numel(self, name: str, batches: int = 1) -> int | None: ...
+
+
 class Gathers(Protocol):
     """What a worker ring gathers from: an Archive, or the samples chosen from one."""
 
@@ -341,13 +352,13 @@ def align(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def slot_bytes(archive: Archive, batch_size: int) -> int:
+def slot_bytes(choice: Sized) -> int:
     """A slot's starting size: the fields the Loader's ring sizes (runtime.pipeline.ring) and the
     ragged fields' lengths. Other fields (several varying dimensions) grow it."""
-    b = min(batch_size, max(1, len(archive)))
+    archive, b = choice.archive, choice.most_samples()
     total = 0
     for name, gather in archive.gathers.items():
-        numel = gather.buffer_numel(b)
+        numel = choice.buffer_numel(name)
         if numel is not None:
             total += align(numel * gather.out_dtype.itemsize)
         field = archive.fields[name]
