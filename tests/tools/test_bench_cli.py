@@ -185,3 +185,23 @@ def test_the_resume_section_times_a_continued_epoch_against_a_fresh_start(
         ratio = continued["extra"]["continued_vs_fresh"]
         assert 0 < ratio["range"][0] <= ratio["median"] <= ratio["range"][1]
         assert len(continued["extra"]["seconds"]["continued"]) == 5  # at least five rounds
+
+
+def test_the_budget_section_sets_dlop_beside_lhotse_and_a_bare_gather(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--only", "budget", "--budget-utts", "120", "--repeats", "1", "--workers", "1"]
+    (tmp_path / "work").mkdir()
+    assert cli.main([*argv, "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    dlop, lhotse = rows[:2]
+    assert dlop["pipeline"].startswith("dlop Loader(max_frames=20000")
+    for row in (dlop, lhotse):
+        assert row["samples_per_s"] > 0 and row["extra"]["batches"] > 0
+        assert 0 <= row["extra"]["padded_share"] < 1
+    share = dlop["extra"]["padded_share_over_lhotse"]
+    assert share["range"][0] <= share["median"] <= share["range"][1]
+    short = rows[2:]
+    loaders = [r for r in short if r["pipeline"].startswith("dlop Loader, bucketed")]
+    assert len(loaders) == 2 and all(r["extra"]["over_bare"]["median"] > 0 for r in loaders)
+    peers = [r for r in short if "dlop_count_over_this" in r["extra"]]
+    assert {r["pipeline"].split()[0] for r in peers} == {"Lhotse", "datasets"}

@@ -112,13 +112,14 @@ def _module(name: str) -> Callable[[_Run], list[Row]]:
 
 
 def _peers(run: _Run) -> list[Row]:
-    from . import peer_rows, shuffle_bench, speech_peers
+    from . import budget_bench, peer_rows, shuffle_bench, speech_peers
 
     a = run.args
     rows = peer_rows.run(run.work / "peers", a.peer_samples, a.workers, a.repeats)
     rows += speech_peers.run(
         run.work / "speech-peers", a.peer_utts, a.workers, a.repeats, a.short_utts
     )
+    rows += budget_bench.run(run.work / "budget-peers", a)
     return rows + shuffle_bench.rows(with_streaming=True)
 
 
@@ -139,6 +140,7 @@ SECTIONS: dict[str, Callable[[_Run], list[Row]]] = {
     "append": _module("append"),
     "fields": _module("fields"),
     "resume": _module("resume"),
+    "budget": _module("budget"),
     "shuffle": _module("shuffle"),
     "peers": _peers,
 }
@@ -195,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2000,
         help="5 s clips of the append section's corpus (1%% of them appended)",
+    )
+    p.add_argument(
+        "--budget-utts",
+        type=int,
+        default=2472,
+        help="short utterances in the budget section (its wide archive holds 3 in 5 as many)",
     )
     p.add_argument(
         "--resume-samples",

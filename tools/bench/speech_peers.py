@@ -374,7 +374,7 @@ def timed_compile(peer: str, corpus: Path, out: Path, workers: int) -> Compiled:
 # ---- reads, in this process
 
 
-def _pad_collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+def pad_collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     from torch.nn.utils.rnn import pad_sequence
 
     feats = [it["input_features"] for it in items]
@@ -428,7 +428,7 @@ class _Epochs:
         return iter(self.loader)
 
 
-def _datasets_loader(out: Path, workers: int, grouped: bool) -> tuple[Any, Callable[[Any], int]]:
+def datasets_loader(out: Path, workers: int, grouped: bool) -> tuple[Any, Callable[[Any], int]]:
     import torch
     from datasets import load_from_disk
     from torch.utils.data import DataLoader
@@ -449,7 +449,7 @@ def _datasets_loader(out: Path, workers: int, grouped: bool) -> tuple[Any, Calla
         batch_size=BATCH,
         num_workers=workers,
         persistent_workers=True,
-        collate_fn=_pad_collate,
+        collate_fn=pad_collate,
         **kw,
     )
     return loader, lambda b: len(b["text"])
@@ -635,11 +635,11 @@ def _run(work: Path, utts: int, workers: int, repeats: int) -> list[Row]:
             _lhotse_loader(outs["lhotse"], workers)
         )
     if "datasets" in outs:
-        loaders['datasets with_format("torch"), DataLoader, random batches'] = _datasets_loader(
+        loaders['datasets with_format("torch"), DataLoader, random batches'] = datasets_loader(
             outs["datasets"], workers, grouped=False
         )
         loaders['datasets with_format("torch"), DataLoader, LengthGroupedSampler'] = (
-            _datasets_loader(outs["datasets"], workers, grouped=True)
+            datasets_loader(outs["datasets"], workers, grouped=True)
         )
     took_read = interleaved({k: _epoch_fn(v, n, k) for k, v in loaders.items()}, repeats)
     frames = {p: _frames_of(p, outs[p]) for p in outs}
