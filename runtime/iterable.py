@@ -184,7 +184,9 @@ class IterableArchive(IterableDataset[Batch]):
         shapes = tuple(Shape(*values[i : i + 4]) for i in range(0, len(values), 4))
         epoch, appended = int(self._shared[_EPOCH]), int(self._shared[_APPENDED])
         order.follow(epoch, shapes)
-        order.read_earlier(epoch, earlier_spec(order.spec, appended) if appended else None)
+        order.read_earlier(
+            epoch, earlier_spec(order.spec, appended, order.lengths) if appended else None
+        )
         return order
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
@@ -337,7 +339,7 @@ class IterableArchive(IterableDataset[Batch]):
         order = self.batch_order()
         held = order.hold()
         earlier = earlier_generation(self.choice().archive, state.get("archives"))
-        spec = None if earlier is None else earlier_spec(order.spec, earlier[0])
+        spec = None if earlier is None else earlier_spec(order.spec, earlier[0], order.lengths)
         try:
             check_settings(state, self._settings(spec), "iterable")
             if spec is not None:

@@ -208,7 +208,7 @@ class Loader:
             saved = state.get("archives") if isinstance(state, dict) else None
             earlier = earlier_generation(self.archive, saved)
             if earlier is not None:
-                spec = earlier_spec(self.spec, earlier[0])
+                spec = earlier_spec(self.spec, earlier[0], self.order.lengths)
                 self.order.read_earlier(check_epoch("loader state epoch", state.get("epoch")), spec)
             self.order.reset(check_state(state, self._state(spec)))
         except DlopError:

@@ -28,7 +28,7 @@ from ..errors import UsageError, UsageTypeError, check_int
 from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate
 from ..gather.plan import CopyPlan
-from .budget import Budget, make_budget
+from .budget import Budget, fitting, make_budget
 from .distributed import launcher_nodes, placement
 from .epochs import NODE_SHARES, BatchOrder, Draw, OrderSpec
 from .mixture import (
@@ -110,8 +110,7 @@ class Choice:
             self._bounds = []
             for b in np.unique(bucket):
                 among = chosen[bucket == b]
-                least = max(1, int(size[bucket == b].min()))
-                count = max(1, min(self.spec.batch_size, budget.frames // least))
+                count = fitting(size[bucket == b], budget, self.spec.batch_size)
                 self._bounds.append((count, among))
         return self._bounds
 
@@ -178,11 +177,16 @@ def shards_identity(shards: Sequence[Any]) -> list[Any]:
     return [h.hexdigest()[:16], sum(int(info.num_samples) for info in shards)]
 
 
-def earlier_spec(spec: OrderSpec, shards: int) -> OrderSpec:
+def earlier_spec(spec: OrderSpec, shards: int, lengths: np.ndarray | None) -> OrderSpec:
     """``spec`` over the archive's first ``shards`` shards: the archive as it was before an
-    append (earlier_generation)."""
+    append (earlier_generation), a budget's edges made from their ``lengths`` (the
+    bucketed field's, of every sample) as a Loader opened then made them."""
     sizes = spec.shard_sizes[:shards]
-    return replace(spec, num_samples=sum(sizes), shard_sizes=sizes)
+    count = sum(sizes)
+    budget = spec.budget
+    if budget is not None and lengths is not None:
+        budget = budget.over(lengths[:count])
+    return replace(spec, num_samples=count, shard_sizes=sizes, budget=budget)
 
 
 def earlier_generation(archive: Archive, saved: object) -> tuple[int, list[Any]] | None:
@@ -222,7 +226,8 @@ def choose(
         )
     bucket_by = order.pop("bucket_by")
     asked = {k: order.pop(k) for k in BUDGET_SETTINGS}
-    if bucket_by is None and (asked["max_frames"] or asked["max_padded_frames"]) is not None:
+    budgeted = asked["max_frames"] is not None or asked["max_padded_frames"] is not None
+    if bucket_by is None and budgeted:
         raise UsageError(
             f"{owner} max_frames= and max_padded_frames= budget the frames of a ragged "
             "field: name it, bucket_by='<field>'"
@@ -344,7 +349,8 @@ def choose_mixture(
     order = with_budget(order, owner, asked, lengths, np.concatenate(pools))
     # budget batches cut whole steps of any number of samples: no rounding to batches
     whole_batches = order["budget"] is None
-    batch_size, world = order["batch_size"], order["world_size"]
+    # a budget's epoch needs no rounding to ranks either: its steps are evened
+    batch_size, world = order["batch_size"], order["world_size"] if whole_batches else 1
     per_source = bool(mixing["batch_per_source"])
     rounds = per_source and whole_batches  # each source's count to whole batches
     weights = check_weights(names, source_weights(sources, owner), [len(p) for p in pools])
@@ -362,8 +368,9 @@ def choose_mixture(
     def redraw(world_size: int, batch_size: int) -> Draw:
         """The draw of a world of that shape: its epoch's counts are rounded to it."""
         counts = epoch_counts(
-            weights, wanted, batch_size, world_size, order["drop_last"], rounds, bucketing
-        )
+            weights, wanted, batch_size, world_size if whole_batches else 1, order["drop_last"],
+            rounds, bucketing,
+        )  # fmt: skip
         check_passes(
             f"{owner} state of a world of {world_size} x {batch_size}", names, pools, counts
         )
@@ -400,7 +407,7 @@ def with_budget(
         raise UsageError(f"{owner} bucket_edges= is for budget batches: give max_frames=")
     batch = order["batch_size"]
     if budget is not None and batch is None:
-        batch = budget.most_samples()
+        batch = budget.most  # as many as the budget lets a batch hold
     return {**order, "budget": budget, "batch_size": batch}
 
 

@@ -50,8 +50,9 @@ Bucketing (``bucket_lengths``)
 Budgets (``OrderSpec.budget``; runtime.order.budget)
   Batches hold as many samples as fit a budget of frames, cut within length
   buckets and dealt a step (one batch per rank, one bucket) at a time; where
-  shards are dealt to nodes, each node's steps are split to the most any node
-  has (``steps_target``), so every rank has as many batches.
+  shards are dealt to nodes, every node takes as many steps of each bucket
+  (``steps_target``), in one sequence of buckets, so every rank has as many
+  batches and the whole world reads one bucket a step.
 
 Selections and mixtures (runtime.archive.selection, runtime.order.mixture)
   A draw (``Draw``) gives an epoch's samples as archive sample numbers, in
@@ -75,7 +76,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError, check_int
-from .budget import Budget, budget_steps, equalize
+from .budget import BUCKET_STREAM, Budget, Evening, Steps, arrange, budget_steps
 
 
 @dataclass(frozen=True)
@@ -380,7 +381,7 @@ def rank_batches(
     bucket_lengths: np.ndarray | None = None,
     samples: np.ndarray | None = None,
     groups: np.ndarray | None = None,
-    target: int | None = None,
+    target: Evening | None = None,
 ) -> list[np.ndarray]:
     """This rank's batches for the epoch, each sorted ascending (for locality of reads).
 
@@ -400,7 +401,7 @@ def world_batches(
     bucket_lengths: np.ndarray | None = None,
     samples: np.ndarray | None = None,
     groups: np.ndarray | None = None,
-    target: int | None = None,
+    target: Evening | None = None,
 ) -> list[list[np.ndarray]]:
     """``rank_batches`` of each of ``ranks`` (of the node's ranks where shards are dealt to
     nodes), the epoch's order and cuts made once for all of them."""
@@ -425,7 +426,7 @@ def world_taken(
     bucket_lengths: np.ndarray | None = None,
     samples: np.ndarray | None = None,
     groups: np.ndarray | None = None,
-    target: int | None = None,
+    target: Evening | None = None,
 ) -> np.ndarray:
     """The samples of every rank's first ``done`` batches (``world_batches``), found
     without cutting the batches: rank ``r`` takes the dealt positions ``r, r + world,
@@ -449,7 +450,7 @@ def _dealing(
     bucket_lengths: np.ndarray | None,
     samples: np.ndarray | None,
     groups: np.ndarray | None,
-    target: int | None = None,
+    target: Evening | None = None,
 ) -> tuple[np.ndarray, list[np.ndarray] | None]:
     """How the epoch is dealt to ranks: (the evened order, None), its position ``p`` going
     to rank ``p % world``; or, where batches are cut before they are dealt (bucketing,
@@ -459,9 +460,9 @@ def _dealing(
     b = spec.batch_size
     world = _dealt_world(spec)
     if spec.budget is not None:
-        steps, tail = _budget_steps(spec, epoch, order, bucket_lengths, groups)
-        if target is not None:
-            steps = equalize(steps, target, world)
+        by_bucket, tail = _budget_steps(spec, epoch, order, bucket_lengths, groups)
+        sequence = rng(spec.seed, epoch, BUCKET_STREAM) if spec.shuffle else None
+        steps = arrange(by_bucket, world, target, sequence)
         batches = [x for step in steps for x in step] + tail
         return np.arange(len(batches)), batches
     if bucket_lengths is None and groups is None:
@@ -490,7 +491,7 @@ def _budget_steps(
     order: np.ndarray,
     lengths: np.ndarray | None,
     groups: np.ndarray | None,
-) -> tuple[list[list[np.ndarray]], list[np.ndarray]]:
+) -> tuple[Steps, list[np.ndarray]]:
     """runtime.order.budget.budget_steps of ``order`` under ``spec``'s budget."""
     assert spec.budget is not None and lengths is not None, "a budget needs lengths"
     return budget_steps(
@@ -514,21 +515,27 @@ def steps_target(
     size: int,
     lengths: np.ndarray | None,
     groups: np.ndarray | None = None,
-) -> int | None:
-    """Budget batches with shards dealt to nodes: the steps every node makes, the most
-    any node's own order of ``orders`` (every node's first rank and order, ``size``
-    positions in all) makes; None where nodes are not evened so. ``groups``: by position."""
+) -> Evening | None:
+    """Budget batches with shards dealt to nodes: the steps of each bucket every node
+    makes (``Evening``), the most any node's own order of ``orders`` (every node's first
+    rank and order, ``size`` positions in all) makes there, or the fewest with
+    drop_last; None where nodes are not evened so. ``groups``: by position."""
     if spec.budget is None or not spec.dealt or not spec.even_shares:
         return None
-    counts = [
-        len(
-            _budget_steps(head, epoch, order, lengths, None if groups is None else groups[order])[0]
-        )
+    made = [
+        _budget_steps(head, epoch, order, lengths, None if groups is None else groups[order])[0]
         for head, order in orders
     ]
     # a node with no samples of its own reads every position (``_node_share``)
-    own = [c for (_, order), c in zip(orders, counts, strict=True) if len(order) < size]
-    return max(own or counts, default=0)
+    own = [m for (_, order), m in zip(orders, made, strict=True) if len(order) < size] or made
+    keys = sorted({k for m in own for k, steps in m.items() if steps})
+    pick = min if spec.drop_last else max
+    counts = {k: pick(len(m.get(k, [])) for m in own) for k in keys}
+    spare = {}
+    for k in keys:
+        if counts[k] and any(not m.get(k) for m in made):
+            spare[k] = next(m[k] for m in own if m.get(k))
+    return Evening(counts, spare)
 
 
 @dataclass(frozen=True)
@@ -859,6 +866,12 @@ class BatchOrder:
     def refuse_empty(self, where: str) -> None:
         """Refuses a batch size that, with drop_last, leaves this rank no batch at all."""
         if self.spec.drop_last and self.spec.num_samples and not self.batches(0):
+            if self.spec.budget is not None:
+                raise UsageError(
+                    f"{where}: drop_last=True leaves no batch of the budget's in epoch 0: no "
+                    f"length bucket holds a whole step of {_dealt_world(self.spec)} batch(es) "
+                    "(one per rank); drop drop_last, or use fewer buckets or a smaller budget"
+                )
             raise UsageError(
                 f"{where}: batch_size={self.spec.batch_size} with drop_last=True leaves no "
                 f"batch: each rank's share of the {self.spec.num_samples} samples is smaller; "

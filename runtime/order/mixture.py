@@ -22,7 +22,8 @@ that every rank gets the same number of samples (up to a multiple of the
 world size, down with drop_last); with ``batch_per_source`` or ``bucket_by``,
 to a multiple of ``batch_size`` times the world size, so that batches are
 whole and every rank gets as many (``batch_per_source`` also rounds each
-source's share to whole batches, by less than one batch per source). What
+source's share to whole batches, by less than one batch per source; batches by a
+budget of frames round to nothing: runtime.order.budget evens their steps). What
 rounding up adds is drawn from the sources by weight: with the sources' sizes
 as weights, an epoch of ``N`` rounded up to ``R`` repeats exactly ``R - N``
 samples.

@@ -45,7 +45,7 @@ class ReadingOptions(TypedDict, total=False):
     bucket_window: int
     max_frames: int | None
     max_padded_frames: int | None
-    num_buckets: int
+    num_buckets: int | None
     bucket_edges: Sequence[int] | None
     even_shares: bool
     nodes: int | None
@@ -89,7 +89,7 @@ class Reading:
     # batches by a budget of frames of bucket_by (runtime.order.budget)
     max_frames: int | None = None
     max_padded_frames: int | None = None
-    num_buckets: int = 10
+    num_buckets: int | None = None  # 10 with a budget, unless bucket_edges are given
     bucket_edges: Sequence[int] | None = None
     even_shares: bool = True
     nodes: int | None = None

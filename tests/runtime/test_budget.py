@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import IterableArchive, Loader, UsageError, batch_as_is
-from dlop.runtime.order.budget import Budget, budget_steps, equal_frame_edges, equalize
+from dlop.runtime.order.budget import Budget, budget_steps, equal_frame_edges, fit_steps, split_to
 
 BUDGET = 4000
 
@@ -240,6 +240,18 @@ def test_bad_budget_settings_are_named(speech: Any) -> None:
         Loader(path, None, bucket_by="fbank")
     with pytest.raises(UsageError, match="num_buckets"):
         Loader(path, None, bucket_by="fbank", max_frames=100, num_buckets=0)
+    with pytest.raises(UsageError, match="max_frames"):
+        Loader(path, 8, bucket_by="fbank", max_frames=0)
+    with pytest.raises(UsageError, match="max_frames"):
+        Loader(path, None, bucket_by="fbank", max_frames=10**17)
+    with pytest.raises(UsageError, match="bucket_edges"):
+        Loader(path, None, bucket_by="fbank", max_frames=100, bucket_edges=np.array([[3, 4]]))
+    with pytest.raises(UsageError, match="num_buckets= is for budget"):
+        Loader(path, 8, bucket_by="fbank", num_buckets=4)
+    with pytest.raises(UsageError, match="drop_last"):
+        Loader(
+            path, None, bucket_by="fbank", max_frames=50, drop_last=True, rank=0, world_size=1024
+        )
 
 
 def test_a_mixture_by_budget_keeps_each_batch_to_one_source(tmp_path: Path) -> None:
@@ -284,11 +296,12 @@ def test_steps_split_to_any_count_without_passing_the_budget() -> None:
     gen = np.random.default_rng(0)
     lengths = gen.integers(1, 200, 500)
     budget = Budget(1000, False, (50, 100, 150), int(lengths.min()))
-    steps, tail = budget_steps(
+    by_bucket, tail = budget_steps(
         gen.permutation(500), lengths, None, budget, 64, 4, 64, True, False, gen
     )
-    assert tail == []
-    grown = equalize(steps, len(steps) + 9, 4)
+    assert tail == [] and set(by_bucket) == {0, 1, 2, 3}
+    steps = by_bucket[2]
+    grown = fit_steps(steps, len(steps) + 9, 4)
     assert len(grown) == len(steps) + 9
     flat = np.concatenate([b for s in grown for b in s])
     assert sorted(flat.tolist()) == sorted(np.concatenate([b for s in steps for b in s]).tolist())
@@ -296,8 +309,81 @@ def test_steps_split_to_any_count_without_passing_the_budget() -> None:
         assert len(step) == 4
         for batch in step:
             assert len(batch) >= 1 and lengths[batch].sum() <= 1000
-    # a batch halved stays within the budget; it is read where its step was
-    assert equalize(steps, len(steps) - 2, 4) == steps[:-2]
+    assert fit_steps(steps, len(steps) - 2, 4) == steps[:-2]
+
+
+def test_split_to_halves_in_place_to_any_count() -> None:
+    batch = np.arange(20_000)
+    pieces = split_to([batch, np.arange(20_000, 20_003)], 16_384)
+    assert len(pieces) == 16_384 and min(len(p) for p in pieces) >= 1
+    assert np.concatenate(pieces).tolist() == list(range(20_003))  # each half where it was
+    assert len(split_to([np.arange(3)], 10)) == 3  # no batch of one sample is split
+
+
+@pytest.mark.parametrize("share", ["keep", "redeal"])
+def test_drop_last_on_nodes_keeps_counts_equal_and_repeats_nothing(speech: Any, share: str) -> None:
+    path, _ = speech
+    for seed in range(4):
+        ranks = loaders(
+            path, 4, bucket_by="fbank", max_frames=BUDGET, nodes=2, node_share=share,
+            drop_last=True, seed=seed,
+        )  # fmt: skip
+        for epoch in range(3):
+            per_rank = [r.batches(epoch) for r in ranks]
+            assert len({len(b) for b in per_rank}) == 1
+            every = np.concatenate([x for b in per_rank for x in b] or [np.zeros(0, np.int64)])
+            assert len(set(every.tolist())) == len(every)
+
+
+@pytest.mark.parametrize(("world", "nodes"), [(2, 2), (4, 2), (8, 4)])
+def test_the_whole_world_reads_one_bucket_a_step(speech: Any, world: int, nodes: int) -> None:
+    path, lengths = speech
+    ranks = loaders(path, world, bucket_by="fbank", max_frames=BUDGET, nodes=nodes, seed=1)
+    edges = np.asarray(ranks[0].spec.budget.edges)
+    for step in zip(*[r.batches(2) for r in ranks], strict=True):
+        buckets = {int(k) for b in step for k in np.searchsorted(edges, lengths[b], side="right")}
+        assert len(buckets) == 1
+
+
+def test_buffers_follow_what_fits_not_the_shortest_sample(tmp_path: Path) -> None:
+    lengths = np.concatenate([[1, 0], np.full(300, 400)])  # one utterance of 1 frame, one empty
+    fields = [Field("fbank", "f32", (None, 2))]
+    with ArchiveWriter(tmp_path / "a", fields, shard_bytes=1 << 20) as w:
+        for n in lengths.tolist():
+            w.write({"fbank": np.zeros((n, 2), np.float32)})
+    for key in ("max_frames", "max_padded_frames"):
+        loader = Loader(tmp_path / "a", None, bucket_by="fbank", prefetch=0, **{key: 4000})
+        needed = max(int(lengths[b].max()) * len(b) for e in range(3) for b in loader.batches(e))
+        ring = loader.buffers()[0]["fbank"].numel() // 2
+        assert needed <= ring <= 2 * needed
+        assert loader.spec.batch_size <= len(lengths)  # the cap, from what fits
+        loader.close()
+
+
+def test_a_state_saved_before_an_append_continues_its_epoch(tmp_path: Path) -> None:
+    from dlop.compiler import compile_map
+
+    def utterance(x: int) -> dict[str, Any]:
+        return {"fbank": np.full((1 + (x * 37) % 300 + x // 2, 2), x, np.float32), "n": x}
+
+    path = tmp_path / "grown.dlop"
+    compile_map(utterance, list(range(200)), path, progress=False)
+    options: dict[str, Any] = {"bucket_by": "fbank", "max_frames": 2000, "prefetch": 0}
+    whole = [b["n"].tolist() for b in Loader(path, None, **options)]
+    partial = Loader(path, None, **options)
+    it = iter(partial)
+    next(it), next(it)
+    state = partial.state_dict()
+    del it
+    partial.close()
+    compile_map(utterance, list(range(260)), path, append=True, progress=False)
+    grown = Loader(path, None, **options)
+    grown.load_state_dict(state)
+    assert [b["n"].tolist() for b in grown] == whole[2:]
+    fresh = Loader(path, None, **options)  # the next epoch reads all, as a fresh start does
+    assert [b.tolist() for b in grown.batches(1)] == [b.tolist() for b in fresh.batches(1)]
+    fresh.close()
+    grown.close()
 
 
 def test_torch_buffers_are_reused(speech: Any) -> None:
