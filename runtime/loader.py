@@ -17,7 +17,7 @@ The buffer contract is in runtime.pipeline.ring.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Unpack, cast
 
 import numpy as np
@@ -72,6 +72,13 @@ def _close_all() -> None:
 
 
 at_exit(_close_all)
+
+
+def _aligned(numel: int, buffer: torch.Tensor) -> int:
+    """``numel`` elements of ``buffer``'s type rounded up to whole 64-byte lines: where
+    the next batch of a group begins in the slot."""
+    per_line = max(1, 64 // buffer.element_size())
+    return -(-numel // per_line) * per_line
 
 
 class LoaderThreads(NamedTuple):
@@ -244,7 +251,7 @@ class Loader:
             self.engine,
             self.to_device,
             slots,
-            self._groups(start, len(batches)),
+            self._groups(start, len(batches), batches),
             asks.release,
             asks.release_all,
         )
@@ -268,7 +275,8 @@ class Loader:
 
     def _planner(self, batches: list[np.ndarray], asks: Asks) -> PlanGroup:
         """The gather stage for the producer: a group of batches planned into a ring slot,
-        as one plan when there are several (``group_size``)."""
+        as one plan when there are several: fixed-size fields' batches as one batch then
+        cut apart (``group_size``), others each after the one before (``_packed``)."""
 
         def plan_group(numbers: range, slot: Slot) -> tuple[list[Batch], CopyPlan]:
             for j in numbers:
@@ -276,17 +284,58 @@ class Loader:
             if len(numbers) == 1:
                 batch, plan = self.plan(batches[numbers[0]], slot.buffers)
                 return [batch], plan
-            parts = [batches[j] for j in numbers]
-            whole, plan = self.plan(np.concatenate(parts), slot.buffers)
-            return split_batch(whole, [len(p) for p in parts]), plan
+            if self.archive.planner.fixed_only:
+                parts = [batches[j] for j in numbers]
+                whole, plan = self.plan(np.concatenate(parts), slot.buffers)
+                return split_batch(whole, [len(p) for p in parts]), plan
+            made, steps = [], []
+            at = dict.fromkeys(slot.buffers, 0)
+            for j in numbers:
+                rest = {name: buf[at[name] :] for name, buf in slot.buffers.items()}
+                batch, plan = self.plan(batches[j], rest)
+                for name in at:
+                    at[name] += _aligned(batch[name].numel(), slot.buffers[name])
+                made.append(batch)
+                steps += plan.steps
+            return made, CopyPlan(steps)
 
         return plan_group
 
-    def _groups(self, start: int, end: int) -> list[range]:
-        """Batches ``start`` to ``end`` in the groups the producer makes them in (one by
-        one in an epoch whose shards are held batch by batch: a cold node cache)."""
-        size = self.group_size if self.archive.planner.groups_batches else 1
-        return [range(j, min(j + size, end)) for j in range(start, end, size)]
+    def _groups(self, start: int, end: int, batches: list[np.ndarray]) -> Iterable[range]:
+        """Batches ``start`` to ``end`` in the groups the producer makes them in: small
+        batches of fixed-size fields ``group_size`` at a time, others as many as a ring
+        slot holds (``_packed``); one by one for a CUDA device, and in an epoch whose
+        shards are held batch by batch (a cold node cache)."""
+        planner = self.archive.planner
+        if planner.groups_batches:
+            size = self.group_size
+            return [range(j, min(j + size, end)) for j in range(start, end, size)]
+        if self.to_device.cuda or not planner.keeps_shards or planner.fixed_only:
+            return [range(j, j + 1) for j in range(start, end)]
+        return self._packed(start, end, batches)
+
+    def _packed(self, start: int, end: int, batches: list[np.ndarray]) -> Iterator[range]:
+        """Consecutive batches, as many (up to GROUP_BATCHES) as fit one ring slot, each
+        after the one before: a slot holds the largest batch the order can make, which is
+        room for several of the usual ones, and a group costs one copy call and one
+        hand-over between threads. Worked out as the producer goes."""
+        room = {name: buf.numel() for name, buf in self._ring()[0].buffers.items()}
+        gathers = {name: self.archive.gathers[name] for name in room}
+        j = start
+        while j < end:
+            used = dict.fromkeys(room, 0)
+            k = j
+            while k < end and k - j < GROUP_BATCHES:
+                need = {}
+                for name, gather in gathers.items():
+                    numel = gather.buffer_numel(len(batches[k]), batches[k]) or 0
+                    need[name] = used[name] + _aligned(numel, self._ring()[0].buffers[name])
+                if k > j and any(need[name] > room[name] for name in room):
+                    break
+                used = need
+                k += 1
+            yield range(j, k)
+            j = k
 
     @property
     def group_size(self) -> int:
@@ -313,7 +362,7 @@ class Loader:
         run.release = asks.release_all  # a closed run lets go at once, not when collected
         plan_group = self._planner(batches, asks)
         try:
-            for g, numbers in enumerate(self._groups(start, len(batches))):
+            for g, numbers in enumerate(self._groups(start, len(batches), batches)):
                 if run.closed:
                     raise LoaderError(STOPPED_MESSAGE)
                 slot = slots[g % len(slots)]
@@ -378,10 +427,16 @@ class Loader:
     def _ring(self) -> list[Slot]:
         if self._slots is None:
             # No batch holds more samples than the archive: a larger batch_size
-            # does not make larger buffers. A group's batches share a slot.
+            # does not make larger buffers. A group's batches share a slot: where
+            # batches are packed (_packed), a fixed-size field has room for up to
+            # GROUP_BATCHES of them within GROUP_BYTES, the ragged ones for their largest.
+            packs = not self.to_device.cuda and not self.archive.planner.fixed_only
             sizes = {}
             for name, g in self.archive.gathers.items():
                 numel = self.choice.buffer_numel(name, self.group_size)
+                if numel is not None and packs and not self.archive.fields[name].ragged:
+                    most = min(numel * GROUP_BATCHES, GROUP_BYTES // g.out_dtype.itemsize)
+                    numel = max(numel, most)
                 if numel is not None:
                     sizes[name] = (numel, g.out_dtype)
             count = slot_count(self.prefetch, self.to_device.cuda)

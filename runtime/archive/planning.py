@@ -106,11 +106,16 @@ class Planner:
         raise NotImplementedError
 
     @property
+    def keeps_shards(self) -> bool:
+        """Whether every shard is mapped for good or held for the epoch (``hold_whole``):
+        several batches may then be made as one, none holding shards of its own."""
+        return False
+
+    @property
     def groups_batches(self) -> bool:
         """Whether several batches may be planned as one now, then cut apart: every
-        field fixed-size (``fixed_only``), every shard mapped for good or held for the
-        epoch (``hold_whole``)."""
-        return False
+        field fixed-size (``fixed_only``) and every shard kept (``keeps_shards``)."""
+        return self.fixed_only and self.keeps_shards
 
     def hold_whole(self) -> bool:
         """For an epoch's reading: holds every shard if the supply can (a warm node
@@ -152,8 +157,8 @@ class Mapped(Planner):
     """Plans over every shard of a supply that maps them all for good."""
 
     @property
-    def groups_batches(self) -> bool:
-        return self.fixed_only
+    def keeps_shards(self) -> bool:
+        return True
 
     def made_gathers(self) -> dict[str, FieldGather]:
         shards = self.supply.shards
@@ -369,8 +374,8 @@ class Fetched(Planner):
         return {n: Sizing(f, [], self.starts, self.pad_value) for n, f in self.fields.items()}
 
     @property
-    def groups_batches(self) -> bool:
-        return self.fixed_only and self.held() is not None
+    def keeps_shards(self) -> bool:
+        return self.held() is not None
 
     def held(self) -> tuple[dict[str, FieldGather], Locator] | None:
         """The gathers over every shard while this process holds them all, else None."""

@@ -30,7 +30,7 @@ import itertools
 import queue
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +158,7 @@ class Production:
         engine: CopyEngine,
         device: DeviceStage,
         slots: list[Slot],
-        groups: list[range],
+        groups: Iterable[range],
         copied: Copied,
         ended: Ended = lambda: None,
     ) -> None:

@@ -412,3 +412,35 @@ def test_a_closed_synchronous_epoch_lets_go_of_a_warm_cache_at_once(
     loader.close()  # the iterator is still referenced: not collected
     assert supply.asked == 0
     del it
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_ragged_batches_share_a_slot_as_far_as_it_holds_them(
+    tmp_path: Path, prefetch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every field kind: fixed, ragged in one axis and in two (fresh tensors), text
+    path = make_archive(tmp_path / "every", n=60)
+    loader = Loader(path, 4, seed=1, bucket_by="speech", prefetch=prefetch)
+    ds = open_archive(path)
+    made = {}
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        made[epoch] = snapshot(loader)
+        for batch, want in zip(made[epoch], loader.batches(epoch), strict=True):
+            for name, value in ds.gather(torch.from_numpy(want)).items():
+                got = batch[name]
+                assert got.equal(value) if isinstance(value, torch.Tensor) else got == value
+    # where each batch's ragged field begins: inside a ring slot, several batches a slot
+    # (a slot holds the largest batch the order can make, room for several others)
+    slots = [(b["speech"].data_ptr(), b["speech"].numel() * 4) for b in loader.buffers()]
+    starts = set()
+    for batch in loader:
+        at = batch["speech"].data_ptr()
+        assert any(lo <= at < lo + size for lo, size in slots)
+        starts.add(at)
+    assert len(starts) > len(slots)
+    monkeypatch.setattr(loader_module, "GROUP_BATCHES", 1)  # one by one: the same batches
+    alone = Loader(path, 4, seed=1, bucket_by="speech", prefetch=prefetch)
+    for a, b in zip(snapshot(alone), made[0], strict=True):
+        assert a["speech"].equal(b["speech"]) and a["text"] == b["text"]
+    assert len({b["speech"].data_ptr() for b in alone}) <= len(slots)
