@@ -37,8 +37,10 @@ from .order.distributed import agree_across_ranks
 from .order.epochs import OrderSpec, check_epoch
 from .order.mixture import Source
 from .order.reading import Reading, ReadingOptions
+from .pipeline import packing
 from .pipeline.device import DeviceStage
 from .pipeline.loader_state import STATE_FORMAT, STATE_SETTINGS, check_state, loader_state
+from .pipeline.packing import Packer, copied_apart, packed_room
 from .pipeline.prefetch import (
     STOPPED_MESSAGE,
     Asks,
@@ -53,12 +55,6 @@ from .transforms.base import Transform, TransformStage, check_transforms
 
 __all__ = ["STATE_FORMAT", "STATE_SETTINGS", "Loader", "LoaderError", "Transform"]
 
-# Small batches of fixed-size fields are made in groups of up to GROUP_BATCHES batches
-# and GROUP_BYTES bytes: a batch's fixed costs (planning, a copy call per field, the
-# hand-over between threads) are paid once a group (Loader.group_size).
-GROUP_BYTES = 1 << 20
-GROUP_BATCHES = 64
-
 # Raised as they are from the training loop: they name the misuse already.
 USAGE_ERRORS = (UsageError, UsageTypeError, SampleIndexError)
 
@@ -72,13 +68,6 @@ def _close_all() -> None:
 
 
 at_exit(_close_all)
-
-
-def _aligned(numel: int, buffer: torch.Tensor) -> int:
-    """``numel`` elements of ``buffer``'s type rounded up to whole 64-byte lines: where
-    the next batch of a group begins in the slot."""
-    per_line = max(1, 64 // buffer.element_size())
-    return -(-numel // per_line) * per_line
 
 
 class LoaderThreads(NamedTuple):
@@ -164,6 +153,7 @@ class Loader:
         self.transform = TransformStage(self.transforms, seed, self.device)
         self._slots: list[Slot] | None = None
         self._group: int | None = None  # batches made as one (group_size)
+        self._texts: dict[str, np.ndarray] = {}  # text fields' bytes per sample
         self._active: weakref.ref[PrefetchIter | InlineRun] | None = None
         self.prefetcher = Prefetcher("dlop-loader")
         # Slots that take turns have left the cache when refilled: stream into them.
@@ -237,6 +227,7 @@ class Loader:
         epoch, batches = self.order.epoch, self.order.batches()
         try:  # once an epoch, not per batch (Planner.checks_batches)
             self.archive.check_shards()
+            self._fit_ring(batches)
         except Exception as e:
             self.order.restore(held)  # a retry starts where this one would have
             raise self._wrapped(e, start, epoch) from e
@@ -246,12 +237,13 @@ class Loader:
             return self._deliver(self._inline(batches, start, epoch, run), epoch)
         slots = self._ring()  # first: a failure here leaves no shard held (Asks)
         asks = Asks(self.archive, batches)
+        packer = self._packer()  # after Asks: a warm node cache is held for the epoch
         production = Production(
-            self._planner(batches, asks),
+            self._planner(batches, asks, packer),
             self.engine,
             self.to_device,
             slots,
-            self._groups(start, len(batches), batches),
+            self._groups(start, len(batches), batches, packer),
             asks.release,
             asks.release_all,
         )
@@ -273,10 +265,10 @@ class Loader:
             self.order.handed_out(number + 1)
             yield batch if shaped is None else shaped.batch(batch)
 
-    def _planner(self, batches: list[np.ndarray], asks: Asks) -> PlanGroup:
+    def _planner(self, batches: list[np.ndarray], asks: Asks, packer: Packer | None) -> PlanGroup:
         """The gather stage for the producer: a group of batches planned into a ring slot,
         as one plan when there are several: fixed-size fields' batches as one batch then
-        cut apart (``group_size``), others each after the one before (``_packed``)."""
+        cut apart (``group_size``), others each after the one before (runtime.pipeline.packing)."""
 
         def plan_group(numbers: range, slot: Slot) -> tuple[list[Batch], CopyPlan]:
             for j in numbers:
@@ -284,58 +276,63 @@ class Loader:
             if len(numbers) == 1:
                 batch, plan = self.plan(batches[numbers[0]], slot.buffers)
                 return [batch], plan
-            if self.archive.planner.fixed_only:
+            if packer is None:
                 parts = [batches[j] for j in numbers]
                 whole, plan = self.plan(np.concatenate(parts), slot.buffers)
                 return split_batch(whole, [len(p) for p in parts]), plan
-            made, steps = [], []
-            at = dict.fromkeys(slot.buffers, 0)
-            for j in numbers:
-                rest = {name: buf[at[name] :] for name, buf in slot.buffers.items()}
-                batch, plan = self.plan(batches[j], rest)
-                for name in at:
-                    at[name] += _aligned(batch[name].numel(), slot.buffers[name])
-                made.append(batch)
-                steps += plan.steps
-            return made, CopyPlan(steps)
+            return packer.plan_group(numbers, slot, batches)
 
         return plan_group
 
-    def _groups(self, start: int, end: int, batches: list[np.ndarray]) -> Iterable[range]:
+    def _groups(
+        self, start: int, end: int, batches: list[np.ndarray], packer: Packer | None
+    ) -> Iterable[range]:
         """Batches ``start`` to ``end`` in the groups the producer makes them in: small
         batches of fixed-size fields ``group_size`` at a time, others as many as a ring
-        slot holds (``_packed``); one by one for a CUDA device, and in an epoch whose
-        shards are held batch by batch (a cold node cache)."""
-        planner = self.archive.planner
-        if planner.groups_batches:
+        slot holds where the epoch packs them (``packer``); else one by one (a CUDA
+        device, an epoch whose shards are held batch by batch: a cold node cache)."""
+        if self.archive.planner.groups_batches:
             size = self.group_size
             return [range(j, min(j + size, end)) for j in range(start, end, size)]
-        if self.to_device.cuda or not planner.keeps_shards or planner.fixed_only:
+        if packer is None:
             return [range(j, j + 1) for j in range(start, end)]
-        return self._packed(start, end, batches)
+        return packer.groups(start, end, batches)
 
-    def _packed(self, start: int, end: int, batches: list[np.ndarray]) -> Iterator[range]:
-        """Consecutive batches, as many (up to GROUP_BATCHES) as fit one ring slot, each
-        after the one before: a slot holds the largest batch the order can make, which is
-        room for several of the usual ones, and a group costs one copy call and one
-        hand-over between threads. Worked out as the producer goes."""
-        room = {name: buf.numel() for name, buf in self._ring()[0].buffers.items()}
-        gathers = {name: self.archive.gathers[name] for name in room}
-        j = start
-        while j < end:
-            used = dict.fromkeys(room, 0)
-            k = j
-            while k < end and k - j < GROUP_BATCHES:
-                need = {}
-                for name, gather in gathers.items():
-                    numel = gather.buffer_numel(len(batches[k]), batches[k]) or 0
-                    need[name] = used[name] + _aligned(numel, self._ring()[0].buffers[name])
-                if k > j and any(need[name] > room[name] for name in room):
-                    break
-                used = need
-                k += 1
-            yield range(j, k)
-            j = k
+    def _packer(self) -> Packer | None:
+        """This epoch's packing (runtime.pipeline.packing), where the read packs and every
+        shard is kept (mapped for good, or a warm node cache held for the epoch). Made per
+        epoch and held by its production only: the Loader keeps no reference to it, so a
+        Loader dropped mid-epoch is let go of as soon as its producer is."""
+        if not self._packs() or not self.archive.planner.keeps_shards:
+            return None
+        buffers = self._ring()[0].buffers
+        return Packer(
+            {name: buf.numel() for name, buf in buffers.items()},
+            {name: buf.element_size() for name, buf in buffers.items()},
+            {name: self.archive.gathers[name] for name in buffers},
+            [self._text_bytes(name) for name in self._text_fields()],
+            self.plan,
+        )
+
+    def _packs(self) -> bool:
+        """Whether this read packs its batches (runtime.pipeline.packing): on the CPU, some
+        field not fixed-size, and every field filling slot buffers or handing out text."""
+        if self.to_device.cuda or self.archive.planner.fixed_only:
+            return False
+        text = set(self._text_fields())
+        return all(
+            name in text or (self.choice.buffer_numel(name) is not None and f.codec.mappable)
+            for name, f in self.archive.fields.items()
+        )
+
+    def _text_fields(self) -> list[str]:
+        return [n for n, f in self.archive.fields.items() if f.kind in ("str", "bytes")]
+
+    def _text_bytes(self, name: str) -> np.ndarray:
+        """A text field's bytes per sample, by sample number (kept for the Loader)."""
+        if name not in self._texts:
+            self._texts[name] = self.archive.lengths(name)
+        return self._texts[name]
 
     @property
     def group_size(self) -> int:
@@ -349,7 +346,8 @@ class Loader:
                     (self.choice.buffer_numel(name) or 0) * g.out_dtype.itemsize
                     for name, g in self.archive.gathers.items()
                 )
-                self._group = max(1, min(GROUP_BATCHES, GROUP_BYTES // max(1, nbytes)))
+                most = packing.GROUP_BATCHES
+                self._group = max(1, min(most, packing.GROUP_BYTES // max(1, nbytes)))
         return self._group
 
     def _inline(
@@ -360,17 +358,26 @@ class Loader:
         slots = self._ring()
         asks = Asks(self.archive, batches)
         run.release = asks.release_all  # a closed run lets go at once, not when collected
-        plan_group = self._planner(batches, asks)
+        packer = self._packer()
+        plan_group = self._planner(batches, asks, packer)
         try:
-            for g, numbers in enumerate(self._groups(start, len(batches), batches)):
+            for g, numbers in enumerate(self._groups(start, len(batches), batches, packer)):
                 if run.closed:
                     raise LoaderError(STOPPED_MESSAGE)
                 slot = slots[g % len(slots)]
+                failed: Exception | None = None
                 try:
                     slot.wait_copied()
                     try:
                         made, plan = plan_group(numbers, slot)
-                        self.engine.run(plan)
+                        numbers = numbers[: len(made)]  # cut short before a failing batch
+                        try:
+                            self.engine.run(plan)
+                        except Exception as e:
+                            good, failed = copied_apart(self.engine, plan, e)
+                            if not good:
+                                raise failed from None
+                            made = made[:good]
                     finally:
                         for j in numbers:
                             asks.release(j)
@@ -384,10 +391,15 @@ class Loader:
                     if error is e:
                         raise
                     raise error from e
-                for j, batch in zip(numbers, moved, strict=True):
+                for j, batch in zip(numbers, moved, strict=False):
                     if run.closed:
                         raise LoaderError(STOPPED_MESSAGE)
                     yield j, batch
+                if failed is not None:  # the batch after those handed out
+                    error = self._wrapped(failed, numbers[len(moved)], epoch)
+                    if error is failed:
+                        raise failed
+                    raise error from failed
         finally:
             asks.release_all()  # stopped early: the batch asked ahead, too
 
@@ -428,15 +440,14 @@ class Loader:
         if self._slots is None:
             # No batch holds more samples than the archive: a larger batch_size
             # does not make larger buffers. A group's batches share a slot: where
-            # batches are packed (_packed), a fixed-size field has room for up to
-            # GROUP_BATCHES of them within GROUP_BYTES, the ragged ones for their largest.
-            packs = not self.to_device.cuda and not self.archive.planner.fixed_only
+            # batches are packed, each buffer holds the largest batch, or up to
+            # GROUP_BATCHES of it within GROUP_BYTES (runtime.pipeline.packing).
+            packs = self._packs()
             sizes = {}
             for name, g in self.archive.gathers.items():
                 numel = self.choice.buffer_numel(name, self.group_size)
-                if numel is not None and packs and not self.archive.fields[name].ragged:
-                    most = min(numel * GROUP_BATCHES, GROUP_BYTES // g.out_dtype.itemsize)
-                    numel = max(numel, most)
+                if numel is not None and packs:
+                    numel = packed_room(numel, g.out_dtype.itemsize)
                 if numel is not None:
                     sizes[name] = (numel, g.out_dtype)
             count = slot_count(self.prefetch, self.to_device.cuda)
@@ -444,6 +455,31 @@ class Loader:
             where = f"{self.archive.path} (batches of up to {b} samples)"
             self._slots = allocate(sizes, count, torch.cuda.is_available(), where)
         return self._slots
+
+    def _fit_ring(self, batches: list[np.ndarray]) -> None:
+        """An epoch continued from a state (the rest of another world's epoch, the archive
+        as it was before an append) may make batches larger than this world's largest, which
+        the ring is sized for: the ring grows to hold its largest."""
+        appended = self.order.appended
+        if not self.order.earlier() and (appended is None or appended[0] != self.order.epoch):
+            return
+        slots = self._ring()
+        grown = {}
+        for name, buf in slots[0].buffers.items():
+            gather = self.archive.gathers[name]
+            most = max((gather.buffer_numel(len(b), b) or 0 for b in batches), default=0)
+            if self._packs():
+                most = packed_room(most, buf.element_size())
+            if most > buf.numel():
+                grown[name] = most
+        if grown:
+            self._close_active()  # no batch of the old ring is made after this
+            sizes = {
+                name: (max(buf.numel(), grown.get(name, 0)), buf.dtype)
+                for name, buf in slots[0].buffers.items()
+            }
+            where = f"{self.archive.path} (a continued epoch's batches)"
+            self._slots = allocate(sizes, len(slots), torch.cuda.is_available(), where)
 
     def threads(self) -> LoaderThreads:
         """The threads this Loader runs (for inspection and tests)."""

@@ -22,7 +22,7 @@ source addresses come from offsets that ``dlop.formats`` validated.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -163,9 +163,12 @@ def byte_cuts(sizes: np.ndarray, parts: int) -> list[int]:
 
 @dataclass
 class CopyPlan:
-    """The steps of one batch's copies, in no particular order: no two write the same bytes."""
+    """The steps of one batch's copies, in no particular order: no two write the same bytes.
+    A plan of several batches made as one may keep each batch's steps (``parts``), to
+    copy them again one batch at a time and find the one whose copy fails."""
 
     steps: list[Step]
+    parts: list[list[Step]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:

@@ -2,8 +2,10 @@
 
 The producer works in groups of consecutive batches: one batch each, or, for
 small batches of fixed-size fields, several planned as one, copied in one call
-per field and handed over at once (runtime.loader chooses; a group's batches
-are views of one ring slot). It plans group g+1 (row lists, decoded blocks,
+per field and handed over at once; or batches with ragged or text fields
+packed one after another into a slot (runtime.pipeline.packing). runtime.loader
+chooses; a group's batches are views of one ring slot, and a group cut short
+before a batch that failed ends where its batches do. It plans group g+1 (row lists, decoded blocks,
 text) while the copy engine's helpers copy group g, and starts g+1's copies
 behind g's, so the helpers copy back to back; then it waits for g's copies,
 queues g's copy to the device and hands g over. At most two groups are in
@@ -43,6 +45,7 @@ from ..gather.engine import CopyEngine, Ticket
 from ..gather.plan import CopyPlan
 from ..gather.threads import JobThread
 from .device import DeviceStage
+from .packing import copied_apart
 from .ring import FreeSlots, Slot
 
 if TYPE_CHECKING:
@@ -177,7 +180,7 @@ class Production:
         self.held: Slot | None = None
         self.stop = threading.Event()
         self.finished = threading.Event()
-        self.in_flight: collections.deque[tuple[range, list[Batch], Slot, Ticket]] = (
+        self.in_flight: collections.deque[tuple[range, list[Batch], Slot, Ticket, CopyPlan]] = (
             collections.deque()
         )
 
@@ -195,7 +198,7 @@ class Production:
                     return
             end = _DONE
         finally:
-            for *_, ticket in self.in_flight:  # stopped early: let the copies finish
+            for *_, ticket, _ in self.in_flight:  # stopped early: let the copies finish
                 with contextlib.suppress(BaseException):
                     ticket.wait()
             # Every batch asked for and not yet let go of (in flight, asked ahead).
@@ -211,7 +214,8 @@ class Production:
         try:
             slot.wait_copied()
             batches, plan = self.plan_group(numbers, slot)
-            self.in_flight.append((numbers, batches, slot, self.engine.start(plan)))
+            numbers = numbers[: len(batches)]  # cut short before a batch that failed to plan
+            self.in_flight.append((numbers, batches, slot, self.engine.start(plan), plan))
             return True
         except BaseException as e:
             trace = traceback.format_exc()
@@ -223,10 +227,16 @@ class Production:
 
     def _publish(self) -> bool:
         """Finishes the oldest group in flight and hands it over; False after an error."""
-        numbers, batches, slot, ticket = self.in_flight.popleft()
+        numbers, batches, slot, ticket, plan = self.in_flight.popleft()
+        failed: Exception | None = None
         try:
             try:
                 ticket.wait()
+            except Exception as e:  # the batch whose copy fails, after those before it
+                good, failed = copied_apart(self.engine, plan, e)
+                if not good:
+                    raise failed from None
+                batches = batches[:good]
             finally:
                 for j in numbers:
                     self.copied(j)
@@ -240,6 +250,12 @@ class Production:
                     self.untaken += 1
                     self.free.put(slot)  # refilled only after its event completes
             self.ready.put(Ready(numbers[0], moved, None if self.device.cuda else slot, event))
+            if failed is not None:
+                trace = "".join(traceback.format_exception(failed))
+                self.ready.put(
+                    Ready(numbers[len(moved)], error=kept(failed, note=False), trace=trace)
+                )
+                return False
             return True
         except BaseException as e:
             trace = traceback.format_exc()

@@ -15,11 +15,11 @@ import torch
 
 from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import Archive, Loader, LoaderError, Source, open_archive
-from dlop.runtime import loader as loader_module
 from dlop.runtime.gather.plan import Rows
+from dlop.runtime.pipeline import packing
 from dlop.runtime.storage.cached import open_cached
 
-from .helpers import make_archive
+from .helpers import make_archive, not_utf8_in_copies
 
 N = 1000
 
@@ -61,7 +61,7 @@ def snapshot(loader: Loader, stop: int | None = None) -> list[dict[str, Any]]:
 
 
 def one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader_module, "GROUP_BATCHES", 1)
+    monkeypatch.setattr(packing, "GROUP_BATCHES", 1)
 
 
 def test_the_archive_has_many_shards_and_small_batches_are_grouped(
@@ -69,9 +69,9 @@ def test_the_archive_has_many_shards_and_small_batches_are_grouped(
 ) -> None:
     loader = Loader(small, 8, seed=0)
     assert len(loader.archive.shards) >= 40
-    assert loader.group_size == loader_module.GROUP_BATCHES  # 8 x 28 bytes a batch
+    assert loader.group_size == packing.GROUP_BATCHES  # 8 x 28 bytes a batch
     assert Loader(make_archive(small.parent / "ragged"), 8).group_size == 1  # ragged, text
-    monkeypatch.setattr(loader_module, "GROUP_BYTES", 64 * 28)  # a group: 64 samples
+    monkeypatch.setattr(packing, "GROUP_BYTES", 64 * 28)  # a group: 64 samples
     assert Loader(small, 8).group_size == 8
     assert Loader(small, 64).group_size == Loader(small, 100).group_size == 1
     loader = Loader(small, 8, seed=0, prefetch=2)
@@ -418,10 +418,12 @@ def test_a_closed_synchronous_epoch_lets_go_of_a_warm_cache_at_once(
 def test_ragged_batches_share_a_slot_as_far_as_it_holds_them(
     tmp_path: Path, prefetch: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # every field kind: fixed, ragged in one axis and in two (fresh tensors), text
+    # the field kinds packed: fixed, ragged in one axis, text (ragged in two axes, fresh
+    # tensors, is made one batch a slot)
     path = make_archive(tmp_path / "every", n=60)
-    loader = Loader(path, 4, seed=1, bucket_by="speech", prefetch=prefetch)
-    ds = open_archive(path)
+    fields = ["key", "label", "logmel", "speech", "text"]
+    loader = Loader(path, 4, seed=1, bucket_by="speech", prefetch=prefetch, fields=fields)
+    ds = open_archive(path, fields=fields)
     made = {}
     for epoch in range(2):
         loader.set_epoch(epoch)
@@ -439,8 +441,52 @@ def test_ragged_batches_share_a_slot_as_far_as_it_holds_them(
         assert any(lo <= at < lo + size for lo, size in slots)
         starts.add(at)
     assert len(starts) > len(slots)
-    monkeypatch.setattr(loader_module, "GROUP_BATCHES", 1)  # one by one: the same batches
-    alone = Loader(path, 4, seed=1, bucket_by="speech", prefetch=prefetch)
+    monkeypatch.setattr(packing, "GROUP_BATCHES", 1)  # one by one: the same batches
+    alone = Loader(path, 4, seed=1, bucket_by="speech", prefetch=prefetch, fields=fields)
     for a, b in zip(snapshot(alone), made[0], strict=True):
         assert a["speech"].equal(b["speech"]) and a["text"] == b["text"]
     assert len({b["speech"].data_ptr() for b in alone}) <= len(slots)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_batch_failing_in_a_packed_group_is_the_one_named(
+    tmp_path: Path, prefetch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_archive(tmp_path / "a", n=60, shard_bytes=1 << 20)  # one shard
+    fields = ["label", "speech", "text"]
+    loader = Loader(path, 4, seed=1, fields=fields, prefetch=prefetch)
+    bad = 4  # a text sample of the fifth batch is not UTF-8: the batches before it are read
+    row = next(int(i) for i in loader.batches(0)[bad] if int(i) % 4)
+    not_utf8_in_copies(monkeypatch, loader.archive.shards[0], "text", row)
+    got = []
+    with pytest.raises(LoaderError, match=f"batch {bad} of epoch 0.*not UTF-8"):
+        for batch in loader:
+            got.append(batch["label"].tolist())
+    assert got == [b.tolist() for b in loader.batches(0)[:bad]]
+    assert loader.state_dict()["batches_done"] == bad
+
+
+def test_fresh_tensor_fields_are_made_one_batch_a_slot(tmp_path: Path) -> None:
+    # ragged in two axes: gathered into fresh tensors, whose memory packing would not bound
+    path = make_archive(tmp_path / "a", n=60)
+    loader = Loader(path, 4, seed=1, fields=["label", "image"], prefetch=0)
+    pointers = {b["label"].data_ptr() for b in loader}
+    assert len(pointers) == 1  # every batch at the front of the one slot
+
+
+def test_a_continued_epoch_larger_than_this_worlds_grows_the_ring(tmp_path: Path) -> None:
+    # a mixture's epoch is rounded to its world: smaller here than the batch size, so this
+    # world's ring holds fewer samples than a batch the world of the state made (the
+    # image field, gathered fresh, keeps the ring to one batch a slot)
+    a, b = make_archive(tmp_path / "a", n=40), make_archive(tmp_path / "b", n=40)
+    fields = ["label", "speech", "image"]
+    options: dict[str, Any] = {"seed": 1, "samples_per_epoch": 5, "fields": fields}
+    old = Loader({"a": a, "b": b}, 8, rank=0, world_size=4, prefetch=0, **options)
+    state = old.state_dict()
+    new = Loader({"a": a, "b": b}, 8, rank=0, world_size=1, prefetch=0, **options)
+    new.load_state_dict(state)
+    want = new.batches()
+    assert max(len(x) for x in want) > 5  # more than this world's epoch
+    ds = Archive([a, b], fields=fields, pad_value=0.0)
+    for batch, indices in zip(new, want, strict=True):
+        assert batch["speech"].equal(ds.gather(torch.from_numpy(indices))["speech"])

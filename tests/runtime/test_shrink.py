@@ -54,7 +54,9 @@ CASES = {
     "getitems": "ds.__getitems__([0, 1, 20])",
     "loader": "list(Loader(ds, 4, seed=0))",
     "loader-sync": "list(Loader(ds, 4, seed=0, prefetch=0))",
-    "loader-midway": "it = iter(Loader(ds, 4, shuffle=False)); next(it); shrink(); list(it)",
+    # batches are made ahead (a ring slot packs several): two a slot, made when asked for
+    "loader-midway": "packing.GROUP_BATCHES = 2; it = iter(Loader(ds, 4, shuffle=False, "
+    "prefetch=0)); next(it); shrink(); list(it)",
 }
 
 
@@ -65,6 +67,7 @@ def test_a_shrunk_shard_is_named_not_fatal(rows: Path, case: str) -> None:
         import os
         from dlop.runtime import Loader, LoaderError, open_archive
         from dlop.runtime.errors import ShardChangedError
+        from dlop.runtime.pipeline import packing
         ds = open_archive({str(rows)!r})
         shard = ds.shards[-1 if {case!r} == "loader-midway" else 0].path
         def shrink():
@@ -166,10 +169,12 @@ def test_a_shard_shrunk_mid_epoch_is_named_not_fatal(kinds: Path, name: str) -> 
         f"""
         import os
         from dlop.runtime import Loader, LoaderError, open_archive
+        from dlop.runtime.pipeline import packing
+        packing.GROUP_BATCHES = 2  # batches made ahead of the truncation: two at a time
         ds = open_archive({str(kinds)!r}, fields=[{name!r}, "label"])
         assert not ds.planner.checks_batches()  # no stat per batch: the copies catch it
         shard = ds.shards[-1].path
-        it = iter(Loader(ds, 4, shuffle=False))
+        it = iter(Loader(ds, 4, shuffle=False, prefetch=0))
         batch = next(it)
         assert {AS_LABELS[name]} == batch["label"].tolist()
         os.truncate(shard, os.path.getsize(shard) // 4)

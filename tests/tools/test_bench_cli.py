@@ -202,6 +202,9 @@ def test_the_budget_section_sets_dlop_beside_lhotse_and_a_bare_gather(tmp_path: 
     assert share["range"][0] <= share["median"] <= share["range"][1]
     short = rows[2:]
     loaders = [r for r in short if r["pipeline"].startswith("dlop Loader, bucketed")]
-    assert len(loaders) == 2 and all(r["extra"]["over_bare"]["median"] > 0 for r in loaders)
+    assert len(loaders) == 4 and all(r["samples_per_s"] > 0 for r in loaders)
+    against_bare = [r for r in loaders if "over_bare" in r["extra"]]
+    assert [r["pipeline"].endswith(", fbank") for r in against_bare] == [True, True]
+    assert all(r["extra"]["over_bare"]["median"] > 0 for r in against_bare)
     peers = [r for r in short if "dlop_count_over_this" in r["extra"]]
     assert {r["pipeline"].split()[0] for r in peers} == {"Lhotse", "datasets"}
