@@ -315,30 +315,34 @@ def short_rows(work: Path, args: argparse.Namespace) -> list[Row]:
         fns[kind] = loader_epoch_of(loaders[kind])
         fns[f"bare {kind}"] = bare_padded(path, loaders[kind].batches(0))
         fns[f"{kind} text"] = loader_epoch_of(loaders[f"{kind} text"])
-    peers: dict[str, tuple[str, Any]] = {}
-    try:
-        cuts = write_lhotse(work / "lhotse", frames)
-        sampler, lhotse = lhotse_epochs(cuts, budget / FPS, workers)
-        fns["lhotse"] = counted(
-            "Lhotse", every_epoch(lhotse, sampler), lambda b: len(b["supervisions"]["text"]), n
-        )
-        peers["lhotse"] = (
+
+    def lhotse() -> tuple[str, Any, Callable[[], int]]:
+        sampler, made = lhotse_epochs(write_lhotse(work / "lhotse", frames), budget / FPS, workers)
+        name = (
             f"Lhotse DynamicBucketingSampler(max_duration={budget / FPS:.1f}) + "
-            f"K2SpeechRecognitionDataset, DataLoader({workers} workers)",
-            lhotse,
+            f"K2SpeechRecognitionDataset, DataLoader({workers} workers)"
         )
-    except ImportError as e:
-        peers["lhotse"] = (f"Lhotse: not run ({e})", None)
-    try:
-        hf, _ = datasets_loader(write_datasets(work / "datasets", frames), workers, grouped=False)
-        fns["datasets"] = counted("datasets", every_epoch(hf), lambda b: len(b["text"]), n)
-        peers["datasets"] = (
+        count = counted(
+            "Lhotse", every_epoch(made, sampler), lambda b: len(b["supervisions"]["text"]), n
+        )
+        return name, made, count
+
+    def hf() -> tuple[str, Any, Callable[[], int]]:
+        made, _ = datasets_loader(write_datasets(work / "datasets", frames), workers, grouped=False)
+        name = (
             f'datasets with_format("torch"), random batches of {SHORT_BATCH}, '
-            f"DataLoader({workers} workers)",
-            hf,
+            f"DataLoader({workers} workers)"
         )
-    except ImportError as e:
-        peers["datasets"] = (f"datasets: not run ({e})", None)
+        return name, made, counted("datasets", every_epoch(made), lambda b: len(b["text"]), n)
+
+    peers: dict[str, tuple[str, Any]] = {}
+    for key, make in (("Lhotse", lhotse), ("datasets", hf)):
+        try:
+            name, made, epoch = make()
+        except ImportError as e:  # the peer is not installed here
+            peers[key] = (f"{key}: not run ({e})", None)
+            continue
+        fns[key], peers[key] = epoch, (name, made)
     took = rounds_of(fns, rounds)
     for loader in loaders.values():
         loader.close()
