@@ -468,7 +468,9 @@ class Loader:
         for name, buf in slots[0].buffers.items():
             gather = self.archive.gathers[name]
             most = max((gather.buffer_numel(len(b), b) or 0 for b in batches), default=0)
-            if self._packs():
+            if self.archive.planner.groups_batches:  # a slot holds group_size batches
+                most *= self.group_size
+            elif self._packs():
                 most = packed_room(most, buf.element_size())
             if most > buf.numel():
                 grown[name] = most

@@ -490,3 +490,22 @@ def test_a_continued_epoch_larger_than_this_worlds_grows_the_ring(tmp_path: Path
     ds = Archive([a, b], fields=fields, pad_value=0.0)
     for batch, indices in zip(new, want, strict=True):
         assert batch["speech"].equal(ds.gather(torch.from_numpy(indices))["speech"])
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_continued_epoch_of_fixed_fields_grows_a_slot_of_grouped_batches(
+    tmp_path: Path, prefetch: int
+) -> None:
+    # small fixed-size batches share a slot (group_size at a time): the slot must hold a
+    # group of the continued epoch's larger batches, not one of them
+    a, b = make_archive(tmp_path / "a", n=40), make_archive(tmp_path / "b", n=40)
+    options: dict[str, Any] = {"seed": 1, "samples_per_epoch": 5, "fields": ["label"]}
+    old = Loader({"a": a, "b": b}, 64, rank=0, world_size=512, prefetch=prefetch, **options)
+    new = Loader({"a": a, "b": b}, 64, rank=0, world_size=1, prefetch=prefetch, **options)
+    assert new.group_size > 1
+    new.load_state_dict(old.state_dict())
+    want = new.batches()
+    assert len(want) > 1 and max(len(x) for x in want) > 5
+    assert [b["label"].tolist() for b in new] == [
+        (np.asarray(x) - np.where(np.asarray(x) >= 40, 40, 0)).tolist() for x in want
+    ]
