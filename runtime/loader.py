@@ -374,10 +374,7 @@ class Loader:
                         try:
                             self.engine.run(plan)
                         except Exception as e:
-                            good, failed = copied_apart(self.engine, plan, e)
-                            if not good:
-                                raise failed from None
-                            made = made[:good]
+                            made, failed = copied_apart(self.engine, plan, e, made)
                     finally:
                         for j in numbers:
                             asks.release(j)
@@ -442,14 +439,11 @@ class Loader:
             # does not make larger buffers. A group's batches share a slot: where
             # batches are packed, each buffer holds the largest batch, or up to
             # GROUP_BATCHES of it within GROUP_BYTES (runtime.pipeline.packing).
-            packs = self._packs()
             sizes = {}
             for name, g in self.archive.gathers.items():
-                numel = self.choice.buffer_numel(name, self.group_size)
-                if numel is not None and packs:
-                    numel = packed_room(numel, g.out_dtype.itemsize)
+                numel = self.choice.buffer_numel(name)
                 if numel is not None:
-                    sizes[name] = (numel, g.out_dtype)
+                    sizes[name] = (self._room(numel, g.out_dtype.itemsize), g.out_dtype)
             count = slot_count(self.prefetch, self.to_device.cuda)
             b = self.choice.most_samples() * self.group_size
             where = f"{self.archive.path} (batches of up to {b} samples)"
@@ -468,10 +462,7 @@ class Loader:
         for name, buf in slots[0].buffers.items():
             gather = self.archive.gathers[name]
             most = max((gather.buffer_numel(len(b), b) or 0 for b in batches), default=0)
-            if self.archive.planner.groups_batches:  # a slot holds group_size batches
-                most *= self.group_size
-            elif self._packs():
-                most = packed_room(most, buf.element_size())
+            most = self._room(most, buf.element_size())
             if most > buf.numel():
                 grown[name] = most
         if grown:
@@ -482,6 +473,14 @@ class Loader:
             }
             where = f"{self.archive.path} (a continued epoch's batches)"
             self._slots = allocate(sizes, len(slots), torch.cuda.is_available(), where)
+
+    def _room(self, numel: int, element_size: int) -> int:
+        """Elements of a ring slot's buffer for a field whose largest batch needs ``numel``:
+        ``group_size`` batches of fixed-size fields, or room to pack several others
+        (runtime.pipeline.packing)."""
+        if self._packs():
+            return packed_room(numel, element_size)
+        return numel * self.group_size
 
     def threads(self) -> LoaderThreads:
         """The threads this Loader runs (for inspection and tests)."""

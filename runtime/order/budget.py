@@ -129,15 +129,16 @@ def fitting(lengths: np.ndarray, budget: Budget, cap: int | None = None) -> int:
 
 def make_budget(
     owner: str,
-    lengths: np.ndarray,
+    lengths: np.ndarray | None,
     max_frames: object,
     max_padded_frames: object,
     num_buckets: object,
     bucket_edges: Sequence[int] | None,
 ) -> Budget | None:
     """The budget a front end's settings ask for (None: batches of ``batch_size``), its
-    edges from ``lengths`` (of every sample read) unless given; each setting checked
-    and named in errors."""
+    edges from ``lengths`` (the bucketed field's, of every sample read; None without
+    ``bucket_by``, which a budget needs) unless given; each setting checked and named
+    in errors, a budget's settings refused without a budget."""
     if max_frames is not None and max_padded_frames is not None:
         raise UsageError(
             f"{owner} takes max_frames= (the sum of a batch's lengths) or max_padded_frames= "
@@ -151,6 +152,7 @@ def make_budget(
                 raise UsageError(f"{owner} {key}= is for budget batches: give max_frames=")
         return None
     frames = check_int(f"{owner} {name}", given, low=1, high=MAX_FRAMES)
+    assert lengths is not None, "a budget is refused without bucket_by first"
     if num_buckets is not None and bucket_edges is not None:
         raise UsageError(f"{owner} takes num_buckets= or bucket_edges=, not both")
     asked = DEFAULT_BUCKETS if num_buckets is None else num_buckets

@@ -28,7 +28,7 @@ from ..errors import UsageError, UsageTypeError, check_int
 from ..gather.engine import CopyEngine
 from ..gather.fields import Allocate
 from ..gather.plan import CopyPlan
-from .budget import Budget, fitting, make_budget
+from .budget import fitting, make_budget
 from .distributed import launcher_nodes, placement
 from .epochs import NODE_SHARES, BatchOrder, Draw, OrderSpec
 from .mixture import (
@@ -75,14 +75,14 @@ class Choice:
             }
         return {"archives": archives, "selection": digest(self.archive.selection), "mixture": None}
 
-    def buffer_numel(self, name: str, batches: int = 1) -> int | None:
-        """Elements a reusable buffer for field ``name`` needs to hold ``batches`` of this
-        order's batches (None: fresh tensors): ``batch_size`` samples (at most every one);
-        by a budget, the most any bucket's batch can need (``bucket_bounds``)."""
+    def buffer_numel(self, name: str) -> int | None:
+        """Elements a reusable buffer for field ``name`` needs to hold one of this order's
+        batches (None: fresh tensors): ``batch_size`` samples (at most every one); by a
+        budget, the most any bucket's batch can need (``bounds``)."""
         gather = self.archive.gathers[name]
         if self.spec.budget is None:
-            return gather.buffer_numel(self.most_samples() * batches)
-        needs = [gather.buffer_numel(count * batches, among) for count, among in self.bounds()]
+            return gather.buffer_numel(self.most_samples())
+        needs = [gather.buffer_numel(count, among) for count, among in self.bounds()]
         if None in needs:
             return None
         return max((n for n in needs if n is not None), default=0)
@@ -399,12 +399,8 @@ def with_budget(
     """``order`` with its budget (``asked``: the budget settings; None without one), its
     bucket edges from the lengths of the ``chosen`` samples (None: all), and a batch size
     that caps the count: the one given, or the most samples the budget holds."""
-    budget: Budget | None = None
-    if lengths is not None:
-        read = lengths if chosen is None else lengths[chosen]
-        budget = make_budget(owner, read, **asked)
-    elif asked["bucket_edges"] is not None:
-        raise UsageError(f"{owner} bucket_edges= is for budget batches: give max_frames=")
+    read = lengths if lengths is None or chosen is None else lengths[chosen]
+    budget = make_budget(owner, read, **asked)
     batch = order["batch_size"]
     if budget is not None and batch is None:
         batch = budget.most  # as many as the budget lets a batch hold

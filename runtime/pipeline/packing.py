@@ -121,13 +121,18 @@ class Packer:
         return made, CopyPlan([s for part in parts for s in part], parts)
 
 
-def copied_apart(engine: CopyEngine, plan: CopyPlan, error: Exception) -> tuple[int, Exception]:
-    """After ``plan``'s copies failed with ``error``: its batches (``parts``) copied again
-    one at a time; how many were copied before one failed, and that one's error. Where
-    every one copies this time, none is trusted: 0 and ``error``, for the first."""
+def copied_apart(
+    engine: CopyEngine, plan: CopyPlan, error: Exception, made: list[Batch]
+) -> tuple[list[Batch], Exception]:
+    """After the copies of ``plan`` (of the batches ``made``) failed with ``error``: its
+    batches (``parts``) copied again one at a time; the batches copied before one failed,
+    and that one's error. Raises the error where none was copied: the first batch's, or
+    ``error`` where every one copies this time (none is trusted then)."""
     for i, part in enumerate(plan.parts):
         try:
             engine.run(CopyPlan(part))
         except Exception as e:
-            return i, e
-    return 0, error
+            if not i:
+                raise e from None
+            return made[:i], e
+    raise error

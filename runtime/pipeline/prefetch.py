@@ -233,10 +233,7 @@ class Production:
             try:
                 ticket.wait()
             except Exception as e:  # the batch whose copy fails, after those before it
-                good, failed = copied_apart(self.engine, plan, e)
-                if not good:
-                    raise failed from None
-                batches = batches[:good]
+                batches, failed = copied_apart(self.engine, plan, e, batches)
             finally:
                 for j in numbers:
                     self.copied(j)

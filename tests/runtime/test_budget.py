@@ -249,6 +249,9 @@ def test_bad_budget_settings_are_named(speech: Any) -> None:
         Loader(path, None, bucket_by="fbank", max_frames=100, bucket_edges=np.array([[3, 4]]))
     with pytest.raises(UsageError, match="num_buckets= is for budget"):
         Loader(path, 8, bucket_by="fbank", num_buckets=4)
+    for key, value in (("num_buckets", 4), ("bucket_edges", [10, 20])):  # no bucket_by either
+        with pytest.raises(UsageError, match=f"{key}= is for budget"):
+            Loader(path, 8, **{key: value})
     with pytest.raises(UsageError, match="drop_last"):
         Loader(
             path, None, bucket_by="fbank", max_frames=50, drop_last=True, rank=0, world_size=1024
