@@ -312,6 +312,7 @@ class Loader:
             {name: self.archive.gathers[name] for name in buffers},
             [self._text_bytes(name) for name in self._text_fields()],
             self.plan,
+            self.choice.plan_packed,
         )
 
     def _packs(self) -> bool:

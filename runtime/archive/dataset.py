@@ -260,6 +260,16 @@ class Archive(Dataset[dict[str, Any]]):
         check_range(self.path, indices.numpy(), self.num_samples)
         return self.planner.plan(indices, out)
 
+    def plan_packed(
+        self, indices: torch.Tensor, cuts: list[int], out: dict[str, torch.Tensor]
+    ) -> tuple[list[Batch], CopyPlan] | None:
+        """The batches ``indices[cuts[i]:cuts[i + 1]]`` (each as ``plan`` takes it)
+        planned one after another into the flat buffers ``out`` by field name, each
+        beginning on a whole 64-byte line, as one plan; None where the planner plans
+        batch by batch (a supply that maps shards per batch)."""
+        check_range(self.path, indices.numpy(), self.num_samples)
+        return self.planner.plan_packed(indices, cuts, out)
+
     def gather(
         self,
         indices: torch.Tensor,

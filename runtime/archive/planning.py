@@ -152,6 +152,35 @@ class Planner:
             self.supply.check(groups.shards)  # each supply checks a shard once
         return plan_fields(gathers, indices, groups, out)
 
+    def plan_packed(
+        self, indices: torch.Tensor, cuts: list[int], out: dict[str, torch.Tensor]
+    ) -> tuple[list[Batch], CopyPlan] | None:
+        """The batches ``indices[cuts[i]:cuts[i + 1]]`` planned one after another into the
+        flat buffers ``out`` (FieldGather.plan_packed), as one plan: where every shard is
+        kept (``keeps_shards``); None where this planner plans batch by batch."""
+        return None
+
+    def plan_mapped_packed(
+        self,
+        gathers: Mapping[str, FieldGather],
+        locator: Locator,
+        indices: torch.Tensor,
+        cuts: list[int],
+        out: dict[str, torch.Tensor],
+    ) -> tuple[list[Batch], CopyPlan]:
+        """``plan_packed`` over every shard mapped, as ``plan_mapped`` plans one batch."""
+        groups = locator.groups(indices)
+        if self.checks_batches():
+            self.supply.check(groups.shards)
+        batches = [Batch() for _ in range(len(cuts) - 1)]
+        steps = []
+        for name, g in gathers.items():
+            entries, field_steps = g.plan_packed(indices, groups, cuts, out.get(name))
+            for batch, got in zip(batches, entries, strict=True):
+                batch.update(got)
+            steps += field_steps
+        return batches, CopyPlan(steps)
+
 
 class Mapped(Planner):
     """Plans over every shard of a supply that maps them all for good."""
@@ -170,6 +199,11 @@ class Mapped(Planner):
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
         return self.plan_mapped(self.gathers, self.locator, indices, out)
+
+    def plan_packed(
+        self, indices: torch.Tensor, cuts: list[int], out: dict[str, torch.Tensor]
+    ) -> tuple[list[Batch], CopyPlan] | None:
+        return self.plan_mapped_packed(self.gathers, self.locator, indices, cuts, out)
 
 
 class Sizing(FieldGather):
@@ -419,6 +453,12 @@ class Fetched(Planner):
             if not self.holders:
                 self.whole = None
         self.supply.release(list(range(len(self.starts))))
+
+    def plan_packed(
+        self, indices: torch.Tensor, cuts: list[int], out: dict[str, torch.Tensor]
+    ) -> tuple[list[Batch], CopyPlan] | None:
+        whole = self.held()
+        return None if whole is None else self.plan_mapped_packed(*whole, indices, cuts, out)
 
     def plan(self, indices: torch.Tensor, out: Out) -> tuple[Batch, CopyPlan]:
         whole = self.held()

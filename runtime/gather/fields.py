@@ -20,6 +20,7 @@ Kinds (``gather_for``):
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import warnings
@@ -52,6 +53,9 @@ TORCH_DTYPES = {
 }
 
 Planned = tuple[dict[str, Any], list[Step]]
+# Several batches planned one after another into one buffer: each batch's entries, the steps.
+PackedPlan = tuple[list[dict[str, Any]], list[Step]]
+LINE = 64  # bytes: where each of several batches planned into one buffer begins
 # Makes a fresh output tensor of a shape and dtype (fresh outputs: torch.empty).
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 # Where a gather writes: the front of a reusable flat buffer, fresh tensors
@@ -243,6 +247,12 @@ def check_pad_value(field: Field, pad_value: object, where: str) -> None:
         )
 
 
+def aligned(numel: int, element_size: int) -> int:
+    """``numel`` elements of ``element_size`` bytes rounded up to whole ``LINE``-byte lines."""
+    per_line = max(1, LINE // element_size)
+    return -(-numel // per_line) * per_line
+
+
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a flat uint8 view."""
     return t.view(-1).view(torch.uint8)
@@ -310,3 +320,20 @@ class FieldGather:
         """``plan``, given the batch's ``batch_groups`` (worked out once for all fields);
         gathers that read by shard runs take them, the others plan as ``plan``."""
         return self.plan(indices, out)
+
+    def plan_packed(
+        self, indices: torch.Tensor, groups: Groups, cuts: list[int], out: torch.Tensor | None
+    ) -> PackedPlan:
+        """The batches ``indices[cuts[i]:cuts[i + 1]]`` (``groups`` those of all of
+        ``indices``) each planned into the flat buffer ``out`` after the one before, each
+        beginning on a whole ``LINE`` (``aligned``); fresh outputs where ``out`` is None.
+        Here batch by batch; gathers that can plan them all as arrays at once do."""
+        entries, steps, at = [], [], 0
+        for a, b in itertools.pairwise(cuts):
+            part = Groups(groups.shards[a:b], groups.rows[a:b])
+            got, more = self.plan_grouped(indices[a:b], part, None if out is None else out[at:])
+            if out is not None:
+                at += aligned(got[self.field.name].numel(), out.element_size())
+            entries.append(got)
+            steps += more
+        return entries, steps

@@ -22,7 +22,8 @@ source addresses come from offsets that ``dlop.formats`` validated.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -164,11 +165,16 @@ def byte_cuts(sizes: np.ndarray, parts: int) -> list[int]:
 @dataclass
 class CopyPlan:
     """The steps of one batch's copies, in no particular order: no two write the same bytes.
-    A plan of several batches made as one may keep each batch's steps (``parts``), to
-    copy them again one batch at a time and find the one whose copy fails."""
+    A plan of several batches made as one may say how to get each batch's steps
+    (``apart``), to copy them again one batch at a time and find the one whose copy
+    fails."""
 
     steps: list[Step]
-    parts: list[list[Step]] = field(default_factory=list)
+    apart: Callable[[], list[list[Step]]] | None = None
+
+    def parts(self) -> list[list[Step]]:
+        """Each batch's steps (``apart``); the plan's own as one where it does not say."""
+        return [self.steps] if self.apart is None else self.apart()
 
     @property
     def nbytes(self) -> int:

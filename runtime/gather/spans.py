@@ -15,6 +15,7 @@ shards precedes each batch (``Planner.checks_batches``).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -24,7 +25,17 @@ import torch
 from dlop.formats import FormatError, ShardReader
 
 from .engine import private_copy
-from .fields import FieldGather, Groups, Output, Planned, batch_groups, check_padded, flat_bytes
+from .fields import (
+    LINE,
+    FieldGather,
+    Groups,
+    Output,
+    PackedPlan,
+    Planned,
+    batch_groups,
+    check_padded,
+    flat_bytes,
+)
 from .plan import Runs, Step, fill_runs
 
 
@@ -270,6 +281,63 @@ class SpanGather(FieldGather):
         if holes.any():  # (fill_runs drops the empty ones)
             steps.append(fill_runs(flat, at, holes, self.pad_pattern(int(holes.max()))))
         return entries, steps
+
+    def plan_packed(
+        self, indices: torch.Tensor, groups: Groups, cuts: list[int], out: torch.Tensor | None
+    ) -> PackedPlan:
+        """As arrays over every batch at once where only the first dimension varies and
+        the values are mapped: one run per sample and one fill per padded tail, each
+        batch padded to its own longest sample, as ``plan_grouped`` pads it."""
+        edges = np.asarray(cuts, np.int64)
+        counts = edges[1:] - edges[:-1]
+        region_row = self.row * self.itemsize  # bytes of one step of the first dimension
+        if (
+            out is None
+            or self.lengths is None
+            or self.blocks
+            or not region_row
+            or not len(counts)
+            or not counts.all()
+        ):
+            return super().plan_packed(indices, groups, cuts, out)
+        f = self.field
+        idx = np.ascontiguousarray(indices.numpy(), np.int64)  # checked by Archive.plan
+        lens = self.lengths[idx]
+        firsts = edges[:-1]
+        longest = np.maximum.reduceat(lens, firsts)
+        numel = counts * longest * self.row
+        per_line = max(1, LINE // self.itemsize)
+        starts = np.zeros(len(counts), np.int64)  # each batch's first element in ``out``
+        np.cumsum((-(-numel // per_line) * per_line)[:-1], out=starts[1:])
+        entries: list[dict[str, Any]] = []
+        for b, (a, z) in enumerate(itertools.pairwise(cuts)):
+            shape = (z - a, int(longest[b]), *self.trail)
+            entries.append(
+                {
+                    f.name: self.output(shape, out[int(starts[b]) :]),
+                    f"{f.name}_lengths": torch.from_numpy(lens[a:z]),
+                }
+            )
+        # per sample: where its batch begins, its place in the batch, its region's bytes
+        batch = np.repeat(np.arange(len(counts)), counts)
+        region = longest[batch] * region_row
+        place = np.arange(len(idx), dtype=np.int64) - firsts[batch]
+        dst = starts[batch] * self.itemsize + place * region
+        nbytes = lens * region_row
+        src, keep = self.sources(idx, groups)
+        holes = region - nbytes
+        if not holes.any():
+            return entries, [Runs(flat_bytes(out), dst, src, nbytes, keep)]
+        # one step: each sample's run, then its padding's (from the pad pattern), so a
+        # share is one copy call on a helper, writing the buffer in order
+        pattern = self.pad_pattern(int(holes.max()))
+        both = np.empty((len(idx), 2, 3), np.int64)  # per sample: (dst, src, bytes), twice
+        both[:, 0, 0], both[:, 0, 1], both[:, 0, 2] = dst, src, nbytes
+        both[:, 1, 0], both[:, 1, 1], both[:, 1, 2] = dst + nbytes, pattern.data_ptr(), holes
+        runs = both.reshape(-1, 3)
+        runs = runs[runs[:, 2] > 0]  # no empty runs
+        dst, src, nbytes = (np.ascontiguousarray(runs[:, k]) for k in range(3))
+        return entries, [Runs(flat_bytes(out), dst, src, nbytes, (*keep, pattern))]
 
 
 class Prepared(NamedTuple):

@@ -10,6 +10,7 @@ the order stage then orders the selection, or draws the mixture.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -152,6 +153,23 @@ class Choice:
         sources named (``name_sources``)."""
         batch, plan = self.archive.plan(torch.from_numpy(indices), buffers)
         return self.name_sources(batch, indices), plan
+
+    def plan_packed(
+        self, batches: list[np.ndarray], buffers: dict[str, torch.Tensor]
+    ) -> tuple[list[Batch], CopyPlan] | None:
+        """``batches`` planned one after another into ``buffers`` as one plan
+        (Archive.plan_packed), their sources named; None where they are planned one
+        by one."""
+        cuts = np.cumsum([0, *map(len, batches)]).tolist()
+        indices = np.concatenate(batches)
+        got = self.archive.plan_packed(torch.from_numpy(indices), cuts, buffers)
+        if got is None:
+            return None
+        made, plan = got
+        return [
+            self.name_sources(batch, indices[a:b])
+            for batch, (a, b) in zip(made, itertools.pairwise(cuts), strict=True)
+        ], plan
 
     def name_sources(self, batch: Batch, indices: np.ndarray) -> Batch:
         """``batch`` of samples ``indices``; a mixture's also names each sample's source

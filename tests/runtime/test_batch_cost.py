@@ -15,7 +15,8 @@ import torch
 
 from dlop.formats import ArchiveWriter, Field, Zstd
 from dlop.runtime import Archive, Loader, LoaderError, Source, open_archive
-from dlop.runtime.gather.plan import Rows
+from dlop.runtime.gather import engine as engine_module
+from dlop.runtime.gather.plan import Rows, Runs
 from dlop.runtime.pipeline import packing
 from dlop.runtime.storage.cached import open_cached
 
@@ -464,6 +465,43 @@ def test_a_batch_failing_in_a_packed_group_is_the_one_named(
             got.append(batch["label"].tolist())
     assert got == [b.tolist() for b in loader.batches(0)[:bad]]
     assert loader.state_dict()["batches_done"] == bad
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_copy_failing_in_a_packed_group_names_its_batch(
+    tmp_path: Path, prefetch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a group's batches planned as one plan (one run per sample, whatever the batch), its
+    # copy failing at a sample of the third batch: the batches before it are handed out
+    path = make_archive(tmp_path / "a", n=60, shard_bytes=1 << 20)  # one shard
+    loader = Loader(path, 4, seed=1, fields=["label", "speech"], prefetch=prefetch)
+    bad = 2
+    spans = loader.archive.gathers["speech"]
+    row = int(loader.batches(0)[bad][1])
+    address = int(spans.bases[0]) + int(spans.first[row]) * 4  # the sample's first value
+    real = engine_module.execute_step
+    steps = []
+
+    def failing(step: Any, streaming: bool) -> None:
+        steps.append(step)
+        if isinstance(step, Runs) and address in step.src:
+            raise OSError("simulated copy failure")
+        real(step, streaming)
+
+    monkeypatch.setattr(engine_module, "execute_step", failing)
+    got = []
+    with pytest.raises(LoaderError, match=f"batch {bad} of epoch 0 failed: OSError"):
+        for batch in loader:
+            got.append(batch["label"].tolist())
+    assert got == [b.tolist() for b in loader.batches(0)[:bad]]
+    assert loader.state_dict()["batches_done"] == bad
+    # the group was one plan: a step that copied samples of several batches at once
+    firsts = {int(loader.batches(0)[j][0]) for j in range(bad + 1)}
+    starts = [int(spans.bases[0]) + int(spans.first[i]) * 4 for i in firsts]
+    assert any(sum(a in s.src for a in starts) > 1 for s in steps if isinstance(s, Runs))
+    monkeypatch.setattr(engine_module, "execute_step", real)
+    assert sum(len(b["label"]) for b in loader) == 60  # the next epoch reads cleanly
+    loader.close()
 
 
 def test_fresh_tensor_fields_are_made_one_batch_a_slot(tmp_path: Path) -> None:

@@ -359,8 +359,8 @@ def test_buffers_follow_what_fits_not_the_shortest_sample(tmp_path: Path) -> Non
         loader = Loader(tmp_path / "a", None, bucket_by="fbank", prefetch=0, **{key: 4000})
         needed = max(int(lengths[b].max()) * len(b) for e in range(3) for b in loader.batches(e))
         ring = loader.buffers()[0]["fbank"].numel() // 2
-        # the largest batch, or room for several (runtime.pipeline.packing): within 1 MiB
-        assert needed <= ring <= max(2 * needed, packing.GROUP_BYTES // 8)
+        # the largest batch, or room for several (runtime.pipeline.packing): within 8 MiB
+        assert needed <= ring <= max(2 * needed, packing.PACK_BYTES // 8)
         assert loader.spec.batch_size <= len(lengths)  # the cap, from what fits
         loader.close()
 

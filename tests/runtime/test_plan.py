@@ -245,3 +245,45 @@ def test_tables_changed_in_place_since_open_are_refused(tmp_path: Path) -> None:
             f.seek(r.offset)
             f.write(byte)
     assert len(Archive.over(ds.supply, ["speech"]).__getitems__([0, 1])["speech"]) == 2
+
+
+@pytest.mark.parametrize("pad", [0.0, 7.0])
+def test_batches_planned_as_one_are_the_batches_planned_alone(tmp_path: Path, pad: float) -> None:
+    # a ragged field (with empty samples), a fixed one and text over several shards,
+    # batches of any size and order: one plan of them all into a buffer per field gives
+    # each batch as it is gathered alone, each beginning on a whole 64-byte line
+    fields = [Field("x", "f16", (None, 3)), Field("y", "i32", (2,)), Field.str_("t")]
+    gen = np.random.default_rng(0)
+    lengths = gen.integers(0, 9, 120)
+    lengths[[3, 50]] = 0
+    with ArchiveWriter(tmp_path / "a", fields, shard_bytes=1024) as w:
+        for i, n in enumerate(lengths.tolist()):
+            x = np.arange(n * 3, dtype=np.float16).reshape(n, 3) + i
+            w.write({"x": x, "y": np.array([i, -i], np.int32), "t": f"s{i}"})
+    ds = open_archive(tmp_path / "a", pad_value=pad)
+    assert ds.reader.num_shards > 3
+    batches = [gen.permutation(120)[:k] for k in (5, 1, 17, 3, 9)]
+    batches[1] = np.array([3])  # a batch of one empty sample
+    out = {
+        "x": torch.full((4096,), 99.0, dtype=torch.float16),
+        "y": torch.full((512,), 99, dtype=torch.int32),
+    }
+    cuts = np.cumsum([0, *map(len, batches)]).tolist()
+    got = ds.plan_packed(torch.from_numpy(np.concatenate(batches)), cuts, out)
+    assert got is not None
+    made, plan = got
+    assert len([s for s in plan.steps if isinstance(s, Runs)]) == 1  # x: one step for all
+    execute(plan)
+    ends = {"x": 0, "y": 0}
+    for batch, idx in zip(made, batches, strict=True):
+        alone = ds.gather(torch.from_numpy(idx))
+        assert batch.keys() == alone.keys()
+        for name in ("x", "x_lengths", "y"):
+            assert batch[name].dtype == alone[name].dtype and batch[name].equal(alone[name])
+        assert batch["t"] == alone["t"]
+        for name in ("x", "y"):
+            if not batch[name].numel():
+                continue
+            at = batch[name].data_ptr() - out[name].data_ptr()
+            assert at % 64 == 0 and at >= ends[name]  # after the batch before
+            ends[name] = at + batch[name].numel() * batch[name].element_size()
