@@ -206,8 +206,27 @@ class Ticket:
 
     def __init__(self, shares: int) -> None:
         self._left = shares
+        self._waiting = shares  # shares no helper has begun yet
         self._errors: list[BaseException] = []
         self._cond = threading.Condition()
+
+    def began(self) -> None:
+        """A helper has begun a share (it holds the GIL until its copy call lets go of it)."""
+        with self._cond:
+            self._waiting -= 1
+            if not self._waiting:
+                self._cond.notify_all()
+
+    def wait_begun(self, helpers: list[JobThread]) -> None:
+        """Returns once every share has begun (or a helper ended without its share).
+
+        A helper needs the GIL to begin a share: while the thread that started the plan
+        runs Python (planning the next batch), the helper waits for it, and the copies
+        it should overlap wait too. Waiting here hands the GIL over: the copies run
+        without it while that thread plans."""
+        with self._cond:
+            while self._waiting and all(h.is_alive() for h in helpers):
+                self._cond.wait(0.1)
 
     def done(self, error: BaseException | None) -> None:
         with self._cond:
@@ -226,6 +245,7 @@ class Ticket:
 
 
 def _run_and_report(ticket: Ticket, share: list[Step], streaming: bool) -> None:
+    ticket.began()
     try:
         run_share(share, streaming)
     except BaseException as e:
@@ -269,14 +289,17 @@ class CopyEngine:
         return self.streaming and plan.nbytes >= STREAMING_MIN_BYTES
 
     def start(self, plan: CopyPlan) -> Ticket:
-        """Queues the plan's shares on the helpers and returns at once; a plan below
+        """Queues the plan's shares on the helpers and returns once they have begun
+        (``Ticket.wait_begun``: behind the copies queued before them); a plan below
         ``INLINE_MAX_BYTES`` is copied first, here."""
         if plan.nbytes < INLINE_MAX_BYTES:
             ticket = Ticket(1)
             _run_and_report(ticket, plan.steps, self._streams(plan))
             return ticket
         shares = plan.shares(self.threads, PARALLEL_MIN_BYTES)
-        return self._submit(shares, self._streams(plan))
+        ticket = self._submit(shares, self._streams(plan))
+        ticket.wait_begun(self._helpers[: len(shares)])
+        return ticket
 
     def run(self, plan: CopyPlan) -> None:
         """Executes the plan, the calling thread taking the first share; a plan below

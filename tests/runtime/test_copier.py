@@ -463,3 +463,30 @@ def test_a_shard_truncated_after_its_check_raises_shard_changed(
     os.truncate(shard, 4096)
     with pytest.raises(ShardChangedError, match=rf"{shard.name}: shard shrank from \d+ to 4096"):
         ds.__getitems__(list(range(40, 64)))  # the fault's address names the file
+
+
+def test_a_started_plan_returns_once_its_copies_have_begun() -> None:
+    # start() hands the GIL to the helpers before the caller plans on: it returns once
+    # each share has begun, behind whatever its helper was copying before
+    c = CopyEngine(threads=2)
+    src = torch.arange(4 << 20, dtype=torch.int32).view(torch.uint8)[: 4 << 20]
+    table = RowTable([src.view(-1, 1 << 16)], 1 << 16)
+    plan = CopyPlan([Rows(torch.empty_like(src), table, None, np.arange(64))])
+    try:
+        c.run(plan)  # a helper made (the caller takes the other share)
+        busy, go = threading.Event(), threading.Event()
+        c.helpers()[0].submit(lambda: (busy.set(), go.wait(10)))
+        assert busy.wait(10)
+        started: list[Any] = []
+        starter = threading.Thread(target=lambda: started.append(c.start(plan)))
+        starter.start()
+        starter.join(0.3)
+        assert starter.is_alive() and not started  # the first share waits for its helper
+        go.set()
+        starter.join(10)
+        assert len(started) == 1
+        started[0].wait()
+        assert torch.equal(plan.steps[0].dst, src)
+    finally:
+        go.set()
+        c.close()
