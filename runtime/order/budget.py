@@ -44,6 +44,7 @@ a step, and every rank has the same number of batches.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -187,20 +188,22 @@ def cut(lengths: np.ndarray, ends: np.ndarray, budget: Budget, cap: int) -> np.n
     at least one, and no batch crosses a segment's end."""
     n = len(lengths)
     starts: list[int] = []
-    before = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    # Python lists and bisect: a search a batch, each a fraction of a numpy call's cost
+    before = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tolist()
+    segment_ends = ends.tolist()
     frames = budget.frames
     i, seg = 0, 0
     while i < n:
-        while ends[seg] <= i:
+        while segment_ends[seg] <= i:
             seg += 1
         starts.append(i)
-        hi = min(int(ends[seg]), i + cap)
+        hi = min(segment_ends[seg], i + cap)
         if budget.padded:  # count * longest, both grow with the count: the first over
             m = min(hi - i, frames // max(1, int(lengths[i])))
             need = np.arange(1, m + 1, dtype=np.int64) * lengths[i : i + m]
             k = int(np.searchsorted(need, frames, side="right"))
         else:
-            k = int(np.searchsorted(before, before[i] + frames, side="right")) - 1 - i
+            k = bisect.bisect_right(before, before[i] + frames) - 1 - i
         i += max(1, min(k, hi - i))
     return np.asarray(starts, dtype=np.int64)
 
