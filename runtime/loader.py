@@ -439,7 +439,7 @@ class Loader:
             # No batch holds more samples than the archive: a larger batch_size
             # does not make larger buffers. A group's batches share a slot: where
             # batches are packed, each buffer holds the largest batch, or up to
-            # GROUP_BATCHES of it within GROUP_BYTES (runtime.pipeline.packing).
+            # GROUP_BATCHES of it within PACK_BYTES (runtime.pipeline.packing).
             sizes = {}
             for name, g in self.archive.gathers.items():
                 numel = self.choice.buffer_numel(name)

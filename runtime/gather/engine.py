@@ -297,8 +297,8 @@ class CopyEngine:
             _run_and_report(ticket, plan.steps, self._streams(plan))
             return ticket
         shares = plan.shares(self.threads, PARALLEL_MIN_BYTES)
-        ticket = self._submit(shares, self._streams(plan))
-        ticket.wait_begun(self._helpers[: len(shares)])
+        ticket, helpers = self._submit(shares, self._streams(plan))
+        ticket.wait_begun(helpers)
         return ticket
 
     def run(self, plan: CopyPlan) -> None:
@@ -311,7 +311,7 @@ class CopyEngine:
         if not shares:
             return
         streaming = self._streams(plan)
-        ticket = self._submit(shares[1:], streaming)
+        ticket, _ = self._submit(shares[1:], streaming)
         try:
             run_share(shares[0], streaming)
         except BaseException:
@@ -321,13 +321,15 @@ class CopyEngine:
             raise
         ticket.wait()
 
-    def _submit(self, shares: list[list[Step]], streaming: bool) -> Ticket:
+    def _submit(self, shares: list[list[Step]], streaming: bool) -> tuple[Ticket, list[JobThread]]:
+        """The ticket of ``shares``, queued one a helper, and the helpers that took them."""
         ticket = Ticket(len(shares))
+        helpers: list[JobThread] = []
         if shares:
             helpers = self._ensure_helpers(len(shares))
             for helper, share in zip(helpers, shares, strict=False):
                 helper.submit(functools.partial(_run_and_report, ticket, share, streaming))
-        return ticket
+        return ticket, helpers
 
     def _ensure_helpers(self, count: int) -> list[JobThread]:
         with self._lock:

@@ -22,7 +22,7 @@ source addresses come from offsets that ``dlop.formats`` validated.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,15 +166,11 @@ def byte_cuts(sizes: np.ndarray, parts: int) -> list[int]:
 class CopyPlan:
     """The steps of one batch's copies, in no particular order: no two write the same bytes.
     A plan of several batches made as one may say how to get each batch's steps
-    (``apart``), to copy them again one batch at a time and find the one whose copy
-    fails."""
+    (``apart``: an iterator of them, a batch's made as it is reached), to copy them again
+    one batch at a time and find the one whose copy fails."""
 
     steps: list[Step]
-    apart: Callable[[], list[list[Step]]] | None = None
-
-    def parts(self) -> list[list[Step]]:
-        """Each batch's steps (``apart``); the plan's own as one where it does not say."""
-        return [self.steps] if self.apart is None else self.apart()
+    apart: Callable[[], Iterator[list[Step]]] | None = None
 
     @property
     def nbytes(self) -> int:

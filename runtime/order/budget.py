@@ -188,22 +188,30 @@ def cut(lengths: np.ndarray, ends: np.ndarray, budget: Budget, cap: int) -> np.n
     at least one, and no batch crosses a segment's end."""
     n = len(lengths)
     starts: list[int] = []
-    # Python lists and bisect: a search a batch, each a fraction of a numpy call's cost
-    before = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tolist()
     segment_ends = ends.tolist()
     frames = budget.frames
+    # the running sums of lengths (max_frames), searched with bisect over a Python list of
+    # the segment's: a search a batch at a fraction of a numpy call's cost, and no more
+    # than a segment's sums held as Python ints at once
+    sums = None if budget.padded else np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    local: list[int] = []
+    lo, held = 0, -1  # the segment ``local`` holds (``held``) and its first sample
     i, seg = 0, 0
     while i < n:
         while segment_ends[seg] <= i:
             seg += 1
         starts.append(i)
         hi = min(segment_ends[seg], i + cap)
-        if budget.padded:  # count * longest, both grow with the count: the first over
+        if sums is None:  # count * longest, both grow with the count: the first over
             m = min(hi - i, frames // max(1, int(lengths[i])))
             need = np.arange(1, m + 1, dtype=np.int64) * lengths[i : i + m]
             k = int(np.searchsorted(need, frames, side="right"))
         else:
-            k = bisect.bisect_right(before, before[i] + frames) - 1 - i
+            if held != seg:
+                lo, held = segment_ends[seg - 1] if seg else 0, seg
+                local = sums[lo : segment_ends[seg] + 1].tolist()
+            at = i - lo
+            k = bisect.bisect_right(local, local[at] + frames, at, hi - lo + 1) - 1 - at
         i += max(1, min(k, hi - i))
     return np.asarray(starts, dtype=np.int64)
 

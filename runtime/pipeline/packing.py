@@ -40,8 +40,8 @@ GROUP_BYTES = 1 << 20
 GROUP_BATCHES = 64
 # A slot buffer of packed batches holds up to PACK_BYTES (or one largest batch, if more):
 # room for several usual batches, so a group's fixed costs (its plan's arrays, the copy
-# call, the hand-over) are paid once for many. On a 2-core machine, short utterances
-# read 1.4x faster packed within 8 MiB than within 1 MiB (docs/runtime.md).
+# call, the hand-over) are paid once for many (docs/runtime.md, Performance notes, gives
+# what 8 MiB gains over 1 MiB).
 PACK_BYTES = 8 << 20
 
 
@@ -56,14 +56,15 @@ def packed_room(numel: int, element_size: int) -> int:
 class Packer:
     """One epoch's packing over a Loader's slots: ``rooms`` (elements of each slot buffer)
     and their element ``sizes``, the ``gathers`` that fill them, each text field's bytes
-    per sample (``text``, by sample number) and ``plan`` (a batch's plan into buffers)."""
+    per sample (``text``, by sample number), ``plan`` (a batch's plan into buffers) and
+    ``packed`` (several batches' plan into buffers as one, or None where the read plans
+    them one by one)."""
 
     rooms: dict[str, int]
     sizes: dict[str, int]
     gathers: dict[str, FieldGather]
     text: list[np.ndarray]
     plan: Callable[[np.ndarray, dict[str, torch.Tensor]], tuple[Batch, CopyPlan]]
-    # several batches' plan into buffers as one, or None (runtime.order.choose.Choice.plan_packed)
     packed: Callable[
         [list[np.ndarray], dict[str, torch.Tensor]], tuple[list[Batch], CopyPlan] | None
     ]
@@ -109,8 +110,8 @@ class Packer:
         if len(chosen) > 1:
             try:
                 got = self.packed(chosen, slot.buffers)
-            except Exception:  # planned one by one below: the error names its batch
-                got = None
+            except Exception:  # planned one by one below, where the error names its batch
+                got = None  # (tests check that packed groups are planned as one)
             if got is not None:
                 together, plan = got
                 plan.apart = lambda: self.apart(together, chosen, slot)
@@ -131,32 +132,37 @@ class Packer:
                 at[n] += aligned(batch[n].numel(), self.sizes[n])
             made.append(batch)
             parts.append(plan.steps)
-        return made, CopyPlan([s for part in parts for s in part], lambda: parts)
+        return made, CopyPlan([s for part in parts for s in part], lambda: iter(parts))
 
-    def apart(self, made: list[Batch], chosen: list[np.ndarray], slot: Slot) -> list[list[Step]]:
-        """Each of the batches ``made`` as one plan, planned again on its own into the
-        place it has in ``slot`` (each after the one before, as ``plan_group`` lays them
-        out; planning is pure: the same steps)."""
-        parts = []
+    def apart(
+        self, made: list[Batch], chosen: list[np.ndarray], slot: Slot
+    ) -> Iterator[list[Step]]:
+        """The steps of each of the batches ``made``, planned again on its own into the
+        place it has in ``slot`` as it is reached (each after the one before, as
+        ``plan_group`` lays them out; planning is pure: the same steps)."""
         at = dict.fromkeys(slot.buffers, 0)
         for batch, indices in zip(made, chosen, strict=True):
             rest = {n: buf[at[n] :] for n, buf in slot.buffers.items()}
-            parts.append(self.plan(indices, rest)[1].steps)
+            yield self.plan(indices, rest)[1].steps
             for n in at:
                 at[n] += aligned(batch[n].numel(), self.sizes[n])
-        return parts
 
 
 def copied_apart(
     engine: CopyEngine, plan: CopyPlan, error: Exception, made: list[Batch]
 ) -> tuple[list[Batch], Exception]:
-    """After the copies of ``plan`` (of the batches ``made``) failed with ``error``: its
-    batches (``parts``) copied again one at a time; the batches copied before one failed,
-    and that one's error. Raises the error where none was copied: the first batch's, or
-    ``error`` where every one copies this time (none is trusted then)."""
-    for i, part in enumerate(plan.parts()):
+    """After the copies of ``plan`` (of the batches ``made``) failed with ``error``: where
+    the plan says how (``apart``), its batches copied again one at a time, each planned
+    again as it is reached; the batches copied before one failed, and that one's error
+    (in planning it again or in copying it). Raises ``error`` for a plan of one batch or
+    one that does not say, or where every batch copies this time (none is trusted then);
+    the first batch's own error where that one fails."""
+    if plan.apart is None:
+        raise error
+    parts = plan.apart()
+    for i in range(len(made)):
         try:
-            engine.run(CopyPlan(part))
+            engine.run(CopyPlan(next(parts)))
         except Exception as e:
             if not i:
                 raise e from None

@@ -468,27 +468,38 @@ def test_a_batch_failing_in_a_packed_group_is_the_one_named(
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("again", ["copy", "plan"])
 def test_a_copy_failing_in_a_packed_group_names_its_batch(
-    tmp_path: Path, prefetch: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, prefetch: int, again: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a group's batches planned as one plan (one run per sample, whatever the batch), its
-    # copy failing at a sample of the third batch: the batches before it are handed out
+    # copy failing at a sample of the third batch: the batches before it are handed out.
+    # Each batch is then planned again and copied alone; the third fails in its copy, or
+    # in being planned again (a shard that changed meanwhile): the error names it either way
     path = make_archive(tmp_path / "a", n=60, shard_bytes=1 << 20)  # one shard
     loader = Loader(path, 4, seed=1, fields=["label", "speech"], prefetch=prefetch)
     bad = 2
     spans = loader.archive.gathers["speech"]
     row = int(loader.batches(0)[bad][1])
     address = int(spans.bases[0]) + int(spans.first[row]) * 4  # the sample's first value
-    real = engine_module.execute_step
+    real, real_plan = engine_module.execute_step, Loader.plan
     steps = []
+    failed = []
 
     def failing(step: Any, streaming: bool) -> None:
         steps.append(step)
         if isinstance(step, Runs) and address in step.src:
+            failed.append(step)
             raise OSError("simulated copy failure")
         real(step, streaming)
 
+    def planned_again(self: Loader, indices: Any, buffers: Any) -> Any:
+        if again == "plan" and failed and row in indices.tolist():
+            raise OSError("simulated failure planning again")
+        return real_plan(self, indices, buffers)
+
     monkeypatch.setattr(engine_module, "execute_step", failing)
+    monkeypatch.setattr(Loader, "plan", planned_again)
     got = []
     with pytest.raises(LoaderError, match=f"batch {bad} of epoch 0 failed: OSError"):
         for batch in loader:
@@ -500,6 +511,7 @@ def test_a_copy_failing_in_a_packed_group_names_its_batch(
     starts = [int(spans.bases[0]) + int(spans.first[i]) * 4 for i in firsts]
     assert any(sum(a in s.src for a in starts) > 1 for s in steps if isinstance(s, Runs))
     monkeypatch.setattr(engine_module, "execute_step", real)
+    failed.clear()
     assert sum(len(b["label"]) for b in loader) == 60  # the next epoch reads cleanly
     loader.close()
 
