@@ -266,7 +266,19 @@ class Archive(Dataset[dict[str, Any]]):
         """The batches ``indices[cuts[i]:cuts[i + 1]]`` (each as ``plan`` takes it)
         planned one after another into the flat buffers ``out`` by field name, each
         beginning on a whole 64-byte line, as one plan; None where the planner plans
-        batch by batch (a supply that maps shards per batch)."""
+        batch by batch (a supply that maps shards per batch). ``cuts`` begin at 0, end
+        at ``len(indices)`` and never go down."""
+        bounds = np.asarray(cuts, np.int64)
+        if (
+            len(bounds) < 2
+            or bounds[0] != 0
+            or bounds[-1] != len(indices)
+            or (bounds[1:] < bounds[:-1]).any()
+        ):
+            raise ValueError(
+                f"cuts must begin at 0, end at len(indices) = {len(indices)} and never go "
+                f"down, got {list(cuts)[:8]}{' ...' if len(cuts) > 8 else ''}"
+            )
         check_range(self.path, indices.numpy(), self.num_samples)
         return self.planner.plan_packed(indices, cuts, out)
 

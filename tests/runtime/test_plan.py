@@ -287,3 +287,14 @@ def test_batches_planned_as_one_are_the_batches_planned_alone(tmp_path: Path, pa
             at = batch[name].data_ptr() - out[name].data_ptr()
             assert at % 64 == 0 and at >= ends[name]  # after the batch before
             ends[name] = at + batch[name].numel() * batch[name].element_size()
+
+
+def test_batches_planned_as_one_need_cuts_that_tile_the_indices(archive: Path) -> None:
+    ds = open_archive(archive, fields=["speech"])
+    out = {"speech": torch.zeros(4096, dtype=torch.float32)}
+    idx = torch.tensor([1, 2, 9, 10, 30])
+    for cuts in ([0, 3, 2, 5], [1, 5], [0, 4], [0], [0, 2, 6]):
+        with pytest.raises(ValueError, match="cuts must begin at 0"):
+            ds.plan_packed(idx, cuts, out)
+    got = ds.plan_packed(idx, [0, 0, 2, 5], out)  # an empty batch is one
+    assert got is not None and [len(b["speech"]) for b in got[0]] == [0, 2, 3]
