@@ -268,19 +268,21 @@ class Archive(Dataset[dict[str, Any]]):
         beginning on a whole 64-byte line, as one plan; None where the planner plans
         batch by batch (a supply that maps shards per batch). ``cuts`` begin at 0, end
         at ``len(indices)`` and never go down."""
-        bounds = np.asarray(cuts, np.int64)
+        bounds = np.asarray(cuts)
         if (
-            len(bounds) < 2
+            bounds.ndim != 1
+            or bounds.dtype.kind not in "iu"
+            or len(bounds) < 2
             or bounds[0] != 0
             or bounds[-1] != len(indices)
             or (bounds[1:] < bounds[:-1]).any()
         ):
             raise ValueError(
-                f"cuts must begin at 0, end at len(indices) = {len(indices)} and never go "
-                f"down, got {list(cuts)[:8]}{' ...' if len(cuts) > 8 else ''}"
+                f"cuts must be whole numbers that begin at 0, end at len(indices) = "
+                f"{len(indices)} and never go down, got {str(list(cuts))[:80]}"
             )
         check_range(self.path, indices.numpy(), self.num_samples)
-        return self.planner.plan_packed(indices, cuts, out)
+        return self.planner.plan_packed(indices, bounds.tolist(), out)
 
     def gather(
         self,

@@ -326,18 +326,21 @@ class CopyEngine:
         ticket = Ticket(len(shares))
         helpers: list[JobThread] = []
         if shares:
-            helpers = self._ensure_helpers(len(shares))
-            for helper, share in zip(helpers, shares, strict=False):
-                helper.submit(functools.partial(_run_and_report, ticket, share, streaming))
+            # queued under the lock: a close() meanwhile stops the helpers after these jobs
+            # (its stop comes behind them), never before them with the jobs left unrun
+            with self._lock:
+                helpers = self._ensure_helpers(len(shares))
+                for helper, share in zip(helpers, shares, strict=False):
+                    helper.submit(functools.partial(_run_and_report, ticket, share, streaming))
         return ticket, helpers
 
     def _ensure_helpers(self, count: int) -> list[JobThread]:
-        with self._lock:
-            if self._helpers_pid != os.getpid():  # a forked child: the parent's helpers stayed
-                self._helpers, self._helpers_pid = [], os.getpid()
-            while len(self._helpers) < count:
-                self._helpers.append(JobThread("dlop-copy", low_priority=True))
-            return self._helpers[:count]
+        """``count`` helpers, started as needed; call with ``_lock`` held."""
+        if self._helpers_pid != os.getpid():  # a forked child: the parent's helpers stayed
+            self._helpers, self._helpers_pid = [], os.getpid()
+        while len(self._helpers) < count:
+            self._helpers.append(JobThread("dlop-copy", low_priority=True))
+        return self._helpers[:count]
 
     def close(self) -> None:
         """Stops the helpers and waits for them, down to the operating system's thread."""

@@ -157,7 +157,7 @@ def copied_apart(
     (in planning it again or in copying it). Raises ``error`` for a plan of one batch or
     one that does not say, or where every batch copies this time (none is trusted then);
     the first batch's own error where that one fails."""
-    if plan.apart is None:
+    if plan.apart is None or len(made) < 2:
         raise error
     parts = plan.apart()
     for i in range(len(made)):

@@ -516,6 +516,32 @@ def test_a_copy_failing_in_a_packed_group_names_its_batch(
     loader.close()
 
 
+def test_a_copy_failing_in_a_group_of_one_is_not_copied_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_archive(tmp_path / "a", n=60, shard_bytes=1 << 20)
+    monkeypatch.setattr(packing, "GROUP_BATCHES", 1)  # one batch a group
+    loader = Loader(path, 4, seed=1, fields=["label", "speech"], prefetch=0)
+    spans = loader.archive.gathers["speech"]
+    row = int(loader.batches(0)[1][0])
+    address = int(spans.bases[0]) + int(spans.first[row]) * 4
+    real = engine_module.execute_step
+    tries = []
+
+    def failing(step: Any, streaming: bool) -> None:
+        if isinstance(step, Runs) and address in step.src:
+            tries.append(step)
+            raise OSError("simulated copy failure")
+        real(step, streaming)
+
+    monkeypatch.setattr(engine_module, "execute_step", failing)
+    with pytest.raises(LoaderError, match="batch 1 of epoch 0 failed: OSError"):
+        for _ in loader:
+            pass
+    assert len(tries) == 1
+    loader.close()
+
+
 def test_fresh_tensor_fields_are_made_one_batch_a_slot(tmp_path: Path) -> None:
     # ragged in two axes: gathered into fresh tensors, whose memory packing would not bound
     path = make_archive(tmp_path / "a", n=60)

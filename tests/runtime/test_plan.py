@@ -293,8 +293,9 @@ def test_batches_planned_as_one_need_cuts_that_tile_the_indices(archive: Path) -
     ds = open_archive(archive, fields=["speech"])
     out = {"speech": torch.zeros(4096, dtype=torch.float32)}
     idx = torch.tensor([1, 2, 9, 10, 30])
-    for cuts in ([0, 3, 2, 5], [1, 5], [0, 4], [0], [0, 2, 6]):
-        with pytest.raises(ValueError, match="cuts must begin at 0"):
+    bad: list[Any] = [[0, 3, 2, 5], [1, 5], [0, 4], [0], [0, 2, 6], [0, 2.5, 5], [[0, 5]]]
+    for cuts in bad:
+        with pytest.raises(ValueError, match="cuts must be whole numbers that begin at 0"):
             ds.plan_packed(idx, cuts, out)
     got = ds.plan_packed(idx, [0, 0, 2, 5], out)  # an empty batch is one
     assert got is not None and [len(b["speech"]) for b in got[0]] == [0, 2, 3]
