@@ -25,7 +25,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ Planned = tuple[dict[str, Any], list[Step]]
 # Several batches planned one after another into one buffer: each batch's entries, the steps.
 PackedPlan = tuple[list[dict[str, Any]], list[Step]]
 LINE = 64  # bytes: where each of several batches planned into one buffer begins
+Count = TypeVar("Count", int, np.ndarray)
 # Makes a fresh output tensor of a shape and dtype (fresh outputs: torch.empty).
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 # Where a gather writes: the front of a reusable flat buffer, fresh tensors
@@ -247,8 +248,9 @@ def check_pad_value(field: Field, pad_value: object, where: str) -> None:
         )
 
 
-def aligned(numel: int, element_size: int) -> int:
-    """``numel`` elements of ``element_size`` bytes rounded up to whole ``LINE``-byte lines."""
+def aligned(numel: Count, element_size: int) -> Count:
+    """``numel`` elements of ``element_size`` bytes (a count, or an array of them) rounded
+    up to whole ``LINE``-byte lines."""
     per_line = max(1, LINE // element_size)
     return -(-numel // per_line) * per_line
 

@@ -26,12 +26,12 @@ from dlop.formats import FormatError, ShardReader
 
 from .engine import private_copy
 from .fields import (
-    LINE,
     FieldGather,
     Groups,
     Output,
     PackedPlan,
     Planned,
+    aligned,
     batch_groups,
     check_padded,
     flat_bytes,
@@ -306,9 +306,8 @@ class SpanGather(FieldGather):
         firsts = edges[:-1]
         longest = np.maximum.reduceat(lens, firsts)
         numel = counts * longest * self.row
-        per_line = max(1, LINE // self.itemsize)
         starts = np.zeros(len(counts), np.int64)  # each batch's first element in ``out``
-        np.cumsum((-(-numel // per_line) * per_line)[:-1], out=starts[1:])
+        np.cumsum(aligned(numel, self.itemsize)[:-1], out=starts[1:])
         entries: list[dict[str, Any]] = []
         for b, (a, z) in enumerate(itertools.pairwise(cuts)):
             shape = (z - a, int(longest[b]), *self.trail)

@@ -114,36 +114,31 @@ class Packer:
                 got = None  # (tests check that packed groups are planned as one)
             if got is not None:
                 together, plan = got
-                plan.apart = lambda: self.apart(together, chosen, slot)
+                plan.apart = lambda: (p.steps for _, p in self._each(chosen, slot))
                 return together, plan
         made: list[Batch] = []
         parts: list[list[Step]] = []
-        at = dict.fromkeys(slot.buffers, 0)
-        for j, indices in zip(numbers, chosen, strict=True):
-            rest = {n: buf[at[n] :] for n, buf in slot.buffers.items()}
+        each = self._each(chosen, slot)
+        for j in numbers:
             try:
-                batch, plan = self.plan(indices, rest)
+                batch, plan = next(each)
             except Exception:
                 if not made:
                     raise
                 self.resume = j
                 break
-            for n in at:
-                at[n] += aligned(batch[n].numel(), self.sizes[n])
             made.append(batch)
             parts.append(plan.steps)
         return made, CopyPlan([s for part in parts for s in part], lambda: iter(parts))
 
-    def apart(
-        self, made: list[Batch], chosen: list[np.ndarray], slot: Slot
-    ) -> Iterator[list[Step]]:
-        """The steps of each of the batches ``made``, planned again on its own into the
-        place it has in ``slot`` as it is reached (each after the one before, as
-        ``plan_group`` lays them out; planning is pure: the same steps)."""
+    def _each(self, chosen: list[np.ndarray], slot: Slot) -> Iterator[tuple[Batch, CopyPlan]]:
+        """Each of the batches ``chosen`` planned on its own into ``slot`` after the one
+        before, each beginning on a whole 64-byte line: the places a plan of them all as
+        one gives them too, so a batch planned here again has the same steps."""
         at = dict.fromkeys(slot.buffers, 0)
-        for batch, indices in zip(made, chosen, strict=True):
-            rest = {n: buf[at[n] :] for n, buf in slot.buffers.items()}
-            yield self.plan(indices, rest)[1].steps
+        for indices in chosen:
+            batch, plan = self.plan(indices, {n: buf[at[n] :] for n, buf in slot.buffers.items()})
+            yield batch, plan
             for n in at:
                 at[n] += aligned(batch[n].numel(), self.sizes[n])
 

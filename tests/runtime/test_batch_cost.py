@@ -449,6 +449,18 @@ def test_ragged_batches_share_a_slot_as_far_as_it_holds_them(
     assert len({b["speech"].data_ptr() for b in alone}) <= len(slots)
 
 
+def read_until_it_fails(loader: Loader, bad: int, said: str) -> None:
+    """An epoch read until batch ``bad`` fails, its error going on with ``said`` (a
+    pattern) after the batch and epoch: every batch before it is
+    handed out, and the state counts them."""
+    got = []
+    with pytest.raises(LoaderError, match=f"batch {bad} of epoch 0{said}"):
+        for batch in loader:
+            got.append(batch["label"].tolist())
+    assert got == [b.tolist() for b in loader.batches(0)[:bad]]
+    assert loader.state_dict()["batches_done"] == bad
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_batch_failing_in_a_packed_group_is_the_one_named(
     tmp_path: Path, prefetch: int, monkeypatch: pytest.MonkeyPatch
@@ -459,12 +471,7 @@ def test_a_batch_failing_in_a_packed_group_is_the_one_named(
     bad = 4  # a text sample of the fifth batch is not UTF-8: the batches before it are read
     row = next(int(i) for i in loader.batches(0)[bad] if int(i) % 4)
     not_utf8_in_copies(monkeypatch, loader.archive.shards[0], "text", row)
-    got = []
-    with pytest.raises(LoaderError, match=f"batch {bad} of epoch 0.*not UTF-8"):
-        for batch in loader:
-            got.append(batch["label"].tolist())
-    assert got == [b.tolist() for b in loader.batches(0)[:bad]]
-    assert loader.state_dict()["batches_done"] == bad
+    read_until_it_fails(loader, bad, ".*not UTF-8")
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -500,12 +507,7 @@ def test_a_copy_failing_in_a_packed_group_names_its_batch(
 
     monkeypatch.setattr(engine_module, "execute_step", failing)
     monkeypatch.setattr(Loader, "plan", planned_again)
-    got = []
-    with pytest.raises(LoaderError, match=f"batch {bad} of epoch 0 failed: OSError"):
-        for batch in loader:
-            got.append(batch["label"].tolist())
-    assert got == [b.tolist() for b in loader.batches(0)[:bad]]
-    assert loader.state_dict()["batches_done"] == bad
+    read_until_it_fails(loader, bad, " failed: OSError")
     # the group was one plan: a step that copied samples of several batches at once
     firsts = {int(loader.batches(0)[j][0]) for j in range(bad + 1)}
     starts = [int(spans.bases[0]) + int(spans.first[i]) * 4 for i in firsts]
