@@ -301,6 +301,7 @@ class SpanGather(FieldGather):
         ):
             return super().plan_packed(indices, groups, cuts, out)
         f = self.field
+        out = out.view(-1).view(self.out_dtype)  # places below count the field's elements
         idx = np.ascontiguousarray(indices.numpy(), np.int64)  # checked by Archive.plan
         lens = self.lengths[idx]
         firsts = edges[:-1]

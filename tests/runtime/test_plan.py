@@ -299,3 +299,25 @@ def test_batches_planned_as_one_need_cuts_that_tile_the_indices(archive: Path) -
             ds.plan_packed(idx, cuts, out)
     got = ds.plan_packed(idx, [0, 0, 2, 5], out)  # an empty batch is one
     assert got is not None and [len(b["speech"]) for b in got[0]] == [0, 2, 3]
+
+
+def test_batches_planned_as_one_into_buffers_of_another_type(archive: Path) -> None:
+    # a buffer is memory: one of another element type holds the batches as one of the
+    # field's own does (as Archive.plan takes it); one too short is refused, not overrun
+    ds = open_archive(archive, fields=["speech"], pad_value=3.0)
+    idx = torch.tensor([1, 2, 9, 10, 30, 31])
+    cuts = [0, 2, 6]
+    for dtype in (torch.float64, torch.uint8, torch.int16):
+        out = {
+            "speech": torch.zeros(16384 // torch.empty(0, dtype=dtype).element_size(), dtype=dtype)
+        }
+        got = ds.plan_packed(idx, cuts, out)
+        assert got is not None
+        execute(got[1])
+        for batch, (a, b) in zip(got[0], [(0, 2), (2, 6)], strict=True):
+            alone = ds.gather(idx[a:b])
+            assert batch["speech"].equal(alone["speech"])
+            assert batch["speech_lengths"].equal(alone["speech_lengths"])
+    short = {"speech": torch.zeros(8, dtype=torch.float32)}
+    with pytest.raises((ValueError, RuntimeError)):
+        ds.plan_packed(idx, cuts, short)
