@@ -12,7 +12,8 @@ env: $(STAMP)
 # torch is pinned to the CPU build; an unpinned torch pulls a multi-GB CUDA build.
 # The dev extra holds the compile extra and the extras the tests run for real (dask, s3,
 # http, hf; not gcs, which no test server stands in for), for the demo, tests and bench.
-$(STAMP): pyproject.toml runtime/gather/_copy.c compiler/audio/_kernels.c formats/_crc32.c
+$(STAMP): pyproject.toml runtime/gather/_copy.c runtime/order/_shuffle.c compiler/audio/_kernels.c \
+		formats/_crc32.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
