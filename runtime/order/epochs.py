@@ -71,11 +71,12 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..errors import UsageError, check_int
+from . import partial
 from .budget import BUCKET_STREAM, Budget, Evening, Steps, arrange, budget_steps
 
 
@@ -204,7 +205,7 @@ def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
         return np.arange(n, dtype=np.int64)
     gen = rng(spec.seed, epoch, 0)
     if spec.mode == "global" or not spec.shard_sizes:
-        return gen.permutation(n).astype(np.int64)
+        return gen.permutation(n).astype(np.int64, copy=False)
     starts = np.concatenate([[0], np.cumsum(spec.shard_sizes)]).astype(np.int64)
     return _windowed(gen, list(itertools.pairwise(starts.tolist())), spec.window_shards)
 
@@ -219,10 +220,10 @@ def _windowed(gen: np.random.Generator, ranges: list[tuple[int, int]], window: i
 def _windowed_parts(gen: np.random.Generator, parts: list[np.ndarray], window: int) -> np.ndarray:
     """``_windowed`` of the samples of each part (a shard's, or some of them)."""
     mixed = [parts[i] for i in gen.permutation(len(parts))]
-    out = [
-        gen.permutation(np.concatenate(mixed[w : w + window])) for w in range(0, len(mixed), window)
-    ]
-    return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64)
+    out = [np.concatenate(mixed[w : w + window]) for w in range(0, len(mixed), window)]
+    for window_samples in out:
+        gen.shuffle(window_samples)  # as gen.permutation, in the copy concatenate made
+    return np.concatenate(out).astype(np.int64, copy=False) if out else np.zeros(0, np.int64)
 
 
 def share_order(spec: OrderSpec, epoch: int) -> np.ndarray:
@@ -262,9 +263,14 @@ def node_order(spec: OrderSpec, epoch: int) -> np.ndarray:
     """This rank's node's samples for the epoch, in order: its span (``node_span``)
     ordered, then evened to ranks-per-node times each rank's share (see the module
     docstring), unless ``even_shares`` is False."""
-    parts = [np.arange(a, b) for a, b in node_span(spec, epoch)]
+    parts = _span_pieces(spec, epoch, spec.node)
     # a node with no samples of its own (N < nodes) repeats others'
     return _node_share(spec, epoch, spec.node, parts, np.arange(spec.num_samples, dtype=np.int64))
+
+
+def _span_pieces(spec: OrderSpec, epoch: int, node: int) -> list[np.ndarray]:
+    """Node ``node``'s span of the whole epoch (``node_span``), one array per piece."""
+    return [np.arange(a, b, dtype=np.int64) for a, b in node_span(spec, epoch, node)]
 
 
 def _node_share(
@@ -277,7 +283,8 @@ def _node_share(
     if not spec.shuffle or not parts:
         order = np.concatenate(parts or [np.zeros(0, np.int64)])
     elif spec.mode == "global":
-        order = gen.permutation(np.concatenate(parts))
+        order = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        gen.shuffle(order)  # as gen.permutation, in place: the parts are the caller's copies
     else:
         order = _windowed_parts(gen, parts, spec.window_shards)
     order = order.astype(np.int64, copy=False)
@@ -302,11 +309,58 @@ def node_rest(
     ordered as ``node_order`` orders a span, in pieces of shards, and evened to its
     ranks' share. Given every position it is ``node_order``."""
     seq, ends, mine = node_shares(spec, epoch, rest) if shares is None else shares
-    picked = mine[node]
-    run = np.searchsorted(ends, picked, side="right")  # the shard run of each
-    cuts = np.flatnonzero((np.diff(picked) != 1) | (np.diff(run) != 0)) + 1
-    parts = np.split(seq[picked], cuts) if len(picked) else []
-    return _node_share(spec, epoch, node, parts, rest)
+    return _node_share(spec, epoch, node, _pieces(spec, seq, ends, mine[node]), rest)
+
+
+def node_taken(
+    spec: OrderSpec, epoch: int, node: int, parts: list[np.ndarray], rest: np.ndarray, count: int
+) -> np.ndarray:
+    """The samples of ``_node_share(spec, epoch, node, parts, rest)[:count]`` (``parts``: the
+    node's share of ``rest`` in pieces, ``_pieces``; the caller's, reordered here), in no
+    set order and without the repeats of evening: what node ``node``'s ranks read first.
+    Only as much of the node's order is made as settles those places: a global order
+    is shuffled from its end down to place ``count`` (runtime.order.partial), a window
+    order up to the window that holds place ``count``. Not for a budget's order."""
+    if not parts or not spec.shuffle or spec.budget is not None:
+        return _node_share(spec, epoch, node, parts, rest)[:count]
+    size = sum(len(p) for p in parts)
+    if spec.even_shares:  # evening repeats the order's first samples, or trims its tail
+        n, world = len(rest), spec.world_size
+        count = min(count, spec.local_size * (n // world if spec.drop_last else -(-n // world)))
+    gen = rng(spec.seed, epoch, NODE_STREAM + node)
+    if spec.mode == "global":
+        order = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return partial.head(gen, order.astype(np.int64, copy=False), min(count, size))
+    mixed = [parts[i] for i in gen.permutation(len(parts))]
+    heads, at = [], 0
+    for w in range(0, len(mixed), spec.window_shards):
+        if at >= count:
+            break
+        window = np.concatenate(mixed[w : w + spec.window_shards]).astype(np.int64, copy=False)
+        if at + len(window) <= count:
+            gen.shuffle(window)  # drawn as the whole order draws it, for the windows after
+            heads.append(window)
+        else:
+            heads.append(partial.head(gen, window, count - at))
+        at += len(window)
+    return np.concatenate(heads) if heads else np.zeros(0, np.int64)
+
+
+def _pieces(
+    spec: OrderSpec, seq: np.ndarray, ends: np.ndarray, picked: np.ndarray
+) -> list[np.ndarray]:
+    """The samples ``seq[picked]`` (picked ascending; ``ends``: where each shard's run ends
+    in ``seq``) in pieces of shards, as a node's order takes them: one piece where the
+    order mixes them all (global, or not shuffled); fresh arrays the caller may reorder."""
+    if not len(picked):
+        return []
+    if not spec.shuffle or spec.mode == "global":
+        return [seq[picked]]  # ordered whole: the pieces need not be found
+    # a piece ends where the picked indices skip or a shard's run ends
+    skips = np.flatnonzero(np.diff(picked) != 1) + 1
+    runs = np.searchsorted(picked, ends[:-1])
+    cuts = np.union1d(skips, runs[(runs > 0) & (runs < len(picked))])
+    return np.split(seq[picked], cuts)
 
 
 def node_shares(
@@ -320,43 +374,81 @@ def node_shares(
     ``before`` (the world that read the epoch until now, its shards dealt to nodes), node
     ``j`` first takes what is left of the shards node ``j`` of that world was dealt (its
     cache holds them), up to its share; the rest fills the shares in the deal's order."""
-    seq, ends = _dealt_sequence(spec, epoch, rest)
+    deal = _Deal(spec, epoch, rest)
+    seq, ends = deal.sequence()
     n, nodes = len(seq), spec.nodes
     bounds = [n * j // nodes for j in range(nodes + 1)]
     if before is None or not before.dealt:
         return seq, ends, [np.arange(bounds[j], bounds[j + 1]) for j in range(nodes)]
-    # each position's node in the world before: its deal's sequence, cut as node_span cuts
-    everything = np.arange(spec.num_samples, dtype=np.int64)
-    dealt, _ = _dealt_sequence(before, epoch, everything)
-    owner = np.full(spec.num_samples, -1, dtype=np.int64)
-    for j in range(min(before.nodes, nodes)):
-        owner[dealt[len(dealt) * j // before.nodes : len(dealt) * (j + 1) // before.nodes]] = j
-    held = owner[seq]
-    share = np.full(n, -1, dtype=np.int64)  # the node each index of seq goes to
-    for j in range(min(before.nodes, nodes)):
-        share[np.flatnonzero(held == j)[: bounds[j + 1] - bounds[j]]] = j
-    got = np.bincount(share[share >= 0], minlength=nodes)
-    left = np.flatnonzero(share < 0)
-    need = np.array([bounds[j + 1] - bounds[j] for j in range(nodes)]) - got
-    share[left] = np.repeat(np.arange(nodes), need)
-    return seq, ends, [np.flatnonzero(share == j) for j in range(nodes)]
+    # Every world deals the shards in one sequence (it depends on the seed and epoch
+    # only), so node j of the world before held one span of it: the indices of seq
+    # from held[j] to held[j + 1].
+    total = spec.num_samples
+    held = [deal.index(total * j // before.nodes) for j in range(before.nodes + 1)]
+    kept = min(before.nodes, nodes)
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(nodes)]
+    taken = []  # (start, stop) of seq each node keeps from its own span, ascending
+    for j in range(kept):
+        stop = min(held[j + 1], held[j] + bounds[j + 1] - bounds[j])
+        ranges[j].append((held[j], stop))
+        taken.append((held[j], stop))
+    # the rest, in the deal's order, fills each node's share up to its size
+    gaps, at = [], 0
+    for a, b in [*taken, (n, n)]:
+        if at < a:
+            gaps.append((at, a))
+        at = max(at, b)
+    need = [bounds[j + 1] - bounds[j] - sum(b - a for a, b in ranges[j]) for j in range(nodes)]
+    j = 0
+    for a, b in gaps:
+        while a < b:
+            while not need[j]:
+                j += 1
+            step = min(need[j], b - a)
+            ranges[j].append((a, a + step))
+            need[j] -= step
+            a += step
+    mine = [
+        np.concatenate([np.arange(a, b) for a, b in sorted(r)] or [np.zeros(0, np.int64)])
+        for r in ranges
+    ]
+    return seq, ends, mine
 
 
-def _dealt_sequence(spec: OrderSpec, epoch: int, rest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The positions ``rest`` (ascending) in the sequence the shards are dealt to nodes
-    in (``node_span``'s), each shard's ascending; and where each shard's run ends in it."""
-    sizes = np.asarray(spec.shard_sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    if spec.shuffle:
-        dealing = 0 if spec.node_share == "keep" else epoch
-        shards = rng(spec.seed, dealing, NODE_DEAL_STREAM).permutation(len(sizes))
-    else:
-        shards = np.arange(len(sizes))
-    first = np.searchsorted(rest, starts[:-1])
-    last = np.searchsorted(rest, starts[1:])
-    runs = [rest[first[j] : last[j]] for j in shards]
-    seq = np.concatenate(runs) if runs else np.zeros(0, np.int64)
-    return seq, np.cumsum((last - first)[shards])
+class _Deal:
+    """The positions ``rest`` (ascending) of an epoch in the sequence the shards are dealt
+    to nodes in (``node_span``'s), each shard's ascending."""
+
+    def __init__(self, spec: OrderSpec, epoch: int, rest: np.ndarray) -> None:
+        sizes = np.asarray(spec.shard_sizes, dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        if spec.shuffle:
+            dealing = 0 if spec.node_share == "keep" else epoch
+            self.shards = rng(spec.seed, dealing, NODE_DEAL_STREAM).permutation(len(sizes))
+        else:
+            self.shards = np.arange(len(sizes))
+        self.rest = rest
+        self.first = np.searchsorted(rest, self.starts[:-1])
+        self.last = np.searchsorted(rest, self.starts[1:])
+        # where each shard ends in the whole epoch's sequence, and in rest's
+        self.dealt_ends = np.cumsum(sizes[self.shards])
+        self.ends = np.cumsum((self.last - self.first)[self.shards])
+
+    def sequence(self) -> tuple[np.ndarray, np.ndarray]:
+        """``rest`` in the deal's sequence, and where each shard's run ends in it."""
+        runs = [self.rest[self.first[k] : self.last[k]] for k in self.shards]
+        seq = np.concatenate(runs) if runs else np.zeros(0, np.int64)
+        return seq, self.ends
+
+    def index(self, at: int) -> int:
+        """How many of ``rest`` come before index ``at`` of the whole epoch's sequence."""
+        i = int(np.searchsorted(self.dealt_ends, at, side="right"))
+        if i == len(self.shards):
+            return int(self.ends[-1]) if len(self.ends) else 0
+        k = int(self.shards[i])
+        within = at - int(self.dealt_ends[i]) + int(self.starts[k + 1] - self.starts[k])
+        below = int(np.searchsorted(self.rest, self.starts[k] + within)) - int(self.first[k])
+        return int(self.ends[i]) - int(self.last[k] - self.first[k]) + below
 
 
 def _fit(seq: np.ndarray, size: int) -> np.ndarray:
@@ -591,24 +683,37 @@ def left_after(
     """The positions ``rest`` (ascending) of ``epoch`` less every rank's first
     ``batches_done`` batches of world ``shape`` reading them (``before``: the world that
     read the epoch until that one, if any); ascending."""
-    orders = world_orders(
-        shape.spec(spec), epoch, rest, content, None, None if before is None else before.spec(spec)
-    )
-    target = steps_target(
-        shape.spec(spec), epoch, orders, len(rest), content.lengths, content.groups
-    )
-    taken = [
-        world_taken(
-            head,
-            epoch,
-            shape.batches_done,
-            content.lengths,
-            order,
-            None if content.groups is None else content.groups[order],
-            target,
+    world = shape.spec(spec)
+    earlier = None if before is None else before.spec(spec)
+    if world.dealt and content.lengths is None and content.groups is None and world.budget is None:
+        # each node's ranks read the first places of its order: only those are made
+        count = shape.batches_done * world.batch_size * world.local_size
+        pieces: Callable[[int], list[np.ndarray]]
+        if earlier is None and len(rest) == content.size:  # the first world: node_order's
+            pieces = functools.partial(_span_pieces, world, epoch)
+        else:
+            seq, ends, mine = node_shares(world, epoch, rest, earlier)
+            pieces = lambda node: _pieces(world, seq, ends, mine[node])  # noqa: E731
+        taken = _by_node(
+            lambda node: node_taken(world, epoch, node, pieces(node), rest, count),
+            range(world.nodes),
+            len(rest),
         )
-        for head, order in orders
-    ]
+    else:
+        orders = world_orders(world, epoch, rest, content, None, earlier)
+        target = steps_target(world, epoch, orders, len(rest), content.lengths, content.groups)
+        taken = [
+            world_taken(
+                head,
+                epoch,
+                shape.batches_done,
+                content.lengths,
+                order,
+                None if content.groups is None else content.groups[order],
+                target,
+            )
+            for head, order in orders
+        ]
     kept = np.ones(content.size, dtype=bool)
     kept[np.concatenate(taken)] = False
     if len(rest) == content.size:  # every position (the first world): no lookup of rest
@@ -649,12 +754,20 @@ def world_orders(
             spec, epoch, node, rest, shares
         )
 
-    if len(wanted) < 2 or len(rest) < PARALLEL_ORDER_SAMPLES:
-        return [ordered(node) for node in wanted]
-    # Each node's order is its own permutation, which numpy makes without the GIL:
-    # the nodes' orders of a continued epoch (what the world before read) side by side.
-    with ThreadPoolExecutor(min(len(wanted), os.cpu_count() or 1)) as pool:
-        return list(pool.map(ordered, wanted))
+    return _by_node(ordered, wanted, len(rest))
+
+
+T = TypeVar("T")
+
+
+def _by_node(make: Callable[[int], T], nodes: Sequence[int], samples: int) -> list[T]:
+    """``make(node)`` for each of ``nodes``, side by side on threads where the ``samples``
+    they order are many: each node's order is its own shuffle, which numpy (and
+    runtime.order.partial) makes without the GIL."""
+    if len(nodes) < 2 or samples < PARALLEL_ORDER_SAMPLES:
+        return [make(node) for node in nodes]
+    with ThreadPoolExecutor(min(len(nodes), os.cpu_count() or 1)) as pool:
+        return list(pool.map(make, nodes))
 
 
 class BatchOrder:
@@ -699,7 +812,7 @@ class BatchOrder:
         self.shapes_epoch = -1
         self._cached: dict[tuple[int, tuple[Shape, ...]], list[np.ndarray]] = {}
         self._rests: tuple[int, dict[tuple[Shape, ...], np.ndarray]] | None = None
-        self._contents: tuple[tuple[int, int, int], Content, np.ndarray] | None = None
+        self._contents: tuple[tuple[int, int, int], Content, np.ndarray | None] | None = None
         # (epoch, spec): that epoch reads the archive as it was before an append (the
         # samples of its earlier generations, spec's), where a state saved then left it
         self.appended: tuple[int, OrderSpec] | None = None
@@ -751,7 +864,8 @@ class BatchOrder:
                 )
                 mine = orders[node if budgeted else 0][1]
                 groups = None if content.groups is None else content.groups[mine]
-                made = rank_batches(spec, epoch, self.lengths, samples[mine], groups, target)
+                picked = mine if samples is None else samples[mine]
+                made = rank_batches(spec, epoch, self.lengths, picked, groups, target)
             elif self.draw is not None:
                 made = rank_batches(spec, epoch, self.lengths, *self.draw(epoch))
             else:
@@ -771,22 +885,28 @@ class BatchOrder:
         """Positions of the epoch as archive sample numbers (through the selection)."""
         return positions if self.selection is None else self.selection[positions]
 
-    def _content(self, epoch: int, first: Shape) -> tuple[Content, np.ndarray]:
+    def _content(self, epoch: int, first: Shape) -> tuple[Content, np.ndarray | None]:
         """What ``epoch`` holds when it began in world ``first`` (``Content``), and the
-        archive sample of each position; kept for the latest asked."""
+        archive sample of each position (None: position p is sample p); kept for the
+        latest asked."""
         key = (epoch, first.world_size, first.batch_size) if self.draw else (epoch, 0, 0)
         if self._contents is None or self._contents[0] != key:
-            groups, order = None, None
+            groups, order, samples = None, None, self.selection
             if self.draw is not None:
                 if self.redraw is None:
                     raise UsageError(f"{self.owner}: this draw continues only in its own world")
                 samples, groups = self.redraw(first.world_size, first.batch_size)(epoch)
+                size = len(samples)
             else:
                 spec = self.spec_for(epoch)
-                samples = self._samples(np.arange(spec.num_samples, dtype=np.int64))
+                size = spec.num_samples
+                if samples is not None:
+                    samples = samples[:size]
                 order = functools.cache(functools.partial(epoch_order, spec, epoch))
-            lengths = None if self.lengths is None else self.lengths[samples]
-            self._contents = (key, Content(len(samples), groups, lengths, order), samples)
+            lengths = self.lengths
+            if lengths is not None:
+                lengths = lengths[:size] if samples is None else lengths[samples]
+            self._contents = (key, Content(size, groups, lengths, order), samples)
         return self._contents[1], self._contents[2]
 
     def _rest(self, epoch: int, shapes: tuple[Shape, ...]) -> np.ndarray:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from dlop.runtime.order import partial
+from dlop.runtime.order import epochs, partial
 
 
 def test_the_extension_makes_numpys_own_swaps() -> None:
@@ -63,3 +64,42 @@ def test_hostile_calls_of_the_extension_are_refused() -> None:
     assert sorted(data.tolist()) == list(range(10))
     shuffle.shuffle_from(gen.bit_generator.capsule, data, 99, 0)  # past the end: no swap
     assert sorted(data.tolist()) == list(range(10))
+
+
+def _spec(draw: random.Random) -> epochs.OrderSpec:
+    sizes = tuple(draw.choice([0, 1, 3, 7, 20, 50, 200]) for _ in range(draw.randint(1, 10)))
+    even = draw.random() < 0.8
+    nodes = draw.randint(1, 4)
+    return epochs.OrderSpec(
+        sum(sizes), draw.randint(1, 6), rank=0,
+        world_size=nodes * draw.randint(1, 3), nodes=nodes, shard_sizes=sizes,
+        mode=draw.choice(["global", "window"]), window_shards=draw.randint(1, 4),
+        shuffle=draw.random() < 0.85, node_share=draw.choice(["keep", "redeal"]),
+        seed=draw.randint(0, 99), even_shares=even,
+        drop_last=draw.random() < 0.4 if even else False,
+    )  # fmt: skip
+
+
+def test_what_a_node_took_is_the_head_of_its_order() -> None:
+    """node_taken is the set of node_rest's first places, for every order setting, the
+    whole epoch or what an earlier world left, with and without that world's nodes."""
+    draw = random.Random(8)
+    tried = 0
+    while tried < 400:
+        spec = _spec(draw)
+        if not spec.num_samples:
+            continue
+        epoch = draw.randint(0, 3)
+        rest = np.flatnonzero(np.random.default_rng(tried).random(spec.num_samples) < 0.7)
+        old_nodes = draw.randint(1, 3)
+        before = replace(spec, nodes=old_nodes, world_size=old_nodes * 2)
+        for earlier in (None, before):
+            shares = epochs.node_shares(spec, epoch, rest, earlier)
+            for node in range(spec.nodes):
+                whole = epochs.node_rest(spec, epoch, node, rest, shares)
+                seq, ends, mine = shares
+                for count in {0, 1, len(whole) // 2, len(whole), len(whole) + 5}:
+                    parts = epochs._pieces(spec, seq, ends, mine[node])
+                    got = epochs.node_taken(spec, epoch, node, parts, rest, count)
+                    assert set(got.tolist()) == set(whole[:count].tolist()), (spec, count)
+        tried += 1
