@@ -309,14 +309,14 @@ def node_rest(
     ordered as ``node_order`` orders a span, in pieces of shards, and evened to its
     ranks' share. Given every position it is ``node_order``."""
     seq, ends, mine = node_shares(spec, epoch, rest) if shares is None else shares
-    return _node_share(spec, epoch, node, _pieces(spec, seq, ends, mine[node]), rest)
+    return _node_share(spec, epoch, node, pieces(spec, seq, ends, mine[node]), rest)
 
 
 def node_taken(
     spec: OrderSpec, epoch: int, node: int, parts: list[np.ndarray], rest: np.ndarray, count: int
 ) -> np.ndarray:
     """The samples of ``_node_share(spec, epoch, node, parts, rest)[:count]`` (``parts``: the
-    node's share of ``rest`` in pieces, ``_pieces``; the caller's, reordered here), in no
+    node's share of ``rest`` in pieces, ``pieces``; the caller's, reordered here), in no
     set order and without the repeats of evening: what node ``node``'s ranks read first.
     Only as much of the node's order is made as settles those places: a global order
     is shuffled from its end down to place ``count`` (runtime.order.partial), a window
@@ -346,7 +346,7 @@ def node_taken(
     return np.concatenate(heads) if heads else np.zeros(0, np.int64)
 
 
-def _pieces(
+def pieces(
     spec: OrderSpec, seq: np.ndarray, ends: np.ndarray, picked: np.ndarray
 ) -> list[np.ndarray]:
     """The samples ``seq[picked]`` (picked ascending; ``ends``: where each shard's run ends
@@ -688,14 +688,14 @@ def left_after(
     if world.dealt and content.lengths is None and content.groups is None and world.budget is None:
         # each node's ranks read the first places of its order: only those are made
         count = shape.batches_done * world.batch_size * world.local_size
-        pieces: Callable[[int], list[np.ndarray]]
+        parts_of: Callable[[int], list[np.ndarray]]
         if earlier is None and len(rest) == content.size:  # the first world: node_order's
-            pieces = functools.partial(_span_pieces, world, epoch)
+            parts_of = functools.partial(_span_pieces, world, epoch)
         else:
             seq, ends, mine = node_shares(world, epoch, rest, earlier)
-            pieces = lambda node: _pieces(world, seq, ends, mine[node])  # noqa: E731
+            parts_of = lambda node: pieces(world, seq, ends, mine[node])  # noqa: E731
         taken = _by_node(
-            lambda node: node_taken(world, epoch, node, pieces(node), rest, count),
+            lambda node: node_taken(world, epoch, node, parts_of(node), rest, count),
             range(world.nodes),
             len(rest),
         )

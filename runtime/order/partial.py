@@ -21,11 +21,11 @@ from types import ModuleType
 
 import numpy as np
 
-_shuffle: ModuleType | None
+compiled: ModuleType | None
 try:
-    _shuffle = importlib.import_module("._shuffle", __package__)
+    compiled = importlib.import_module("._shuffle", __package__)
 except ImportError:  # built without a C compiler
-    _shuffle = None
+    compiled = None
 
 # Places the extension takes (its draws are numpy's 32-bit ones below this).
 MAX_PLACES = (1 << 32) - 2
@@ -39,7 +39,7 @@ def numpy_draw() -> int | None:
     """The extension's way of drawing that makes numpy's own swaps here (whole shuffles
     of a few lengths and seeds equal numpy's, each generator left where numpy leaves
     it); None if neither does or the extension was not built."""
-    if _shuffle is None:
+    if compiled is None:
         return None
     for draw in DRAWS:
         if all(_same(draw, n, seed) for n in (1, 2, 3, 17, 1000, 65537) for seed in (0, 1, 9)):
@@ -48,11 +48,11 @@ def numpy_draw() -> int | None:
 
 
 def _same(draw: int, n: int, seed: int) -> bool:
-    assert _shuffle is not None
+    assert compiled is not None
     ours, theirs = np.random.default_rng(seed), np.random.default_rng(seed)
     a = np.arange(n, dtype=np.int64)
     b = a.copy()
-    _shuffle.shuffle_from(ours.bit_generator.capsule, a, 1, draw)
+    compiled.shuffle_from(ours.bit_generator.capsule, a, 1, draw)
     theirs.shuffle(b)
     return bool(np.array_equal(a, b)) and ours.integers(1 << 62) == theirs.integers(1 << 62)
 
@@ -68,7 +68,7 @@ def head(gen: np.random.Generator, data: np.ndarray, count: int) -> np.ndarray:
         return data[:count]  # every sample, or none: no swap needed
     draw = numpy_draw()
     if (
-        _shuffle is not None
+        compiled is not None
         and draw is not None
         and n <= MAX_PLACES
         and data.dtype == np.int64
@@ -76,7 +76,7 @@ def head(gen: np.random.Generator, data: np.ndarray, count: int) -> np.ndarray:
         and data.flags.writeable
     ):
         with gen.bit_generator.lock:
-            _shuffle.shuffle_from(gen.bit_generator.capsule, data, count, draw)
+            compiled.shuffle_from(gen.bit_generator.capsule, data, count, draw)
     else:
         gen.shuffle(data)
     return data[:count]

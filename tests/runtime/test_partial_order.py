@@ -15,7 +15,7 @@ from dlop.runtime.order import epochs, partial
 def test_the_extension_makes_numpys_own_swaps() -> None:
     """Built here (the install compiles it) and equal to this numpy's shuffle: where a
     numpy draws otherwise, this fails and resumes fall back to whole shuffles."""
-    assert partial._shuffle is not None, "runtime/order/_shuffle.c was not built"
+    assert partial.compiled is not None, "runtime/order/_shuffle.c was not built"
     assert partial.numpy_draw() is not None
 
 
@@ -49,7 +49,7 @@ def test_arrays_the_extension_cannot_take_are_shuffled_by_numpy() -> None:
 
 
 def test_hostile_calls_of_the_extension_are_refused() -> None:
-    shuffle = partial._shuffle
+    shuffle = partial.compiled
     if shuffle is None:
         pytest.skip("runtime/order/_shuffle.c was not built")
     gen = np.random.default_rng(0)
@@ -99,7 +99,7 @@ def test_what_a_node_took_is_the_head_of_its_order() -> None:
                 whole = epochs.node_rest(spec, epoch, node, rest, shares)
                 seq, ends, mine = shares
                 for count in {0, 1, len(whole) // 2, len(whole), len(whole) + 5}:
-                    parts = epochs._pieces(spec, seq, ends, mine[node])
+                    parts = epochs.pieces(spec, seq, ends, mine[node])
                     got = epochs.node_taken(spec, epoch, node, parts, rest, count)
                     assert set(got.tolist()) == set(whole[:count].tolist()), (spec, count)
         tried += 1
