@@ -685,7 +685,8 @@ def left_after(
     read the epoch until that one, if any); ascending."""
     world = shape.spec(spec)
     earlier = None if before is None else before.spec(spec)
-    if world.dealt and content.lengths is None and content.groups is None and world.budget is None:
+    plain = content.lengths is None and content.groups is None and world.budget is None
+    if plain and world.dealt and content.order is not None:  # not a mixture's draw
         # each node's ranks read the first places of its order: only those are made
         count = shape.batches_done * world.batch_size * world.local_size
         parts_of: Callable[[int], list[np.ndarray]]

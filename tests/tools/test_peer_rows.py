@@ -69,7 +69,14 @@ def test_s3_rows_without_the_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert [r.pipeline.rsplit(", ", 1)[1] for r in streaming] == ["warm cache", "cold first epoch"]
     assert [r.baseline for r in streaming] == names[:2]
     assert all(r.vs_baseline and r.vs_baseline > 0 for r in streaming)
-    (endpoints,) = StandIn.seen
-    assert endpoints["S3_ENDPOINT_URL"] == endpoints["AWS_ENDPOINT_URL"]
-    assert str(endpoints["AWS_ENDPOINT_URL"]).startswith("http://127.0.0.1:")
+    # opened once for the warm epochs, then once a round for the interleaved cold epochs
+    assert len(StandIn.seen) == 1 + peer_rows.COLD_ROUNDS
+    for endpoints in StandIn.seen:
+        assert endpoints["S3_ENDPOINT_URL"] == endpoints["AWS_ENDPOINT_URL"]
+        assert str(endpoints["AWS_ENDPOINT_URL"]).startswith("http://127.0.0.1:")
+    rounds = streaming[1].extra["dlop_over_streaming"]
+    assert len(rounds["each"]) == peer_rows.COLD_ROUNDS
+    assert rounds["range"][0] <= rounds["median"] <= rounds["range"][1]
+    assert [len(v) for v in streaming[1].extra["seconds"].values()] == [peer_rows.COLD_ROUNDS] * 2
+    assert not list(tmp_path.glob("cold-*"))  # each round's cache removed after it
     assert written and "S3_ENDPOINT_URL" not in os.environ  # restored after

@@ -15,6 +15,7 @@ import functools
 import multiprocessing
 import os
 import shutil
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -183,6 +184,7 @@ def _ffcv(
 
 S3_BUCKET = "dlop-peers"
 S3_CACHE_BYTES = 8 << 30  # every cache holds the whole dataset: warm epochs fetch nothing
+STREAMING_S3 = "MosaicML Streaming StreamingDataset(remote=s3://, local=cache) + DataLoader"
 
 
 def s3_epochs(make: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -199,7 +201,7 @@ def s3_epochs(make: Callable[[], Any], repeats: int) -> tuple[float, float]:
     return cold, warm
 
 
-def dlop_s3(url: str, cache: Path, workers: int) -> Any:
+def dlop_s3(url: str, cache: Path, workers: int = 0) -> Any:
     """The dlop Loader over ``url`` through a cache folder that holds it all."""
     return Loader(url, BATCH, seed=0, cache_dir=cache, cache_bytes=S3_CACHE_BYTES)
 
@@ -247,9 +249,42 @@ def streaming_s3(url: str, cache: Path, workers: int) -> Any:
     return DataLoader(ds, batch_size=BATCH, num_workers=workers, persistent_workers=True)
 
 
+COLD_ROUNDS = 3  # interleaved cold first epochs of dlop and Streaming (at least)
+
+
+def cold_epochs(makers: list[Callable[[Path], Any]], work: Path, rounds: int) -> list[list[float]]:
+    """Seconds of each loader's first epoch from an empty cache of its own (opening
+    included), ``rounds`` times, in interleaved rounds that take the loaders in turn,
+    the turn reversed every other round: a drift of the machine or the server falls on
+    all of them alike."""
+    took: list[list[float]] = [[] for _ in makers]
+    for r in range(rounds):
+        turn = list(range(len(makers)))
+        for i in turn if r % 2 == 0 else turn[::-1]:
+            cache = work / f"cold-{i}-{r}"
+            shutil.rmtree(cache, ignore_errors=True)
+            t0 = time.perf_counter()
+            loader = makers[i](cache)
+            loader_epoch(loader)
+            took[i].append(time.perf_counter() - t0)
+            close = getattr(loader, "close", None)
+            if close is not None:
+                close()
+            del loader
+            shutil.rmtree(cache, ignore_errors=True)
+    return took
+
+
+def _with_workers(make: Callable[[Path, int], Any], workers: int, cache: Path) -> Any:
+    return make(cache, workers)
+
+
 def s3_rows(archive: Path, work: Path, n: int, workers: int, repeats: int) -> list[Row]:
     """dlop, LitData and MosaicML Streaming streaming the same samples from one local S3
-    server (moto on loopback), each through its own cache: warm and cold epochs."""
+    server (moto on loopback), each through its own cache: warm and cold epochs. dlop's
+    and Streaming's cold first epochs are timed again in interleaved rounds (at least
+    ``COLD_ROUNDS``), each from an empty cache; their rows give the medians, and
+    Streaming's the median of the rounds' ratios."""
     from . import remote_bench
 
     size = FRAMES * MELS * 2
@@ -262,10 +297,12 @@ def s3_rows(archive: Path, work: Path, n: int, workers: int, repeats: int) -> li
         if endpoint is None:
             return [Row(wl, "all: not run (moto is not installed; make bench-peers installs it)")]
         url = remote_bench.upload(archive, S3_BUCKET)  # not timed, as the peers' uploads
-        cold, warm = s3_epochs(lambda: dlop_s3(url, work / "dlop-cache", 0), repeats)
+        ours = functools.partial(dlop_s3, url, workers=0)
+        cold, warm = s3_epochs(lambda: ours(work / "dlop-cache"), repeats)
         base = rate_row(wl, "dlop Loader over s3://, warm cache", n, warm, size)
-        base_cold = rate_row(wl, "dlop Loader over s3://, cold first epoch", n, cold, size)
-        rows = [base, base_cold]
+        colds: dict[str, list[float]] = {"dlop": [cold]}
+        timed: list[tuple[str, float, float]] = []  # each peer's name, cold and warm
+        rows = [base]
         peers: list[tuple[str, Callable[[Path], float], Callable[[str, Path, int], Any]]] = [
             (
                 "LitData 0.2 StreamingDataset(s3://) + StreamingDataLoader",
@@ -273,17 +310,18 @@ def s3_rows(archive: Path, work: Path, n: int, workers: int, repeats: int) -> li
                 litdata_s3,
             ),
             (
-                "MosaicML Streaming StreamingDataset(remote=s3://, local=cache) + DataLoader",
+                STREAMING_S3,
                 lambda out: _streaming_write(archive, out, n),
                 streaming_s3,
             ),
         ]
+        streaming = None
         for i, (name, write, make) in enumerate(peers):
             out = work / f"s3-peer-{i}"
             try:
                 write(out)
-                url = remote_bench.upload(out, S3_BUCKET)
-                opened = functools.partial(make, url, work / f"s3-cache-{i}", workers)
+                peer_url = remote_bench.upload(out, S3_BUCKET)
+                opened = functools.partial(make, peer_url, work / f"s3-cache-{i}", workers)
                 cold, warm = s3_epochs(opened, repeats)
             except ImportError as e:
                 rows.append(Row(wl, f"{name}: not run ({e}; install with make bench-peers)"))
@@ -292,7 +330,30 @@ def s3_rows(archive: Path, work: Path, n: int, workers: int, repeats: int) -> li
                 rows.append(Row(wl, f"{name}: failed ({type(e).__name__}: {e})"[:400]))
                 continue
             rows.append(rate_row(wl, f"{name}, warm cache", n, warm, size, base))
-            rows.append(rate_row(wl, f"{name}, cold first epoch", n, cold, size, base_cold))
+            timed.append((name, cold, warm))
+            if name == STREAMING_S3:
+                streaming = functools.partial(make, peer_url)
+        extra: dict[str, Any] = {}
+        if streaming is not None:
+            theirs = functools.partial(_with_workers, streaming, workers)
+            rounds = cold_epochs([ours, theirs], work, max(COLD_ROUNDS, repeats))
+            colds = {"dlop": rounds[0], STREAMING_S3: rounds[1]}
+            ratios = [s / d for d, s in zip(rounds[0], rounds[1], strict=True)]
+            extra = {
+                "dlop_over_streaming": {
+                    "median": round(statistics.median(ratios), 3),
+                    "range": [round(min(ratios), 3), round(max(ratios), 3)],
+                    "each": [round(x, 3) for x in ratios],
+                },
+                "seconds": {k: [round(t, 3) for t in v] for k, v in colds.items()},
+            }
+        name = "dlop Loader over s3://, cold first epoch"
+        base_cold = rate_row(wl, name, n, statistics.median(colds["dlop"]), size)
+        rows.insert(1, base_cold)
+        for name, cold, _ in timed:
+            took = statistics.median(colds.get(name, [cold]))
+            more = extra if name == STREAMING_S3 else {}
+            rows.append(rate_row(wl, f"{name}, cold first epoch", n, took, size, base_cold, **more))
     return rows
 
 
