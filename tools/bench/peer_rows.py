@@ -12,6 +12,7 @@ log-mels: twice the bytes per sample.
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing
 import os
 import shutil
@@ -263,6 +264,7 @@ def cold_epochs(makers: list[Callable[[Path], Any]], work: Path, rounds: int) ->
         for i in turn if r % 2 == 0 else turn[::-1]:
             cache = work / f"cold-{i}-{r}"
             shutil.rmtree(cache, ignore_errors=True)
+            _settled()
             t0 = time.perf_counter()
             loader = makers[i](cache)
             loader_epoch(loader)
@@ -273,6 +275,16 @@ def cold_epochs(makers: list[Callable[[Path], Any]], work: Path, rounds: int) ->
             del loader
             shutil.rmtree(cache, ignore_errors=True)
     return took
+
+
+def _settled(limit_s: float = 10.0) -> None:
+    """Waits (up to ``limit_s``) until the loaders timed before are gone, their worker
+    processes included: a DataLoader's persistent workers end with their iterator, and
+    workers still exiting would slow whichever loader is timed next."""
+    gc.collect()
+    deadline = time.monotonic() + limit_s
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _with_workers(make: Callable[[Path, int], Any], workers: int, cache: Path) -> Any:
