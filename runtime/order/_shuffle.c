@@ -15,7 +15,7 @@
  * The swaps must be numpy's own, draw for draw: place i swaps with a j drawn
  * uniformly from [0, i] from the bit generator's 32-bit draws (i below
  * 2^32 - 1), by one of the two ways numpy has drawn it: ``draw`` 0, the
- * draw masked to the bits of i and drawn again while above i (numpy 2's
+ * draw masked to the bits of i and drawn again while above i (numpy 1.26 to 2.4's
  * shuffle); 1, Lemire's multiply-and-reject. runtime.order.partial checks
  * which one equals numpy's shuffle on first use, and shuffles with numpy
  * instead if neither does.

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -103,3 +105,41 @@ def test_what_a_node_took_is_the_head_of_its_order() -> None:
                     got = epochs.node_taken(spec, epoch, node, parts, rest, count)
                     assert set(got.tolist()) == set(whole[:count].tolist()), (spec, count)
         tried += 1
+
+
+def test_both_ways_of_drawing_are_the_algorithms_they_name() -> None:
+    """The two draws the extension can match a numpy with, against plain Python
+    Fisher-Yates walks that draw each place's partner from the same 32-bit stream:
+    masked (numpy 1.26 to 2.4) and Lemire's multiply-and-reject."""
+    compiled = partial.compiled
+    if compiled is None:
+        pytest.skip("runtime/order/_shuffle.c was not built")
+
+    def masked(next32: Any, i: int) -> int:
+        mask = (1 << i.bit_length()) - 1
+        while (value := next32() & mask) > i:
+            pass
+        return value
+
+    def lemire(next32: Any, i: int) -> int:
+        span = i + 1
+        m = next32() * span
+        if (m & 0xFFFFFFFF) < span:
+            reject = (0xFFFFFFFF - i) % span
+            while (m & 0xFFFFFFFF) < reject:
+                m = next32() * span
+        return m >> 32
+
+    for draw, partner in enumerate((masked, lemire)):
+        for n, first in ((2, 1), (50, 1), (3000, 1), (3000, 1700)):
+            gen = np.random.default_rng(n + draw)
+            bits = gen.bit_generator.ctypes
+            next32 = functools.partial(bits.next_uint32, bits.state)
+            want = list(range(n))
+            for i in range(n - 1, first - 1, -1):
+                j = partner(next32, i)
+                want[i], want[j] = want[j], want[i]
+            got = np.arange(n, dtype=np.int64)
+            gen = np.random.default_rng(n + draw)
+            compiled.shuffle_from(gen.bit_generator.capsule, got, first, draw)
+            assert got.tolist() == want, (draw, n, first)
