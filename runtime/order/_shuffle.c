@@ -5,7 +5,7 @@
  * Generator.shuffle makes on a 1-D int64 array, from the last place down to
  * place ``first`` (first = 1: the whole shuffle) and stops there. bitgen is the
  * bit generator's "BitGenerator" capsule (numpy's public C interface to bit
- * generators); data is a writable, contiguous buffer of int64.
+ * generators); data is a writable, contiguous buffer of native int64.
  *
  * Why: numpy's Fisher-Yates walks from the end, and places first .. n-1 are
  * settled once it has passed them. Which samples the first ``first`` places of
@@ -64,40 +64,57 @@ static inline uint32_t lemire(bitgen_t *gen, uint32_t bound)
     return (uint32_t)(m >> 32);
 }
 
+/* Whether a buffer's format is a signed 64-bit integer in this machine's byte order. */
+static int native_int64(const Py_buffer *view)
+{
+    const char *f = view->format;
+    if (f == NULL || view->itemsize != (Py_ssize_t)sizeof(int64_t))
+        return 0;
+    if (*f == '@' || *f == '=' ||
+#if PY_LITTLE_ENDIAN
+        *f == '<'
+#else
+        *f == '>' || *f == '!'
+#endif
+    )
+        f++;
+    return (f[0] == 'q' || f[0] == 'l') && f[1] == '\0';
+}
+
 static PyObject *shuffle_from(PyObject *self, PyObject *args)
 {
-    PyObject *capsule;
+    PyObject *capsule, *data;
     Py_buffer view;
     Py_ssize_t first;
     int draw;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Ow*ni", &capsule, &view, &first, &draw))
+    if (!PyArg_ParseTuple(args, "OOni", &capsule, &data, &first, &draw))
         return NULL;
     bitgen_t *gen = PyCapsule_GetPointer(capsule, "BitGenerator");
-    if (gen == NULL) {
-        PyBuffer_Release(&view);
+    if (gen == NULL)
         return NULL;
-    }
-    if (view.len % (Py_ssize_t)sizeof(int64_t) != 0) {
+    if (PyObject_GetBuffer(data, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (!native_int64(&view)) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "shuffle_from: data is not a whole number of int64");
+        PyErr_SetString(PyExc_ValueError, "shuffle_from: data is not a buffer of int64");
         return NULL;
     }
     Py_ssize_t n = view.len / (Py_ssize_t)sizeof(int64_t);
-    if (n >= (Py_ssize_t)UINT32_MAX) {
+    if ((uint64_t)n >= (uint64_t)UINT32_MAX) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "shuffle_from: more than 2^32 - 2 places");
         return NULL;
     }
     if (first < 1)
         first = 1;
-    int64_t *data = view.buf;
+    int64_t *places = view.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = n - 1; i >= first; i--) {
         uint32_t j = draw ? lemire(gen, (uint32_t)i) : masked(gen, (uint32_t)i);
-        int64_t held = data[j];
-        data[j] = data[i];
-        data[i] = held;
+        int64_t held = places[j];
+        places[j] = places[i];
+        places[i] = held;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);

@@ -115,6 +115,13 @@ class OrderSpec:
             )
         if self.node_share not in NODE_SHARES:
             raise ValueError(f"node_share {self.node_share!r} must be one of {NODE_SHARES}")
+        if self.shard_sizes and (
+            min(self.shard_sizes) < 0 or sum(self.shard_sizes) != self.num_samples
+        ):
+            raise ValueError(
+                f"shard_sizes must be counts that sum to num_samples ({self.num_samples}), "
+                f"got {len(self.shard_sizes)} summing to {sum(self.shard_sizes)}"
+            )
 
     @property
     def local_size(self) -> int:
@@ -235,42 +242,56 @@ def share_order(spec: OrderSpec, epoch: int) -> np.ndarray:
 def node_span(spec: OrderSpec, epoch: int, node: int | None = None) -> list[tuple[int, int]]:
     """The samples dealt to ``node`` (default: this rank's) for ``epoch``: (start, stop)
     ranges of sample numbers, one per shard or piece of a shard, in the deal's order."""
-    node = spec.node if node is None else node
-    sizes = np.asarray(spec.shard_sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    n = int(starts[-1])
-    if spec.shuffle:
-        dealing = 0 if spec.node_share == "keep" else epoch
-        shards = rng(spec.seed, dealing, NODE_DEAL_STREAM).permutation(len(sizes))
-    else:
-        shards = np.arange(len(sizes))
-    ends = np.cumsum(sizes[shards])  # where each shard ends in the dealt sequence
-    lo, hi = n * node // spec.nodes, n * (node + 1) // spec.nodes
-    first = int(np.searchsorted(ends, lo, side="right"))
-    span = []
-    for i in range(first, len(shards)):
-        begin = int(ends[i] - sizes[shards[i]])
-        if begin >= hi:
-            break
-        a, b = max(lo, begin), min(hi, int(ends[i]))
-        if a < b:
-            k = int(shards[i])
-            span.append((int(starts[k]) + a - begin, int(starts[k]) + b - begin))
-    return span
+    return Spans(spec, epoch).of(spec.node if node is None else node)
+
+
+class Spans:
+    """The shards' deal of an epoch (``node_span``), made once for every node's span."""
+
+    def __init__(self, spec: OrderSpec, epoch: int) -> None:
+        self.nodes = spec.nodes
+        self.sizes = np.asarray(spec.shard_sizes, dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.shards = dealt_shards(spec, epoch)
+        self.ends = np.cumsum(self.sizes[self.shards])  # where each ends in the sequence
+
+    def of(self, node: int) -> list[tuple[int, int]]:
+        """Node ``node``'s span: its (start, stop) ranges of sample numbers."""
+        n, shards, ends = int(self.starts[-1]), self.shards, self.ends
+        lo, hi = n * node // self.nodes, n * (node + 1) // self.nodes
+        first = int(np.searchsorted(ends, lo, side="right"))
+        span = []
+        for i in range(first, len(shards)):
+            begin = int(ends[i] - self.sizes[shards[i]])
+            if begin >= hi:
+                break
+            a, b = max(lo, begin), min(hi, int(ends[i]))
+            if a < b:
+                k = int(shards[i])
+                span.append((int(self.starts[k]) + a - begin, int(self.starts[k]) + b - begin))
+        return span
+
+    def pieces(self, node: int) -> list[np.ndarray]:
+        """Node ``node``'s span, one array of sample numbers per piece."""
+        return [np.arange(a, b, dtype=np.int64) for a, b in self.of(node)]
+
+
+def dealt_shards(spec: OrderSpec, epoch: int) -> np.ndarray:
+    """The order the shards are dealt to nodes in for ``epoch`` (the same in every world:
+    it depends on the seed, the epoch with ``node_share="redeal"``, and the shards)."""
+    if not spec.shuffle:
+        return np.arange(len(spec.shard_sizes))
+    dealing = 0 if spec.node_share == "keep" else epoch
+    return rng(spec.seed, dealing, NODE_DEAL_STREAM).permutation(len(spec.shard_sizes))
 
 
 def node_order(spec: OrderSpec, epoch: int) -> np.ndarray:
     """This rank's node's samples for the epoch, in order: its span (``node_span``)
     ordered, then evened to ranks-per-node times each rank's share (see the module
     docstring), unless ``even_shares`` is False."""
-    parts = _span_pieces(spec, epoch, spec.node)
+    parts = Spans(spec, epoch).pieces(spec.node)
     # a node with no samples of its own (N < nodes) repeats others'
     return _node_share(spec, epoch, spec.node, parts, np.arange(spec.num_samples, dtype=np.int64))
-
-
-def _span_pieces(spec: OrderSpec, epoch: int, node: int) -> list[np.ndarray]:
-    """Node ``node``'s span of the whole epoch (``node_span``), one array per piece."""
-    return [np.arange(a, b, dtype=np.int64) for a, b in node_span(spec, epoch, node)]
 
 
 def _node_share(
@@ -317,7 +338,8 @@ def node_taken(
 ) -> np.ndarray:
     """The samples of ``_node_share(spec, epoch, node, parts, rest)[:count]`` (``parts``: the
     node's share of ``rest`` in pieces, ``pieces``; the caller's, reordered here), in no
-    set order and without the repeats of evening: what node ``node``'s ranks read first.
+    set order (and without the repeats of evening, but where it orders the share whole):
+    what node ``node``'s ranks read first.
     Only as much of the node's order is made as settles those places: a global order
     is shuffled from its end down to place ``count`` (runtime.order.partial), a window
     order up to the window that holds place ``count``. Not for a budget's order."""
@@ -422,11 +444,7 @@ class _Deal:
     def __init__(self, spec: OrderSpec, epoch: int, rest: np.ndarray) -> None:
         sizes = np.asarray(spec.shard_sizes, dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        if spec.shuffle:
-            dealing = 0 if spec.node_share == "keep" else epoch
-            self.shards = rng(spec.seed, dealing, NODE_DEAL_STREAM).permutation(len(sizes))
-        else:
-            self.shards = np.arange(len(sizes))
+        self.shards = dealt_shards(spec, epoch)
         self.rest = rest
         self.first = np.searchsorted(rest, self.starts[:-1])
         self.last = np.searchsorted(rest, self.starts[1:])
@@ -691,7 +709,7 @@ def left_after(
         count = shape.batches_done * world.batch_size * world.local_size
         parts_of: Callable[[int], list[np.ndarray]]
         if earlier is None and len(rest) == content.size:  # the first world: node_order's
-            parts_of = functools.partial(_span_pieces, world, epoch)
+            parts_of = Spans(world, epoch).pieces  # the deal made once, for every node
         else:
             seq, ends, mine = node_shares(world, epoch, rest, earlier)
             parts_of = lambda node: pieces(world, seq, ends, mine[node])  # noqa: E731

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import threading
 from types import ModuleType
 
 import numpy as np
@@ -34,15 +35,27 @@ MAX_PLACES = (1 << 32) - 2
 DRAWS = (0, 1)  # the extension's ways to draw a place's partner: masked, Lemire's
 
 
+_checking = threading.Lock()
+
+
 @functools.cache
 def numpy_draw() -> int | None:
     """The extension's way of drawing that makes numpy's own swaps here (whole shuffles
     of a few lengths and seeds equal numpy's, each generator left where numpy leaves
-    it); None if neither does or the extension was not built."""
+    it); None if neither does, the extension was not built or it refuses to run."""
+    with _checking:  # threads asking at once check once
+        return _checked_draw()
+
+
+def _checked_draw() -> int | None:
     if compiled is None:
         return None
     for draw in DRAWS:
-        if all(_same(draw, n, seed) for n in (1, 2, 3, 17, 1000, 65537) for seed in (0, 1, 9)):
+        try:
+            same = all(_same(draw, n, s) for n in (1, 2, 3, 17, 1000, 65537) for s in (0, 1, 9))
+        except (ValueError, TypeError, BufferError):
+            return None
+        if same:
             return draw
     return None
 

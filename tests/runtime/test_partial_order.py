@@ -59,8 +59,11 @@ def test_hostile_calls_of_the_extension_are_refused() -> None:
         shuffle.shuffle_from(object(), np.arange(4), 1, 0)  # not a bit generator's capsule
     with pytest.raises((TypeError, BufferError)):
         shuffle.shuffle_from(gen.bit_generator.capsule, b"\0" * 16, 1, 0)  # read-only
-    with pytest.raises(ValueError, match="whole number"):
-        shuffle.shuffle_from(gen.bit_generator.capsule, bytearray(12), 1, 0)
+    for wrong in (bytearray(16), np.arange(4, dtype=np.float64), np.arange(4, dtype=">i8")):
+        with pytest.raises(ValueError, match="int64"):
+            shuffle.shuffle_from(gen.bit_generator.capsule, wrong, 1, 0)
+    with pytest.raises((ValueError, BufferError)):  # not contiguous
+        shuffle.shuffle_from(gen.bit_generator.capsule, np.arange(8)[::2], 1, 0)
     data = np.arange(10, dtype=np.int64)
     shuffle.shuffle_from(gen.bit_generator.capsule, data, -5, 0)  # places below 1: whole
     assert sorted(data.tolist()) == list(range(10))
