@@ -462,8 +462,7 @@ class Loader:
         grown = {}
         for name, buf in slots[0].buffers.items():
             gather = self.archive.gathers[name]
-            most = max((gather.buffer_numel(len(b), b) or 0 for b in batches), default=0)
-            most = self._room(most, buf.element_size())
+            most = self._room(gather.most_numel(batches), buf.element_size())
             if most > buf.numel():
                 grown[name] = most
         if grown:

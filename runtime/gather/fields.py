@@ -24,7 +24,7 @@ import itertools
 import math
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -313,6 +313,11 @@ class FieldGather:
         """Elements a reusable output buffer needs at this batch size (None: fresh each
         batch), its samples drawn from ``among`` (sample numbers; None: any)."""
         return None
+
+    def most_numel(self, batches: Sequence[np.ndarray]) -> int:
+        """The most elements ``buffer_numel`` asks for any of ``batches`` (each its sample
+        numbers); 0 for none, or where every batch's buffer is fresh."""
+        return max((self.buffer_numel(len(b), b) or 0 for b in batches), default=0)
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         """The field's batch entries and the copy steps that fill them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,9 @@ class FixedRawGather(FieldGather):
 
     def buffer_numel(self, batch_size: int, among: np.ndarray | None = None) -> int | None:
         return batch_size * math.prod(self.trail)
+
+    def most_numel(self, batches: Sequence[np.ndarray]) -> int:
+        return max(map(len, batches), default=0) * math.prod(self.trail)
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         return self.plan_grouped(indices, batch_groups(indices, self.starts), out)

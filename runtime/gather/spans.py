@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -202,6 +203,17 @@ class SpanGather(FieldGather):
         lengths = self.lengths if self.lengths is None or among is None else self.lengths[among]
         longest = 1 if lengths is None else int(lengths.max(initial=0))
         return batch_size * longest * self.row
+
+    def most_numel(self, batches: Sequence[np.ndarray]) -> int:
+        if self.shapes is not None:
+            return 0
+        sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
+        if self.lengths is None or not sizes.any():
+            return int(sizes.max(initial=0)) * self.row
+        kept = sizes > 0  # each batch's longest sample, all batches at once
+        starts = np.concatenate([[0], np.cumsum(sizes[kept])[:-1]])
+        longest = np.maximum.reduceat(self.lengths[np.concatenate(batches)], starts)
+        return int((sizes[kept] * longest).max()) * self.row
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         return self.plan_grouped(indices, batch_groups(indices, self.starts), out)

@@ -321,3 +321,23 @@ def test_batches_planned_as_one_into_buffers_of_another_type(archive: Path) -> N
     short = {"speech": torch.zeros(8, dtype=torch.float32)}
     with pytest.raises((ValueError, RuntimeError)):
         ds.plan_packed(idx, cuts, short)
+
+
+@pytest.mark.parametrize("zstd", [False, True])
+def test_the_most_a_field_buffer_needs_over_batches_is_each_batchs_most(
+    tmp_path: Path, zstd: bool
+) -> None:
+    """most_numel (a continued epoch sizes its ring by it, all batches at once) equals the
+    largest buffer_numel of the batches one by one, for every kind of field; empty
+    batches and no batch included."""
+    path = make_archive(tmp_path / "a", n=60, zstd=zstd)
+    archive = open_archive(path)
+    draw = np.random.default_rng(4)
+    for name, gather in archive.gathers.items():
+        for _ in range(20):
+            batches = [
+                np.sort(draw.choice(60, size=int(draw.integers(0, 9)), replace=False))
+                for _ in range(int(draw.integers(0, 12)))
+            ]
+            want = max((gather.buffer_numel(len(b), b) or 0 for b in batches), default=0)
+            assert gather.most_numel(batches) == want, (name, [len(b) for b in batches])
