@@ -210,10 +210,8 @@ class SpanGather(FieldGather):
         sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
         if self.lengths is None or not sizes.any():
             return int(sizes.max(initial=0)) * self.row
-        kept = sizes > 0  # each batch's longest sample, all batches at once
-        starts = np.concatenate([[0], np.cumsum(sizes[kept])[:-1]])
-        longest = np.maximum.reduceat(self.lengths[np.concatenate(batches)], starts)
-        return int((sizes[kept] * longest).max()) * self.row
+        longest = longest_each(self.lengths[np.concatenate(batches)], sizes)
+        return int((sizes * longest).max()) * self.row
 
     def plan(self, indices: torch.Tensor, out: Output) -> Planned:
         return self.plan_grouped(indices, batch_groups(indices, self.starts), out)
@@ -317,7 +315,7 @@ class SpanGather(FieldGather):
         idx = np.ascontiguousarray(indices.numpy(), np.int64)  # checked by Archive.plan
         lens = self.lengths[idx]
         firsts = edges[:-1]
-        longest = np.maximum.reduceat(lens, firsts)
+        longest = longest_each(lens, counts)
         numel = counts * longest * self.row
         starts = np.zeros(len(counts), np.int64)  # each batch's first element in ``out``
         np.cumsum(aligned(numel, self.itemsize)[:-1], out=starts[1:])
@@ -350,6 +348,17 @@ class SpanGather(FieldGather):
         runs = runs[runs[:, 2] > 0]  # no empty runs
         dst, src, nbytes = (np.ascontiguousarray(runs[:, k]) for k in range(3))
         return entries, [Runs(flat_bytes(out), dst, src, nbytes, (*keep, pattern))]
+
+
+def longest_each(lengths: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The largest of each run of ``counts[i]`` consecutive ``lengths`` (the longest
+    sample of each of several batches laid end to end), 0 for an empty run."""
+    longest = np.zeros(len(counts), dtype=np.int64)
+    kept = counts > 0  # reduceat over the non-empty runs' starts alone
+    if kept.any():
+        starts = np.cumsum(counts) - counts
+        longest[kept] = np.maximum.reduceat(lengths, starts[kept])
+    return longest
 
 
 class Prepared(NamedTuple):

@@ -224,13 +224,45 @@ def _windowed(gen: np.random.Generator, ranges: list[tuple[int, int]], window: i
     return _windowed_parts(gen, [np.arange(a, b) for a, b in ranges], window)
 
 
-def _windowed_parts(gen: np.random.Generator, parts: list[np.ndarray], window: int) -> np.ndarray:
-    """``_windowed`` of the samples of each part (a shard's, or some of them)."""
+def _windowed_parts(
+    gen: np.random.Generator, parts: list[np.ndarray], window: int, head: int | None = None
+) -> np.ndarray:
+    """``_windowed`` of the samples of each part (a shard's, or some of them); with
+    ``head``, only the samples of its first ``head`` places (``_ordered``): the windows
+    up to the one that holds place ``head``, that one shuffled only as far as it must be."""
     mixed = [parts[i] for i in gen.permutation(len(parts))]
-    out = [np.concatenate(mixed[w : w + window]) for w in range(0, len(mixed), window)]
-    for window_samples in out:
-        gen.shuffle(window_samples)  # as gen.permutation, in the copy concatenate made
+    out, at = [], 0
+    for w in range(0, len(mixed), window):
+        if head is not None and at >= head:
+            break
+        samples = np.concatenate(mixed[w : w + window])
+        if head is None or at + len(samples) <= head:
+            gen.shuffle(samples)  # as gen.permutation, in the copy concatenate made
+            out.append(samples)
+        else:
+            out.append(partial.head(gen, samples.astype(np.int64, copy=False), head - at))
+        at += len(samples)
     return np.concatenate(out).astype(np.int64, copy=False) if out else np.zeros(0, np.int64)
+
+
+def _ordered(
+    spec: OrderSpec, gen: np.random.Generator, parts: list[np.ndarray], head: int | None = None
+) -> np.ndarray:
+    """A node's ``parts`` (pieces of shards, in the deal's order; fresh arrays, reordered
+    here) in ``spec``'s order. With ``head``, only the samples of its first ``head``
+    places, in no set order, made by settling those places alone: a global order
+    shuffled from its end down to place ``head`` (runtime.order.partial), a window
+    order up to the window that holds it."""
+    if not spec.shuffle or not parts:
+        order = np.concatenate(parts or [np.zeros(0, np.int64)])
+        return order if head is None else order[:head]
+    if spec.mode == "window":
+        return _windowed_parts(gen, parts, spec.window_shards, head)
+    order = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if head is not None:
+        return partial.head(gen, order.astype(np.int64, copy=False), head)
+    gen.shuffle(order)  # as gen.permutation, in place: the parts are the caller's copies
+    return order
 
 
 def share_order(spec: OrderSpec, epoch: int) -> np.ndarray:
@@ -301,21 +333,19 @@ def _node_share(
     evened to its ranks' share of ``every`` sample of the epoch (repeating ``every``
     where the node holds none)."""
     gen = rng(spec.seed, epoch, NODE_STREAM + node)
-    if not spec.shuffle or not parts:
-        order = np.concatenate(parts or [np.zeros(0, np.int64)])
-    elif spec.mode == "global":
-        order = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        gen.shuffle(order)  # as gen.permutation, in place: the parts are the caller's copies
-    else:
-        order = _windowed_parts(gen, parts, spec.window_shards)
-    order = order.astype(np.int64, copy=False)
+    order = _ordered(spec, gen, parts).astype(np.int64, copy=False)
     if not spec.even_shares:
         return order
     if spec.budget is not None:  # evened by steps, not samples (runtime.order.budget)
         return order if len(order) else every
-    n, world = len(every), spec.world_size
-    size = spec.local_size * (n // world if spec.drop_last else math.ceil(n / world))
-    return _fit(order if len(order) else every, size)
+    return _fit(order if len(order) else every, _evened_size(spec, len(every)))
+
+
+def _evened_size(spec: OrderSpec, n: int) -> int:
+    """A node's evened share of an epoch of ``n`` samples: ranks per node times each
+    rank's ceil(n / world), or floor with drop_last."""
+    each = n // spec.world_size if spec.drop_last else -(-n // spec.world_size)
+    return spec.local_size * each
 
 
 def node_rest(
@@ -338,34 +368,15 @@ def node_taken(
 ) -> np.ndarray:
     """The samples of ``_node_share(spec, epoch, node, parts, rest)[:count]`` (``parts``: the
     node's share of ``rest`` in pieces, ``pieces``; the caller's, reordered here), in no
-    set order (and without the repeats of evening, but where it orders the share whole):
-    what node ``node``'s ranks read first.
-    Only as much of the node's order is made as settles those places: a global order
-    is shuffled from its end down to place ``count`` (runtime.order.partial), a window
-    order up to the window that holds place ``count``. Not for a budget's order."""
-    if not parts or not spec.shuffle or spec.budget is not None:
+    set order (and without the repeats of evening, but for a node holding none or a
+    budget's order): what node ``node``'s ranks read first, with only as much of the
+    node's order made as settles those places (``_ordered``)."""
+    if not parts or spec.budget is not None:
         return _node_share(spec, epoch, node, parts, rest)[:count]
-    size = sum(len(p) for p in parts)
     if spec.even_shares:  # evening repeats the order's first samples, or trims its tail
-        n, world = len(rest), spec.world_size
-        count = min(count, spec.local_size * (n // world if spec.drop_last else -(-n // world)))
-    gen = rng(spec.seed, epoch, NODE_STREAM + node)
-    if spec.mode == "global":
-        order = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return partial.head(gen, order.astype(np.int64, copy=False), min(count, size))
-    mixed = [parts[i] for i in gen.permutation(len(parts))]
-    heads, at = [], 0
-    for w in range(0, len(mixed), spec.window_shards):
-        if at >= count:
-            break
-        window = np.concatenate(mixed[w : w + spec.window_shards]).astype(np.int64, copy=False)
-        if at + len(window) <= count:
-            gen.shuffle(window)  # drawn as the whole order draws it, for the windows after
-            heads.append(window)
-        else:
-            heads.append(partial.head(gen, window, count - at))
-        at += len(window)
-    return np.concatenate(heads) if heads else np.zeros(0, np.int64)
+        count = min(count, _evened_size(spec, len(rest)))
+    head = min(count, sum(len(p) for p in parts))
+    return _ordered(spec, rng(spec.seed, epoch, NODE_STREAM + node), parts, head)
 
 
 def pieces(
@@ -407,16 +418,15 @@ def node_shares(
     # from held[j] to held[j + 1].
     total = spec.num_samples
     held = [deal.index(total * j // before.nodes) for j in range(before.nodes + 1)]
-    kept = min(before.nodes, nodes)
-    ranges: list[list[tuple[int, int]]] = [[] for _ in range(nodes)]
-    taken = []  # (start, stop) of seq each node keeps from its own span, ascending
-    for j in range(kept):
-        stop = min(held[j + 1], held[j] + bounds[j + 1] - bounds[j])
-        ranges[j].append((held[j], stop))
-        taken.append((held[j], stop))
+    # (start, stop) of seq each node keeps of its own span, up to its share; ascending
+    own = [
+        (held[j], min(held[j + 1], held[j] + bounds[j + 1] - bounds[j]))
+        for j in range(min(before.nodes, nodes))
+    ]
+    ranges = [[r] for r in own] + [[] for _ in range(len(own), nodes)]
     # the rest, in the deal's order, fills each node's share up to its size
     gaps, at = [], 0
-    for a, b in [*taken, (n, n)]:
+    for a, b in [*own, (n, n)]:
         if at < a:
             gaps.append((at, a))
         at = max(at, b)
@@ -437,36 +447,32 @@ def node_shares(
     return seq, ends, mine
 
 
-class _Deal:
+class _Deal(Spans):
     """The positions ``rest`` (ascending) of an epoch in the sequence the shards are dealt
     to nodes in (``node_span``'s), each shard's ascending."""
 
     def __init__(self, spec: OrderSpec, epoch: int, rest: np.ndarray) -> None:
-        sizes = np.asarray(spec.shard_sizes, dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.shards = dealt_shards(spec, epoch)
+        super().__init__(spec, epoch)
         self.rest = rest
         self.first = np.searchsorted(rest, self.starts[:-1])
         self.last = np.searchsorted(rest, self.starts[1:])
-        # where each shard ends in the whole epoch's sequence, and in rest's
-        self.dealt_ends = np.cumsum(sizes[self.shards])
-        self.ends = np.cumsum((self.last - self.first)[self.shards])
+        self.run_ends = np.cumsum((self.last - self.first)[self.shards])  # ends, in rest's
 
     def sequence(self) -> tuple[np.ndarray, np.ndarray]:
         """``rest`` in the deal's sequence, and where each shard's run ends in it."""
         runs = [self.rest[self.first[k] : self.last[k]] for k in self.shards]
         seq = np.concatenate(runs) if runs else np.zeros(0, np.int64)
-        return seq, self.ends
+        return seq, self.run_ends
 
     def index(self, at: int) -> int:
         """How many of ``rest`` come before index ``at`` of the whole epoch's sequence."""
-        i = int(np.searchsorted(self.dealt_ends, at, side="right"))
+        i = int(np.searchsorted(self.ends, at, side="right"))
         if i == len(self.shards):
-            return int(self.ends[-1]) if len(self.ends) else 0
+            return int(self.run_ends[-1]) if len(self.run_ends) else 0
         k = int(self.shards[i])
-        within = at - int(self.dealt_ends[i]) + int(self.starts[k + 1] - self.starts[k])
+        within = at - int(self.ends[i]) + int(self.sizes[k])
         below = int(np.searchsorted(self.rest, self.starts[k] + within)) - int(self.first[k])
-        return int(self.ends[i]) - int(self.last[k] - self.first[k]) + below
+        return int(self.run_ends[i]) - int(self.last[k] - self.first[k]) + below
 
 
 def _fit(seq: np.ndarray, size: int) -> np.ndarray:

@@ -30,11 +30,7 @@ except ImportError:  # built without a C compiler
 
 # Places the extension takes (its draws are numpy's 32-bit ones below this).
 MAX_PLACES = (1 << 32) - 2
-
-
 DRAWS = (0, 1)  # the extension's ways to draw a place's partner: masked, Lemire's
-
-
 _checking = threading.Lock()
 
 
@@ -79,7 +75,7 @@ def head(gen: np.random.Generator, data: np.ndarray, count: int) -> np.ndarray:
     count = max(0, min(count, n))
     if count == n or count == 0:
         return data[:count]  # every sample, or none: no swap needed
-    draw = numpy_draw()
+    draw = numpy_draw()  # not None: the extension is there and makes numpy's swaps
     if (
         compiled is not None
         and draw is not None

@@ -146,3 +146,55 @@ def test_both_ways_of_drawing_are_the_algorithms_they_name() -> None:
             gen = np.random.default_rng(n + draw)
             compiled.shuffle_from(gen.bit_generator.capsule, got, first, draw)
             assert got.tolist() == want, (draw, n, first)
+
+
+def test_an_extension_that_refuses_to_run_leaves_the_shuffle_to_numpy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A build whose extension refuses every call (as a 32-bit one did) is checked once
+    and set aside: heads still come, from numpy's whole shuffle."""
+
+    class Refusing:
+        @staticmethod
+        def shuffle_from(*args: Any) -> None:
+            raise ValueError("shuffle_from: more than 2^32 - 2 places")
+
+    monkeypatch.setattr(partial, "compiled", Refusing)
+    partial.numpy_draw.cache_clear()
+    try:
+        assert partial.numpy_draw() is None
+        want = np.arange(500, dtype=np.int64)
+        np.random.default_rng(2).shuffle(want)
+        got = partial.head(np.random.default_rng(2), np.arange(500, dtype=np.int64), 120)
+        assert sorted(got.tolist()) == sorted(want[:120].tolist())
+    finally:
+        partial.numpy_draw.cache_clear()
+
+
+@pytest.mark.parametrize("sizes", [(3, 3), (5, 3), (8, -1)])
+def test_shard_sizes_that_do_not_count_the_samples_are_refused(sizes: tuple[int, ...]) -> None:
+    """A node's share is cut from the shard sizes and the sample count alike: an order
+    whose sizes do not sum to its samples (or count less than none) is refused."""
+    with pytest.raises(ValueError, match="sum to num_samples"):
+        epochs.OrderSpec(7, 2, world_size=2, nodes=2, shard_sizes=sizes)
+    assert epochs.OrderSpec(7, 2, world_size=2, nodes=2, shard_sizes=(4, 3)).dealt
+
+
+def test_what_a_wide_world_took_is_found_from_one_deal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shards are dealt to nodes in one sequence for every node: finding what each
+    of 16 old nodes read draws that deal once, not once a node (nodes x shards)."""
+    drawn = []
+    real = epochs.rng
+
+    def counted(seed: int, epoch: int, stream: int) -> np.random.Generator:
+        drawn.append(stream)
+        return real(seed, epoch, stream)
+
+    monkeypatch.setattr(epochs, "rng", counted)
+    sizes = (10,) * 200
+    spec = epochs.OrderSpec(sum(sizes), 4, world_size=16, nodes=16, shard_sizes=sizes)
+    content = epochs.Content(spec.num_samples, order=lambda: epochs.epoch_order(spec, 0))
+    everything = np.arange(spec.num_samples)
+    left = epochs.left_after(spec, 0, epochs.Shape(16, 16, 4, 3), None, everything, content)
+    assert drawn.count(epochs.NODE_DEAL_STREAM) == 1
+    assert len(left) == spec.num_samples - 16 * 3 * 4  # each rank's three batches of four

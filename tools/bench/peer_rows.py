@@ -191,18 +191,28 @@ STREAMING_S3 = "MosaicML Streaming StreamingDataset(remote=s3://, local=cache) +
 def s3_epochs(make: Callable[[], Any], repeats: int) -> tuple[float, float]:
     """Seconds of a loader's first epoch from an empty cache (cold: every shard or chunk
     fetched; opening included) and the median of later ones (warm)."""
-    t0 = time.perf_counter()
-    loader = make()
-    loader_epoch(loader)
-    cold = time.perf_counter() - t0
+    cold, loader = first_epoch(make)
     warm = best_of(lambda: loader_epoch(loader), repeats)
-    close = getattr(loader, "close", None)
-    if close is not None:
-        close()  # the dlop Loader's threads; the peers' workers go with their loader
+    finish(loader)
     return cold, warm
 
 
-def dlop_s3(url: str, cache: Path, workers: int = 0) -> Any:
+def first_epoch(make: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds from making a loader to the end of its first epoch, and the loader."""
+    t0 = time.perf_counter()
+    loader = make()
+    loader_epoch(loader)
+    return time.perf_counter() - t0, loader
+
+
+def finish(loader: Any) -> None:
+    """Ends a loader timed here: the dlop Loader's threads (``close``); the peers'
+    DataLoader workers end with their loader."""
+    if isinstance(loader, Loader):
+        loader.close()
+
+
+def dlop_s3(url: str, cache: Path, workers: int) -> Any:
     """The dlop Loader over ``url`` through a cache folder that holds it all."""
     return Loader(url, BATCH, seed=0, cache_dir=cache, cache_bytes=S3_CACHE_BYTES)
 
@@ -265,13 +275,9 @@ def cold_epochs(makers: list[Callable[[Path], Any]], work: Path, rounds: int) ->
             cache = work / f"cold-{i}-{r}"
             shutil.rmtree(cache, ignore_errors=True)
             _settled()
-            t0 = time.perf_counter()
-            loader = makers[i](cache)
-            loader_epoch(loader)
-            took[i].append(time.perf_counter() - t0)
-            close = getattr(loader, "close", None)
-            if close is not None:
-                close()
+            seconds, loader = first_epoch(functools.partial(makers[i], cache))
+            took[i].append(seconds)
+            finish(loader)
             del loader
             shutil.rmtree(cache, ignore_errors=True)
     return took
@@ -285,10 +291,6 @@ def _settled(limit_s: float = 10.0) -> None:
     deadline = time.monotonic() + limit_s
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def _with_workers(make: Callable[[Path, int], Any], workers: int, cache: Path) -> Any:
-    return make(cache, workers)
 
 
 def s3_rows(archive: Path, work: Path, n: int, workers: int, repeats: int) -> list[Row]:
@@ -327,7 +329,7 @@ def s3_rows(archive: Path, work: Path, n: int, workers: int, repeats: int) -> li
                 streaming_s3,
             ),
         ]
-        streaming = None
+        streaming_url = None
         for i, (name, write, make) in enumerate(peers):
             out = work / f"s3-peer-{i}"
             try:
@@ -344,10 +346,10 @@ def s3_rows(archive: Path, work: Path, n: int, workers: int, repeats: int) -> li
             rows.append(rate_row(wl, f"{name}, warm cache", n, warm, size, base))
             timed.append((name, cold, warm))
             if name == STREAMING_S3:
-                streaming = functools.partial(make, peer_url)
+                streaming_url = peer_url
         extra: dict[str, Any] = {}
-        if streaming is not None:
-            theirs = functools.partial(_with_workers, streaming, workers)
+        if streaming_url is not None:
+            theirs = functools.partial(streaming_s3, streaming_url, workers=workers)
             rounds = cold_epochs([ours, theirs], work, max(COLD_ROUNDS, repeats))
             colds = {"dlop": rounds[0], STREAMING_S3: rounds[1]}
             ratios = [s / d for d, s in zip(rounds[0], rounds[1], strict=True)]
