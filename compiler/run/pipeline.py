@@ -31,6 +31,7 @@ import multiprocessing.context
 import os
 import pickle
 import sys
+import threading
 import time
 import warnings
 from collections import deque
@@ -356,7 +357,7 @@ def _local_records(
         fault_at(f"shard:{done[0]}")
 
     sizes: dict[int, str] = {}  # unit -> its inputs' sizes, taken as its inputs go out
-    size = run.work().chunk_items()
+    size = shared_chunks(run.work().chunk_items(), sum(len(i) for _, i in units), workers)
     chunks = (
         chunk
         for unit, inputs in units
@@ -382,6 +383,13 @@ def _local_records(
             yield record
             if record.failure is not None:
                 return
+
+
+def shared_chunks(chunk_items: int, inputs: int, workers: int) -> int:
+    """Inputs per chunk for ``inputs`` on ``workers``: the Work's ``chunk_items``, or fewer
+    where that many would leave a worker idle (a small compile or append: 20 inputs in
+    chunks of 16 gave one worker 16 and the other 4, and the compile waited on the one)."""
+    return max(1, min(chunk_items, -(-inputs // max(1, workers))))
 
 
 def _results(
@@ -464,12 +472,15 @@ def _pooled(
     workers are killed and ``lost`` holds the chunks it was given and not yet answered."""
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init)
     pending: deque[tuple[list[Item], Future[Any]]] = deque()
+    ending: _Ending | None = None
     try:
         with processes.main_module_hidden():
             for chunk in chunks:
                 pending.append((chunk, pool.submit(_run_chunk, chunk)))
                 if len(pending) >= 8 * workers:  # bounded: a few chunks per worker in flight
                     break
+            else:
+                ending = _Ending.of(pool)
         while pending:
             chunk, future = pending[0]
             try:
@@ -481,15 +492,19 @@ def _pooled(
                 return
             pending.popleft()
             yield from _unspill(result)
-            for chunk in itertools.islice(chunks, 1):
+            if ending is None:
                 with processes.main_module_hidden():
-                    pending.append((chunk, pool.submit(_run_chunk, chunk)))
+                    for chunk in itertools.islice(chunks, 1):
+                        pending.append((chunk, pool.submit(_run_chunk, chunk)))
+                        break
+                    else:
+                        ending = _Ending.of(pool)
     finally:
         for _, f in pending:
             f.cancel()
         # a lost pool's workers are killed at once (one may hang in a user's code, and a
         # pool has no call that stops a running task)
-        _stop(pool, 0.0 if lost else WORKER_EXIT_S)
+        _stop(pool, 0.0 if lost else WORKER_EXIT_S, ending)
 
 
 # How long a pool's idle workers may take to exit before they are killed: one held by a
@@ -497,11 +512,28 @@ def _pooled(
 WORKER_EXIT_S = 2.0
 
 
-def _stop(pool: ProcessPoolExecutor, grace: float) -> None:
+@dataclass(frozen=True)
+class _Ending:
+    """A pool told to end once the chunks it was given are done (every chunk is given): its
+    workers exit while the driver reads their last results and commits, not after.
+    Holds what ``_stop`` waits for, which the executor forgets once told."""
+
+    procs: tuple[Any, ...]
+    manager: threading.Thread | None
+
+    @classmethod
+    def of(cls, pool: ProcessPoolExecutor) -> _Ending:
+        ending = cls(tuple((pool._processes or {}).values()), pool._executor_manager_thread)
+        pool.shutdown(wait=False)
+        return ending
+
+
+def _stop(pool: ProcessPoolExecutor, grace: float, ending: _Ending | None = None) -> None:
     """Shuts the pool down, killing the workers that have not exited ``grace`` seconds
     after being told to. The executor's table of its processes is the one place their
-    handles are kept (Python 3.14 adds ``kill_workers`` for this)."""
-    procs = list((pool._processes or {}).values())
+    handles are kept (Python 3.14 adds ``kill_workers`` for this); ``ending``: what it
+    held when told to end earlier."""
+    procs = ending.procs if ending is not None else tuple((pool._processes or {}).values())
     pool.shutdown(wait=False, cancel_futures=True)
     deadline = time.monotonic() + grace
     for proc in procs:
@@ -510,6 +542,8 @@ def _stop(pool: ProcessPoolExecutor, grace: float) -> None:
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 proc.kill()
     pool.shutdown(wait=True)
+    if ending is not None and ending.manager is not None:
+        ending.manager.join()  # its workers have ended: it ends after them
 
 
 def _guarded(
