@@ -6,7 +6,9 @@ workers:
 
 - ``whole``: a compile of the whole corpus into an empty folder;
 - ``append``: ``--append`` of the whole corpus into a copy of the 99% archive (the copy
-  made before the clock starts), which compiles the 1% it does not hold.
+  made before the clock starts), which compiles the 1% it does not hold;
+- ``listing``: the same ``--append`` once more, when the archive holds every input: what
+  an append costs before it compiles anything.
 
 ``append_vs_whole`` is the append's time over the whole compile's, the median of the
 rounds' ratios with their range; 0.01 would be an append that costs exactly its share
@@ -19,6 +21,8 @@ identities, and starting workers.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import shutil
 import statistics
 import time
@@ -51,7 +55,7 @@ def run(work: Path, args: argparse.Namespace) -> list[Row]:
     _write_csv(corpus, rows[:kept])
     compile_corpus(recipe, work / "part", **options)
     _write_csv(corpus, rows)
-    took: dict[str, list[float]] = {"whole": [], "append": []}
+    took: dict[str, list[float]] = {"whole": [], "append": [], "listing": []}
     for _ in range(rounds):
         shutil.rmtree(work / "whole", ignore_errors=True)
         t0 = time.perf_counter()
@@ -62,6 +66,10 @@ def run(work: Path, args: argparse.Namespace) -> list[Row]:
         t0 = time.perf_counter()
         compile_corpus(recipe, work / "grown", workers=workers, progress=False, append=True)
         took["append"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()  # again: every input held, nothing compiled or written
+        with contextlib.redirect_stderr(io.StringIO()):
+            compile_corpus(recipe, work / "grown", workers=workers, progress=False, append=True)
+        took["listing"].append(time.perf_counter() - t0)
     ratios = [a / w for a, w in zip(took["append"], took["whole"], strict=True)]
     workload = (
         f"grow an archive: {len(rows)} ESC-50-shaped clips of {SECONDS:g} s, {workers} workers"
@@ -82,6 +90,13 @@ def run(work: Path, args: argparse.Namespace) -> list[Row]:
             "range": [round(min(ratios), 4), round(max(ratios), 4)],
         },
         "inputs_share": round(added / len(rows), 4),
+        # what an append pays before it compiles anything (listing the corpus, reading the
+        # archive's identities), over the whole compile: the part of append_vs_whole that
+        # grows with the corpus, not with what is appended
+        "listing_vs_whole": round(
+            statistics.median(a / w for a, w in zip(took["listing"], took["whole"], strict=True)),
+            4,
+        ),
         "seconds": {k: [round(t, 3) for t in v] for k, v in took.items()},
     }
     return [whole, append]
