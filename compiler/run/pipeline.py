@@ -472,15 +472,26 @@ def _pooled(
     workers are killed and ``lost`` holds the chunks it was given and not yet answered."""
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init)
     pending: deque[tuple[list[Item], Future[Any]]] = deque()
-    ending: _Ending | None = None
-    try:
-        with processes.main_module_hidden():
-            for chunk in chunks:
+
+    def given(chunk: list[Item]) -> bool:
+        """Gives ``chunk`` to the pool; False when the pool is lost already (a worker died
+        while the driver read results): the chunk is lost with the others."""
+        try:
+            with processes.main_module_hidden():
                 pending.append((chunk, pool.submit(_run_chunk, chunk)))
-                if len(pending) >= 8 * workers:  # bounded: a few chunks per worker in flight
-                    break
-            else:
-                ending = _Ending.of(pool)
+        except BrokenProcessPool:
+            pending.append((chunk, Future()))  # never run: its inputs run one by one
+            lost.extend(pending)
+            pending.clear()
+            return False
+        return True
+
+    try:
+        for chunk in chunks:
+            if not given(chunk):
+                return
+            if len(pending) >= 8 * workers:  # bounded: a few chunks per worker in flight
+                break
         while pending:
             chunk, future = pending[0]
             try:
@@ -492,58 +503,53 @@ def _pooled(
                 return
             pending.popleft()
             yield from _unspill(result)
-            if ending is None:
-                with processes.main_module_hidden():
-                    for chunk in itertools.islice(chunks, 1):
-                        pending.append((chunk, pool.submit(_run_chunk, chunk)))
-                        break
-                    else:
-                        ending = _Ending.of(pool)
+            for chunk in itertools.islice(chunks, 1):
+                if not given(chunk):
+                    return
     finally:
         for _, f in pending:
             f.cancel()
         # a lost pool's workers are killed at once (one may hang in a user's code, and a
         # pool has no call that stops a running task)
-        _stop(pool, 0.0 if lost else WORKER_EXIT_S, ending)
+        _stop(pool, 0.0 if lost else WORKER_EXIT_S)
 
 
 # How long a pool's idle workers may take to exit before they are killed: one held by a
 # thread a user's item started (its exit waits for every non-daemon thread) never does.
 WORKER_EXIT_S = 2.0
+# How long the pool's own thread may take to end after its workers: it reads what they
+# sent last, and one killed mid-result leaves it waiting on a pipe the driver holds open.
+MANAGER_EXIT_S = 5.0
 
 
-@dataclass(frozen=True)
-class _Ending:
-    """A pool told to end once the chunks it was given are done (every chunk is given): its
-    workers exit while the driver reads their last results and commits, not after.
-    Holds what ``_stop`` waits for, which the executor forgets once told."""
-
-    procs: tuple[Any, ...]
-    manager: threading.Thread | None
-
-    @classmethod
-    def of(cls, pool: ProcessPoolExecutor) -> _Ending:
-        ending = cls(tuple((pool._processes or {}).values()), pool._executor_manager_thread)
-        pool.shutdown(wait=False)
-        return ending
-
-
-def _stop(pool: ProcessPoolExecutor, grace: float, ending: _Ending | None = None) -> None:
+def _stop(pool: ProcessPoolExecutor, grace: float) -> None:
     """Shuts the pool down, killing the workers that have not exited ``grace`` seconds
-    after being told to. The executor's table of its processes is the one place their
-    handles are kept (Python 3.14 adds ``kill_workers`` for this); ``ending``: what it
-    held when told to end earlier."""
-    procs = ending.procs if ending is not None else tuple((pool._processes or {}).values())
+    after being told to, then waits (up to MANAGER_EXIT_S) for the pool's thread, so that
+    the next pool, or a guarded input, forks from a driver with no thread of this one
+    left. The executor's table of its processes and its thread are the one place their
+    handles are kept, and it forgets them once shut down (Python 3.14 adds
+    ``kill_workers`` for this)."""
+    procs = tuple((pool._processes or {}).values())
+    manager: threading.Thread | None = getattr(pool, "_executor_manager_thread", None)
+    if grace <= 0:
+        # killed before the pool is told: from Python 3.12 a broken pool's thread waits for
+        # its workers while holding the lock shutdown takes, and a worker whose item
+        # ignores SIGTERM would never end
+        _killed(procs, time.monotonic())
     pool.shutdown(wait=False, cancel_futures=True)
-    deadline = time.monotonic() + grace
+    _killed(procs, time.monotonic() + grace)
+    pool.shutdown(wait=True)
+    if manager is not None:
+        manager.join(MANAGER_EXIT_S)
+
+
+def _killed(procs: tuple[Any, ...], deadline: float) -> None:
+    """Waits for ``procs`` until ``deadline`` (time.monotonic), killing those still alive."""
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 proc.kill()
-    pool.shutdown(wait=True)
-    if ending is not None and ending.manager is not None:
-        ending.manager.join()  # its workers have ended: it ends after them
 
 
 def _guarded(

@@ -215,3 +215,16 @@ class CountsPickles(Plain):
     def __getstate__(self) -> dict[str, Any]:
         PICKLED[0] += 1
         return dict(self.__dict__)
+
+
+class SlowlyKilled(Misbehaving):
+    """Misbehaving, each item taking ``seconds`` (so that the pool gives it out one item
+    to a chunk, CHUNK_SECONDS)."""
+
+    def __init__(self, n: int, at: tuple[int, ...], what: str, seconds: float) -> None:
+        super().__init__(n, at, what)
+        self.seconds = seconds
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        time.sleep(self.seconds)
+        return super().__getitem__(i)

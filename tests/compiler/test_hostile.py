@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,15 @@ from dlop.compiler.faults import KILL_AT
 from dlop.formats import StorageError
 from dlop.runtime import open_archive
 
-from .hostile_data import Hostile, Misbehaving, Plain, TokenIds, Unhurried, Unloadable
+from .hostile_data import (
+    Hostile,
+    Misbehaving,
+    Plain,
+    SlowlyKilled,
+    TokenIds,
+    Unhurried,
+    Unloadable,
+)
 
 EPOCH = "1700000000"
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +118,28 @@ def test_an_item_that_kills_its_worker_is_recorded_and_the_rest_compile(
     assert [e["path"] for e in bad] == ["Misbehaving[5]", "Misbehaving[33]"]
     said = {"exit": "exited with status 3", "kill": "killed by SIGKILL", "segv": "SIGSEGV"}
     assert all(said[what] in str(e["reason"]) for e in bad), bad
+
+
+def test_a_worker_that_dies_while_the_driver_is_busy_is_survived(tmp_path: Path) -> None:
+    """Item 30's worker dies while the driver is held up between results (here by its
+    progress callback), so the pool is found lost when the driver next gives it a chunk,
+    not while it waits for one. Before, that raised BrokenProcessPool out of the
+    compile; now the chunks the pool had are run again one input each."""
+    ds = SlowlyKilled(40, (30,), "exit", seconds=0.06)  # one item to a chunk
+    held = [False]
+
+    def progress(done: int) -> None:
+        if done == 20 and not held[0]:
+            held[0] = True
+            time.sleep(1.5)  # the workers go on through the chunks in flight, to item 30
+
+    compile_dataset(
+        ds, tmp_path / "a", workers=2, unit_inputs=40, progress=False, on_progress=progress
+    )
+    assert held[0]
+    archive = open_archive(tmp_path / "a")
+    assert [int(archive[i]["y"]) for i in range(len(archive))] == [i for i in range(40) if i != 30]
+    assert [e["path"] for e in errors(tmp_path / "a")] == ["SlowlyKilled[30]"]
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -1,7 +1,6 @@
 """A local pool's work is shared out so that no worker idles while another has a queue
 (a small compile or an append of a few inputs), and a compile that returns has ended
-every worker process and pool thread it started, whether its pool was told to end
-early (every chunk given) or stopped on the way."""
+every worker process and pool thread it started."""
 
 from __future__ import annotations
 
