@@ -190,8 +190,11 @@ class IterableArchive(IterableDataset[Batch]):
         return order
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
-        """This rank's sample indices, batch by batch, for an epoch (default: the current one)."""
-        return self.batch_order().batches(self.epoch if epoch is None else epoch)
+        """This rank's sample indices, batch by batch, for an epoch (default: the current
+        one): a copy, which the caller may change without changing what is read."""
+        return [
+            b.copy() for b in self.batch_order().batches(self.epoch if epoch is None else epoch)
+        ]
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (all workers together): a whole epoch's in this
@@ -298,7 +301,7 @@ class IterableArchive(IterableDataset[Batch]):
                 "latest batch taken, state_dict(after=batch), or batches_done=N counted "
                 "from the epoch's start"
             )
-        count = len(self.batches())
+        count = len(self.batch_order().batches(self.epoch))
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,

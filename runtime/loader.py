@@ -175,8 +175,9 @@ class Loader:
         self.order.set_epoch(epoch)
 
     def batches(self, epoch: int | None = None) -> list[np.ndarray]:
-        """This rank's sample indices, batch by batch, for an epoch."""
-        return self.order.batches(epoch)
+        """This rank's sample indices, batch by batch, for an epoch: a copy, which the
+        caller may change without changing what the loader reads."""
+        return [b.copy() for b in self.order.batches(epoch)]
 
     def __len__(self) -> int:
         """Batches per epoch on this rank: a whole epoch's in this world (an epoch

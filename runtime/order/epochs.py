@@ -71,7 +71,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import numpy as np
 
@@ -203,6 +203,22 @@ def rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
     """The generator of one random stream of an epoch (0: sample order, 1: batch order,
     2 and up: other stages' streams)."""
     return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, epoch, stream])
+
+
+@overload
+def read_only(array: np.ndarray) -> np.ndarray: ...
+@overload
+def read_only(array: np.ndarray | None) -> np.ndarray | None: ...
+
+
+def read_only(array: np.ndarray | None) -> np.ndarray | None:
+    """A view of ``array`` that refuses writes: what an order keeps for later batches and
+    epochs is shared by every batch cut from it, and a write would change them all."""
+    if array is None:
+        return None
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def epoch_order(spec: OrderSpec, epoch: int) -> np.ndarray:
@@ -927,11 +943,12 @@ class BatchOrder:
                 size = spec.num_samples
                 if samples is not None:
                     samples = samples[:size]
-                order = functools.cache(functools.partial(epoch_order, spec, epoch))
+                order = functools.cache(lambda: read_only(epoch_order(spec, epoch)))
             lengths = self.lengths
             if lengths is not None:
                 lengths = lengths[:size] if samples is None else lengths[samples]
-            self._contents = (key, Content(size, groups, lengths, order), samples)
+            content = Content(size, read_only(groups), read_only(lengths), order)
+            self._contents = (key, content, read_only(samples))
         return self._contents[1], self._contents[2]
 
     def _rest(self, epoch: int, shapes: tuple[Shape, ...]) -> np.ndarray:
@@ -947,7 +964,7 @@ class BatchOrder:
             else:
                 rest, before = np.arange(content.size, dtype=np.int64), None
             spec = self.spec_for(epoch)
-            kept[shapes] = left_after(spec, epoch, shapes[-1], before, rest, content)
+            kept[shapes] = read_only(left_after(spec, epoch, shapes[-1], before, rest, content))
         return kept[shapes]
 
     def hold(self) -> tuple[Any, ...]:

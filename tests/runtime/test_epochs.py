@@ -135,3 +135,28 @@ def test_another_worker_count_without_set_epoch_is_refused(archive: Path) -> Non
     assert labels(sorted(DataLoader(ds, batch_size=None), key=lambda b: b.position)) == (
         reference(archive, 1)
     )
+
+
+def _changed(batches: list) -> None:
+    """What a user might do with the batches they were given: reorder, drop, write."""
+    batches[0][:] = batches[0][::-1].copy()
+    batches[1][:] = 0
+    batches.pop()
+    batches.reverse()
+
+
+def test_changing_the_batches_handed_out_changes_nothing_read(archive: Path) -> None:
+    """Loader.batches() and IterableArchive.batches() handed out the lists the order
+    keeps: a user who reversed, dropped or wrote into them changed the epoch the loader
+    then read (a batch lost, samples repeated), silently."""
+    loader = Loader(archive, 4, seed=3, fields=["label"])
+    want = [b.tolist() for b in loader.batches()]
+    _changed(loader.batches())
+    assert [b.tolist() for b in loader.batches()] == want
+    assert [batch["label"].tolist() for batch in loader] == want
+
+    iterable = IterableArchive(archive, 4, seed=3, fields=["label"])
+    want = [b.tolist() for b in iterable.batches()]
+    _changed(iterable.batches())
+    assert [b.tolist() for b in iterable.batches()] == want
+    assert [batch["label"].tolist() for batch in iterable] == want
