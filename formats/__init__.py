@@ -10,6 +10,7 @@ from .archive import (
     encode_index,
     parse_index,
     read_index,
+    read_index_data,
     shard_name,
     write_index,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "parse_codec",
     "parse_index",
     "read_index",
+    "read_index_data",
     "shard_name",
     "unit_shard_name",
     "write_index",

@@ -164,12 +164,17 @@ def read_index(directory: str | os.PathLike[str]) -> Index:
     with the rest of the text (bytes, nesting, values, number length) before
     anything is parsed.
     """
+    return parse_index(Path(directory) / INDEX_NAME, read_index_data(directory))
+
+
+def read_index_data(directory: str | os.PathLike[str]) -> bytes:
+    """``index.json``'s bytes as ``read_index`` reads them (within MAX_INDEX_BYTES), not
+    yet validated: what pins a reader to the index it opened (parse_index checks them)."""
     path = Path(directory) / INDEX_NAME
     try:
-        data = read_capped(path, MAX_INDEX_BYTES, root=Path(directory), what="index")
+        return read_capped(path, MAX_INDEX_BYTES, root=Path(directory), what="index")
     except FileNotFoundError:
         raise FormatError(path, f"no index.json: {_why_no_index(Path(directory))}") from None
-    return parse_index(path, data)
 
 
 def _why_no_index(folder: Path) -> str:

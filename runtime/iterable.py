@@ -55,6 +55,7 @@ from .order.mixture import Source
 from .order.reading import Reading, ReadingOptions
 from .pipeline.loader_state import check_settings, order_settings, same
 from .pipeline.shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
+from .storage.supply import pinned
 
 STATE_FORMAT = "dlop-iterable-state"
 # version 1 split batches among world_size * workers consumers; a version 2 state
@@ -109,6 +110,7 @@ class IterableArchive(IterableDataset[Batch]):
         self._order_options = self.reading.order_options("IterableArchive", batch_size)
         self.bucket_by = self.reading.bucket_by
         self._choice: Choice | None = None
+        self._pins: dict[str, bytes] = {}  # the parent's indexes, in a worker (__getstate__)
         self._share_with_workers()
         # opens the archive and checks the settings here, not in a worker
         chosen = self.choice()
@@ -126,9 +128,10 @@ class IterableArchive(IterableDataset[Batch]):
         """This process's archive and order stage (each worker opens the archive itself)."""
         if self._choice is None:
             options = dict(self._order_options)
-            self._choice = choose(
-                self.path, dict(self._open_options), owner="IterableArchive", **options
-            )
+            with pinned(self._pins):  # a worker reads the archives as this process opened them
+                self._choice = choose(
+                    self.path, dict(self._open_options), owner="IterableArchive", **options
+                )
         return self._choice
 
     def archive(self) -> Archive:
@@ -361,7 +364,10 @@ class IterableArchive(IterableDataset[Batch]):
 
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
-        state["_choice"] = None  # each worker opens the archive and computes the order itself
+        # each worker opens the archive and computes the order itself, on the indexes this
+        # process opened (an append or a field group compiled since changes nothing read)
+        state["_pins"] = self.choice().archive.supply.pins()
+        state["_choice"] = None
         state["_ring"] = None  # and makes its own slots
         return state
 

@@ -38,7 +38,7 @@ from .cache_folder import (
 from .grouped import GroupedSupply, group_index
 from .remote import fetch_index, storage_at
 from .remote_supply import RemoteSupply
-from .supply import ShardSupply
+from .supply import ShardSupply, pin_key, pinned_index
 
 # A local read that fails or reads corrupt bytes fails the same way again.
 LOCAL_RETRY = Retry(attempts=1)
@@ -67,13 +67,15 @@ def open_cached(
     retry: Retry | None = None,
     local: bool = False,
     fields: Sequence[str] | None = None,
+    index_data: bytes | None = None,
 ) -> ShardSupply:
     """The supply of the archive at ``where`` (a URL, or with ``local`` a folder) whose
     shards are cached under ``cache_dir`` (default ``DLOP_CACHE_DIR``, else a per-user
     cache folder) within ``cache_bytes`` (default ``DLOP_CACHE_BYTES``, else 16 GiB).
     A local archive's reads are not retried (``retry`` default: one attempt). The field
     groups holding any of ``fields`` (None: every field) are read beside the archive's
-    shards (runtime.storage.grouped)."""
+    shards (runtime.storage.grouped). ``index_data``: the index.json to read the archive
+    by (as the process that sent the supply here read it), instead of the storage's now."""
     url = str(Path(where).resolve()) if local else str(where)
     retry = (LOCAL_RETRY if local else DEFAULT_RETRY) if retry is None else retry
     options = dict(storage_options or {})
@@ -82,11 +84,14 @@ def open_cached(
         default_cache_bytes() if cache_bytes is None else byte_budget(cache_bytes, "cache_bytes"),
     )
     client = Client(url, options, local)
-    data = fetch_index(client(), url, MAX_INDEX_BYTES, retry)
+    if index_data is None:
+        index_data = pinned_index(url)
+    data = fetch_index(client(), url, MAX_INDEX_BYTES, retry) if index_data is None else index_data
     index = parse_index(f"{url}/{INDEX_NAME}", data)  # the format's bounds, first
     supply = _supply(url, data, index, cache, client, retry, "")
     supply.sizes.check_budget(2)
-    # What reopens it in a DataLoader worker started by spawn: the same call.
+    # What reopens it in a DataLoader worker started by spawn: the same call, on the index
+    # read here (an append or a field group compiled since does not change what it reads)
     reopen = (
         open_cached,
         (
@@ -97,9 +102,11 @@ def open_cached(
             retry,
             local,
             None if fields is None else list(fields),
+            data,
         ),
     )
     supply.reopen = reopen
+    supply.pin = {pin_key(url): data}
     names = [
         g.name
         for g in index.complete_groups()

@@ -82,6 +82,9 @@ class GroupedSupply(ShardSupply):
     def __reduce__(self) -> tuple[Any, ...]:
         return self.reopen
 
+    def pins(self) -> dict[str, bytes]:
+        return self.base.pins()
+
     def every(self) -> list[RemoteSupply]:
         return [self.base, *self.groups.values()]
 

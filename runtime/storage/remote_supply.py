@@ -142,6 +142,7 @@ class RemoteSupply(ShardSupply):
         self.starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
         self.shards: list[ShardReader] | None = None  # mapped per batch, never all at once
         self.reopen: tuple[Callable[..., ShardSupply], tuple[Any, ...]] | None = None
+        self.pin: dict[str, bytes] = {}  # the index.json it was opened by (open_cached's)
         self.cache = cache
         self.folder = folder
         self.client = client
@@ -198,6 +199,9 @@ class RemoteSupply(ShardSupply):
 
     def __del__(self) -> None:
         close_quietly([getattr(self, "in_use", -1)])  # the folder no longer in use here
+
+    def pins(self) -> dict[str, bytes]:
+        return dict(self.pin)
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self.reopen is None:

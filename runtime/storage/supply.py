@@ -15,20 +15,32 @@ and releases batch j's once its copies are done. A local supply needs neither;
 a remote one fetches on ``ask`` and may evict after ``release``. Before each
 read, ``check`` refuses a shard that changed under its mapping. A supply
 pickles as what reopens it (DataLoader workers started by spawn), never as
-its mappings.
+its mappings: where the archive lies and the index it opened, so that the
+process it is sent to reads the same archive even after an append or a
+field group compiled since.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dlop.formats import ArchiveReader, Field, ShardReader
+from dlop.formats import (
+    INDEX_NAME,
+    ArchiveReader,
+    Field,
+    ShardReader,
+    parse_index,
+    read_index_data,
+)
+from dlop.formats.urls import is_url
 
 from ..errors import LoaderError, shard_shrank
 
@@ -72,6 +84,10 @@ class ShardSupply(abc.ABC):
     @abc.abstractmethod
     def shard(self, k: int) -> ShardReader:
         """Shard ``k``, opened and validated."""
+
+    def pins(self) -> dict[str, bytes]:
+        """The index.json each archive read was opened by, by where it lies (``pinned``)."""
+        return {}
 
     @abc.abstractmethod
     def check(self, shards: Sequence[int] | np.ndarray) -> None:
@@ -144,10 +160,40 @@ class ShardSupply(abc.ABC):
         is dropped."""
 
 
-def open_reader(path: Path, block_cache_bytes: int) -> ArchiveReader:
+# index.json bytes to open archives by, by where they lie: set while an IterableArchive's
+# DataLoader worker (started by spawn) opens the archives its parent opened, so that it
+# reads them as its parent does even after an append or a field group compiled since
+_PINNED: contextvars.ContextVar[Mapping[str, bytes]] = contextvars.ContextVar("pinned")
+
+
+@contextlib.contextmanager
+def pinned(indexes: Mapping[str, bytes]) -> Iterator[None]:
+    """Archives opened in this block whose place ``indexes`` names (by ``pin_key``) are
+    read by the index.json bytes it gives for them, not by what their folder or URL holds
+    now."""
+    token = _PINNED.set(dict(indexes))
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
+
+
+def pin_key(place: str | os.PathLike[str]) -> str:
+    """A local archive's place as ``pinned`` names it (its absolute path), or a URL."""
+    text = os.fspath(place)
+    return text if is_url(text) else os.path.abspath(text)
+
+
+def pinned_index(place: str | os.PathLike[str]) -> bytes | None:
+    """The index.json bytes ``pinned`` gives for the archive at ``place``, if any."""
+    return _PINNED.get({}).get(pin_key(place))
+
+
+def open_reader(path: Path, block_cache_bytes: int, index: bytes) -> ArchiveReader:
     """The one place a local archive path becomes a reader (``block_cache_bytes``: its
-    decoded-block cache)."""
-    return ArchiveReader(path, block_cache_bytes=block_cache_bytes)
+    decoded-block cache) of the archive as ``index`` (its index.json's bytes) lists it."""
+    checked = parse_index(path / INDEX_NAME, index)
+    return ArchiveReader(path, block_cache_bytes=block_cache_bytes, index=checked)
 
 
 class LocalSupply(ShardSupply):
@@ -156,10 +202,27 @@ class LocalSupply(ShardSupply):
 
     hears_asks = False
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], block_cache_bytes: int) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        block_cache_bytes: int,
+        indexes: Sequence[bytes] | None = None,
+    ) -> None:
         self.paths: tuple[Path, ...] = tuple(Path(p) for p in paths)
         self.block_cache_bytes = block_cache_bytes
-        self.readers = [open_reader(p, block_cache_bytes) for p in self.paths]
+        # each archive's index.json as read here: a process this supply is sent to reads
+        # the archives as they were then, not as an append or a field group since made them
+        self.indexes = (
+            tuple(pinned_index(p) or read_index_data(p) for p in self.paths)
+            if indexes is None
+            else tuple(indexes)
+        )
+        if len(self.indexes) != len(self.paths):
+            raise ValueError(f"{len(self.paths)} archives, {len(self.indexes)} indexes")
+        self.readers = [
+            open_reader(p, block_cache_bytes, i)
+            for p, i in zip(self.paths, self.indexes, strict=True)
+        ]
         first = self.readers[0]
         self.name = (
             str(self.paths[0])
@@ -174,7 +237,10 @@ class LocalSupply(ShardSupply):
         self.sizes = [info.bytes for r in self.readers for info in r.index.shards]  # as validated
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (LocalSupply, ([str(p) for p in self.paths], self.block_cache_bytes))
+        return (LocalSupply, ([str(p) for p in self.paths], self.block_cache_bytes, self.indexes))
+
+    def pins(self) -> dict[str, bytes]:
+        return {pin_key(p): i for p, i in zip(self.paths, self.indexes, strict=True)}
 
     def shard(self, k: int) -> ShardReader:
         return self.shards[k]

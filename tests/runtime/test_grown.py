@@ -5,6 +5,7 @@ continues again; a state of another archive is still refused."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from dlop.compiler import compile_map
-from dlop.runtime import IterableArchive, Loader, UsageError, batch_as_is
+from dlop.compiler import add_fields, compile_map
+from dlop.runtime import IterableArchive, Loader, UsageError, batch_as_is, open_archive
 
 OPTIONS: dict[str, Any] = {"unit_inputs": 8, "shard_bytes": "4KiB", "progress": False}
 
@@ -103,3 +104,50 @@ def test_a_state_of_another_archive_is_still_refused(tmp_path: Path) -> None:
     chosen = Loader(tmp_path / "a", batch_size=5, indices=list(range(0, 60, 2)))
     with pytest.raises(UsageError, match="num_samples"):  # a selection of the grown archive
         chosen.load_state_dict(state)
+
+
+def twice(s: dict[str, Any]) -> dict[str, Any]:
+    return {"y": s["x"] * 2}
+
+
+def thrice(s: dict[str, Any]) -> dict[str, Any]:
+    return {"y": s["x"] * 3}
+
+
+def test_an_archive_sent_to_a_process_reads_as_its_sender_opened_it(tmp_path: Path) -> None:
+    """A DataLoader worker started by spawn gets the archive by pickle. It reopened the
+    folder, so an append or a field group compiled again since the parent opened it made
+    the worker serve another archive than the parent: other samples, other values."""
+    out = tmp_path / "grows"
+    compile_map(sample, list(range(60)), out, workers=1, **OPTIONS)
+    add_fields(out, twice, "extra", workers=1, progress=False)
+    opened = open_archive(out)
+    zstd = tmp_path / "zstd"  # read through the shard cache (open_cached)
+    compile_map(sample, list(range(60)), zstd, workers=1, compression="zstd", **OPTIONS)
+    cached = open_archive(zstd, cache_dir=tmp_path / "cache")
+    compile_map(sample, list(range(100)), out, workers=1, append=True, **OPTIONS)
+    compile_map(
+        sample, list(range(100)), zstd, workers=1, compression="zstd", append=True, **OPTIONS
+    )
+    add_fields(out, thrice, "extra", workers=1, progress=False, overwrite=True)
+    assert len(open_archive(out)) == len(open_archive(zstd)) == 100
+    for archive in (opened, cached):
+        sent = pickle.loads(pickle.dumps(archive))
+        assert len(sent) == 60
+        assert sorted(int(sent[i]["x"][0]) for i in range(60)) == list(range(60))
+    sent = pickle.loads(pickle.dumps(opened))
+    assert all((sent[i]["y"] == sent[i]["x"] * 2).all() for i in range(60))
+
+
+def test_iterable_archive_workers_by_spawn_read_the_archive_opened(tmp_path: Path) -> None:
+    """Each worker opened the folder for itself: an append landing before they started
+    split the epoch over two archives (samples lost and others read twice)."""
+    out = tmp_path / "grows"
+    compile_map(sample, list(range(60)), out, workers=1, **OPTIONS)
+    it = IterableArchive(out, 8, seed=1)
+    compile_map(sample, list(range(100)), out, workers=1, append=True, **OPTIONS)
+    loader = DataLoader(
+        it, batch_size=None, num_workers=2, multiprocessing_context="spawn", collate_fn=batch_as_is
+    )
+    got = [x for b in loader for x in b["x"][:, 0].tolist()]
+    assert sorted(got) == list(range(60))
