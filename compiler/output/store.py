@@ -46,8 +46,9 @@ class Store(Protocol):
         """Publishes small bytes as OUT/name, whole or not at all."""
         ...
 
-    def read(self, name: str) -> bytes | None:
-        """OUT/name's bytes (a small file); None when it does not exist."""
+    def read(self, name: str, cap: int | None = None) -> bytes | None:
+        """OUT/name's bytes (a small file, at most ``cap`` bytes: more is an error before
+        more than that is read); None when it does not exist."""
         ...
 
     def list(self, prefix: str = "") -> list[str]:
@@ -77,9 +78,10 @@ class LocalStore(storage.LocalStorage):
         folder.mkdir(exist_ok=True)
         return folder
 
-    def read(self, name: str) -> bytes | None:
+    def read(self, name: str, cap: int | None = None) -> bytes | None:
+        limit = MAX_SMALL_BYTES if cap is None else cap
         try:
-            return read_capped(self.root / name, MAX_SMALL_BYTES, root=self.root, what=name)
+            return read_capped(self.root / name, limit, root=self.root, what=name)
         except FileNotFoundError:
             return None
 
@@ -123,16 +125,18 @@ class FsspecStore(storage.FsspecStorage):
             weakref.finalize(self, _remove_if_empty, self._staging)
         return self._staging
 
-    def read(self, name: str) -> bytes | None:
+    def read(self, name: str, cap: int | None = None) -> bytes | None:
         # writes go through the retrying client: what this one's listing cache holds of
         # the folder may predate them (a file written since would read as missing)
         self.fs.invalidate_cache(self.path(name))
+        limit = MAX_READ_BYTES if cap is None else cap
         try:
-            return self.fetch(name, cap=MAX_READ_BYTES)
+            return self.fetch(name, cap=limit)
         except storage.TooLargeError:
             raise CompileError(
-                f"{self.url}/{name}: larger than the {MAX_READ_BYTES}-byte cap on an archive's "
-                "own small files; it is not what a compile writes"
+                f"{self.url}/{name}: larger than its {limit}-byte cap"
+                + (" on an archive's own small files" if cap is None else "")
+                + "; it is not what a compile writes"
             ) from None
         except storage.FetchError as e:
             if isinstance(e.cause, FileNotFoundError):

@@ -30,6 +30,7 @@ from dlop.formats import (
     parse_index,
 )
 from dlop.formats.generations import (
+    IDENTITY_BYTES,
     MAX_GENERATIONS,
     errors_name,
     identities,
@@ -198,12 +199,14 @@ def held_inputs(store: Store, base: Index) -> np.ndarray:
     held = []
     for g, gen in enumerate(base.generations):
         name = inputs_name(g)
-        data = store.read(name)
-        if data is None:
-            raise CompileError(f"{store.url}/{name}: missing; the archive is damaged")
         try:
+            # no more than its generation's identities take: a file grown past them is
+            # refused before it is read whole
+            data = store.read(name, cap=gen.inputs * IDENTITY_BYTES)
+            if data is None:
+                raise CompileError(f"{store.url}/{name}: missing")
             held.append(parse_identities(f"{store.url}/{name}", data, gen))
-        except FormatError as e:
+        except (FormatError, CompileError) as e:
             raise CompileError(f"{e}; the archive is damaged, nothing was appended") from None
     return np.concatenate(held)
 

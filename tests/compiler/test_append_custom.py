@@ -159,3 +159,20 @@ def test_inputs_named_alike_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CompileError, match="inputs 1 and 2 of the corpus are both named '2'"):
         compile_map(cheap, [1, 2, 2, 4], out, workers=1, append=True, **OPTIONS)
     assert len(read_index(out).generations) == 1
+
+
+def test_an_inputs_file_grown_past_its_identities_is_refused_unread(tmp_path: Path) -> None:
+    """A generation's inputs file holds its identities, 16 bytes each: one grown past that
+    (a sparse 4 GiB here) was read up to a 512 MiB cap before it was refused, with a bare
+    FormatError; now it is refused at its own size, naming it, and nothing is appended."""
+    out = tmp_path / "a"
+    compile_map(cheap, list(range(5)), out, workers=1, **OPTIONS)
+    compile_map(cheap, list(range(8)), out, workers=1, append=True, **OPTIONS)
+    grown = out / "inputs-0001.bin"
+    before = {k: v for k, v in files(out).items() if k != grown.name}
+    with open(grown, "r+b") as f:
+        f.truncate(4 << 30)
+    with pytest.raises(CompileError, match=r"inputs-0001\.bin.* larger than its 48-byte cap"):
+        compile_map(cheap, list(range(12)), out, workers=1, append=True, **OPTIONS)
+    grown.unlink()  # not read back whole here either
+    assert files(out) == before
