@@ -57,6 +57,28 @@ def identities(texts: Sequence[str]) -> np.ndarray:
     return out
 
 
+def listing_identities(texts: Sequence[str], repeats: list[int] | None = None) -> np.ndarray:
+    """The identities of a listing's inputs, in order (SPEC.md §6.2): each text's, but a
+    text's k-th repeat (k >= 1) is named by the text, a NUL and k in decimal, so that an
+    input listed twice is two inputs an append tells apart (the first, and the repeat).
+    ``repeats``: given a list, the places of the repeats are added to it, ascending."""
+    out = identities(texts)
+    order = np.argsort(out, kind="stable")  # a text's places in listing order
+    ranked = out[order]
+    same = np.flatnonzero(ranked[1:] == ranked[:-1]) + 1  # a repeat of the one before
+    if not len(same):
+        return out
+    run_start = np.ones(len(out), bool)
+    run_start[same] = False
+    first = np.maximum.accumulate(np.where(run_start, np.arange(len(out)), 0))
+    for r in same.tolist():
+        n = int(order[r])
+        out[n] = input_identity(f"{texts[n]}\0{r - first[r]}")
+    if repeats is not None:
+        repeats.extend(sorted(int(order[r]) for r in same))
+    return out
+
+
 @dataclass(frozen=True)
 class Generation:
     """One entry of the index's ``generations``: the shards a compile added (the next

@@ -12,10 +12,13 @@ import csv
 import hashlib
 import io
 import os
+import posixpath
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from dlop.formats.urls import is_url
 
 from ..errors import CompileError
 from .place import LocalPlace, Place
@@ -58,6 +61,15 @@ def name_key(name: str) -> str:
     return _TO_ESCAPE.sub(
         lambda m: "\\\\" if m[0] == "\\" else f"\\x{ord(m[0]) - 0xDC00:02x}", text
     )
+
+
+def path_key(path: str) -> str:
+    """The key of an input a listing names by ``path`` (relative to its corpus, or
+    absolute): the path with ``.`` parts and doubled slashes taken out, so that one file
+    spelt two ways (``a.wav``, ``./a.wav``) is one input; a URL as written."""
+    if not path or is_url(path):
+        return name_key(path)
+    return name_key(posixpath.normpath(path))
 
 
 def key_name(key: str) -> str:

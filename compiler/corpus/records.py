@@ -13,6 +13,8 @@ from typing import Any, overload
 
 import numpy as np
 
+from dlop.formats.generations import listing_identities
+
 from . import listing
 from .place import Place
 
@@ -78,11 +80,22 @@ class Corpus:
     # what names an input for --append (formats.generations): "key", the item's key (a
     # preset's input path or id, a Dataset's index); "input", a function's input as JSON
     identity: str = "key"
+    # the inputs' identities, once known: for an append's inputs, their identities in the
+    # whole listing (a repeat's number counts the inputs before it that the archive holds)
+    ids: np.ndarray | None = field(default=None, repr=False, compare=False)
+    repeats: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def identity_texts(self) -> Iterator[str]:
         """Each input's identity text, in corpus order."""
         for item in self.items:
             yield input_text(item.extras["input"]) if self.identity == "input" else item.key
+
+    def identities(self) -> np.ndarray:
+        """Each input's identity (formats.generations.listing_identities), in corpus order."""
+        if self.ids is None:
+            self.repeats = []
+            self.ids = listing_identities(list(self.identity_texts()), self.repeats)
+        return self.ids
 
 
 def input_text(value: Any) -> str:

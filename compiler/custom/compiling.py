@@ -633,7 +633,6 @@ def _check_archive_samples(work: UserWork, recipe: CustomRecipe, items: Inputs, 
     indices, data it reads from elsewhere). A URL OUT is not read back for it: its
     recipe is compared only."""
     from dlop.formats import ArchiveReader, FormatError
-    from dlop.formats.generations import identities
     from dlop.formats.urls import is_url
 
     from ..run.append import stored_form
@@ -651,7 +650,7 @@ def _check_archive_samples(work: UserWork, recipe: CustomRecipe, items: Inputs, 
             return  # the append's own reading of the archive names what is wrong
         kind = "input" if recipe.kind == "map" else "key"
         listed = Corpus("", "", items, False, False, {}, {}, "", identity=kind)
-        here = identities(list(listed.identity_texts()))
+        here = listed.identities()
         position = {bytes(v): n for n, v in enumerate(here)}
         prober = Prober(work, work.timeout)
         try:

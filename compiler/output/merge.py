@@ -28,7 +28,6 @@ from dlop.formats.generations import (
     Generation,
     encode_identities,
     errors_name,
-    identities,
     inputs_name,
 )
 from dlop.formats.redact import redact
@@ -71,7 +70,7 @@ class IndexPlan:
     @functools.cached_property
     def identities(self) -> tuple[bytes, int]:
         """The inputs file of this compile's generation, and its CRC-32."""
-        return encode_identities(identities(list(self.corpus.identity_texts())))
+        return encode_identities(self.corpus.identities())
 
 
 def source_path(corpus: Corpus) -> str:

@@ -33,7 +33,6 @@ from dlop.formats.generations import (
     IDENTITY_BYTES,
     MAX_GENERATIONS,
     errors_name,
-    identities,
     inputs_name,
     parse_identities,
     units_cut,
@@ -91,7 +90,7 @@ def take_base(
     check_same(recipe, corpus, fields, base, store.url)
     check_room(base, store.url)
     held = held_inputs(store, base)
-    ids = identities(list(corpus.identity_texts()))
+    ids = corpus.identities()
     check_distinct(ids, corpus, store.url)
     new = np.flatnonzero(~np.isin(ids, held))
     if not len(new):
@@ -119,7 +118,9 @@ def take_base(
         base,
         files_of(base),
         digest,
-        replace(corpus, items=Picked(corpus.items, new), fingerprint=picked.hexdigest()),
+        replace(
+            corpus, items=Picked(corpus.items, new), fingerprint=picked.hexdigest(), ids=ids[new]
+        ),
         first_unit,
     )
 

@@ -245,6 +245,7 @@ def compile_corpus(
     if not corpus.items:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
     _warn_on_a_guessed_rate(recipe, corpus)
+    _note_repeats(corpus)
     shape = CorpusShape.of(corpus)
     run = Run(
         recipe,
@@ -296,6 +297,23 @@ def run_compile(
         here = functools.partial(_local_records, run, workers=2, pickled=pickled)
         on_cluster = functools.partial(dask_records, client, run, pickled, here=here)
         return finish_run(run, on_cluster, resume=resume, overwrite=overwrite, append=append)
+
+
+def _note_repeats(corpus: Corpus) -> None:
+    """Says when the listing names an input more than once: each listing is compiled (a
+    sample each), and an append tells them apart by their order (SPEC.md §6.2)."""
+    corpus.identities()
+    if not corpus.repeats:
+        return
+    first = corpus.items[corpus.repeats[0]].key
+    count = len(corpus.repeats)
+    print(
+        f"dlop-compile: note: {count} input{'s' * (count != 1)} of {corpus.root or 'the corpus'} "
+        f"repeat{'s' * (count == 1)} one listed before (the first: {first!r:.200}, input "
+        f"{corpus.repeats[0]}); each listing is compiled as an input of its own",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 PROBED_INPUTS = 16  # audio headers read before a compile whose rate the preset chose

@@ -293,7 +293,7 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
 
 def unit_corpus(corpus: Corpus, inputs: range) -> Corpus:
     """The corpus cut down to one unit's inputs (what a unit's task carries)."""
-    return replace(corpus, items=corpus.items[inputs.start : inputs.stop])
+    return replace(corpus, items=corpus.items[inputs.start : inputs.stop], ids=None)
 
 
 def input_sizes(corpus: Corpus, items: Iterable[Item]) -> str:

@@ -385,3 +385,48 @@ def test_an_interrupted_append_of_a_changed_corpus_is_told_to_list_it_as_it_was(
     write_esc50_csv(corpus, rows[:5])
     assert main([*args, "--append", "--resume", "-o", str(out)]) == 0
     assert [g.inputs for g in read_index(out).generations] == [2, 3]
+
+
+def keys(out: Path) -> list[str]:
+    with ArchiveReader(out) as r:
+        return [str(r.sample(i)["key"]) for i in range(len(r))]
+
+
+def test_a_file_spelt_two_ways_is_one_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``./a.wav`` in the CSV named another input than ``a.wav``: an append compiled the
+    clip a second time, and a listing naming both held it twice."""
+    corpus = esc50_corpus(tmp_path / "c", [("wav", 16000, 1)] * 3, seconds=0.25)
+    clips = names(3)
+    out = tmp_path / "out"
+    write_esc50_csv(corpus, [esc50_row(clips[0], 0), esc50_row(clips[1], 1)])
+    assert main([str(corpus), *ARGS, "-q", "-o", str(out)]) == 0
+    respelt = [f"./{clips[0]}", f"sub/../{clips[1]}", clips[2]]
+    write_esc50_csv(corpus, [esc50_row(name, k) for k, name in enumerate(respelt)])
+    assert main([str(corpus), *ARGS, "-q", "--append", "-o", str(out)]) == 0
+    assert keys(out) == [f"audio/{name}" for name in clips]
+
+
+def test_an_input_listed_twice_is_compiled_twice_and_appends_go_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CSV row repeated was compiled twice without a word, and every append after it was
+    refused (the two rows had one identity), a dead end a fresh compile led back to. Now
+    the compile says so, each repeat is an input of its own (the identity counts it), and
+    an append adds the new rows, a third listing of the same file included."""
+    corpus = esc50_corpus(tmp_path / "c", [("wav", 16000, 1)] * 3, seconds=0.25)
+    a, b, c = names(3)
+    out = tmp_path / "out"
+    rows = [esc50_row(a, 0), esc50_row(b, 1), esc50_row(a, 0)]
+    write_esc50_csv(corpus, rows)
+    capsys.readouterr()
+    assert main([str(corpus), *ARGS, "-q", "-o", str(out)]) == 0
+    assert "1 input of" in capsys.readouterr().err
+    assert keys(out) == [f"audio/{a}", f"audio/{b}", f"audio/{a}"]
+    write_esc50_csv(corpus, [*rows, esc50_row(c, 2), esc50_row(a, 0)])
+    assert main([str(corpus), *ARGS, "-q", "--append", "-o", str(out)]) == 0
+    assert keys(out) == [f"audio/{n}" for n in (a, b, a, c, a)]
+    capsys.readouterr()
+    assert main([str(corpus), *ARGS, "-q", "--append", "-o", str(out)]) == 0
+    assert "nothing to append" in capsys.readouterr().err

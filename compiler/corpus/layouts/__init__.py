@@ -159,7 +159,7 @@ def stream_items(corpus: Corpus, start: int = 0, stop: int | None = None) -> Ite
     where it has one (see the module docstring)."""
     forget_real_paths()
     if isinstance(corpus.items, Picked):  # an append's inputs: each run as a slice
-        picked, whole = corpus.items, replace(corpus, items=corpus.items.base)
+        picked, whole = corpus.items, replace(corpus, items=corpus.items.base, ids=None)
         return itertools.chain.from_iterable(
             stream_items(whole, a, b) for a, b in picked.runs(start, stop)
         )

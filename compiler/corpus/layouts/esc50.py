@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...errors import CompileError
-from ..listing import I64, name_key, read_csv
+from ..listing import I64, path_key, read_csv
 from ..place import Place
 from ..records import Corpus, Item, ListOptions, fingerprint
 
@@ -30,7 +30,7 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
     by_category: dict[str, tuple[int, int]] = {}  # category -> (target, line that set it)
     for row in rows:
         name = row.fields.get("filename", "")
-        key = name_key(f"audio/{name}") if name else f"meta/esc50.csv line {row.line}"
+        key = path_key(f"audio/{name}") if name else f"meta/esc50.csv line {row.line}"
         where = f"meta/esc50.csv line {row.line}"
         error = row.error
         target = fold = -1

@@ -12,7 +12,7 @@ from typing import Any, overload
 import numpy as np
 
 from ...errors import CompileError
-from ..listing import I64, bytes_fingerprint, is_text, lines, name_key, utf8
+from ..listing import I64, bytes_fingerprint, is_text, lines, path_key, utf8
 from ..place import Place
 from ..records import MAX_LABEL, MAX_MULTI_LABELS, Corpus, Item, ListOptions
 
@@ -188,7 +188,7 @@ class ManifestItems(Sequence[Item]):
         if where is not None:
             return Item(key=where, error=error)
         obj, audio, start, duration = _manifest_line(self.line(i), self.path_key)
-        key = str(obj.get("id") or name_key(audio if not start else f"{audio}@{start:g}"))
+        key = str(obj.get("id") or path_key(audio) + (f"@{start:g}" if start else ""))
         media_path: str | None = None
         if error is None:
             try:
