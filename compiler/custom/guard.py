@@ -120,6 +120,7 @@ class Prober:
         return processes.answer_of(self.conn, self.limit)
 
     def _start(self) -> None:
+        processes.check_can_start("the process that runs your code's first items")
         here, there = self.ctx.Pipe(duplex=True)
         with processes.main_module_hidden():
             self.proc = self.ctx.Process(

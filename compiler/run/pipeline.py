@@ -455,6 +455,7 @@ def _results(
         finally:
             torch.set_num_threads(threads)
         return
+    processes.check_can_start(f"{workers} worker process{'es' * (workers != 1)}")
     # absolute: an item may change its worker's directory
     spill = os.path.abspath(spill_dir)
     init = (sent, spill, os.getpid(), dict(os.environ), worker_decode_threads(workers))

@@ -282,6 +282,18 @@ START_LIMIT_S = 300.0
 STARTED = "started"  # what a guarded process sends as it begins an input
 
 
+def check_can_start(what: str) -> None:
+    """Refuses, naming why, to start ``what`` (a process for a compile's inputs) from a
+    daemonic process, which multiprocessing does not let start any (a DataLoader worker,
+    a multiprocessing.Pool worker): its bare AssertionError named no compile."""
+    if multiprocessing.current_process().daemon:
+        raise CompileError(
+            f"cannot start {what}: this is a daemonic process (a DataLoader or "
+            "multiprocessing.Pool worker, say), which may start none; compile from the main "
+            "process or a process of your own (multiprocessing.Process(daemon=False))"
+        )
+
+
 class WorkerStartFailed(CompileError):
     """A worker process ended, or hung, before it began an input: its start failed (an
     import, the numeric environment, the work that could not be unpickled), or it died

@@ -6,6 +6,7 @@ never lose committed work."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -606,3 +608,25 @@ def test_a_guarded_process_that_dies_idle_costs_no_item() -> None:
         assert prober.proc.pid != first
     finally:
         prober.close()
+
+
+def _compile_in(send: Any, out: str) -> None:
+    try:
+        compile_dataset(Plain(4), out, workers=2, progress=False)
+        send.send("compiled")
+    except BaseException as e:
+        send.send(f"{type(e).__name__}: {e}")
+
+
+def test_a_compile_in_a_daemonic_process_says_why_it_cannot_start(tmp_path: Path) -> None:
+    """A compile called in a DataLoader worker (daemonic: multiprocessing lets it start no
+    process) ended in AttributeError: 'NoneType' object has no attribute 'close'."""
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_compile_in, args=(send, str(tmp_path / "a")), daemon=True)
+    proc.start()
+    said = receive.recv() if receive.poll(120) else "no answer"
+    proc.join(10)
+    assert said.startswith("CompileError: cannot start"), said
+    assert "daemonic process" in said
+    assert not (tmp_path / "a").exists()
