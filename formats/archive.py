@@ -520,6 +520,14 @@ class ArchiveReader:
                 f"header CRC-32 {reader.header_crc32:#010x} differs from index.json's "
                 f"{info.header_crc32:#010x}: not {tied}"
             )
+        elif info.header_crc32 not in (None, reader.header_crc32):
+            # the header's CRC-32 ties every region's CRC to the index: another file of
+            # the same size and count (an archive compiled again in place) is refused
+            problem = (
+                f"header CRC-32 {reader.header_crc32:#010x} differs from index.json's "
+                f"header_crc32 {info.header_crc32:#010x}: not the shard the index lists (the "
+                "archive compiled again since the index was read?)"
+            )
         elif reader.num_samples != info.num_samples:
             problem = f"holds {reader.num_samples} samples, index.json says {info.num_samples}"
         elif tuple(reader.fields.values()) != fields:

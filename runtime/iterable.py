@@ -34,8 +34,10 @@ process no longer holds the batch that used it.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Unpack
 
 import numpy as np
@@ -43,6 +45,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dlop.formats import DlopError
+from dlop.formats.urls import is_url
 
 from .archive.concat import ArchivePaths
 from .archive.dataset import Archive
@@ -75,6 +78,21 @@ _APPENDED = _SHAPES + 1 + 4 * MAX_SHAPES
 _SHARED = _APPENDED + 1
 
 
+def _real_paths(archive: Any) -> Any:
+    """``archive`` (IterableArchive's argument) with each local path replaced by the
+    folder it leads to now; URLs and open Archives as they are."""
+    if isinstance(archive, str | os.PathLike):
+        text = os.fspath(archive)
+        return text if is_url(text) else os.path.realpath(text)
+    if isinstance(archive, Source):
+        return dataclasses.replace(archive, path=_real_paths(archive.path))
+    if isinstance(archive, Mapping):
+        return {k: _real_paths(v) for k, v in archive.items()}
+    if isinstance(archive, Sequence) and not isinstance(archive, bytes):
+        return [_real_paths(p) for p in archive]
+    return archive
+
+
 class IterableArchive(IterableDataset[Batch]):
     """Yields whole batches; use ``DataLoader(ds, batch_size=None, num_workers=k,
     collate_fn=batch_as_is)`` (``dlop.runtime.batch_as_is``: the batches come collated).
@@ -98,6 +116,9 @@ class IterableArchive(IterableDataset[Batch]):
         **options: Unpack[ReadingOptions],
     ) -> None:
         self.path = archive
+        # what the workers open: the folders the paths lead to now (a link swapped or the
+        # working directory changed later sends them no other archive)
+        self._opened = _real_paths(archive)
         reading = Reading.given("IterableArchive", options, ("worker_buffers",))
         self.worker_buffers = check_int(
             "IterableArchive worker_buffers", worker_buffers, low=0, high=MAX_SLOTS
@@ -367,6 +388,7 @@ class IterableArchive(IterableDataset[Batch]):
         # each worker opens the archive and computes the order itself, on the indexes this
         # process opened (an append or a field group compiled since changes nothing read)
         state["_pins"] = self.choice().archive.supply.pins()
+        state["path"] = self._opened
         state["_choice"] = None
         state["_ring"] = None  # and makes its own slots
         return state

@@ -36,6 +36,7 @@ from dlop.formats import (
     INDEX_NAME,
     ArchiveReader,
     Field,
+    FormatError,
     ShardReader,
     parse_index,
     read_index_data,
@@ -179,9 +180,10 @@ def pinned(indexes: Mapping[str, bytes]) -> Iterator[None]:
 
 
 def pin_key(place: str | os.PathLike[str]) -> str:
-    """A local archive's place as ``pinned`` names it (its absolute path), or a URL."""
+    """A local archive's place as ``pinned`` names it (the folder its path leads to, links
+    resolved), or a URL."""
     text = os.fspath(place)
-    return text if is_url(text) else os.path.abspath(text)
+    return text if is_url(text) else os.path.realpath(text)
 
 
 def pinned_index(place: str | os.PathLike[str]) -> bytes | None:
@@ -209,20 +211,44 @@ class LocalSupply(ShardSupply):
         indexes: Sequence[bytes] | None = None,
     ) -> None:
         self.paths: tuple[Path, ...] = tuple(Path(p) for p in paths)
+        # the folders the paths lead to now: a process this supply is sent to reads those,
+        # whatever a link swapped or a working directory changed since makes them name
+        self.real = tuple(os.path.realpath(p) for p in self.paths)
         self.block_cache_bytes = block_cache_bytes
         # each archive's index.json as read here: a process this supply is sent to reads
         # the archives as they were then, not as an append or a field group since made them
-        self.indexes = (
-            tuple(pinned_index(p) or read_index_data(p) for p in self.paths)
-            if indexes is None
-            else tuple(indexes)
+        sent = [pinned_index(p) for p in self.paths] if indexes is None else list(indexes)
+        self.indexes = tuple(
+            i if i is not None else read_index_data(p)
+            for p, i in zip(self.paths, sent, strict=True)
         )
-        if len(self.indexes) != len(self.paths):
-            raise ValueError(f"{len(self.paths)} archives, {len(self.indexes)} indexes")
-        self.readers = [
-            open_reader(p, block_cache_bytes, i)
-            for p, i in zip(self.paths, self.indexes, strict=True)
-        ]
+        try:
+            self.readers = [
+                open_reader(p, block_cache_bytes, i)
+                for p, i in zip(self.paths, self.indexes, strict=True)
+            ]
+            self.shards: list[ShardReader] = [
+                r.shard(k) for r in self.readers for k in range(r.num_shards)
+            ]
+            if any(i is not None for i in sent):  # its field groups' files are opened later
+                for r in self.readers:
+                    for group in r.groups.values():
+                        for g in group.shards:
+                            if not (r.directory / g.info.file).is_file():
+                                raise FormatError(
+                                    r.directory / g.info.file,
+                                    "shard listed in index.json is missing",
+                                )
+        except FormatError as e:
+            if not any(i is not None for i in sent):
+                raise
+            raise FormatError(
+                e.path,
+                f"{e.problem}; this process reads the archive by the index.json the process "
+                "that sent it opened, and the archive has changed since (a field group "
+                "compiled again or dropped, or the archive compiled again): open it again, "
+                "or keep DataLoader workers for the run (persistent_workers=True)",
+            ) from None
         first = self.readers[0]
         self.name = (
             str(self.paths[0])
@@ -230,17 +256,14 @@ class LocalSupply(ShardSupply):
             else f"{len(self.paths)} archives {self.paths[0]}, ..."
         )
         self.fields: Mapping[str, Field] = first.fields
-        self.shards: list[ShardReader] = [
-            r.shard(k) for r in self.readers for k in range(r.num_shards)
-        ]
         self.shard_sizes = tuple(i.num_samples for r in self.readers for i in r.index.shards)
         self.sizes = [info.bytes for r in self.readers for info in r.index.shards]  # as validated
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (LocalSupply, ([str(p) for p in self.paths], self.block_cache_bytes, self.indexes))
+        return (LocalSupply, (list(self.real), self.block_cache_bytes, self.indexes))
 
     def pins(self) -> dict[str, bytes]:
-        return {pin_key(p): i for p, i in zip(self.paths, self.indexes, strict=True)}
+        return {pin_key(p): i for p, i in zip(self.real, self.indexes, strict=True)}
 
     def shard(self, k: int) -> ShardReader:
         return self.shards[k]

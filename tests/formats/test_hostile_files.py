@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -22,7 +23,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlop.formats import ArchiveWriter, Field, FormatError, SchemaError, ShardWriter, Zstd
+from dlop.formats import (
+    ArchiveReader,
+    ArchiveWriter,
+    Field,
+    FormatError,
+    SchemaError,
+    ShardWriter,
+    Zstd,
+    read_index,
+)
 from dlop.formats.constants import PREAMBLE
 from dlop.formats.header import parse_header
 
@@ -422,3 +432,19 @@ def test_preamble_header_cap_is_stated() -> None:
     for phrase in ("regular file", "symbolic link", "nesting depth", "2^40", "2^31"):
         assert phrase in spec, phrase
     assert PREAMBLE.size == 24
+
+
+def test_a_shard_swapped_for_another_of_its_size_and_count_is_refused(tmp_path: Path) -> None:
+    """A shard file replaced by another archive's of the same size and sample count (an
+    archive compiled again in place, a copy gone wrong) was read as the index's: its
+    regions match the CRCs in its own header, and nothing tied that header to index.json
+    but for a field group's shards. The index's header_crc32 now ties every shard."""
+    fields = [Field("x", "i32", (4,))]
+    for name, base in (("a", 0), ("b", 100)):
+        with ArchiveWriter(tmp_path / name, fields) as w:
+            for i in range(6):
+                w.write({"x": np.full(4, base + i, np.int32)})
+    shard = read_index(tmp_path / "a").shards[0].file
+    shutil.copyfile(tmp_path / "b" / shard, tmp_path / "a" / shard)
+    with ArchiveReader(tmp_path / "a") as r, pytest.raises(FormatError, match="header CRC-32"):
+        r.sample(0)

@@ -5,6 +5,7 @@ continues again; a state of another archive is still refused."""
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from dlop.compiler import add_fields, compile_map
+from dlop.formats import FormatError
 from dlop.runtime import IterableArchive, Loader, UsageError, batch_as_is, open_archive
 
 OPTIONS: dict[str, Any] = {"unit_inputs": 8, "shard_bytes": "4KiB", "progress": False}
@@ -139,15 +141,51 @@ def test_an_archive_sent_to_a_process_reads_as_its_sender_opened_it(tmp_path: Pa
     assert all((sent[i]["y"] == sent[i]["x"] * 2).all() for i in range(60))
 
 
-def test_iterable_archive_workers_by_spawn_read_the_archive_opened(tmp_path: Path) -> None:
+def plus(x: int) -> dict[str, Any]:
+    return {"x": np.full(64, 1000 + x, np.int32)}
+
+
+def test_iterable_archive_workers_by_spawn_read_the_archive_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each worker opened the folder for itself: an append landing before they started
-    split the epoch over two archives (samples lost and others read twice)."""
+    split the epoch over two archives (samples lost and others read twice). Nor may a
+    link swapped to another archive, or the working directory changed, since the
+    IterableArchive was made send its workers elsewhere (they opened the link's new
+    target, or the relative path's new folder, under the first archive's index)."""
     out = tmp_path / "grows"
     compile_map(sample, list(range(60)), out, workers=1, **OPTIONS)
-    it = IterableArchive(out, 8, seed=1)
+    other = tmp_path / "other" / "grows"  # same layout, other values
+    compile_map(plus, list(range(60)), other, workers=1, **OPTIONS)
+    (tmp_path / "current").symlink_to(out)
+    monkeypatch.chdir(tmp_path)
+    linked = IterableArchive("current", 8, seed=1)
+    relative = IterableArchive("grows", 8, seed=1)
+    opened = open_archive("current")
     compile_map(sample, list(range(100)), out, workers=1, append=True, **OPTIONS)
-    loader = DataLoader(
-        it, batch_size=None, num_workers=2, multiprocessing_context="spawn", collate_fn=batch_as_is
-    )
-    got = [x for b in loader for x in b["x"][:, 0].tolist()]
-    assert sorted(got) == list(range(60))
+    (tmp_path / "swap").symlink_to(other)
+    os.replace(tmp_path / "swap", tmp_path / "current")
+    monkeypatch.chdir(tmp_path / "other")
+    sent = pickle.loads(pickle.dumps(opened))
+    assert sorted(int(sent[i]["x"][0]) for i in range(len(sent))) == list(range(60))
+    for it in (linked, relative):
+        loader = DataLoader(
+            it, batch_size=None, num_workers=2, multiprocessing_context="spawn",
+            collate_fn=batch_as_is,
+        )  # fmt: skip
+        got = [x for b in loader for x in b["x"][:, 0].tolist()]
+        assert sorted(got) == list(range(60))
+
+
+def test_a_process_sent_an_archive_whose_files_are_gone_is_told_why(tmp_path: Path) -> None:
+    """The group files the sender's index lists are deleted by the group's next change:
+    the process sent the archive is refused naming the file and what happened, where it
+    said only that index.json lists a missing shard (while the folder's own did not)."""
+    out = tmp_path / "a"
+    compile_map(sample, list(range(20)), out, workers=1, **OPTIONS)
+    add_fields(out, twice, "extra", workers=1, progress=False)
+    opened = open_archive(out)
+    for fn in (thrice, twice):  # the second change deletes the files the first kept
+        add_fields(out, fn, "extra", workers=1, progress=False, overwrite=True)
+    with pytest.raises(FormatError, match=r"group-extra-r0-000000\.dlop: .*changed since"):
+        pickle.loads(pickle.dumps(opened))
