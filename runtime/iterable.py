@@ -45,7 +45,6 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dlop.formats import DlopError
-from dlop.formats.urls import is_url
 
 from .archive.concat import ArchivePaths
 from .archive.dataset import Archive
@@ -58,7 +57,7 @@ from .order.mixture import Source
 from .order.reading import Reading, ReadingOptions
 from .pipeline.loader_state import check_settings, order_settings, same
 from .pipeline.shared_ring import MAX_SLOTS, ReleaseTable, WorkerRing, slot_bytes
-from .storage.supply import pinned
+from .storage.supply import pin_key, pinned
 
 STATE_FORMAT = "dlop-iterable-state"
 # version 1 split batches among world_size * workers consumers; a version 2 state
@@ -82,8 +81,7 @@ def _real_paths(archive: Any) -> Any:
     """``archive`` (IterableArchive's argument) with each local path replaced by the
     folder it leads to now; URLs and open Archives as they are."""
     if isinstance(archive, str | os.PathLike):
-        text = os.fspath(archive)
-        return text if is_url(text) else os.path.realpath(text)
+        return pin_key(archive)
     if isinstance(archive, Source):
         return dataclasses.replace(archive, path=_real_paths(archive.path))
     if isinstance(archive, Mapping):

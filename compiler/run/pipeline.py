@@ -41,7 +41,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -549,7 +549,8 @@ def _stop(pool: ProcessPoolExecutor, grace: float) -> None:
     handles are kept, and it forgets them once shut down (Python 3.14 adds
     ``kill_workers`` for this)."""
     procs = tuple((pool._processes or {}).values())
-    manager: threading.Thread | None = getattr(pool, "_executor_manager_thread", None)
+    # typeshed gives the thread the type of its wakeup pipe
+    manager = cast("threading.Thread | None", pool._executor_manager_thread)
     if grace <= 0:
         # killed before the pool is told: from Python 3.12 a broken pool's thread waits for
         # its workers while holding the lock shutdown takes, and a worker whose item

@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from dlop.formats import INDEX_NAME, Field, parse_index, read_index
+from dlop.formats import INDEX_NAME, Field, parse_index
 from dlop.formats.transcode import needs_transcode
 from dlop.formats.urls import is_url
 
 from ..errors import UsageError, UsageTypeError
 from ..storage.cached import open_cached
-from ..storage.supply import pinned_index
+from ..storage.supply import local_index
 from .concat import ArchivePaths, archive_paths
 from .dataset import Archive
 from .indices import field_names
@@ -92,8 +92,7 @@ def open_archive(
 
 def read_fields(path: Path) -> list[Field]:
     """The fields an archive's reader reads: its own and those of its complete groups."""
-    pinned = pinned_index(path)  # a worker sent what its parent opened: that archive's
-    index = read_index(path) if pinned is None else parse_index(path / INDEX_NAME, pinned)
+    index = parse_index(path / INDEX_NAME, local_index(path))  # a sent archive's: as opened
     return [*index.fields, *(f for g in index.complete_groups() for f in g.fields)]
 
 

@@ -191,6 +191,13 @@ def pinned_index(place: str | os.PathLike[str]) -> bytes | None:
     return _PINNED.get({}).get(pin_key(place))
 
 
+def local_index(path: Path) -> bytes:
+    """The index.json bytes to read the local archive at ``path`` by: ``pinned``'s, else
+    the folder's own."""
+    pinned = pinned_index(path)
+    return read_index_data(path) if pinned is None else pinned
+
+
 def open_reader(path: Path, block_cache_bytes: int, index: bytes) -> ArchiveReader:
     """The one place a local archive path becomes a reader (``block_cache_bytes``: its
     decoded-block cache) of the archive as ``index`` (its index.json's bytes) lists it."""
@@ -217,10 +224,9 @@ class LocalSupply(ShardSupply):
         self.block_cache_bytes = block_cache_bytes
         # each archive's index.json as read here: a process this supply is sent to reads
         # the archives as they were then, not as an append or a field group since made them
-        sent = [pinned_index(p) for p in self.paths] if indexes is None else list(indexes)
-        self.indexes = tuple(
-            i if i is not None else read_index_data(p)
-            for p, i in zip(self.paths, sent, strict=True)
+        sent = indexes is not None or any(pinned_index(p) is not None for p in self.paths)
+        self.indexes = (
+            tuple(indexes) if indexes is not None else tuple(local_index(p) for p in self.paths)
         )
         try:
             self.readers = [
@@ -230,17 +236,14 @@ class LocalSupply(ShardSupply):
             self.shards: list[ShardReader] = [
                 r.shard(k) for r in self.readers for k in range(r.num_shards)
             ]
-            if any(i is not None for i in sent):  # its field groups' files are opened later
-                for r in self.readers:
-                    for group in r.groups.values():
-                        for g in group.shards:
-                            if not (r.directory / g.info.file).is_file():
-                                raise FormatError(
-                                    r.directory / g.info.file,
-                                    "shard listed in index.json is missing",
-                                )
+            if sent:  # its field groups' files are opened later: missing ones named now
+                groups = [(r.directory, g) for r in self.readers for g in r.groups.values()]
+                gone = [d / s.info.file for d, g in groups for s in g.shards]
+                gone = [f for f in gone if not f.is_file()]
+                if gone:
+                    raise FormatError(gone[0], "shard listed in index.json is missing")
         except FormatError as e:
-            if not any(i is not None for i in sent):
+            if not sent:
                 raise
             raise FormatError(
                 e.path,
