@@ -75,13 +75,16 @@ class Retry:
     """How hard a fetch tries: ``attempts`` in all, sleeping ``backoff_s`` doubled after
     each failure (with jitter, at most ``max_backoff_s``). ``part_bytes`` and
     ``parallel_parts`` say how the runtime cuts one try of a large object into ranged
-    reads."""
+    reads. ``lead``: a raw shard that one wave of such reads covers is asked for in
+    byte ranges at once, its header read from the first of them, not first on its
+    own (one request fewer a shard; runtime.storage.streamed ``lead_spans``)."""
 
     attempts: int = field(default_factory=default_attempts)
     backoff_s: float = BACKOFF_S
     max_backoff_s: float = field(default_factory=default_max_backoff)
     part_bytes: int = 16 << 20
     parallel_parts: int = 4
+    lead: bool = True
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
 
     def pause(self, attempt: int) -> None:

@@ -56,6 +56,7 @@ class FaultProxy:
         self.wasted: Counter[str] = Counter()  # of those, bytes sent under a fault
         self.ranges: list[str] = []
         self.ranged: list[tuple[str, str]] = []  # (path, Range) of each ranged GET
+        self.asked: list[tuple[str, str]] = []  # (path, Range) of each GET, faults and all
         self.lock = threading.Lock()
         self.closing = threading.Event()
         self.through = threading.Event()  # held answers go on
@@ -202,6 +203,8 @@ class FaultProxy:
                     self.wfile.write(report)
                     return
                 rng = self.headers.get("Range") or ""
+                with proxy.lock:
+                    proxy.asked.append((urlsplit(self.path).path, rng))
                 first = rng[6:].partition("-")[0] if rng.startswith("bytes=") else ""
                 start = int(first) if first.isdigit() else None
                 fault = proxy.take_fault(urlsplit(self.path).path, start=start)

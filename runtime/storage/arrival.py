@@ -18,7 +18,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -34,13 +34,16 @@ from .streamed import (
     DONE,
     FLYING,
     LATER,
+    LEAD,
     QUEUED,
     FrontFailed,
     Incoming,
+    Lead,
     PartQueue,
     fetch_front,
     first_reads,
     fronts_of,
+    lead_spans,
 )
 
 
@@ -128,17 +131,32 @@ class Arrivals:
         with self.host.lock:
             self.arrivals.add(got)
         inc: Incoming | None = None
+        lead: Lead | None = None
         try:
             store = self.host.client()
+            spans = lead_spans(info.bytes, self.host.retry)
+            if spans:  # asked for at once: the header comes with the first range
+                lead = Lead(got, spans)
+                jobs = [
+                    functools.partial(Lead.fetch, lead, i, store, info.file)
+                    for i in range(len(spans))
+                ]
+                self.put([(LEAD, job) for job in jobs])
             head, layout = fetch_head(
-                store, info.file, info.bytes, what, self.host.retry, info.header_crc32
+                store,
+                info.file,
+                info.bytes,
+                what,
+                self.host.retry,
+                info.header_crc32,
+                None if lead is None else lead.take,
             )
             if layout.num_samples != info.num_samples:
                 raise LoaderError(
                     f"{what}: holds {layout.num_samples} samples, index.json says {info.num_samples}"
                 )
             head_len = header_span(head, store.name_url(info.file), info.bytes)
-            inc = Incoming(k, got, layout, head_len, self.host.retry, keep)
+            inc = Incoming(k, got, layout, head_len, self.host.retry, keep, lead)
             inc.ride(fronts_of(layout, info.bytes), self.host.retry, len(head))
             with self.host.lock:
                 first = self.first_reads(k)
@@ -165,6 +183,8 @@ class Arrivals:
         except Exception as e:
             if inc is None:
                 failure = self.host.note_failure(k, e)
+                if lead is not None:
+                    lead.stop()  # nothing more is written into the file let go of
                 self.let_go_of(got, failure)
                 raise failure from None
             raise self.failed(inc, e) from None
@@ -189,16 +209,18 @@ class Arrivals:
                 if (only is None or only[i]) and part.state == QUEUED:
                     part.rank = rank
                     jobs.append((rank, functools.partial(self.fetch_part, inc, i, rank)))
-        if jobs:
-            with self.host.lock:
-                if self.host.closing:  # close() fails what is still arriving
-                    inc.settle_tail(None, closed(self.host.url))
-                    return
-                if self.parts is None:
-                    self.parts = PartQueue(self.host.retry.parallel_parts)
-                parts = self.parts
-            if not parts.put(jobs):
-                inc.settle_tail(None, closed(self.host.url))
+        if jobs and not self.put(jobs):
+            inc.settle_tail(None, closed(self.host.url))
+
+    def put(self, jobs: Sequence[tuple[int, Callable[[], None]]]) -> bool:
+        """Puts ``jobs`` (rank, job) in the fetch queue; False when the supply closes."""
+        with self.host.lock:
+            if self.host.closing:  # close() fails what is still arriving
+                return False
+            if self.parts is None:
+                self.parts = PartQueue(self.host.retry.parallel_parts)
+            parts = self.parts
+        return parts.put(jobs)
 
     def fetch_part(self, inc: Incoming, i: int, rank: int) -> None:
         """Fetches, verifies and writes part ``i`` of a shard arriving (a part thread)."""
@@ -209,10 +231,19 @@ class Arrivals:
             part.state = FLYING
         name = self.host.index.shards[inc.k].file
         what = f"{self.host.url}: shard {inc.k} ({name}) bytes {part.lo}..{part.hi}"
+        lead = [inc.lead]  # the first try's bytes, when its lead has them
+        led = [False]  # the bytes checked came from the lead: in the file already
         try:
             store = self.host.client()
 
             def read() -> bytes:
+                if lead[0] is not None:  # its failure counts as this first try's
+                    taking, lead[0] = lead[0], None
+                    got = taking.take(part.lo, part.end)
+                    if got is not None:  # the mapped file: checked as any buffer
+                        led[0] = True
+                        return cast(bytes, got)
+                led[0] = False
                 try:
                     data = store.read_once(name, part.lo, part.end)
                 except Exception as e:
@@ -223,15 +254,11 @@ class Arrivals:
                 return data
 
             data = fetch(
-                read,
-                inc.check(part),
-                what,
-                store.name_url(name),
-                self.host.retry,
-                give_up=(FrontFailed,),
+                read, inc.check(part), what, store.name_url(name), self.host.retry, (FrontFailed,)
             )
-            with inc.writer():
-                write_at(inc.arriving.fd, memoryview(data)[: part.hi - part.lo], part.lo)
+            if not led[0]:  # a lead's bytes are in the file already
+                with inc.writer():
+                    write_at(inc.arriving.fd, memoryview(data)[: part.hi - part.lo], part.lo)
         except Exception as e:
             inc.hand_tail(part, None, e)
             self.failed(inc, e)
@@ -252,6 +279,8 @@ class Arrivals:
         reader = inc.reader
         try:
             assert reader is not None  # parts are checked only once the front is in
+            if inc.lead is not None:
+                inc.lead.stop()
             if inc.file_crc() != info.crc32:
                 self.fetch_gaps(inc)
             with inc.writer():  # outside the lock: a sync takes long
@@ -316,6 +345,8 @@ class Arrivals:
             while inc.writing:
                 inc.cond.wait()
             inc.cond.notify_all()
+        if inc.lead is not None:
+            inc.lead.stop()
         inc.settle_tail(None, e)  # a front waiting for its last span stops waiting
         with self.host.lock:
             self.streams.pop(inc.k, None)

@@ -75,17 +75,26 @@ def fetch_head(
     what: str,
     retry: Retry = DEFAULT_RETRY,
     header_crc32: int | None = None,
+    first: Callable[[int, int], bytes | memoryview | None] | None = None,
 ) -> tuple[bytes, ShardLayout]:
     """A shard's first bytes through its JSON header (SPEC.md §2) and its layout: one
     ranged read of ``HEAD_BYTES``, a second when the header is longer, tried again
     while they come short or fail the header's checks (a corrupt transfer); a header
     with another CRC than ``header_crc32`` (the index's record of it, SPEC.md §6: the
     object is not the one the index lists) is refused at once. FetchError names
-    ``what`` when every try failed."""
+    ``what`` when every try failed. ``first(lo, hi)``: where the first try takes its
+    bytes from when it has them (streamed ``Lead.take``), else None."""
     url = store.name_url(name)
+    tries = 0
+
+    def read(lo: int, hi: int) -> bytes:
+        got = first(lo, hi) if first is not None and tries == 1 else None
+        return store.read_once(name, lo, hi) if got is None else bytes(got)
 
     def once() -> tuple[bytes, ShardLayout]:
-        head = store.read_once(name, 0, min(file_size, HEAD_BYTES))
+        nonlocal tries
+        tries += 1
+        head = read(0, min(file_size, HEAD_BYTES))
         try:
             hlen, crc = read_preamble(url, head, file_size)
             if header_crc32 is not None and crc != header_crc32:  # no retry changes it
@@ -96,7 +105,7 @@ def fetch_head(
                 )
             span = PREAMBLE.size + hlen
             if span > len(head):
-                head = store.read_once(name, 0, span)
+                head = read(0, min(file_size, span))
             if len(head) < span:
                 raise storage.Rejected(
                     f"got {len(head)} of its first {span} bytes (truncated transfer?)"

@@ -67,9 +67,7 @@ from .cache_folder import BUDGET_LOCK
 from .pool import DaemonPool
 from .remote import in_parallel
 from .remote_sizes import ShardSizes
-from .streamed import (
-    Incoming,
-)
+from .streamed import Incoming, Lead
 from .supply import ShardSupply, distinct
 
 Client = Callable[[], Storage]  # this process's storage of the archive
@@ -602,6 +600,8 @@ class RemoteSupply(ShardSupply):
                 for job in parts.close():  # a front waiting for a dropped part stops waiting
                     if isinstance(job, functools.partial) and isinstance(job.args[0], Incoming):
                         job.args[0].settle_tail(None, closed(self.url))
+                    elif isinstance(job, functools.partial) and isinstance(job.args[0], Lead):
+                        job.args[0].stop()  # and one waiting for a dropped lead range
             for inc in list(self.arrive.streams.values()):
                 # a shard whose every part is in lands (synced, published) rather than
                 # being thrown away: a peer, or the next run, finds it whole

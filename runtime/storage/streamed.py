@@ -18,6 +18,15 @@ goes in the first wave, the front's last span (the metadata a dlop writer puts
 after the values) rides in the same request as the part before it
 (``Incoming.ride``): one request fewer a shard.
 
+A shard that one wave of parts covers (``lead_spans``) does not wait for its header
+to plan them: its bytes are asked for at once in as many byte ranges as part
+threads (``Lead``), each written unverified into the temporary file as it comes;
+the header, the front and every part then take their first try's bytes from there
+(mapped, not copied) and check them exactly as fetched bytes. Its parts are cut at the
+ranges' edges (``cut_at``), so that a part waits for one range only. A range that
+fails counts as the first try of whoever needs its bytes, who fetch them on their
+own retries.
+
 When the last part lands, the whole file's CRC, composed from the parts', must
 equal the index's; the file is then synced and renamed into place like any cached
 shard. A shard without pieces (written before them) is all front: verified whole
@@ -29,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import mmap
+import os
 import threading
 import time
 import traceback
@@ -45,12 +56,14 @@ from dlop.formats.header import FieldLayout, ShardLayout
 from dlop.formats.storage import Rejected, Retry, Storage, retrying
 
 from .cache import Arriving, Held, write_at
-from .remote import each_span
+from .remote import HEAD_BYTES, each_span
 
 QUEUED, FLYING, DONE = 0, 1, 2
 UNREAD = np.iinfo(np.int64).max  # the rank of what this epoch does not read
 LATER = UNREAD - 1  # the rank of a part whose samples' places are not known yet
 TAIL_WAIT_S = 60.0  # the longest the front waits for that part before reading the span itself
+LEAD = -2  # the rank of a lead range: before any part (a part may wait for its ranges)
+WAITING, LANDED, LOST = 0, 1, 2  # a lead range's states
 Span = tuple[int, int]
 
 
@@ -116,13 +129,152 @@ class Part:
     rank: int = 0  # its place in the fetch queue (-1: a batch waits for it)
 
 
+def lead_spans(size: int, retry: Retry) -> list[Span]:
+    """The byte ranges a shard of ``size`` bytes is asked for in before its header is
+    read: as many as ``retry.parallel_parts``, each at least ``part_bytes`` (or the
+    whole file) and at most four times it, as its parts would be; none when one such
+    wave does not cover the file, or ``retry.lead`` is off."""
+    if not retry.lead or size <= 0:
+        return []
+    # a range holds the first read of a header at least (one request for a small file)
+    unit = max(HEAD_BYTES, retry.part_bytes)
+    n = max(1, min(retry.parallel_parts, size // unit))
+    if size > n * 4 * unit:
+        return []
+    step = -(-size // n)
+    return [(a, min(a + step, size)) for a in range(0, size, step)]
+
+
+class Lead:
+    """A shard's bytes asked for before its header is read (``lead_spans``): each range,
+    once in whole, is written unverified into ``arriving``; readers take their first
+    try's bytes from there (``take``) and check them as fetched ones. A range that
+    fails, or is waited for in vain, is LOST: its late bytes are never written, and
+    whoever needs them fetches them. ``stop`` ends it all (the shard landed or failed)."""
+
+    def __init__(self, arriving: Arriving, spans: list[Span]) -> None:
+        self.arriving = arriving
+        self.spans = spans
+        self.state = [WAITING] * len(spans)
+        self.cond = threading.Condition()
+        self.writing = 0
+        self.stopped = False
+        self.errors: list[Exception | None] = [None] * len(spans)  # why a range was lost
+        self.mapped: mmap.mmap | None = None  # the file, once a reader takes bytes
+
+    def fetch(self, i: int, store: Storage, name: str) -> None:
+        """Fetches range ``i`` once and writes it (a part thread); LOST on any failure."""
+        lo, hi = self.spans[i]
+        with self.cond:
+            if self.stopped or self.state[i] != WAITING:
+                return
+        data: bytes | None = None
+        error: Exception | None = None
+        try:
+            data = store.read_once(name, lo, hi)
+            if len(data) != hi - lo:
+                error = Rejected(
+                    f"got {len(data)} bytes of the {hi - lo} from {lo} (truncated transfer?)"
+                )
+        except Exception as e:  # the first try of whoever needs these bytes failed
+            error = e
+        with self.cond:
+            if data is None or error is not None or self.stopped or self.state[i] != WAITING:
+                if self.state[i] == WAITING:
+                    self.state[i], self.errors[i] = LOST, error
+                self.cond.notify_all()
+                return
+            self.writing += 1
+        wrote = False
+        try:
+            write_at(self.arriving.fd, data, lo)
+            wrote = True
+        except OSError:  # a full disk: the reader's own write names it
+            pass
+        finally:
+            with self.cond:
+                self.writing -= 1
+                if self.state[i] == WAITING:
+                    self.state[i] = LANDED if wrote else LOST
+                self.cond.notify_all()
+
+    def take(self, lo: int, hi: int, timeout: float = TAIL_WAIT_S) -> memoryview | None:
+        """Bytes ``lo:hi`` of the file once every range holding them is in; None when
+        one is lost, the lead stopped, or they are not in within ``timeout`` seconds
+        (those ranges are then lost: their bytes, when they come, are dropped). A range
+        that failed raises its failure: the caller's first try, counted as such (a
+        refusal is not asked again, a short answer is a truncated transfer)."""
+        mine = [i for i, (a, b) in enumerate(self.spans) if a < hi and b > lo]
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                if self.stopped:
+                    return None
+                failed = [e for i in mine if (e := self.errors[i]) is not None]
+                if failed:
+                    raise failed[0]
+                states = [self.state[i] for i in mine]
+                if LOST in states:
+                    return None
+                if all(s == LANDED for s in states):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for i in mine:
+                        if self.state[i] == WAITING:
+                            self.state[i] = LOST
+                    while self.writing:  # a write under way ends before the reader's
+                        self.cond.wait()
+                    self.cond.notify_all()
+                    return None
+                self.cond.wait(min(left, 0.5))
+        return self.view(lo, hi)
+
+    def view(self, lo: int, hi: int) -> memoryview | None:
+        """Bytes ``lo:hi`` of the file, mapped (not copied; read-only); None once stopped."""
+        with self.cond:
+            if self.stopped:
+                return None
+            if self.mapped is None:
+                # through a descriptor of its own: a mapping keeps a copy of the one it
+                # is made from, and a copy of the file's own would keep its lock held
+                fd = os.open(self.arriving.tmp, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    self.mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+            mapped = self.mapped
+        mapped.madvise(mmap.MADV_WILLNEED, lo - lo % mmap.PAGESIZE, hi - lo + lo % mmap.PAGESIZE)
+        return memoryview(mapped)[lo:hi]
+
+    def stop(self) -> None:
+        """No range is written from now on (returns once a write under way is done), and
+        the mapping goes: a file removed from the cache gives back its space."""
+        with self.cond:
+            self.stopped = True
+            while self.writing:
+                self.cond.wait()
+            self.cond.notify_all()
+            mapped, self.mapped = self.mapped, None
+        if mapped is not None:
+            with contextlib.suppress(BufferError):  # a view still in use: it goes with it
+                mapped.close()
+
+
 class Incoming:
     """Shard ``k`` arriving into ``arriving`` (its temporary cache file), laid out as
     ``layout`` says: ``parts`` of its pieced data come in on part threads, each checked
     once the front is in (``fronted``: ``reader`` maps the file from then on)."""
 
     def __init__(
-        self, k: int, arriving: Arriving, layout: ShardLayout, head: int, retry: Retry, keep: bool
+        self,
+        k: int,
+        arriving: Arriving,
+        layout: ShardLayout,
+        head: int,
+        retry: Retry,
+        keep: bool,
+        lead: Lead | None = None,
     ) -> None:
         self.k = k
         self.arriving = arriving
@@ -142,15 +294,19 @@ class Incoming:
         ]
         self.parts: list[Part] = []
         for r, pc in enumerate(self.pieced):
-            step = part_pieces(pc.length, pc.size, retry)
-            for p0 in range(0, pc.count, step):
-                p1 = min(p0 + step, pc.count)
+            if lead is None:
+                step = part_pieces(pc.length, pc.size, retry)
+                bounds = [*range(0, pc.count, step), pc.count]
+            else:  # a part within one lead range, and the piece across each cut alone
+                bounds = cut_at(pc, [lo for lo, _ in lead.spans[1:]])
+            for p0, p1 in itertools.pairwise(bounds):
                 pc.part_of[p0:p1] = len(self.parts)
                 hi = min(pc.offset + p1 * pc.size, pc.offset + pc.length)
                 self.parts.append(Part(r, p0, p1, pc.offset + p0 * pc.size, hi, hi))
         self.left = len(self.parts)
         # The front's last span when it rides with the part before it (``ride``).
         self.tail: tuple[Span, Future[bytes]] | None = None
+        self.lead = lead  # its bytes asked for before its header was read
 
     def ride(self, front: list[Span], retry: Retry, have: int) -> None:
         """Lets the front's last span ride with the part that ends where it starts, one
@@ -158,7 +314,7 @@ class Incoming:
         than threads) and the span is one of the front's reads (at most part_bytes)
         past the ``have`` bytes read first: that part goes before the shard's others,
         and hands the span's bytes to the front."""
-        if not self.parts or len(self.parts) > retry.parallel_parts or not front:
+        if not self.parts or len(self.parts) > retry.parallel_parts or not front or self.lead:
             return
         lo, hi = front[-1]
         if hi - lo > retry.part_bytes or hi <= have:  # long, or in the first read already
@@ -307,6 +463,18 @@ class Incoming:
                 raise self.error
 
 
+def cut_at(pc: Pieced, cuts: list[int]) -> list[int]:
+    """Where the parts of ``pc`` begin and end (piece numbers, 0 to its count) when its
+    bytes arrive in lead ranges starting at ``cuts``: every part within one range, so
+    that each waits for that range only, and a piece that a cut crosses a part alone."""
+    bounds = {0, pc.count}
+    for c in cuts:
+        if pc.offset < c < pc.offset + pc.length:
+            p, within = divmod(c - pc.offset, pc.size)
+            bounds.update((p, p + 1) if within else (p,))
+    return sorted(b for b in bounds if b <= pc.count)
+
+
 def part_pieces(length: int, piece: int, retry: Retry) -> int:
     """Pieces a part of a data region of ``length`` bytes: the region cut into as many
     parts as run at once (``retry.parallel_parts``), each at least ``retry.part_bytes``
@@ -394,6 +562,10 @@ def fetch_front(
                 if inc.error is not None:  # a part failed the shard: nothing more to read
                     raise FrontFailed(str(inc.error))
             have = have_head[lo:hi] if lo < len(have_head) else b""
+            if tries == 1 and inc.lead is not None and len(have) < hi - lo:
+                lead = inc.lead.take(lo, hi)
+                if lead is not None:  # in the file already: checked, not written again
+                    return crc32(lead)
             if tries == 1 and inc.tail is not None and inc.tail[0] == span:
                 try:  # the bytes come with the part before them (Incoming.ride)
                     have = inc.tail[1].result(timeout=TAIL_WAIT_S)

@@ -29,8 +29,15 @@ from tests.faultproxy import FaultProxy
 from tests.formats.helpers import read_header
 from tests.runtime.helpers import open_remote
 
+# Parts planned from the header (no lead ranges: tests/runtime/test_lead.py), so that a
+# fault meets the request of one part.
 PARTS = Retry(
-    attempts=3, backoff_s=0.001, max_backoff_s=0.01, part_bytes=CRC_PIECE_BYTES, parallel_parts=4
+    attempts=3,
+    backoff_s=0.001,
+    max_backoff_s=0.01,
+    part_bytes=CRC_PIECE_BYTES,
+    parallel_parts=4,
+    lead=False,
 )
 WAVE = 16384  # f32 values a sample: 64 KiB; 64 samples a 4 MiB shard, 16 a piece
 PER_SHARD = 64

@@ -4,6 +4,7 @@ empty, a full disk names the cache, and a URL whose query grants the whole folde
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 from pathlib import Path
@@ -40,19 +41,44 @@ def keys(loader: Loader) -> list[str]:
     return [k for b in loader for k in b["key"]]
 
 
+# A shard's first requests: its header alone, then its parts; or (lead) byte ranges of
+# 64 KiB at once, the header read from the first.
+HEADER_FIRST = dataclasses.replace(FAST, lead=False)
+RANGES = dataclasses.replace(FAST, part_bytes=64 << 10)
+
+
+@pytest.mark.parametrize("retry", [HEADER_FIRST, RANGES], ids=["header first", "lead ranges"])
 @pytest.mark.parametrize("fault", ["forbidden", "norange"])
 def test_a_refusal_no_retry_fixes_is_tried_once_and_named(
-    site: Path, tmp_path: Path, fault: str
+    site: Path, tmp_path: Path, fault: str, retry: Retry
 ) -> None:
     said = {"forbidden": "HTTP 403", "norange": "ignores HTTP Range requests"}[fault]
     with FaultProxy(root=site) as proxy:
         proxy.fail("shard-00001", fault, times=None)
-        remote = open_remote(proxy.url + "/big", cache_dir=tmp_path / "c", retry=FAST)
+        remote = open_remote(proxy.url + "/big", cache_dir=tmp_path / "c", retry=retry)
         with pytest.raises(LoaderError, match=said) as caught:
             for _ in Loader(remote, **SETTINGS):
                 pass
         assert "shard 1" in str(caught.value)
-        assert proxy.count("shard-00001") == 1  # not tried again
+        asked = [r for p, r in proxy.asked if "shard-00001" in p]
+        assert asked and len(asked) == len(set(asked))  # no range asked for again
+        if retry.lead:  # the ranges went out at once, each refused
+            assert len(asked) <= retry.parallel_parts
+        else:
+            assert len(asked) == 1
+
+
+def test_a_server_ignoring_range_serves_a_shard_one_request_covers(
+    site: Path, tmp_path: Path
+) -> None:
+    """A lead of one range asks for the whole file: what a server ignoring Range sends
+    is exactly that, and it is checked like any other answer."""
+    want = [int(x) for b in Loader(site / "big", **SETTINGS) for x in b["x"][:, 0]]
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00001", "norange", times=None)
+        remote = open_remote(proxy.url + "/big", cache_dir=tmp_path / "c", retry=FAST)
+        assert [int(x) for b in Loader(remote, **SETTINGS) for x in b["x"][:, 0]] == want
+        assert proxy.count("shard-00001") == 1
 
 
 def test_a_failure_without_a_message_says_its_type_and_what_was_read() -> None:
