@@ -141,7 +141,8 @@ class Arrivals:
                     functools.partial(Lead.fetch, lead, i, store, info.file)
                     for i in range(len(spans))
                 ]
-                self.put([(LEAD, job) for job in jobs])
+                if not self.put([(LEAD, job) for job in jobs]):
+                    raise closed(self.host.url)  # stops the lead (below)
             head, layout = fetch_head(
                 store,
                 info.file,

@@ -199,53 +199,49 @@ class Lead:
                 self.cond.notify_all()
 
     def take(self, lo: int, hi: int, timeout: float = TAIL_WAIT_S) -> memoryview | None:
-        """Bytes ``lo:hi`` of the file once every range holding them is in; None when
-        one is lost, the lead stopped, or they are not in within ``timeout`` seconds
-        (those ranges are then lost: their bytes, when they come, are dropped). A range
-        that failed raises its failure: the caller's first try, counted as such (a
-        refusal is not asked again, a short answer is a truncated transfer)."""
+        """Bytes ``lo:hi`` of the file once every range holding them is in. Otherwise
+        (one failed or is lost, the lead stopped, or they are not in within ``timeout``
+        seconds) every range holding them not yet in is lost, its bytes never written,
+        and no write of the lead is under way when this returns: the caller fetches
+        them and writes them itself, and nothing overwrites that. None then, or the
+        failure of a range: the caller's first try, counted as such (a refusal is not
+        asked again, a short answer is a truncated transfer)."""
         mine = [i for i, (a, b) in enumerate(self.spans) if a < hi and b > lo]
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
-                if self.stopped:
-                    return None
-                failed = [e for i in mine if (e := self.errors[i]) is not None]
-                if failed:
-                    raise failed[0]
                 states = [self.state[i] for i in mine]
-                if LOST in states:
-                    return None
-                if all(s == LANDED for s in states):
-                    break
+                if not self.stopped and all(s == LANDED for s in states):
+                    return self.view(lo, hi)
+                failed = [e for i in mine if (e := self.errors[i]) is not None]
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if self.stopped or failed or LOST in states or left <= 0:
                     for i in mine:
                         if self.state[i] == WAITING:
                             self.state[i] = LOST
                     while self.writing:  # a write under way ends before the reader's
                         self.cond.wait()
                     self.cond.notify_all()
+                    if failed and not self.stopped:
+                        raise failed[0]
                     return None
                 self.cond.wait(min(left, 0.5))
-        return self.view(lo, hi)
 
-    def view(self, lo: int, hi: int) -> memoryview | None:
-        """Bytes ``lo:hi`` of the file, mapped (not copied; read-only); None once stopped."""
-        with self.cond:
-            if self.stopped:
-                return None
-            if self.mapped is None:
-                # through a descriptor of its own: a mapping keeps a copy of the one it
-                # is made from, and a copy of the file's own would keep its lock held
-                fd = os.open(self.arriving.tmp, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    self.mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-                finally:
-                    os.close(fd)
-            mapped = self.mapped
-        mapped.madvise(mmap.MADV_WILLNEED, lo - lo % mmap.PAGESIZE, hi - lo + lo % mmap.PAGESIZE)
-        return memoryview(mapped)[lo:hi]
+    def view(self, lo: int, hi: int) -> memoryview:
+        """Bytes ``lo:hi`` of the file, mapped (not copied; read-only); call under
+        ``cond``, not stopped."""
+        if self.mapped is None:
+            # through a descriptor of its own: a mapping keeps a copy of the one it is
+            # made from, and a copy of the file's own would keep its lock held
+            fd = os.open(self.arriving.tmp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self.mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        self.mapped.madvise(
+            mmap.MADV_WILLNEED, lo - lo % mmap.PAGESIZE, hi - lo + lo % mmap.PAGESIZE
+        )
+        return memoryview(self.mapped)[lo:hi]
 
     def stop(self) -> None:
         """No range is written from now on (returns once a write under way is done), and

@@ -5,6 +5,7 @@ ranges still checked before it is served, through the counting fault proxy."""
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from dlop.formats import ArchiveWriter, Field
 from dlop.formats.constants import CRC_PIECE_BYTES
 from dlop.formats.storage import Retry
 from dlop.runtime import Loader, LoaderError
+from dlop.runtime.storage.cache import Arriving
 from dlop.runtime.storage.remote import HEAD_BYTES
-from dlop.runtime.storage.streamed import lead_spans
+from dlop.runtime.storage.streamed import Lead, lead_spans
 from tests.faultproxy import FaultProxy
 from tests.runtime.helpers import open_remote
 from tests.runtime.test_streamed import batches, cached, make, same, shards
@@ -190,3 +192,38 @@ def test_closing_while_a_lead_range_is_held_leaves_nothing_behind(
         assert not [p for p in (tmp_path / "c").rglob("*") if ".tmp-" in p.name]
         again = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=LEADS)
         assert firsts(Loader(again, batch_size=8, shuffle=False)) == list(range(256))
+
+
+def test_bytes_a_reader_fetched_itself_are_never_overwritten_by_the_lead(tmp_path: Path) -> None:
+    """A read across two ranges: the first failed, so the reader fetches the bytes
+    itself and writes them; the second range, still arriving (with wrong bytes of the
+    right length), is lost and never written over them."""
+    size = 1 << 20
+    data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path = tmp_path / "shard.tmp"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, size)
+    lead = Lead(Arriving(path, path, fd, -1, size), [(0, size // 2), (size // 2, size)])
+    release = threading.Event()
+
+    class Store:
+        def read_once(self, name: str, lo: int, hi: int) -> bytes:
+            if lo == 0:
+                raise ConnectionError("503 Slow Down")
+            release.wait(10)
+            return bytes(hi - lo)
+
+    fetches = [threading.Thread(target=lead.fetch, args=(i, Store(), "shard")) for i in range(2)]
+    for t in fetches:
+        t.start()
+    fetches[0].join()
+    lo, hi = size // 2 - 10, size // 2 + 10
+    with pytest.raises(ConnectionError):
+        lead.take(lo, hi)
+    os.pwrite(fd, data[lo:hi], lo)  # the reader's own fetch, verified
+    release.set()
+    fetches[1].join()
+    assert os.pread(fd, hi - lo, lo) == data[lo:hi]
+    assert lead.take(size // 2, size) is None  # the second range was lost
+    lead.stop()
+    os.close(fd)
