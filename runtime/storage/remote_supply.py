@@ -597,11 +597,12 @@ class RemoteSupply(ShardSupply):
             for pool in pools:  # a fetch stuck in a read is not waited for past this
                 pool.shutdown(max(0.0, deadline - time.monotonic()), cancel_futures=True)
             if parts is not None:
-                for job in parts.close():  # a front waiting for a dropped part stops waiting
-                    if isinstance(job, functools.partial) and isinstance(job.args[0], Incoming):
-                        job.args[0].settle_tail(None, closed(self.url))
-                    elif isinstance(job, functools.partial) and isinstance(job.args[0], Lead):
-                        job.args[0].stop()  # and one waiting for a dropped lead range
+                for job in parts.close():  # who waits for a dropped job stops waiting
+                    owner = job.args[0] if isinstance(job, functools.partial) else None
+                    if isinstance(owner, Incoming):  # a front, for its part
+                        owner.settle_tail(None, closed(self.url))
+                    elif isinstance(owner, Lead):  # a reader, for a lead range
+                        owner.stop()
             for inc in list(self.arrive.streams.values()):
                 # a shard whose every part is in lands (synced, published) rather than
                 # being thrown away: a peer, or the next run, finds it whole

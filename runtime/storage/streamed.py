@@ -198,16 +198,16 @@ class Lead:
                     self.state[i] = LANDED if wrote else LOST
                 self.cond.notify_all()
 
-    def take(self, lo: int, hi: int, timeout: float = TAIL_WAIT_S) -> memoryview | None:
+    def take(self, lo: int, hi: int) -> memoryview | None:
         """Bytes ``lo:hi`` of the file once every range holding them is in. Otherwise
-        (one failed or is lost, the lead stopped, or they are not in within ``timeout``
-        seconds) every range holding them not yet in is lost, its bytes never written,
+        (one failed or is lost, the lead stopped, or they are not in within
+        ``TAIL_WAIT_S``) every range holding them not yet in is lost, its bytes never written,
         and no write of the lead is under way when this returns: the caller fetches
         them and writes them itself, and nothing overwrites that. None then, or the
         failure of a range: the caller's first try, counted as such (a refusal is not
         asked again, a short answer is a truncated transfer)."""
         mine = [i for i, (a, b) in enumerate(self.spans) if a < hi and b > lo]
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + TAIL_WAIT_S
         with self.cond:
             while True:
                 states = [self.state[i] for i in mine]
@@ -238,9 +238,6 @@ class Lead:
                 self.mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
-        self.mapped.madvise(
-            mmap.MADV_WILLNEED, lo - lo % mmap.PAGESIZE, hi - lo + lo % mmap.PAGESIZE
-        )
         return memoryview(self.mapped)[lo:hi]
 
     def stop(self) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 
 from dlop.formats import ArchiveWriter, Field, Zstd
+from dlop.formats.constants import CRC_PIECE_BYTES
+from dlop.formats.storage import Retry
 from dlop.runtime import Archive, Source
 from dlop.runtime.storage.cached import open_cached
 
@@ -105,3 +107,18 @@ def in_forked_child(check: Callable[[], bool], timeout_s: int = 20) -> bool:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0
+
+
+def piece_parts(attempts: int, lead: bool = False) -> Retry:
+    """Fast retries, and a shard's values fetched in parts of whole CRC pieces on four
+    threads. ``lead``: asked for in byte ranges before the header is read; without,
+    the header first and then parts planned from it, so that a fault meets one part's
+    request."""
+    return Retry(
+        attempts=attempts,
+        backoff_s=0.001,
+        max_backoff_s=0.01,
+        part_bytes=CRC_PIECE_BYTES,
+        parallel_parts=4,
+        lead=lead,
+    )

@@ -13,19 +13,16 @@ import numpy as np
 import pytest
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.formats.constants import CRC_PIECE_BYTES
 from dlop.formats.storage import Retry
 from dlop.runtime import Loader, LoaderError
 from dlop.runtime.storage.cache import Arriving
 from dlop.runtime.storage.remote import HEAD_BYTES
 from dlop.runtime.storage.streamed import Lead, lead_spans
 from tests.faultproxy import FaultProxy
-from tests.runtime.helpers import open_remote
+from tests.runtime.helpers import open_remote, piece_parts
 from tests.runtime.test_streamed import batches, cached, make, same, shards
 
-LEADS = Retry(
-    attempts=4, backoff_s=0.001, max_backoff_s=0.01, part_bytes=CRC_PIECE_BYTES, parallel_parts=4
-)
+LEADS = piece_parts(4, lead=True)
 SETTINGS = {"batch_size": 8, "seed": 3}
 
 

@@ -22,23 +22,13 @@ from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field, StorageError
 from dlop.formats.constants import CRC_PIECE_BYTES
-from dlop.formats.storage import Retry
 from dlop.runtime import IterableArchive, Loader, LoaderError
 from dlop.runtime.storage.remote import HEAD_BYTES
 from tests.faultproxy import FaultProxy
 from tests.formats.helpers import read_header
-from tests.runtime.helpers import open_remote
+from tests.runtime.helpers import open_remote, piece_parts
 
-# Parts planned from the header (no lead ranges: tests/runtime/test_lead.py), so that a
-# fault meets the request of one part.
-PARTS = Retry(
-    attempts=3,
-    backoff_s=0.001,
-    max_backoff_s=0.01,
-    part_bytes=CRC_PIECE_BYTES,
-    parallel_parts=4,
-    lead=False,
-)
+PARTS = piece_parts(3)  # the header first (no lead ranges: test_lead.py)
 WAVE = 16384  # f32 values a sample: 64 KiB; 64 samples a 4 MiB shard, 16 a piece
 PER_SHARD = 64
 SHARDS = 3

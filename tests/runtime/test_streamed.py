@@ -22,18 +22,9 @@ from dlop.runtime.storage.remote import HEAD_BYTES
 from dlop.runtime.storage.streamed import LATER, Incoming, part_pieces
 from tests.faultproxy import FaultProxy
 from tests.formats.helpers import read_header
-from tests.runtime.helpers import open_remote
+from tests.runtime.helpers import open_remote, piece_parts
 
-# Parts planned from the header, as for a shard one wave of parts does not cover: the
-# header first (no lead ranges, test_lead.py), then ranged reads of whole pieces.
-PARTS = Retry(
-    attempts=4,
-    backoff_s=0.001,
-    max_backoff_s=0.01,
-    part_bytes=CRC_PIECE_BYTES,
-    parallel_parts=4,
-    lead=False,
-)
+PARTS = piece_parts(4)  # the header first (no lead ranges: test_lead.py)
 WAVE = 16384  # f32 values a sample: 64 KiB, 16 samples a piece
 
 
