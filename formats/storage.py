@@ -33,7 +33,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Self, TypeVar
@@ -106,12 +106,24 @@ def join_name(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
 
 
+# How much of a streamed range (``Storage.read_chunks``) is handed on at a time.
+CHUNK_BYTES = 4 << 20
+
+
 class Refused(Exception):
     """A try whose answer no retry changes (the reason is the message)."""
 
 
 class RangeIgnored(Refused):
     """A server answered a ranged read with more bytes than asked for: it ignores Range."""
+
+    def __init__(self, start: int, end: int, sent: int | str) -> None:
+        super().__init__(
+            f"asked for bytes {start}..{end} ({end - start} bytes), the server sent "
+            f"{sent}: it ignores HTTP Range requests, and an archive is read in parts (a "
+            "shard's header, pieces, a capped index.json); serve it from storage that "
+            "honours Range (S3, GCS, Azure, nginx, a CDN)"
+        )
 
 
 # Errors that retrying cannot fix: the object is not there, we may not read it, it is
@@ -262,6 +274,20 @@ class Storage:
         """One try at the first ``cap + 1`` bytes of ``name``, and the size the storage
         says it holds (None: not said)."""
         return self.read_once(name, 0, cap + 1), None
+
+    def read_chunks(
+        self, name: str, start: int, end: int, chunk: int = CHUNK_BYTES
+    ) -> Generator[bytes | memoryview, None, None]:
+        """One try at bytes ``start..end`` of ``name`` (one request), handed on in
+        order, at most ``chunk`` at a time, as they arrive where the storage streams a
+        body (S3, a local file): a caller writes each while the rest is on its way, and
+        holds one chunk, not the range. Fewer bytes in all when the object ends first;
+        the storage's own errors pass, as ``read_once``'s (RangeIgnored: more bytes came
+        than were asked for). Stopping early (closing the iterator) ends the request.
+        Here: the range read whole, then handed on in chunks."""
+        data = memoryview(self.read_once(name, start, end))
+        for at in range(0, len(data), chunk):
+            yield data[at : at + chunk]
 
     def fetch(
         self,
@@ -415,6 +441,16 @@ class LocalStorage(Storage):
             f.seek(start or 0)
             return f.read() if end is None else f.read(max(0, end - (start or 0)))
 
+    def read_chunks(
+        self, name: str, start: int, end: int, chunk: int = CHUNK_BYTES
+    ) -> Generator[bytes | memoryview, None, None]:
+        with open(self.root / name, "rb") as f:
+            f.seek(start)
+            left = end - start
+            while left > 0 and (data := f.read(min(chunk, left))):
+                left -= len(data)
+                yield data
+
     def open_read(self, name: str) -> IO[bytes]:
         return open(self.root / name, "rb")
 
@@ -504,6 +540,8 @@ class FsspecStorage(Storage):
         self.root = None if root is None else root.rstrip("/")
         self.url = url
         self.http = urls.scheme(url) in urls.HTTP  # reports every failure as missing
+        # streams a ranged body as it arrives (read_chunks): s3fs's client
+        self.s3 = callable(getattr(fs, "call_s3", None)) and hasattr(fs, "split_path")
         self.lists = self.writes = not self.http
         self._retrying = retrying
         self._retrying_fs: Any = None if retrying is not None else fs
@@ -605,13 +643,34 @@ class FsspecStorage(Storage):
     def read_once(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         data = bytes(self.fs.cat_file(self.path(name), start=start, end=end))
         if end is not None and len(data) > end - (start or 0):
-            raise RangeIgnored(
-                f"asked for bytes {start or 0}..{end} ({end - (start or 0)} bytes), the server "
-                f"sent {len(data)}: it ignores HTTP Range requests, and an archive is read "
-                "in parts (a shard's header, pieces, a capped index.json); serve it from "
-                "storage that honours Range (S3, GCS, Azure, nginx, a CDN)"
-            )
+            raise RangeIgnored(start or 0, end, len(data))
         return data
+
+    def read_chunks(
+        self, name: str, start: int, end: int, chunk: int = CHUNK_BYTES
+    ) -> Generator[bytes | memoryview, None, None]:
+        if not self.s3:  # no streamed body here: read whole, then handed on
+            yield from super().read_chunks(name, start, end, chunk)
+            return
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        bucket, key, version = fs.split_path(self.path(name))
+        asked = {"Range": f"bytes={start}-{end - 1}", **({"VersionId": version} if version else {})}
+        got = fs.call_s3("get_object", Bucket=bucket, Key=key, **asked)
+        body = got["Body"]
+        try:
+            said = got.get("ContentLength")
+            if isinstance(said, int) and said > end - start:
+                raise RangeIgnored(start, end, f"{said} bytes")
+            left = end - start
+            while data := sync(fs.loop, _read_up_to, body, chunk):
+                if len(data) > left:
+                    raise RangeIgnored(start, end, "more")
+                left -= len(data)
+                yield data
+        finally:  # on the client's loop: the connection is its
+            sync(fs.loop, _close_body, body)
 
     def read_capped_once(self, name: str, cap: int) -> tuple[bytes, int | None]:
         with self.fs.open(self.path(name), "rb") as f:
@@ -660,6 +719,20 @@ class FsspecStorage(Storage):
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(name))
+
+
+async def _read_up_to(body: Any, n: int) -> bytes:
+    """Up to ``n`` bytes of a streamed S3 body: fewer only at its end."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n and (data := await body.read(n - got)):
+        parts.append(data)
+        got += len(data)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _close_body(body: Any) -> None:
+    body.close()
 
 
 def _entry(info: Mapping[str, Any]) -> dict[str, Any]:

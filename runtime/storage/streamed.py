@@ -146,9 +146,10 @@ def lead_spans(size: int, retry: Retry) -> list[Span]:
 
 
 class Lead:
-    """A shard's bytes asked for before its header is read (``lead_spans``): each range,
-    once in whole, is written unverified into ``arriving``; readers take their first
-    try's bytes from there (``take``) and check them as fetched ones. A range that
+    """A shard's bytes asked for before its header is read (``lead_spans``): each range
+    is written unverified into ``arriving`` as it arrives; readers take their first
+    try's bytes from there once their ranges are in whole (``take``) and check them as
+    fetched ones. A range that
     fails, or is waited for in vain, is LOST: its late bytes are never written, and
     whoever needs them fetches them. ``stop`` ends it all (the shard landed or failed)."""
 
@@ -163,39 +164,55 @@ class Lead:
         self.mapped: mmap.mmap | None = None  # the file, once a reader takes bytes
 
     def fetch(self, i: int, store: Storage, name: str) -> None:
-        """Fetches range ``i`` once and writes it (a part thread); LOST on any failure."""
+        """Fetches range ``i`` once (a part thread), writing each chunk as it arrives, so
+        that the range is in the file soon after its last byte came; LOST on any
+        failure, and no chunk is written once it is lost or the lead stopped."""
         lo, hi = self.spans[i]
         with self.cond:
             if self.stopped or self.state[i] != WAITING:
                 return
-        data: bytes | None = None
+        at = lo
         error: Exception | None = None
+        chunks = store.read_chunks(name, lo, hi)
         try:
-            data = store.read_once(name, lo, hi)
-            if len(data) != hi - lo:
+            for data in chunks:
+                if not self.write(i, data, at):
+                    return  # lost meanwhile (a reader gave up on it), or stopped
+                at += len(data)
+            if at != hi:
                 error = Rejected(
-                    f"got {len(data)} bytes of the {hi - lo} from {lo} (truncated transfer?)"
+                    f"got {at - lo} bytes of the {hi - lo} from {lo} (truncated transfer?)"
                 )
         except Exception as e:  # the first try of whoever needs these bytes failed
             error = e
-        with self.cond:
-            if data is None or error is not None or self.stopped or self.state[i] != WAITING:
+        finally:
+            chunks.close()  # a range given up on ends its request
+            with self.cond:
                 if self.state[i] == WAITING:
-                    self.state[i], self.errors[i] = LOST, error
+                    if error is None and at == hi:
+                        self.state[i] = LANDED
+                    else:
+                        self.state[i], self.errors[i] = LOST, error
                 self.cond.notify_all()
-                return
+
+    def write(self, i: int, data: bytes | memoryview, at: int) -> bool:
+        """Writes a chunk of range ``i`` at ``at``, unless the range is no longer awaited
+        (False). A full disk loses the range: the reader's own write names it."""
+        with self.cond:
+            if self.stopped or self.state[i] != WAITING:
+                return False
             self.writing += 1
-        wrote = False
         try:
-            write_at(self.arriving.fd, data, lo)
-            wrote = True
-        except OSError:  # a full disk: the reader's own write names it
-            pass
+            write_at(self.arriving.fd, data, at)
+            return True
+        except OSError:
+            with self.cond:
+                if self.state[i] == WAITING:
+                    self.state[i] = LOST
+            return False
         finally:
             with self.cond:
                 self.writing -= 1
-                if self.state[i] == WAITING:
-                    self.state[i] = LANDED if wrote else LOST
                 self.cond.notify_all()
 
     def take(self, lo: int, hi: int) -> memoryview | None:

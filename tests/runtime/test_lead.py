@@ -7,13 +7,15 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.formats.storage import Retry
+from dlop.formats.storage import Retry, Storage
 from dlop.runtime import Loader, LoaderError
 from dlop.runtime.storage.cache import Arriving
 from dlop.runtime.storage.remote import HEAD_BYTES
@@ -155,6 +157,35 @@ def test_a_shard_swapped_after_its_header_came_serves_nothing(site: Path, tmp_pa
         assert not [p for p in (tmp_path / "c").rglob("*") if ".tmp-" in p.name]
 
 
+def test_over_s3_lead_ranges_written_as_they_come_survive_faults(
+    site: Path, tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over S3 a lead range is written into the file as its body arrives: one cut off
+    halfway (its first half written), one corrupt and one stalled halfway are read
+    again by what needs them; every batch equals the local archive's, and the shards
+    land whole."""
+    monkeypatch.setenv("DLOP_READ_TIMEOUT", "1")
+    s3.make_bucket("lead")
+    s3.filesystem().put(str(site / "a"), "lead/a", recursive=True)
+    with FaultProxy(upstream=s3.endpoint) as proxy:
+        proxy.fail("shard-00000", "truncate", at=spans(site)[1][0])
+        proxy.fail("shard-00000", "corrupt", at=spans(site)[0][0])
+        proxy.fail("shard-00001", "stall", at=spans(site, 1)[3][0])
+        remote = open_remote(
+            "s3://lead/a",
+            cache_dir=tmp_path / "c",
+            storage_options={"endpoint_url": proxy.url},
+            retry=LEADS,
+        )
+        assert same(batches(Loader(remote, **SETTINGS)), local(site))
+        assert [f[2] for f in proxy.faults] == [0, 0, 0]  # each was met
+        for _ in range(3000):  # a shard whose batches are read may still be landing
+            if not remote.supply.arrive.streams:
+                break
+            threading.Event().wait(0.01)
+        assert cached(tmp_path / "c") == shards(site)
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Shards of one pieced field: their front is the header and the metadata after the
@@ -194,33 +225,47 @@ def test_closing_while_a_lead_range_is_held_leaves_nothing_behind(
 def test_bytes_a_reader_fetched_itself_are_never_overwritten_by_the_lead(tmp_path: Path) -> None:
     """A read across two ranges: the first failed, so the reader fetches the bytes
     itself and writes them; the second range, still arriving (with wrong bytes of the
-    right length), is lost and never written over them."""
-    size = 1 << 20
+    right length) and written a chunk at a time as it comes, is lost: no chunk of it is
+    written over them, and its request ends."""
+    size, half, quarter = 1 << 20, 1 << 19, 1 << 18
     data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8).tobytes()
     path = tmp_path / "shard.tmp"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     os.ftruncate(fd, size)
-    lead = Lead(Arriving(path, path, fd, -1, size), [(0, size // 2), (size // 2, size)])
-    release = threading.Event()
+    lead = Lead(Arriving(path, path, fd, -1, size), [(0, half), (half, size)])
+    release, ended = threading.Event(), threading.Event()
 
-    class Store:
-        def read_once(self, name: str, lo: int, hi: int) -> bytes:
-            if lo == 0:
+    class Store(Storage):
+        def read_chunks(
+            self, name: str, start: int, end: int, chunk: int = 0
+        ) -> Generator[bytes, None, None]:
+            if start == 0:
                 raise ConnectionError("503 Slow Down")
-            release.wait(10)
-            return bytes(hi - lo)
+            try:  # wrong bytes, the first chunk at once
+                yield b"\xff" * quarter
+                release.wait(10)
+                yield b"\xff" * (end - start - quarter)
+            finally:
+                ended.set()
 
     fetches = [threading.Thread(target=lead.fetch, args=(i, Store(), "shard")) for i in range(2)]
     for t in fetches:
         t.start()
     fetches[0].join()
-    lo, hi = size // 2 - 10, size // 2 + 10
+    for _ in range(1000):  # the second range's first chunk is written as it came
+        if os.pread(fd, quarter, half) == b"\xff" * quarter:
+            break
+        threading.Event().wait(0.01)
+    else:
+        raise AssertionError("the first chunk was not written before the range was in")
+    lo, hi = half - 10, size - 10
     with pytest.raises(ConnectionError):
         lead.take(lo, hi)
     os.pwrite(fd, data[lo:hi], lo)  # the reader's own fetch, verified
     release.set()
     fetches[1].join()
+    assert ended.is_set()  # the request was ended, not read to its end
     assert os.pread(fd, hi - lo, lo) == data[lo:hi]
-    assert lead.take(size // 2, size) is None  # the second range was lost
+    assert lead.take(half, size) is None  # the second range was lost
     lead.stop()
     os.close(fd)
