@@ -25,8 +25,10 @@ Nothing here starts a thread (the runtime brings its own for parallel parts).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import inspect
 import io
 import itertools
 import os
@@ -669,8 +671,9 @@ class FsspecStorage(Storage):
                     raise RangeIgnored(start, end, "more")
                 left -= len(data)
                 yield data
-        finally:  # on the client's loop: the connection is its
-            sync(fs.loop, _close_body, body)
+        finally:  # on the client's loop (the connection is its), not waited for: this
+            # may run on that loop's own thread (a generator collected there)
+            asyncio.run_coroutine_threadsafe(_close_body(body), fs.loop)
 
     def read_capped_once(self, name: str, cap: int) -> tuple[bytes, int | None]:
         with self.fs.open(self.path(name), "rb") as f:
@@ -732,7 +735,9 @@ async def _read_up_to(body: Any, n: int) -> bytes:
 
 
 async def _close_body(body: Any) -> None:
-    body.close()
+    closed = body.close()  # aiohttp's closes at once, httpx's is a coroutine
+    if inspect.isawaitable(closed):
+        await closed
 
 
 def _entry(info: Mapping[str, Any]) -> dict[str, Any]:

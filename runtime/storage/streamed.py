@@ -176,17 +176,19 @@ class Lead:
         chunks = store.read_chunks(name, lo, hi)
         try:
             for data in chunks:
+                if at + len(data) > hi:  # never past its span: a neighbour's bytes lie there
+                    error = Rejected(f"got more than the {hi - lo} bytes asked for from {lo}")
+                    break
                 if not self.write(i, data, at):
                     return  # lost meanwhile (a reader gave up on it), or stopped
                 at += len(data)
-            if at != hi:
+            if error is None and at != hi:
                 error = Rejected(
                     f"got {at - lo} bytes of the {hi - lo} from {lo} (truncated transfer?)"
                 )
         except Exception as e:  # the first try of whoever needs these bytes failed
             error = e
         finally:
-            chunks.close()  # a range given up on ends its request
             with self.cond:
                 if self.state[i] == WAITING:
                     if error is None and at == hi:
@@ -194,6 +196,7 @@ class Lead:
                     else:
                         self.state[i], self.errors[i] = LOST, error
                 self.cond.notify_all()
+            chunks.close()  # a range given up on ends its request
 
     def write(self, i: int, data: bytes | memoryview, at: int) -> bool:
         """Writes a chunk of range ``i`` at ``at``, unless the range is no longer awaited

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dlop.formats import ArchiveWriter, Field
-from dlop.formats.storage import Retry, Storage
+from dlop.formats.storage import Rejected, Retry, Storage
 from dlop.runtime import Loader, LoaderError
 from dlop.runtime.storage.cache import Arriving
 from dlop.runtime.storage.remote import HEAD_BYTES
@@ -267,5 +267,29 @@ def test_bytes_a_reader_fetched_itself_are_never_overwritten_by_the_lead(tmp_pat
     assert ended.is_set()  # the request was ended, not read to its end
     assert os.pread(fd, hi - lo, lo) == data[lo:hi]
     assert lead.take(half, size) is None  # the second range was lost
+    lead.stop()
+    os.close(fd)
+
+
+def test_a_range_longer_than_asked_writes_nothing(tmp_path: Path) -> None:
+    """A storage that sends more than a range's bytes: none of them is written (past the
+    span lie the next range's bytes, a reader's own perhaps), and the range fails as a
+    rejected first try."""
+    size, half = 1 << 16, 1 << 15
+    path = tmp_path / "shard.tmp"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    os.pwrite(fd, b"\x01" * size, 0)
+    lead = Lead(Arriving(path, path, fd, -1, size), [(0, half), (half, size)])
+
+    class Store(Storage):
+        def read_chunks(
+            self, name: str, start: int, end: int, chunk: int = 0
+        ) -> Generator[bytes, None, None]:
+            yield b"\xff" * (end - start + 10)
+
+    lead.fetch(0, Store(), "shard")
+    assert os.pread(fd, size, 0) == b"\x01" * size
+    with pytest.raises(Rejected, match="more than the 32768 bytes"):
+        lead.take(0, half)
     lead.stop()
     os.close(fd)
