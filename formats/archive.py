@@ -46,6 +46,7 @@ from .generations import (
 )
 from .groups import FieldGroup, parse_field_groups
 from .joined import JoinedShard
+from .limits import room_for_files
 from .reader import BlockCache, Problem, ShardReader, Value
 from .redact import redact
 from .schema import Field, check_schema
@@ -479,6 +480,8 @@ class ArchiveReader:
         )
         self._readers: list[ShardReader | None] = [None] * len(self.index.shards)
         self._lock = threading.Lock()
+        # each shard it maps keeps a descriptor, its field groups' files too
+        room_for_files(len(self.index.shards) * (1 + len(self.groups)))
 
     def __len__(self) -> int:
         return self.num_samples

@@ -32,3 +32,8 @@ class StorageError(DlopError):
     """Storage that could not be read or written as asked: a URL no installed fsspec
     backend opens, options that do not fit it, or a read that failed every try (the
     message names the URL and each try's reason)."""
+
+
+class ResourceLimitError(DlopError):
+    """A limit of this process or machine (open files, memory maps) is too low for what
+    was asked; the message names the limit and how to raise it. Never retried."""

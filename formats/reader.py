@@ -10,6 +10,7 @@ checksums are checked by ``verify()``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import mmap
 import os
@@ -41,6 +42,7 @@ from .crc import crc32
 from .errors import ChecksumError, FormatError, SchemaError
 from .files import open_regular
 from .header import FieldLayout, Region, parse_header, read_preamble
+from .limits import FILE_LIMITS, too_many_files, too_many_maps
 from .schema import Field
 
 _CRC_CHUNK = 64 << 20
@@ -169,6 +171,10 @@ class ShardReader:
         except FileNotFoundError:
             missing = "listed in index.json is missing" if archive_dir is not None else "is missing"
             raise FormatError(self.path, f"shard {missing}") from None
+        except OSError as e:
+            if e.errno in FILE_LIMITS:
+                raise too_many_files(self.path, e) from None
+            raise
         try:
             size = os.fstat(fd).st_size
             if expected_bytes is not None and size != expected_bytes:
@@ -182,6 +188,10 @@ class ShardReader:
                 )
             self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         except OSError as e:
+            if e.errno in FILE_LIMITS:  # a map keeps a descriptor of its own
+                raise too_many_files(self.path, e) from None
+            if e.errno == errno.ENOMEM and (capped := too_many_maps(self.path)) is not None:
+                raise capped from None
             raise FormatError(self.path, f"cannot map: {e.strerror or e}") from None
         finally:
             os.close(fd)

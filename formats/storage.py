@@ -42,8 +42,9 @@ from typing import IO, Any, Self, TypeVar
 
 from . import urls
 from .crc import crc32 as crc_of
-from .errors import StorageError
+from .errors import ResourceLimitError, StorageError
 from .files import atomic_write
+from .limits import FILE_LIMITS, too_many_files
 
 T = TypeVar("T")
 
@@ -201,17 +202,23 @@ def retrying(
     reasons: list[str] = []
     checked_out = False  # a try's bytes arrived but failed the caller's check
     said_what = "" if what == path else f"{what}: "  # a URL named once
+    # raised as they are: the caller's refusals, and a limit of this process no retry lifts
+    passing: tuple[type[BaseException], ...] = (*give_up, ResourceLimitError)
     for attempt in range(retry.attempts):
         try:
             return once()
-        except give_up:
+        except passing:
             raise
         except PERMANENT as e:
+            if files_full(e):  # a client may report it as a missing object
+                raise too_many_files(path, e) from None
             raise FetchError(f"{said_what}cannot read {path}: {e}", e) from None
         except Rejected as e:
             reasons.append(str(e))
             checked_out = True
         except Exception as e:
+            if files_full(e):  # a full table of open files: no retry helps
+                raise too_many_files(path, e) from None
             refused = as_permanent(e)
             if refused is not e:
                 raise FetchError(f"{said_what}cannot read {path}: {refused}", refused) from None
@@ -225,6 +232,18 @@ def retrying(
         "(timeouts: DLOP_CONNECT_TIMEOUT, DLOP_READ_TIMEOUT)"
         + (", or the object itself: recompile it if its bytes are damaged" if checked_out else "")
     )
+
+
+def files_full(e: BaseException) -> bool:
+    """``e``, or an error it was raised from, is a full table of open files (EMFILE,
+    ENFILE): a storage client wraps the socket's or the file's error in its own."""
+    seen = 0
+    at: BaseException | None = e
+    while at is not None and seen < 8:
+        if getattr(at, "errno", None) in FILE_LIMITS:
+            return True
+        at, seen = at.__cause__ or at.__context__, seen + 1
+    return False
 
 
 def length_is(want: int, what: str) -> Callable[[bytes], str | None]:

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from dlop.formats import ArchiveReader, FormatError
 from dlop.formats.crc import crc32
+from dlop.formats.limits import FILE_LIMITS, too_many_files
 from dlop.formats.storage import FetchError
 from dlop.formats.transcode import needs_transcode
 
@@ -87,7 +88,12 @@ class Arriving:
 
 
 def _open(path: Path, flags: int = os.O_RDONLY) -> int:
-    return os.open(path, flags | os.O_CLOEXEC, 0o644)
+    try:
+        return os.open(path, flags | os.O_CLOEXEC, 0o644)
+    except OSError as e:  # a full table of open files is not the folder's fault
+        if e.errno in FILE_LIMITS:
+            raise too_many_files(path, e) from None
+        raise
 
 
 def _try_lock(fd: int, kind: int) -> bool:

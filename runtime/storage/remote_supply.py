@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from dlop.formats import ArchiveReader, Field, FormatError, ShardReader
+from dlop.formats.limits import room_for_files
 from dlop.formats.storage import (
     DEFAULT_RETRY,
     Retry,
@@ -151,6 +152,8 @@ class RemoteSupply(ShardSupply):
         self.ahead_shards = ahead_shards
         self.transcode = needs_transcode(index.fields)
         self.sizes = ShardSizes(url, index, cache.max_bytes, client, retry)
+        # a shard held open keeps two descriptors: its lock's and its mapping's
+        room_for_files(2 * len(index.shards))
         cache.squeeze = self.squeeze
         self.dropped: Callable[[int], None] | None = None  # told when shard k is let go of
         self.pid = -1
