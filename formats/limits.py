@@ -24,11 +24,13 @@ FILE_LIMITS = (errno.EMFILE, errno.ENFILE)
 
 
 def open_files() -> int | None:
-    """Descriptors this process has open now (None where that cannot be read)."""
+    """Descriptors this process has open now (None where that cannot be read); its
+    limit when the table is full (listing it takes one more)."""
     try:
         return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return None
+    except OSError as e:
+        limits = file_limits()
+        return limits[0] if e.errno in FILE_LIMITS and limits and limits[0] >= 0 else None
 
 
 def file_limits() -> tuple[int, int] | None:

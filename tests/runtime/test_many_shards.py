@@ -116,10 +116,14 @@ def test_a_full_table_is_found_inside_a_clients_own_error() -> None:
 def test_room_for_files_raises_the_soft_limit_no_further_than_needed() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
-        need = (open_files() or 0) + 100 + SPARE_FILES  # more than 256
+        now = open_files()
+        assert now is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (now + 20, hard))
+        need = now + 100 + SPARE_FILES
         room_for_files(100)
         assert need - 2 <= resource.getrlimit(resource.RLIMIT_NOFILE)[0] <= need + 2
+        resource.setrlimit(resource.RLIMIT_NOFILE, (now, hard))
+        assert open_files() == now  # a full table: its listing cannot be opened
         room_for_files(hard * 2)  # more than the hard limit: as far as it goes
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
