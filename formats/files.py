@@ -23,6 +23,7 @@ import numpy as np
 
 from .constants import MAX_JSON_DEPTH, MAX_JSON_NUMBER_CHARS, MAX_JSON_VALUES
 from .errors import FormatError
+from .limits import with_room
 
 _KINDS = {
     stat.S_IFDIR: "a directory",
@@ -64,7 +65,8 @@ def open_regular(path: str | os.PathLike[str], *, root: Path | None = None) -> i
         if not stat.S_ISREG(before.st_mode):
             raise FormatError(path, f"is {_kind(before.st_mode)}, not a regular file")
         # The link was resolved above: the final component must not turn into a link now.
-        fd = os.open(target, flags | (os.O_NOFOLLOW if root is not None else 0))
+        nofollow = os.O_NOFOLLOW if root is not None else 0
+        fd = with_room(lambda: os.open(target, flags | nofollow), path)
     except FileNotFoundError:
         raise
     except OSError as e:

@@ -3,16 +3,19 @@ one open descriptor (a memory map keeps its own) and is one memory map.
 
 An archive of more shards than the soft limit on open files allows (1024 on many
 Linux machines) would fail partway through; opening it raises the soft limit toward
-the hard one instead (``room_for_files``), as far as the hard limit lets. A limit
-still too low is named, with how to raise it (``too_many_files``, ``too_many_maps``).
+the hard one instead (``room_for_files``), and a file that meets it all the same
+raises it again (``with_room``), as far as the hard limit lets. A limit still too
+low is named, with how to raise it (``too_many_files``, ``too_many_maps``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .errors import ResourceLimitError
 
@@ -21,6 +24,9 @@ from .errors import ResourceLimitError
 SPARE_FILES = 256
 # The errors of a descriptor table that is full: this process's, or the system's.
 FILE_LIMITS = (errno.EMFILE, errno.ENFILE)
+# macOS refuses a soft limit above this when the hard one is unlimited.
+OPEN_MAX = 10240
+T = TypeVar("T")
 
 
 def open_files() -> int | None:
@@ -45,23 +51,64 @@ def file_limits() -> tuple[int, int] | None:
     return (-1 if soft == unlimited else soft, -1 if hard == unlimited else hard)
 
 
+# What this process was told it will open (``room_for_files``), and what it had open
+# the first time: each archive's shards count beside those of the archives before it,
+# which may not be mapped yet.
+_promised: dict[int, tuple[int, int]] = {}  # pid: (open at first, promised since)
+_lock = threading.Lock()
+
+
 def room_for_files(count: int) -> None:
-    """Raises this process's soft limit on open files when it is lower than the files
-    open now, ``count`` more and SPARE_FILES: as far as needed, at most to the hard
+    """Raises this process's soft limit on open files when it is lower than what it had
+    open when first asked, every ``count`` asked for since, and SPARE_FILES (or than
+    the files open now and ``count`` more): as far as needed, at most to the hard
     limit. Nothing happens where the limits cannot be read or set; a file that then
-    cannot be opened or mapped says why (``too_many_files``)."""
+    cannot be opened or mapped raises the limit further if it can (``with_room``)."""
+    if count <= 0:
+        return
+    with _lock:
+        now = open_files() or 64
+        first, promised = _promised.get(os.getpid(), (now, 0))
+        _promised[os.getpid()] = (first, promised + count)
+    _raise_soft(max(now + count, first + promised + count) + SPARE_FILES)
+
+
+def _raise_soft(want: int) -> bool:
+    """Sets the soft limit on open files to ``want``, or as near as the hard limit (and
+    the platform: macOS caps it at OPEN_MAX) allows; True when it rose."""
     try:
         import resource
     except ImportError:
-        return
+        return False
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = (open_files() or 64) + count + SPARE_FILES
-    if count <= 0 or soft == resource.RLIM_INFINITY or soft >= need:
-        return
-    raised = need if hard == resource.RLIM_INFINITY else min(hard, need)
-    if raised > soft:
-        with contextlib.suppress(ValueError, OSError):  # a platform cap (macOS's OPEN_MAX)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return False
+    for raised in (want if hard == resource.RLIM_INFINITY else min(hard, want), OPEN_MAX):
+        if raised <= soft:
+            continue
+        try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            return True
+        except (ValueError, OSError):  # above the platform's cap
+            continue
+    return False
+
+
+def with_room(opening: Callable[[], T], path: object) -> T:
+    """``opening()``, an open or a map of ``path``; when the process's table of open files
+    is full, tried once more after raising the soft limit (doubled, at most to the hard
+    limit), then ResourceLimitError (``too_many_files``), never the bare OSError."""
+    for last in (False, True):
+        try:
+            return opening()
+        except OSError as e:
+            if e.errno not in FILE_LIMITS:
+                raise
+            soft = (file_limits() or (-1, -1))[0]
+            grew = e.errno == errno.EMFILE and soft >= 0 and not last
+            if not (grew and _raise_soft(max(2 * soft, soft + 1024))):
+                raise too_many_files(path, e) from None
+    raise AssertionError("unreachable")
 
 
 def too_many_files(path: object, e: BaseException) -> ResourceLimitError:

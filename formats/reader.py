@@ -42,7 +42,7 @@ from .crc import crc32
 from .errors import ChecksumError, FormatError, SchemaError
 from .files import open_regular
 from .header import FieldLayout, Region, parse_header, read_preamble
-from .limits import FILE_LIMITS, too_many_files, too_many_maps
+from .limits import too_many_maps, with_room
 from .schema import Field
 
 _CRC_CHUNK = 64 << 20
@@ -171,10 +171,6 @@ class ShardReader:
         except FileNotFoundError:
             missing = "listed in index.json is missing" if archive_dir is not None else "is missing"
             raise FormatError(self.path, f"shard {missing}") from None
-        except OSError as e:
-            if e.errno in FILE_LIMITS:
-                raise too_many_files(self.path, e) from None
-            raise
         try:
             size = os.fstat(fd).st_size
             if expected_bytes is not None and size != expected_bytes:
@@ -186,10 +182,9 @@ class ShardReader:
                     self.path,
                     f"truncated: {size} bytes is shorter than the {PREAMBLE.size}-byte preamble",
                 )
-            self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            # a map keeps a descriptor of its own
+            self._mm = with_room(lambda: mmap.mmap(fd, size, access=mmap.ACCESS_READ), self.path)
         except OSError as e:
-            if e.errno in FILE_LIMITS:  # a map keeps a descriptor of its own
-                raise too_many_files(self.path, e) from None
             if e.errno == errno.ENOMEM and (capped := too_many_maps(self.path)) is not None:
                 raise capped from None
             raise FormatError(self.path, f"cannot map: {e.strerror or e}") from None

@@ -16,6 +16,8 @@ The buffer contract is in runtime.pipeline.ring.
 
 from __future__ import annotations
 
+import sys
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Unpack, cast
@@ -155,6 +157,7 @@ class Loader:
         self._group: int | None = None  # batches made as one (group_size)
         self._texts: dict[str, np.ndarray] = {}  # text fields' bytes per sample
         self._active: weakref.ref[PrefetchIter | InlineRun] | None = None
+        self._closed = False  # close() ran, and nothing was read since
         self.prefetcher = Prefetcher("dlop-loader")
         # Slots that take turns have left the cache when refilled: stream into them.
         self.engine = CopyEngine(streaming=slot_count(self.prefetch, self.to_device.cuda) > 1)
@@ -222,6 +225,7 @@ class Loader:
     # -- iteration ------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
+        self._closed = False
         self._close_active()
         held = self.order.hold()
         start = self.order.begin()
@@ -506,11 +510,21 @@ class Loader:
             self.engine.close()
         if owned:
             self.archive.close()
+        self._closed = True
 
     def __del__(self) -> None:
-        # at interpreter exit a Loader may be collected after the modules its close uses
-        # were torn down (contextlib among them); the exit hooks closed it already
-        try:  # noqa: SIM105 (not contextlib.suppress: the module may be gone)
-            self.close()
+        # A collection runs this on whatever thread allocates. On one of the runtime's
+        # own (a fetch thread, which may hold a cache's budget lock that this close would
+        # wait for behind another thread), the close runs on a thread of its own; not a
+        # daemon, so the interpreter's shutdown waits for it before the exit hooks run.
+        # At interpreter exit nothing is started (nor may the modules close uses still be
+        # there): the exit hooks closed it already.
+        if getattr(self, "_closed", False) or sys.is_finalizing():
+            return
+        try:
+            if threading.current_thread() is threading.main_thread():
+                self.close()
+            else:
+                threading.Thread(target=self.close, name="dlop-close").start()
         except Exception:
             pass

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from dlop.formats import ArchiveReader, FormatError
 from dlop.formats.crc import crc32
-from dlop.formats.limits import FILE_LIMITS, too_many_files
+from dlop.formats.limits import with_room
 from dlop.formats.storage import FetchError
 from dlop.formats.transcode import needs_transcode
 
@@ -87,13 +87,14 @@ class Arriving:
     size: int
 
 
+def listed(folder: Path) -> list[Path]:
+    """What ``folder`` holds (a full table of open files named as such)."""
+    return with_room(lambda: list(folder.iterdir()), folder)
+
+
 def _open(path: Path, flags: int = os.O_RDONLY) -> int:
-    try:
-        return os.open(path, flags | os.O_CLOEXEC, 0o644)
-    except OSError as e:  # a full table of open files is not the folder's fault
-        if e.errno in FILE_LIMITS:
-            raise too_many_files(path, e) from None
-        raise
+    # a full table of open files is not the folder's fault: named as what it is
+    return with_room(lambda: os.open(path, flags | os.O_CLOEXEC, 0o644), path)
 
 
 def _try_lock(fd: int, kind: int) -> bool:
@@ -248,7 +249,7 @@ class CacheDir:
         """Every regular file in the archive folders, with its stat (a link, a folder or
         any name outside dlop's archive folders is not listed, so never removed)."""
         for sub in archive_dirs(self.root):
-            for p in list(sub.iterdir()):
+            for p in listed(sub):
                 with contextlib.suppress(FileNotFoundError):
                     st = p.lstat()
                     if stat.S_ISREG(st.st_mode):

@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 
 from dlop.formats import DlopError
+from dlop.formats.limits import with_room
 from dlop.formats.sizes import parse_size
 
 BUDGET_LOCK = ".budget.lock"
@@ -34,7 +35,7 @@ class CacheError(DlopError):
 def archive_dirs(root: Path) -> list[Path]:
     """The folders under ``root`` named by an archive id that are folders, not links."""
     try:
-        with os.scandir(root) as entries:
+        with with_room(lambda: os.scandir(root), root) as entries:
             return sorted(
                 Path(e.path)
                 for e in entries

@@ -363,3 +363,25 @@ def test_a_forked_child_keeps_the_read_order_it_is_given(site: Path, tmp_path: P
         survived = in_forked_child(kept_order)
         archive.close()
     assert survived
+
+
+def test_a_loader_collected_on_another_thread_never_waits_there(site: Path, tmp_path: Path) -> None:
+    """A collection may finalize a dropped Loader on any thread, one of its own fetch
+    threads among them, holding a lock its close waits for behind another: the close
+    then runs on a thread of its own, and lets go of every shard once it can."""
+    from tests.faultproxy import FaultProxy
+
+    with FaultProxy(root=site) as proxy:
+        loader = Loader(proxy.url + "/a", 64, cache_dir=tmp_path / "c")
+        next(iter(loader))
+        supply = loader.archive.supply
+        finalized = threading.Event()
+        with supply.lock:  # as the thread a fetch thread's collection waits behind
+            t = threading.Thread(target=lambda: (loader.__del__(), finalized.set()))
+            t.start()
+            assert finalized.wait(10)  # returned while the lock was still held
+        closer = [c for c in threading.enumerate() if c.name == "dlop-close"]
+        for c in closer:
+            c.join(30)
+        assert closer and not any(c.is_alive() for c in closer)
+        assert held_by_anyone(tmp_path / "c") == []

@@ -28,9 +28,9 @@ SHARDS = 300
 READ = """
 import json, resource, sys
 from dlop.runtime import Loader
-options = json.loads(sys.argv[2])
+source, options = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 try:
-    n = sum(len(b["x"]) for b in Loader(sys.argv[1], 32, seed=0, **options) for _ in range(1))
+    n = sum(len(b["x"]) for b in Loader(source, 32, seed=0, **options))
     print(json.dumps({"read": n, "soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}))
 except Exception as e:
     chain, at = [], e
@@ -44,19 +44,20 @@ except Exception as e:
 @pytest.fixture(scope="module")
 def many(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("many")
-    with ArchiveWriter(root / "a", [Field("x", "f32", (4,))], shard_bytes=1) as w:
-        for i in range(SHARDS):
-            w.write({"x": np.full(4, i, np.float32)})
-    assert len(list((root / "a").glob("shard-*"))) == SHARDS
+    for name in ("a", "b"):
+        with ArchiveWriter(root / name, [Field("x", "f32", (4,))], shard_bytes=1) as w:
+            for i in range(SHARDS):
+                w.write({"x": np.full(4, i, np.float32)})
+        assert len(list((root / name).glob("shard-*"))) == SHARDS
     return root
 
 
-def read_with_limits(url: str, soft: int, hard: int, **options: object) -> dict:
+def read_with_limits(url: str | list[str], soft: int, hard: int, **options: object) -> dict:
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     done = subprocess.run(
-        [sys.executable, "-c", READ, url, json.dumps(options)],
+        [sys.executable, "-c", READ, json.dumps(url), json.dumps(options)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -71,6 +72,15 @@ def test_a_local_archive_of_more_shards_than_the_soft_limit_reads_whole(many: Pa
     got = read_with_limits(str(many / "a"), 128, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     assert got.get("read") == SHARDS, got
     assert got["soft"] > SHARDS  # raised as far as the archive needs
+
+
+def test_archives_read_as_one_count_every_archives_shards(many: Path) -> None:
+    """Each archive opens before the one before it has mapped its shards: the limit is
+    raised for all of them, and once more when a shard meets it all the same."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    got = read_with_limits([str(many / "a"), str(many / "b")], 128, hard)
+    assert got.get("read") == 2 * SHARDS, got
+    assert got["soft"] > 2 * SHARDS
 
 
 def test_a_hard_limit_too_low_is_named_with_its_remedy(many: Path) -> None:
@@ -97,6 +107,10 @@ def test_through_the_node_cache_too_and_never_retried_as_a_network_fault(
         # the shard that met the limit was asked for once, not once a retry
         again = [p for p, _ in proxy.asked[asked:]]
         assert max(again.count(p) for p in set(again)) <= 2
+        # and from the warm cache: the limit, not a cached copy blamed for it
+        got = read_with_limits(proxy.url + "/a", 128, 400, **cache)
+        assert "error" in got and "ResourceLimitError" in " ".join(got["error"]), got
+        assert "does not read" not in " ".join(got["error"])
 
 
 def test_a_full_table_is_found_inside_a_clients_own_error() -> None:
