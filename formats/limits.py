@@ -51,62 +51,56 @@ def file_limits() -> tuple[int, int] | None:
     return (-1 if soft == unlimited else soft, -1 if hard == unlimited else hard)
 
 
-# What this process was told it will open (``room_for_files``), and what it had open
-# the first time: each archive's shards count beside those of the archives before it,
-# which may not be mapped yet.
-_promised: dict[int, tuple[int, int]] = {}  # pid: (open at first, promised since)
-_lock = threading.Lock()
+_lock = threading.Lock()  # one change of the limit at a time
 
 
 def room_for_files(count: int) -> None:
-    """Raises this process's soft limit on open files when it is lower than what it had
-    open when first asked, every ``count`` asked for since, and SPARE_FILES (or than
-    the files open now and ``count`` more): as far as needed, at most to the hard
-    limit. Nothing happens where the limits cannot be read or set; a file that then
-    cannot be opened or mapped raises the limit further if it can (``with_room``)."""
-    if count <= 0:
-        return
-    with _lock:
-        now = open_files() or 64
-        first, promised = _promised.get(os.getpid(), (now, 0))
-        _promised[os.getpid()] = (first, promised + count)
-    _raise_soft(max(now + count, first + promised + count) + SPARE_FILES)
+    """Raises this process's soft limit on open files when it is lower than the files
+    open now, ``count`` more and SPARE_FILES: as far as needed, at most to the hard
+    limit. Nothing happens where the limits cannot be read or set. Archives read as one
+    open one after another, each before the one before it has mapped its shards: a file
+    that then meets the limit raises it further (``with_room``)."""
+    if count > 0:
+        _raise_soft((open_files() or 64) + count + SPARE_FILES)
 
 
 def _raise_soft(want: int) -> bool:
     """Sets the soft limit on open files to ``want``, or as near as the hard limit (and
-    the platform: macOS caps it at OPEN_MAX) allows; True when it rose."""
+    the platform: macOS caps it at OPEN_MAX) allows; True when it rose. Never lowers it."""
     try:
         import resource
     except ImportError:
         return False
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= want:
+    with _lock:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY or soft >= want:
+            return False
+        for raised in (want if hard == resource.RLIM_INFINITY else min(hard, want), OPEN_MAX):
+            if raised <= soft:
+                continue
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+                return True
+            except (ValueError, OSError):  # above the platform's cap
+                continue
         return False
-    for raised in (want if hard == resource.RLIM_INFINITY else min(hard, want), OPEN_MAX):
-        if raised <= soft:
-            continue
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-            return True
-        except (ValueError, OSError):  # above the platform's cap
-            continue
-    return False
 
 
 def with_room(opening: Callable[[], T], path: object) -> T:
     """``opening()``, an open or a map of ``path``; when the process's table of open files
     is full, tried once more after raising the soft limit (doubled, at most to the hard
     limit), then ResourceLimitError (``too_many_files``), never the bare OSError."""
+    soft = (file_limits() or (-1, -1))[0]  # before the try: a rise since is room
     for last in (False, True):
         try:
             return opening()
         except OSError as e:
             if e.errno not in FILE_LIMITS:
                 raise
-            soft = (file_limits() or (-1, -1))[0]
-            grew = e.errno == errno.EMFILE and soft >= 0 and not last
-            if not (grew and _raise_soft(max(2 * soft, soft + 1024))):
+            if last or e.errno != errno.EMFILE or soft < 0:
+                raise too_many_files(path, e) from None
+            now = (file_limits() or (-1, -1))[0]
+            if not (_raise_soft(max(2 * soft, soft + 1024)) or now > soft):
                 raise too_many_files(path, e) from None
     raise AssertionError("unreachable")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Unpack, cast
 
 import numpy as np
@@ -33,7 +33,7 @@ from .batch import Batch, split_batch
 from .errors import LoaderError, SampleIndexError, UsageError, UsageTypeError, check_int
 from .gather.engine import CopyEngine
 from .gather.plan import CopyPlan
-from .gather.threads import JobThread, at_exit
+from .gather.threads import JobThread, at_exit, exiting
 from .order.choose import choose, earlier_generation, earlier_spec
 from .order.distributed import agree_across_ranks
 from .order.epochs import OrderSpec, check_epoch
@@ -70,6 +70,31 @@ def _close_all() -> None:
 
 
 at_exit(_close_all)
+
+
+# Closes of Loaders collected on the runtime's own threads (Loader.__del__), waited for
+# at exit.
+_closing: set[threading.Thread] = set()
+_closing_lock = threading.Lock()
+
+
+def _close_then_forget(close: Callable[[], None]) -> None:
+    try:
+        close()
+    finally:  # the Loader goes with its thread
+        with _closing_lock:
+            _closing.discard(threading.current_thread())
+
+
+def _finish_closes() -> None:
+    with _closing_lock:
+        closing = list(_closing)
+        _closing.clear()
+    for t in closing:
+        t.join(timeout=10)
+
+
+at_exit(_finish_closes)
 
 
 class LoaderThreads(NamedTuple):
@@ -157,7 +182,6 @@ class Loader:
         self._group: int | None = None  # batches made as one (group_size)
         self._texts: dict[str, np.ndarray] = {}  # text fields' bytes per sample
         self._active: weakref.ref[PrefetchIter | InlineRun] | None = None
-        self._closed = False  # close() ran, and nothing was read since
         self.prefetcher = Prefetcher("dlop-loader")
         # Slots that take turns have left the cache when refilled: stream into them.
         self.engine = CopyEngine(streaming=slot_count(self.prefetch, self.to_device.cuda) > 1)
@@ -225,7 +249,6 @@ class Loader:
     # -- iteration ------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
-        self._closed = False
         self._close_active()
         held = self.order.hold()
         start = self.order.begin()
@@ -510,21 +533,25 @@ class Loader:
             self.engine.close()
         if owned:
             self.archive.close()
-        self._closed = True
 
     def __del__(self) -> None:
         # A collection runs this on whatever thread allocates. On one of the runtime's
         # own (a fetch thread, which may hold a cache's budget lock that this close would
-        # wait for behind another thread), the close runs on a thread of its own; not a
-        # daemon, so the interpreter's shutdown waits for it before the exit hooks run.
-        # At interpreter exit nothing is started (nor may the modules close uses still be
-        # there): the exit hooks closed it already.
-        if getattr(self, "_closed", False) or sys.is_finalizing():
+        # wait for behind another thread), the close runs on a thread of its own, which
+        # the exit hooks wait for. Once the interpreter has begun to shut down (the hooks
+        # run, or it is finalizing), nothing is started: the hooks close what is open,
+        # and the modules close uses may be gone.
+        if sys.is_finalizing() or exiting():
             return
         try:
             if threading.current_thread() is threading.main_thread():
                 self.close()
             else:
-                threading.Thread(target=self.close, name="dlop-close").start()
+                closing = threading.Thread(
+                    target=_close_then_forget, args=(self.close,), name="dlop-close", daemon=True
+                )
+                with _closing_lock:  # started under the lock: the exit hook joins it
+                    closing.start()
+                    _closing.add(closing)
         except Exception:
             pass

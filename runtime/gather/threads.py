@@ -135,10 +135,19 @@ def at_exit(hook: Callable[[], None]) -> None:
     _exit_hooks.append(hook)
 
 
+_exiting = threading.Event()
+
+
+def exiting() -> bool:
+    """The interpreter is exiting: the runtime's exit hooks have started."""
+    return _exiting.is_set()
+
+
 @atexit.register
 def _stop_all() -> None:
     """Owners close first (newest first), then every runtime thread still running is
     stopped and waited for, so none is still ending while the interpreter shuts down."""
+    _exiting.set()
     for hook in reversed(_exit_hooks):
         hook()
     threads = live_threads()

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from dlop.formats import ArchiveReader, FormatError
 from dlop.formats.crc import crc32
+from dlop.formats.errors import ResourceLimitError
 from dlop.formats.limits import with_room
 from dlop.formats.storage import FetchError
 from dlop.formats.transcode import needs_transcode
@@ -313,17 +314,23 @@ class CacheDir:
             return None
         except OSError as e:  # ELOOP: a symbolic link
             raise CacheError(f"{path}: cannot open the cached shard ({e}); {FOREIGN}") from None
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        st = os.fstat(fd)
-        if st.st_nlink == 0 or not stat.S_ISREG(st.st_mode):  # nlink 0: evicted meanwhile
-            os.close(fd)
-            if st.st_nlink == 0:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            st = os.fstat(fd)
+            if st.st_nlink == 0 or not stat.S_ISREG(st.st_mode):  # nlink 0: evicted meanwhile
+                if st.st_nlink == 0:
+                    os.close(fd)
+                    return None
+                raise CacheError(f"{path}: not a regular file; remove it: {FOREIGN}")
+            stamp = _read_stamp(path)
+            if not stamp.startswith(_stamp_of(st)) or not content_verified(
+                path, fd, st.st_size, stamp
+            ):
+                os.close(fd)  # changed since it was verified: fetch again
                 return None
-            raise CacheError(f"{path}: not a regular file; remove it: {FOREIGN}")
-        stamp = _read_stamp(path)
-        if not stamp.startswith(_stamp_of(st)) or not content_verified(path, fd, st.st_size, stamp):
-            os.close(fd)  # changed since it was verified: fetch again
-            return None
+        except BaseException:  # a full table of files among them: nothing kept held
+            close_quietly([fd])
+            raise
         with contextlib.suppress(OSError):  # the use, for eviction; the content's time kept
             os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
         return Held(path, fd, st.st_size)
@@ -546,7 +553,7 @@ class CacheDir:
             except (FormatError, OSError) as e:
                 problems.append(f"{sub}: its index does not read ({e})")
                 continue
-            for p in sorted(sub.iterdir()):
+            for p in sorted(listed(sub)):
                 if not is_shard(p.name) or (p.is_dir() and not p.is_symlink()):
                     continue
                 try:
@@ -606,7 +613,7 @@ class CacheDir:
                 if (is_shard(p.name) or is_tmp(p.name)) and self._remove_if_free(p):
                     freed += st.st_size + (_drop_stamp(p) if is_shard(p.name) else 0)
             for sub in archive_dirs(self.root):
-                if any(is_shard(p.name) or is_tmp(p.name) for p in sub.iterdir()):
+                if any(is_shard(p.name) or is_tmp(p.name) for p in listed(sub)):
                     continue  # held or being written
                 index = sub / "index.json"
                 try:
@@ -618,7 +625,7 @@ class CacheDir:
                 try:
                     if fd >= 0 and not _try_lock(fd, fcntl.LOCK_EX):
                         continue  # a process reads this archive: its locks stay
-                    for p in sub.iterdir():
+                    for p in listed(sub):
                         with contextlib.suppress(FileNotFoundError):
                             st = p.lstat()
                             if stat.S_ISREG(st.st_mode):
@@ -657,7 +664,7 @@ class PeerFailed(FetchError):
 def record_failure(lock: Path, failure: BaseException) -> None:
     """Writes ``failure`` into the shard's lock file (held by the caller)."""
     text = " ".join(str(failure).split())[:600]
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ResourceLimitError):  # a record, at best
         fd = _open(lock, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
         try:
             os.write(fd, FAILED_MARK + f"{time.time_ns()} {os.getpid()} {text}\n".encode())
@@ -719,7 +726,8 @@ def file_crc(fd: int, size: int) -> int:
         return 0
     # populated at once: faulting the pages in one by one costs more than the CRC
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    with mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ) as mm:
+    mapping = lambda: mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)  # noqa: E731
+    with with_room(mapping, f"a cached shard (descriptor {fd})") as mm:
         return crc32(memoryview(mm))
 
 

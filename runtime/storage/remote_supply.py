@@ -615,5 +615,6 @@ class RemoteSupply(ShardSupply):
                 self.forget_errors()
                 self.closing = False
                 self.next_generation()  # read again, it fetches and retries anew
-        in_use, self.in_use = self.in_use, -1
+        with self.lock:  # taken under the lock: two closes at once close it once
+            in_use, self.in_use = self.in_use, -1
         close_quietly([in_use])

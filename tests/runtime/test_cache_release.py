@@ -380,7 +380,7 @@ def test_a_loader_collected_on_another_thread_never_waits_there(site: Path, tmp_
             t = threading.Thread(target=lambda: (loader.__del__(), finalized.set()))
             t.start()
             assert finalized.wait(10)  # returned while the lock was still held
-        closer = [c for c in threading.enumerate() if c.name == "dlop-close"]
+            closer = [c for c in threading.enumerate() if c.name == "dlop-close"]
         for c in closer:
             c.join(30)
         assert closer and not any(c.is_alive() for c in closer)
