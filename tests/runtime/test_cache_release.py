@@ -372,12 +372,12 @@ def test_a_loader_collected_on_another_thread_never_waits_there(site: Path, tmp_
     from tests.faultproxy import FaultProxy
 
     with FaultProxy(root=site) as proxy:
-        loader = Loader(proxy.url + "/a", 64, cache_dir=tmp_path / "c")
-        next(iter(loader))
-        supply = loader.archive.supply
+        dropped = Loader(proxy.url + "/a", 64, cache_dir=tmp_path / "c")
+        next(iter(dropped))
+        supply = dropped.archive.supply
         finalized = threading.Event()
         with supply.lock:  # as the thread a fetch thread's collection waits behind
-            t = threading.Thread(target=lambda: (loader.__del__(), finalized.set()))
+            t = threading.Thread(target=lambda: (dropped.__del__(), finalized.set()))
             t.start()
             assert finalized.wait(10)  # returned while the lock was still held
             closer = [c for c in threading.enumerate() if c.name == "dlop-close"]
