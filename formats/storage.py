@@ -561,8 +561,7 @@ class FsspecStorage(Storage):
         self.root = None if root is None else root.rstrip("/")
         self.url = url
         self.http = urls.scheme(url) in urls.HTTP  # reports every failure as missing
-        # streams a ranged body as it arrives (read_chunks): s3fs's client
-        self.s3 = callable(getattr(fs, "call_s3", None)) and hasattr(fs, "split_path")
+        self.s3 = urls.scheme(url) in urls.S3  # s3fs's client streams a body (read_chunks)
         self.lists = self.writes = not self.http
         self._retrying = retrying
         self._retrying_fs: Any = None if retrying is not None else fs

@@ -25,6 +25,7 @@ from .errors import StorageError
 from .extras import install_hint
 
 HTTP = ("http", "https")  # schemes whose servers cannot list or write
+S3 = ("s3", "s3a")  # schemes s3fs serves
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 # The extra that installs each protocol's fsspec backend.
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
@@ -76,7 +77,7 @@ def with_timeouts(proto: str, options: Mapping[str, Any]) -> dict[str, Any]:
                 total=None, connect=connect, sock_connect=connect, sock_read=read
             )
         out["client_kwargs"] = client
-    elif proto in ("s3", "s3a"):
+    elif proto in S3:
         config = dict(out.get("config_kwargs") or {})
         config.setdefault("connect_timeout", connect)
         config.setdefault("read_timeout", read)

@@ -232,19 +232,20 @@ class Arrivals:
             part.state = FLYING
         name = self.host.index.shards[inc.k].file
         what = f"{self.host.url}: shard {inc.k} ({name}) bytes {part.lo}..{part.hi}"
-        lead = [inc.lead]  # the first try's bytes, when its lead has them
-        led = [False]  # the bytes checked came from the lead: in the file already
+        lead = inc.lead  # the first try's bytes, when its lead has them
+        led = False  # the bytes checked came from the lead: in the file already
         try:
             store = self.host.client()
 
             def read() -> bytes:
-                if lead[0] is not None:  # its failure counts as this first try's
-                    taking, lead[0] = lead[0], None
+                nonlocal lead, led
+                if lead is not None:  # its failure counts as this first try's
+                    taking, lead = lead, None
                     got = taking.take(part.lo, part.end)
                     if got is not None:  # the mapped file: checked as any buffer
-                        led[0] = True
+                        led = True
                         return cast(bytes, got)
-                led[0] = False
+                led = False
                 try:
                     data = store.read_once(name, part.lo, part.end)
                 except Exception as e:
@@ -257,7 +258,7 @@ class Arrivals:
             data = fetch(
                 read, inc.check(part), what, store.name_url(name), self.host.retry, (FrontFailed,)
             )
-            if not led[0]:  # a lead's bytes are in the file already
+            if not led:  # a lead's bytes are in the file already
                 with inc.writer():
                     write_at(inc.arriving.fd, memoryview(data)[: part.hi - part.lo], part.lo)
         except Exception as e:
