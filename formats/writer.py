@@ -17,7 +17,6 @@ last few megabytes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
@@ -53,6 +52,7 @@ from .header import (
     header_end_for,
     required_regions,
 )
+from .heap import libc
 from .schema import Field, check_schema, footprint_bytes
 from .units import is_count
 
@@ -68,10 +68,8 @@ _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range, do not w
 
 def _sync_file_range() -> Any:
     """libc's sync_file_range (Linux), or None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
+    fn = getattr(libc(), "sync_file_range", None)
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int

@@ -76,3 +76,23 @@ def test_malloc_is_left_alone_when_the_environment_says_so(
     result = turnover("keep", {**malloc_env, **env})
     assert result["kept"] == [False, False]
     assert all(f >= PAGES // 2 for f in result["faults"]), result
+
+
+_NO_PROGRAMS = """
+import ctypes.util, subprocess, sys
+def refused(*args, **kwargs):
+    raise AssertionError(f"a program was run: {args!r}")
+subprocess.Popen = refused  # what ctypes.util.find_library runs (ldconfig, gcc)
+ctypes.util.find_library = refused
+from dlop.formats import heap, writer
+assert heap.libc() is not None and heap.libc().mallopt and heap.libc().madvise
+print(writer._start_writeback is not None)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="sync_file_range is Linux's")
+def test_the_c_library_is_found_without_running_a_program() -> None:
+    """Each compile worker asks for the C library as it starts; finding it by name runs
+    ``ldconfig -p``, a program start in every worker."""
+    out = subprocess.run([sys.executable, "-c", _NO_PROGRAMS], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr
