@@ -14,6 +14,7 @@ import contextlib
 import errno
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +24,12 @@ from dlop.formats import Field, Index, num_units
 from dlop.formats.constants import MAX_UNITS
 from dlop.formats.generations import MAX_GENERATION_INPUTS
 from dlop.formats.units import MAX_COUNT
+from dlop.formats.urls import is_url
 
 from ..audio import numerics
+from ..audio.decode import probe_rate
 from ..corpus.records import Corpus
-from ..errors import AxisVaries, CompileError
+from ..errors import AxisVaries, CompileError, CompileWarning
 from ..faults import fault_at
 from ..output.commit import UnitRecord
 from ..output.guard import (
@@ -155,8 +158,6 @@ def finish_run(
     """Takes OUT (locked when local), then compiles every unit not yet committed. With
     ``append``, OUT holds an archive and only the inputs it does not hold are compiled,
     into a generation of their own (append.py)."""
-    from dlop.formats.urls import is_url
-
     if append and overwrite:
         raise CompileError(
             f"{run.out}: --append adds to the archive there and --overwrite replaces it; "
@@ -204,6 +205,7 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool, append
         run.corpus, run.first_unit = taken.corpus, taken.first_unit
         run.base, run.base_files, run.base_digest = taken.base, taken.files, taken.digest
         check_unit_count(run)  # its units are numbered after the archive's
+    _warn_on_a_guessed_rate(run.recipe, run.corpus)
     journal = run.journal()
     total = len(run.corpus.items)
     if total > MAX_GENERATION_INPUTS:
@@ -287,6 +289,44 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool, append
     fault_at("tidy")
     tidy(store)
     return index
+
+
+PROBED_INPUTS = 16  # audio headers read before a compile whose rate the preset chose
+
+
+def _warn_on_a_guessed_rate(recipe: Recipe, corpus: Corpus) -> None:
+    """A CompileWarning when the preset's sample rate (not one the user gave) would resample
+    inputs down by more than 2x: most of their bandwidth would be dropped without a word.
+    Reads the headers of a few local inputs spread over the inputs compiled (an append's:
+    those it adds), nothing else."""
+    if recipe.media != "audio" or "sample_rate" not in recipe.guessed or is_url(recipe.source):
+        return
+    target = recipe.feature.sample_rate
+    count = len(corpus.items)
+    probed: list[int] = []
+    for n in sorted({k * count // PROBED_INPUTS for k in range(PROBED_INPUTS)}):
+        item = corpus.items[n]
+        if item.error:
+            continue
+        if item.data is not None and item.member is not None:
+            source: str | bytes | None = item.data.get(item.member[1])
+        else:
+            source = item.path if item.path is not None and not is_url(item.path) else None
+        rate = None if source is None else probe_rate(source)
+        if rate is not None:
+            probed.append(rate)
+    if probed and max(probed) > 2 * target:
+        low, high = min(probed), max(probed)
+        rates = f"{high} Hz" if low == high else f"{low}-{high} Hz"
+        warnings.warn(
+            CompileWarning(
+                f"{recipe.source}: inputs are {rates} ({len(probed)} of {count} read), "
+                f"resampled to {target} Hz, the {recipe.feature.preset} preset's rate: "
+                f"everything above {target // 2} Hz is dropped; pass --sample-rate to keep more"
+                " (or to confirm this rate and silence this warning)"
+            ),
+            stacklevel=2,
+        )
 
 
 def check_unit_count(run: Run) -> None:

@@ -33,7 +33,6 @@ import pickle
 import sys
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -50,10 +49,9 @@ from dlop.formats import Index
 from dlop.formats.urls import is_url
 
 from ..audio import numerics
-from ..audio.decode import probe_rate
 from ..corpus.layouts import open_corpus
 from ..corpus.records import Corpus, Item
-from ..errors import CompileError, CompileWarning
+from ..errors import CompileError
 from ..faults import fault_at
 from ..output.commit import UnitRecord
 from ..output.guard import SPILL_PREFIX, check_apart, close_inherited_locks
@@ -244,7 +242,6 @@ def compile_corpus(
     )
     if not corpus.items:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
-    _warn_on_a_guessed_rate(recipe, corpus)
     _note_repeats(corpus)
     shape = CorpusShape.of(corpus)
     run = Run(
@@ -314,43 +311,6 @@ def _note_repeats(corpus: Corpus) -> None:
         file=sys.stderr,
         flush=True,
     )
-
-
-PROBED_INPUTS = 16  # audio headers read before a compile whose rate the preset chose
-
-
-def _warn_on_a_guessed_rate(recipe: Recipe, corpus: Corpus) -> None:
-    """A CompileWarning when the preset's sample rate (not one the user gave) would resample
-    inputs down by more than 2x: most of their bandwidth would be dropped without a word.
-    Reads the headers of a few local inputs spread over the listing, nothing else."""
-    if recipe.media != "audio" or "sample_rate" not in recipe.guessed or is_url(recipe.source):
-        return
-    target = recipe.feature.sample_rate
-    count = len(corpus.items)
-    probed: list[int] = []
-    for n in sorted({k * count // PROBED_INPUTS for k in range(PROBED_INPUTS)}):
-        item = corpus.items[n]
-        if item.error:
-            continue
-        if item.data is not None and item.member is not None:
-            source: str | bytes | None = item.data.get(item.member[1])
-        else:
-            source = item.path if item.path is not None and not is_url(item.path) else None
-        rate = None if source is None else probe_rate(source)
-        if rate is not None:
-            probed.append(rate)
-    if probed and max(probed) > 2 * target:
-        low, high = min(probed), max(probed)
-        rates = f"{high} Hz" if low == high else f"{low}-{high} Hz"
-        warnings.warn(
-            CompileWarning(
-                f"{recipe.source}: inputs are {rates} ({len(probed)} of {count} read), "
-                f"resampled to {target} Hz, the {recipe.feature.preset} preset's rate: "
-                f"everything above {target // 2} Hz is dropped; pass --sample-rate to keep more"
-                " (or to confirm this rate and silence this warning)"
-            ),
-            stacklevel=3,
-        )
 
 
 def unit_size(unit_inputs: int | None, media: str) -> int:

@@ -78,6 +78,27 @@ def test_a_preset_rate_far_below_the_inputs_is_a_warning(
     assert "warning" not in err
 
 
+def test_an_append_reads_the_rates_of_the_inputs_it_adds_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An append's warning speaks of what it adds: the archive's own inputs were compiled
+    (and warned of) before, and reading their headers again would cost every append a
+    read of a few of the inputs it does not compile."""
+    corpus = _classes(tmp_path / "c", {"x": 96000, "y": 16000})
+    out = tmp_path / "o"
+    _, err = _compile([str(corpus), "-o", str(out), "--workers", "1"], capsys)
+    assert "inputs are 16000-96000 Hz (2 of 2 read)" in err
+    write_audio(corpus / "a" / "z.wav", _tone(22050), 22050)
+    _, err = _compile([str(corpus), "-o", str(out), "--workers", "1", "--append"], capsys)
+    assert "warning" not in err  # x, held, is not read again
+    write_audio(corpus / "b" / "w.wav", _tone(48000), 48000)
+    _, err = _compile([str(corpus), "-o", str(out), "--workers", "1", "--append"], capsys)
+    warning = [line for line in err.splitlines() if line.startswith("dlop-compile: warning:")]
+    assert len(warning) == 1, err
+    assert "inputs are 48000 Hz (1 of 1 read)" in warning[0], err
+    assert _keys(out) == ["a/x.wav", "a/z.wav", "b/w.wav", "b/y.wav"]
+
+
 def test_inputs_near_the_rate_give_no_warning(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
