@@ -205,7 +205,8 @@ def _run_units(run: Run, engine: Engine, resume: bool, created_dir: bool, append
         run.corpus, run.first_unit = taken.corpus, taken.first_unit
         run.base, run.base_files, run.base_digest = taken.base, taken.files, taken.digest
         check_unit_count(run)  # its units are numbered after the archive's
-    _warn_on_a_guessed_rate(run.recipe, run.corpus)
+    if run.custom_work is None:  # a preset's compile: its rate may be a guess
+        _warn_on_a_guessed_rate(run.recipe, run.corpus)
     journal = run.journal()
     total = len(run.corpus.items)
     if total > MAX_GENERATION_INPUTS:
