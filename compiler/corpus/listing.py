@@ -57,6 +57,8 @@ def name_key(name: str) -> str:
     Bytes that are not UTF-8 become ``\\xNN`` (two lowercase hex digits) and a
     backslash becomes ``\\\\``; every other character stays. key_name reverses it.
     """
+    if name.isascii() and "\\" not in name:  # nothing to escape: no pass over the name
+        return name
     text = os.fsencode(name).decode("utf-8", "surrogateescape")
     return _TO_ESCAPE.sub(
         lambda m: "\\\\" if m[0] == "\\" else f"\\x{ord(m[0]) - 0xDC00:02x}", text
@@ -69,7 +71,14 @@ def path_key(path: str) -> str:
     spelt two ways (``a.wav``, ``./a.wav``) is one input; a URL as written."""
     if not path or is_url(path):
         return name_key(path)
+    if _NORMAL.fullmatch(path):  # nothing for normpath to take out (most paths listed)
+        return name_key(path)
     return name_key(posixpath.normpath(path))
+
+
+# A path posixpath.normpath gives back unchanged: no empty, "." or ".." part (no "//", no
+# part that starts with a dot: a rare name like ".x" takes the long way), no "/" at the end
+_NORMAL = re.compile(r"/?[^/.][^/]*(?:/[^/.][^/]*)*")
 
 
 def key_name(key: str) -> str:
@@ -159,13 +168,14 @@ def read_csv(path: Place, root: Place, need: set[str]) -> tuple[bytes, list[CsvR
             break
         if not values:
             continue  # a blank line
-        where = f"{rel} line {reader.line_num}"
-        fields = dict(zip(header, values, strict=False))
-        row = CsvRow(reader.line_num, fields)
+        row = CsvRow(reader.line_num, dict(zip(header, values, strict=False)))
         if len(values) != len(header):
-            row.error = f"{where}: has {len(values)} columns, the header has {len(header)}"
-        elif not all(is_text(v) for v in values):
-            row.error = f"{where}: not UTF-8 text; save the file as UTF-8"
+            row.error = (
+                f"{rel} line {row.line}: has {len(values)} columns, the header has {len(header)}"
+            )
+        # ASCII first: a flag on each string, asked without a Python call per field
+        elif not all(map(str.isascii, values)) and not all(map(is_text, values)):
+            row.error = f"{rel} line {row.line}: not UTF-8 text; save the file as UTF-8"
         rows.append(row)
     return raw, rows
 

@@ -86,7 +86,12 @@ class Corpus:
     repeats: list[int] = field(default_factory=list, repr=False, compare=False)
 
     def identity_texts(self) -> Iterator[str]:
-        """Each input's identity text, in corpus order."""
+        """Each input's identity text, in corpus order: a compact listing's keys without
+        making its Items (an append lists every input to find the new ones, and an Item
+        costs a path check that only the inputs it compiles need)."""
+        if self.identity == "key" and isinstance(self.items, OnDemand):
+            yield from self.items.keys()
+            return
         for item in self.items:
             yield input_text(item.extras["input"]) if self.identity == "input" else item.key
 
@@ -101,6 +106,38 @@ class Corpus:
 def input_text(value: Any) -> str:
     """A function input as the listing fingerprint and its identity see it: its JSON."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+class OnDemand(Sequence[Item]):
+    """A layout's compact listing: what it read of each input, made into an Item (its
+    media path confined, Place.confine) only when asked for. A slice is a list of Items
+    (what a work unit carries)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def item(self, i: int) -> Item:
+        """Input ``i``'s Item (0 <= i < len)."""
+        raise NotImplementedError
+
+    def keys(self) -> Iterator[str]:
+        """Each input's key, in order, as its Item would give it."""
+        return (self.item(i).key for i in range(len(self)))
+
+    @overload
+    def __getitem__(self, i: int) -> Item: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Item]: ...
+    def __getitem__(self, i: int | slice) -> Item | list[Item]:
+        if isinstance(i, slice):
+            return [self.item(k) for k in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"input {i} of a listing of {n} inputs")
+        return self.item(i % n)
+
+    def __iter__(self) -> Iterator[Item]:
+        return (self.item(k) for k in range(len(self)))
 
 
 class Picked(Sequence[Item]):

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dlop.compiler.corpus.place import LocalPlace
 from dlop.compiler.output.guard import BASE_COPY
 from dlop.compiler.output.journal import JOURNAL
 from dlop.formats import ArchiveReader, FormatError, read_index
@@ -142,6 +143,33 @@ def test_nothing_to_append_writes_nothing(
     assert main([*grown["args"], "--append", "-o", str(out)]) == 0
     assert "nothing to append" in capsys.readouterr().err
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
+def test_an_append_checks_and_sizes_only_the_clips_it_adds(
+    grown: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clips the archive holds are listed (their rows and keys), never confined to the
+    corpus nor asked their size: an append's listing grows with the corpus, and those are
+    the costs of a clip that is read."""
+    out = tmp_path / "grown"
+    shutil.copytree(grown["root"] / "part", out)
+    asked: dict[str, list[str]] = {"confine": [], "size_of": []}
+    for name in asked:
+        original = getattr(LocalPlace, name)
+
+        def counted(
+            self: LocalPlace, text: str, *more: Any, _f: Any = original, _n: str = name
+        ) -> Any:
+            asked[_n].append(os.path.basename(text))
+            return _f(self, text, *more)
+
+        monkeypatch.setattr(LocalPlace, name, counted)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    assert main([*grown["args"], "--append", "-o", str(out)]) == 0  # --workers 1: here
+    added = names(CLIPS)[FIRST:]
+    assert set(asked["confine"]) == set(added)  # (the rate check makes a few Items again)
+    assert sorted(asked["size_of"]) == sorted(added)
+    assert files(out) == grown["appended"]
 
 
 @pytest.mark.slow

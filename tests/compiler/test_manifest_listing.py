@@ -96,6 +96,21 @@ def test_a_unit_is_made_from_its_own_inputs_and_carries_only_them(
     assert len(pickle.dumps(unit)) < manifest.stat().st_size // 50
 
 
+def test_the_keys_come_without_making_items(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What an append asks of every input (its identity) costs a parse of its line, not an
+    Item and a path check: those are for the inputs it compiles."""
+    manifest = manifest_corpus(tmp_path / "m")
+    with open(manifest, "a") as f:
+        f.write("\nnot json\n")
+    corpus = open_corpus(str(manifest), None)
+    expected = [it.key for it in corpus.items]
+    monkeypatch.setattr(ManifestItems, "item", lambda self, i: pytest.fail(f"item {i} made"))
+    assert list(corpus.identity_texts()) == expected
+    assert expected[-1] == "train.jsonl line 5" and len(corpus.identities()) == 4
+
+
 def test_the_fingerprint_is_the_manifest_bytes_not_the_media_sizes(tmp_path: Path) -> None:
     manifest = manifest_corpus(tmp_path / "m")
     before = open_corpus(str(manifest), None).fingerprint

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ...errors import CompileError
-from ..listing import I64, path_key, read_csv
+from ..listing import I64, CsvRow, bytes_fingerprint, path_key, read_csv
 from ..place import Place
-from ..records import Corpus, Item, ListOptions, fingerprint
+from ..records import Corpus, Item, ListOptions, OnDemand
 
 NAME = "esc50"
 MEDIA = ("audio",)
@@ -17,6 +19,41 @@ def detect(source: Place) -> bool:
     return (source / "meta" / "esc50.csv").is_file()
 
 
+class Esc50Items(OnDemand):
+    """The CSV's rows, each input's Item made when asked for: its clip's path is confined
+    (Place.confine) then, so an append pays a row's parse and key for each clip the
+    archive holds, and a path check only for those it compiles. A row whose path leads out
+    of the corpus is a bad input as before; its target and category count with the rest
+    in the checks of the rows and the class list."""
+
+    def __init__(self, root: Place, allow_paths: tuple[str, ...]) -> None:
+        self.root, self.allow_paths = root, allow_paths
+        self.names: list[str] = []  # per row: its filename
+        self.row_keys: list[str] = []
+        self.lines: list[int] = []
+        self.facts: list[tuple[int, int, str]] = []  # (target, fold, category); -1: bad
+        self.bad: dict[int, str] = {}  # row -> why it is bad
+
+    def __len__(self) -> int:
+        return len(self.row_keys)
+
+    def keys(self) -> Iterator[str]:
+        return iter(self.row_keys)
+
+    def item(self, i: int) -> Item:
+        key, error = self.row_keys[i], self.bad.get(i)
+        path = ""
+        if error is None:
+            try:
+                path = self.root.confine(f"audio/{self.names[i]}", self.allow_paths)
+            except ValueError as e:
+                error = f"meta/esc50.csv line {self.lines[i]}: {e}"
+        if error is not None:
+            return Item(key=key, error=error)
+        target, fold, category = self.facts[i]
+        return Item(key=key, path=path, label=target, extras={"fold": fold, "category": category})
+
+
 def list_corpus(root: Place, options: ListOptions) -> Corpus:
     """The CSV's rows in file order; targets and categories checked against each other."""
     meta = root / "meta" / "esc50.csv"
@@ -25,56 +62,27 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
     raw, rows = read_csv(meta, root, {"filename", "fold", "target", "category"})
     categories = {row.fields.get("category") for row in rows if row.error is None}
     num_classes = max(ESC50_CLASSES, len(categories))
-    items: list[Item] = []
+    items = Esc50Items(root, options.allow_paths)
     by_target: dict[int, tuple[str, int]] = {}  # target -> (category, line that set it)
     by_category: dict[str, tuple[int, int]] = {}  # category -> (target, line that set it)
     for row in rows:
         name = row.fields.get("filename", "")
         key = path_key(f"audio/{name}") if name else f"meta/esc50.csv line {row.line}"
-        where = f"meta/esc50.csv line {row.line}"
         error = row.error
         target = fold = -1
         category = row.fields.get("category", "")
         if error is None:
-            try:
-                target, fold = int(row.fields["target"]), int(row.fields["fold"])
-            except ValueError:
-                error = f"{where}: fold/target not integers"
-        if error is None and not 0 <= target < num_classes:
-            error = (
-                f"{where}: target {target} is not a class index (0 to {num_classes - 1}: the "
-                f"CSV names {len(categories)} categories, ESC-50 has {ESC50_CLASSES})"
-            )
-        elif error is None and fold not in I64:
-            error = f"{where}: fold {fold} does not fit a 64-bit integer"
-        elif error is None and target in by_target and by_target[target][0] != category:
-            first, line = by_target[target]
-            error = f"{where}: target {target} is {category!r} here but {first!r} on line {line}"
-        elif error is None and category in by_category and by_category[category][0] != target:
-            first_target, line = by_category[category]
-            error = (
-                f"{where}: category {category!r} is target {target} here but {first_target} "
-                f"on line {line}"
-            )
-        path = ""
+            error = _row_error(row, num_classes, len(categories), by_target, by_category)
         if error is None:
-            try:
-                path = root.confine(f"audio/{name}", options.allow_paths)
-            except ValueError as e:
-                error = f"{where}: {e}"
-        if error is not None:
-            items.append(Item(key=key, error=error))
-            continue
-        by_target.setdefault(target, (category, row.line))
-        by_category.setdefault(category, (target, row.line))
-        items.append(
-            Item(
-                key=key,
-                path=path,
-                label=target,
-                extras={"fold": fold, "category": category},
-            )
-        )
+            target, fold = int(row.fields["target"]), int(row.fields["fold"])
+            by_target.setdefault(target, (category, row.line))
+            by_category.setdefault(category, (target, row.line))
+        else:
+            items.bad[len(items.row_keys)] = error
+        items.names.append(name)
+        items.row_keys.append(key)
+        items.lines.append(row.line)
+        items.facts.append((target, fold, category))
     names = [by_target.get(i, ("", 0))[0] for i in range(max(by_target) + 1)] if by_target else []
     return Corpus(
         "esc50",
@@ -84,5 +92,42 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
         False,
         {"fold": "i64", "category": "str"},
         {"classes": names},
-        fingerprint(items, raw, root),
+        # the CSV names every clip and all that is said of it; the clips' sizes are taken
+        # by the work units that read them (Corpus.unit_sizes), not by the listing
+        bytes_fingerprint(raw, "esc50"),
+        unit_sizes=True,
     )
+
+
+def _row_error(
+    row: CsvRow,
+    num_classes: int,
+    num_categories: int,
+    by_target: dict[int, tuple[str, int]],
+    by_category: dict[str, tuple[int, int]],
+) -> str | None:
+    """Why a row that parsed is bad (its fold or target, or a target and category that
+    disagree with an earlier row's), or None."""
+    where = f"meta/esc50.csv line {row.line}"
+    category = row.fields.get("category", "")
+    try:
+        target, fold = int(row.fields["target"]), int(row.fields["fold"])
+    except ValueError:
+        return f"{where}: fold/target not integers"
+    if not 0 <= target < num_classes:
+        return (
+            f"{where}: target {target} is not a class index (0 to {num_classes - 1}: the "
+            f"CSV names {num_categories} categories, ESC-50 has {ESC50_CLASSES})"
+        )
+    if fold not in I64:
+        return f"{where}: fold {fold} does not fit a 64-bit integer"
+    if target in by_target and by_target[target][0] != category:
+        first, line = by_target[target]
+        return f"{where}: target {target} is {category!r} here but {first!r} on line {line}"
+    if category in by_category and by_category[category][0] != target:
+        first_target, line = by_category[category]
+        return (
+            f"{where}: category {category!r} is target {target} here but {first_target} "
+            f"on line {line}"
+        )
+    return None

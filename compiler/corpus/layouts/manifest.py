@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 import math
 from array import array
-from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from ...errors import CompileError
 from ..listing import I64, bytes_fingerprint, is_text, lines, path_key, utf8
 from ..place import Place
-from ..records import MAX_LABEL, MAX_MULTI_LABELS, Corpus, Item, ListOptions
+from ..records import MAX_LABEL, MAX_MULTI_LABELS, Corpus, Item, ListOptions, OnDemand
 
 NAME = "manifest"
 MEDIA = ("audio", "video", "image")
@@ -140,7 +140,7 @@ class _Labels:
         self.first.pop()
 
 
-class ManifestItems(Sequence[Item]):
+class ManifestItems(OnDemand):
     """A manifest's inputs as Items made on demand from the manifest's bytes (the line of
     each input, found by its byte offset) and a few numpy columns: a long manifest costs
     a few dozen bytes an input besides its bytes. Slices are lists of Items (what a work
@@ -162,33 +162,29 @@ class ManifestItems(Sequence[Item]):
     def __len__(self) -> int:
         return len(self.starts)
 
-    @overload
-    def __getitem__(self, i: int) -> Item: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Item]: ...
-    def __getitem__(self, i: int | slice) -> Item | list[Item]:
-        if isinstance(i, slice):
-            return [self.item(k) for k in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"input {i} of a manifest of {n} inputs")
-        return self.item(i % n)
-
-    def __iter__(self) -> Iterator[Item]:
-        return (self.item(k) for k in range(len(self)))
-
     def line(self, i: int) -> str:
         start = int(self.starts[i])
         end = self.raw.find(b"\n", start)
         data = self.raw[start : len(self.raw) if end < 0 else end]
         return data.removesuffix(b"\r").decode("utf-8")
 
+    def parsed(self, i: int) -> tuple[dict[str, Any], str, float, float | None, str]:
+        """Input ``i``'s line, parsed (it is not one of ``bad``): its object, media path,
+        offset, duration and key."""
+        obj, audio, start, duration = _manifest_line(self.line(i), self.path_key)
+        key = str(obj.get("id") or path_key(audio) + (f"@{start:g}" if start else ""))
+        return obj, audio, start, duration, key
+
+    def keys(self) -> Iterator[str]:
+        for i in range(len(self)):
+            where, _ = self.bad.get(i, (None, None))
+            yield where if where is not None else self.parsed(i)[4]
+
     def item(self, i: int) -> Item:
         where, error = self.bad.get(i, (None, None))
         if where is not None:
             return Item(key=where, error=error)
-        obj, audio, start, duration = _manifest_line(self.line(i), self.path_key)
-        key = str(obj.get("id") or path_key(audio) + (f"@{start:g}" if start else ""))
+        obj, audio, start, duration, key = self.parsed(i)
         media_path: str | None = None
         if error is None:
             try:
