@@ -90,6 +90,8 @@ def with_timeouts(proto: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
 def scheme(text: str) -> str | None:
     """The URL scheme of ``text`` (lowercase), None for a plain path."""
+    if "://" not in text:  # most paths a listing names: no pattern match each
+        return None
     m = _SCHEME.match(text)
     return m[1].lower() if m else None
 

@@ -176,7 +176,7 @@ def test_workers_fetch_url_inputs_as_bytes(s3: Any, tmp_path: Path) -> None:
     root = esc50_corpus(tmp_path / "esc", [("wav", 16000, 1)] * 3)
     url = _upload(s3, root, "fetch")
     corpus = open_corpus(url, None)
-    items = corpus.items
+    items = corpus.items[:]  # Items made from the listing, as a work unit carries them
     s3.filesystem().rm_file(f"fetch/corpus/audio/{Path(items[1].path or '').name}")
     urls.fetch_inputs(items, corpus.storage_options)
     local = open_corpus(str(root), None).items

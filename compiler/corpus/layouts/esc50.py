@@ -68,21 +68,20 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
     for row in rows:
         name = row.fields.get("filename", "")
         key = path_key(f"audio/{name}") if name else f"meta/esc50.csv line {row.line}"
-        error = row.error
-        target = fold = -1
         category = row.fields.get("category", "")
-        if error is None:
-            error = _row_error(row, num_classes, len(categories), by_target, by_category)
-        if error is None:
-            target, fold = int(row.fields["target"]), int(row.fields["fold"])
-            by_target.setdefault(target, (category, row.line))
-            by_category.setdefault(category, (target, row.line))
+        facts: tuple[int, int] | str = row.error or _facts(
+            row, num_classes, len(categories), by_target, by_category
+        )
+        if isinstance(facts, str):  # why the row is bad
+            items.bad[len(items.row_keys)] = facts
+            facts = (-1, -1)
         else:
-            items.bad[len(items.row_keys)] = error
+            by_target.setdefault(facts[0], (category, row.line))
+            by_category.setdefault(category, (facts[0], row.line))
         items.names.append(name)
         items.row_keys.append(key)
         items.lines.append(row.line)
-        items.facts.append((target, fold, category))
+        items.facts.append((*facts, category))
     names = [by_target.get(i, ("", 0))[0] for i in range(max(by_target) + 1)] if by_target else []
     return Corpus(
         "esc50",
@@ -99,35 +98,38 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
     )
 
 
-def _row_error(
+def _facts(
     row: CsvRow,
     num_classes: int,
     num_categories: int,
     by_target: dict[int, tuple[str, int]],
     by_category: dict[str, tuple[int, int]],
-) -> str | None:
-    """Why a row that parsed is bad (its fold or target, or a target and category that
-    disagree with an earlier row's), or None."""
-    where = f"meta/esc50.csv line {row.line}"
+) -> tuple[int, int] | str:
+    """A row's (target, fold), or why the row is bad: its fold or target, or a target and
+    category that disagree with an earlier row's."""
     category = row.fields.get("category", "")
     try:
         target, fold = int(row.fields["target"]), int(row.fields["fold"])
     except ValueError:
-        return f"{where}: fold/target not integers"
+        return f"meta/esc50.csv line {row.line}: fold/target not integers"
     if not 0 <= target < num_classes:
         return (
-            f"{where}: target {target} is not a class index (0 to {num_classes - 1}: the "
-            f"CSV names {num_categories} categories, ESC-50 has {ESC50_CLASSES})"
+            f"meta/esc50.csv line {row.line}: target {target} is not a class index (0 to "
+            f"{num_classes - 1}: the CSV names {num_categories} categories, ESC-50 has "
+            f"{ESC50_CLASSES})"
         )
     if fold not in I64:
-        return f"{where}: fold {fold} does not fit a 64-bit integer"
+        return f"meta/esc50.csv line {row.line}: fold {fold} does not fit a 64-bit integer"
     if target in by_target and by_target[target][0] != category:
         first, line = by_target[target]
-        return f"{where}: target {target} is {category!r} here but {first!r} on line {line}"
+        return (
+            f"meta/esc50.csv line {row.line}: target {target} is {category!r} here but "
+            f"{first!r} on line {line}"
+        )
     if category in by_category and by_category[category][0] != target:
         first_target, line = by_category[category]
         return (
-            f"{where}: category {category!r} is target {target} here but {first_target} "
-            f"on line {line}"
+            f"meta/esc50.csv line {row.line}: category {category!r} is target {target} here "
+            f"but {first_target} on line {line}"
         )
-    return None
+    return target, fold
