@@ -145,17 +145,35 @@ def test_the_small_section_reads_many_shards_and_few_against_a_bare_gather(
 
 def test_the_append_section_times_an_append_against_the_whole_compile(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    argv = ["--only", "append", "--append-clips", "100", "--repeats", "1", "--workers", "1"]
+    argv = ["--only", "append", "--append-clips", "100", "--append-times", "2"]
     (tmp_path / "work").mkdir()
-    assert cli.main([*argv, "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    assert (
+        cli.main(
+            [
+                *argv,
+                "--repeats",
+                "1",
+                "--workers",
+                "1",
+                "--out",
+                str(out),
+                "--workdir",
+                str(tmp_path / "work"),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((out / "results.json").read_text())["rows"]
-    whole, append = rows
-    assert whole["pipeline"] == "compile of the whole corpus" and whole["samples_per_s"] > 0
-    assert append["pipeline"].startswith("--append of the last 1 clip (1%)")
-    share = append["extra"]["append_vs_whole"]
-    assert 0 < share["range"][0] <= share["median"] <= share["range"][1]
-    assert append["extra"]["inputs_share"] == 0.01
-    assert len(append["extra"]["seconds"]["append"]) == 3  # at least three rounds
+    assert len(rows) == 4  # the corpus, then its clips listed twice
+    for (whole, append), clips in zip((rows[:2], rows[2:]), (100, 200), strict=True):
+        assert whole["workload"].startswith(f"grow an archive: {clips} ESC-50-shaped clips")
+        assert whole["pipeline"] == "compile of the whole corpus" and whole["samples_per_s"] > 0
+        assert append["pipeline"].startswith(f"--append of the last {clips // 100} clip")
+        share = append["extra"]["append_vs_whole"]
+        assert 0 < share["range"][0] <= share["median"] <= share["range"][1]
+        assert append["extra"]["inputs_share"] == 0.01
+        assert len(append["extra"]["seconds"]["append"]) == 3  # at least three rounds
+    assert "(100 listed 2 times)" in rows[2]["workload"]
 
 
 def test_the_fields_section_times_a_group_against_one_archive(tmp_path: Path) -> None:

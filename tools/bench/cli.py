@@ -199,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="5 s clips of the append section's corpus (1%% of them appended)",
     )
     p.add_argument(
+        "--append-times",
+        type=int,
+        default=10,
+        help="the append section's larger corpus: its clips listed this many times over",
+    )
+    p.add_argument(
         "--budget-utts",
         type=int,
         default=2472,
