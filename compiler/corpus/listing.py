@@ -126,7 +126,7 @@ def media_of(paths: Iterable[str | Place]) -> str:
 # -- listing files: CSV and text lines ---------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class CsvRow:
     """One record of a corpus CSV: its (last) line number and fields, or why it is bad."""
 
@@ -158,25 +158,26 @@ def read_csv(path: Place, root: Place, need: set[str]) -> tuple[bytes, list[CsvR
     if not need <= set(header):
         raise CompileError(f"{path}: needs columns {sorted(need)}, has {sorted(header)}")
     rows: list[CsvRow] = []
-    while True:
+    columns = len(header)
+    while True:  # each pass reads on from a record the csv module could not parse
         try:
-            values = next(reader, None)
+            for values in reader:
+                if not values:
+                    continue  # a blank line
+                row = CsvRow(reader.line_num, dict(zip(header, values, strict=False)))
+                if len(values) != columns:
+                    row.error = (
+                        f"{rel} line {row.line}: has {len(values)} columns, the header has "
+                        f"{columns}"
+                    )
+                # ASCII first: a flag on each string, asked without a Python call per field
+                elif not all(map(str.isascii, values)) and not all(map(is_text, values)):
+                    row.error = f"{rel} line {row.line}: not UTF-8 text; save the file as UTF-8"
+                rows.append(row)
         except csv.Error as e:
             rows.append(CsvRow(reader.line_num, {}, f"{rel} line {reader.line_num}: {e}"))
             continue
-        if values is None:
-            break
-        if not values:
-            continue  # a blank line
-        row = CsvRow(reader.line_num, dict(zip(header, values, strict=False)))
-        if len(values) != len(header):
-            row.error = (
-                f"{rel} line {row.line}: has {len(values)} columns, the header has {len(header)}"
-            )
-        # ASCII first: a flag on each string, asked without a Python call per field
-        elif not all(map(str.isascii, values)) and not all(map(is_text, values)):
-            row.error = f"{rel} line {row.line}: not UTF-8 text; save the file as UTF-8"
-        rows.append(row)
+        break
     return raw, rows
 
 
