@@ -7,6 +7,7 @@ stages read it); a field that a media does not use stays at its default.
 from __future__ import annotations
 
 import json
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -75,6 +76,11 @@ class Corpus:
     # them, a manifest): each work unit records its inputs' sizes as it starts, and a
     # resume redoes a unit whose inputs' sizes have changed since.
     unit_sizes: bool = False
+    # where the units of this process take their inputs' sizes from: SOURCE's place, made
+    # once, so that a bucket's folder is listed once per compile, not once per unit (a
+    # listing older than the unit can only make a resume redo it); a unit's task goes
+    # without it (units.unit_corpus)
+    sizes_place: Place | None = field(default=None, repr=False, compare=False)
     # folders and URL prefixes outside SOURCE its paths may name (Place.confine)
     allow_paths: tuple[str, ...] = ()
     # what names an input for --append (formats.generations): "key", the item's key (a
@@ -113,12 +119,9 @@ class OnDemand(Sequence[Item]):
     media path confined, Place.confine) only when asked for. A slice is a list of Items
     (what a work unit carries)."""
 
-    def __len__(self) -> int:
-        raise NotImplementedError
-
+    @abstractmethod
     def item(self, i: int) -> Item:
         """Input ``i``'s Item (0 <= i < len)."""
-        raise NotImplementedError
 
     def keys(self) -> Iterator[str]:
         """Each input's key, in order, as its Item would give it."""

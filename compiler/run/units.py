@@ -293,7 +293,9 @@ def run_unit(task: UnitTask, unit: int, corpus: Corpus) -> UnitRecord:
 
 def unit_corpus(corpus: Corpus, inputs: range) -> Corpus:
     """The corpus cut down to one unit's inputs (what a unit's task carries)."""
-    return replace(corpus, items=corpus.items[inputs.start : inputs.stop], ids=None)
+    return replace(
+        corpus, items=corpus.items[inputs.start : inputs.stop], ids=None, sizes_place=None
+    )
 
 
 def input_sizes(corpus: Corpus, items: Iterable[Item]) -> str:
@@ -302,7 +304,9 @@ def input_sizes(corpus: Corpus, items: Iterable[Item]) -> str:
     and what a resume compares, redoing the unit when they differ."""
     from ..corpus.place import source_place
 
-    return fingerprint(items, b"", source_place(corpus.root, corpus.storage_options))
+    if corpus.sizes_place is None:
+        corpus.sizes_place = source_place(corpus.root, corpus.storage_options)
+    return fingerprint(items, b"", corpus.sizes_place)
 
 
 def unit_items(

@@ -143,6 +143,13 @@ def test_esc50_csv_names_cannot_climb_out(tmp_path: Path) -> None:
     assert len(ArchiveReader(out)) == 1
     (why,) = reasons(out)
     assert "meta/esc50.csv line 3" in why and "lies outside the corpus" in why
+    # found as the CSV is read: the row sets no class, so a later row may give its
+    # target another category
+    write_audio(root / "audio" / "2-2-A-1.wav", make_signal(16000, 0.5, seed=4), 16000)
+    write_esc50_csv(root, [*rows, {**esc50_row("2-2-A-1.wav", 1), "category": "other"}])
+    out = compile_ok(str(root), "-o", str(tmp_path / "b"))
+    assert len(ArchiveReader(out)) == 2 and len(reasons(out)) == 1
+    assert ArchiveReader(out).index.metadata["classes"] == ["class0", "other"]
 
 
 def test_hf_cells_naming_outside_files_are_bad_inputs(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from dlop.compiler.corpus.place import source_place
 from dlop.compiler.corpus.records import Corpus, Item
 from dlop.compiler.errors import CompileError
 from dlop.compiler.output import store as output_store
-from dlop.formats import StorageError
+from dlop.formats import ArchiveReader, StorageError
 from dlop.formats import urls as formats_urls
 from tests.compiler.fixtures import (
     esc50_corpus,
@@ -183,6 +183,24 @@ def test_workers_fetch_url_inputs_as_bytes(s3: Any, tmp_path: Path) -> None:
     assert items[0].fetched == {items[0].path: Path(local[0].path or "").read_bytes()}
     assert items[1].fetched is None and "no such object" in (items[1].error or "")
     assert items[2].fetched is not None and items[2].error is None
+
+
+def test_units_take_their_inputs_sizes_from_one_listing_of_the_bucket(
+    s3: Any, tmp_path: Path, counting: list[_Counting]
+) -> None:
+    """An ESC-50 corpus's fingerprint is its CSV, and each unit takes its clips' sizes as it
+    starts: from the listing of the clips' folder made once per compile, not once a unit
+    (a unit of a large corpus would list every clip's entry to size its own)."""
+    from dlop.tools.compile_cli import main
+
+    root = esc50_corpus(tmp_path / "esc", [("wav", 16000, 1)] * 6)
+    url = _upload(s3, root, "units")
+    counting.clear()
+    argv = [url, "--unit-inputs", "1", "--workers", "1", "-q", "--duration", "0.5"]
+    assert main([*argv, "-o", str(tmp_path / "out")]) == 0
+    finds = sum(c.calls["find"] for c in counting)
+    assert 0 < finds < 6, finds  # six units
+    assert len(ArchiveReader(tmp_path / "out")) == 6
 
 
 # -- the output store --------------------------------------------------------------------

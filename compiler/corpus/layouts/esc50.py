@@ -22,9 +22,10 @@ def detect(source: Place) -> bool:
 class Esc50Items(OnDemand):
     """The CSV's rows, each input's Item made when asked for: its clip's path is confined
     (Place.confine) then, so an append pays a row's parse and key for each clip the
-    archive holds, and a path check only for those it compiles. A row whose path leads out
-    of the corpus is a bad input as before; its target and category count with the rest
-    in the checks of the rows and the class list."""
+    archive holds, and a path check only for those it compiles. A name whose path climbs
+    out of the corpus (``..``) is checked as the CSV is read: such a row is bad and sets
+    no class. One whose way out is a link is bad when its Item is made; its target and
+    category count with the other rows'."""
 
     def __init__(self, root: Place, allow_paths: tuple[str, ...]) -> None:
         self.root, self.allow_paths = root, allow_paths
@@ -69,8 +70,10 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
         name = row.fields.get("filename", "")
         key = path_key(f"audio/{name}") if name else f"meta/esc50.csv line {row.line}"
         category = row.fields.get("category", "")
-        facts: tuple[int, int] | str = row.error or _facts(
-            row, num_classes, len(categories), by_target, by_category
+        facts: tuple[int, int] | str = (
+            row.error
+            or _climbs_out(root, key, name, row.line, options.allow_paths)
+            or _facts(row, num_classes, len(categories), by_target, by_category)
         )
         if isinstance(facts, str):  # why the row is bad
             items.bad[len(items.row_keys)] = facts
@@ -96,6 +99,21 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
         bytes_fingerprint(raw, "esc50"),
         unit_sizes=True,
     )
+
+
+def _climbs_out(
+    root: Place, key: str, name: str, line: int, allow_paths: tuple[str, ...]
+) -> str | None:
+    """Why a row's clip lies outside the corpus, for a name whose path climbs out of it
+    (its key, the path normalized, starts with ``..``): checked now, like a row's other
+    faults, so that it sets no class. Other names are checked when their Item is made."""
+    if key != ".." and not key.startswith("../"):
+        return None
+    try:
+        root.confine(f"audio/{name}", allow_paths)
+    except ValueError as e:
+        return f"meta/esc50.csv line {line}: {e}"
+    return None
 
 
 def _facts(
