@@ -53,6 +53,7 @@ from .pipeline.prefetch import (
     Production,
 )
 from .pipeline.ring import Slot, allocate, slot_count
+from .storage.cache import holds_node_lock
 from .transforms.base import Transform, TransformStage, check_transforms
 
 __all__ = ["STATE_FORMAT", "STATE_SETTINGS", "Loader", "LoaderError", "Transform"]
@@ -536,15 +537,16 @@ class Loader:
 
     def __del__(self) -> None:
         # A collection runs this on whatever thread allocates. On one of the runtime's
-        # own (a fetch thread, which may hold a cache's budget lock that this close would
-        # wait for behind another thread), the close runs on a thread of its own, which
-        # the exit hooks wait for. Once the interpreter has begun to shut down (the hooks
-        # run, or it is finalizing), nothing is started: the hooks close what is open,
-        # and the modules close uses may be gone.
+        # own (a fetch thread), or on any thread inside a cache's budget lock (the main
+        # thread too, reserving room for a shard), this close could wait behind a fetch
+        # thread that holds its supply's lock while it waits for the budget's: it runs
+        # on a thread of its own, which the exit hooks wait for. Once the interpreter has
+        # begun to shut down (the hooks run, or it is finalizing), nothing is started:
+        # the hooks close what is open, and the modules close uses may be gone.
         if sys.is_finalizing() or exiting():
             return
         try:
-            if threading.current_thread() is threading.main_thread():
+            if threading.current_thread() is threading.main_thread() and not holds_node_lock():
                 self.close()
             else:
                 closing = threading.Thread(

@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import gc
 import os
+import signal
 import threading
 import weakref
 from pathlib import Path
@@ -384,4 +385,55 @@ def test_a_loader_collected_on_another_thread_never_waits_there(site: Path, tmp_
         for c in closer:
             c.join(30)
         assert closer and not any(c.is_alive() for c in closer)
+        assert held_by_anyone(tmp_path / "c") == []
+
+
+def _timed_out(*_: Any) -> None:
+    raise TimeoutError("the close waited")
+
+
+def test_a_loader_collected_inside_the_budget_lock_never_waits_there(
+    site: Path, tmp_path: Path
+) -> None:
+    """The main thread closes a collected Loader at once, unless the collection came while
+    it held the node's budget lock (reserving room for a shard, opening another archive):
+    a fetch thread may hold the dropped Loader's supply lock while it waits for that lock
+    to publish a shard, so the close runs on a thread of its own."""
+    from dlop.runtime.storage.cache import BUDGET_LOCK, locked
+    from tests.faultproxy import FaultProxy
+
+    with FaultProxy(root=site) as proxy:
+        dropped = Loader(proxy.url + "/a", 64, cache_dir=tmp_path / "c")
+        next(iter(dropped))
+        supply = dropped.archive.supply
+        waiting = threading.Event()
+
+        def lands() -> None:  # as a fetch thread publishing a shard
+            with supply.lock:
+                waiting.set()
+                with locked(tmp_path / "c" / BUDGET_LOCK):
+                    pass
+
+        with locked(tmp_path / "c" / BUDGET_LOCK):
+            fetch = threading.Thread(target=lands, daemon=True)
+            fetch.start()
+            # the supply's lock is held by a thread waiting for the budget's: this one, or
+            # one of the Loader's own fetch threads that got there first
+            for _ in range(1000):
+                if waiting.wait(0.01) or supply.lock.locked():
+                    break
+            # a close that waited here would wait for ever: an alarm ends the wait
+            # (the collector's call swallows what it raises), and the test fails
+            before = signal.signal(signal.SIGALRM, _timed_out)
+            signal.setitimer(signal.ITIMER_REAL, 10)
+            try:
+                dropped.__del__()  # on the main thread, inside the lock
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, before)
+            closer = [c for c in threading.enumerate() if c.name == "dlop-close"]
+        fetch.join(30)
+        for c in closer:
+            c.join(30)
+        assert closer and not any(c.is_alive() for c in closer) and not fetch.is_alive()
         assert held_by_anyone(tmp_path / "c") == []
