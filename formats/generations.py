@@ -50,11 +50,9 @@ def input_identity(text: str) -> bytes:
 
 
 def identities(texts: Sequence[str]) -> np.ndarray:
-    """input_identity of each text, as one array of IDENTITY_DTYPE."""
-    out = np.empty(len(texts), IDENTITY_DTYPE)
-    for n, text in enumerate(texts):
-        out[n] = input_identity(text)
-    return out
+    """input_identity of each text, as one (writable) array of IDENTITY_DTYPE."""
+    digests = bytearray().join(map(input_identity, texts))  # no numpy call per input
+    return np.frombuffer(digests, IDENTITY_DTYPE) if digests else np.empty(0, IDENTITY_DTYPE)
 
 
 def listing_identities(texts: Sequence[str], repeats: list[int] | None = None) -> np.ndarray:
