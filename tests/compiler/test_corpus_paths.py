@@ -152,6 +152,26 @@ def test_esc50_csv_names_cannot_climb_out(tmp_path: Path) -> None:
     assert ArchiveReader(out).index.metadata["classes"] == ["class0", "other"]
 
 
+def test_an_esc50_clip_linked_out_is_a_bad_input_when_it_is_compiled(tmp_path: Path) -> None:
+    """A clip whose way out is a link is found when its Item is made (as the clip is
+    compiled), not as the CSV is read: it is a bad input, nothing of the file outside is
+    read, and an append whose archive holds it never looks at it."""
+    secret, _ = outside_files(tmp_path)
+    root = tmp_path / "esc"
+    write_audio(root / "audio" / "1-1-A-0.wav", make_signal(16000, 0.5, seed=3), 16000)
+    os.symlink(secret, root / "audio" / "2-2-A-1.wav")
+    write_esc50_csv(root, [esc50_row("1-1-A-0.wav", 0), esc50_row("2-2-A-1.wav", 1)])
+    out = compile_ok(str(root), "-o", str(tmp_path / "a"))
+    assert len(ArchiveReader(out)) == 1
+    (why,) = reasons(out)
+    assert "meta/esc50.csv line 3" in why and "leads out of the corpus through a link" in why
+    write_audio(root / "audio" / "3-3-A-2.wav", make_signal(16000, 0.5, seed=5), 16000)
+    rows = [esc50_row("1-1-A-0.wav", 0), esc50_row("2-2-A-1.wav", 1), esc50_row("3-3-A-2.wav", 2)]
+    write_esc50_csv(root, rows)
+    assert main([str(root), "-q", "--workers", "1", "--append", "-o", str(out)]) == 0
+    assert len(ArchiveReader(out)) == 2 and len(reasons(out)) == 1
+
+
 def test_hf_cells_naming_outside_files_are_bad_inputs(tmp_path: Path) -> None:
     from datasets import Audio, Value
 
