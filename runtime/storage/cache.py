@@ -205,7 +205,7 @@ def wait_for_peer(lock: Path, fd: int, shard: Path, stall_s: float = PEER_STALL_
             )
 
 
-# How many ``locked`` blocks each thread is inside (holding their locks).
+# How many ``locked`` blocks each thread is inside holding their locks.
 _inside = threading.local()
 
 
@@ -215,17 +215,18 @@ def locked(path: Path, wait: bool = True, shard: Path | None = None) -> Iterator
     without ``wait``, only if free at once (the block gets False when it was not);
     ``shard``: as take_lock."""
     fd = take_lock(path, wait, shard)
-    _inside.depth = getattr(_inside, "depth", 0) + 1
+    held = int(fd is not None)
+    _inside.depth = getattr(_inside, "depth", 0) + held
     try:
         yield fd is not None
     finally:
-        _inside.depth -= 1
+        _inside.depth -= held
         close_quietly([fd if fd is not None else -1])  # releases the lock
 
 
 def holds_node_lock() -> bool:
-    """Whether this thread is inside a ``locked`` block (the node's budget lock, a folder
-    check): whatever it runs there must not wait for a thread that may be waiting for
+    """Whether this thread is inside a ``locked`` block that holds its lock (the node's
+    budget lock, a shard's fetch lock): whatever it runs there must not wait for a thread that may be waiting for
     that lock (a fetch thread publishing a shard holds its supply's lock while it takes
     the budget's)."""
     return getattr(_inside, "depth", 0) > 0

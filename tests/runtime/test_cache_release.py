@@ -437,3 +437,27 @@ def test_a_loader_collected_inside_the_budget_lock_never_waits_there(
             c.join(30)
         assert closer and not any(c.is_alive() for c in closer) and not fetch.is_alive()
         assert held_by_anyone(tmp_path / "c") == []
+
+
+def test_a_lock_not_taken_is_not_counted_as_held(tmp_path: Path) -> None:
+    """Only a held lock sends a collected Loader's close to a thread of its own: a try
+    that found the lock taken (``wait=False``) holds nothing a close could wait behind."""
+    from dlop.runtime.storage.cache import holds_node_lock, locked
+
+    lock = tmp_path / "x.lock"
+    assert not holds_node_lock()
+    with locked(lock) as got:
+        assert got and holds_node_lock()
+        other = threading.Thread(target=lambda: seen.append(_tried(lock)))
+        seen: list[tuple[bool, bool]] = []
+        other.start()
+        other.join(10)
+        assert seen == [(False, False)]  # not taken there, nor counted
+    assert not holds_node_lock()
+
+
+def _tried(lock: Path) -> tuple[bool, bool]:
+    from dlop.runtime.storage.cache import holds_node_lock, locked
+
+    with locked(lock, wait=False) as got:
+        return got, holds_node_lock()
