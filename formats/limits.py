@@ -19,6 +19,11 @@ from typing import TypeVar
 
 from .errors import ResourceLimitError
 
+try:
+    import resource
+except ImportError:  # no resource limits to read or set on this platform
+    resource = None  # type: ignore[assignment]
+
 # Descriptors kept free beside the mapped shards: sockets, the cache's lock files,
 # DataLoader pipes, the interpreter's and torch's own.
 SPARE_FILES = 256
@@ -42,9 +47,7 @@ def open_files() -> int | None:
 def file_limits() -> tuple[int, int] | None:
     """This process's (soft, hard) limit on open files; -1 for unlimited, None where
     there is none to read."""
-    try:
-        import resource
-    except ImportError:
+    if resource is None:
         return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     unlimited = resource.RLIM_INFINITY
@@ -67,9 +70,7 @@ def room_for_files(count: int) -> None:
 def _raise_soft(want: int) -> bool:
     """Sets the soft limit on open files to ``want``, or as near as the hard limit (and
     the platform: macOS caps it at OPEN_MAX) allows; True when it rose. Never lowers it."""
-    try:
-        import resource
-    except ImportError:
+    if resource is None:
         return False
     with _lock:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -209,18 +209,16 @@ def retrying(
             return once()
         except passing:
             raise
-        except PERMANENT as e:
-            if files_full(e):  # a client may report it as a missing object
-                raise too_many_files(path, e) from None
-            raise FetchError(f"{said_what}cannot read {path}: {e}", e) from None
         except Rejected as e:
             reasons.append(str(e))
             checked_out = True
         except Exception as e:
-            if files_full(e):  # a full table of open files: no retry helps
+            # a full table of open files (which a client may report as a missing object):
+            # no retry helps
+            if files_full(e):
                 raise too_many_files(path, e) from None
-            refused = as_permanent(e)
-            if refused is not e:
+            refused = e if isinstance(e, PERMANENT) else as_permanent(e)
+            if isinstance(refused, PERMANENT):
                 raise FetchError(f"{said_what}cannot read {path}: {refused}", refused) from None
             said = str(e) or f"no message from the storage client, reading {path}"
             reasons.append(f"{type(e).__name__}: {said}"[:300])

@@ -123,9 +123,9 @@ class OnDemand(Sequence[Item]):
     def item(self, i: int) -> Item:
         """Input ``i``'s Item (0 <= i < len)."""
 
+    @abstractmethod
     def keys(self) -> Iterator[str]:
-        """Each input's key, in order, as its Item would give it."""
-        return (self.item(i).key for i in range(len(self)))
+        """Each input's key, in order, as its Item would give it, without making it."""
 
     @overload
     def __getitem__(self, i: int) -> Item: ...

@@ -39,6 +39,7 @@ from dlop.formats import ArchiveWriter, Field, ShardInfo, unit_shard_name
 from ..audio import numerics
 from ..corpus.layouts import stream_items
 from ..corpus.listing import text_path
+from ..corpus.place import source_place
 from ..corpus.records import Corpus, Item, fingerprint
 from ..errors import CompileError
 from ..faults import unit_delay, worker_dies
@@ -302,8 +303,6 @@ def input_sizes(corpus: Corpus, items: Iterable[Item]) -> str:
     """sha256 over the inputs' (key, size, offset, duration): what a unit of a corpus whose
     fingerprint leaves out its inputs' sizes (Corpus.unit_sizes) records as it starts,
     and what a resume compares, redoing the unit when they differ."""
-    from ..corpus.place import source_place
-
     if corpus.sizes_place is None:
         corpus.sizes_place = source_place(corpus.root, corpus.storage_options)
     return fingerprint(items, b"", corpus.sizes_place)

@@ -43,12 +43,8 @@ class Esc50Items(OnDemand):
 
     def item(self, i: int) -> Item:
         key, error = self.row_keys[i], self.bad.get(i)
-        path = ""
         if error is None:
-            try:
-                path = self.root.confine(f"audio/{self.names[i]}", self.allow_paths)
-            except ValueError as e:
-                error = f"meta/esc50.csv line {self.lines[i]}: {e}"
+            path, error = _confined(self.root, self.names[i], self.lines[i], self.allow_paths)
         if error is not None:
             return Item(key=key, error=error)
         target, fold, category = self.facts[i]
@@ -109,11 +105,18 @@ def _climbs_out(
     faults, so that it sets no class. Other names are checked when their Item is made."""
     if key != ".." and not key.startswith("../"):
         return None
+    return _confined(root, name, line, allow_paths)[1]
+
+
+def _confined(
+    root: Place, name: str, line: int, allow_paths: tuple[str, ...]
+) -> tuple[str, str | None]:
+    """The clip a row names, confined to the corpus (Place.confine): (its path, None), or
+    ("", why it lies outside)."""
     try:
-        root.confine(f"audio/{name}", allow_paths)
+        return root.confine(f"audio/{name}", allow_paths), None
     except ValueError as e:
-        return f"meta/esc50.csv line {line}: {e}"
-    return None
+        return "", f"meta/esc50.csv line {line}: {e}"
 
 
 def _facts(
