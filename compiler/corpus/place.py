@@ -244,7 +244,10 @@ class Place(ABC):
         folder, or its storage prefix). A path that leads outside it (absolute, climbing with
         ``..``, through a link pointing out, or a URL) is refused with ValueError unless it
         lies in one of the ``allowed`` folders or URL prefixes the user named. Nothing is read
-        before the check, and its message is the same whether the path exists or not."""
+        before the check, and its message is the same whether the path exists or not. A
+        path holding a NUL byte names no file at all, and is refused as such."""
+        if "\0" in text:  # the system's calls would refuse it, each in its own way
+            raise ValueError(f"path {text!r} holds a NUL byte, which no file name can")
         url = is_url(text)  # once: a listing may name a million paths
         if url and self._holds_url(text):
             return text

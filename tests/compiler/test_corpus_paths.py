@@ -172,6 +172,28 @@ def test_an_esc50_clip_linked_out_is_a_bad_input_when_it_is_compiled(tmp_path: P
     assert len(ArchiveReader(out)) == 2 and len(reasons(out)) == 1
 
 
+def test_a_listed_path_with_a_nul_byte_or_no_name_is_a_bad_input(tmp_path: Path) -> None:
+    """A name with a NUL byte names no file (the system's calls refuse it, each its own
+    way: reading a header for the rate check stopped the compile); an ESC-50 row with no
+    filename named the audio folder. Both are bad inputs, named, and the rest compile."""
+    root = tmp_path / "esc"
+    write_audio(root / "audio" / "1-1-A-0.wav", make_signal(16000, 0.5, seed=3), 16000)
+    rows = [esc50_row("1-1-A-0.wav", 0), esc50_row("a\x00.wav", 1), esc50_row("", 2)]
+    write_esc50_csv(root, rows)
+    out = compile_ok(str(root), "-o", str(tmp_path / "a"))
+    assert len(ArchiveReader(out)) == 1
+    nul, empty = reasons(out)
+    assert "meta/esc50.csv line 3" in nul and "holds a NUL byte" in nul
+    assert empty == "meta/esc50.csv line 4: no filename"
+    manifest = tmp_path / "m" / "train.jsonl"
+    write_audio(manifest.parent / "a.wav", make_signal(16000, 0.5, seed=4), 16000)
+    manifest.write_text('{"audio_filepath": "a.wav"}\n{"audio_filepath": "a\\u0000.wav"}\n')
+    out = compile_ok(str(manifest), "-o", str(tmp_path / "b"))
+    assert len(ArchiveReader(out)) == 1
+    (nul,) = reasons(out)
+    assert "holds a NUL byte" in nul
+
+
 def test_hf_cells_naming_outside_files_are_bad_inputs(tmp_path: Path) -> None:
     from datasets import Audio, Value
 

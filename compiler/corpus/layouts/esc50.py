@@ -68,6 +68,7 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
         category = row.fields.get("category", "")
         facts: tuple[int, int] | str = (
             row.error
+            or (None if name else f"meta/esc50.csv line {row.line}: no filename")
             or _climbs_out(root, key, name, row.line, options.allow_paths)
             or _facts(row, num_classes, len(categories), by_target, by_category)
         )
