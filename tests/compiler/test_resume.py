@@ -32,8 +32,9 @@ from dlop.compiler.output.journal import JOURNAL
 from dlop.formats import ArchiveReader, ArchiveWriter, Field
 from dlop.tools.compile_cli import main
 
-from .fixtures import esc50_corpus
+from .fixtures import esc50_corpus, write_audio
 from .media import write_image, write_video
+from .signals import make_signal
 
 EPOCH = "1700000000"
 
@@ -271,3 +272,25 @@ def test_kill_9_of_a_dask_client_then_resume_is_byte_identical(
     monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
     assert main([*args, "-o", str(out), "--resume"]) == 0
     assert files(out) == whole
+
+
+@pytest.mark.slow
+def test_resume_redoes_a_unit_whose_clip_changed_after_its_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ESC-50 corpus's fingerprint is its CSV; each unit records its clips' sizes as it
+    starts. A clip rewritten after its unit committed makes --resume compile that unit
+    again (the archive is the one a fresh compile makes), not keep its stale samples."""
+    corpus = esc50_corpus(tmp_path / "corpus", [("wav", 16000, 1)] * 4, seconds=0.25)
+    args = [str(corpus), "--duration", "0.5", "--unit-inputs", "2", "--workers", "1", "-q"]
+    out = tmp_path / "out"
+    proc = compile_until(args, out, "unit:1")  # killed right after unit 0's commit record
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err.decode()
+    assert committed(out) == [".dlop-unit-000000.json"]
+    first = corpus / "audio" / "1-1000-A-0.wav"  # the first clip listed: unit 0's
+    write_audio(first, make_signal(16000, 0.4, seed=9), 16000)  # other audio, another size
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    assert main([*args, "-o", str(out), "--resume"]) == 0
+    assert main([*args, "-o", str(tmp_path / "fresh")]) == 0
+    assert files(out) == files(tmp_path / "fresh")
