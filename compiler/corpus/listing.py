@@ -135,12 +135,15 @@ class CsvRow:
     error: str | None = None
 
 
-def read_csv(path: Place, root: Place, need: set[str]) -> tuple[bytes, list[CsvRow]]:
+def read_csv(
+    path: Place, root: Place, need: set[str], raw: bytes | None = None
+) -> tuple[bytes, list[CsvRow]]:
     """A corpus CSV's records (file order). A bad record (not UTF-8, too few or too many
     fields, unparseable) comes back with its error, its fields as read (bytes that are not
     UTF-8 as surrogates; name_key makes them a key); a file whose header is not UTF-8 text
-    with the ``need`` columns is a CompileError."""
-    raw = path.read_bytes()
+    with the ``need`` columns is a CompileError. ``raw``: the file's bytes, when read
+    already."""
+    raw = path.read_bytes() if raw is None else raw
     rel = path.relative_to(root) if path.is_relative_to(root) else path
     text = raw.decode("utf-8-sig", "surrogateescape")
     reader = csv.reader(io.StringIO(text, newline=""))
@@ -179,6 +182,32 @@ def read_csv(path: Place, root: Place, need: set[str]) -> tuple[bytes, list[CsvR
             continue
         break
     return raw, rows
+
+
+def plain_csv(raw: bytes) -> tuple[list[str], list[list[str]]] | None:
+    """A corpus CSV's header and records, when it is plain: ASCII text (after a UTF-8 byte
+    order mark) with no quote, no NUL, no carriage return but in ``\\r\\n`` line ends, no
+    blank line (but its last line's end), every record of the header's width and each line
+    within the csv module's field limit. The records (lines 2, 3, ...) are then its lines
+    split at commas, as read_csv reads them, at a fraction of its cost: one Python call per
+    line, no dict, no check per field. None for any other file (read_csv reads it)."""
+    body = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
+    if not body.isascii() or b'"' in body or b"\0" in body:
+        return None
+    text = body.decode("ascii")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n")
+        if "\r" in text:
+            return None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the last line's end
+    if not lines or max(map(len, lines)) > csv.field_size_limit() or "" in lines:
+        return None
+    header, *records = (line.split(",") for line in lines)
+    if records and set(map(len, records)) != {len(header)}:
+        return None
+    return header, records
 
 
 MAX_LINE_BYTES = 64 << 20  # a manifest line (one input, or one document's segments)
