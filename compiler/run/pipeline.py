@@ -465,6 +465,7 @@ def _pooled(
             return False
         return True
 
+    workers_of: _Workers | None = None  # once the pool is told to end early
     try:
         for chunk in chunks:
             if not given(chunk):
@@ -481,16 +482,20 @@ def _pooled(
                 pending.clear()
                 return
             pending.popleft()
+            following = next(chunks, None)
+            if following is None and not pending:
+                # every chunk answered: the workers exit while the last outcomes are written
+                workers_of = _Workers.of(pool)
+                pool.shutdown(wait=False)
             yield from _unspill(result)
-            for chunk in itertools.islice(chunks, 1):
-                if not given(chunk):
-                    return
+            if following is not None and not given(following):
+                return
     finally:
         for _, f in pending:
             f.cancel()
         # a lost pool's workers are killed at once (one may hang in a user's code, and a
         # pool has no call that stops a running task)
-        _stop(pool, 0.0 if lost else WORKER_EXIT_S)
+        _stop(pool, 0.0 if lost else WORKER_EXIT_S, workers_of)
 
 
 # How long a pool's idle workers may take to exit before they are killed: one held by a
@@ -501,26 +506,40 @@ WORKER_EXIT_S = 2.0
 MANAGER_EXIT_S = 5.0
 
 
-def _stop(pool: ProcessPoolExecutor, grace: float) -> None:
+@dataclass(frozen=True)
+class _Workers:
+    """A pool's worker processes and its own thread: the executor forgets them once it
+    is shut down."""
+
+    procs: tuple[Any, ...]
+    manager: threading.Thread | None
+
+    @classmethod
+    def of(cls, pool: ProcessPoolExecutor) -> _Workers:
+        # typeshed gives the thread the type of its wakeup pipe
+        manager = cast("threading.Thread | None", pool._executor_manager_thread)
+        return cls(tuple((pool._processes or {}).values()), manager)
+
+
+def _stop(pool: ProcessPoolExecutor, grace: float, told: _Workers | None = None) -> None:
     """Shuts the pool down, killing the workers that have not exited ``grace`` seconds
     after being told to, then waits (up to MANAGER_EXIT_S) for the pool's thread, so that
     the next pool, or a guarded input, forks from a driver with no thread of this one
     left. The executor's table of its processes and its thread are the one place their
     handles are kept, and it forgets them once shut down (Python 3.14 adds
-    ``kill_workers`` for this)."""
-    procs = tuple((pool._processes or {}).values())
-    # typeshed gives the thread the type of its wakeup pipe
-    manager = cast("threading.Thread | None", pool._executor_manager_thread)
+    ``kill_workers`` for this): ``told``, taken before a shutdown that did not wait, holds
+    them then."""
+    workers = told or _Workers.of(pool)
     if grace <= 0:
         # killed before the pool is told: from Python 3.12 a broken pool's thread waits for
         # its workers while holding the lock shutdown takes, and a worker whose item
         # ignores SIGTERM would never end
-        _killed(procs, time.monotonic())
+        _killed(workers.procs, time.monotonic())
     pool.shutdown(wait=False, cancel_futures=True)
-    _killed(procs, time.monotonic() + grace)
+    _killed(workers.procs, time.monotonic() + grace)
     pool.shutdown(wait=True)
-    if manager is not None:
-        manager.join(MANAGER_EXIT_S)
+    if workers.manager is not None:
+        workers.manager.join(MANAGER_EXIT_S)
 
 
 def _killed(procs: tuple[Any, ...], deadline: float) -> None:

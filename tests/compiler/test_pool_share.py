@@ -12,6 +12,7 @@ import pytest
 
 from dlop.compiler import compile_corpus
 from dlop.compiler.recipe import build_recipe
+from dlop.compiler.run import pipeline
 from dlop.compiler.run.pipeline import shared_chunks
 from dlop.formats import ArchiveReader
 
@@ -63,3 +64,31 @@ def test_a_compile_ends_its_workers_and_threads(tmp_path: Path, clips: int) -> N
         assert _threads() <= before
         with ArchiveReader(out) as r:
             assert len(r) == clips
+
+
+def test_the_workers_are_told_to_end_before_the_last_unit_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once every chunk is answered the pool is shut down, so its workers exit while the
+    driver writes the last unit's shards, not after."""
+    corpus = esc50_corpus(tmp_path / "c", [("wav", 16000, 1)] * 6, seconds=0.3)
+    recipe = build_recipe({"source": str(corpus), "duration": 0.3})
+    events: list[str] = []
+
+    class Pool(pipeline.ProcessPoolExecutor):
+        def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+            events.append("shutdown")
+            super().shutdown(wait, cancel_futures=cancel_futures)
+
+    commit = pipeline.UnitWriter.commit
+
+    def committed(writer: pipeline.UnitWriter) -> object:
+        events.append("commit")
+        return commit(writer)
+
+    monkeypatch.setattr(pipeline, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(pipeline.UnitWriter, "commit", committed)
+    compile_corpus(recipe, tmp_path / "out", workers=2, progress=False, unit_inputs=2)
+    assert events.count("commit") == 3
+    assert events.index("shutdown") < len(events) - 1 - events[::-1].index("commit")
+    assert multiprocessing.active_children() == []
