@@ -33,6 +33,7 @@ import pickle
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -143,6 +144,100 @@ def _run_chunk(items: list[Item]) -> tuple[list[Outcome], str | None]:
         path.unlink()
         return outcomes, None
     return outcomes, str(path)
+
+
+# What a pool worker sends back for a chunk reaches the driver through the pool's one
+# result pipe, in a single write when it is at most PIPE_BUF bytes (4 KiB on Linux), which
+# POSIX makes atomic: a worker killed while it answers (the OOM killer, a user's code)
+# leaves a whole answer or none. A longer answer goes out in several writes, and a worker
+# killed between two of them left the pool's thread waiting for the rest forever (the other
+# workers hold the pipe open), and the compile with it. So an answer's pickle larger than
+# INLINE_ANSWER_BYTES travels in the chunk's file, after its arrays, and the pipe carries
+# where it lies.
+INLINE_ANSWER_BYTES = 2048
+
+# (the pickle of the chunk's outcomes, or of what it raised, when it is small; the name of
+# the chunk's file in the spill folder, or None; where the pickle lies in that file when
+# it is not inline, else -1; whether the chunk raised)
+Answer = tuple[bytes | None, str | None, int, bool]
+
+
+@dataclass(frozen=True)
+class _Raised:
+    """What a chunk raised in a pool worker, and its traceback there."""
+
+    error: BaseException
+    trace: str
+
+
+class RemoteTraceback(Exception):
+    """The traceback, in the worker, of an error a chunk raised there (its ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _answer(items: list[Item]) -> Answer:
+    """_run_chunk in a pool worker, its answer small enough for one atomic write: the
+    outcomes, or what the chunk raised, inline when their pickle is small, else appended
+    to the chunk's file (INLINE_ANSWER_BYTES)."""
+    name: str | None = None
+    try:
+        outcomes, path = _run_chunk(items)
+        blob, raised = pickle.dumps(outcomes, pickle.HIGHEST_PROTOCOL), False
+        name = None if path is None else os.path.basename(path)
+    except BaseException as e:
+        blob, raised = _pickled_error(e, traceback.format_exc()), True
+    if len(blob) <= INLINE_ANSWER_BYTES:
+        return blob, name, -1, raised
+    if name is None:
+        name = f"{SPILL_PREFIX}{os.getpid()}-{next(_WORKER['chunks'])}"
+    try:
+        with open(Path(_WORKER["spill_dir"]) / name, "ab") as f:
+            at = f.tell()
+            f.write(blob)
+    except OSError as e:  # a full disk, say: told inline (the chunk's file is left for the driver)
+        return _pickled_error(e, traceback.format_exc(), INLINE_ANSWER_BYTES), None, -1, True
+    return None, name, at, raised
+
+
+def _pickled_error(error: BaseException, trace: str, limit: int | None = None) -> bytes:
+    """The pickle of ``error`` and its traceback; at most ``limit`` bytes given one: the
+    error's type and words cut short where they are longer (an OSError keeps its number,
+    and loses the file it names)."""
+    try:
+        blob = pickle.dumps(_Raised(error, trace), pickle.HIGHEST_PROTOCOL)
+    except Exception:  # an error that cannot be pickled: its type and words
+        blob = pickle.dumps(_Raised(RuntimeError(f"{type(error).__name__}: {error}"), trace))
+    if limit is None or len(blob) <= limit:
+        return blob
+    words = f"{type(error).__name__}: {error}"[: limit // 4]
+    short: BaseException = (
+        OSError(error.errno, words) if isinstance(error, OSError) else RuntimeError(words)
+    )
+    return pickle.dumps(_Raised(short, trace[-(limit // 4) :]), pickle.HIGHEST_PROTOCOL)
+
+
+def _raised(answer: Answer) -> bool:
+    return answer[3]
+
+
+def _received(answer: Answer, spill_dir: Path) -> tuple[list[Outcome], str | None]:
+    """The (outcomes, chunk file) a pool worker's answer stands for (_unspill takes them);
+    raises what the chunk raised, with the worker's traceback as its cause."""
+    blob, name, at, raised = answer
+    path = None if name is None else str(spill_dir / name)
+    if blob is None:
+        assert path is not None
+        with open(path, "rb") as f:
+            f.seek(at)
+            blob = f.read()
+    payload = pickle.loads(blob)
+    if raised:
+        if path is not None:
+            os.unlink(path)
+        raise payload.error from RemoteTraceback(payload.trace)
+    return payload, path
 
 
 # A chunk file this large is mapped rather than read: its arrays are never held in this
@@ -423,12 +518,17 @@ def _results(
     try:
         while True:
             lost: list[tuple[list[Item], Future[Any]]] = []
-            yield from _pooled(chunks, ctx, init, workers, limit, lost)
+            yield from _pooled(chunks, ctx, init, workers, limit, lost, Path(spill))
             if not lost:
                 return
             for chunk, future in lost:  # in order: those answered before the loss stand
-                if future.done() and not future.cancelled() and future.exception() is None:
-                    yield from _unspill(future.result())
+                if (
+                    future.done()
+                    and not future.cancelled()
+                    and future.exception() is None
+                    and not _raised(future.result())
+                ):
+                    yield from _unspill(_received(future.result(), Path(spill)))
                     continue
                 for item in chunk:
                     yield _guarded(ctx, init, work, item, limit)
@@ -445,6 +545,7 @@ def _pooled(
     workers: int,
     limit: float | None,
     lost: list[tuple[list[Item], Future[Any]]],
+    spill_dir: Path,
 ) -> Generator[Outcome, None, None]:
     """The outcomes of ``chunks`` from one pool, in order, until they end or the pool is
     lost (a worker died, or the oldest chunk outlasted ``limit`` a item): then the pool's
@@ -457,7 +558,7 @@ def _pooled(
         while the driver read results): the chunk is lost with the others."""
         try:
             with processes.main_module_hidden():
-                pending.append((chunk, pool.submit(_run_chunk, chunk)))
+                pending.append((chunk, pool.submit(_answer, chunk)))
         except BrokenProcessPool:
             pending.append((chunk, Future()))  # never run: its inputs run one by one
             lost.extend(pending)
@@ -487,7 +588,7 @@ def _pooled(
                 # every chunk answered: the workers exit while the last outcomes are written
                 workers_of = _Workers.of(pool)
                 pool.shutdown(wait=False)
-            yield from _unspill(result)
+            yield from _unspill(_received(result, spill_dir))
             if following is not None and not given(following):
                 return
     finally:
@@ -502,7 +603,8 @@ def _pooled(
 # thread a user's item started (its exit waits for every non-daemon thread) never does.
 WORKER_EXIT_S = 2.0
 # How long the pool's own thread may take to end after its workers: it reads what they
-# sent last, and one killed mid-result leaves it waiting on a pipe the driver holds open.
+# sent last (whole answers: INLINE_ANSWER_BYTES), so this only bounds a thread that would
+# not end for a reason of its own.
 MANAGER_EXIT_S = 5.0
 
 
