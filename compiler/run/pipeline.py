@@ -187,7 +187,7 @@ def _answer(items: list[Item]) -> Answer:
         blob, raised = pickle.dumps(outcomes, pickle.HIGHEST_PROTOCOL), False
         name = None if path is None else os.path.basename(path)
     except BaseException as e:
-        blob, raised = _pickled_error(e, traceback.format_exc()), True
+        blob, raised = _pickled_error(e), True
     if len(blob) <= INLINE_ANSWER_BYTES:
         return blob, name, -1, raised
     if name is None:
@@ -197,25 +197,49 @@ def _answer(items: list[Item]) -> Answer:
             at = f.tell()
             f.write(blob)
     except OSError as e:  # a full disk, say: told inline (the chunk's file is left for the driver)
-        return _pickled_error(e, traceback.format_exc(), INLINE_ANSWER_BYTES), None, -1, True
+        return _pickled_error(e, INLINE_ANSWER_BYTES), None, -1, True
     return None, name, at, raised
 
 
-def _pickled_error(error: BaseException, trace: str, limit: int | None = None) -> bytes:
-    """The pickle of ``error`` and its traceback; at most ``limit`` bytes given one: the
-    error's type and words cut short where they are longer (an OSError keeps its number,
-    and loses the file it names)."""
+# What a worker answers for an error it cannot describe otherwise (its words raise, or it
+# cannot be pickled even shortened, say while memory runs out).
+UNTOLD = pickle.dumps(
+    _Raised(RuntimeError("a chunk raised an error its worker could not send"), "")
+)
+
+
+def _pickled_error(error: BaseException, limit: int | None = None) -> bytes:
+    """The pickle of ``error`` (being handled) and its traceback, one the driver reads
+    back: an error that cannot be pickled, or rebuilt from its pickle (an ``__init__``
+    taking other arguments than its ``args``), is sent as a RuntimeError of its type and
+    words. Given ``limit``, at most that many bytes: the words and traceback are cut short
+    where they are longer (an OSError keeps its number, and loses the file it names).
+    Never raises."""
     try:
-        blob = pickle.dumps(_Raised(error, trace), pickle.HIGHEST_PROTOCOL)
-    except Exception:  # an error that cannot be pickled: its type and words
-        blob = pickle.dumps(_Raised(RuntimeError(f"{type(error).__name__}: {error}"), trace))
-    if limit is None or len(blob) <= limit:
-        return blob
-    words = f"{type(error).__name__}: {error}"[: limit // 4]
-    short: BaseException = (
-        OSError(error.errno, words) if isinstance(error, OSError) else RuntimeError(words)
-    )
-    return pickle.dumps(_Raised(short, trace[-(limit // 4) :]), pickle.HIGHEST_PROTOCOL)
+        trace = traceback.format_exc()
+        try:
+            blob = pickle.dumps(_Raised(error, trace), pickle.HIGHEST_PROTOCOL)
+            pickle.loads(blob)
+        except Exception:
+            blob = pickle.dumps(_Raised(RuntimeError(_words(error)), trace))
+        if limit is None or len(blob) <= limit:
+            return blob
+        cut = limit // 16  # characters: 4 bytes each at most, for the words and the trace
+        if isinstance(error, OSError):
+            short: BaseException = OSError(error.errno, _words(error)[:cut])
+        else:
+            short = RuntimeError(_words(error)[:cut])
+        blob = pickle.dumps(_Raised(short, trace[-cut:]), pickle.HIGHEST_PROTOCOL)
+        return blob if len(blob) <= limit else UNTOLD
+    except BaseException:
+        return UNTOLD
+
+
+def _words(error: BaseException) -> str:
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:  # its __str__ raises
+        return type(error).__name__
 
 
 def _raised(answer: Answer) -> bool:

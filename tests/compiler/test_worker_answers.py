@@ -78,15 +78,62 @@ class Unpicklable(Exception):
         raise TypeError("not this one")
 
 
-def test_an_answer_holds_what_a_chunk_raised_within_its_bound(tmp_path: Path) -> None:
-    pipeline._WORKER.update(spill_dir=str(tmp_path), chunks=iter(range(100)))
+class Unrebuilt(Exception):
+    """Pickles, but its pickle cannot make it again (its __init__ takes two arguments)."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+
+
+class Wordless(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no words")
+
+
+class Exits(Exception):
+    def __reduce__(self) -> Any:
+        raise SystemExit(3)
+
+
+def _sent(error: BaseException, limit: int | None) -> bytes:
+    try:
+        raise error
+    except BaseException as e:
+        return pipeline._pickled_error(e, limit)
+
+
+@pytest.mark.parametrize("limit", [None, pipeline.INLINE_ANSWER_BYTES])
+@pytest.mark.parametrize(
+    ("error", "kinds", "words"),
+    [  # kinds: (what the driver raises with no limit, and within INLINE_ANSWER_BYTES)
+        (OSError(28, "No space left on device", "/" + "x" * 9000), (OSError,) * 2, "No space"),
+        (OSError(28, "No space left", "/" + "\U0001f600" * 3000), (OSError,) * 2, "No space"),
+        (Unpicklable("why"), (RuntimeError,) * 2, "Unpicklable: why"),
+        (Unrebuilt("a.wav", "bad"), (RuntimeError,) * 2, "Unrebuilt: a.wav: bad"),
+        (Wordless(), (Wordless, Wordless), "Wordless"),
+        (Exits(), (RuntimeError,) * 2, "could not send"),
+        (ValueError("v" * 100_000), (ValueError, RuntimeError), "ValueError: vvv"),
+    ],
+)
+def test_what_a_chunk_raised_reaches_the_driver_within_its_bound(
+    tmp_path: Path, error: BaseException, kinds: tuple[type, type], words: str, limit: int | None
+) -> None:
+    blob = _sent(error, limit)
+    if limit is not None:
+        assert len(blob) <= limit
+    with pytest.raises(BaseException) as raised:
+        pipeline._received((blob, None, -1, True), tmp_path)
+    got = raised.value
+    assert type(got) is kinds[limit is not None]
+    assert words in pipeline._words(got)
+    if words != "could not send":
+        assert isinstance(got.__cause__, pipeline.RemoteTraceback)
+        if limit is None:  # the worker's traceback (else its last lines)
+            assert "raise error" in str(got.__cause__)
+
+
+def test_an_error_kept_whole_where_there_is_room(tmp_path: Path) -> None:
     long = OSError(28, "No space left on device", "/" + "x" * 9000)
-    for error, kind in [(long, OSError), (Unpicklable("why"), RuntimeError)]:
-        blob = pipeline._pickled_error(error, "trace " * 2000, pipeline.INLINE_ANSWER_BYTES)
-        assert len(blob) <= pipeline.INLINE_ANSWER_BYTES
-        with pytest.raises(kind) as raised:
-            pipeline._received((blob, None, -1, True), tmp_path)
-        assert isinstance(raised.value.__cause__, pipeline.RemoteTraceback)
     with pytest.raises(OSError) as raised:
-        pipeline._received((pipeline._pickled_error(long, "t"), None, -1, True), tmp_path)
-    assert raised.value.filename == long.filename  # whole where there is room
+        pipeline._received((_sent(long, None), None, -1, True), tmp_path)
+    assert raised.value.filename == long.filename
