@@ -14,7 +14,7 @@ import io
 import os
 import posixpath
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +79,19 @@ def path_key(path: str) -> str:
 # A path posixpath.normpath gives back unchanged: no empty, "." or ".." part (no "//", no
 # part that starts with a dot: a rare name like ".x" takes the long way), no "/" at the end
 _NORMAL = re.compile(r"/?[^/.][^/]*(?:/[^/.][^/]*)*")
+# Lines each a name of one part that _NORMAL takes as a part, with no "\\" in it
+_PLAIN_NAMES = re.compile(r"(?:[^/.\\\n][^/\\\n]*\n)*[^/.\\\n][^/\\\n]*")
+
+
+def plain_names(names: Sequence[str]) -> bool:
+    """Whether each of ``names`` is its own key under a folder whose path is its own key:
+    ``path_key(f"{folder}/{name}") == f"{folder}/{name}"``, found for all of them in one
+    pass (a listing's thousands of names, without a call each). True for ASCII names of
+    one part (no "/": nothing to normalize, no URL) that do not start with a dot (no "." or
+    ".." part) and hold no "\\" or line end (nothing name_key escapes); False may still
+    be a name path_key leaves as it is."""
+    joined = "\n".join(names)
+    return joined.isascii() and _PLAIN_NAMES.fullmatch(joined) is not None
 
 
 def key_name(key: str) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dlop.compiler.corpus.layouts import esc50
-from dlop.compiler.corpus.listing import plain_csv
+from dlop.compiler.corpus.listing import path_key, plain_csv, plain_names
 from dlop.compiler.corpus.place import LocalPlace
 from dlop.compiler.errors import CompileError
 
@@ -75,7 +75,7 @@ def _listed(tmp_path: Path, raw: bytes, plain: bool) -> object:
     meta = root / "meta" / "esc50.csv"
     items = esc50.Esc50Items(root, ())
     try:
-        classes = esc50._plain_rows(raw, items) if plain else esc50._rows(raw, meta, root, items)
+        classes = esc50._plain_rows(raw, items) if plain else esc50._rows(raw, meta, items)
     except CompileError as e:
         return str(e)
     if classes is None:
@@ -122,3 +122,17 @@ def test_a_plain_csv_is_split_as_the_csv_module_reads_it() -> None:
     raw = b"\xef\xbb\xbfa,b, c\r\n1,,3 \r\n x,y,z"
     assert plain_csv(raw) == (["a", "b", " c"], [["1", "", "3 "], [" x", "y", "z"]])
     assert plain_csv(b"a,b\n" + b"1," + b"x" * 200_000 + b"\n") is None  # past the field limit
+
+
+def test_plain_names_are_their_own_keys() -> None:
+    """plain_names answers for a whole column what path_key would for each name."""
+    rng = random.Random(7)
+    pieces = ["a", "B.wav", ".", "..", "/", "\\", " ", "é", "\udcff", ":", "//", "x://y", "-"]
+    said = []
+    for _ in range(3000):
+        name = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 4)))
+        if plain_names([name]):
+            said.append(name)
+            assert path_key(f"audio/{name}") == f"audio/{name}", name
+    assert len(said) > 100
+    assert plain_names(said) and not plain_names([*said, ".x"]) and not plain_names([""])

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 from ...errors import CompileError
-from ..listing import I64, CsvRow, bytes_fingerprint, path_key, plain_csv, read_csv
+from ..listing import I64, CsvRow, bytes_fingerprint, path_key, plain_csv, plain_names, read_csv
 from ..place import Place
 from ..records import Corpus, Item, ListOptions, OnDemand
 
@@ -61,8 +60,7 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
     items = Esc50Items(root, options.allow_paths)
     classes = _plain_rows(raw, items)
     if classes is None:  # a CSV with anything unusual in it: read row by row
-        items = Esc50Items(root, options.allow_paths)
-        classes = _rows(raw, meta, root, items)
+        classes = _rows(raw, meta, items)
     return Corpus(
         "esc50",
         str(root),
@@ -78,9 +76,10 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
     )
 
 
-def _rows(raw: bytes, meta: Place, root: Place, items: Esc50Items) -> list[str]:
+def _rows(raw: bytes, meta: Place, items: Esc50Items) -> list[str]:
     """Lists the CSV into ``items`` row by row, each row's faults its own; returns the
     class names by target."""
+    root = items.root
     _, rows = read_csv(meta, root, set(COLUMNS), raw)
     categories = {row.fields.get("category") for row in rows if row.error is None}
     num_classes = max(ESC50_CLASSES, len(categories))
@@ -88,11 +87,11 @@ def _rows(raw: bytes, meta: Place, root: Place, items: Esc50Items) -> list[str]:
     by_category: dict[str, tuple[int, int]] = {}  # category -> (target, line that set it)
     for row in rows:
         name = row.fields.get("filename", "")
-        key = path_key(f"audio/{name}") if name else f"meta/esc50.csv line {row.line}"
+        key = path_key(f"audio/{name}") if name else _at(row.line)
         category = row.fields.get("category", "")
         facts: tuple[int, int] | str = (
             row.error
-            or (None if name else f"meta/esc50.csv line {row.line}: no filename")
+            or (None if name else _at(row.line, "no filename"))
             or _climbs_out(root, key, name, row.line, items.allow_paths)
             or _facts(row, num_classes, len(categories), by_target, by_category)
         )
@@ -110,10 +109,11 @@ def _rows(raw: bytes, meta: Place, root: Place, items: Esc50Items) -> list[str]:
 
 
 COLUMNS = ("filename", "fold", "target", "category")
-# filenames that are their own key under audio/ (path_key): not empty, no "/" (so no part
-# to normalize and no URL), no "\\" (nothing name_key escapes), no dot first (no "." or
-# ".." part), one a line
-_PLAIN_NAMES = re.compile(r"(?:[^/.\\\n][^/\\\n]*\n)*[^/.\\\n][^/\\\n]*")
+
+
+def _at(line: int, why: str = "") -> str:
+    """Where a row is in the CSV (its key when it names no clip), and why it is bad."""
+    return f"meta/esc50.csv line {line}: {why}" if why else f"meta/esc50.csv line {line}"
 
 
 def _plain_rows(raw: bytes, items: Esc50Items) -> list[str] | None:
@@ -131,7 +131,7 @@ def _plain_rows(raw: bytes, items: Esc50Items) -> list[str] | None:
     at = {name: len(header) - 1 - header[::-1].index(name) for name in COLUMNS}
     columns = list(zip(*records, strict=True))
     names, categories = columns[at["filename"]], columns[at["category"]]
-    if _PLAIN_NAMES.fullmatch("\n".join(names)) is None:
+    if not plain_names(names):  # each its own key under audio/
         return None
     try:
         targets = list(map(int, columns[at["target"]]))
@@ -176,7 +176,7 @@ def _confined(
     try:
         return root.confine(f"audio/{name}", allow_paths), None
     except ValueError as e:
-        return "", f"meta/esc50.csv line {line}: {e}"
+        return "", _at(line, str(e))
 
 
 def _facts(
@@ -192,25 +192,22 @@ def _facts(
     try:
         target, fold = int(row.fields["target"]), int(row.fields["fold"])
     except ValueError:
-        return f"meta/esc50.csv line {row.line}: fold/target not integers"
+        return _at(row.line, "fold/target not integers")
     if not 0 <= target < num_classes:
-        return (
-            f"meta/esc50.csv line {row.line}: target {target} is not a class index (0 to "
-            f"{num_classes - 1}: the CSV names {num_categories} categories, ESC-50 has "
-            f"{ESC50_CLASSES})"
+        return _at(
+            row.line,
+            f"target {target} is not a class index (0 to {num_classes - 1}: the CSV names "
+            f"{num_categories} categories, ESC-50 has {ESC50_CLASSES})",
         )
     if fold not in I64:
-        return f"meta/esc50.csv line {row.line}: fold {fold} does not fit a 64-bit integer"
+        return _at(row.line, f"fold {fold} does not fit a 64-bit integer")
     if target in by_target and by_target[target][0] != category:
         first, line = by_target[target]
-        return (
-            f"meta/esc50.csv line {row.line}: target {target} is {category!r} here but "
-            f"{first!r} on line {line}"
-        )
+        return _at(row.line, f"target {target} is {category!r} here but {first!r} on line {line}")
     if category in by_category and by_category[category][0] != target:
         first_target, line = by_category[category]
-        return (
-            f"meta/esc50.csv line {row.line}: category {category!r} is target {target} here "
-            f"but {first_target} on line {line}"
+        return _at(
+            row.line,
+            f"category {category!r} is target {target} here but {first_target} on line {line}",
         )
     return target, fold
