@@ -41,7 +41,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -156,10 +156,14 @@ def _run_chunk(items: list[Item]) -> tuple[list[Outcome], str | None]:
 # where it lies.
 INLINE_ANSWER_BYTES = 2048
 
-# (the pickle of the chunk's outcomes, or of what it raised, when it is small; the name of
-# the chunk's file in the spill folder, or None; where the pickle lies in that file when
-# it is not inline, else -1; whether the chunk raised)
-Answer = tuple[bytes | None, str | None, int, bool]
+
+class Answer(NamedTuple):
+    """What a pool worker sends back for a chunk (_answer)."""
+
+    blob: bytes | None  # the pickle of the outcomes, or of what it raised, when small
+    name: str | None  # the chunk's file in the spill folder, if it has one
+    at: int  # where the pickle lies in that file when it is not inline
+    raised: bool  # whether the chunk raised
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,7 @@ def _answer(items: list[Item]) -> Answer:
     except BaseException as e:
         blob, raised = _pickled_error(e), True
     if len(blob) <= INLINE_ANSWER_BYTES:
-        return blob, name, -1, raised
+        return Answer(blob, name, -1, raised)
     if name is None:
         name = f"{SPILL_PREFIX}{os.getpid()}-{next(_WORKER['chunks'])}"
     try:
@@ -197,8 +201,8 @@ def _answer(items: list[Item]) -> Answer:
             at = f.tell()
             f.write(blob)
     except OSError as e:  # a full disk, say: told inline (the chunk's file is left for the driver)
-        return _pickled_error(e, INLINE_ANSWER_BYTES), None, -1, True
-    return None, name, at, raised
+        return Answer(_pickled_error(e, INLINE_ANSWER_BYTES), None, -1, True)
+    return Answer(None, name, at, raised)
 
 
 # What a worker answers for an error it cannot describe otherwise (its words raise, or it
@@ -240,10 +244,6 @@ def _words(error: BaseException) -> str:
         return f"{type(error).__name__}: {error}"
     except Exception:  # its __str__ raises
         return type(error).__name__
-
-
-def _raised(answer: Answer) -> bool:
-    return answer[3]
 
 
 def _received(answer: Answer, spill_dir: Path) -> tuple[list[Outcome], str | None]:
@@ -550,7 +550,7 @@ def _results(
                     future.done()
                     and not future.cancelled()
                     and future.exception() is None
-                    and not _raised(future.result())
+                    and not future.result().raised
                 ):
                     yield from _unspill(_received(future.result(), Path(spill)))
                     continue

@@ -122,7 +122,7 @@ def test_what_a_chunk_raised_reaches_the_driver_within_its_bound(
     if limit is not None:
         assert len(blob) <= limit
     with pytest.raises(BaseException) as raised:
-        pipeline._received((blob, None, -1, True), tmp_path)
+        pipeline._received(pipeline.Answer(blob, None, -1, True), tmp_path)
     got = raised.value
     assert type(got) is kinds[limit is not None]
     assert words in pipeline._words(got)
@@ -135,5 +135,5 @@ def test_what_a_chunk_raised_reaches_the_driver_within_its_bound(
 def test_an_error_kept_whole_where_there_is_room(tmp_path: Path) -> None:
     long = OSError(28, "No space left on device", "/" + "x" * 9000)
     with pytest.raises(OSError) as raised:
-        pipeline._received((_sent(long, None), None, -1, True), tmp_path)
+        pipeline._received(pipeline.Answer(_sent(long, None), None, -1, True), tmp_path)
     assert raised.value.filename == long.filename
