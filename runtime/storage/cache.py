@@ -205,8 +205,13 @@ def wait_for_peer(lock: Path, fd: int, shard: Path, stall_s: float = PEER_STALL_
             )
 
 
-# How many ``locked`` blocks each thread is inside holding their locks.
-_inside = threading.local()
+class _Inside(threading.local):
+    """How many ``locked`` blocks this thread is inside holding their locks."""
+
+    depth = 0
+
+
+_inside = _Inside()
 
 
 @contextlib.contextmanager
@@ -216,7 +221,7 @@ def locked(path: Path, wait: bool = True, shard: Path | None = None) -> Iterator
     ``shard``: as take_lock."""
     fd = take_lock(path, wait, shard)
     held = int(fd is not None)
-    _inside.depth = getattr(_inside, "depth", 0) + held
+    _inside.depth += held
     try:
         yield fd is not None
     finally:
@@ -226,10 +231,10 @@ def locked(path: Path, wait: bool = True, shard: Path | None = None) -> Iterator
 
 def holds_node_lock() -> bool:
     """Whether this thread is inside a ``locked`` block that holds its lock (the node's
-    budget lock, a shard's fetch lock): whatever it runs there must not wait for a thread that may be waiting for
-    that lock (a fetch thread publishing a shard holds its supply's lock while it takes
-    the budget's)."""
-    return getattr(_inside, "depth", 0) > 0
+    budget lock, a shard's fetch lock): whatever it runs there must not wait for a thread
+    that may be waiting for that lock (a fetch thread publishing a shard holds its
+    supply's lock while it takes the budget's)."""
+    return _inside.depth > 0
 
 
 def close_quietly(fds: Iterable[int]) -> None:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from dlop.formats import ArchiveWriter, Field
 from dlop.runtime import IterableArchive, Loader
+from dlop.runtime.storage.cache import BUDGET_LOCK, holds_node_lock, locked
 from tests.runtime.helpers import in_forked_child
 
 
@@ -399,7 +400,6 @@ def test_a_loader_collected_inside_the_budget_lock_never_waits_there(
     it held the node's budget lock (reserving room for a shard, opening another archive):
     a fetch thread may hold the dropped Loader's supply lock while it waits for that lock
     to publish a shard, so the close runs on a thread of its own."""
-    from dlop.runtime.storage.cache import BUDGET_LOCK, locked
     from tests.faultproxy import FaultProxy
 
     with FaultProxy(root=site) as proxy:
@@ -442,14 +442,12 @@ def test_a_loader_collected_inside_the_budget_lock_never_waits_there(
 def test_a_lock_not_taken_is_not_counted_as_held(tmp_path: Path) -> None:
     """Only a held lock sends a collected Loader's close to a thread of its own: a try
     that found the lock taken (``wait=False``) holds nothing a close could wait behind."""
-    from dlop.runtime.storage.cache import holds_node_lock, locked
-
     lock = tmp_path / "x.lock"
     assert not holds_node_lock()
     with locked(lock) as got:
         assert got and holds_node_lock()
-        other = threading.Thread(target=lambda: seen.append(_tried(lock)))
         seen: list[tuple[bool, bool]] = []
+        other = threading.Thread(target=lambda: seen.append(_tried(lock)))
         other.start()
         other.join(10)
         assert seen == [(False, False)]  # not taken there, nor counted
@@ -457,7 +455,5 @@ def test_a_lock_not_taken_is_not_counted_as_held(tmp_path: Path) -> None:
 
 
 def _tried(lock: Path) -> tuple[bool, bool]:
-    from dlop.runtime.storage.cache import holds_node_lock, locked
-
     with locked(lock, wait=False) as got:
         return got, holds_node_lock()
