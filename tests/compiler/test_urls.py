@@ -24,6 +24,7 @@ from dlop.compiler.errors import CompileError
 from dlop.compiler.output import store as output_store
 from dlop.formats import ArchiveReader, StorageError
 from dlop.formats import urls as formats_urls
+from dlop.tools.compile_cli import main
 from tests.compiler.fixtures import (
     esc50_corpus,
     librispeech_corpus,
@@ -191,8 +192,6 @@ def test_units_take_their_inputs_sizes_from_one_listing_of_the_bucket(
     """An ESC-50 corpus's fingerprint is its CSV, and each unit takes its clips' sizes as it
     starts: from the listing of the clips' folder made once per compile, not once a unit
     (a unit of a large corpus would list every clip's entry to size its own)."""
-    from dlop.tools.compile_cli import main
-
     root = esc50_corpus(tmp_path / "esc", [("wav", 16000, 1)] * 6)
     url = _upload(s3, root, "units")
     counting.clear()

@@ -145,24 +145,10 @@ def test_the_small_section_reads_many_shards_and_few_against_a_bare_gather(
 
 def test_the_append_section_times_an_append_against_the_whole_compile(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    argv = ["--only", "append", "--append-clips", "100", "--append-times", "2"]
+    argv = ["--only", "append", "--append-clips", "100", "--append-times", "2", "--repeats", "1"]
+    argv += ["--workers", "1", "--out", str(out), "--workdir", str(tmp_path / "work")]
     (tmp_path / "work").mkdir()
-    assert (
-        cli.main(
-            [
-                *argv,
-                "--repeats",
-                "1",
-                "--workers",
-                "1",
-                "--out",
-                str(out),
-                "--workdir",
-                str(tmp_path / "work"),
-            ]
-        )
-        == 0
-    )
+    assert cli.main(argv) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert len(rows) == 4  # the corpus, then its clips listed twice
     for (whole, append), clips in zip((rows[:2], rows[2:]), (100, 200), strict=True):
