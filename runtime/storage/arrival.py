@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
@@ -47,9 +48,14 @@ from .streamed import (
 )
 
 
-def closed(url: str) -> LoaderError:
-    """What a batch, a fetch or a retry of a closed supply gets."""
-    return LoaderError(f"{url}: the supply was closed")
+class SupplyClosed(LoaderError):
+    """What a batch, a fetch or a retry of a closed supply gets: the supply's own doing,
+    not a failure of the shard (a fetch begun before close() that ends with it after
+    close() returned is not recorded against its shard: RemoteSupply.note_failure)."""
+
+
+def closed(url: str) -> SupplyClosed:
+    return SupplyClosed(f"{url}: the supply was closed")
 
 
 class ArrivalHost(Holder, Protocol):
@@ -60,6 +66,7 @@ class ArrivalHost(Holder, Protocol):
     retry: Retry
     client: Callable[[], Storage]
     closing: bool
+    stopping: threading.Event  # set by close(): the fetches begun before it are stale
     dropped: Callable[[int], None] | None
     starts: np.ndarray
     shard_sizes: tuple[int, ...]
@@ -70,7 +77,9 @@ class ArrivalHost(Holder, Protocol):
 
     def set_closed(self, k: int) -> tuple[ShardReader, Held] | None: ...
 
-    def opened(self, k: int, held: Held, what: str) -> ShardReader: ...
+    def opened(
+        self, k: int, held: Held, what: str, stopping: threading.Event | None = None
+    ) -> ShardReader: ...
 
     def failure(self, k: int) -> BaseException: ...
 
@@ -84,6 +93,10 @@ class Arrivals:
         self.fronting: dict[int, threading.Event] = {}  # set once the front is in or failed
         self.arrivals: set[Arriving] = set()  # temporary files this process writes
         self.parts: PartQueue | None = None
+        # byte ranges asked for before headers: close() stops them, so that a front
+        # waiting for one reads its bytes itself (a read after close does not wait for
+        # a range stalled before it)
+        self.leads: weakref.WeakSet[Lead] = weakref.WeakSet()
         self.order: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # read_order's
 
     def stream(self, k: int, keep: bool) -> ShardReader | None:
@@ -120,6 +133,7 @@ class Arrivals:
         info = self.host.index.shards[k]
         path = self.host.folder / info.file
         what = f"{self.host.url}: shard {k} ({info.file})"
+        stopping = self.host.stopping  # this fetch's generation: it ends with close()
         got = self.host.cache.arrive(path, info.bytes, wait=keep)
         if got is None:
             return None
@@ -127,7 +141,7 @@ class Arrivals:
             if not keep:
                 self.host.cache.let_go(got)
                 return None
-            return self.host.opened(k, got, what)
+            return self.host.opened(k, got, what, stopping)
         with self.host.lock:
             self.arrivals.add(got)
         inc: Incoming | None = None
@@ -137,6 +151,8 @@ class Arrivals:
             spans = lead_spans(info.bytes, self.host.retry)
             if spans:  # asked for at once: the header comes with the first range
                 lead = Lead(got, spans)
+                with self.host.lock:
+                    self.leads.add(lead)
                 jobs = [
                     functools.partial(Lead.fetch, lead, i, store, info.file)
                     for i in range(len(spans))
@@ -174,6 +190,9 @@ class Arrivals:
                 if inc.error is not None:  # a part failed meanwhile: failed() cleaned up
                     reader.close()
                     raise inc.error
+                if stopping.is_set():  # begun before a close(): nothing after it takes it up
+                    reader.close()
+                    raise closed(self.host.url)
                 self.streams[k] = inc
                 if keep:
                     self.host.keep_open(k, reader, inc.held())
@@ -338,7 +357,13 @@ class Arrivals:
     def failed(self, inc: Incoming, e: BaseException) -> BaseException:
         """``inc`` will not arrive: batches that read it fail until the next epoch with
         its first failure (``note_failure``), returned. Its mapping stays valid for views
-        still using it (the file is removed)."""
+        still using it (the file is removed). Once it has failed, a later failure (a part
+        that was still in a network read: its write refused) is its echo, not recorded:
+        close() fails what is arriving and then forgets the failures, and an echo
+        recorded after that would fail the shard's next read."""
+        with inc.cond:
+            if inc.error is not None:
+                return inc.error
         e = self.host.note_failure(inc.k, e)
         with inc.cond:
             if inc.error is not None or inc.done:

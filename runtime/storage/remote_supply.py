@@ -62,7 +62,7 @@ from dlop.formats.transcode import needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import LoaderError, ShardChangedError, UsageError, kept
 from .ahead import FetchAhead
-from .arrival import Arrivals, closed
+from .arrival import Arrivals, SupplyClosed, closed
 from .cache import CacheDir, Held, close_quietly, locked
 from .cache_folder import BUDGET_LOCK
 from .pool import DaemonPool
@@ -385,14 +385,15 @@ class RemoteSupply(ShardSupply):
                 assert got is not None  # keep waits for the fetch lock and for room
             else:
                 held = self.cache.get(path, lambda: self.fetch(k, what), self.to_raw(path))
-                got = self.opened(k, held, what)
+                got = self.opened(k, held, what, stopping)
             if stopping.is_set():  # the supply closed meanwhile: not kept
                 self.discard(k, got)
                 raise closed(self.url)
             return got
         finally:
             with self.lock:
-                self.pending.pop(k, None)
+                if not stopping.is_set():  # else close() took it: a read since asks anew
+                    self.pending.pop(k, None)
 
     def discard(self, k: int, reader: ShardReader) -> None:
         """Lets go of shard ``k`` (mapped as ``reader``) that a fetch begun before close()
@@ -405,8 +406,12 @@ class RemoteSupply(ShardSupply):
         if inc is not None and inc.reader is reader:
             self.arrive.failed(inc, closed(self.url))
 
-    def opened(self, k: int, held: Held, what: str) -> ShardReader:
-        """Maps the cached shard ``k`` this process holds, and keeps it open."""
+    def opened(
+        self, k: int, held: Held, what: str, stopping: threading.Event | None = None
+    ) -> ShardReader:
+        """Maps the cached shard ``k`` this process holds, and keeps it open; let go of
+        (SupplyClosed) when ``stopping``, the generation of the fetch that brought it
+        in, has ended: what a close() left behind is never taken up by a read after it."""
         try:
             reader = self.map(k, held)
         except FormatError as e:
@@ -417,7 +422,13 @@ class RemoteSupply(ShardSupply):
             ) from None
         self.sizes.learn(k, held.bytes)
         with self.lock:
-            self.keep_open(k, reader, held, whole=True)
+            stale = stopping is not None and stopping.is_set()
+            if not stale:
+                self.keep_open(k, reader, held, whole=True)
+        if stale:
+            reader.close()
+            self.cache.let_go(held)
+            raise closed(self.url)
         return reader
 
     def keep_open(self, k: int, reader: ShardReader, held: Held, whole: bool = False) -> None:
@@ -476,9 +487,14 @@ class RemoteSupply(ShardSupply):
         self.arrive.read_order(batches)
 
     def note_failure(self, k: int, e: BaseException) -> BaseException:
-        """Records that shard ``k`` failed (its batches raise it until the next epoch)."""
+        """Records that shard ``k`` failed (its batches raise it until the next epoch). The
+        supply's closing is recorded only while close() runs (which forgets it when
+        done): a fetch begun before close() that meets it afterwards (a retry's sleep cut
+        short) leaves the shard to be fetched afresh."""
         kept(e)
         with self.lock:  # the first failure is the one to report (a later one may be its echo)
+            if isinstance(e, SupplyClosed) and not self.closing:
+                return self.ahead_errors.get(k, e)
             return self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
 
     def fetch(self, k: int, what: str) -> bytes:
@@ -594,18 +610,23 @@ class RemoteSupply(ShardSupply):
                 with contextlib.suppress(InvalidStateError):
                     if not future.done():
                         future.set_exception(closed(self.url))
+            self.pending.clear()
             parts, self.arrive.parts = self.arrive.parts, None
+            leads = list(self.arrive.leads)
         if self.pid == os.getpid():
             deadline = time.monotonic() + CLOSE_WAIT_S
             for pool in pools:  # a fetch stuck in a read is not waited for past this
                 pool.shutdown(max(0.0, deadline - time.monotonic()), cancel_futures=True)
             if parts is not None:
-                for job in parts.close():  # who waits for a dropped job stops waiting
+                # who waits for a dropped job stops waiting
+                for job in parts.close(max(0.0, deadline - time.monotonic())):
                     owner = job.args[0] if isinstance(job, functools.partial) else None
                     if isinstance(owner, Incoming):  # a front, for its part
                         owner.settle_tail(None, closed(self.url))
                     elif isinstance(owner, Lead):  # a reader, for a lead range
                         owner.stop()
+            for lead in leads:  # a range still in a read: its front reads it itself
+                lead.stop()
             for inc in list(self.arrive.streams.values()):
                 # a shard whose every part is in lands (synced, published) rather than
                 # being thrown away: a peer, or the next run, finds it whole

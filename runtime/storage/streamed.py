@@ -661,9 +661,12 @@ class PartQueue:
             except Exception:  # a job reports its own failure; the thread serves on
                 traceback.print_exc()
 
-    def close(self) -> list[Callable[[], None]]:
-        """Stops the threads once their current part is done; returns the queued jobs,
-        dropped."""
+    def close(self, wait_s: float) -> list[Callable[[], None]]:
+        """Stops the threads once their current part is done, waiting for them at most
+        ``wait_s`` seconds; returns the queued jobs, dropped. A thread still inside a
+        network read after that (a stalled server: up to the read timeout) is a daemon,
+        left to end with its read: whatever it brings is refused by its shard, which its
+        supply's close failed (Incoming.writer, Lead.write)."""
         with self.cond:
             self.closed = True
             dropped = [job for _, _, job in self.heap]
@@ -671,9 +674,10 @@ class PartQueue:
             self.cond.notify_all()
             running, self.running = self.running, []
         me = threading.current_thread()
+        deadline = time.monotonic() + wait_s
         for t in running:
             if t is not me:
-                t.join()
+                t.join(max(0.0, deadline - time.monotonic()))
         return dropped
 
 

@@ -41,15 +41,17 @@ with FaultProxy(root=root) as proxy:
 @pytest.mark.parametrize("how", ["caught", "uncaught"])
 def test_ctrl_c_during_a_stalled_fetch_ends_the_process_at_once(tmp_path: Path, how: str) -> None:
     make_archive(tmp_path / "a")
-    # the defaults a job runs with: 8 attempts of up to 30 s without a byte each
+    # the default attempts, and reads that wait an hour for a byte: a close that waited
+    # for a fetch thread inside its read (a stalled part, a stalled header) would hang
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DLOP_FETCH_", "DLOP_READ"))}
+    env["DLOP_READ_TIMEOUT"] = "3600"
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     run = subprocess.run(
         [sys.executable, "-c", STALLED, str(tmp_path), how],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,  # a hang detector: the stalled fetches alone would take minutes
+        timeout=90,  # a hang detector: close waits a second for fetch threads
     )
     if how == "caught":
         assert run.stdout.split() == ["interrupted", "closed"], run.stderr

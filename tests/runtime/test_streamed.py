@@ -234,13 +234,49 @@ def test_closing_while_a_shard_arrives_leaves_nothing_behind(site: Path, tmp_pat
         remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
         loader = Loader(remote, **settings)
         next(iter(loader))
-        threading.Timer(0.5, proxy.let_through).start()  # the held part ends; close waits for it
+        # the held part ends while close waits for its thread (a second at most)
+        threading.Timer(0.5, proxy.let_through).start()
         loader.close()
         remote.close()
         assert not [p for p in (tmp_path / "c").rglob("*") if ".tmp-" in p.name]
         # Its fetch lock went with it: a new reader of the same cache fetches and reads it.
         again = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
         assert same(batches(Loader(again, **settings)), batches(Loader(site / "a", **settings)))
+
+
+def test_a_part_that_comes_in_after_close_is_not_the_next_reads_failure(
+    site: Path, tmp_path: Path
+) -> None:
+    """close() leaves a part stuck in its request to itself; the bytes it brings later
+    are refused by their shard (failed by the close), and that refusal is no failure of
+    the shard: read again, the supply fetches it anew."""
+    held = data_at(site, "wave") + 2 * CRC_PIECE_BYTES
+    settings = {"batch_size": 8, "shuffle": False, "prefetch": 1}
+    with FaultProxy(root=site) as proxy:
+        proxy.fail("shard-00000", "hold", at=held)
+        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+        loader = Loader(remote, **settings)
+        before = set(threading.enumerate())
+        next(iter(loader))
+        parts = [t for t in threading.enumerate() if t.name == "dlop-part" and t not in before]
+        assert parts  # the held part's among them
+        safety = threading.Timer(30, proxy.let_through)  # a regression fails, never hangs
+        safety.start()
+        loader.close()
+        remote.close()
+        still_held = not proxy.through.is_set()
+        safety.cancel()
+        assert still_held, "close() waited for the held part"
+        proxy.let_through()
+        deadline = time.monotonic() + 30
+        while any(t.is_alive() for t in parts):
+            assert time.monotonic() < deadline, "the part's thread never ended"
+            time.sleep(0.01)
+        # (a failure recorded now would fail the shard's reads until an epoch begins)
+        assert not remote.supply.ahead_errors, remote.supply.ahead_errors
+        assert same(batches(Loader(remote, **settings)), batches(Loader(site / "a", **settings)))
+        remote.close()
+    assert not [p for p in (tmp_path / "c").rglob("*") if ".tmp-" in p.name]
 
 
 def test_parts_are_ranked_by_the_first_read_of_their_samples(site: Path) -> None:

@@ -1,0 +1,123 @@
+"""A Loader closed while a shard's fetch is stalled, then read again: close() returns
+without waiting for the stalled request, and the next epoch reads every sample, neither
+failing with the close nor kept from a shard that the request begun before it brings
+in (or fails to) after the close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dlop.runtime import Loader, LoaderError
+from tests.faultproxy import FaultProxy
+from tests.runtime.helpers import make_archive
+
+SAMPLES = 37  # make_archive's
+
+
+def labels(loader: Loader) -> list[int]:
+    return [int(x) for b in loader for x in b["label"]]
+
+
+def first_batch(loader: Loader, got: list[Any]) -> threading.Thread:
+    """Asks for the first batch on a thread of its own; its batch or error goes to ``got``."""
+
+    def ask() -> None:
+        try:
+            got.append(next(iter(loader)))
+        except Exception as e:
+            got.append(e)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    return t
+
+
+def asked(proxy: FaultProxy, match: str, n: int = 1) -> None:
+    deadline = time.monotonic() + 60
+    while proxy.count(match) < n:
+        assert time.monotonic() < deadline, f"{match} was never asked for"
+        time.sleep(0.01)
+
+
+def closed_mid_fetch(proxy: FaultProxy, loader: Loader) -> None:
+    """Closes ``loader`` while its first batch waits for shard 0's stalled request, which
+    close() must leave to itself."""
+    got: list[Any] = []
+    before = proxy.count("shard-00000")
+    t = first_batch(loader, got)
+    asked(proxy, "shard-00000", before + 1)
+    loader.close()
+    t.join(60)
+    assert not t.is_alive()
+    assert isinstance(got[0], LoaderError), got[0]
+
+
+def nothing_arriving(cache: Path) -> bool:
+    return not [p for p in cache.rglob("*") if ".tmp-" in p.name]
+
+
+def test_a_fetch_that_ends_after_close_does_not_hold_it_up_or_fail_the_next_read(
+    tmp_path: Path,
+) -> None:
+    make_archive(tmp_path / "a")
+    with FaultProxy(root=tmp_path) as proxy:
+        for attempt in range(3):  # the next epoch meets the fetch at other moments
+            proxy.fail("shard-00000", "hold")  # answered whole once let through
+            proxy.through.clear()
+            # a regression (close waiting for the request) fails below, never hangs
+            safety = threading.Timer(30, proxy.let_through)
+            safety.start()
+            cache = tmp_path / f"c{attempt}"
+            loader = Loader(proxy.url + "/a", 4, shuffle=False, cache_dir=str(cache))
+            closed_mid_fetch(proxy, loader)
+            still_held = not proxy.through.is_set()
+            safety.cancel()
+            assert still_held, "close() waited for the stalled request"
+            # The request ends now, with the next epoch under way or about to be: what
+            # its fetch brings in is let go of, and the next epoch fetches it anew.
+            threading.Timer(0.1 * attempt, proxy.let_through).start()
+            assert labels(loader) == list(range(SAMPLES))
+            assert labels(loader) == list(range(SAMPLES))  # and the one after it
+            loader.close()
+            assert nothing_arriving(cache)
+
+
+def test_a_fetch_that_fails_after_close_is_not_the_next_reads_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shard 0's first two requests never answer: the one under way at close, and the
+    # one its fetch makes after it (its header, read itself once close stopped the
+    # range it was waiting for). That fetch then fails with the close, after it.
+    monkeypatch.setenv("DLOP_READ_TIMEOUT", "2")
+    make_archive(tmp_path / "a")
+    with FaultProxy(root=tmp_path) as proxy:
+        proxy.fail("shard-00000", "hang", times=2)
+        loader = Loader(proxy.url + "/a", 4, shuffle=False, cache_dir=str(tmp_path / "c"))
+        closed_mid_fetch(proxy, loader)
+        assert labels(loader) == list(range(SAMPLES))
+        loader.close()
+    assert nothing_arriving(tmp_path / "c")
+
+
+def test_a_read_after_close_does_not_wait_for_a_request_stalled_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shard 0's first request never answers, and reads wait an hour for a byte: the
+    # fetch begun before close waits for that range no longer once close stopped it.
+    monkeypatch.setenv("DLOP_READ_TIMEOUT", "3600")
+    make_archive(tmp_path / "a")
+    with FaultProxy(root=tmp_path) as proxy:
+        proxy.fail("shard-00000", "hang")
+        loader = Loader(proxy.url + "/a", 4, shuffle=False, cache_dir=str(tmp_path / "c"))
+        closed_mid_fetch(proxy, loader)
+        got: list[Any] = []
+        epoch = threading.Thread(target=lambda: got.append(labels(loader)), daemon=True)
+        epoch.start()
+        epoch.join(30)  # a hang detector: the stalled range's wait is a minute
+        assert got == [list(range(SAMPLES))]
+        loader.close()
