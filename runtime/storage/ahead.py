@@ -13,6 +13,7 @@ A warm epoch (every upcoming shard mapped already) starts nothing.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -33,6 +34,7 @@ class AheadHost(Holder, Protocol):
     asked: int
     refs: np.ndarray  # holds on each shard
     pending: dict[int, Future[ShardReader]]
+    stopping: threading.Event  # set by close(): the fetches begun before it are stale
 
     def arriving(self, k: int) -> bool: ...
 
@@ -40,9 +42,11 @@ class AheadHost(Holder, Protocol):
 
     def streams_shard(self, k: int) -> bool: ...
 
-    def stream(self, k: int, keep: bool) -> ShardReader | None: ...
+    def stream(
+        self, k: int, keep: bool, stopping: threading.Event | None = None
+    ) -> ShardReader | None: ...
 
-    def fetch(self, k: int, what: str) -> bytes: ...
+    def fetch(self, k: int, what: str, stopping: threading.Event | None = None) -> bytes: ...
 
     def to_raw(self, path: Path) -> Callable[[bytes], bytes] | None: ...
 
@@ -108,6 +112,7 @@ class FetchAhead:
         while True:
             with host.lock:
                 k = self.next()
+                stopping = host.stopping  # this fetch's generation: it ends with close()
             if k is None:
                 return
             info = host.index.shards[k]
@@ -115,12 +120,12 @@ class FetchAhead:
             what = f"{host.url}: shard {k} ({info.file})"
             try:
                 if host.streams_shard(k):
-                    done = host.stream(k, keep=False) is not None
+                    done = host.stream(k, False, stopping) is not None
                 else:
-                    fetch = functools.partial(host.fetch, k, what)
+                    fetch = functools.partial(host.fetch, k, what, stopping)
                     done = host.cache.prefetch(path, host.sizes.size(k), fetch, host.to_raw(path))
             except Exception as e:
-                host.note_failure(k, e)
+                host.note_failure(k, e, stopping)
                 continue
             if not done:
                 with host.lock:

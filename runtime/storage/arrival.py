@@ -50,8 +50,8 @@ from .streamed import (
 
 class SupplyClosed(LoaderError):
     """What a batch, a fetch or a retry of a closed supply gets: the supply's own doing,
-    not a failure of the shard (a fetch begun before close() that ends with it after
-    close() returned is not recorded against its shard: RemoteSupply.note_failure)."""
+    not a failure of the shard (recorded only while close() runs, which then forgets
+    it: RemoteSupply.note_failure)."""
 
 
 def closed(url: str) -> SupplyClosed:
@@ -99,13 +99,18 @@ class Arrivals:
         self.leads: weakref.WeakSet[Lead] = weakref.WeakSet()
         self.order: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # read_order's
 
-    def stream(self, k: int, keep: bool) -> ShardReader | None:
+    def stream(self, k: int, keep: bool, stopping: threading.Event) -> ShardReader | None:
         """Raw shard ``k``: mapped from the cache, or its fetch started part by part and
         its front verified. ``keep``: held for batches (waits for the fetch lock and
         room), else fetched ahead only: None when another process fetches it or the
-        budget has no room now."""
+        budget has no room now. ``stopping``: the generation of the read that asks
+        (SupplyClosed once the supply closed since: what a read begun before close()
+        brings in is never a later read's)."""
         while True:
             with self.host.lock:
+                if stopping.is_set():
+                    raise closed(self.host.url)
+                retry = self.host.retry  # its sleeps cut short by this generation's close
                 inc = self.streams.get(k)
                 if inc is not None and inc.reader is not None:  # its front is in
                     if keep and not inc.keep:  # a fetch ahead's: batches hold it now
@@ -122,18 +127,19 @@ class Arrivals:
                 return None  # being fetched here already
             other.wait()  # its front is in, or it failed: look again
         try:
-            return self.start_stream(k, keep)
+            return self.start_stream(k, keep, stopping, retry)
         finally:
             with self.host.lock:
                 del self.fronting[k]
             mine.set()
 
-    def start_stream(self, k: int, keep: bool) -> ShardReader | None:
+    def start_stream(
+        self, k: int, keep: bool, stopping: threading.Event, retry: Retry
+    ) -> ShardReader | None:
         """``stream``'s fetch of shard ``k`` (none under way in this process)."""
         info = self.host.index.shards[k]
         path = self.host.folder / info.file
         what = f"{self.host.url}: shard {k} ({info.file})"
-        stopping = self.host.stopping  # this fetch's generation: it ends with close()
         got = self.host.cache.arrive(path, info.bytes, wait=keep)
         if got is None:
             return None
@@ -148,7 +154,7 @@ class Arrivals:
         lead: Lead | None = None
         try:
             store = self.host.client()
-            spans = lead_spans(info.bytes, self.host.retry)
+            spans = lead_spans(info.bytes, retry)
             if spans:  # asked for at once: the header comes with the first range
                 lead = Lead(got, spans)
                 with self.host.lock:
@@ -157,24 +163,26 @@ class Arrivals:
                     functools.partial(Lead.fetch, lead, i, store, info.file)
                     for i in range(len(spans))
                 ]
-                if not self.put([(LEAD, job) for job in jobs]):
+                if not self.put([(LEAD, job) for job in jobs], stopping):
                     raise closed(self.host.url)  # stops the lead (below)
             head, layout = fetch_head(
                 store,
                 info.file,
                 info.bytes,
                 what,
-                self.host.retry,
+                retry,
                 info.header_crc32,
                 None if lead is None else lead.take,
             )
+            if stopping.is_set():  # closed meanwhile: the front is not fetched
+                raise closed(self.host.url)
             if layout.num_samples != info.num_samples:
                 raise LoaderError(
                     f"{what}: holds {layout.num_samples} samples, index.json says {info.num_samples}"
                 )
             head_len = header_span(head, store.name_url(info.file), info.bytes)
-            inc = Incoming(k, got, layout, head_len, self.host.retry, keep, lead)
-            inc.ride(fronts_of(layout, info.bytes), self.host.retry, len(head))
+            inc = Incoming(k, got, layout, head_len, retry, keep, lead, stopping)
+            inc.ride(fronts_of(layout, info.bytes), retry, len(head))
             with self.host.lock:
                 first = self.first_reads(k)
             ranks = inc.ranks(first)
@@ -184,7 +192,7 @@ class Arrivals:
             ranks = [ride if p.end != p.hi else r for p, r in zip(inc.parts, ranks, strict=True)]
             self.queue(inc, ranks)  # fixed fields' values come in beside the front
             reader, fronts = fetch_front(
-                store, info.file, inc, what, self.host.retry, info.crc32, (head, layout)
+                store, info.file, inc, what, retry, info.crc32, (head, layout)
             )
             with self.host.lock, inc.cond:
                 if inc.error is not None:  # a part failed meanwhile: failed() cleaned up
@@ -202,7 +210,7 @@ class Arrivals:
                 self.queue(inc, inc.ranks(first), only=ragged)
         except Exception as e:
             if inc is None:
-                failure = self.host.note_failure(k, e)
+                failure = self.host.note_failure(k, e, stopping)
                 if lead is not None:
                     lead.stop()  # nothing more is written into the file let go of
                 self.let_go_of(got, failure)
@@ -229,13 +237,16 @@ class Arrivals:
                 if (only is None or only[i]) and part.state == QUEUED:
                     part.rank = rank
                     jobs.append((rank, functools.partial(self.fetch_part, inc, i, rank)))
-        if jobs and not self.put(jobs):
+        if jobs and not self.put(jobs, inc.stopping):
             inc.settle_tail(None, closed(self.host.url))
 
-    def put(self, jobs: Sequence[tuple[int, Callable[[], None]]]) -> bool:
-        """Puts ``jobs`` (rank, job) in the fetch queue; False when the supply closes."""
+    def put(
+        self, jobs: Sequence[tuple[int, Callable[[], None]]], stopping: threading.Event
+    ) -> bool:
+        """Puts ``jobs`` (rank, job) of a fetch of generation ``stopping`` in the fetch
+        queue; False when the supply closes or closed since."""
         with self.host.lock:
-            if self.host.closing:  # close() fails what is still arriving
+            if self.host.closing or stopping.is_set():  # close() fails what is arriving
                 return False
             if self.parts is None:
                 self.parts = PartQueue(self.host.retry.parallel_parts)
@@ -364,7 +375,7 @@ class Arrivals:
         with inc.cond:
             if inc.error is not None:
                 return inc.error
-        e = self.host.note_failure(inc.k, e)
+        e = self.host.note_failure(inc.k, e, inc.stopping)
         with inc.cond:
             if inc.error is not None or inc.done:
                 return e
@@ -376,7 +387,8 @@ class Arrivals:
             inc.lead.stop()
         inc.settle_tail(None, e)  # a front waiting for its last span stops waiting
         with self.host.lock:
-            self.streams.pop(inc.k, None)
+            if self.streams.get(inc.k) is inc:
+                del self.streams[inc.k]
             got = self.host.open.get(inc.k)
             held = got is not None and got[0] is inc.reader
             if held:

@@ -29,4 +29,6 @@ class Holder(Protocol):
     loose: OrderedDict[int, None]
     ahead_errors: dict[int, Exception]
 
-    def note_failure(self, k: int, e: BaseException) -> BaseException: ...
+    def note_failure(
+        self, k: int, e: BaseException, stopping: threading.Event | None = None
+    ) -> BaseException: ...

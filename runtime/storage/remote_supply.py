@@ -381,10 +381,11 @@ class RemoteSupply(ShardSupply):
         stopping = self.stopping
         try:
             if self.streams_shard(k):
-                got = self.arrive.stream(k, keep=True)
+                got = self.arrive.stream(k, keep=True, stopping=stopping)
                 assert got is not None  # keep waits for the fetch lock and for room
             else:
-                held = self.cache.get(path, lambda: self.fetch(k, what), self.to_raw(path))
+                fetched = functools.partial(self.fetch, k, what, stopping)
+                held = self.cache.get(path, fetched, self.to_raw(path))
                 got = self.opened(k, held, what, stopping)
             if stopping.is_set():  # the supply closed meanwhile: not kept
                 self.discard(k, got)
@@ -476,8 +477,10 @@ class RemoteSupply(ShardSupply):
         served once whole and matching the index's CRC."""
         return not self.transcode and self.index.shards[k].header_crc32 is not None
 
-    def stream(self, k: int, keep: bool) -> ShardReader | None:
-        return self.arrive.stream(k, keep)
+    def stream(
+        self, k: int, keep: bool, stopping: threading.Event | None = None
+    ) -> ShardReader | None:
+        return self.arrive.stream(k, keep, self.stopping if stopping is None else stopping)
 
     def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> bool:
         return self.arrive.ready(k, samples, names)
@@ -486,27 +489,32 @@ class RemoteSupply(ShardSupply):
         self.mine()  # a forked child's first epoch: its own state takes the order
         self.arrive.read_order(batches)
 
-    def note_failure(self, k: int, e: BaseException) -> BaseException:
-        """Records that shard ``k`` failed (its batches raise it until the next epoch). The
-        supply's closing is recorded only while close() runs (which forgets it when
-        done): a fetch begun before close() that meets it afterwards (a retry's sleep cut
-        short) leaves the shard to be fetched afresh."""
+    def note_failure(
+        self, k: int, e: BaseException, stopping: threading.Event | None = None
+    ) -> BaseException:
+        """Records that shard ``k`` failed (its batches raise it until the next epoch), by
+        a fetch of generation ``stopping`` (None: the current one). Recorded only for
+        the current generation, and the supply's closing only while close() runs (which
+        forgets it when done): a fetch begun before close() that fails after it, with
+        the close or otherwise, leaves the shard to be fetched afresh."""
         kept(e)
         with self.lock:  # the first failure is the one to report (a later one may be its echo)
-            if isinstance(e, SupplyClosed) and not self.closing:
+            stale = stopping is not None and stopping is not self.stopping
+            if stale or (isinstance(e, SupplyClosed) and not self.closing):
                 return self.ahead_errors.get(k, e)
             return self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
 
-    def fetch(self, k: int, what: str) -> bytes:
+    def fetch(self, k: int, what: str, stopping: threading.Event | None = None) -> bytes:
         """Shard k's verified bytes; a failure is noted under its fetch lock and raised
-        again, not retried, by every read of it until forget_failures."""
+        again, not retried, by every read of it until forget_failures (unless the fetch,
+        of generation ``stopping``, began before a close: ``note_failure``)."""
         with self.lock:
             if (failed := self.ahead_errors.get(k)) is not None:
                 raise failed
         try:
             return self.fetch_checked(k, what)
         except Exception as e:
-            self.note_failure(k, e)
+            self.note_failure(k, e, stopping)
             raise
 
     def fetch_checked(self, k: int, what: str) -> bytes:

@@ -288,9 +288,13 @@ class Incoming:
         retry: Retry,
         keep: bool,
         lead: Lead | None = None,
+        stopping: threading.Event | None = None,
     ) -> None:
         self.k = k
         self.arriving = arriving
+        # its fetch's generation, set when the supply closes: a part of it is never
+        # queued after that, nor its failure recorded against the shard
+        self.stopping = threading.Event() if stopping is None else stopping
         self.num_samples = layout.num_samples
         self.reader: ShardReader | None = None
         self.fronts: list[tuple[int, int, int]] = []  # (lo, hi, crc) of every front span

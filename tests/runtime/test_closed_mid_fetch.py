@@ -14,7 +14,7 @@ import pytest
 
 from dlop.runtime import Loader, LoaderError
 from tests.faultproxy import FaultProxy
-from tests.runtime.helpers import make_archive
+from tests.runtime.helpers import make_archive, open_remote
 
 SAMPLES = 37  # make_archive's
 
@@ -80,10 +80,12 @@ def test_a_fetch_that_ends_after_close_does_not_hold_it_up_or_fail_the_next_read
             assert still_held, "close() waited for the stalled request"
             # The request ends now, with the next epoch under way or about to be: what
             # its fetch brings in is let go of, and the next epoch fetches it anew.
-            threading.Timer(0.1 * attempt, proxy.let_through).start()
+            release = threading.Timer(0.1 * attempt, proxy.let_through)
+            release.start()
             assert labels(loader) == list(range(SAMPLES))
             assert labels(loader) == list(range(SAMPLES))  # and the one after it
             loader.close()
+            release.join()  # let through before the next attempt holds again
             assert nothing_arriving(cache)
 
 
@@ -121,3 +123,47 @@ def test_a_read_after_close_does_not_wait_for_a_request_stalled_before_it(
         epoch.join(30)  # a hang detector: the stalled range's wait is a minute
         assert got == [list(range(SAMPLES))]
         loader.close()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.1, 0.2])
+def test_a_read_waiting_behind_a_fetch_ahead_at_close_leaves_the_next_read_alone(
+    tmp_path: Path, delay: float
+) -> None:
+    """A batch's read of shard 0 waits behind the fetch ahead of it when close() comes;
+    a read after close asks for shard 0 again. Once the requests go on, the read begun
+    before close ends with the close and never lets go of the next read's shard."""
+    make_archive(tmp_path / "a")
+    with FaultProxy(root=tmp_path) as proxy:
+        supply = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c").supply
+        assert supply.streams_shard(0)
+        proxy.fail("shard-00000", "hold", times=None)
+        got: dict[str, Any] = {}
+
+        def run(name: str, call: Any) -> threading.Thread:
+            def go() -> None:
+                try:
+                    got[name] = call()
+                except Exception as e:
+                    got[name] = e
+
+            t = threading.Thread(target=go, daemon=True)
+            t.start()
+            return t
+
+        ahead = run("ahead", lambda: supply.stream(0, keep=False))
+        asked(proxy, "shard-00000")
+        before = run("before", lambda: supply.load(0))
+        time.sleep(0.2)  # (waiting behind the fetch ahead, or about to)
+        supply.close()
+        supply.ask([0])  # the next read
+        time.sleep(delay)
+        proxy.let_through()
+        reader = supply.shard(0)
+        ahead.join(30)
+        before.join(30)
+        assert isinstance(got["before"], LoaderError), got["before"]
+        supply.check([0])
+        assert supply.mapping(0) is not None and supply.mapping(0)[0] is reader  # type: ignore[index]
+        supply.release([0])
+        supply.close()
+    assert nothing_arriving(tmp_path / "c")
