@@ -57,6 +57,15 @@ def closed_mid_fetch(proxy: FaultProxy, loader: Loader) -> None:
     assert isinstance(got[0], LoaderError), got[0]
 
 
+def closed_while_hung(tmp_path: Path, proxy: FaultProxy, requests: int) -> Loader:
+    """A Loader of ``tmp_path / "a"``, closed while its first batch waits for shard 0,
+    whose first ``requests`` requests are never answered."""
+    proxy.fail("shard-00000", "hang", times=requests)
+    loader = Loader(proxy.url + "/a", 4, shuffle=False, cache_dir=str(tmp_path / "c"))
+    closed_mid_fetch(proxy, loader)
+    return loader
+
+
 def nothing_arriving(cache: Path) -> bool:
     return not [p for p in cache.rglob("*") if ".tmp-" in p.name]
 
@@ -89,40 +98,31 @@ def test_a_fetch_that_ends_after_close_does_not_hold_it_up_or_fail_the_next_read
             assert nothing_arriving(cache)
 
 
-def test_a_fetch_that_fails_after_close_is_not_the_next_reads_failure(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("read_timeout", "requests"),
+    [("2", 2), ("3600", 1)],
+    ids=["fails with the close after it", "waits for a range close stopped"],
+)
+def test_a_fetch_stalled_at_close_neither_fails_nor_holds_up_the_next_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read_timeout: str, requests: int
 ) -> None:
-    # Shard 0's first two requests never answer: the one under way at close, and the
-    # one its fetch makes after it (its header, read itself once close stopped the
-    # range it was waiting for). That fetch then fails with the close, after it.
-    monkeypatch.setenv("DLOP_READ_TIMEOUT", "2")
+    # Shard 0's first request (a range asked for before its header) never answers.
+    # - With a second one too (its header, which the fetch reads itself once close
+    #   stopped that range) and a 2 s read timeout, the fetch fails with the close
+    #   after it: no failure of the shard.
+    # - Alone, with reads that wait an hour for a byte: the fetch waits for that range
+    #   no longer once close stopped it (else a minute), nor does the next read.
+    monkeypatch.setenv("DLOP_READ_TIMEOUT", read_timeout)
     make_archive(tmp_path / "a")
     with FaultProxy(root=tmp_path) as proxy:
-        proxy.fail("shard-00000", "hang", times=2)
-        loader = Loader(proxy.url + "/a", 4, shuffle=False, cache_dir=str(tmp_path / "c"))
-        closed_mid_fetch(proxy, loader)
-        assert labels(loader) == list(range(SAMPLES))
-        loader.close()
-    assert nothing_arriving(tmp_path / "c")
-
-
-def test_a_read_after_close_does_not_wait_for_a_request_stalled_before_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Shard 0's first request never answers, and reads wait an hour for a byte: the
-    # fetch begun before close waits for that range no longer once close stopped it.
-    monkeypatch.setenv("DLOP_READ_TIMEOUT", "3600")
-    make_archive(tmp_path / "a")
-    with FaultProxy(root=tmp_path) as proxy:
-        proxy.fail("shard-00000", "hang")
-        loader = Loader(proxy.url + "/a", 4, shuffle=False, cache_dir=str(tmp_path / "c"))
-        closed_mid_fetch(proxy, loader)
+        loader = closed_while_hung(tmp_path, proxy, requests)
         got: list[Any] = []
         epoch = threading.Thread(target=lambda: got.append(labels(loader)), daemon=True)
         epoch.start()
-        epoch.join(30)  # a hang detector: the stalled range's wait is a minute
+        epoch.join(30)  # a hang detector
         assert got == [list(range(SAMPLES))]
         loader.close()
+    assert nothing_arriving(tmp_path / "c")
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.1, 0.2])

@@ -16,7 +16,7 @@ import torch
 from dlop.formats import ArchiveWriter, Field, ShardReader
 from dlop.formats.constants import CRC_PIECE_BYTES
 from dlop.formats.storage import Retry
-from dlop.runtime import Loader, LoaderError, open_archive
+from dlop.runtime import Archive, Loader, LoaderError, open_archive
 from dlop.runtime.storage.cache import Arriving
 from dlop.runtime.storage.remote import HEAD_BYTES
 from dlop.runtime.storage.streamed import LATER, Incoming, part_pieces
@@ -226,13 +226,21 @@ def test_a_part_never_verified_fails_its_batches_and_caches_nothing(
         assert not [p for p in (tmp_path / "c").rglob("*") if ".tmp-" in p.name]
 
 
+HELD_SETTINGS = {"batch_size": 8, "shuffle": False, "prefetch": 1}
+
+
+def a_part_held(site: Path, tmp_path: Path, proxy: FaultProxy) -> tuple[Archive, Loader]:
+    """The served archive and a Loader of it whose shard 0 has a part held back (from
+    its wave field's third piece)."""
+    proxy.fail("shard-00000", "hold", at=data_at(site, "wave") + 2 * CRC_PIECE_BYTES)
+    remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
+    return remote, Loader(remote, **HELD_SETTINGS)
+
+
 def test_closing_while_a_shard_arrives_leaves_nothing_behind(site: Path, tmp_path: Path) -> None:
-    held = data_at(site, "wave") + 2 * CRC_PIECE_BYTES
-    settings = {"batch_size": 8, "shuffle": False, "prefetch": 1}
+    settings = HELD_SETTINGS
     with FaultProxy(root=site) as proxy:
-        proxy.fail("shard-00000", "hold", at=held)
-        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
-        loader = Loader(remote, **settings)
+        remote, loader = a_part_held(site, tmp_path, proxy)
         next(iter(loader))
         # the held part ends while close waits for its thread (a second at most)
         threading.Timer(0.5, proxy.let_through).start()
@@ -250,12 +258,9 @@ def test_a_part_that_comes_in_after_close_is_not_the_next_reads_failure(
     """close() leaves a part stuck in its request to itself; the bytes it brings later
     are refused by their shard (failed by the close), and that refusal is no failure of
     the shard: read again, the supply fetches it anew."""
-    held = data_at(site, "wave") + 2 * CRC_PIECE_BYTES
-    settings = {"batch_size": 8, "shuffle": False, "prefetch": 1}
+    settings = HELD_SETTINGS
     with FaultProxy(root=site) as proxy:
-        proxy.fail("shard-00000", "hold", at=held)
-        remote = open_remote(proxy.url + "/a", cache_dir=tmp_path / "c", retry=PARTS)
-        loader = Loader(remote, **settings)
+        remote, loader = a_part_held(site, tmp_path, proxy)
         before = set(threading.enumerate())
         next(iter(loader))
         parts = [t for t in threading.enumerate() if t.name == "dlop-part" and t not in before]
