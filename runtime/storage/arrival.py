@@ -48,24 +48,18 @@ from .streamed import (
 )
 
 
-class SupplyClosed(LoaderError):
-    """What a batch, a fetch or a retry of a closed supply gets: the supply's own doing,
-    not a failure of the shard (recorded only while close() runs, which then forgets
-    it: RemoteSupply.note_failure)."""
-
-
-def closed(url: str) -> SupplyClosed:
-    return SupplyClosed(f"{url}: the supply was closed")
+def closed(url: str) -> LoaderError:
+    """What a batch, a fetch or a retry of a closed supply gets."""
+    return LoaderError(f"{url}: the supply was closed")
 
 
 class ArrivalHost(Holder, Protocol):
     """What streamed arrival uses of the supply besides ``Holder``: its storage and
-    retries, whether it is closing, who hears of a dropped shard, and how a shard
+    retries, its generation, who hears of a dropped shard, and how a shard
     is kept open (and recorded open or closed: ``open`` changes only through these)."""
 
     retry: Retry
     client: Callable[[], Storage]
-    closing: bool
     stopping: threading.Event  # set by close(): the fetches begun before it are stale
     dropped: Callable[[int], None] | None
     starts: np.ndarray
@@ -77,9 +71,7 @@ class ArrivalHost(Holder, Protocol):
 
     def set_closed(self, k: int) -> tuple[ShardReader, Held] | None: ...
 
-    def opened(
-        self, k: int, held: Held, what: str, stopping: threading.Event | None = None
-    ) -> ShardReader: ...
+    def opened(self, k: int, held: Held, what: str, stopping: threading.Event) -> ShardReader: ...
 
     def failure(self, k: int) -> BaseException: ...
 
@@ -104,8 +96,8 @@ class Arrivals:
         its front verified. ``keep``: held for batches (waits for the fetch lock and
         room), else fetched ahead only: None when another process fetches it or the
         budget has no room now. ``stopping``: the generation of the read that asks
-        (SupplyClosed once the supply closed since: what a read begun before close()
-        brings in is never a later read's)."""
+        (refused once the supply closed since: what a read begun before close() brings
+        in is never a later read's)."""
         while True:
             with self.host.lock:
                 if stopping.is_set():
@@ -246,7 +238,7 @@ class Arrivals:
         """Puts ``jobs`` (rank, job) of a fetch of generation ``stopping`` in the fetch
         queue; False when the supply closes or closed since."""
         with self.host.lock:
-            if self.host.closing or stopping.is_set():  # close() fails what is arriving
+            if stopping.is_set():  # closing or closed: close() fails what is arriving
                 return False
             if self.parts is None:
                 self.parts = PartQueue(self.host.retry.parallel_parts)
@@ -370,8 +362,8 @@ class Arrivals:
         its first failure (``note_failure``), returned. Its mapping stays valid for views
         still using it (the file is removed). Once it has failed, a later failure (a part
         that was still in a network read: its write refused) is its echo, not recorded:
-        close() fails what is arriving and then forgets the failures, and an echo
-        recorded after that would fail the shard's next read."""
+        recorded after the failures were forgotten (a new epoch), it would fail the
+        shard's next fetch."""
         with inc.cond:
             if inc.error is not None:
                 return inc.error

@@ -30,5 +30,5 @@ class Holder(Protocol):
     ahead_errors: dict[int, Exception]
 
     def note_failure(
-        self, k: int, e: BaseException, stopping: threading.Event | None = None
+        self, k: int, e: BaseException, stopping: threading.Event
     ) -> BaseException: ...

@@ -62,7 +62,7 @@ from dlop.formats.transcode import needs_transcode, raw_fields, transcode_bytes
 
 from ..errors import LoaderError, ShardChangedError, UsageError, kept
 from .ahead import FetchAhead
-from .arrival import Arrivals, SupplyClosed, closed
+from .arrival import Arrivals, closed
 from .cache import CacheDir, Held, close_quietly, locked
 from .cache_folder import BUDGET_LOCK
 from .pool import DaemonPool
@@ -179,7 +179,6 @@ class RemoteSupply(ShardSupply):
         self.fetch_ahead = FetchAhead(self, self.ahead_shards)
         self.ahead_errors: dict[int, Exception] = {}  # failed fetches, attempts spent
         self.arrive = Arrivals(self)  # raw shards arriving part by part (runtime.storage.arrival)
-        self.closing = False
         self.closer: int | None = None  # the thread running close(), while it runs
 
     def forget_parent(self) -> None:
@@ -387,8 +386,7 @@ class RemoteSupply(ShardSupply):
                 fetched = functools.partial(self.fetch, k, what, stopping)
                 held = self.cache.get(path, fetched, self.to_raw(path))
                 got = self.opened(k, held, what, stopping)
-            if stopping.is_set():  # the supply closed meanwhile: not kept
-                self.discard(k, got)
+            if stopping.is_set():  # closed meanwhile: close() let go of what it got
                 raise closed(self.url)
             return got
         finally:
@@ -396,23 +394,10 @@ class RemoteSupply(ShardSupply):
                 if not stopping.is_set():  # else close() took it: a read since asks anew
                     self.pending.pop(k, None)
 
-    def discard(self, k: int, reader: ShardReader) -> None:
-        """Lets go of shard ``k`` (mapped as ``reader``) that a fetch begun before close()
-        brought in after close() had let go of everything."""
-        with self.lock:
-            got = self.open.get(k)
-            if got is not None and got[0] is reader:
-                self.drop(k)
-            inc = self.arrive.streams.get(k)
-        if inc is not None and inc.reader is reader:
-            self.arrive.failed(inc, closed(self.url))
-
-    def opened(
-        self, k: int, held: Held, what: str, stopping: threading.Event | None = None
-    ) -> ShardReader:
+    def opened(self, k: int, held: Held, what: str, stopping: threading.Event) -> ShardReader:
         """Maps the cached shard ``k`` this process holds, and keeps it open; let go of
-        (SupplyClosed) when ``stopping``, the generation of the fetch that brought it
-        in, has ended: what a close() left behind is never taken up by a read after it."""
+        when ``stopping``, the generation of the fetch that brought it in, has ended:
+        what a close() left behind is never taken up by a read after it."""
         try:
             reader = self.map(k, held)
         except FormatError as e:
@@ -423,7 +408,7 @@ class RemoteSupply(ShardSupply):
             ) from None
         self.sizes.learn(k, held.bytes)
         with self.lock:
-            stale = stopping is not None and stopping.is_set()
+            stale = stopping.is_set()
             if not stale:
                 self.keep_open(k, reader, held, whole=True)
         if stale:
@@ -489,22 +474,19 @@ class RemoteSupply(ShardSupply):
         self.mine()  # a forked child's first epoch: its own state takes the order
         self.arrive.read_order(batches)
 
-    def note_failure(
-        self, k: int, e: BaseException, stopping: threading.Event | None = None
-    ) -> BaseException:
+    def note_failure(self, k: int, e: BaseException, stopping: threading.Event) -> BaseException:
         """Records that shard ``k`` failed (its batches raise it until the next epoch), by
-        a fetch of generation ``stopping`` (None: the current one). Recorded only for
-        the current generation, and the supply's closing only while close() runs (which
-        forgets it when done): a fetch begun before close() that fails after it, with
-        the close or otherwise, leaves the shard to be fetched afresh."""
+        a fetch of generation ``stopping``; recorded only for the current generation
+        (what close() records, it forgets when done): a fetch begun before close() that
+        fails after it, with the close or otherwise, leaves the shard to be fetched
+        afresh."""
         kept(e)
         with self.lock:  # the first failure is the one to report (a later one may be its echo)
-            stale = stopping is not None and stopping is not self.stopping
-            if stale or (isinstance(e, SupplyClosed) and not self.closing):
+            if stopping is not self.stopping:
                 return self.ahead_errors.get(k, e)
             return self.ahead_errors.setdefault(k, e)  # type: ignore[arg-type]
 
-    def fetch(self, k: int, what: str, stopping: threading.Event | None = None) -> bytes:
+    def fetch(self, k: int, what: str, stopping: threading.Event) -> bytes:
         """Shard k's verified bytes; a failure is noted under its fetch lock and raised
         again, not retried, by every read of it until forget_failures (unless the fetch,
         of generation ``stopping``, began before a close: ``note_failure``)."""
@@ -606,7 +588,6 @@ class RemoteSupply(ShardSupply):
 
     def _close(self) -> None:
         with self.lock:
-            self.closing = True
             for k in list(self.open):
                 self.drop(k)
             pools = [p for p in (self.pool, self.fetch_ahead.stop()) if p is not None]
@@ -642,7 +623,6 @@ class RemoteSupply(ShardSupply):
                     self.arrive.failed(inc, closed(self.url))
             with self.lock:
                 self.forget_errors()
-                self.closing = False
                 self.next_generation()  # read again, it fetches and retries anew
         with self.lock:  # taken under the lock: two closes at once close it once
             in_use, self.in_use = self.in_use, -1
