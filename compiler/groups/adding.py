@@ -271,7 +271,7 @@ def _add(
     else:  # a new revision: past every revision any file of the group was written under
         revision, start = _next_revision(store, name, existing, journal), 0
 
-    engine = _Engine(options, out)
+    engine = _Engine(options, out, progress)
     try:
         if specs is None:
             specs = _probe(engine, out, pickled, given, options, index, name)
@@ -457,8 +457,9 @@ def _say(progress: bool, message: str) -> None:
 class _Engine:
     """Where the user's function runs: a local pool of worker processes, or Dask."""
 
-    def __init__(self, options: dict[str, Any], out: str) -> None:
+    def __init__(self, options: dict[str, Any], out: str, progress: bool) -> None:
         self.out = out
+        self.progress = progress
         self.dask = options["dask"]
         self.workers = local_workers(options["workers"])
         self.stack = contextlib.ExitStack()
@@ -470,7 +471,7 @@ class _Engine:
             if self.client is None:
                 from ..run.dask_engine import dask_client
 
-                self.client = self.stack.enter_context(dask_client(self.dask))
+                self.client = self.stack.enter_context(dask_client(self.dask, self.progress))
         elif self.pool is None:
             self.pool = concurrent.futures.ProcessPoolExecutor(
                 self.workers,

@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -34,12 +35,15 @@ UNITS_PER_WORKER = 2  # units in flight per worker, besides one more each to sta
 
 
 @contextlib.contextmanager
-def dask_client(address: str) -> Iterator[Any]:
+def dask_client(address: str, progress: bool) -> Iterator[Any]:
     """A client of the cluster at ``address`` (``local:N``: a LocalCluster of N processes,
-    started here and stopped when the block ends)."""
+    started here and stopped when the block ends; with ``progress``, on a terminal, its
+    dashboard's address is printed)."""
     with needs_extra("dask", "--dask"):
         import distributed as dd
     with _client(dd, address) as client:
+        if progress and address.startswith("local:") and sys.stderr.isatty():
+            print(f"dlop-compile: Dask dashboard: {client.dashboard_link}", file=sys.stderr)
         yield client
 
 
@@ -134,7 +138,9 @@ def _client(distributed: Any, address: str) -> Iterator[Any]:
             threads_per_worker=1,
             processes=True,
             host="127.0.0.1",
-            dashboard_address=None,
+            # a free port on loopback: a second compile's cluster, or a notebook's on
+            # 8787, takes none from another (nor warns that it moved)
+            dashboard_address="127.0.0.1:0",
             silence_logs=logging.ERROR,
         )
     with cluster:

@@ -407,7 +407,7 @@ def run_compile(
     # module a user's Dataset was loaded from); made before OUT is taken: what cannot reach
     # the cluster is refused then
     pickled = by_value(run.work())
-    with dask_client(dask) as client:
+    with dask_client(dask, run.progress) as client:
         # a unit whose task killed every worker it ran on runs here, one item at a time
         # where its items die (_results), so the item that kills is recorded
         here = functools.partial(_local_records, run, workers=2, pickled=pickled)

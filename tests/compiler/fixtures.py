@@ -147,7 +147,7 @@ def dask_cluster(workers: int = 1) -> Iterator[str]:
         threads_per_worker=1,
         processes=True,
         host="127.0.0.1",
-        dashboard_address=None,
+        dashboard_address="127.0.0.1:0",  # a free port: test processes run side by side
         silence_logs=logging.ERROR,
     ) as cluster:
         yield str(cluster.scheduler_address)

@@ -4,6 +4,7 @@ in the middle of a unit."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,36 @@ def test_ctrl_c_while_the_cluster_starts_ends_cleanly(
         )
         assert proc.returncode == 130, proc.stderr
         assert "Traceback" not in proc.stderr and "AssertionError" not in proc.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_local_cluster_takes_a_free_dashboard_port_and_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another cluster's dashboard on 8787 (Dask's default port) costs a local compile's
+    cluster nothing, not even a warning (the suite runs with warnings as errors); on a
+    terminal the compile prints where its dashboard is."""
+    import socket
+
+    from dlop.compiler.run.dask_engine import dask_client
+
+    held = socket.socket()
+    try:
+        held.bind(("127.0.0.1", 8787))
+        held.listen()
+    except OSError:  # taken already: by another process, which holds it as well
+        pass
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    try:
+        with dask_client("local:1", True) as client:
+            link = client.dashboard_link
+            assert client.submit(sum, [1, 2]).result() == 3
+    finally:
+        held.close()
+    assert f"Dask dashboard: {link}" in terminal.getvalue()
+    assert link.startswith("http://127.0.0.1:") and ":8787/" not in link
