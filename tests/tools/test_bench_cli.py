@@ -69,6 +69,15 @@ def test_only_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> 
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_a_workdir_that_cannot_be_made_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        cli.main(["--only", "append", "--workdir", str(tmp_path / "file" / "work")])
+    assert f"--workdir {tmp_path / 'file' / 'work'}: Not a directory" in capsys.readouterr().err
+
+
 def test_the_startup_section_measures_both_tools(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert cli.main(["--only", "startup", "--repeats", "1", "--out", str(out)]) == 0
@@ -146,9 +155,8 @@ def test_the_small_section_reads_many_shards_and_few_against_a_bare_gather(
 def test_the_append_section_times_an_append_against_the_whole_compile(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["--only", "append", "--append-clips", "100", "--append-times", "2", "--repeats", "1"]
-    argv += ["--workers", "1", "--out", str(out), "--workdir", str(tmp_path / "work")]
-    (tmp_path / "work").mkdir()
-    assert cli.main(argv) == 0
+    argv += ["--workers", "1", "--out", str(out), "--workdir", str(tmp_path / "w" / "work")]
+    assert cli.main(argv) == 0  # a --workdir not there yet is made, as --out is
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert len(rows) == 4  # the corpus, then its clips listed twice
     for (whole, append), clips in zip((rows[:2], rows[2:]), (100, 200), strict=True):
@@ -165,7 +173,6 @@ def test_the_append_section_times_an_append_against_the_whole_compile(tmp_path: 
 def test_the_fields_section_times_a_group_against_one_archive(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["--only", "fields", "--clips", "64", "--repeats", "1", "--workers", "1"]
-    (tmp_path / "work").mkdir()
     assert cli.main([*argv, "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
     one, group = json.loads((out / "results.json").read_text())["rows"]
     assert one["pipeline"] == "Loader, both fields in one archive" and one["samples_per_s"] > 0
@@ -180,7 +187,6 @@ def test_the_resume_section_times_a_continued_epoch_against_a_fresh_start(
 ) -> None:
     out = tmp_path / "out"
     argv = ["--only", "resume", "--resume-samples", "20000", "--repeats", "1"]
-    (tmp_path / "work").mkdir()
     assert cli.main([*argv, "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert len(rows) == 4  # two moves, fresh and continued each
@@ -194,7 +200,6 @@ def test_the_resume_section_times_a_continued_epoch_against_a_fresh_start(
 def test_the_budget_section_sets_dlop_beside_lhotse_and_a_bare_gather(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["--only", "budget", "--budget-utts", "120", "--repeats", "1", "--workers", "1"]
-    (tmp_path / "work").mkdir()
     assert cli.main([*argv, "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     dlop, lhotse = rows[:2]

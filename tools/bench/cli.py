@@ -255,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     for module in ("soundfile", "av", "PIL", "matplotlib"):
         if importlib.util.find_spec(module) is None:
             parser.error(str(MissingExtraError("benchmarking", module, "compile")))
+    if args.workdir is not None:  # made, as --out is
+        try:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--workdir {args.workdir}: {e.strerror or e}")
     rows: list[Row] = []
     started = time.time()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
