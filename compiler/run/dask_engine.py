@@ -41,9 +41,7 @@ def dask_client(address: str, progress: bool) -> Iterator[Any]:
     dashboard's address is printed)."""
     with needs_extra("dask", "--dask"):
         import distributed as dd
-    with _client(dd, address) as client:
-        if progress and address.startswith("local:") and sys.stderr.isatty():
-            print(f"dlop-compile: Dask dashboard: {client.dashboard_link}", file=sys.stderr)
+    with _client(dd, address, progress) as client:
         yield client
 
 
@@ -109,7 +107,7 @@ def dask_records(
 
 
 @contextlib.contextmanager
-def _client(distributed: Any, address: str) -> Iterator[Any]:
+def _client(distributed: Any, address: str, progress: bool) -> Iterator[Any]:
     if not address.startswith("local:"):
         connect, read = urls.timeouts()  # those of every network wait (formats.urls)
         try:
@@ -147,6 +145,8 @@ def _client(distributed: Any, address: str) -> Iterator[Any]:
         if interrupted:
             raise KeyboardInterrupt
         with distributed.Client(cluster) as client:
+            if progress and sys.stderr.isatty():
+                print(f"dlop-compile: Dask dashboard: {client.dashboard_link}", file=sys.stderr)
             yield client
 
 

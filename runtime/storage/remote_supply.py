@@ -462,10 +462,8 @@ class RemoteSupply(ShardSupply):
         served once whole and matching the index's CRC."""
         return not self.transcode and self.index.shards[k].header_crc32 is not None
 
-    def stream(
-        self, k: int, keep: bool, stopping: threading.Event | None = None
-    ) -> ShardReader | None:
-        return self.arrive.stream(k, keep, self.stopping if stopping is None else stopping)
+    def stream(self, k: int, keep: bool, stopping: threading.Event) -> ShardReader | None:
+        return self.arrive.stream(k, keep, stopping)
 
     def ready(self, k: int, samples: np.ndarray, names: Sequence[str] | None = None) -> bool:
         return self.arrive.ready(k, samples, names)

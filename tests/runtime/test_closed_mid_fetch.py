@@ -150,7 +150,7 @@ def test_a_read_waiting_behind_a_fetch_ahead_at_close_leaves_the_next_read_alone
             t.start()
             return t
 
-        ahead = run("ahead", lambda: supply.stream(0, keep=False))
+        ahead = run("ahead", lambda: supply.stream(0, False, supply.stopping))
         asked(proxy, "shard-00000")
         before = run("before", lambda: supply.load(0))
         time.sleep(0.2)  # (waiting behind the fetch ahead, or about to)
