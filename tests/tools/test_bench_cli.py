@@ -166,7 +166,10 @@ def test_the_append_section_times_an_append_against_the_whole_compile(tmp_path: 
         share = append["extra"]["append_vs_whole"]
         assert 0 < share["range"][0] <= share["median"] <= share["range"][1]
         assert append["extra"]["inputs_share"] == 0.01
-        assert len(append["extra"]["seconds"]["append"]) == 3  # at least three rounds
+        fresh = append["extra"]["append_vs_fresh"]  # against a compile of the 1% alone
+        assert 0 < fresh["range"][0] <= fresh["median"] <= fresh["range"][1]
+        seconds = append["extra"]["seconds"]
+        assert [len(seconds[k]) for k in ("whole", "append", "listing", "fresh")] == [3] * 4
     assert "(100 listed 2 times)" in rows[2]["workload"]
 
 

@@ -9,16 +9,20 @@ compiled once (untimed). Then, in interleaved rounds, with the same recipe and w
 - ``append``: ``--append`` of the whole corpus into a copy of the 99% archive (the copy
   made before the clock starts), which compiles the 1% it does not hold;
 - ``listing``: the same ``--append`` once more, when the archive holds every input: what
-  an append costs before it compiles anything.
+  an append costs before it compiles anything;
+- ``fresh``: a compile of the appended 1% alone (a corpus of those clips only) into an
+  empty folder: what those inputs cost with no archive to add to.
 
 ``append_vs_whole`` is the append's time over the whole compile's, the median of the
 rounds' ratios with their range; 0.01 would be an append that costs exactly its share
-of inputs. What is left above that is, first, what every append pays whatever it adds:
-starting and ending its worker processes and writing its index, tens of milliseconds,
-which is most of an ESC-50-sized compile's 1%; and then what grows with the corpus, not
-with what is appended: listing it (an append must see every input to know which are new:
-a CSV row and a key each) and reading the archive's input identities (``listing_vs_whole``).
-The larger corpus shows what is left once the first is small beside the 1%.
+of inputs. What is left above that is, first, what every compile pays whatever it
+compiles: starting and ending its worker processes and writing its index, about a tenth
+of a second, which is most of an ESC-50-sized compile's 1%; ``append_vs_fresh`` (the
+append over the compile of its 1% alone) shows that an append pays no more of it than a
+compile of its inputs does. Then what grows with the corpus, not with what is appended:
+listing it (an append must see every input to know which are new: a CSV row and a key
+each) and reading the archive's input identities (``listing_vs_whole``). The larger
+corpus shows what is left once the first is small beside the 1%.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dlop.compiler import compile_corpus
 from dlop.compiler.recipe import build_recipe
 
 from .common import Row
-from .corpus import _write_csv, esc50_wavs, replicate
+from .corpus import _write_csv, esc50_wavs, replicate, subset
 
 SHARE = 0.01  # of the corpus appended
 SECONDS = 5.0  # each clip's length
@@ -68,12 +72,14 @@ def _scale(work: Path, corpus: Path, note: str, args: argparse.Namespace) -> lis
     recipe = build_recipe({"source": str(corpus), "duration": SECONDS})
     kept = len(rows) - max(1, round(len(rows) * SHARE))
     options = {"workers": workers, "progress": False, "overwrite": True}
+    new = subset(corpus, work / "new", rows[kept:])  # the appended clips alone
+    fresh = build_recipe({"source": str(new), "duration": SECONDS})
     _write_csv(corpus, rows[:kept])
     try:
         compile_corpus(recipe, work / "part", **options)
     finally:
         _write_csv(corpus, rows)
-    took: dict[str, list[float]] = {"whole": [], "append": [], "listing": []}
+    took: dict[str, list[float]] = {"whole": [], "append": [], "listing": [], "fresh": []}
     for _ in range(rounds):
         shutil.rmtree(work / "whole", ignore_errors=True)
         t0 = time.perf_counter()
@@ -88,7 +94,12 @@ def _scale(work: Path, corpus: Path, note: str, args: argparse.Namespace) -> lis
         with contextlib.redirect_stderr(io.StringIO()):
             compile_corpus(recipe, work / "grown", workers=workers, progress=False, append=True)
         took["listing"].append(time.perf_counter() - t0)
+        shutil.rmtree(work / "fresh", ignore_errors=True)
+        t0 = time.perf_counter()
+        compile_corpus(fresh, work / "fresh", **options)
+        took["fresh"].append(time.perf_counter() - t0)
     ratios = [a / w for a, w in zip(took["append"], took["whole"], strict=True)]
+    by_fresh = [a / f for a, f in zip(took["append"], took["fresh"], strict=True)]
     workload = (
         f"grow an archive: {len(rows)} ESC-50-shaped clips of {SECONDS:g} s{note}, "
         f"{workers} workers"
@@ -109,6 +120,12 @@ def _scale(work: Path, corpus: Path, note: str, args: argparse.Namespace) -> lis
             "range": [round(min(ratios), 4), round(max(ratios), 4)],
         },
         "inputs_share": round(added / len(rows), 4),
+        # the append over a compile of its inputs alone: what adding to an archive costs
+        # beyond compiling what is added (listing the corpus, reading the archive)
+        "append_vs_fresh": {
+            "median": round(statistics.median(by_fresh), 3),
+            "range": [round(min(by_fresh), 3), round(max(by_fresh), 3)],
+        },
         # what an append pays before it compiles anything (listing the corpus, reading the
         # archive's identities), over the whole compile: the part of append_vs_whole that
         # grows with the corpus, not with what is appended

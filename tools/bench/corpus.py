@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,6 +50,17 @@ def replicate(src: Path, dst: Path, times: int) -> Path:
             if not target.exists():
                 os.link(src / "audio" / r["filename"], target)
             rows.append((name, r["fold"], r["target"], r["category"]))
+    _write_csv(dst, rows)
+    return dst
+
+
+def subset(src: Path, dst: Path, rows: Sequence[tuple[str, str, str, str]]) -> Path:
+    """A corpus of ``rows`` of src's CSV alone (filename, fold, target, category), its
+    files hard links to src's, made afresh."""
+    shutil.rmtree(dst, ignore_errors=True)
+    (dst / "audio").mkdir(parents=True)
+    for row in rows:
+        os.link(src / "audio" / row[0], dst / "audio" / row[0])
     _write_csv(dst, rows)
     return dst
 
