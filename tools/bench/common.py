@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlop.compiler.run.pipeline import collector_paused
+
 
 @dataclass
 class Row:
@@ -59,13 +61,8 @@ def no_collection() -> Iterator[None]:
     them: a collection costs what the whole heap holds (seconds in a process that has
     run much else, a test run), not what the timed code does."""
     gc.collect()
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
