@@ -316,22 +316,6 @@ def heap_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off for the block: listing a corpus makes a few objects
-    per input (its CSV row's fields, its key, its identity), all alive until the compile
-    ends, and with the collector on every few thousand of them set off a scan of those made
-    before; at 80,000 inputs those scans were a sixth of listing them. A collector the caller
-    turned off stays off."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 @heap_frozen()
 def compile_corpus(
     recipe: Recipe,
@@ -365,20 +349,19 @@ def compile_corpus(
         check_apart(os.fspath(out), recipe)
     # its imports run while the corpus is listed, where the workers will fork from it
     processes.start_fork_server(recipe.source, workers, dask)
-    with collector_paused():
-        corpus = open_corpus(
-            recipe.source,
-            recipe.layout,
-            recipe.media,
-            recipe.images,
-            recipe.masks,
-            **recipe.columns(),
-            storage_options=storage_options,
-            allow_paths=recipe.allow_paths,
-        )
-        if not corpus.items:
-            raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
-        _note_repeats(corpus)
+    corpus = open_corpus(
+        recipe.source,
+        recipe.layout,
+        recipe.media,
+        recipe.images,
+        recipe.masks,
+        **recipe.columns(),
+        storage_options=storage_options,
+        allow_paths=recipe.allow_paths,
+    )
+    if not corpus.items:
+        raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
+    _note_repeats(corpus)
     shape = CorpusShape.of(corpus)
     run = Run(
         recipe,

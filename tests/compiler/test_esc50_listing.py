@@ -4,12 +4,13 @@ and any other CSV (a bad row, an unusual name or file) is listed row by row."""
 
 from __future__ import annotations
 
+import gc
 import random
 from pathlib import Path
 
 import pytest
 
-from dlop.compiler.corpus.layouts import esc50
+from dlop.compiler.corpus.layouts import esc50, open_corpus
 from dlop.compiler.corpus.listing import path_key, plain_csv, plain_names
 from dlop.compiler.corpus.place import LocalPlace
 from dlop.compiler.errors import CompileError
@@ -136,3 +137,33 @@ def test_plain_names_are_their_own_keys() -> None:
             assert path_key(f"audio/{name}") == f"audio/{name}", name
     assert len(said) > 100
     assert plain_names(said) and not plain_names([*said, ".x"]) and not plain_names([""])
+
+
+def test_the_collector_is_off_while_a_corpus_is_listed_and_back_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "esc50.csv").write_text(
+        "filename,fold,target,category\na.wav,1,0,dog\nb.wav,2,1,rooster\n"
+    )
+    seen: list[bool] = []  # whether the collector ran as the CSV was read
+    read = esc50.plain_csv
+
+    def reading(raw: bytes) -> tuple[list[str], list[list[str]]] | None:
+        seen.append(gc.isenabled())
+        return read(raw)
+
+    monkeypatch.setattr(esc50, "plain_csv", reading)
+    assert len(open_corpus(str(tmp_path), "esc50").items) == 2
+    assert seen == [False] and gc.isenabled()
+    (tmp_path / "meta" / "esc50.csv").unlink()  # a listing that fails: it is back all the same
+    with pytest.raises(CompileError, match=r"needs meta/esc50\.csv"):
+        open_corpus(str(tmp_path), "esc50")
+    assert gc.isenabled()
+    gc.disable()  # a caller that turned it off keeps it off
+    try:
+        with pytest.raises(CompileError):
+            open_corpus(str(tmp_path), "esc50")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

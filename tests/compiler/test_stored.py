@@ -7,13 +7,12 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from dlop.compiler.errors import CompileError, InputError
+from dlop.compiler.errors import InputError
 from dlop.compiler.recipe import build_recipe
 from dlop.compiler.run import pipeline, processes
 from dlop.compiler.run.items import CorpusShape, _stored, _stored_together
@@ -104,38 +103,6 @@ def test_compile_leaves_the_callers_heap_as_it_found_it(tmp_path: Path) -> None:
         assert gc.get_freeze_count() > 0 and not _collected(marker)
     finally:
         gc.unfreeze()
-
-
-def test_the_collector_is_off_while_the_corpus_is_listed_and_back_after(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    corpus = esc50_corpus(tmp_path / "esc", [("wav", 22050, 1)] * 2)
-    recipe = build_recipe({"preset": "librosa", "source": str(corpus), "layout": "esc50"})
-    listing = pipeline.open_corpus
-    seen: list[bool] = []  # whether the collector ran, as the corpus was listed
-    empty = [False]
-
-    def listed(*args: Any, **kwargs: Any) -> Any:
-        seen.append(gc.isenabled())
-        found = listing(*args, **kwargs)
-        if empty[0]:
-            found.items = []
-        return found
-
-    monkeypatch.setattr(pipeline, "open_corpus", listed)
-    pipeline.compile_corpus(recipe, tmp_path / "a", workers=1, progress=False)
-    assert seen == [False] and gc.isenabled()
-    empty[0] = True  # a listing that fails: the collector is back all the same
-    with pytest.raises(CompileError, match="no inputs found"):
-        pipeline.compile_corpus(recipe, tmp_path / "b", workers=1, progress=False)
-    assert seen == [False, False] and gc.isenabled()
-    empty[0] = False
-    gc.disable()  # a caller that turned it off keeps it off
-    try:
-        pipeline.compile_corpus(recipe, tmp_path / "c", workers=1, progress=False)
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
 
 
 def test_pool_workers_start_with_their_heap_frozen(tmp_path: Path) -> None:

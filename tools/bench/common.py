@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlop.compiler.run.pipeline import collector_paused
+from dlop.compiler.corpus.listing import collector_paused
 
 
 @dataclass

@@ -43,7 +43,7 @@ from types import ModuleType
 from typing import Any
 
 from ...errors import CompileError
-from ..listing import MEDIA
+from ..listing import MEDIA, collector_paused
 from ..place import Place, forget_real_paths, is_archive, source_place
 from ..records import Corpus, Item, ListOptions, Picked
 
@@ -223,7 +223,8 @@ def open_corpus(
         keep_columns=keep_columns,
         allow_paths=allow_paths,
     )
-    corpus = chosen.list(path, options)
+    with collector_paused():
+        corpus = chosen.list(path, options)
     corpus.storage_options = dict(storage_options or {})
     corpus.allow_paths = allow_paths
     return corpus
