@@ -12,7 +12,8 @@ index reads it to its end while an append runs.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,38 @@ def listing_identities(texts: Sequence[str], repeats: list[int] | None = None) -
 
 
 @dataclass(frozen=True)
+class Listed:
+    """The listing file a compile read its inputs from, where its layout lists from one
+    whose appended lines add inputs after the others (ESC-50's CSV): its length, its
+    SHA-256 and how many inputs it named. An append whose listing file starts with those
+    bytes lists the lines after them only (SPEC.md §6.2)."""
+
+    size: int
+    sha256: str
+    inputs: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes": self.size, "sha256": self.sha256, "inputs": self.inputs}
+
+
+MAX_LISTING_BYTES = 1 << 48  # a listing file's length as a generation may record it
+
+
+def listed_file(raw: bytes, inputs: int) -> Listed | None:
+    """The Listed record of a listing file's bytes that named ``inputs`` inputs; None when
+    its last line has no end (a line appended to it would lengthen that one)."""
+    if not raw.endswith(b"\n"):
+        return None
+    return Listed(len(raw), hashlib.sha256(raw).hexdigest(), inputs)
+
+
+@dataclass(frozen=True)
 class Generation:
     """One entry of the index's ``generations``: the shards a compile added (the next
     ``shards`` of the shard list), the samples in them, the inputs it skipped (in
     errors_name(number)), how many inputs it read (their identities in inputs_name(number),
-    with that file's CRC-32), and its work units (numbered after the earlier ones')."""
+    with that file's CRC-32), its work units (numbered after the earlier ones'), and the
+    listing file it listed them from (Listed), where its layout has one."""
 
     shards: int
     num_samples: int
@@ -91,6 +119,7 @@ class Generation:
     inputs_crc32: int
     units: UnitTable | None = None
     created: str = ""
+    listed: Listed | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +129,7 @@ class Generation:
             "inputs": {"count": self.inputs, "crc32": self.inputs_crc32},
             **({} if self.units is None else {"units": self.units.to_json()}),
             "created": self.created,
+            **({} if self.listed is None else {"listing": self.listed.to_json()}),
         }
 
 
@@ -169,7 +199,8 @@ def parse_generations(
         created = entry.get("created", "")
         if not isinstance(created, str) or len(created) > 64:
             raise bad(f"{where}: 'created' is {created!r:.40}, expected a short string")
-        out.append(Generation(count, samples, skipped, n, crc, table, created))
+        listed = _listed(entry.get("listing"), n + sum(g.inputs for g in out), bad, where)
+        out.append(Generation(count, samples, skipped, n, crc, table, created, listed))
         start += count
     if start != len(shards):
         raise bad(f"counts {start} shards in all, the index lists {len(shards)}")
@@ -181,6 +212,32 @@ def parse_generations(
             f"generation's, in {ERRORS_NAME}) is {top_skipped}"
         )
     return tuple(out)
+
+
+def _listed(obj: object, held: int, bad: Callable[[str], FormatError], where: str) -> Listed | None:
+    """A generation's ``listing``, checked: no more inputs than the generations so far
+    hold (every input a listing named is held once its compile ends)."""
+    if obj is None:
+        return None
+    size, digest, inputs = (
+        (obj.get(k) for k in ("bytes", "sha256", "inputs"))
+        if isinstance(obj, dict)
+        else (None,) * 3
+    )
+    if (
+        not is_count(size, MAX_LISTING_BYTES)
+        or not isinstance(digest, str)
+        or not _SHA256.fullmatch(digest)
+        or not is_count(inputs, held)
+    ):
+        raise bad(
+            f"{where}: 'listing' is {obj!r:.120}; expected {{'bytes': 0 ... 2^48, 'sha256': 64 "
+            f"lowercase hex digits, 'inputs': 0 ... {held} (the inputs held so far)}}"
+        )
+    return Listed(size, digest, inputs)
+
+
+_SHA256 = re.compile("[0-9a-f]{64}")
 
 
 def encode_identities(ids: np.ndarray) -> tuple[bytes, int]:

@@ -111,6 +111,8 @@ def archive_summary(reader: ArchiveReader, max_skipped: int = JSON_SKIPPED) -> d
                 "inputs": g.inputs,
                 "skipped": g.skipped,
                 "created": g.created,
+                # the listing file it listed (an append lists the lines after it only)
+                "listing": None if g.listed is None else g.listed.to_json(),
             }
             for g in reader.index.generations
         ],
@@ -185,6 +187,12 @@ def print_info(s: dict[str, Any]) -> None:
                 f"  {g}  {gen['created'] or '-'}  {gen['inputs']} input(s): "
                 f"{gen['num_samples']} samples in {gen['shards']} shard(s), "
                 f"{gen['skipped']} skipped"
+                + (
+                    f"; its listing file: {gen['listing']['inputs']} input(s) in "
+                    f"{gen['listing']['bytes']} bytes"
+                    if gen["listing"]
+                    else ""
+                )
             )
     if s["field_groups"]:
         print(f"field groups {len(s['field_groups'])} (added with add_fields)")

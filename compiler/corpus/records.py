@@ -14,7 +14,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from dlop.formats.generations import listing_identities
+from dlop.formats.generations import Listed, listing_identities
 
 from . import listing
 from .place import Place
@@ -90,6 +90,19 @@ class Corpus:
     # whole listing (a repeat's number counts the inputs before it that the archive holds)
     ids: np.ndarray | None = field(default=None, repr=False, compare=False)
     repeats: list[int] = field(default_factory=list, repr=False, compare=False)
+    # the listing file the inputs were listed from (formats.generations.Listed), where the
+    # layout lists from one whose appended lines add inputs after the others; recorded in
+    # the generation, so that the next append lists the lines after it only
+    listed: Listed | None = None
+    # an append's listing of the lines after the archive's listing file only (Known): that
+    # file's record; its inputs (``prefix`` of them) are not in ``items``, which lists the
+    # ones after them
+    after: Listed | None = None
+
+    @property
+    def prefix(self) -> int:
+        """How many inputs of the listing come before ``items`` (an append's tail listing)."""
+        return 0 if self.after is None else self.after.inputs
 
     def identity_texts(self) -> Iterator[str]:
         """Each input's identity text, in corpus order: a compact listing's keys without
@@ -190,6 +203,22 @@ class ListOptions:
     keep_columns: tuple[str, ...] = ()  # hf: scalar columns carried as fields
     # folders and URL prefixes outside SOURCE the corpus's paths may name (Place.confine)
     allow_paths: tuple[str, ...] = ()
+    # an append's: what the archive says of the listing its last compile read; a layout
+    # that lists from one file may list the lines after it only (Corpus.after)
+    known: Known | None = None
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the archive an append adds to says of the listing its last compile read: the
+    listing file (formats.generations.Listed), the corpus facts (class names...) the
+    archive records, whether any of its generations skipped an input, and its fields'
+    names."""
+
+    listed: Listed
+    metadata: dict[str, Any]
+    skipped: bool
+    fields: tuple[str, ...] = ()
 
 
 def fingerprint(items: Iterable[Item], extra: bytes = b"", root: Place | None = None) -> str:

@@ -234,7 +234,14 @@ def merged(
     )
     samples = sum(s.num_samples for s in shards)
     generation = Generation(
-        len(shards), samples, len(skipped), len(corpus.items), plan.identities[1], units, created
+        len(shards),
+        samples,
+        len(skipped),
+        len(corpus.items),
+        plan.identities[1],
+        units,
+        created,
+        corpus.listed,
     )
     base = plan.base
     if base is None:

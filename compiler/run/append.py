@@ -9,6 +9,11 @@ name the archive uses: the archive's files are never written, and a reader that
 opened its index reads it to its end. The append keeps a copy of the index it
 appends to until it ends (guard.BASE_COPY), so that a --resume appends to the same
 archive whether or not the new index was published before it stopped.
+
+Where the archive's last generation records the listing file it listed (ESC-50's CSV,
+formats.generations.Listed) and that file begins with the same bytes now, the layout
+lists the lines after them only (list_for_append): an append then costs what its new
+inputs cost, however large the archive.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,7 +44,7 @@ from dlop.formats.generations import (
     units_cut,
 )
 
-from ..corpus.records import Corpus, Picked
+from ..corpus.records import Corpus, Known, Picked
 from ..errors import CompileError
 from ..output.guard import BASE_COPY
 from ..output.journal import changed_options
@@ -58,6 +64,42 @@ class Appending:
     digest: str
     corpus: Corpus
     first_unit: int
+
+
+def list_for_append(store: Store, resume: bool, lister: Callable[[Known | None], Corpus]) -> Corpus:
+    """The corpus an append lists (``lister``, given what the archive in OUT says of the
+    listing its last compile read, or None): the lines of the listing file after the ones
+    the archive listed, where the layout can list those alone (Corpus.after) and none of
+    them names an input the archive holds; else the whole listing. An archive that cannot
+    be read is listed for in full: take_base says what is wrong with it."""
+    base = _readable_base(store, resume)
+    listed = None if base is None or not base.generations else base.generations[-1].listed
+    if base is None or listed is None:
+        return lister(None)
+    skipped = any(g.skipped for g in base.generations)
+    corpus = lister(Known(listed, base.metadata, skipped, tuple(f.name for f in base.fields)))
+    if corpus.after is None:
+        return corpus
+    try:
+        held = held_inputs(store, base)
+    except CompileError:
+        return lister(None)
+    # a line after them naming an input listed before: its repeat's number (SPEC.md §6.2)
+    # counts the ones before, which only the whole listing sees (identities alike among
+    # the new lines, which check_distinct refuses, can only make this relist in vain)
+    if np.isin(corpus.identities(), held, assume_unique=True).any():
+        return lister(None)
+    return corpus
+
+
+def _readable_base(store: Store, resume: bool) -> Index | None:
+    data = store.read(BASE_COPY if resume else INDEX_NAME)
+    if data is None:
+        return None
+    try:
+        return parse_index(store.url, data)
+    except FormatError:
+        return None
 
 
 def take_base(
@@ -87,12 +129,20 @@ def take_base(
         published = _published(store, base)
         if published is not None:  # it got past its index: only the tidying up was left
             return published
+    if corpus.after is not None and (
+        not base.generations or base.generations[-1].listed != corpus.after
+    ):
+        raise CompileError(
+            f"{where}: the archive changed while its corpus was listed (another append into "
+            "OUT?); nothing was appended, run the append again"
+        )
     check_same(recipe, corpus, fields, base, store.url)
     check_room(base, store.url)
     held = held_inputs(store, base)
     ids = corpus.identities()
     check_distinct(ids, corpus, store.url)
-    new = np.flatnonzero(~np.isin(ids, held))
+    # ids are distinct (check_distinct), which is all assume_unique needs for their answers
+    new = np.flatnonzero(~np.isin(ids, held, assume_unique=True))
     if not len(new):
         if resume:
             raise CompileError(
@@ -103,14 +153,17 @@ def take_base(
             )
         where = f"of {corpus.root}" if corpus.root else "given"
         print(
-            f"dlop-compile: {store.url} holds all {len(ids)} inputs {where} already; "
+            f"dlop-compile: {store.url} holds all {corpus.prefix + len(ids)} inputs {where} already; "
             "nothing to append",
             file=sys.stderr,
             flush=True,
         )
         return base
     digest = hashlib.sha256(data).hexdigest()
-    picked = hashlib.sha256(corpus.fingerprint.encode() + digest.encode() + new.tobytes())
+    # by the inputs' places in the whole listing: the same whether the lines before the
+    # new ones were listed or not (list_for_append)
+    places = (new + corpus.prefix).astype(np.int64)
+    picked = hashlib.sha256(corpus.fingerprint.encode() + digest.encode() + places.tobytes())
     first_unit = units_cut(base.generations)  # each has units (check_room)
     if not resume:
         store.write(BASE_COPY, data)  # before the journal: a resume always finds it
@@ -172,7 +225,8 @@ def check_distinct(ids: np.ndarray, corpus: Corpus, where: str) -> None:
         texts = corpus.identity_texts()
         name = next(t for n, t in enumerate(texts) if n == second)
         raise CompileError(
-            f"{where}: inputs {first} and {second} of the corpus are both named {name!r:.200} "
+            f"{where}: inputs {first + corpus.prefix} and {second + corpus.prefix} of the "
+            f"corpus are both named {name!r:.200} "
             "(an input's identity: its key, path or value); an append tells inputs apart by "
             "it, so one of them would be lost or written twice. Give them distinct names, or "
             "compile the whole corpus afresh; nothing was appended"

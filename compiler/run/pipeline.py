@@ -56,8 +56,10 @@ from ..errors import CompileError
 from ..faults import fault_at
 from ..output.commit import UnitRecord
 from ..output.guard import SPILL_PREFIX, check_apart, close_inherited_locks
+from ..output.store import open_store
 from ..recipe import Recipe
 from . import processes
+from .append import list_for_append
 from .driver import Run, finish_run
 from .items import CorpusShape, Outcome, schema_for
 from .units import (
@@ -349,7 +351,8 @@ def compile_corpus(
         check_apart(os.fspath(out), recipe)
     # its imports run while the corpus is listed, where the workers will fork from it
     processes.start_fork_server(recipe.source, workers, dask)
-    corpus = open_corpus(
+    lister = functools.partial(
+        open_corpus,
         recipe.source,
         recipe.layout,
         recipe.media,
@@ -359,7 +362,13 @@ def compile_corpus(
         storage_options=storage_options,
         allow_paths=recipe.allow_paths,
     )
-    if not corpus.items:
+    if append:  # the lines of a listing file after the archive's, where it has one
+        corpus = list_for_append(
+            open_store(out, storage_options), resume, lambda k: lister(known=k)
+        )
+    else:
+        corpus = lister()
+    if not corpus.items and not corpus.prefix:
         raise CompileError(f"{recipe.source}: no inputs found for layout {corpus.layout}")
     _note_repeats(corpus)
     shape = CorpusShape.of(corpus)
@@ -426,7 +435,7 @@ def _note_repeats(corpus: Corpus) -> None:
     print(
         f"dlop-compile: note: {count} input{'s' * (count != 1)} of {corpus.root or 'the corpus'} "
         f"repeat{'s' * (count == 1)} one listed before (the first: {first!r:.200}, input "
-        f"{corpus.repeats[0]}); each listing is compiled as an input of its own",
+        f"{corpus.prefix + corpus.repeats[0]}); each listing is compiled as an input of its own",
         file=sys.stderr,
         flush=True,
     )

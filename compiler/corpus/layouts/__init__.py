@@ -45,7 +45,7 @@ from typing import Any
 from ...errors import CompileError
 from ..listing import MEDIA, collector_paused
 from ..place import Place, forget_real_paths, is_archive, source_place
-from ..records import Corpus, Item, ListOptions, Picked
+from ..records import Corpus, Item, Known, ListOptions, Picked
 
 
 @dataclass(frozen=True)
@@ -202,9 +202,12 @@ def open_corpus(
     keep_columns: tuple[str, ...] = (),
     storage_options: dict[str, Any] | None = None,
     allow_paths: tuple[str, ...] = (),
+    known: Known | None = None,
 ) -> Corpus:
     """Lists ``source`` (a path or URL) with its layout (detected when None) into a Corpus,
-    in corpus order; ``storage_options`` reach the filesystem of a URL (compiler.urls)."""
+    in corpus order; ``storage_options`` reach the filesystem of a URL (compiler.urls).
+    ``known``: an append's, what its archive says of the listing it read (a layout that
+    lists from one file may list the lines after it only, Corpus.after)."""
     forget_real_paths()
     path = source_place(source, storage_options)
     chosen = get(layout or detect_layout(path))
@@ -222,6 +225,7 @@ def open_corpus(
         label_column=label_column,
         keep_columns=keep_columns,
         allow_paths=allow_paths,
+        known=known,
     )
     with collector_paused():
         corpus = chosen.list(path, options)

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from dlop.formats.generations import Listed, listed_file
+
 from ...errors import CompileError
-from ..listing import I64, CsvRow, bytes_fingerprint, path_key, plain_csv, plain_names, read_csv
+from ..listing import (
+    I64,
+    CsvRow,
+    bytes_fingerprint,
+    listed_start,
+    path_key,
+    plain_csv,
+    plain_names,
+    read_csv,
+)
 from ..place import Place
-from ..records import Corpus, Item, ListOptions, OnDemand
+from ..records import Corpus, Item, Known, ListOptions, OnDemand
 
 NAME = "esc50"
 MEDIA = ("audio",)
@@ -52,15 +63,32 @@ class Esc50Items(OnDemand):
 
 
 def list_corpus(root: Place, options: ListOptions) -> Corpus:
-    """The CSV's rows in file order; targets and categories checked against each other."""
+    """The CSV's rows in file order; targets and categories checked against each other.
+    For an append (``options.known``) whose archive listed the CSV as it begins now, the
+    rows after those only (_tail)."""
     meta = root / "meta" / "esc50.csv"
     if not meta.is_file():
         raise CompileError(f"{root}: esc50 layout needs meta/esc50.csv")
     raw = meta.read_bytes()
+    if options.known is not None:
+        tail = _tail(root, raw, options)
+        if tail is not None:
+            return tail
     items = Esc50Items(root, options.allow_paths)
     classes = _plain_rows(raw, items)
     if classes is None:  # a CSV with anything unusual in it: read row by row
         classes = _rows(raw, meta, items)
+    return _corpus(root, raw, items, classes, listed_file(raw, len(items)))
+
+
+def _corpus(
+    root: Place,
+    raw: bytes,
+    items: Esc50Items,
+    classes: list[str],
+    listed: Listed | None,
+    after: Listed | None = None,
+) -> Corpus:
     return Corpus(
         "esc50",
         str(root),
@@ -73,7 +101,83 @@ def list_corpus(root: Place, options: ListOptions) -> Corpus:
         # by the work units that read them (Corpus.unit_sizes), not by the listing
         bytes_fingerprint(raw, "esc50"),
         unit_sizes=True,
+        listed=listed,
+        after=after,
     )
+
+
+def _tail(root: Place, raw: bytes, options: ListOptions) -> Corpus | None:
+    """The rows after those the archive appended to listed (Corpus.after), when the CSV
+    begins with the very bytes it listed and the rows after them are plain and good
+    (_plain_rows), their classes those of the archive or new ones. None otherwise, and the
+    whole CSV is listed: what a row means may then hang on the rows before it (a class
+    named twice, a bad row, a quote left open), which only the whole listing tells."""
+    known = options.known
+    assert known is not None
+    size = known.listed.size
+    head = listed_start(raw, known.listed)
+    if head is None:
+        return None
+    body = head.removeprefix(b"\xef\xbb\xbf")
+    header_end = raw.find(b"\n") + 1
+    if (
+        not 0 < header_end <= size
+        # the earlier rows as plain as the new ones (plain_csv): no quote to carry on
+        # into the new rows, no line end but \n (and \r\n)
+        or not body.isascii()
+        or b'"' in body
+        or b"\0" in body
+        or body.count(b"\r") != body.count(b"\r\n")
+        # no blank line: each line after the header is a row, and each row an input, so
+        # the record's count is checked against its bytes (an index may come from anywhere)
+        or b"\n\n" in body
+        or b"\n\r\n" in body
+        or body.count(b"\n") - 1 != known.listed.inputs
+    ):
+        return None
+    items = Esc50Items(root, options.allow_paths)
+    before = known.listed.inputs
+    if size < len(raw):
+        new = _plain_rows(raw[:header_end] + raw[size:], items)
+        # a category "" would read as a gap in the class names (_grown)
+        if new is None or not all(category for _, _, category in items.facts):
+            return None
+        classes = _grown(known, new)
+        if classes is None:
+            return None
+        items.lines = [line + before for line in items.lines]  # after the earlier rows
+    else:  # nothing after them
+        classes = known.metadata.get("classes")
+        if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+            return None
+    listed = listed_file(raw, before + len(items))
+    return _corpus(root, raw, items, classes, listed, after=known.listed)
+
+
+def _grown(known: Known, new: list[str]) -> list[str] | None:
+    """The archive's class names (known.metadata) grown by the new rows' (``new``, by
+    target): None where a new row's target or category is one of the archive's with
+    another partner, or names a class the archive holds none of ("" marks a gap), or adds
+    a category to an archive that skipped inputs (a row the earlier listing found bad for
+    its target may be good once there are more categories, and only the whole listing
+    tells)."""
+    classes = known.metadata.get("classes")
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        return None
+    targets = {c: t for t, c in enumerate(classes) if c}
+    grown = list(classes)
+    for target, category in enumerate(new):
+        if not category:
+            continue  # no row of the new ones has this target
+        if target < len(classes):
+            if classes[target] != category:
+                return None
+            continue
+        if category in targets or known.skipped:
+            return None
+        grown.extend([""] * (target - len(grown)))
+        grown.append(category)
+    return grown
 
 
 def _rows(raw: bytes, meta: Place, items: Esc50Items) -> list[str]:

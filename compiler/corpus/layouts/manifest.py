@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from array import array
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from dlop.formats.generations import Listed, listed_file
+
 from ...errors import CompileError
-from ..listing import I64, bytes_fingerprint, is_text, lines, path_key, utf8
+from ..listing import I64, bytes_fingerprint, is_text, lines, listed_start, path_key, utf8
 from ..place import Place
 from ..records import MAX_LABEL, MAX_MULTI_LABELS, Corpus, Item, ListOptions, OnDemand
 
@@ -203,10 +206,16 @@ class ManifestItems(OnDemand):
 
 
 def list_corpus(path: Place, options: ListOptions) -> Corpus:
+    """The manifest's lines in file order. For an append (``options.known``) whose archive
+    listed the manifest as it begins now, the lines after those only (_tail)."""
     if not path.is_file():
         raise CompileError(f"{path}: manifest file not found")
     raw = path.read_bytes()
     path_key = "video_filepath" if options.media == "video" else "audio_filepath"
+    if options.known is not None:
+        tail = _tail(path, raw, path_key, options)
+        if tail is not None:
+            return tail
     items = ManifestItems(raw, path.parent, path_key, options.allow_paths)
     fields = {"label": _Labels(), "labels": _Labels()}
     has_text, first_error = _scan(items, path.name, fields)
@@ -216,11 +225,36 @@ def list_corpus(path: Place, options: ListOptions) -> Corpus:
             f"parses, the first: {first_error}"
         )
     metadata, num_labels = _classes(items, fields)
+    return _corpus(
+        path,
+        raw,
+        items,
+        fields["label"].present(),
+        has_text,
+        metadata,
+        num_labels,
+        options,
+        listed_file(raw, len(items)),
+    )
+
+
+def _corpus(
+    path: Place,
+    raw: bytes,
+    items: ManifestItems,
+    has_label: bool,
+    has_text: bool,
+    metadata: dict[str, Any],
+    num_labels: int,
+    options: ListOptions,
+    listed: Listed | None,
+    after: Listed | None = None,
+) -> Corpus:
     return Corpus(
         "manifest",
         str(path),
         items,
-        fields["label"].present(),
+        has_label,
         has_text,
         {},
         metadata,
@@ -228,7 +262,44 @@ def list_corpus(path: Place, options: ListOptions) -> Corpus:
         media=options.media,
         num_labels=num_labels,
         unit_sizes=True,
+        listed=listed,
+        after=after,
     )
+
+
+_BLANK_LINE = re.compile(rb"(?:^|\n)[ \t\r\f\v]*\n")
+
+
+def _tail(path: Place, raw: bytes, path_key: str, options: ListOptions) -> Corpus | None:
+    """The lines after those the archive appended to listed (Corpus.after), when the
+    manifest begins with the very bytes it listed, every line after them parses, and
+    neither the archive nor those lines give labels (whose kind, classes and width the
+    whole manifest decides). None otherwise, and the whole manifest is listed."""
+    known = options.known
+    assert known is not None
+    size = known.listed.size
+    head = listed_start(raw, known.listed)
+    if (
+        head is None
+        # no blank line: each line is an input, so the record's count is checked against
+        # its bytes (an index may come from anywhere)
+        or _BLANK_LINE.search(head.removeprefix(b"\xef\xbb\xbf"))
+        or head.count(b"\n") != known.listed.inputs
+        or {"label", "labels"} & set(known.fields)
+        or raw.startswith(b"\xef\xbb\xbf", size)  # a mark only the file's start drops
+    ):
+        return None
+    before = known.listed.inputs
+    items = ManifestItems(raw[size:], path.parent, path_key, options.allow_paths)
+    fields = {"label": _Labels(), "labels": _Labels()}
+    has_text, _ = _scan(items, path.name, fields)
+    if items.bad or any(labels.present() for labels in fields.values()):
+        return None
+    # the new lines' places in the whole manifest: each Item reads its line from it
+    items.raw, items.starts = raw, items.starts + size
+    listed = listed_file(raw, before + len(items))
+    has_text = has_text or "text" in known.fields
+    return _corpus(path, raw, items, False, has_text, {}, 0, options, listed, after=known.listed)
 
 
 def _scan(items: ManifestItems, name: str, fields: dict[str, _Labels]) -> tuple[bool, str | None]:
