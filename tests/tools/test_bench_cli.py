@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from dlop.tools.bench import cli, compile_bench, runtime_bench
+from dlop.tools.bench import append_bench, cli, compile_bench, runtime_bench
 from dlop.tools.bench.common import Row
 
 
@@ -152,11 +153,28 @@ def test_the_small_section_reads_many_shards_and_few_against_a_bare_gather(
     assert len(workers) == 3 and all(r["extra"]["of_bare"]["median"] > 0 for r in workers)
 
 
-def test_the_append_section_times_an_append_against_the_whole_compile(tmp_path: Path) -> None:
+def test_the_append_section_times_an_append_against_the_whole_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
     argv = ["--only", "append", "--append-clips", "100", "--append-times", "2", "--repeats", "1"]
     argv += ["--workers", "1", "--out", str(out), "--workdir", str(tmp_path / "w" / "work")]
+    compiled: list[tuple[str, bool]] = []
+    original = append_bench.compile_corpus
+
+    def counted(recipe: Any, out: Path, **options: Any) -> Any:
+        compiled.append((Path(out).name, bool(options.get("append"))))
+        return original(recipe, out, **options)
+
+    monkeypatch.setattr(append_bench, "compile_corpus", counted)
     assert cli.main(argv) == 0  # a --workdir not there yet is made, as --out is
+    # per corpus: its 99% archive, then 3 rounds of the whole compile, TRIES appends and
+    # as many fresh compiles alternated, and the append that finds nothing to add
+    tries = [("grown", True), ("fresh", False)] * append_bench.TRIES
+    rounds: list[tuple[str, bool]] = []
+    for r in range(3):  # which goes first alternates by round
+        rounds += [("whole", False), *(tries[r % 2 :] + tries[: r % 2]), ("grown", True)]
+    assert compiled == [("part", False), *rounds] * 2
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert len(rows) == 4  # the corpus, then its clips listed twice
     for (whole, append), clips in zip((rows[:2], rows[2:]), (100, 200), strict=True):

@@ -8,21 +8,25 @@ compiled once (untimed). Then, in interleaved rounds, with the same recipe and w
 - ``whole``: a compile of the whole corpus into an empty folder;
 - ``append``: ``--append`` of the whole corpus into a copy of the 99% archive (the copy
   made before the clock starts), which compiles the 1% it does not hold;
-- ``listing``: the same ``--append`` once more, when the archive holds every input: what
-  an append costs before it compiles anything;
 - ``fresh``: a compile of the appended 1% alone (a corpus of those clips only) into an
-  empty folder: what those inputs cost with no archive to add to.
+  empty folder: what those inputs cost with no archive to add to;
+- ``listing``: the same ``--append`` once more, when the archive holds every input: what
+  an append costs before it compiles anything.
 
-``append_vs_whole`` is the append's time over the whole compile's, the median of the
-rounds' ratios with their range; 0.01 would be an append that costs exactly its share
-of inputs. What is left above that is, first, what every compile pays whatever it
-compiles: starting and ending its worker processes and writing its index, about a tenth
-of a second, which is most of an ESC-50-sized compile's 1%; ``append_vs_fresh`` (the
-append over the compile of its 1% alone) shows that an append pays no more of it than a
-compile of its inputs does. Then what grows with the corpus, not with what is appended:
-listing it (an append must see every input to know which are new: a CSV row and a key
-each) and reading the archive's input identities (``listing_vs_whole``). The larger
-corpus shows what is left once the first is small beside the 1%.
+The append and the fresh compile take a fraction of a second, and vary by more than that
+from one try to the next on a shared machine: each round times them TRIES times each,
+alternated, and takes their medians. ``append_vs_whole`` is the append's time over the
+whole compile's, the median of the rounds' ratios with their range; 0.01 would be an
+append that costs exactly its share of inputs. What is left above that is what every
+compile pays whatever it compiles: starting and ending its worker processes and writing
+its index, about a tenth of a second, which is most of an ESC-50-sized compile's 1%;
+``append_vs_fresh`` (the append over the compile of its 1% alone) shows what an append
+pays beyond it. An append lists only the CSV rows after those the archive listed
+(docs/compile.md, "What it costs"): what it pays before it compiles anything
+(``listing_vs_whole``) grows with the corpus only by hashing the CSV's earlier bytes
+(to match the archive's record of them) and reading the archive's input identities (16
+bytes an input). The larger corpus shows what is left once the fixed cost is small
+beside the 1%.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from .common import Row
 from .corpus import _write_csv, esc50_wavs, replicate, subset
 
 SHARE = 0.01  # of the corpus appended
+TRIES = 3  # appends (and fresh compiles) a round, its time their median
 SECONDS = 5.0  # each clip's length
 
 
@@ -80,24 +85,38 @@ def _scale(work: Path, corpus: Path, note: str, args: argparse.Namespace) -> lis
     finally:
         _write_csv(corpus, rows)
     took: dict[str, list[float]] = {"whole": [], "append": [], "listing": [], "fresh": []}
-    for _ in range(rounds):
-        shutil.rmtree(work / "whole", ignore_errors=True)
-        t0 = time.perf_counter()
-        compile_corpus(recipe, work / "whole", **options)
-        took["whole"].append(time.perf_counter() - t0)
+
+    def appended() -> float:
         shutil.rmtree(work / "grown", ignore_errors=True)
         shutil.copytree(work / "part", work / "grown")
         t0 = time.perf_counter()
         compile_corpus(recipe, work / "grown", workers=workers, progress=False, append=True)
-        took["append"].append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def compiled_fresh() -> float:
+        shutil.rmtree(work / "fresh", ignore_errors=True)
+        t0 = time.perf_counter()
+        compile_corpus(fresh, work / "fresh", **options)
+        return time.perf_counter() - t0
+
+    for r in range(rounds):
+        shutil.rmtree(work / "whole", ignore_errors=True)
+        t0 = time.perf_counter()
+        compile_corpus(recipe, work / "whole", **options)
+        took["whole"].append(time.perf_counter() - t0)
+        # the append and the fresh compile a few times each, alternated (which goes first
+        # alternating by round): a fraction of a second each, they vary by more than their
+        # difference from one try to the next on a shared machine
+        tries: dict[str, list[float]] = {"append": [], "fresh": []}
+        for k in range(2 * TRIES):
+            what = ("append", "fresh")[(k + r) % 2]
+            tries[what].append(appended() if what == "append" else compiled_fresh())
+        for what, times in tries.items():
+            took[what].append(statistics.median(times))
         t0 = time.perf_counter()  # again: every input held, nothing compiled or written
         with contextlib.redirect_stderr(io.StringIO()):
             compile_corpus(recipe, work / "grown", workers=workers, progress=False, append=True)
         took["listing"].append(time.perf_counter() - t0)
-        shutil.rmtree(work / "fresh", ignore_errors=True)
-        t0 = time.perf_counter()
-        compile_corpus(fresh, work / "fresh", **options)
-        took["fresh"].append(time.perf_counter() - t0)
     ratios = [a / w for a, w in zip(took["append"], took["whole"], strict=True)]
     by_fresh = [a / f for a, f in zip(took["append"], took["fresh"], strict=True)]
     workload = (
