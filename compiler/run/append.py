@@ -30,6 +30,7 @@ import numpy as np
 from dlop.formats import (
     ERRORS_NAME,
     INDEX_NAME,
+    DlopError,
     Field,
     FormatError,
     Index,
@@ -93,12 +94,12 @@ def list_for_append(store: Store, resume: bool, lister: Callable[[Known | None],
 
 
 def _readable_base(store: Store, resume: bool) -> Index | None:
-    data = store.read(BASE_COPY if resume else INDEX_NAME)
-    if data is None:
-        return None
+    """The archive an append adds to, or None where it cannot be read now: OUT's own
+    checks, then take_base, say why (OUT a file, an index missing or damaged)."""
     try:
-        return parse_index(store.url, data)
-    except FormatError:
+        data = store.read(BASE_COPY if resume else INDEX_NAME)
+        return None if data is None else parse_index(store.url, data)
+    except (OSError, DlopError):
         return None
 
 

@@ -329,6 +329,8 @@ def test_a_manifest_whose_new_lines_give_no_text_keeps_the_archives(
     [
         "labels in the archive",
         "labels in the new lines",
+        "empty labels before",
+        "a label key spelt with escapes before",
         "a bad new line",
         "a blank line before",
         "a new line names an earlier clip",
@@ -345,8 +347,12 @@ def test_a_manifest_is_listed_whole_where_the_new_lines_alone_cannot_tell(
         after = before + b"".join(line(n, label=f"c{n % 2}") for n in range(5, 8))
     elif case == "labels in the new lines":
         after = before + line(5, label="c0")
-    elif case == "a bad new line":
-        after = before + b"{not json\n" + new
+    elif case in ("empty labels before", "a label key spelt with escapes before"):
+        # no labels field in the archive (no line gives one), yet the whole listing finds
+        # the new lines without them bad
+        key = "labels" if case == "empty labels before" else "\\u006cabels"
+        before = b"".join(line(n)[:-2] + f', "{key}": []}}\n'.encode() for n in range(5))
+        after = before + new
     elif case == "a blank line before":
         before = line(0) + b"  \n" + lines(range(1, 5))
         after = before + new
@@ -354,7 +360,19 @@ def test_a_manifest_is_listed_whole_where_the_new_lines_alone_cannot_tell(
         after = before + new + line(1)
     elif case == "an earlier line changed":
         after = line(0, text="changed") + lines(range(1, 8))
+    elif case == "a bad new line":
+        after = before + b"{not json\n" + new
     # labels where the archive has none: a field it lacks, refused either way
     code = int(case == "labels in the new lines")
     tail, _ = appended(clips, tmp_path, monkeypatch, before, after, listing="m.jsonl", code=code)
     assert not tail
+
+
+def test_an_out_that_is_a_file_is_named_as_for_any_append(
+    clips: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    out.write_bytes(b"not an archive")
+    capsys.readouterr()
+    assert main([str(clips), *ARGS, "--append", "-o", str(out)]) == 1
+    assert f"{out}: exists and is not a directory" in capsys.readouterr().err

@@ -268,6 +268,7 @@ def _corpus(
 
 
 _BLANK_LINE = re.compile(rb"(?:^|\n)[ \t\r\f\v]*\n")
+_ESCAPED_ASCII = re.compile(rb"\\u00[0-7]")  # an ASCII character escaped (writers do so rarely)
 
 
 def _tail(path: Place, raw: bytes, path_key: str, options: ListOptions) -> Corpus | None:
@@ -285,7 +286,12 @@ def _tail(path: Place, raw: bytes, path_key: str, options: ListOptions) -> Corpu
         # its bytes (an index may come from anywhere)
         or _BLANK_LINE.search(head.removeprefix(b"\xef\xbb\xbf"))
         or head.count(b"\n") != known.listed.inputs
+        # labels anywhere before, even where the archive has no field for them (empty or
+        # bad ones): whether a new line lacks them only the whole manifest tells
         or {"label", "labels"} & set(known.fields)
+        or {"classes", "label_classes"} & set(known.metadata)
+        or b"label" in head
+        or _ESCAPED_ASCII.search(head)  # a key spelt with escapes ("\u006cabel")
         or raw.startswith(b"\xef\xbb\xbf", size)  # a mark only the file's start drops
     ):
         return None
