@@ -28,7 +28,7 @@ from dlop.formats import FormatError, read_index
 from dlop.tools import inspect_cli
 from dlop.tools.compile_cli import main
 
-from .fixtures import esc50_corpus
+from .fixtures import dask_cluster, esc50_corpus
 
 EPOCH = "1700000000"
 CLIPS = 10
@@ -376,3 +376,36 @@ def test_an_out_that_is_a_file_is_named_as_for_any_append(
     capsys.readouterr()
     assert main([str(clips), *ARGS, "--append", "-o", str(out)]) == 1
     assert f"{out}: exists and is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_tail_append_on_dask_writes_the_bytes_of_a_local_one(
+    clips: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new rows' Items are made on the cluster's workers from the tail listing (its
+    line numbers and places after the archive's)."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(clips, corpus)
+    csv = corpus / "meta" / "esc50.csv"
+    (corpus / "audio" / "7-bad.wav").write_bytes(b"")  # a new row skipped
+    csv.write_bytes(HEADER + rows(range(4)))
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH)
+    for name in ("local", "dask"):
+        assert main([str(corpus), *ARGS, "-o", str(tmp_path / name)]) == 0
+    csv.write_bytes(HEADER + rows(range(4)) + row(4, name="7-bad.wav") + rows(range(5, 9)))
+    tails: list[bool] = []
+    listed = pipeline.list_for_append
+
+    def spied(*args: Any) -> Corpus:
+        corpus = listed(*args)
+        tails.append(corpus.after is not None)
+        return corpus
+
+    monkeypatch.setattr(pipeline, "list_for_append", spied)
+    assert main([str(corpus), *ARGS, "--append", "-o", str(tmp_path / "local")]) == 0
+    with dask_cluster(1) as address:
+        argv = [str(corpus), *ARGS, "--dask", address, "--append", "-o", str(tmp_path / "dask")]
+        assert main(argv) == 0
+    assert tails == [True, True]
+    local = files(tmp_path / "local")
+    assert "errors-0001.jsonl" in local and files(tmp_path / "dask") == local
