@@ -81,13 +81,21 @@ def listing_identities(texts: Sequence[str], repeats: list[int] | None = None) -
 @dataclass(frozen=True)
 class Listed:
     """The listing file a compile read its inputs from, where its layout lists from one
-    whose appended lines add inputs after the others (ESC-50's CSV): its length, its
-    SHA-256 and how many inputs it named. An append whose listing file starts with those
-    bytes lists the lines after them only (SPEC.md §6.2)."""
+    whose appended lines add inputs after the others (ESC-50's CSV, a manifest): its
+    length, its SHA-256 and how many inputs it named. An append whose listing file starts
+    with those bytes lists the lines after them only (SPEC.md §6.2)."""
 
     size: int
     sha256: str
     inputs: int
+
+    def head_of(self, raw: bytes) -> bytes | None:
+        """The bytes this listing file held, when ``raw`` (the file now) begins with them;
+        else None (it was rewritten, not grown)."""
+        head = raw[: self.size]
+        if len(head) != self.size or hashlib.sha256(head).hexdigest() != self.sha256:
+            return None
+        return head
 
     def to_json(self) -> dict[str, Any]:
         return {"bytes": self.size, "sha256": self.sha256, "inputs": self.inputs}
@@ -156,7 +164,7 @@ def parse_generations(
         got = f"{len(obj)} entries" if isinstance(obj, list) else type(obj).__name__
         raise bad(f"is {got}; expected a list of 1 ... {MAX_GENERATIONS} generations")
     out: list[Generation] = []
-    start = unit = 0
+    start = unit = held = 0
     for g, entry in enumerate(obj):
         where = f"entry #{g}"
         if not isinstance(entry, dict):
@@ -199,7 +207,8 @@ def parse_generations(
         created = entry.get("created", "")
         if not isinstance(created, str) or len(created) > 64:
             raise bad(f"{where}: 'created' is {created!r:.40}, expected a short string")
-        listed = _listed(entry.get("listing"), n + sum(g.inputs for g in out), bad, where)
+        held += n  # what the generations so far read (a listing names no more)
+        listed = _listed(entry.get("listing"), held, bad, where)
         out.append(Generation(count, samples, skipped, n, crc, table, created, listed))
         start += count
     if start != len(shards):

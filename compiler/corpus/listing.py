@@ -20,7 +20,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlop.formats.generations import Listed
 from dlop.formats.urls import is_url
 
 from ..errors import CompileError
@@ -296,15 +295,6 @@ def fingerprint(
         size = -1 if path is None else here.size_of(path)
         h.update(name_bytes(key) + f"\0{size}\0{offset}\0{duration}\n".encode())
     return h.hexdigest()
-
-
-def listed_start(raw: bytes, listed: Listed) -> bytes | None:
-    """The bytes a generation's listing file held (formats.generations.Listed), when the
-    listing file ``raw`` begins with them now; else None (it was rewritten, not grown)."""
-    head = raw[: listed.size]
-    if len(head) != listed.size or hashlib.sha256(head).hexdigest() != listed.sha256:
-        return None
-    return head
 
 
 def bytes_fingerprint(raw: bytes, layout: str) -> str:

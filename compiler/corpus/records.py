@@ -218,7 +218,7 @@ class Known:
     listed: Listed
     metadata: dict[str, Any]
     skipped: bool
-    fields: tuple[str, ...] = ()
+    fields: tuple[str, ...]
 
 
 def fingerprint(items: Iterable[Item], extra: bytes = b"", root: Place | None = None) -> str:

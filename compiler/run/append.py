@@ -12,8 +12,9 @@ archive whether or not the new index was published before it stopped.
 
 Where the archive's last generation records the listing file it listed (ESC-50's CSV,
 formats.generations.Listed) and that file begins with the same bytes now, the layout
-lists the lines after them only (list_for_append): an append then costs what its new
-inputs cost, however large the archive.
+lists the lines after them only (list_for_append): beyond its new inputs, an append then
+pays for hashing that file and reading the archive's input identities, not for listing
+every input again.
 """
 
 from __future__ import annotations

@@ -56,6 +56,20 @@ def files(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
 
 
+def tail_listings(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each append from now on listed the new lines only (Corpus.after)."""
+    tails: list[bool] = []
+    listed = pipeline.list_for_append
+
+    def spied(*args: Any) -> Corpus:
+        corpus = listed(*args)
+        tails.append(corpus.after is not None)
+        return corpus
+
+    monkeypatch.setattr(pipeline, "list_for_append", spied)
+    return tails
+
+
 def appended(
     clips: Path,
     tmp_path: Path,
@@ -82,15 +96,7 @@ def appended(
         damage(index)
         (tmp_path / "base" / "index.json").write_text(json.dumps(index))
     csv.write_bytes(after)
-    tails: list[bool] = []
-    listed = pipeline.list_for_append
-
-    def spied(*args: Any) -> Corpus:
-        corpus = listed(*args)
-        tails.append(corpus.after is not None)
-        return corpus
-
-    monkeypatch.setattr(pipeline, "list_for_append", spied)
+    tails = tail_listings(monkeypatch)
     results = []
     for tail in (True, False):
         out = tmp_path / f"grown-{tail}"
@@ -393,15 +399,7 @@ def test_a_tail_append_on_dask_writes_the_bytes_of_a_local_one(
     for name in ("local", "dask"):
         assert main([str(corpus), *ARGS, "-o", str(tmp_path / name)]) == 0
     csv.write_bytes(HEADER + rows(range(4)) + row(4, name="7-bad.wav") + rows(range(5, 9)))
-    tails: list[bool] = []
-    listed = pipeline.list_for_append
-
-    def spied(*args: Any) -> Corpus:
-        corpus = listed(*args)
-        tails.append(corpus.after is not None)
-        return corpus
-
-    monkeypatch.setattr(pipeline, "list_for_append", spied)
+    tails = tail_listings(monkeypatch)
     assert main([str(corpus), *ARGS, "--append", "-o", str(tmp_path / "local")]) == 0
     with dask_cluster(1) as address:
         argv = [str(corpus), *ARGS, "--dask", address, "--append", "-o", str(tmp_path / "dask")]

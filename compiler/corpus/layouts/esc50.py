@@ -11,7 +11,6 @@ from ..listing import (
     I64,
     CsvRow,
     bytes_fingerprint,
-    listed_start,
     path_key,
     plain_csv,
     plain_names,
@@ -115,7 +114,7 @@ def _tail(root: Place, raw: bytes, options: ListOptions) -> Corpus | None:
     known = options.known
     assert known is not None
     size = known.listed.size
-    head = listed_start(raw, known.listed)
+    head = known.listed.head_of(raw)
     if head is None:
         return None
     body = head.removeprefix(b"\xef\xbb\xbf")
@@ -137,19 +136,17 @@ def _tail(root: Place, raw: bytes, options: ListOptions) -> Corpus | None:
         return None
     items = Esc50Items(root, options.allow_paths)
     before = known.listed.inputs
+    new: list[str] = []  # the new rows' class names by target: none when no rows
     if size < len(raw):
-        new = _plain_rows(raw[:header_end] + raw[size:], items)
+        plain = _plain_rows(raw[:header_end] + raw[size:], items)
         # a category "" would read as a gap in the class names (_grown)
-        if new is None or not all(category for _, _, category in items.facts):
+        if plain is None or not all(category for _, _, category in items.facts):
             return None
-        classes = _grown(known, new)
-        if classes is None:
-            return None
+        new = plain
         items.lines = [line + before for line in items.lines]  # after the earlier rows
-    else:  # nothing after them
-        classes = known.metadata.get("classes")
-        if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
-            return None
+    classes = _grown(known, new)
+    if classes is None:
+        return None
     listed = listed_file(raw, before + len(items))
     return _corpus(root, raw, items, classes, listed, after=known.listed)
 

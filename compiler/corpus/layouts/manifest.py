@@ -15,7 +15,7 @@ import numpy as np
 from dlop.formats.generations import Listed, listed_file
 
 from ...errors import CompileError
-from ..listing import I64, bytes_fingerprint, is_text, lines, listed_start, path_key, utf8
+from ..listing import I64, bytes_fingerprint, is_text, lines, path_key, utf8
 from ..place import Place
 from ..records import MAX_LABEL, MAX_MULTI_LABELS, Corpus, Item, ListOptions, OnDemand
 
@@ -279,7 +279,7 @@ def _tail(path: Place, raw: bytes, path_key: str, options: ListOptions) -> Corpu
     known = options.known
     assert known is not None
     size = known.listed.size
-    head = listed_start(raw, known.listed)
+    head = known.listed.head_of(raw)
     if (
         head is None
         # no blank line: each line is an input, so the record's count is checked against
